@@ -1,0 +1,22 @@
+// CPU NF4 kernels: threaded (ATen's parallel_for) and vectorized versions of the scalar
+// reference in quant/nf4_reference.h, with the same signatures and bit-identical results.
+// Argument checks live in the binding (src/qlora/ops/nf4_ops.cpp).
+#pragma once
+
+#include <cstdint>
+
+#include "quant/nf4_format.h"
+
+namespace qlora::kernels {
+
+// Returns false if any input is NaN or Inf.
+bool nf4_block_absmax_cpu(nf4::Dtype d, const void* x, const nf4::Layout& layout, void* absmax);
+void nf4_double_quantize_cpu(nf4::Dtype d, const void* absmax, float mean,
+                             const nf4::Layout& layout, int8_t* scalers, void* factors);
+void nf4_quantize_codes_cpu(nf4::Dtype d, const void* x, const void* absmax,
+                            const nf4::Layout& layout, uint8_t* codes);
+void nf4_dequantize_cpu(nf4::Dtype d, nf4::Dtype out_dtype, const uint8_t* codes,
+                        const int8_t* scalers, const void* factors, float mean,
+                        const nf4::Layout& layout, void* out);
+
+}  // namespace qlora::kernels

@@ -1,0 +1,138 @@
+#include "qlora/checkpoint/checkpoint_dir.h"
+
+#include <nlohmann/json.hpp>
+
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <set>
+
+namespace qlora::checkpoint {
+namespace fs = std::filesystem;
+namespace {
+
+constexpr const char* kIndexName = "model.safetensors.index.json";
+constexpr const char* kSingleName = "model.safetensors";
+constexpr uintmax_t kMaxIndexBytes = 100ull << 20;  // an index is a few hundred KiB at most
+
+[[noreturn]] void fail(const std::string& path, const std::string& what) {
+  throw SafetensorsError("checkpoint '" + path + "': " + what);
+}
+
+// Shard names come from an untrusted index and are joined to the directory: only bare file names.
+void check_shard_name(const std::string& where, const std::string& tensor, const std::string& shard) {
+  if (shard.empty() || shard.find_first_of(std::string("/\\\0", 3)) != std::string::npos ||
+      shard.find("..") != std::string::npos)
+    fail(where, "weight_map entry '" + tensor + "' names shard '" + shard +
+                    "'; expected a bare file name (no '/', '\\' or '..')");
+}
+
+std::map<std::string, std::string> read_weight_map(const std::string& index_path) {
+  std::error_code ec;
+  const uintmax_t size = fs::file_size(index_path, ec);
+  if (ec) fail(index_path, "cannot stat: " + ec.message());
+  if (size > kMaxIndexBytes) fail(index_path, "index is " + std::to_string(size) + " bytes, over the 100 MiB limit");
+  std::ifstream in(index_path, std::ios::binary);
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (!in) fail(index_path, "cannot read");
+  nlohmann::json index = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (index.is_discarded()) fail(index_path, "not valid JSON");
+  auto wm = index.is_object() ? index.find("weight_map") : index.end();
+  if (wm == index.end() || !wm->is_object()) fail(index_path, "expected an object with a \"weight_map\" object");
+  std::map<std::string, std::string> weight_map;
+  for (const auto& [tensor, shard] : wm->items()) {
+    if (!shard.is_string()) fail(index_path, "weight_map entry '" + tensor + "' must be a shard file name string");
+    check_shard_name(index_path, tensor, shard.get<std::string>());
+    weight_map[tensor] = shard.get<std::string>();
+  }
+  if (weight_map.empty()) fail(index_path, "weight_map is empty");
+  return weight_map;
+}
+
+}  // namespace
+
+CheckpointDir CheckpointDir::open(const std::string& path) {
+  CheckpointDir ckpt;
+  ckpt.path_ = path;
+  std::error_code ec;
+  const fs::file_status st = fs::status(path, ec);
+  std::map<std::string, std::string> weight_map;  // empty unless sharded
+  std::vector<std::string> file_paths;
+  if (fs::is_regular_file(st)) {
+    file_paths.push_back(path);
+  } else if (fs::is_directory(st)) {
+    const fs::path dir(path);
+    if (fs::exists(dir / kIndexName)) {
+      ckpt.sharded_ = true;
+      weight_map = read_weight_map((dir / kIndexName).string());
+      std::set<std::string> shards;
+      for (const auto& [tensor, shard] : weight_map) shards.insert(shard);
+      for (const std::string& shard : shards) {
+        const std::string shard_path = (dir / shard).string();
+        if (!fs::is_regular_file(shard_path))
+          fail(path, std::string(kIndexName) + " names shard '" + shard + "', which is not a file in the directory");
+        file_paths.push_back(shard_path);
+      }
+    } else if (fs::is_regular_file(dir / kSingleName)) {
+      file_paths.push_back((dir / kSingleName).string());
+    } else {
+      fail(path, std::string("directory holds neither ") + kIndexName + " nor " + kSingleName);
+    }
+  } else {
+    fail(path, "no such file or directory");
+  }
+
+  for (const std::string& fp : file_paths) {
+    ckpt.files_.push_back(SafetensorsFile::open(fp));
+    const size_t i = ckpt.files_.size() - 1;
+    for (const TensorInfo& t : ckpt.files_[i].tensors()) {
+      auto [it, fresh] = ckpt.owner_.emplace(t.name, i);
+      if (!fresh)
+        fail(path, "tensor '" + t.name + "' is present in two shards: '" + ckpt.files_[it->second].path() +
+                       "' and '" + fp + "'");
+      ckpt.names_.push_back(t.name);
+    }
+  }
+  if (!ckpt.sharded_) return ckpt;
+
+  // The index and the shard headers must agree exactly; a mismatch means a stale index or a
+  // directory mixing two checkpoints, and guessing which side is right would load wrong weights.
+  for (const auto& [tensor, shard] : weight_map) {
+    auto it = ckpt.owner_.find(tensor);
+    if (it == ckpt.owner_.end())
+      fail(path, "tensor '" + tensor + "' is listed in the index for shard '" + shard + "' but absent from it");
+    const std::string actual = fs::path(ckpt.files_[it->second].path()).filename().string();
+    if (actual != shard)
+      fail(path, "tensor '" + tensor + "' is listed in the index for shard '" + shard + "' but stored in '" +
+                     actual + "'");
+  }
+  for (const auto& [tensor, i] : ckpt.owner_)
+    if (!weight_map.count(tensor))
+      fail(path, "tensor '" + tensor + "' in shard '" + ckpt.files_[i].path() + "' is not listed in the index");
+  return ckpt;
+}
+
+std::vector<std::string> CheckpointDir::files() const {
+  std::vector<std::string> out;
+  for (const SafetensorsFile& f : files_) out.push_back(f.path());
+  return out;
+}
+
+const SafetensorsFile& CheckpointDir::file_of(std::string_view tensor) const {
+  auto it = owner_.find(tensor);
+  if (it == owner_.end()) fail(path_, "no tensor named '" + std::string(tensor) + "'");
+  return files_[it->second];
+}
+
+at::Tensor CheckpointDir::tensor(std::string_view name) const { return file_of(name).tensor(name); }
+
+void write_safetensors_index(const std::string& path, const std::map<std::string, std::string>& weight_map,
+                             uint64_t total_size) {
+  for (const auto& [tensor, shard] : weight_map) check_shard_name(path, tensor, shard);
+  nlohmann::json index;
+  index["metadata"]["total_size"] = total_size;
+  index["weight_map"] = weight_map;
+  write_file_atomic(path, index.dump(2, ' ', /*ensure_ascii=*/true) + "\n");
+}
+
+}  // namespace qlora::checkpoint
