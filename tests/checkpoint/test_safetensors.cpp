@@ -7,17 +7,25 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <ftw.h>
+#include <sys/stat.h>
+
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <iterator>
 
+// No std::filesystem: libtorch's exported copy of fs::remove_all segfaults (see checkpoint_dir.cpp).
 namespace ck = qlora::checkpoint;
-namespace fs = std::filesystem;
 
 namespace {
+
+bool exists(const std::string& path) {
+  struct stat st {};
+  return ::stat(path.c_str(), &st) == 0;
+}
 
 class TempDir {
  public:
@@ -27,10 +35,10 @@ class TempDir {
     path_ = tmpl;
   }
   ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
+    ::nftw(path_.c_str(), [](const char* p, const struct stat*, int, FTW*) { return std::remove(p); }, 16,
+           FTW_DEPTH | FTW_PHYS);
   }
-  std::string operator/(const std::string& name) const { return (fs::path(path_) / name).string(); }
+  std::string operator/(const std::string& name) const { return path_ + "/" + name; }
   const std::string& path() const { return path_; }
 
  private:
@@ -101,7 +109,7 @@ TEST(Safetensors, RoundTripsEveryDtypeScalarAndEmpty) {
   tensors.emplace_back("strided", at::arange(0, 6, at::kFloat).reshape({2, 3}).t());  // non-contiguous input
   const std::string path = dir / "all.safetensors";
   ck::save_safetensors(path, tensors, {{"format", "pt"}, {"note", "héllo"}});
-  EXPECT_FALSE(fs::exists(path + ".tmp"));
+  EXPECT_FALSE(exists(path + ".tmp"));
 
   ck::SafetensorsFile f = ck::SafetensorsFile::open(path);
   EXPECT_EQ(f.metadata().at("format"), "pt");
@@ -187,8 +195,8 @@ class SafetensorsMalformed : public ::testing::Test {
 
 TEST_F(SafetensorsMalformed, TruncatedBeforeLength) {
   const std::string path = dir_ / "short.safetensors";
-  write_bytes(path, "\x05\0\0\0\0");
-  expect_error([&] { ck::SafetensorsFile::open(path); }, {path, "8-byte"});
+  write_bytes(path, std::string("\x05\0\0\0\0", 5));
+  expect_error([&] { ck::SafetensorsFile::open(path); }, {path, "5 bytes", "8-byte"});
 }
 
 TEST_F(SafetensorsMalformed, HeaderLongerThanFile) { expect_rejected("{}", "", {"1000", "truncated"}, 1000); }
@@ -285,17 +293,17 @@ TEST(SafetensorsWriter, UncommittedWriterLeavesOldFileAndNoTmp) {
   {
     ck::SafetensorsWriter w(path, {{"w", ck::Dtype::F32, {8}}});
     w.write_tensor(at::zeros({8}));  // complete, but never committed
-    EXPECT_TRUE(fs::exists(path + ".tmp"));
+    EXPECT_TRUE(exists(path + ".tmp"));
   }
   EXPECT_EQ(read_bytes(path), before);
-  EXPECT_FALSE(fs::exists(path + ".tmp"));
+  EXPECT_FALSE(exists(path + ".tmp"));
   {
     ck::SafetensorsWriter w(path, {{"w", ck::Dtype::F32, {8}}});
     float half[4] = {};
     w.write(half, sizeof half);  // abandoned half way, as by an exception in the caller
   }
   EXPECT_EQ(read_bytes(path), before);
-  EXPECT_FALSE(fs::exists(path + ".tmp"));
+  EXPECT_FALSE(exists(path + ".tmp"));
 }
 
 TEST(SafetensorsWriter, RejectsWrongByteCounts) {
@@ -329,7 +337,7 @@ TEST(SafetensorsWriter, WriteTensorChecksDtypeShapeAndOrder) {
   EXPECT_EQ(f.tensor("e").numel(), 0);
   expect_error([&] { ck::SafetensorsWriter(dir / "d.safetensors", {{"a", ck::Dtype::U8, {1}}, {"a", ck::Dtype::U8, {1}}}); },
                {"'a'", "twice"});
-  EXPECT_FALSE(fs::exists(dir / "d.safetensors.tmp"));
+  EXPECT_FALSE(exists(dir / "d.safetensors.tmp"));
 }
 
 TEST(SafetensorsWriter, WriteFileAtomicReplaces) {
@@ -338,7 +346,7 @@ TEST(SafetensorsWriter, WriteFileAtomicReplaces) {
   ck::write_file_atomic(path, "one");
   ck::write_file_atomic(path, "two");
   EXPECT_EQ(read_bytes(path), "two");
-  EXPECT_FALSE(fs::exists(path + ".tmp"));
+  EXPECT_FALSE(exists(path + ".tmp"));
 }
 
 // --- checkpoint directories ---------------------------------------------------------------------
@@ -373,7 +381,7 @@ TEST_F(CheckpointDirTest, SingleFileOrModelSafetensors) {
   ck::CheckpointDir file = ck::CheckpointDir::open(dir_ / kShard2);
   EXPECT_FALSE(file.is_sharded());
   EXPECT_EQ(file.tensor_names(), (std::vector<std::string>{"c"}));
-  fs::rename(dir_ / kShard1, dir_ / "model.safetensors");
+  ASSERT_EQ(std::rename((dir_ / kShard1).c_str(), (dir_ / "model.safetensors").c_str()), 0);
   ck::CheckpointDir d = ck::CheckpointDir::open(dir_.path());
   EXPECT_EQ(d.files(), (std::vector<std::string>{dir_ / "model.safetensors"}));
   EXPECT_TRUE(d.contains("b"));
@@ -423,5 +431,5 @@ TEST_F(CheckpointDirTest, IndexFormatMatchesTransformers) {
   const auto j = nlohmann::json::parse(text);
   EXPECT_EQ(j["metadata"]["total_size"].get<uint64_t>(), 12345u);
   EXPECT_EQ(j["weight_map"]["c"].get<std::string>(), kShard2);
-  EXPECT_FALSE(fs::exists(dir_ / "model.safetensors.index.json.tmp"));
+  EXPECT_FALSE(exists(dir_ / "model.safetensors.index.json.tmp"));
 }

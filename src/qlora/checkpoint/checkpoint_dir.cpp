@@ -2,13 +2,16 @@
 
 #include <nlohmann/json.hpp>
 
-#include <filesystem>
+#include <sys/stat.h>
+
 #include <fstream>
 #include <iterator>
 #include <set>
 
+// Plain POSIX rather than std::filesystem: the PyPI libtorch exports its own copies of the
+// std::filesystem free functions (built against another libstdc++), which win symbol resolution
+// and crash in some of them (remove_all segfaults under g++ 12).
 namespace qlora::checkpoint {
-namespace fs = std::filesystem;
 namespace {
 
 constexpr const char* kIndexName = "model.safetensors.index.json";
@@ -19,6 +22,20 @@ constexpr uintmax_t kMaxIndexBytes = 100ull << 20;  // an index is a few hundred
   throw SafetensorsError("checkpoint '" + path + "': " + what);
 }
 
+// 'r' regular file, 'd' directory (symlinks followed, as HF's cache uses them), 0 otherwise.
+char file_kind(const std::string& path, struct stat* st_out = nullptr) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) return 0;
+  if (st_out) *st_out = st;
+  return S_ISREG(st.st_mode) ? 'r' : S_ISDIR(st.st_mode) ? 'd' : 0;
+}
+
+std::string join(const std::string& dir, const std::string& name) {
+  return !dir.empty() && dir.back() == '/' ? dir + name : dir + "/" + name;
+}
+
+std::string basename_of(const std::string& path) { return path.substr(path.find_last_of('/') + 1); }
+
 // Shard names come from an untrusted index and are joined to the directory: only bare file names.
 void check_shard_name(const std::string& where, const std::string& tensor, const std::string& shard) {
   if (shard.empty() || shard.find_first_of(std::string("/\\\0", 3)) != std::string::npos ||
@@ -28,9 +45,9 @@ void check_shard_name(const std::string& where, const std::string& tensor, const
 }
 
 std::map<std::string, std::string> read_weight_map(const std::string& index_path) {
-  std::error_code ec;
-  const uintmax_t size = fs::file_size(index_path, ec);
-  if (ec) fail(index_path, "cannot stat: " + ec.message());
+  struct stat st {};
+  if (file_kind(index_path, &st) != 'r') fail(index_path, "not a readable regular file");
+  const uintmax_t size = static_cast<uintmax_t>(st.st_size);
   if (size > kMaxIndexBytes) fail(index_path, "index is " + std::to_string(size) + " bytes, over the 100 MiB limit");
   std::ifstream in(index_path, std::ios::binary);
   std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
@@ -54,27 +71,26 @@ std::map<std::string, std::string> read_weight_map(const std::string& index_path
 CheckpointDir CheckpointDir::open(const std::string& path) {
   CheckpointDir ckpt;
   ckpt.path_ = path;
-  std::error_code ec;
-  const fs::file_status st = fs::status(path, ec);
+  const char kind = file_kind(path);
   std::map<std::string, std::string> weight_map;  // empty unless sharded
   std::vector<std::string> file_paths;
-  if (fs::is_regular_file(st)) {
+  if (kind == 'r') {
     file_paths.push_back(path);
-  } else if (fs::is_directory(st)) {
-    const fs::path dir(path);
-    if (fs::exists(dir / kIndexName)) {
+  } else if (kind == 'd') {
+    struct stat st {};
+    if (::stat(join(path, kIndexName).c_str(), &st) == 0) {
       ckpt.sharded_ = true;
-      weight_map = read_weight_map((dir / kIndexName).string());
+      weight_map = read_weight_map(join(path, kIndexName));
       std::set<std::string> shards;
       for (const auto& [tensor, shard] : weight_map) shards.insert(shard);
       for (const std::string& shard : shards) {
-        const std::string shard_path = (dir / shard).string();
-        if (!fs::is_regular_file(shard_path))
+        const std::string shard_path = join(path, shard);
+        if (file_kind(shard_path) != 'r')
           fail(path, std::string(kIndexName) + " names shard '" + shard + "', which is not a file in the directory");
         file_paths.push_back(shard_path);
       }
-    } else if (fs::is_regular_file(dir / kSingleName)) {
-      file_paths.push_back((dir / kSingleName).string());
+    } else if (file_kind(join(path, kSingleName)) == 'r') {
+      file_paths.push_back(join(path, kSingleName));
     } else {
       fail(path, std::string("directory holds neither ") + kIndexName + " nor " + kSingleName);
     }
@@ -101,7 +117,7 @@ CheckpointDir CheckpointDir::open(const std::string& path) {
     auto it = ckpt.owner_.find(tensor);
     if (it == ckpt.owner_.end())
       fail(path, "tensor '" + tensor + "' is listed in the index for shard '" + shard + "' but absent from it");
-    const std::string actual = fs::path(ckpt.files_[it->second].path()).filename().string();
+    const std::string actual = basename_of(ckpt.files_[it->second].path());
     if (actual != shard)
       fail(path, "tensor '" + tensor + "' is listed in the index for shard '" + shard + "' but stored in '" +
                      actual + "'");

@@ -12,7 +12,6 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
-#include <filesystem>
 #include <limits>
 #include <set>
 
@@ -72,8 +71,10 @@ void write_all(int fd, const void* data, size_t nbytes, const std::string& path)
 
 // Without the directory fsync the rename itself may not survive a power loss.
 void fsync_parent(const std::string& path) {
-  std::string dir = std::filesystem::path(path).parent_path().string();
-  int fd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  // Not std::filesystem: see checkpoint_dir.cpp for why this project avoids it next to libtorch.
+  const size_t slash = path.find_last_of('/');
+  const std::string dir = slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
+  int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (fd < 0) fail(path, "cannot open its directory to fsync: " + sys_error());
   int rc = ::fsync(fd);
   ::close(fd);
@@ -367,7 +368,7 @@ SafetensorsWriter::SafetensorsWriter(std::string path, std::vector<EntrySpec> en
   if (json.size() > 1) json.pop_back();  // trailing comma
   json += "}";
   // Padding the JSON with spaces puts the data section on an 8-byte boundary.
-  json.append((8 - json.size() % 8) % 8, ' ');
+  
   const uint64_t n = json.size();
   header_size_ = 8 + n;
   buffer_.reserve(kWriteBuffer);
