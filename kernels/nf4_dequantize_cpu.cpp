@@ -3,6 +3,7 @@
 // index that table. For 16-bit outputs the lookup is two SSSE3 byte shuffles per 16 codes.
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "kernels/cpu_dispatch.h"
@@ -69,32 +70,90 @@ void expand16(const uint8_t* codes, int64_t nbytes, const uint16_t* table, uint1
   expand_scalar(codes, nbytes, table, out);
 }
 
+// Full blocks [b0, b1) for storage dtype D and output dtype O. Per batch of blocks: the
+// scalers (vectorized across blocks), then each block's 16-entry output table (vectorized
+// across codes), then the table lookups.
+template <Dtype D, Dtype O>
+QLORA_INLINE void dequantize_blocks(const uint8_t* codes, const int8_t* scalers, const void* factors_,
+                                    float mean, const Layout& l, void* out_, int64_t b0, int64_t b1) {
+  using S = Storage<D>;
+  using SO = Storage<O>;
+  using OutT = typename SO::T;
+  const auto* factors = static_cast<const typename S::T*>(factors_);
+  auto* out = static_cast<OutT*>(out_);
+  float cb[nf4::kNumCodes];
+  std::memcpy(cb, nf4::codebook(D).data(), sizeof cb);
+  constexpr int64_t kBatch = 64;
+  float s[kBatch];
+  alignas(64) OutT table[kBatch][nf4::kNumCodes];
+  for (int64_t bb = b0; bb < b1; bb += kBatch) {
+    const int64_t nb = std::min(kBatch, b1 - bb);
+    for (int64_t i = 0; i < nb; ++i) {
+      const float f = S::load(factors[(bb + i) / l.scaler_block_size]);
+      s[i] = S::round(S::round(static_cast<float>(scalers[bb + i]) / f) + mean);
+    }
+    for (int64_t i = 0; i < nb; ++i)
+      for (int c = 0; c < nf4::kNumCodes; ++c) table[i][c] = SO::store(S::round(cb[c] * s[i]));
+    for (int64_t i = 0; i < nb; ++i) {
+      const int64_t b = bb + i;
+      if constexpr (sizeof(OutT) == 2)
+        expand16(codes + b * l.block_size / 2, l.block_size / 2, table[i], out + b * l.block_size);
+      else
+        expand_scalar(codes + b * l.block_size / 2, l.block_size / 2, table[i], out + b * l.block_size);
+    }
+  }
+}
+
+using BlocksFn = void (*)(const uint8_t*, const int8_t*, const void*, float, const Layout&, void*,
+                          int64_t, int64_t);
+#define QLORA_DEFINE_CLONE(Name, D, O)                                                        \
+  QLORA_VECTOR_CLONES void Name(const uint8_t* c, const int8_t* s, const void* f, float m,    \
+                                const Layout& l, void* o, int64_t b0, int64_t b1) {           \
+    dequantize_blocks<D, O>(c, s, f, m, l, o, b0, b1);                                        \
+  }
+QLORA_DEFINE_CLONE(blocks_bf16_bf16, Dtype::BF16, Dtype::BF16)
+QLORA_DEFINE_CLONE(blocks_bf16_f32, Dtype::BF16, Dtype::F32)
+QLORA_DEFINE_CLONE(blocks_f32_f32, Dtype::F32, Dtype::F32)
+QLORA_DEFINE_CLONE(blocks_f32_bf16, Dtype::F32, Dtype::BF16)
+#undef QLORA_DEFINE_CLONE
+
+BlocksFn fast_path(Dtype d, Dtype o) {
+  if (d == Dtype::BF16 && o == Dtype::BF16) return blocks_bf16_bf16;
+  if (d == Dtype::BF16 && o == Dtype::F32) return blocks_bf16_f32;
+  if (d == Dtype::F32 && o == Dtype::F32) return blocks_f32_f32;
+  if (d == Dtype::F32 && o == Dtype::BF16) return blocks_f32_bf16;
+  return nullptr;  // float16 either side: the generic path below
+}
+
+// Any dtypes, any block (also the last, partial one): per element from the reference scaler.
+void dequantize_blocks_generic(Dtype d, Dtype out_dtype, const uint8_t* codes,
+                               const int8_t* scalers, const void* factors, float mean,
+                               const Layout& l, void* out, int64_t b0, int64_t b1) {
+  const auto& cb = nf4::codebook(d);
+  for (int64_t b = b0; b < b1; ++b) {
+    const float s = nf4::dequantized_scaler(d, scalers, factors, mean, l, b);
+    float values[nf4::kNumCodes];
+    for (int c = 0; c < nf4::kNumCodes; ++c)
+      values[c] = nf4::round_to(out_dtype, nf4::round_to(d, cb[c] * s));
+    const int64_t i0 = b * l.block_size, n = std::min(l.block_size, l.numel - i0);
+    for (int64_t i = 0; i < n; ++i) {
+      const uint8_t byte = codes[(i0 + i) / 2];
+      nf4::store_from_float(out_dtype, out, i0 + i, values[i % 2 == 0 ? byte >> 4 : byte & 15]);
+    }
+  }
+}
+
 }  // namespace
 
 void nf4_dequantize_cpu(Dtype d, Dtype out_dtype, const uint8_t* codes, const int8_t* scalers,
                         const void* factors, float mean, const Layout& l, void* out) {
-  const auto& cb = nf4::codebook(d);
   const int64_t n_full = l.numel / l.block_size;  // blocks with no element past numel
+  const BlocksFn fast = fast_path(d, out_dtype);
   at::parallel_for(0, l.n_real_blocks(), kGrainBlocks, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const float s = nf4::dequantized_scaler(d, scalers, factors, mean, l, b);
-      const int64_t i0 = b * l.block_size;
-      const int64_t n = b < n_full ? l.block_size : l.numel - i0;
-      float values[nf4::kNumCodes];
-      for (int c = 0; c < nf4::kNumCodes; ++c)
-        values[c] = nf4::round_to(out_dtype, nf4::round_to(d, cb[c] * s));
-      if (out_dtype == Dtype::F32) {
-        auto* o = static_cast<float*>(out) + i0;
-        expand_scalar(codes + i0 / 2, n / 2, values, o);
-        if (n % 2) o[n - 1] = values[codes[(i0 + n - 1) / 2] >> 4];
-      } else {
-        uint16_t table[nf4::kNumCodes];
-        for (int c = 0; c < nf4::kNumCodes; ++c) nf4::store_from_float(out_dtype, table, c, values[c]);
-        auto* o = static_cast<uint16_t*>(out) + i0;
-        expand16(codes + i0 / 2, n / 2, table, o);
-        if (n % 2) o[n - 1] = table[codes[(i0 + n - 1) / 2] >> 4];
-      }
-    }
+    const int64_t fast_end = fast ? std::min(b1, n_full) : b0;
+    if (fast_end > b0) fast(codes, scalers, factors, mean, l, out, b0, fast_end);
+    dequantize_blocks_generic(d, out_dtype, codes, scalers, factors, mean, l, out,
+                              std::max(b0, fast_end), b1);
   });
 }
 

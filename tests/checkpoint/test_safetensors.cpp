@@ -156,7 +156,9 @@ TEST(Safetensors, WriterProducesExactSpecLayout) {
   // "b" sits at an odd offset: tensor() must still be right (it copies instead of aliasing).
   ck::SafetensorsFile f = ck::SafetensorsFile::open(path);
   EXPECT_EQ(f.tensors()[1].name, "b");
-  EXPECT_EQ(f.tensor("b").item<float>(), 1.0f);
+  at::Tensor tb = f.tensor("b");
+  EXPECT_EQ(tb.item<float>(), 1.0f);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(tb.data_ptr()) % 4, 0u);
   EXPECT_EQ(f.tensor("e").sizes(), (std::vector<int64_t>{0, 2}));
 }
 

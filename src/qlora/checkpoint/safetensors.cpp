@@ -41,7 +41,7 @@ std::string shape_str(const std::vector<int64_t>& shape) {
   return s + "]";
 }
 
-// Element count times element size, or nullopt-like failure via the bool; dims are non-negative.
+// *out = element count * element size; false if either product overflows. Dims must be >= 0.
 bool checked_nbytes(const std::vector<int64_t>& shape, int size, uint64_t* out) {
   uint64_t n = 1;
   for (int64_t d : shape)
@@ -317,7 +317,7 @@ at::Tensor SafetensorsFile::tensor(std::string_view name) const {
   const TensorInfo& ti = info(name);
   auto options = at::TensorOptions().dtype(to_scalar_type(ti.dtype));
   auto* p = const_cast<uint8_t*>(data(name));
-  if (reinterpret_cast<uintptr_t>(p) % dtype_size(ti.dtype) != 0) {
+  if (ti.end > ti.begin && reinterpret_cast<uintptr_t>(p) % dtype_size(ti.dtype) != 0) {
     at::Tensor copy = at::empty(ti.shape, options);
     std::memcpy(copy.data_ptr(), p, ti.end - ti.begin);
     return copy;
@@ -342,8 +342,9 @@ void SafetensorsFile::release(std::string_view name) const {
 SafetensorsWriter::SafetensorsWriter(std::string path, std::vector<EntrySpec> entries,
                                      std::map<std::string, std::string> metadata)
     : path_(std::move(path)), tmp_path_(path_ + ".tmp"), entries_(std::move(entries)) {
-  // Built by hand rather than as an ordered_json: its key lookup is linear, and a quantized
-  // checkpoint declares thousands of entries. Layout and key order match the official writer.
+  // Built by hand rather than as an ordered_json, whose key lookup is linear (a quantized
+  // checkpoint declares thousands of entries). Compact JSON with __metadata__ first, as the
+  // official writer emits; entries stay in declaration order.
   std::string json = "{";
   std::set<std::string_view> seen;
   try {
@@ -368,7 +369,7 @@ SafetensorsWriter::SafetensorsWriter(std::string path, std::vector<EntrySpec> en
   if (json.size() > 1) json.pop_back();  // trailing comma
   json += "}";
   // Padding the JSON with spaces puts the data section on an 8-byte boundary.
-  
+  json.append((8 - json.size() % 8) % 8, ' ');
   const uint64_t n = json.size();
   header_size_ = 8 + n;
   buffer_.reserve(kWriteBuffer);
@@ -432,6 +433,7 @@ void SafetensorsWriter::write(const void* data, size_t nbytes) {
 
 void SafetensorsWriter::write_tensor(const at::Tensor& t) {
   check_writable();
+  if (!t.defined()) fail(path_, "write_tensor given an undefined tensor");
   size_t i = next_;
   // A non-empty tensor implicitly completes any empty entries still pending.
   if (t.numel() != 0)
@@ -441,10 +443,9 @@ void SafetensorsWriter::write_tensor(const at::Tensor& t) {
   if (pos_ != entry_begin(i))
     fail(path_, e.name, "write_tensor at data offset " + std::to_string(pos_) + " but the entry begins at " +
                             std::to_string(entry_begin(i)) + " (previous entry partly written?)");
-  if (!t.defined() || t.scalar_type() != to_scalar_type(e.dtype) || t.sizes().vec() != e.shape)
+  if (t.scalar_type() != to_scalar_type(e.dtype) || t.sizes().vec() != e.shape)
     fail(path_, e.name, std::string("expected ") + dtype_name(e.dtype) + " " + shape_str(e.shape) + ", got " +
-                            (t.defined() ? std::string(c10::toString(t.scalar_type())) + " " + shape_str(t.sizes().vec())
-                                         : std::string("an undefined tensor")));
+                            c10::toString(t.scalar_type()) + " " + shape_str(t.sizes().vec()));
   at::Tensor c = t.cpu().contiguous();
   write(c.data_ptr(), c.numel() * c.element_size());
   next_ = std::max(next_, i + 1);

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Installs whatever is missing, then configures and builds qlora (Release) in build/.
+# Idempotent and quick when everything is already there:
+#   1. Debian packages (compilers, CMake, ccache, GoogleTest, Google Benchmark, toml++,
+#      sentencepiece, nlohmann-json); the CUDA toolkit is used if present, never installed.
+#   2. .venv with the pinned PyPI torch wheel (LibTorch for C++) and the Python reference
+#      packages of requirements.txt; reinstalled only when requirements.txt changes.
+#   3. cmake configure (first time only) and build.
+# Environment: QLORA_BUILD_DIR (default build), QLORA_VENV (default .venv), PYTHON (python3).
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+BUILD_DIR="${QLORA_BUILD_DIR:-build}"
+VENV="${QLORA_VENV:-$ROOT/.venv}"
+PYTHON="${PYTHON:-python3}"
+say() { printf '[setup] %s\n' "$*"; }
+
+# --- 1. Debian packages ----------------------------------------------------------------------
+PKGS=(g++ cmake make ccache pkg-config libgtest-dev libbenchmark-dev nlohmann-json3-dev
+      libtomlplusplus-dev libsentencepiece-dev)
+missing=()
+for p in "${PKGS[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  say "installing Debian packages: ${missing[*]}"
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+# --- 2. Python virtualenv: LibTorch + reference packages --------------------------------------
+if [ ! -x "$VENV/bin/python" ]; then
+  say "creating $VENV"
+  "$PYTHON" -m venv "$VENV"
+fi
+want="$(sha256sum requirements.txt | cut -d' ' -f1)"
+stamp="$VENV/.qlora-requirements"
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  say "installing pinned Python packages (torch wheel provides LibTorch; first time takes minutes)"
+  "$VENV/bin/pip" install --disable-pip-version-check -q -r requirements.txt
+  echo "$want" > "$stamp"
+fi
+
+# --- 3. Configure and build ------------------------------------------------------------------
+[ -d /usr/local/cuda/bin ] && export PATH="/usr/local/cuda/bin:$PATH"
+export CCACHE_BASEDIR="$ROOT"  # relative paths in the cache key: fresh clones hit the cache
+export CCACHE_SLOPPINESS="pch_defines,time_macros,include_file_mtime,include_file_ctime"
+export CCACHE_MAXSIZE="${CCACHE_MAXSIZE:-5G}"
+if [ ! -f "$BUILD_DIR/CMakeCache.txt" ]; then
+  say "configuring $BUILD_DIR"
+  torch_prefix="$("$VENV/bin/python" -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')"
+  cmake -S . -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$torch_prefix" \
+        -DPython3_EXECUTABLE="$VENV/bin/python" > "$BUILD_DIR.configure.log" 2>&1 \
+    || { cat "$BUILD_DIR.configure.log"; exit 1; }
+  grep -E "CUDA|Torch:" "$BUILD_DIR.configure.log" | sed 's/^/[setup] /' || true
+fi
+say "building $BUILD_DIR"
+cmake --build "$BUILD_DIR" -j"$(nproc)"
+say "ready: $BUILD_DIR/qlora"
