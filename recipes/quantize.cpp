@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -22,10 +23,14 @@ std::string data_dir() {
   return QLORA_SOURCE_DIR "/tests/data";
 }
 
+// VmHWM, not getrusage: ru_maxrss survives execve, so it would report the parent's peak.
 double peak_rss_mib() {
+  std::ifstream f("/proc/self/status");
+  for (std::string line; std::getline(f, line);)
+    if (line.rfind("VmHWM:", 0) == 0) return std::stod(line.substr(6)) / 1024.0;  // kB
   rusage ru{};
   getrusage(RUSAGE_SELF, &ru);
-  return ru.ru_maxrss / 1024.0;  // Linux reports KiB
+  return ru.ru_maxrss / 1024.0;
 }
 
 void print_report(const char* verb, const checkpoint::ConvertReport& r, double seconds) {
