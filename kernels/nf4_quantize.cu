@@ -112,13 +112,14 @@ bool aligned(const void* p, uintptr_t bytes) {
 constexpr int kThreads = 256;
 
 // ---- block absmax -------------------------------------------------------------------------
-// `lanes` threads (a power of two <= 32) share one block so that for block_size 64 a warp reads
-// 4 blocks as 32 contiguous 16-byte loads; the max is exact, so the reduction order is free.
-// No __launch_bounds__ here: with it ptxas aims at 32 registers and spills (fp16 case).
+// `lanes` threads (a power of two <= 32) share one block so that for bf16 and block_size 64 a
+// warp reads 4 blocks as 32 contiguous 16-byte loads; the max is exact, so the reduction order
+// is free. No __launch_bounds__ here: with it ptxas aims at 32 registers and spills (fp16).
 template <class D, int kVec>
 __global__ void block_absmax_kernel(const typename D::Storage* __restrict__ x, int64_t numel,
-                        int64_t block_size, int64_t n_blocks, int lanes,
-                        typename D::Storage* __restrict__ absmax, int* __restrict__ nonfinite) {
+                                    int64_t block_size, int64_t n_blocks, int lanes,
+                                    typename D::Storage* __restrict__ absmax,
+                                    int* __restrict__ nonfinite) {
   const int warp_lane = static_cast<int>(threadIdx.x & 31);
   const int lane = warp_lane & (lanes - 1);
   const int per_warp = 32 / lanes;

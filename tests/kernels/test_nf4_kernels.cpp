@@ -24,6 +24,8 @@ std::string case_name(const Case& c) {
   return s + "_b" + std::to_string(c.block_size) + "_s" + std::to_string(c.scaler_block_size);
 }
 
+void PrintTo(const Case& c, std::ostream* os) { *os << case_name(c); }
+
 std::vector<Case> cases() {
   std::vector<Case> out;
   for (at::ScalarType dt : {at::kFloat, at::kBFloat16, at::kHalf}) {

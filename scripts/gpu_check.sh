@@ -1,0 +1,197 @@
+#!/usr/bin/env bash
+# Builds and tests qlora with CUDA on the GPU machine, which has nvcc, cmake, ninja and a
+# python3 holding torch, but no package registry: everything else comes from .gpu_deps/, made
+# by scripts/gpu_prepare.sh on a machine that reaches Debian and PyPI, and carried over
+# (device tool: carry [".gpu_deps/debs", ".gpu_deps/wheels"]).
+#
+#   scripts/gpu_check.sh [STEP...]      from the repo root; default: all steps, in order
+#     deps       unpack the .debs into .gpu_deps/root (never into /), venv with the wheels
+#     configure  cmake -G Ninja, Release, QLORA_CUDA=ON, into build-gpu
+#     build      cmake --build
+#     test       ctest, all tests (GPU ones included)
+#     bench      build-gpu/bench_nf4 --device cuda > $OUT/bench_nf4_cuda.json
+#
+# A device call is limited to 10 minutes: run `deps configure build` in one call and
+# `test bench` in the next if the whole does not fit (build-gpu and .gpu_deps/root stay on a
+# warm machine; every step re-checks the unpacked tree, so any later step can come first).
+# Exits non-zero if any step fails; a failing test still lets bench run.
+#
+# Env: GPU_CHECK_STEPS (steps, if no arguments), GPU_CHECK_PYTHON (default python3),
+#      GPU_CHECK_BUILD_DIR (default build-gpu), GPU_CHECK_JOBS (default nproc),
+#      GPU_CHECK_CTEST_ARGS (extra ctest arguments), OUT (logs and bench JSON go there).
+set -euo pipefail
+
+repo=$(pwd)
+if [[ ! -f $repo/CMakeLists.txt || ! -f $repo/scripts/gpu_check.sh ]]; then
+  echo "gpu_check: run from the repository root" >&2
+  exit 2
+fi
+deps=$repo/.gpu_deps
+root=$deps/root
+venv=$deps/venv
+vpy=$venv/bin/python3
+build=${GPU_CHECK_BUILD_DIR:-build-gpu}
+[[ $build == /* ]] || build=$repo/$build
+py=${GPU_CHECK_PYTHON:-python3}
+jobs=${GPU_CHECK_JOBS:-$(nproc)}
+multiarch=x86_64-linux-gnu
+
+if (($#)); then steps=("$@"); else read -r -a steps <<<"${GPU_CHECK_STEPS:-deps configure build test bench}"; fi
+for s in "${steps[@]}"; do
+  case $s in deps | configure | build | test | bench) ;; *) echo "gpu_check: unknown step '$s'" >&2; exit 2 ;; esac
+done
+
+if [[ -n ${OUT:-} ]]; then  # the device tool returns only the output's tail: keep all of it
+  mkdir -p "$OUT"
+  exec > >(tee -a "$OUT/gpu_check.log") 2>&1
+fi
+say() { printf '[gpu_check] %s\n' "$*"; }
+
+# ---- deps ------------------------------------------------------------------------------------
+unpack_deb() {  # dpkg -x, or ar + tar where the image has no dpkg
+  if command -v dpkg-deb >/dev/null; then
+    dpkg-deb -x "$1" "$root"
+  else
+    local tmp
+    tmp=$(mktemp -d)
+    (cd "$tmp" && ar x "$1" && tar -xf data.tar.* -C "$root")
+    rm -rf "$tmp"
+  fi
+}
+
+ensure_deps() {
+  shopt -s nullglob
+  local debs=("$deps"/debs/*.deb) wheels=("$deps"/wheels/*.whl)
+  shopt -u nullglob
+  if ((${#debs[@]} == 0 || ${#wheels[@]} == 0)); then
+    echo "gpu_check: no .debs or wheels under $deps: run scripts/gpu_prepare.sh on a machine" \
+         "with registries and carry .gpu_deps/debs and .gpu_deps/wheels" >&2
+    return 1
+  fi
+  # The unpacked tree is keyed by what was unpacked and where (.pc files hold absolute paths).
+  local stamp
+  stamp=$(printf '%s\n' "$root" "${debs[@]##*/}" "${wheels[@]##*/}" | sha256sum | cut -d' ' -f1)
+  if [[ -f $root/.stamp && $(cat "$root/.stamp") == "$stamp" && -x $vpy ]]; then
+    return 0
+  fi
+  say "unpacking ${#debs[@]} .debs into $root"
+  rm -rf "$root"
+  mkdir -p "$root"
+  local f
+  for f in "${debs[@]}"; do unpack_deb "$f"; done
+  # .pc files name /usr outright (prefix=/usr, libdir=/usr/lib/..., -I/usr/include): point
+  # them at the unpacked tree. The CMake config files (GTest, nlohmann_json, benchmark) compute
+  # their prefix from their own location and need nothing.
+  find "$root" -name '*.pc' -exec sed -i -e "s#=/usr#=$root/usr#g" \
+    -e "s#-I/usr/#-I$root/usr/#g" -e "s#-L/usr/#-L$root/usr/#g" {} +
+
+  say "venv $venv (system site packages: torch) with ${wheels[*]##*/}"
+  rm -rf "$venv"
+  # --without-pip: the image's interpreter may lack ensurepip; its own pip installs below.
+  "$py" -m venv --system-site-packages --without-pip "$venv"
+  local site
+  site=$("$vpy" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  # When python3 is itself a venv (/opt/torch/.venv), --system-site-packages reaches only the
+  # base interpreter's packages, not torch: add the outer interpreter's site dirs by a .pth.
+  if ! "$vpy" -c 'import torch' 2>/dev/null; then
+    "$py" -c 'import site; print("\n".join(site.getsitepackages()))' >"$site/_qlora_outer.pth"
+  fi
+  # --target into the venv: exact pinned versions shadow the image's (safetensors 0.8 there).
+  "$py" -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile \
+    --upgrade --target "$site" "${wheels[@]}"
+  "$vpy" -c 'import torch, torchao, safetensors
+print("[gpu_check] python", __import__("sys").version.split()[0], "torch", torch.__version__,
+      "torchao", torchao.__version__, "safetensors", safetensors.__version__,
+      "cuda", torch.cuda.is_available())'
+  echo "$stamp" >"$root/.stamp"
+}
+
+# Environment every step needs (nothing persists between device calls but files).
+use_deps() {
+  export PKG_CONFIG_PATH=$root/usr/lib/$multiarch/pkgconfig:$root/usr/share/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}
+  # Shared libs (sentencepiece, toml++, benchmark, libpkgconf): for the linker's DT_NEEDED
+  # lookups, the tests and the bench.
+  export LD_LIBRARY_PATH=$root/usr/lib/$multiarch${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  export CMAKE_INCLUDE_PATH=$root/usr/include CMAKE_LIBRARY_PATH=$root/usr/lib/$multiarch
+  [[ -d /usr/local/cuda/bin ]] && export PATH=/usr/local/cuda/bin:$PATH
+  pkg_config=$(command -v pkg-config || true)
+  [[ -n $pkg_config ]] || pkg_config=$root/usr/bin/pkgconf
+}
+
+# ---- steps -----------------------------------------------------------------------------------
+step_deps() { ensure_deps; }
+
+step_configure() {
+  ensure_deps
+  local torch_prefix nvcc
+  torch_prefix=$("$vpy" -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')
+  nvcc=$(command -v nvcc)
+  say "configure $build (torch: $torch_prefix, nvcc: $nvcc, pkg-config: $pkg_config)"
+  cmake -S "$repo" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DQLORA_CUDA=ON \
+    -DCMAKE_CUDA_COMPILER="$nvcc" \
+    -DCMAKE_PREFIX_PATH="$torch_prefix;$root/usr" \
+    -DPKG_CONFIG_EXECUTABLE="$pkg_config" \
+    -DPython3_EXECUTABLE="$vpy"
+}
+
+step_build() {
+  ensure_deps
+  [[ -f $build/CMakeCache.txt ]] || step_configure
+  say "build $build (-j$jobs)"
+  cmake --build "$build" -j "$jobs"
+}
+
+step_test() {
+  ensure_deps
+  say "ctest $build"
+  local rc=0
+  # shellcheck disable=SC2086  # extra arguments are split on purpose
+  ctest --test-dir "$build" --output-on-failure ${GPU_CHECK_CTEST_ARGS:-} || rc=$?
+  if [[ -n ${OUT:-} && -f $build/Testing/Temporary/LastTest.log ]]; then
+    cp "$build/Testing/Temporary/LastTest.log" "$OUT/ctest_LastTest.log"
+  fi
+  return $rc
+}
+
+step_bench() {
+  ensure_deps
+  local dest=${OUT:+$OUT/bench_nf4_cuda.json}
+  dest=${dest:-$build/bench_nf4_cuda.json}
+  say "bench: $build/bench_nf4 --device cuda > $dest"
+  "$build/bench_nf4" --device cuda >"$dest" || { local rc=$?; rm -f "$dest"; return $rc; }
+  cat "$dest"
+}
+
+# ---- main ------------------------------------------------------------------------------------
+use_deps
+say "host $(uname -srm); $(. /etc/os-release 2>/dev/null && echo "$PRETTY_NAME")"
+if command -v nvidia-smi >/dev/null; then nvidia-smi -L; else say "no nvidia-smi"; fi
+for tool in cmake ninja nvcc; do
+  command -v "$tool" >/dev/null || { echo "gpu_check: '$tool' not found" >&2; exit 1; }
+done
+command -v c++ >/dev/null || command -v g++ >/dev/null ||
+  { echo "gpu_check: no C++ compiler (c++ or g++) found" >&2; exit 1; }
+
+failed=()
+for s in "${steps[@]}"; do
+  start=$SECONDS
+  # A subshell outside any `if`/`||`, so that set -e really stops a step at its first error.
+  set +e
+  (set -e; "step_$s")
+  rc=$?
+  set -e
+  if ((rc == 0)); then
+    say "step $s: ok ($((SECONDS - start)) s)"
+  else
+    say "step $s: FAILED with exit code $rc ($((SECONDS - start)) s)"
+    failed+=("$s")
+    # Nothing after a failed deps/configure/build can mean anything; tests and bench are
+    # independent of each other.
+    [[ $s == test || $s == bench ]] || break
+  fi
+done
+if ((${#failed[@]})); then
+  say "FAILED: ${failed[*]}"
+  exit 1
+fi
+say "all steps passed: ${steps[*]}"

@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# Fetches, on a machine that reaches Debian's and PyPI's registries, everything the GPU machine
+# lacks to build and test the project, into .gpu_deps/ (git-ignored):
+#   .gpu_deps/debs    Debian 12 packages: -dev packages and the runtime libraries they need
+#   .gpu_deps/wheels  Python wheels for the conformance tests (no dependencies)
+# The GPU machine has no registry at all, so these travel with the device tool's `carry`
+# (carry .gpu_deps/debs and .gpu_deps/wheels, not .gpu_deps: that would replace the unpacked
+# tree and venv that scripts/gpu_check.sh keeps there between calls).
+#
+# Idempotent: a package whose candidate version is already downloaded is not fetched again;
+# older versions of it are removed so that gpu_check.sh never unpacks two.
+#
+# Env: GPU_PYTHON_VERSION (default 3.12, the GPU image's python3), GPU_DEPS_DIR.
+set -euo pipefail
+
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+deps=${GPU_DEPS_DIR:-$repo/.gpu_deps}
+py_version=${GPU_PYTHON_VERSION:-3.12}
+
+# Each -dev package with the shared libraries it links (the closure below the C/C++ runtime,
+# which every machine with a compiler has; the check at the end fails on anything missed).
+debs=(
+  libtomlplusplus-dev libtomlplusplus3
+  libsentencepiece-dev libsentencepiece0
+  nlohmann-json3-dev
+  libgtest-dev libgmock-dev googletest
+  libbenchmark-dev libbenchmark1debian
+  pkgconf pkgconf-bin libpkgconf3  # only used there when the image has no pkg-config
+)
+# Present on any machine that can compile C++: not shipped.
+base_libs=" libc6 libgcc-s1 libstdc++6 "
+wheels=(torchao==0.17.0 safetensors==0.7.0)
+
+mkdir -p "$deps/debs" "$deps/wheels"
+
+# The GPU machine is x86-64; fetch amd64 packages whatever this machine is.
+apt_opts=()
+if [[ $(dpkg --print-architecture) != amd64 ]]; then
+  mkdir -p /tmp/qlora-apt-amd64/partial
+  apt_opts=(-oAPT::Architecture=amd64 -oAPT::Architectures=amd64
+            -oDir::State::Lists=/tmp/qlora-apt-amd64)
+fi
+if ! apt-cache "${apt_opts[@]}" show libtomlplusplus-dev >/dev/null 2>&1; then
+  apt-get "${apt_opts[@]}" update -q
+fi
+
+candidate() {  # candidate version of package $1
+  apt-cache "${apt_opts[@]}" policy "$1" | awk '/Candidate:/ {print $2}'
+}
+
+cd "$deps/debs"
+for pkg in "${debs[@]}"; do
+  want=$(candidate "$pkg")
+  if [[ -z $want || $want == "(none)" ]]; then
+    echo "gpu_prepare: no candidate for Debian package $pkg" >&2
+    exit 1
+  fi
+  have=""
+  for f in "${pkg}"_*.deb; do
+    [[ -e $f ]] || continue
+    if [[ $(dpkg-deb -f "$f" Package) == "$pkg" && $(dpkg-deb -f "$f" Version) == "$want" ]]; then
+      have=$f
+    else
+      rm -f -- "$f"  # an older version: never ship two
+    fi
+  done
+  if [[ -z $have ]]; then
+    # apt-get download runs unsandboxed as root here and says so; the warning is harmless.
+    apt-get "${apt_opts[@]}" download -qq "$pkg=$want" 2> >(grep -v "unsandboxed as root" >&2)
+  fi
+done
+
+# Every dependency of a shipped package must be shipped or be a base library.
+missing=()
+for f in *.deb; do
+  depends=$( { dpkg-deb -f "$f" Depends; dpkg-deb -f "$f" Pre-Depends; } | tr ',' '\n' |
+             sed 's/[[:space:]]*(.*)//; s/|.*//; s/:any//; s/[[:space:]]//g' | grep -v '^$' || true)
+  for d in $depends; do
+    [[ $base_libs == *" $d "* ]] && continue
+    compgen -G "${d}_*.deb" >/dev/null || missing+=("$d (needed by $(dpkg-deb -f "$f" Package))")
+  done
+done
+if ((${#missing[@]})); then
+  printf 'gpu_prepare: not shipped: %s\n' "${missing[@]}" >&2
+  exit 1
+fi
+
+# Wheels for the GPU image's interpreter; pip skips files it already has.
+cd "$deps/wheels"
+python3 -m pip download -q --no-deps --only-binary=:all: \
+  --python-version "$py_version" --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+  --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
+  --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any \
+  -d . "${wheels[@]}"
+for spec in "${wheels[@]}"; do  # drop other versions left by earlier pins
+  name=${spec%%==*} version=${spec##*==}
+  for w in "${name}"-*.whl; do
+    [[ -e $w && $w != "${name}-${version}-"* ]] && rm -f -- "$w"
+  done
+done
+
+echo "gpu_prepare: $(ls "$deps/debs" | wc -l) debs, $(ls "$deps/wheels" | wc -l) wheels," \
+     "$(du -sh "$deps/debs" "$deps/wheels" | awk '{print $1}' | paste -sd+) in $deps"
