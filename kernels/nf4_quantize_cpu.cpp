@@ -20,27 +20,62 @@ using nf4::Dtype;
 using nf4::Layout;
 
 constexpr int64_t kGrainBlocks = 256;  // 16K elements a task: big enough to amortize a task
+constexpr int64_t kBlockSize64 = 64;
+
+// |x| as integer bits: for non-negative floats the integer order is the float order, so the
+// absmax is an integer max (which vectorizes without fast-math), and Inf/NaN show up as bits
+// at or above the infinity pattern.
+template <Dtype D> struct AbsBits;
+template <> struct AbsBits<Dtype::F32> {
+  using U = uint32_t;
+  static constexpr U kMask = 0x7fffffffu, kInf = 0x7f800000u;
+};
+template <> struct AbsBits<Dtype::BF16> {
+  using U = uint16_t;
+  static constexpr U kMask = 0x7fff, kInf = 0x7f80;
+};
+template <> struct AbsBits<Dtype::F16> {
+  using U = uint16_t;
+  static constexpr U kMask = 0x7fff, kInf = 0x7c00;
+};
 
 template <Dtype D>
 QLORA_INLINE bool absmax_range(const void* x_, const Layout& l, void* absmax_, int64_t b0,
                                int64_t b1) {
-  using S = Storage<D>;
-  const auto* x = static_cast<const typename S::T*>(x_);
-  auto* absmax = static_cast<typename S::T*>(absmax_);
-  bool finite = true;
+  using B = AbsBits<D>;
+  using U = typename B::U;
+  const U* x = static_cast<const U*>(x_);
+  U* absmax = static_cast<U*>(absmax_);
+  U all = 0;
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t i0 = b * l.block_size, i1 = std::min(l.numel, i0 + l.block_size);
-    float m = 0.0f;
-    uint32_t bad = 0;
-    for (int64_t i = i0; i < i1; ++i) {
-      const float v = std::fabs(S::load(x[i]));
-      bad |= !(v <= 3.4028235e38f);  // NaN or Inf
-      m = v > m ? v : m;
+    U m = 0;
+    if (i1 - i0 == kBlockSize64) {  // the common block size: a fixed trip count vectorizes
+      for (int64_t i = 0; i < kBlockSize64; ++i) m = std::max<U>(m, x[i0 + i] & B::kMask);
+    } else {
+      for (int64_t i = i0; i < i1; ++i) m = std::max<U>(m, x[i] & B::kMask);
     }
-    finite &= bad == 0;
-    absmax[b] = S::store(i0 < l.numel ? m : 0.0f);
+    absmax[b] = m;
+    all = std::max(all, m);
   }
-  return finite;
+  return all < B::kInf;
+}
+
+// Codes of m <= 64 elements (m even) of one block with absmax a != 0; kFixed64 makes m a
+// compile-time 64 so the loops vectorize with no remainder handling.
+template <Dtype D, bool kFixed64>
+QLORA_INLINE void codes_chunk(const typename Storage<D>::T* x, float a, const float* t,
+                              uint8_t* out, int64_t m) {
+  using S = Storage<D>;
+  const int64_t n = kFixed64 ? kBlockSize64 : m;
+  int32_t c[kBlockSize64];
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = S::round(S::load(x[i]) / a);
+    int32_t k = 0;
+    for (int j = 0; j < nf4::kNumCodes - 1; ++j) k += v >= t[j];
+    c[i] = k;
+  }
+  for (int64_t j = 0; j < n / 2; ++j) out[j] = static_cast<uint8_t>(c[2 * j] << 4 | c[2 * j + 1]);
 }
 
 template <Dtype D>
@@ -49,29 +84,27 @@ QLORA_INLINE void codes_range(const void* x_, const void* absmax_, const Layout&
   using S = Storage<D>;
   const auto* x = static_cast<const typename S::T*>(x_);
   const auto* absmax = static_cast<const typename S::T*>(absmax_);
-  constexpr int64_t kChunk = 64;  // elements per inner step (even)
   for (int64_t b = b0; b < b1; ++b) {
     const float a = S::load(absmax[b]);
-    const int64_t i0 = b * l.block_size, i1 = i0 + l.block_size;
-    for (int64_t c0 = i0; c0 < i1; c0 += kChunk) {
-      const int64_t n = std::min(kChunk, i1 - c0);
-      const int64_t real = std::clamp<int64_t>(l.numel - c0, 0, n);
-      uint8_t c[kChunk];
-      if (real == n && a != 0.0f) {
-        for (int64_t i = 0; i < kChunk; ++i) {  // fixed trip count: vectorizes
-          const float v = S::round(S::load(x[c0 + (i < n ? i : 0)]) / a);
-          uint8_t k = 0;
-          for (int j = 0; j < nf4::kNumCodes - 1; ++j) k += v >= t[j];
-          c[i] = k;
-        }
-      } else {  // tail of the tensor or an all-zero block
-        for (int64_t i = 0; i < n; ++i) {
-          c[i] = (i < real && a != 0.0f) ? nf4::nearest_code(t, S::round(S::load(x[c0 + i]) / a))
-                                         : nf4::kZeroCode;
-        }
+    const int64_t i0 = b * l.block_size;
+    const int64_t real = std::clamp<int64_t>(l.numel - i0, 0, l.block_size);
+    uint8_t* out = codes + i0 / 2;
+    if (real == l.block_size && a != 0.0f) {
+      if (l.block_size == kBlockSize64) {
+        codes_chunk<D, true>(x + i0, a, t, out, kBlockSize64);
+      } else {
+        for (int64_t c0 = 0; c0 < l.block_size; c0 += kBlockSize64)
+          codes_chunk<D, false>(x + i0 + c0, a, t, out + c0 / 2,
+                                std::min(kBlockSize64, l.block_size - c0));
       }
-      uint8_t* out = codes + c0 / 2;
-      for (int64_t j = 0; j < n / 2; ++j) out[j] = static_cast<uint8_t>(c[2 * j] << 4 | c[2 * j + 1]);
+      continue;
+    }
+    for (int64_t j = 0; j < l.block_size / 2; ++j) {  // tail of the tensor or an all-zero block
+      auto code = [&](int64_t i) {
+        return (i < real && a != 0.0f) ? nf4::nearest_code(t, S::round(S::load(x[i0 + i]) / a))
+                                       : nf4::kZeroCode;
+      };
+      out[j] = static_cast<uint8_t>(code(2 * j) << 4 | code(2 * j + 1));
     }
   }
 }

@@ -100,13 +100,28 @@ INSTANTIATE_TEST_SUITE_P(
     });
 
 TEST(Nf4Ops, RefusesNonFiniteWithTheTensorName) {
-  at::Tensor x = at::randn({128, 64}).to(at::kBFloat16);
-  x[100][3] = std::nanf("");
-  try {
-    ops::nf4_quantize(x, "model.layers.3.self_attn.q_proj.weight");
-    FAIL();
-  } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find("model.layers.3.self_attn.q_proj.weight"), std::string::npos);
+  for (at::ScalarType dt : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    for (float bad : {std::nanf(""), INFINITY, -INFINITY}) {
+      for (int64_t at_index : {int64_t{0}, int64_t{6403}, int64_t{128 * 64 - 1}}) {
+        at::Tensor x = at::randn({128, 64}).to(dt);
+        x.view({-1})[at_index] = bad;
+        try {
+          ops::nf4_quantize(x, "model.layers.3.self_attn.q_proj.weight");
+          FAIL() << c10::toString(dt) << " " << bad << " at " << at_index;
+        } catch (const std::invalid_argument& e) {
+          EXPECT_NE(std::string(e.what()).find("model.layers.3.self_attn.q_proj.weight"), std::string::npos);
+        }
+      }
+    }
+  }
+  // The largest finite values are not mistaken for Inf.
+  for (at::ScalarType dt : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    at::Tensor x = at::randn({4, 64}).to(dt);
+    const at::Scalar max = dt == at::kHalf       ? at::Scalar(std::numeric_limits<c10::Half>::max())
+                           : dt == at::kBFloat16 ? at::Scalar(std::numeric_limits<c10::BFloat16>::max())
+                                                 : at::Scalar(std::numeric_limits<float>::max());
+    x[1][1] = max;
+    EXPECT_NO_THROW(ops::nf4_quantize(x, "big"));
   }
 }
 
