@@ -110,6 +110,9 @@ int main(int argc, char** argv) {
 
   json r;
   r["dequantize_bf16"] = timed([&] { qlora::ops::nf4_dequantize_out(q, out); }, a.reps, a.device);
+  at::Tensor out_f32 = at::empty({numel}, x.options().dtype(at::kFloat));
+  r["dequantize_bf16_to_fp32"] =
+      timed([&] { qlora::ops::nf4_dequantize_out(q, out_f32); }, a.reps, a.device);
   r["quantize_bf16"] = timed([&] { q = qlora::ops::nf4_quantize(x, "bench"); }, std::max(2, a.reps / 3), a.device);
   const size_t bytes = static_cast<size_t>(numel) * 2;
   if (dev.is_cpu()) {

@@ -61,7 +61,39 @@ __attribute__((target("ssse3"))) void expand16_ssse3(const uint8_t* codes, int64
   expand_scalar(codes + j, nbytes - j, table, out + 2 * j);
 }
 const bool kHaveSsse3 = __builtin_cpu_supports("ssse3");
+
+// float outputs: the 16-entry table is two 8-lane registers; permutevar picks within each by
+// the low 3 index bits and a blend on bit 3 chooses between them.
+__attribute__((target("avx2"), always_inline)) inline void lookup8_avx2(__m256 t_lo, __m256 t_hi,
+                                                                         __m256i idx, float* o) {
+  const __m256 lo = _mm256_permutevar8x32_ps(t_lo, idx), hi = _mm256_permutevar8x32_ps(t_hi, idx);
+  const __m256 upper = _mm256_castsi256_ps(_mm256_cmpgt_epi32(idx, _mm256_set1_epi32(7)));
+  _mm256_storeu_ps(o, _mm256_blendv_ps(lo, hi, upper));
+}
+
+__attribute__((target("avx2"))) void expand32_avx2(const uint8_t* codes, int64_t nbytes,
+                                                   const float* table, float* out) {
+  const __m256 t_lo = _mm256_loadu_ps(table), t_hi = _mm256_loadu_ps(table + 8);
+  const __m128i nibble = _mm_set1_epi8(0x0f);
+  int64_t j = 0;
+  for (; j + 8 <= nbytes; j += 8) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + j));
+    const __m128i idx = _mm_unpacklo_epi8(_mm_and_si128(_mm_srli_epi16(b, 4), nibble),
+                                          _mm_and_si128(b, nibble));  // even, odd, even, ...
+    lookup8_avx2(t_lo, t_hi, _mm256_cvtepu8_epi32(idx), out + 2 * j);
+    lookup8_avx2(t_lo, t_hi, _mm256_cvtepu8_epi32(_mm_srli_si128(idx, 8)), out + 2 * j + 8);
+  }
+  expand_scalar(codes + j, nbytes - j, table, out + 2 * j);
+}
+const bool kHaveAvx2 = __builtin_cpu_supports("avx2");
 #endif
+
+void expand32(const uint8_t* codes, int64_t nbytes, const float* table, float* out) {
+#if defined(__x86_64__)
+  if (kHaveAvx2) return expand32_avx2(codes, nbytes, table, out);
+#endif
+  expand_scalar(codes, nbytes, table, out);
+}
 
 void expand16(const uint8_t* codes, int64_t nbytes, const uint16_t* table, uint16_t* out) {
 #if defined(__x86_64__)
@@ -99,7 +131,7 @@ QLORA_INLINE void dequantize_blocks(const uint8_t* codes, const int8_t* scalers,
       if constexpr (sizeof(OutT) == 2)
         expand16(codes + b * l.block_size / 2, l.block_size / 2, table[i], out + b * l.block_size);
       else
-        expand_scalar(codes + b * l.block_size / 2, l.block_size / 2, table[i], out + b * l.block_size);
+        expand32(codes + b * l.block_size / 2, l.block_size / 2, table[i], out + b * l.block_size);
     }
   }
 }

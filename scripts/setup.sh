@@ -53,7 +53,7 @@ if [ ! -f "$BUILD_DIR/CMakeCache.txt" ]; then
   cmake -S . -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$torch_prefix" \
         -DPython3_EXECUTABLE="$VENV/bin/python" > "$BUILD_DIR.configure.log" 2>&1 \
     || { cat "$BUILD_DIR.configure.log"; exit 1; }
-  grep -E "CUDA|Torch:" "$BUILD_DIR.configure.log" | sed 's/^/[setup] /' || true
+  grep -E "CUDA compiler identification|Found Torch|Added CUDA NVCC" "$BUILD_DIR.configure.log" | sed "s/^/[setup] /" || true
 fi
 say "building $BUILD_DIR"
 cmake --build "$BUILD_DIR" -j"$(nproc)"
