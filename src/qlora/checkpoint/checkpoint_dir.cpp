@@ -8,9 +8,9 @@
 #include <iterator>
 #include <set>
 
-// Plain POSIX rather than std::filesystem: the PyPI libtorch exports its own copies of the
-// std::filesystem free functions (built against another libstdc++), which win symbol resolution
-// and crash in some of them (remove_all segfaults under g++ 12).
+// Plain POSIX here. Note for std::filesystem users: the PyPI libtorch.so exports its own,
+// partly broken copies of the std::filesystem free functions (remove_all segfaults); the
+// CMakeLists makes libstdc++ the first library every binary loads so that ours win.
 namespace qlora::checkpoint {
 namespace {
 

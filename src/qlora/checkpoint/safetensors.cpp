@@ -71,7 +71,6 @@ void write_all(int fd, const void* data, size_t nbytes, const std::string& path)
 
 // Without the directory fsync the rename itself may not survive a power loss.
 void fsync_parent(const std::string& path) {
-  // Not std::filesystem: see checkpoint_dir.cpp for why this project avoids it next to libtorch.
   const size_t slash = path.find_last_of('/');
   const std::string dir = slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
   int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
