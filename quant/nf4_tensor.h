@@ -43,7 +43,9 @@ Nf4Tensor nf4_empty(const std::vector<int64_t>& shape, at::ScalarType dtype, at:
 void nf4_check_quantizable(const at::Tensor& x, std::string_view name);
 
 // mean of the real blocks' absmax scalers, computed by ATen's mean in the tensor's dtype on its
-// device, exactly as torchao does (its summation order is ATen's, so we use ATen's).
+// device, exactly as torchao does (its summation order is ATen's, so we use ATen's). ATen's
+// float32 sum order depends on the thread count, so torchao's own fp32 mean can differ in the
+// last bit between thread counts; we match it at equal thread counts (bf16 hides the order).
 at::Tensor nf4_scaler_mean(const at::Tensor& absmax, const nf4::Layout& layout);
 
 [[noreturn]] void nf4_throw_nonfinite(std::string_view name);
