@@ -141,10 +141,15 @@ ConvertReport convert(const std::string& in, const std::string& out, bool quanti
     FileConverter c(in_file, quantize, dtype);
     c.plan();
     for (const EntrySpec& s : c.specs()) weight_map[s.name] = name;
-    const uint64_t before = report.bytes_out;
+    const ConvertReport before = report;
     c.run(out_path, report);
-    total += report.bytes_out - before;
-    if (log) log("  " + name + ": " + mib(report.bytes_out - before) + " -> " + out_path);
+    total += report.bytes_out - before.bytes_out;
+    if (log)
+      log("  " + name + ": " + std::to_string(report.converted - before.converted) +
+          (quantize ? " tensors to NF4, " : " tensors dequantized, ") +
+          std::to_string(report.copied - before.copied) + " copied, " +
+          mib(report.bytes_in - before.bytes_in) + " -> " + mib(report.bytes_out - before.bytes_out) +
+          " in " + out_path);
   }
   if (to_dir) {
     if (ckpt.is_sharded())
