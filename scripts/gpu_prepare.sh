@@ -29,7 +29,7 @@ debs=(
 )
 # Present on any machine that can compile C++: not shipped.
 base_libs=" libc6 libgcc-s1 libstdc++6 "
-wheels=(torchao==0.17.0 safetensors==0.7.0)
+wheels=(torchao==0.17.0 safetensors==0.8.0)  # the GPU image has transformers, sentencepiece
 
 mkdir -p "$deps/debs" "$deps/wheels"
 
