@@ -1,0 +1,139 @@
+#include "qlora/train/metrics.h"
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <fstream>
+#include <stdexcept>
+#include <vector>
+
+#include "qlora/checkpoint/safetensors.h"  // write_file_atomic
+
+namespace qlora::train {
+
+nlohmann::json StepMetrics::to_json() const {
+  nlohmann::json j = {{"step", step},
+                      {"epoch", epoch},
+                      {"loss", loss},
+                      {"lr", lr},
+                      {"tokens_per_second", tokens_per_second},
+                      {"peak_memory_bytes", peak_memory_bytes},
+                      {"tokens", tokens}};
+  if (grad_norm >= 0) j["grad_norm"] = grad_norm;
+  return j;
+}
+
+MetricsLog::MetricsLog(const std::string& output_dir, int64_t resume_step)
+    : path_(output_dir + "/metrics.jsonl") {
+  ::mkdir(output_dir.c_str(), 0755);  // the caller creates parents; an existing dir is fine
+  std::ifstream in(path_);
+  if (in) {
+    // Keep the history up to the resumed step; later lines belong to work that was lost.
+    std::string kept, line;
+    bool dropped = false;
+    for (int64_t n = 1; std::getline(in, line); ++n) {
+      const auto j = nlohmann::json::parse(line, nullptr, false);
+      if (j.is_discarded() || !j.is_object() || !j.contains("step") || !j["step"].is_number_integer()) {
+        dropped = true;  // a torn last line from a crash, or foreign content: not ours to keep
+        continue;
+      }
+      if (j["step"].get<int64_t>() > resume_step) {
+        dropped = true;
+        continue;
+      }
+      kept += line + "\n";
+    }
+    in.close();
+    if (dropped || resume_step == 0) checkpoint::write_file_atomic(path_, resume_step == 0 ? "" : kept);
+  }
+  file_ = std::fopen(path_.c_str(), "a");
+  if (!file_) throw std::runtime_error("cannot open " + path_ + " for appending");
+}
+
+MetricsLog::~MetricsLog() {
+  if (file_) std::fclose(file_);
+}
+
+void MetricsLog::append(const StepMetrics& m) {
+  const std::string s = m.to_json().dump() + "\n";
+  if (std::fwrite(s.data(), 1, s.size(), file_) != s.size() || std::fflush(file_) != 0)
+    throw std::runtime_error("cannot write " + path_);
+}
+
+int64_t peak_rss_bytes() {
+  std::ifstream f("/proc/self/status");
+  for (std::string line; std::getline(f, line);)
+    if (line.rfind("VmHWM:", 0) == 0) return std::stoll(line.substr(6)) * 1024;
+  return 0;
+}
+
+ProgressMode parse_progress_mode(const std::string& s) {
+  if (s == "auto") return ProgressMode::Auto;
+  if (s == "bar") return ProgressMode::Bar;
+  if (s == "plain") return ProgressMode::Plain;
+  throw std::invalid_argument("progress mode must be auto, bar or plain, got '" + s + "'");
+}
+
+std::string format_bytes(int64_t bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double v = static_cast<double>(bytes);
+  int u = 0;
+  while (v >= 1024 && u < 4) v /= 1024, ++u;
+  char buf[32];
+  std::snprintf(buf, sizeof buf, u == 0 ? "%.0f %s" : "%.1f %s", v, units[u]);
+  return buf;
+}
+
+std::string format_duration(double seconds) {
+  if (!std::isfinite(seconds) || seconds < 0) return "?";
+  const int64_t s = static_cast<int64_t>(seconds + 0.5);
+  char buf[32];
+  if (s >= 3600)
+    std::snprintf(buf, sizeof buf, "%lld:%02lld:%02lld", (long long)(s / 3600), (long long)(s / 60 % 60), (long long)(s % 60));
+  else
+    std::snprintf(buf, sizeof buf, "%lld:%02lld", (long long)(s / 60), (long long)(s % 60));
+  return buf;
+}
+
+Progress::Progress(ProgressMode mode, std::FILE* out)
+    : out_(out), bar_(mode == ProgressMode::Bar || (mode == ProgressMode::Auto && ::isatty(::fileno(out)))) {}
+
+void Progress::start_epoch(int64_t epoch, int64_t num_epochs, int64_t steps_in_epoch, int64_t first_step) {
+  epoch_ = epoch;
+  num_epochs_ = num_epochs;
+  steps_ = steps_in_epoch;
+  first_step_ = first_step;
+  start_ = std::chrono::steady_clock::now();
+}
+
+std::string Progress::line(const StepMetrics& m, int64_t done) const {
+  const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+  const int64_t run = done - first_step_;  // steps done in this process (resume starts mid-epoch)
+  const double eta = run > 0 ? elapsed / run * (steps_ - done) : NAN;
+  char buf[256];
+  std::snprintf(buf, sizeof buf, "%lld/%lld loss %.4f lr %.2e %.0f tok/s mem %s eta %s", (long long)done,
+                (long long)steps_, m.loss, m.lr, m.tokens_per_second, format_bytes(m.peak_memory_bytes).c_str(),
+                format_duration(eta).c_str());
+  return buf;
+}
+
+void Progress::update(const StepMetrics& m, int64_t done, int64_t every) {
+  if (bar_) {
+    constexpr int kWidth = 24;
+    const int filled = steps_ > 0 ? static_cast<int>(kWidth * done / steps_) : kWidth;
+    std::fprintf(out_, "\r\033[Kepoch %lld/%lld [%s%s] %s", (long long)(epoch_ + 1), (long long)num_epochs_,
+                 std::string(filled, '#').c_str(), std::string(kWidth - filled, '.').c_str(), line(m, done).c_str());
+  } else if (every <= 1 || done % every == 0 || done == steps_) {
+    std::fprintf(out_, "epoch %lld/%lld step %lld %s\n", (long long)(epoch_ + 1), (long long)num_epochs_,
+                 (long long)m.step, line(m, done).c_str());
+  }
+  std::fflush(out_);
+}
+
+void Progress::end_epoch() {
+  if (bar_) std::fputc('\n', out_);
+  std::fflush(out_);
+}
+
+}  // namespace qlora::train

@@ -1,0 +1,70 @@
+// Per-step training metrics: one JSON object a line in <output_dir>/metrics.jsonl, and the
+// progress display (a bar per epoch on a terminal, plain lines otherwise).
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <string>
+
+namespace qlora::train {
+
+struct StepMetrics {
+  int64_t step = 0;   // global optimizer step, 1-based
+  int64_t epoch = 0;  // 0-based
+  double loss = 0.0;
+  double lr = 0.0;
+  double tokens_per_second = 0.0;
+  int64_t peak_memory_bytes = 0;
+  double grad_norm = -1.0;  // < 0: not computed
+  int64_t tokens = 0;       // non-masked tokens in the step
+  nlohmann::json to_json() const;
+};
+
+// Appends to <dir>/metrics.jsonl. Opening with resume_step = k first drops lines of steps > k
+// (left by the interrupted run past its last checkpoint), atomically, so the file always
+// describes exactly one run history. Each line is flushed as it is written.
+class MetricsLog {
+ public:
+  MetricsLog(const std::string& output_dir, int64_t resume_step);
+  ~MetricsLog();
+  MetricsLog(const MetricsLog&) = delete;
+  MetricsLog& operator=(const MetricsLog&) = delete;
+  void append(const StepMetrics& m);
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+  std::FILE* file_ = nullptr;
+};
+
+// Process peak resident memory (VmHWM) in bytes; the CUDA peak is reported separately.
+int64_t peak_rss_bytes();
+
+enum class ProgressMode { Auto, Bar, Plain };
+ProgressMode parse_progress_mode(const std::string& s);  // "auto" | "bar" | "plain"
+
+// One bar per epoch: "epoch 1/3 [#####.....] 50/100 loss 1.234 lr 2.0e-04 3.1k tok/s
+// mem 1.2 GiB eta 0:42". Plain mode prints the same fields as a line every `every` steps.
+class Progress {
+ public:
+  Progress(ProgressMode mode, std::FILE* out = stdout);
+  void start_epoch(int64_t epoch, int64_t num_epochs, int64_t steps_in_epoch, int64_t first_step);
+  void update(const StepMetrics& m, int64_t step_in_epoch, int64_t every = 1);
+  void end_epoch();
+  bool is_bar() const { return bar_; }
+
+ private:
+  std::string line(const StepMetrics& m, int64_t step_in_epoch) const;
+  std::FILE* out_;
+  bool bar_;
+  int64_t epoch_ = 0, num_epochs_ = 1, steps_ = 0, first_step_ = 0;
+  std::chrono::steady_clock::time_point start_;
+};
+
+std::string format_bytes(int64_t bytes);    // "1.2 GiB"
+std::string format_duration(double seconds);  // "1:02:03" or "2:03"
+
+}  // namespace qlora::train
