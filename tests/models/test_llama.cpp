@@ -1,1 +1,284 @@
-// placeholder: filled by the issue-3 work
+// Tests for the Llama config parser and the model: loading tests/data/tiny_llama, NF4 vs full
+// precision, KV cache, activation checkpointing, LoRA parameter names.
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+
+#include "qlora/checkpoint/checkpoint_dir.h"
+#include "qlora/checkpoint/safetensors.h"
+#include "qlora/models/llama.h"
+#include "qlora/models/llama_config.h"
+
+using namespace qlora;
+using namespace qlora::models;
+namespace fs = std::filesystem;
+
+namespace {
+
+std::string tiny_llama() {
+  const char* d = std::getenv("QLORA_TEST_DATA");
+  return std::string(d ? d : "tests/data") + "/tiny_llama";
+}
+
+double max_abs(const at::Tensor& a) { return a.abs().max().item<double>(); }
+
+std::string error_of(const std::string& json) {
+  try {
+    parse_llama_config(json, "cfg.json");
+  } catch (const std::invalid_argument& e) {
+    return e.what();
+  }
+  return "";
+}
+
+at::Tensor tokens() {  // [2, 7]
+  return at::tensor({1, 17, 200, 3, 45, 99, 255, 7, 8, 9, 10, 11, 12, 13}, at::kLong).view({2, 7});
+}
+
+}  // namespace
+
+TEST(LlamaConfig, Llama2Defaults) {
+  LlamaConfig c = parse_llama_config(R"({"model_type":"llama","hidden_size":4096,"intermediate_size":11008,
+    "num_hidden_layers":32,"num_attention_heads":32,"vocab_size":32000,"rms_norm_eps":1e-5,
+    "bos_token_id":1,"eos_token_id":2,"torch_dtype":"float16","architectures":["LlamaForCausalLM"],
+    "pretraining_tp":1,"rope_scaling":null})", "cfg.json");
+  EXPECT_EQ(c.num_key_value_heads, 32);
+  EXPECT_EQ(c.head_dim, 128);
+  EXPECT_DOUBLE_EQ(c.rope_theta, 10000.0);
+  EXPECT_FALSE(c.rope_scaling.has_value());
+  EXPECT_EQ(c.eos_token_ids, std::vector<int64_t>({2}));
+  EXPECT_FALSE(c.tie_word_embeddings);
+  EXPECT_FALSE(c.sliding_window.has_value());
+}
+
+TEST(LlamaConfig, Llama31OldAndNewRopeFormats) {
+  const std::string common = R"("model_type":"llama","hidden_size":4096,"intermediate_size":14336,
+    "num_hidden_layers":32,"num_attention_heads":32,"num_key_value_heads":8,"vocab_size":128256,
+    "max_position_embeddings":131072,"eos_token_id":[128001,128008,128009],"bos_token_id":128000,)";
+  LlamaConfig old_fmt = parse_llama_config("{" + common + R"("rope_theta":500000.0,
+    "rope_scaling":{"factor":8.0,"low_freq_factor":1.0,"high_freq_factor":4.0,
+    "original_max_position_embeddings":8192,"rope_type":"llama3"}})", "cfg.json");
+  LlamaConfig new_fmt = parse_llama_config("{" + common + R"("rope_parameters":{"rope_theta":500000.0,
+    "factor":8.0,"low_freq_factor":1.0,"high_freq_factor":4.0,
+    "original_max_position_embeddings":8192,"rope_type":"llama3"}})", "cfg.json");
+  for (const LlamaConfig& c : {old_fmt, new_fmt}) {
+    EXPECT_EQ(c.kv_groups(), 4);
+    EXPECT_DOUBLE_EQ(c.rope_theta, 500000.0);
+    ASSERT_TRUE(c.rope_scaling.has_value());
+    EXPECT_DOUBLE_EQ(c.rope_scaling->factor, 8.0);
+    EXPECT_EQ(c.rope_scaling->original_max_position_embeddings, 8192);
+    EXPECT_EQ(c.eos_token_ids, std::vector<int64_t>({128001, 128008, 128009}));
+  }
+}
+
+TEST(LlamaConfig, MistralSlidingWindow) {
+  LlamaConfig c = parse_llama_config(R"({"model_type":"mistral","hidden_size":4096,"intermediate_size":14336,
+    "num_hidden_layers":32,"num_attention_heads":32,"num_key_value_heads":8,"vocab_size":32000,
+    "rope_theta":10000.0,"sliding_window":4096,"head_dim":null})", "cfg.json");
+  EXPECT_EQ(c.sliding_window, 4096);
+  EXPECT_EQ(c.head_dim, 128);
+}
+
+TEST(LlamaConfig, ErrorsNameFileAndKey) {
+  const std::string base = R"("model_type":"llama","intermediate_size":8,"num_hidden_layers":1,
+    "num_attention_heads":2,"vocab_size":10)";
+  std::string e = error_of("{" + base + "}");
+  EXPECT_NE(e.find("cfg.json"), std::string::npos) << e;
+  EXPECT_NE(e.find("hidden_size"), std::string::npos) << e;
+  e = error_of("{" + base + R"(,"hidden_size":"8"})");
+  EXPECT_NE(e.find("expected an integer"), std::string::npos) << e;
+  e = error_of("{" + base + R"(,"hidden_size":8,"rope_scaling":{"rope_type":"yarn","factor":4.0}})");
+  EXPECT_NE(e.find("yarn"), std::string::npos) << e;
+  e = error_of("{" + base + R"(,"hidden_size":8,"hidden_act":"gelu"})");
+  EXPECT_NE(e.find("hidden_act"), std::string::npos) << e;
+  e = error_of("{" + base + R"(,"hidden_size":8,"num_key_value_heads":3})");
+  EXPECT_NE(e.find("num_key_value_heads"), std::string::npos) << e;
+  e = error_of(R"({"model_type":"gpt2"})");
+  EXPECT_NE(e.find("model_type"), std::string::npos) << e;
+  EXPECT_EQ(error_of("{" + base + R"(,"hidden_size":8,"some_future_key":{"x":1}})"), "");  // ignored
+  EXPECT_THROW(load_llama_config("/nonexistent/dir"), std::invalid_argument);
+}
+
+TEST(LlamaModel, TinyLlamaLoadsAndRuns) {
+  LlamaModel m = load_llama(tiny_llama(), {});
+  EXPECT_EQ(m.config.num_key_value_heads, 2);
+  at::NoGradGuard ng;
+  at::Tensor logits = m.forward(tokens());
+  ASSERT_EQ(logits.sizes(), at::IntArrayRef({2, 7, 256}));
+  EXPECT_EQ(logits.scalar_type(), at::kFloat);
+  EXPECT_TRUE(at::isfinite(logits).all().item<bool>());
+  EXPECT_GT(max_abs(logits), 0.0);
+  EXPECT_THROW(m.forward(at::tensor({1, 256}, at::kLong).view({1, 2})), std::invalid_argument);
+}
+
+TEST(LlamaModel, Nf4BaseCloseToFullPrecision) {
+  at::NoGradGuard ng;
+  LlamaLoadOptions o;
+  at::Tensor full = load_llama(tiny_llama(), o).forward(tokens());
+  o.base_in_nf4 = true;
+  LlamaModel m = load_llama(tiny_llama(), o);
+  ASSERT_TRUE(m.layers[0].q_proj.base_nf4.defined());
+  ASSERT_FALSE(m.layers[0].q_proj.base_dense.defined());
+  at::Tensor nf4 = m.forward(tokens());
+  // NF4 has 16 levels per 64-weight block: ~10% relative error per weight, which through two
+  // layers moves logits by a fraction of their spread. The tolerance is relative to the logits'
+  // scale; a wrong dequantization (layout, scalers) makes the logits uncorrelated.
+  const double rel = max_abs(nf4 - full) / max_abs(full);
+  EXPECT_LT(rel, 0.3) << rel;
+  const double cos = at::cosine_similarity(nf4.flatten(), full.flatten(), 0).item<double>();
+  EXPECT_GT(cos, 0.95) << cos;
+  EXPECT_FALSE(at::equal(nf4, full));
+}
+
+TEST(LlamaModel, Bf16ComputeCloseToFp32) {
+  at::NoGradGuard ng;
+  LlamaLoadOptions o;
+  at::Tensor f32 = load_llama(tiny_llama(), o).forward(tokens());
+  o.compute_dtype = at::kBFloat16;
+  at::Tensor b16 = load_llama(tiny_llama(), o).forward(tokens());
+  EXPECT_EQ(b16.scalar_type(), at::kFloat);
+  // bf16 keeps 8 mantissa bits (rel. 4e-3 per rounding); a few dozen roundings deep.
+  EXPECT_LT(max_abs(b16 - f32) / max_abs(f32), 0.05);
+}
+
+TEST(LlamaModel, KvCacheStepByStepEqualsFullForward) {
+  for (bool nf4 : {false, true}) {
+    LlamaLoadOptions o;
+    o.base_in_nf4 = nf4;
+    LlamaModel m = load_llama(tiny_llama(), o);
+    at::NoGradGuard ng;
+    const at::Tensor t = tokens();
+    const at::Tensor full = m.forward(t);  // [2, 7, vocab]
+    modules::KvCache cache;
+    std::vector<at::Tensor> parts;
+    parts.push_back(m.forward(t.narrow(1, 0, 3), &cache));  // prefill 3
+    parts.push_back(m.forward(t.narrow(1, 3, 1), &cache));  // one token
+    parts.push_back(m.forward(t.narrow(1, 4, 2), &cache));  // a chunk of 2 after a cache (offset mask)
+    parts.push_back(m.forward(t.narrow(1, 6, 1), &cache));
+    EXPECT_EQ(cache.length(), 7);
+    at::Tensor stepped = at::cat(parts, 1);
+    // Same maths over differently shaped matmuls: fp32 rounding only.
+    EXPECT_LT(max_abs(stepped - full), 1e-4) << "nf4=" << nf4;
+  }
+}
+
+TEST(LlamaModel, LoraParameterNamesAndShapes) {
+  LlamaLoadOptions o;
+  o.base_in_nf4 = true;
+  o.lora_targets = {"q_proj", "k", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"};
+  o.lora_r = 4;
+  o.lora_alpha = 8;
+  LlamaModel m = load_llama(tiny_llama(), o);
+  auto params = m.lora_parameters();
+  ASSERT_EQ(params.size(), 2u * 7 * 2 + 2);
+  EXPECT_EQ(params[0].first, "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight");
+  EXPECT_EQ(params[0].second.sizes(), at::IntArrayRef({4, 128}));
+  EXPECT_EQ(params[3].first, "base_model.model.model.layers.0.self_attn.k_proj.lora_B.weight");
+  EXPECT_EQ(params[3].second.sizes(), at::IntArrayRef({64, 4}));  // GQA: 2 kv heads of 32
+  EXPECT_EQ(params[8].first, "base_model.model.model.layers.0.mlp.gate_proj.lora_A.weight");
+  EXPECT_EQ(params.back().first, "base_model.model.lm_head.lora_B.weight");
+  EXPECT_EQ(params.back().second.sizes(), at::IntArrayRef({256, 4}));
+  for (const auto& [name, t] : params) {
+    EXPECT_TRUE(t.requires_grad()) << name;
+    EXPECT_EQ(t.scalar_type(), at::kFloat) << name;
+  }
+  // Same seed, same adapters; B = 0 so the adapted model starts equal to the base.
+  LlamaModel m2 = load_llama(tiny_llama(), o);
+  EXPECT_TRUE(at::equal(m2.lora_parameters()[0].second, params[0].second));
+  at::NoGradGuard ng;
+  LlamaLoadOptions base_only;
+  base_only.base_in_nf4 = true;
+  EXPECT_TRUE(at::equal(m.forward(tokens()), load_llama(tiny_llama(), base_only).forward(tokens())));
+  o.lora_targets = {"qkv"};
+  EXPECT_THROW(load_llama(tiny_llama(), o), std::invalid_argument);
+}
+
+TEST(LlamaModel, ActivationCheckpointingGivesIdenticalGradients) {
+  LlamaLoadOptions o;
+  o.base_in_nf4 = true;
+  o.lora_targets = {"q_proj", "v_proj", "down_proj"};
+  o.lora_r = 4;
+  o.lora_dropout = 0.1;
+  auto grads = [&](bool ckpt) {
+    o.activation_checkpointing = ckpt;
+    LlamaModel m = load_llama(tiny_llama(), o);
+    m.training = true;
+    {
+      at::NoGradGuard ng;
+      uint64_t s = 5;
+      for (auto& [name, t] : m.lora_parameters()) {  // nonzero B so gradients reach every A
+        if (name.find("lora_B") != std::string::npos) {
+          t.copy_(at::randn(t.sizes(), at::make_generator<at::CPUGeneratorImpl>(s++)) * 0.05);
+        }
+      }
+    }
+    at::manual_seed(11);
+    at::Tensor logits = m.forward(tokens());
+    at::log_softmax(logits, -1).select(-1, 3).mean().neg().backward();
+    std::vector<at::Tensor> g;
+    for (auto& [name, t] : m.lora_parameters()) {
+      EXPECT_TRUE(t.grad().defined()) << name;
+      g.push_back(t.grad().clone());
+    }
+    return g;
+  };
+  auto plain = grads(false), ckpt = grads(true);
+  ASSERT_EQ(plain.size(), ckpt.size());
+  for (size_t i = 0; i < plain.size(); ++i) {
+    EXPECT_TRUE(at::equal(plain[i], ckpt[i])) << i;
+    EXPECT_GT(max_abs(plain[i]), 0.0) << i;
+  }
+}
+
+TEST(LlamaModel, SlidingWindowShorterThanSequenceIsAnError) {
+  const fs::path dir = fs::temp_directory_path() / "qlora_test_sliding";
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  for (const auto& e : fs::directory_iterator(tiny_llama())) {
+    if (e.path().filename() != "config.json") fs::copy_file(e.path(), dir / e.path().filename());
+  }
+  std::ifstream in(tiny_llama() + "/config.json");
+  std::string cfg((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  cfg.insert(cfg.find('{') + 1, "\"sliding_window\": 4,");
+  std::ofstream(dir / "config.json") << cfg;
+  LlamaModel m = load_llama(dir.string(), {});
+  at::NoGradGuard ng;
+  EXPECT_NO_THROW(m.forward(tokens().narrow(1, 0, 4)));
+  try {
+    m.forward(tokens());
+    ADD_FAILURE() << "expected an error";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("sliding_window"), std::string::npos) << e.what();
+  }
+  fs::remove_all(dir);
+}
+
+TEST(LlamaModel, MissingTensorNamesCheckpointAndKey) {
+  const fs::path dir = fs::temp_directory_path() / "qlora_test_missing";
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  fs::copy_file(tiny_llama() + "/config.json", dir / "config.json");
+  const auto ckpt = checkpoint::CheckpointDir::open(tiny_llama());
+  std::vector<std::pair<std::string, at::Tensor>> kept;
+  for (const std::string& n : ckpt.tensor_names()) {
+    if (n != "model.layers.1.mlp.up_proj.weight") kept.emplace_back(n, ckpt.tensor(n));
+  }
+  checkpoint::save_safetensors((dir / "model.safetensors").string(), kept);
+  for (bool nf4 : {false, true}) {
+    LlamaLoadOptions o;
+    o.base_in_nf4 = nf4;
+    try {
+      load_llama(dir.string(), o);
+      ADD_FAILURE() << "expected an error, nf4=" << nf4;
+    } catch (const std::exception& e) {
+      const std::string msg = e.what();
+      EXPECT_NE(msg.find("model.layers.1.mlp.up_proj.weight"), std::string::npos) << msg;
+      EXPECT_NE(msg.find(dir.string()), std::string::npos) << msg;
+    }
+  }
+  fs::remove_all(dir);
+}

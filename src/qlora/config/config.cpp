@@ -1,1 +1,510 @@
-// placeholder: filled by the issue-3 work
+// TOML → RecipeConfig. One table (visit_fields) lists every key once, with its section, its
+// member and whether it affects exactness; parsing, overrides, emitting, equality, hashing and the
+// resume check are all driven by it, so adding a key is one line and cannot be half-wired.
+#include "qlora/config/config.h"
+
+#include <toml++/toml.h>
+
+#include <cctype>
+#include <cerrno>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <optional>
+#include <set>
+#include <sstream>
+#include <type_traits>
+#include <utility>
+
+namespace qlora::config {
+namespace {
+
+// ---- enums ----------------------------------------------------------------------------------
+template <class E>
+struct EnumNames;
+#define QLORA_ENUM_NAMES(E, ...)                                        \
+  template <>                                                           \
+  struct EnumNames<E> {                                                 \
+    static constexpr std::pair<E, const char*> values[] = {__VA_ARGS__}; \
+  };
+QLORA_ENUM_NAMES(ComputeDtype, {ComputeDtype::BF16, "bf16"}, {ComputeDtype::FP32, "fp32"})
+QLORA_ENUM_NAMES(BaseFormat, {BaseFormat::NF4, "nf4"}, {BaseFormat::BF16, "bf16"},
+                 {BaseFormat::FP32, "fp32"})
+QLORA_ENUM_NAMES(DataFormat, {DataFormat::Instruct, "instruct"}, {DataFormat::Chat, "chat"},
+                 {DataFormat::Text, "text"})
+QLORA_ENUM_NAMES(PromptTemplate, {PromptTemplate::Alpaca, "alpaca"},
+                 {PromptTemplate::Llama2Chat, "llama2-chat"},
+                 {PromptTemplate::Llama3Chat, "llama3-chat"}, {PromptTemplate::ChatML, "chatml"},
+                 {PromptTemplate::None, "none"})
+QLORA_ENUM_NAMES(Schedule, {Schedule::Cosine, "cosine"}, {Schedule::Constant, "constant"})
+QLORA_ENUM_NAMES(MergeFrom, {MergeFrom::NF4, "nf4"}, {MergeFrom::Original, "original"})
+QLORA_ENUM_NAMES(Progress, {Progress::Auto, "auto"}, {Progress::Bar, "bar"},
+                 {Progress::Plain, "plain"})
+#undef QLORA_ENUM_NAMES
+
+template <class E>
+const char* enum_name(E v) {
+  for (const auto& [value, name] : EnumNames<E>::values)
+    if (value == v) return name;
+  return "?";
+}
+
+template <class E>
+std::string enum_allowed() {
+  std::string out;
+  for (const auto& [value, name] : EnumNames<E>::values) out += (out.empty() ? "" : ", ") + std::string(name);
+  return out;
+}
+
+const char* const kSections[] = {"model",      "lora",    "data", "optim", "training",
+                                 "checkpoint", "logging", "dist"};
+const char* const kLoraTargets[] = {"q", "k", "v", "o", "gate", "up", "down", "output"};
+
+// ---- the key table ----------------------------------------------------------------------------
+// Exactness: a key is "exact" when changing it between a checkpoint and its resume changes the
+// numbers training produces. Locations (model.checkpoint_dir, data.path, checkpoint.output_dir)
+// are not: a moved model or data set is still the same run; the recipe fingerprints the weights and
+// data it actually reads. activation_checkpointing is counted as exact, conservatively: recompute
+// must reproduce dropout masks and reduction order, and we do not promise that across the switch.
+// dist.shard_size changes reduce-scatter grouping and so summation order.
+template <class Cfg, class V>
+void visit_fields(Cfg& c, V&& v) {
+  v("model", "checkpoint_dir", c.model.checkpoint_dir, false);
+  v("model", "dtype", c.model.dtype, true);
+  v("model", "base", c.model.base, true);
+  v("model", "activation_checkpointing", c.model.activation_checkpointing, true);
+  v("lora", "rank", c.lora.rank, true);
+  v("lora", "alpha", c.lora.alpha, true);
+  v("lora", "dropout", c.lora.dropout, true);
+  v("lora", "targets", c.lora.targets, true);
+  v("data", "path", c.data.path, false);
+  v("data", "format", c.data.format, true);
+  v("data", "template", c.data.template_, true);
+  v("data", "max_seq_len", c.data.max_seq_len, true);
+  v("data", "train_on_input", c.data.train_on_input, true);
+  v("data", "packing", c.data.packing, true);
+  v("data", "shuffle", c.data.shuffle, true);
+  v("optim", "lr", c.optim.lr, true);
+  v("optim", "weight_decay", c.optim.weight_decay, true);
+  v("optim", "betas", c.optim.betas, true);
+  v("optim", "eps", c.optim.eps, true);
+  v("optim", "warmup_steps", c.optim.warmup_steps, true);
+  v("optim", "schedule", c.optim.schedule, true);
+  v("optim", "min_lr_ratio", c.optim.min_lr_ratio, true);
+  v("optim", "max_grad_norm", c.optim.max_grad_norm, true);
+  v("training", "epochs", c.training.epochs, true);  // total steps shape the cosine schedule
+  v("training", "batch_size", c.training.batch_size, true);
+  v("training", "grad_accum", c.training.grad_accum, true);
+  v("training", "max_steps_per_epoch", c.training.max_steps_per_epoch, true);
+  v("training", "seed", c.training.seed, true);
+  v("checkpoint", "output_dir", c.checkpoint.output_dir, false);
+  v("checkpoint", "save_every_steps", c.checkpoint.save_every_steps, false);
+  v("checkpoint", "keep_last_n", c.checkpoint.keep_last_n, false);
+  v("checkpoint", "adapter_only", c.checkpoint.adapter_only, false);
+  v("checkpoint", "merge_from", c.checkpoint.merge_from, false);  // export only, not training
+  v("checkpoint", "resume", c.checkpoint.resume, false);
+  v("logging", "log_every_steps", c.logging.log_every_steps, false);
+  v("logging", "progress", c.logging.progress, false);
+  v("dist", "shard_size", c.dist.shard_size, true);
+  v("dist", "collective_timeout_s", c.dist.collective_timeout_s, false);
+}
+
+template <class T>
+constexpr bool is_string_like = std::is_same_v<T, std::string> || std::is_enum_v<T>;
+
+template <class T>
+std::string type_name() {
+  if constexpr (std::is_same_v<T, bool>) return "a boolean";
+  else if constexpr (std::is_same_v<T, int64_t>) return "an integer";
+  else if constexpr (std::is_same_v<T, double>) return "a number";
+  else if constexpr (std::is_same_v<T, std::string>) return "a string";
+  else if constexpr (std::is_enum_v<T>) return "a string (one of " + enum_allowed<T>() + ")";
+  else if constexpr (std::is_same_v<T, std::vector<std::string>>) return "an array of strings";
+  else return "an array of 2 numbers";
+}
+
+const char* node_type_name(const toml::node& n) {
+  switch (n.type()) {
+    case toml::node_type::table: return "a table";
+    case toml::node_type::array: return "an array";
+    case toml::node_type::string: return "a string";
+    case toml::node_type::integer: return "an integer";
+    case toml::node_type::floating_point: return "a float";
+    case toml::node_type::boolean: return "a boolean";
+    default: return "a date/time";
+  }
+}
+
+// Where an error happened: "config FILE" or "override 'k=v'", and whether lines mean anything.
+struct Origin {
+  std::string prefix;
+  bool has_lines = true;
+};
+
+std::string at_line(const Origin& o, const toml::node& n) {
+  if (!o.has_lines || n.source().begin.line == 0) return "";
+  return " (line " + std::to_string(n.source().begin.line) + ")";
+}
+
+[[noreturn]] void fail(const Origin& o, const std::string& msg) {
+  throw ConfigError(o.prefix + ": " + msg);
+}
+
+bool read_number(const toml::node& n, double& out) {
+  if (auto f = n.as_floating_point()) return out = f->get(), true;
+  if (auto i = n.as_integer()) return out = static_cast<double>(i->get()), true;
+  return false;
+}
+
+template <class T>
+void read_field(const toml::node& n, T& out, const Origin& o, const std::string& key) {
+  auto wrong_type = [&]() {
+    fail(o, "key '" + key + "'" + at_line(o, n) + " expects " + type_name<T>() + ", got " +
+                node_type_name(n));
+  };
+  if constexpr (std::is_same_v<T, bool>) {
+    auto b = n.as_boolean();
+    if (!b) wrong_type();
+    out = b->get();
+  } else if constexpr (std::is_same_v<T, int64_t>) {
+    auto i = n.as_integer();
+    if (!i) wrong_type();
+    out = i->get();
+  } else if constexpr (std::is_same_v<T, double>) {
+    if (!read_number(n, out)) wrong_type();
+  } else if constexpr (std::is_same_v<T, std::string>) {
+    auto s = n.as_string();
+    if (!s) wrong_type();
+    out = s->get();
+  } else if constexpr (std::is_enum_v<T>) {
+    auto s = n.as_string();
+    if (!s) wrong_type();
+    for (const auto& [value, name] : EnumNames<T>::values)
+      if (s->get() == name) return void(out = value);
+    fail(o, "invalid value '" + s->get() + "' for '" + key + "'" + at_line(o, n) +
+                "; allowed: " + enum_allowed<T>());
+  } else if constexpr (std::is_same_v<T, std::vector<std::string>>) {
+    auto a = n.as_array();
+    if (!a) wrong_type();
+    T values;
+    for (const toml::node& e : *a) {
+      auto s = e.as_string();
+      if (!s) wrong_type();
+      values.push_back(s->get());
+    }
+    out = std::move(values);
+  } else {
+    auto a = n.as_array();
+    if (!a || a->size() != out.size()) wrong_type();
+    T values{};
+    for (size_t i = 0; i < values.size(); ++i)
+      if (!read_number(*a->get(i), values[i])) wrong_type();
+    out = values;
+  }
+}
+
+// ---- emitting -----------------------------------------------------------------------------
+// Shortest %.{15,16,17}g that reads back to the same double: exact round trip, readable text.
+std::string format_double(double x) {
+  if (std::isnan(x)) return "nan";
+  if (std::isinf(x)) return x > 0 ? "inf" : "-inf";
+  char buf[40];
+  for (int digits = 15; digits <= 17; ++digits) {
+    std::snprintf(buf, sizeof buf, "%.*g", digits, x);
+    if (std::strtod(buf, nullptr) == x) break;
+  }
+  std::string s = buf;
+  if (s.find_first_of(".en") == std::string::npos) s += ".0";  // keep it a TOML float
+  return s;
+}
+
+std::string quote(const std::string& s) {
+  std::string out = "\"";
+  for (unsigned char ch : s) {
+    switch (ch) {
+      case '"': out += "\\\""; break;
+      case '\\': out += "\\\\"; break;
+      case '\n': out += "\\n"; break;
+      case '\t': out += "\\t"; break;
+      case '\r': out += "\\r"; break;
+      default:
+        if (ch < 0x20 || ch == 0x7f) {
+          char buf[8];
+          std::snprintf(buf, sizeof buf, "\\u%04x", ch);
+          out += buf;
+        } else {
+          out += static_cast<char>(ch);
+        }
+    }
+  }
+  return out + "\"";
+}
+
+template <class T>
+std::string value_text(const T& v) {
+  if constexpr (std::is_same_v<T, bool>) return v ? "true" : "false";
+  else if constexpr (std::is_same_v<T, int64_t>) return std::to_string(v);
+  else if constexpr (std::is_same_v<T, double>) return format_double(v);
+  else if constexpr (std::is_same_v<T, std::string>) return quote(v);
+  else if constexpr (std::is_enum_v<T>) return quote(enum_name(v));
+  else {
+    std::string out = "[";
+    for (size_t i = 0; i < v.size(); ++i) {
+      if (i) out += ", ";
+      if constexpr (std::is_same_v<T, std::vector<std::string>>) out += quote(v[i]);
+      else out += format_double(v[i]);
+    }
+    return out + "]";
+  }
+}
+
+// Canonical text of the keys passing `keep`, grouped by section in table order.
+template <class Keep>
+std::string emit(const RecipeConfig& cfg, Keep keep) {
+  std::string out;
+  std::string current;
+  visit_fields(cfg, [&](const char* section, const char* key, const auto& member, bool exact) {
+    if (!keep(exact)) return;
+    if (current != section) {
+      out += (out.empty() ? "[" : "\n[") + std::string(section) + "]\n";
+      current = section;
+    }
+    out += std::string(key) + " = " + value_text(member) + "\n";
+  });
+  return out;
+}
+
+// ---- parsing --------------------------------------------------------------------------------
+using LineMap = std::map<std::string, uint32_t>;  // "section.key" -> line, for range errors
+
+bool known_section(std::string_view s) {
+  for (const char* k : kSections)
+    if (s == k) return true;
+  return false;
+}
+
+std::string keys_in_section(std::string_view section) {
+  std::string out;
+  RecipeConfig dummy;
+  visit_fields(dummy, [&](const char* s, const char* key, auto&, bool) {
+    if (section == s) out += (out.empty() ? "" : ", ") + std::string(key);
+  });
+  return out;
+}
+
+void merge_table(RecipeConfig& cfg, const toml::table& root, const Origin& o, LineMap& lines) {
+  for (auto&& [section_key, section_node] : root) {
+    const std::string section(section_key.str());
+    if (!known_section(section)) {
+      std::string all;
+      for (const char* s : kSections) all += (all.empty() ? "" : ", ") + std::string(s);
+      fail(o, "unknown " + std::string(section_node.is_table() ? "section" : "key") + " '" +
+                  section + "'" + at_line(o, section_node) + "; known sections: " + all);
+    }
+    const toml::table* table = section_node.as_table();
+    if (!table)
+      fail(o, "'" + section + "'" + at_line(o, section_node) + " must be a table ([" + section +
+                  "]), got " + node_type_name(section_node));
+    for (auto&& [key, node] : *table) {
+      const std::string name = section + "." + std::string(key.str());
+      bool found = false;
+      visit_fields(cfg, [&](const char* s, const char* k, auto& member, bool) {
+        if (found || section != s || key.str() != k) return;
+        found = true;
+        read_field(node, member, o, name);
+      });
+      if (!found)
+        fail(o, "unknown key '" + name + "'" + at_line(o, node) + "; known keys in [" + section +
+                    "]: " + keys_in_section(section));
+      lines[name] = node.source().begin.line;
+    }
+  }
+}
+
+void validate(const RecipeConfig& c, const Origin& o, const LineMap& lines) {
+  auto check = [&](bool ok, const std::string& key, const std::string& rule,
+                   const std::string& got) {
+    if (ok) return;
+    std::string where;
+    auto it = lines.find(key);
+    if (o.has_lines && it != lines.end() && it->second) where = " (line " + std::to_string(it->second) + ")";
+    fail(o, "'" + key + "'" + where + " must be " + rule + ", got " + got);
+  };
+  const auto d = [](double x) { return format_double(x); };
+  const auto i = [](int64_t x) { return std::to_string(x); };
+  check(c.lora.rank >= 1, "lora.rank", ">= 1", i(c.lora.rank));
+  check(c.lora.alpha > 0, "lora.alpha", "> 0", d(c.lora.alpha));
+  check(c.lora.dropout >= 0 && c.lora.dropout < 1, "lora.dropout", "in [0, 1)", d(c.lora.dropout));
+  check(!c.lora.targets.empty(), "lora.targets", "non-empty", "[]");
+  std::set<std::string> seen;
+  std::string allowed;
+  for (const char* t : kLoraTargets) allowed += (allowed.empty() ? "" : ", ") + std::string(t);
+  for (const std::string& t : c.lora.targets) {
+    bool ok = false;
+    for (const char* k : kLoraTargets) ok = ok || t == k;
+    check(ok, "lora.targets", "a list of " + allowed, "'" + t + "'");
+    check(seen.insert(t).second, "lora.targets", "free of duplicates", "'" + t + "' twice");
+  }
+  check(c.data.max_seq_len >= 1, "data.max_seq_len", ">= 1", i(c.data.max_seq_len));
+  check(c.optim.lr > 0 && std::isfinite(c.optim.lr), "optim.lr", "> 0 and finite", d(c.optim.lr));
+  check(c.optim.weight_decay >= 0, "optim.weight_decay", ">= 0", d(c.optim.weight_decay));
+  for (double b : c.optim.betas) check(b >= 0 && b < 1, "optim.betas", "in [0, 1)", d(b));
+  check(c.optim.eps > 0, "optim.eps", "> 0", d(c.optim.eps));
+  check(c.optim.warmup_steps >= 0, "optim.warmup_steps", ">= 0", i(c.optim.warmup_steps));
+  check(c.optim.min_lr_ratio >= 0 && c.optim.min_lr_ratio <= 1, "optim.min_lr_ratio", "in [0, 1]",
+        d(c.optim.min_lr_ratio));
+  check(!std::isnan(c.optim.max_grad_norm), "optim.max_grad_norm", "a number (<= 0 disables)", "nan");
+  check(c.training.epochs >= 1, "training.epochs", ">= 1", i(c.training.epochs));
+  check(c.training.batch_size >= 1, "training.batch_size", ">= 1", i(c.training.batch_size));
+  check(c.training.grad_accum >= 1, "training.grad_accum", ">= 1", i(c.training.grad_accum));
+  check(c.training.max_steps_per_epoch >= 0, "training.max_steps_per_epoch", ">= 0 (0 = no cap)",
+        i(c.training.max_steps_per_epoch));
+  check(c.training.seed >= 0, "training.seed", ">= 0", i(c.training.seed));
+  check(!c.checkpoint.output_dir.empty(), "checkpoint.output_dir", "non-empty", "\"\"");
+  check(c.checkpoint.save_every_steps >= 0, "checkpoint.save_every_steps", ">= 0 (0 = per epoch)",
+        i(c.checkpoint.save_every_steps));
+  check(c.checkpoint.keep_last_n >= 1, "checkpoint.keep_last_n", ">= 1", i(c.checkpoint.keep_last_n));
+  check(c.logging.log_every_steps >= 1, "logging.log_every_steps", ">= 1", i(c.logging.log_every_steps));
+  check(c.dist.shard_size >= 0, "dist.shard_size", ">= 0 (0 = world size)", i(c.dist.shard_size));
+  check(c.dist.collective_timeout_s >= 1, "dist.collective_timeout_s", ">= 1",
+        i(c.dist.collective_timeout_s));
+}
+
+toml::table parse_toml(std::string_view text, const std::string& source, const Origin& o) {
+  try {
+    return toml::parse(text, source);
+  } catch (const toml::parse_error& e) {
+    const auto& b = e.source().begin;
+    fail(o, "TOML syntax error at line " + std::to_string(b.line) + ", column " +
+                std::to_string(b.column) + ": " + std::string(e.description()));
+  }
+}
+
+std::string_view trim(std::string_view s) {
+  while (!s.empty() && std::isspace(static_cast<unsigned char>(s.front()))) s.remove_prefix(1);
+  while (!s.empty() && std::isspace(static_cast<unsigned char>(s.back()))) s.remove_suffix(1);
+  return s;
+}
+
+}  // namespace
+
+const char* to_string(ComputeDtype v) { return enum_name(v); }
+const char* to_string(BaseFormat v) { return enum_name(v); }
+const char* to_string(DataFormat v) { return enum_name(v); }
+const char* to_string(PromptTemplate v) { return enum_name(v); }
+const char* to_string(Schedule v) { return enum_name(v); }
+const char* to_string(MergeFrom v) { return enum_name(v); }
+const char* to_string(Progress v) { return enum_name(v); }
+
+RecipeConfig parse_config(std::string_view toml_text, const std::string& source_name) {
+  const Origin o{"config " + source_name, true};
+  const toml::table root = parse_toml(toml_text, source_name, o);
+  RecipeConfig cfg;
+  LineMap lines;
+  merge_table(cfg, root, o, lines);
+  validate(cfg, o, lines);
+  return cfg;
+}
+
+RecipeConfig load_config(const std::string& toml_path) {
+  std::ifstream in(toml_path, std::ios::binary);
+  if (!in) throw ConfigError("config " + toml_path + ": cannot open: " + std::strerror(errno));
+  std::stringstream text;
+  text << in.rdbuf();
+  if (in.bad()) throw ConfigError("config " + toml_path + ": read failed");
+  return parse_config(text.str(), toml_path);
+}
+
+void apply_override(RecipeConfig& cfg, std::string_view override_text) {
+  const Origin o{"override '" + std::string(override_text) + "'", false};
+  const size_t eq = override_text.find('=');
+  if (eq == std::string_view::npos) fail(o, "expected section.key=value");
+  const std::string name(trim(override_text.substr(0, eq)));
+  const std::string raw(trim(override_text.substr(eq + 1)));
+  const size_t dot = name.find('.');
+  if (dot == std::string::npos) fail(o, "expected section.key=value, got key '" + name + "'");
+  const std::string section = name.substr(0, dot), key = name.substr(dot + 1);
+
+  RecipeConfig next = cfg;  // all or nothing: a failed override leaves cfg untouched
+  bool found = false;
+  visit_fields(next, [&](const char* s, const char* k, auto& member, bool) {
+    if (found || section != s || key != k) return;
+    found = true;
+    using T = std::decay_t<decltype(member)>;
+    std::optional<toml::table> parsed;
+    std::string error;
+    try {
+      parsed = toml::parse("v = " + raw, std::string_view("override"));
+    } catch (const toml::parse_error& e) {
+      error = std::string(e.description());
+    }
+    const toml::node* node = parsed ? parsed->get("v") : nullptr;
+    if constexpr (is_string_like<T>) {
+      // Unquoted paths and names are the common case on a command line.
+      if (!node || !node->is_string()) {
+        const toml::value<std::string> verbatim(raw);
+        return read_field(verbatim, member, o, name);
+      }
+    }
+    if (!node) fail(o, "value '" + raw + "' for '" + name + "' is not a TOML value: " + error);
+    read_field(*node, member, o, name);
+  });
+  if (!found) {
+    if (!known_section(section)) {
+      std::string all;
+      for (const char* s : kSections) all += (all.empty() ? "" : ", ") + std::string(s);
+      fail(o, "unknown section '" + section + "'; known sections: " + all);
+    }
+    fail(o, "unknown key '" + name + "'; known keys in [" + section + "]: " + keys_in_section(section));
+  }
+  validate(next, o, {});
+  cfg = std::move(next);
+}
+
+std::string to_toml(const RecipeConfig& cfg) {
+  return emit(cfg, [](bool) { return true; });
+}
+
+std::string config_hash(const RecipeConfig& cfg, HashScope scope) {
+  const std::string text = scope == HashScope::Full ? to_toml(cfg)
+                                                    : emit(cfg, [](bool exact) { return exact; });
+  uint64_t h = 1469598103934665603ull;  // FNV-1a 64 offset basis
+  for (unsigned char ch : text) {
+    h ^= ch;
+    h *= 1099511628211ull;  // FNV-1a 64 prime
+  }
+  char buf[17];
+  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(h));
+  return buf;
+}
+
+std::vector<std::string> exactness_breaking_differences(const RecipeConfig& a, const RecipeConfig& b) {
+  std::vector<std::string> text_a, names;
+  visit_fields(a, [&](const char* s, const char* k, const auto& m, bool exact) {
+    if (exact) text_a.push_back(value_text(m)), names.push_back(std::string(s) + "." + k);
+  });
+  std::vector<std::string> out;
+  size_t i = 0;
+  visit_fields(b, [&](const char*, const char*, const auto& m, bool exact) {
+    if (!exact) return;
+    if (value_text(m) != text_a[i]) out.push_back(names[i]);
+    ++i;
+  });
+  return out;
+}
+
+std::vector<KeyInfo> known_keys() {
+  std::vector<KeyInfo> out;
+  RecipeConfig dummy;
+  visit_fields(dummy, [&](const char* s, const char* k, auto&, bool exact) {
+    out.push_back({std::string(s) + "." + k, exact});
+  });
+  return out;
+}
+
+bool operator==(const RecipeConfig& a, const RecipeConfig& b) { return to_toml(a) == to_toml(b); }
+
+}  // namespace qlora::config

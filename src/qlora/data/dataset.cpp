@@ -1,1 +1,233 @@
-// placeholder: filled by the issue-3 work
+#include "qlora/data/dataset.h"
+
+#include <nlohmann/json.hpp>
+
+#include <fstream>
+#include <sstream>
+#include <stdexcept>
+
+namespace qlora::data {
+namespace {
+
+using nlohmann::json;
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw std::invalid_argument("dataset: cannot open '" + path + "'");
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+int64_t line_of_offset(const std::string& text, size_t offset) {
+  int64_t line = 1;
+  for (size_t i = 0; i < offset && i < text.size(); ++i) line += text[i] == '\n';
+  return line;
+}
+
+// Byte offsets where the top-level array's elements start. nlohmann's DOM keeps no positions,
+// so a small scan (strings and escapes aware) recovers them for error messages. Only called
+// after the text parsed, so it may assume valid JSON.
+std::vector<size_t> array_element_offsets(const std::string& text) {
+  std::vector<size_t> starts;
+  int depth = 0;
+  bool in_string = false, escaped = false, expect_value = false;
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (in_string) {
+      if (escaped) escaped = false;
+      else if (c == '\\') escaped = true;
+      else if (c == '"') in_string = false;
+      continue;
+    }
+    if (c == ' ' || c == '\t' || c == '\n' || c == '\r') continue;
+    if (depth == 1 && expect_value && c != ']') {
+      starts.push_back(i);
+      expect_value = false;
+    }
+    if (c == '"') in_string = true;
+    else if (c == '[' || c == '{') {
+      if (++depth == 1) expect_value = true;
+    } else if (c == ']' || c == '}') --depth;
+    else if (c == ',' && depth == 1) expect_value = true;
+  }
+  return starts;
+}
+
+const char* type_name(const json& j) { return j.type_name(); }
+
+std::string get_string(const json& obj, const std::string& key, bool required) {
+  const auto it = obj.find(key);
+  if (it == obj.end() || (!required && it->is_null())) {
+    if (required) throw std::invalid_argument("missing field \"" + key + "\"");
+    return {};
+  }
+  if (!it->is_string()) {
+    throw std::invalid_argument("field \"" + key + "\" is " + type_name(*it) +
+                                ", expected a string");
+  }
+  return it->get<std::string>();
+}
+
+std::vector<Segment> render_record(const json& j, const DatasetOptions& o) {
+  if (!j.is_object()) {
+    throw std::invalid_argument(std::string("record is ") + type_name(j) +
+                                ", expected an object");
+  }
+  switch (o.kind) {
+    case DatasetKind::kInstruct: {
+      InstructRecord r;
+      r.instruction = get_string(j, o.instruction_field, true);
+      r.input = get_string(j, o.input_field, false);
+      r.output = get_string(j, o.output_field, true);
+      return render_instruct(o.prompt_template, r);
+    }
+    case DatasetKind::kChat: {
+      const auto it = j.find(o.messages_field);
+      if (it == j.end()) throw std::invalid_argument("missing field \"" + o.messages_field + "\"");
+      if (!it->is_array()) {
+        throw std::invalid_argument("field \"" + o.messages_field + "\" is " + type_name(*it) +
+                                    ", expected an array of {role, content}");
+      }
+      std::vector<Message> messages;
+      for (size_t k = 0; k < it->size(); ++k) {
+        const auto& m = (*it)[k];
+        const std::string where = o.messages_field + "[" + std::to_string(k) + "]";
+        if (!m.is_object()) {
+          throw std::invalid_argument(where + " is " + type_name(m) + ", expected an object");
+        }
+        try {
+          messages.push_back(Message{get_string(m, "role", true), get_string(m, "content", true)});
+        } catch (const std::invalid_argument& e) {
+          throw std::invalid_argument(where + ": " + e.what());
+        }
+      }
+      return render_chat(o.prompt_template, messages);
+    }
+    case DatasetKind::kText:
+      return {Segment{get_string(j, o.text_field, true), false}};
+  }
+  throw std::logic_error("render_record: unhandled dataset kind");
+}
+
+bool looks_like_array(const std::string& path, const std::string& text) {
+  const auto ends_with = [&](std::string_view suffix) {
+    return path.size() >= suffix.size() &&
+           path.compare(path.size() - suffix.size(), suffix.size(), suffix) == 0;
+  };
+  if (ends_with(".jsonl")) return false;
+  if (ends_with(".json")) return true;
+  const auto first = text.find_first_not_of(" \t\r\n");
+  return first != std::string::npos && text[first] == '[';
+}
+
+}  // namespace
+
+DatasetKind dataset_kind_from_name(std::string_view name) {
+  if (name == "instruct") return DatasetKind::kInstruct;
+  if (name == "chat") return DatasetKind::kChat;
+  if (name == "text") return DatasetKind::kText;
+  throw std::invalid_argument("unknown dataset kind '" + std::string(name) +
+                              "'; expected one of instruct, chat, text");
+}
+
+std::vector<RenderedRecord> read_records(const std::string& path, const DatasetOptions& options) {
+  const std::string text = read_file(path);
+  std::vector<RenderedRecord> out;
+  if (looks_like_array(path, text)) {
+    json doc;
+    try {
+      doc = json::parse(text);
+    } catch (const json::parse_error& e) {
+      throw std::invalid_argument(path + ": line " +
+                                  std::to_string(line_of_offset(text, e.byte ? e.byte - 1 : 0)) +
+                                  ": bad JSON: " + e.what());
+    }
+    if (!doc.is_array()) {
+      throw std::invalid_argument(path + ": top-level JSON is " + type_name(doc) +
+                                  ", expected an array of records (or use JSONL: one per line)");
+    }
+    const auto starts = array_element_offsets(text);
+    for (size_t k = 0; k < doc.size(); ++k) {
+      std::string origin = path + ": record " + std::to_string(k + 1);
+      if (k < starts.size()) origin += " (line " + std::to_string(line_of_offset(text, starts[k])) + ")";
+      try {
+        out.push_back(RenderedRecord{origin, render_record(doc[k], options)});
+      } catch (const std::invalid_argument& e) {
+        throw std::invalid_argument(origin + ": " + e.what());
+      }
+    }
+    return out;
+  }
+  std::istringstream lines(text);
+  std::string line;
+  for (int64_t n = 1; std::getline(lines, line); ++n) {
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    const std::string origin = path + ": line " + std::to_string(n);
+    json j;
+    try {
+      j = json::parse(line);
+    } catch (const json::parse_error& e) {
+      throw std::invalid_argument(origin + ": bad JSON: " + e.what());
+    }
+    try {
+      out.push_back(RenderedRecord{origin, render_record(j, options)});
+    } catch (const std::invalid_argument& e) {
+      throw std::invalid_argument(origin + ": " + e.what());
+    }
+  }
+  return out;
+}
+
+Sample tokenize_segments(const std::vector<Segment>& segments, const Tokenizer& tokenizer,
+                         const DatasetOptions& o) {
+  Sample s;
+  const auto push = [&](const std::vector<int64_t>& ids, bool masked) {
+    s.tokens.insert(s.tokens.end(), ids.begin(), ids.end());
+    for (const auto id : ids) s.labels.push_back(masked ? kIgnoreIndex : id);
+  };
+  // BOS is never a target after the shift; it counts as prompt for train_on_input=false.
+  if (o.add_bos) push({tokenizer.bos_id()}, !o.train_on_input);
+  // Sentencepiece's dummy prefix belongs to the start of a text, i.e. the first segment and the
+  // first after an inner BOS (Meta encodes each Llama-2 turn separately). Later segments are
+  // continuations so that tokens(segments) ≈ tokens(joined text).
+  bool at_text_start = true;
+  for (const auto& seg : segments) {
+    const bool masked = seg.is_prompt && !o.train_on_input;
+    if (seg.bos_before) {
+      push({tokenizer.bos_id()}, !o.train_on_input);
+      at_text_start = true;
+    }
+    if (!seg.text.empty()) {
+      push(at_text_start ? tokenizer.encode(seg.text) : tokenizer.encode_continuation(seg.text),
+           masked);
+      at_text_start = false;
+    }
+    if (seg.eos_after) push({tokenizer.eos_id()}, masked);
+  }
+  // EOS is trained: it is how the model learns to stop answering.
+  if (o.add_eos) push({tokenizer.eos_id()}, false);
+  if (o.max_seq_len > 0 && static_cast<int64_t>(s.tokens.size()) > o.max_seq_len) {
+    // Keep the start, as torchtune's truncate() does; it also overwrites the last kept token
+    // with EOS when EOS is wanted. We do the same but mask that EOS: the answer was cut, not
+    // finished, so teaching the model to stop there would be wrong.
+    s.tokens.resize(static_cast<size_t>(o.max_seq_len));
+    s.labels.resize(static_cast<size_t>(o.max_seq_len));
+    if (o.add_eos) {
+      s.tokens.back() = tokenizer.eos_id();
+      s.labels.back() = kIgnoreIndex;
+    }
+  }
+  return s;
+}
+
+std::vector<Sample> load_dataset(const std::string& path, const Tokenizer& tokenizer,
+                                 const DatasetOptions& options) {
+  const auto records = read_records(path, options);
+  std::vector<Sample> samples;
+  samples.reserve(records.size());
+  for (const auto& r : records) samples.push_back(tokenize_segments(r.segments, tokenizer, options));
+  return samples;
+}
+
+}  // namespace qlora::data

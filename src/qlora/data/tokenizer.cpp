@@ -1,1 +1,101 @@
-// placeholder: filled by the issue-3 work
+#include "qlora/data/tokenizer.h"
+
+#include <sentencepiece_processor.h>
+
+#include <algorithm>
+#include <stdexcept>
+
+namespace qlora::data {
+namespace {
+
+// Encoded in front of a continuation and dropped again (torchtune's trim_leading_whitespace
+// trick): the dummy prefix attaches to "\n" instead of to the text. A newline is a byte-fallback
+// or standalone piece in Llama-style models, so it never merges with the text that follows.
+constexpr std::string_view kContinuationPrefix = "\n";
+
+std::vector<int64_t> to_int64(const std::vector<int>& ids) { return {ids.begin(), ids.end()}; }
+
+}  // namespace
+
+Tokenizer Tokenizer::open(const std::string& path) {
+  Tokenizer t;
+  t.sp_ = std::make_shared<sentencepiece::SentencePieceProcessor>();
+  const auto status = t.sp_->Load(path);
+  if (!status.ok()) {
+    throw std::runtime_error("tokenizer: cannot load sentencepiece model '" + path + "': " +
+                             status.ToString());
+  }
+  t.path_ = path;
+  t.vocab_size_ = t.sp_->GetPieceSize();
+  t.bos_id_ = t.sp_->bos_id();
+  t.eos_id_ = t.sp_->eos_id();
+  t.unk_id_ = t.sp_->unk_id();
+  const int64_t pad = t.sp_->pad_id();
+  t.pad_id_ = pad >= 0 ? pad : (t.eos_id_ >= 0 ? t.eos_id_ : 0);
+  t.prefix_ids_ = t.encode(kContinuationPrefix);
+  return t;
+}
+
+std::vector<int64_t> Tokenizer::encode(std::string_view text) const {
+  std::vector<int> ids;
+  const auto status = sp_->Encode(text, &ids);
+  if (!status.ok()) {
+    throw std::runtime_error("tokenizer '" + path_ + "': encode failed: " + status.ToString());
+  }
+  return to_int64(ids);
+}
+
+std::vector<int64_t> Tokenizer::encode_with_special(std::string_view text, bool add_bos,
+                                                    bool add_eos) const {
+  std::vector<int64_t> ids;
+  if (add_bos) ids.push_back(bos_id_);
+  const auto body = encode(text);
+  ids.insert(ids.end(), body.begin(), body.end());
+  if (add_eos) ids.push_back(eos_id_);
+  return ids;
+}
+
+std::vector<int64_t> Tokenizer::encode_continuation(std::string_view text) const {
+  if (text.empty()) return {};
+  std::string joined(kContinuationPrefix);
+  joined.append(text);
+  auto ids = encode(joined);
+  const bool has_prefix = ids.size() >= prefix_ids_.size() &&
+                          std::equal(prefix_ids_.begin(), prefix_ids_.end(), ids.begin());
+  if (!has_prefix) {
+    // Only a model that merges "\n" with what follows gets here; plain encode is then the
+    // closest we can do and still round-trips the text.
+    return encode(text);
+  }
+  ids.erase(ids.begin(), ids.begin() + static_cast<std::ptrdiff_t>(prefix_ids_.size()));
+  return ids;
+}
+
+std::string Tokenizer::decode(const std::vector<int64_t>& ids) const {
+  std::vector<int> narrow;
+  narrow.reserve(ids.size());
+  for (size_t i = 0; i < ids.size(); ++i) {
+    if (ids[i] < 0 || ids[i] >= vocab_size_) {
+      throw std::out_of_range("tokenizer '" + path_ + "': decode: id " + std::to_string(ids[i]) +
+                              " at position " + std::to_string(i) + " is outside the vocab [0, " +
+                              std::to_string(vocab_size_) + ")");
+    }
+    narrow.push_back(static_cast<int>(ids[i]));
+  }
+  std::string text;
+  const auto status = sp_->Decode(narrow, &text);
+  if (!status.ok()) {
+    throw std::runtime_error("tokenizer '" + path_ + "': decode failed: " + status.ToString());
+  }
+  return text;
+}
+
+std::string Tokenizer::id_to_piece(int64_t id) const {
+  if (id < 0 || id >= vocab_size_) {
+    throw std::out_of_range("tokenizer '" + path_ + "': id " + std::to_string(id) +
+                            " is outside the vocab");
+  }
+  return sp_->IdToPiece(static_cast<int>(id));
+}
+
+}  // namespace qlora::data

@@ -1,1 +1,195 @@
-// placeholder: filled by the issue-3 work
+#include "qlora/models/llama.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/ops/arange.h>
+#include <ATen/ops/embedding.h>
+#include <c10/core/GradMode.h>
+
+#include <set>
+#include <stdexcept>
+
+#include "qlora/checkpoint/checkpoint_dir.h"
+#include "qlora/checkpoint/quantize_checkpoint.h"
+#include "qlora/ops/nf4_ops.h"
+
+namespace qlora::models {
+namespace {
+
+using modules::DecoderLayer;
+using modules::LoraLinear;
+
+const char* const kProjections[] = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
+
+std::string canonical_target(const std::string& t) {
+  static const std::pair<const char*, const char*> aliases[] = {
+      {"q", "q_proj"}, {"k", "k_proj"}, {"v", "v_proj"}, {"o", "o_proj"}, {"gate", "gate_proj"},
+      {"up", "up_proj"}, {"down", "down_proj"}, {"output", "lm_head"}};
+  for (const auto& [from, to] : aliases) {
+    if (t == from) return to;
+  }
+  for (const char* p : kProjections) {
+    if (t == p) return t;
+  }
+  if (t == "lm_head") return t;
+  throw std::invalid_argument("load_llama: unknown LoRA target '" + t +
+                              "' (expected q_proj k_proj v_proj o_proj gate_proj up_proj down_proj lm_head)");
+}
+
+std::string hf_stem(int64_t layer, const std::string& proj) {
+  const bool attn = proj == "q_proj" || proj == "k_proj" || proj == "v_proj" || proj == "o_proj";
+  return "model.layers." + std::to_string(layer) + (attn ? ".self_attn." : ".mlp.") + proj;
+}
+
+struct Loader {
+  const checkpoint::CheckpointDir& ckpt;
+  const LlamaLoadOptions& opt;
+
+  void check_shape(const std::string& key, at::IntArrayRef got, const std::vector<int64_t>& want) const {
+    if (got.vec() != want) {
+      throw std::invalid_argument(ckpt.path() + ": tensor '" + key + "' has shape " + c10::str(got) +
+                                  ", expected " + c10::str(at::IntArrayRef(want)) + " from config.json");
+    }
+  }
+  at::Tensor dense(const std::string& key, const std::vector<int64_t>& shape) const {
+    // A checkpoint written by `qlora quantize` stores projections as NF4 entries only;
+    // load_nf4 reads those (and names the checkpoint and key when neither form exists).
+    at::Tensor t = ckpt.contains(key) ? ckpt.tensor(key)
+                                      : ops::nf4_dequantize(checkpoint::load_nf4(ckpt, key), opt.compute_dtype);
+    check_shape(key, t.sizes(), shape);
+    // Zero-copy when dtype and device already match: the read-only mapping is never written.
+    return t.to(opt.device, opt.compute_dtype);
+  }
+  LoraLinear projection(const std::string& key, const std::vector<int64_t>& shape) const {
+    if (!opt.base_in_nf4) return modules::lora_linear_dense(dense(key, shape));
+    Nf4Tensor w = checkpoint::load_nf4(ckpt, key);  // errors name the checkpoint and key
+    // Drop the float tensor's resident pages once quantized, so loading a 7B base keeps RSS
+    // near the NF4 size instead of accumulating the mapped fp16/bf16 file.
+    if (ckpt.contains(key)) ckpt.file_of(key).release(key);
+    check_shape(key, w.shape, shape);
+    return modules::lora_linear_nf4(w.to(opt.device));
+  }
+};
+
+}  // namespace
+
+modules::LayerDims LlamaModel::dims() const {
+  return {config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.rms_norm_eps};
+}
+
+LlamaModel load_llama(const std::string& checkpoint_dir, const LlamaLoadOptions& opt) {
+  if (opt.compute_dtype != at::kFloat && opt.compute_dtype != at::kBFloat16) {
+    throw std::invalid_argument("load_llama: compute dtype must be float32 or bfloat16");
+  }
+  std::set<std::string> targets;
+  for (const std::string& t : opt.lora_targets) targets.insert(canonical_target(t));
+  if (!targets.empty() && opt.lora_r <= 0) throw std::invalid_argument("load_llama: lora r must be positive");
+
+  LlamaModel m;
+  m.config = load_llama_config(checkpoint_dir);
+  m.compute_dtype = opt.compute_dtype;
+  m.activation_checkpointing = opt.activation_checkpointing;
+  const LlamaConfig& c = m.config;
+  const auto ckpt = checkpoint::CheckpointDir::open(checkpoint_dir);
+  const Loader ld{ckpt, opt};
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(opt.seed);
+
+  const int64_t h = c.hidden_size, q_out = c.num_attention_heads * c.head_dim,
+                kv_out = c.num_key_value_heads * c.head_dim, inter = c.intermediate_size;
+  m.embed_tokens = ld.dense("model.embed_tokens.weight", {c.vocab_size, h});
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    const std::string pre = "model.layers." + std::to_string(i) + ".";
+    DecoderLayer L;
+    L.input_layernorm = ld.dense(pre + "input_layernorm.weight", {h});
+    L.post_attention_layernorm = ld.dense(pre + "post_attention_layernorm.weight", {h});
+    L.q_proj = ld.projection(pre + "self_attn.q_proj.weight", {q_out, h});
+    L.k_proj = ld.projection(pre + "self_attn.k_proj.weight", {kv_out, h});
+    L.v_proj = ld.projection(pre + "self_attn.v_proj.weight", {kv_out, h});
+    L.o_proj = ld.projection(pre + "self_attn.o_proj.weight", {h, q_out});
+    L.gate_proj = ld.projection(pre + "mlp.gate_proj.weight", {inter, h});
+    L.up_proj = ld.projection(pre + "mlp.up_proj.weight", {inter, h});
+    L.down_proj = ld.projection(pre + "mlp.down_proj.weight", {h, inter});
+    LoraLinear* projs[] = {&L.q_proj, &L.k_proj, &L.v_proj, &L.o_proj, &L.gate_proj, &L.up_proj, &L.down_proj};
+    for (int j = 0; j < 7; ++j) {
+      if (targets.count(kProjections[j])) {
+        modules::lora_linear_add_adapter(*projs[j], opt.lora_r, opt.lora_alpha, opt.lora_dropout, gen, opt.device);
+      }
+    }
+    m.layers.push_back(std::move(L));
+  }
+  m.norm = ld.dense("model.norm.weight", {h});
+  if (c.tie_word_embeddings) {
+    m.lm_head = modules::lora_linear_dense(m.embed_tokens);
+  } else {
+    m.lm_head = modules::lora_linear_dense(ld.dense("lm_head.weight", {c.vocab_size, h}));
+  }
+  if (targets.count("lm_head")) {
+    modules::lora_linear_add_adapter(m.lm_head, opt.lora_r, opt.lora_alpha, opt.lora_dropout, gen, opt.device);
+  }
+  m.inv_freq = modules::rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling).to(opt.device);
+  return m;
+}
+
+at::Tensor LlamaModel::forward(const at::Tensor& tokens, modules::KvCache* cache) const {
+  if (tokens.dim() != 2 || tokens.scalar_type() != at::kLong) {
+    throw std::invalid_argument("LlamaModel::forward: tokens must be int64 [batch, seq]");
+  }
+  const int64_t seq = tokens.size(1);
+  if (seq == 0) throw std::invalid_argument("LlamaModel::forward: empty sequence");
+  const int64_t past = cache ? cache->length() : 0;
+  if (config.sliding_window && past + seq > *config.sliding_window) {
+    // We implement full causal attention, which equals Mistral's sliding-window attention only
+    // while every query sees at most sliding_window keys.
+    throw std::invalid_argument("LlamaModel::forward: sequence length " + std::to_string(past + seq) +
+                                " exceeds the config's sliding_window " + std::to_string(*config.sliding_window) +
+                                " (sliding-window attention is not implemented)");
+  }
+  if (tokens.numel() > 0) {
+    const int64_t lo = tokens.min().item<int64_t>(), hi = tokens.max().item<int64_t>();
+    if (lo < 0 || hi >= config.vocab_size) {
+      throw std::invalid_argument("LlamaModel::forward: token id out of range [0, " +
+                                  std::to_string(config.vocab_size) + ")");
+    }
+  }
+  if (cache && cache->k.empty()) {
+    cache->k.resize(layers.size());
+    cache->v.resize(layers.size());
+  }
+  const at::Tensor positions = at::arange(past, past + seq, tokens.options().dtype(at::kLong));  // [seq]
+  const modules::RopeTables rope = modules::rope_tables(inv_freq, positions, compute_dtype);
+  const modules::LayerDims d = dims();
+  const bool checkpoint = activation_checkpointing && !cache && at::GradMode::is_enabled();
+  at::Tensor h = at::embedding(embed_tokens, tokens.to(embed_tokens.device()));  // [batch, seq, hidden]
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const DecoderLayer& layer = layers[i];
+    if (cache) {
+      h = modules::decoder_layer_forward(layer, d, h, rope, training, &cache->k[i], &cache->v[i]);
+    } else if (checkpoint) {
+      const bool train = training;
+      h = modules::checkpointed(
+          [&layer, d, rope, train](const at::Tensor& x) { return modules::decoder_layer_forward(layer, d, x, rope, train); },
+          h, layer.trainable());
+    } else {
+      h = modules::decoder_layer_forward(layer, d, h, rope, training);
+    }
+  }
+  h = modules::rms_norm(h, norm, config.rms_norm_eps);
+  return modules::lora_linear_forward(lm_head, h, training).to(at::kFloat);  // [batch, seq, vocab]
+}
+
+std::vector<std::pair<std::string, at::Tensor>> LlamaModel::lora_parameters() const {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  auto add = [&out](const std::string& stem, const LoraLinear& l) {
+    if (!l.has_lora()) return;
+    out.emplace_back("base_model.model." + stem + ".lora_A.weight", l.lora_a);
+    out.emplace_back("base_model.model." + stem + ".lora_B.weight", l.lora_b);
+  };
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const DecoderLayer& L = layers[i];
+    const LoraLinear* projs[] = {&L.q_proj, &L.k_proj, &L.v_proj, &L.o_proj, &L.gate_proj, &L.up_proj, &L.down_proj};
+    for (int j = 0; j < 7; ++j) add(hf_stem(static_cast<int64_t>(i), kProjections[j]), *projs[j]);
+  }
+  add("lm_head", lm_head);
+  return out;
+}
+
+}  // namespace qlora::models

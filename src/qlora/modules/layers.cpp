@@ -1,1 +1,213 @@
-// placeholder: filled by the issue-3 work
+#include "qlora/modules/layers.h"
+
+#include <ATen/Context.h>
+#include <ATen/core/ivalue.h>
+#include <ATen/ops/arange.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/ones.h>
+#include <ATen/ops/reciprocal.h>
+#include <ATen/ops/rsqrt.h>
+#include <ATen/ops/rsub.h>
+#include <ATen/ops/scaled_dot_product_attention.h>
+#include <ATen/ops/silu.h>
+#include <ATen/ops/where.h>
+#include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <cmath>
+#include <stdexcept>
+
+namespace qlora::modules {
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  const at::ScalarType in_dtype = x.scalar_type();
+  at::Tensor h = x.to(at::kFloat);                        // [..., dim] fp32
+  at::Tensor variance = h.pow(2).mean(-1, /*keepdim=*/true);  // [..., 1]
+  h = h * at::rsqrt(variance + eps);
+  return weight * h.to(in_dtype);
+}
+
+// Each step is the ATen op transformers' Python expression dispatches to (e.g. `1.0 / t` is
+// reciprocal(t) * 1.0, `c / t` is reciprocal(t) * c), in the same order, so the fp32 tables agree
+// bit for bit rather than to a tolerance.
+at::Tensor rope_inv_freq(int64_t head_dim, double theta,
+                         const std::optional<models::Llama3RopeScaling>& scaling) {
+  at::Tensor exponents = at::arange(0, head_dim, 2, at::TensorOptions().dtype(at::kLong)).to(at::kFloat) /
+                         head_dim;                                    // [d/2]
+  at::Tensor inv_freq = at::reciprocal(at::pow(theta, exponents));   // [d/2] fp32
+  if (!scaling) return inv_freq;
+  const auto& s = *scaling;
+  const double old_ctx = static_cast<double>(s.original_max_position_embeddings);
+  const double low_freq_wavelen = old_ctx / s.low_freq_factor;
+  const double high_freq_wavelen = old_ctx / s.high_freq_factor;
+  at::Tensor wavelen = at::reciprocal(inv_freq) * (2 * M_PI);
+  // Long wavelengths (low frequencies) are slowed by `factor`; short ones are kept.
+  at::Tensor inv_llama = at::where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq);
+  // In between, interpolate linearly in old_ctx / wavelen.
+  at::Tensor smooth = (at::reciprocal(wavelen) * s.original_max_position_embeddings - s.low_freq_factor) /
+                      (s.high_freq_factor - s.low_freq_factor);
+  at::Tensor smoothed = at::rsub(smooth, 1) * inv_llama / s.factor + smooth * inv_llama;
+  at::Tensor is_medium = (wavelen < high_freq_wavelen).logical_not() * (wavelen > low_freq_wavelen).logical_not();
+  return at::where(is_medium, smoothed, inv_llama);
+}
+
+RopeTables rope_tables(const at::Tensor& inv_freq, const at::Tensor& positions, at::ScalarType dtype) {
+  at::Tensor freqs = positions.unsqueeze(-1).to(at::kFloat) * inv_freq.to(positions.device(), at::kFloat);  // [seq, d/2]
+  at::Tensor emb = at::cat({freqs, freqs}, -1);  // [seq, d]
+  return {emb.cos().to(dtype), emb.sin().to(dtype)};
+}
+
+at::Tensor apply_rope(const at::Tensor& x, const RopeTables& rope) {
+  const int64_t half = x.size(-1) / 2;
+  at::Tensor x1 = x.narrow(-1, 0, half);
+  at::Tensor x2 = x.narrow(-1, half, half);
+  at::Tensor rotated = at::cat({-x2, x1}, -1);  // [b, h, s, d]
+  // Tables are [seq, d]; broadcasting lines them up with the last two dims of x.
+  return x * rope.cos + rotated * rope.sin;
+}
+
+namespace {
+// [b, kv_heads, t, d] -> [b, kv_heads * n_rep, t, d], each kv head repeated for its query group.
+at::Tensor repeat_kv(const at::Tensor& x, int64_t n_rep) {
+  if (n_rep == 1) return x;
+  const int64_t b = x.size(0), kvh = x.size(1), t = x.size(2), d = x.size(3);
+  return x.unsqueeze(2).expand({b, kvh, n_rep, t, d}).reshape({b, kvh * n_rep, t, d});
+}
+}  // namespace
+
+at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  const int64_t heads = q.size(1), seq = q.size(2), total = k.size(2);
+  if (heads % k.size(1) != 0) throw std::invalid_argument("causal_attention: kv heads must divide query heads");
+  const int64_t n_rep = heads / k.size(1);
+  at::Tensor kk = repeat_kv(k, n_rep), vv = repeat_kv(v, n_rep);  // [b, heads, total, d]
+  const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
+  if (total == seq) {
+    return at::scaled_dot_product_attention(q, kk, vv, {}, 0.0, /*is_causal=*/true, scale);
+  }
+  if (seq == 1) {  // one new token attends to everything cached: no mask
+    return at::scaled_dot_product_attention(q, kk, vv, {}, 0.0, false, scale);
+  }
+  // SDPA's is_causal aligns the mask top-left; with a cache the queries are the *last* seq
+  // positions, so query i may see keys up to (total - seq) + i.
+  at::Tensor mask = at::ones({seq, total}, q.options().dtype(at::kBool)).tril(total - seq);
+  return at::scaled_dot_product_attention(q, kk, vv, mask, 0.0, false, scale);
+}
+
+std::vector<at::Tensor> DecoderLayer::trainable() const {
+  std::vector<at::Tensor> out;
+  for (const LoraLinear* p : {&q_proj, &k_proj, &v_proj, &o_proj, &gate_proj, &up_proj, &down_proj}) {
+    if (p->has_lora()) {
+      out.push_back(p->lora_a);
+      out.push_back(p->lora_b);
+    }
+  }
+  return out;
+}
+
+at::Tensor swiglu_mlp(const DecoderLayer& layer, const at::Tensor& x, bool training) {
+  at::Tensor gate = at::silu(lora_linear_forward(layer.gate_proj, x, training));  // [b, s, inter]
+  at::Tensor up = lora_linear_forward(layer.up_proj, x, training);                // [b, s, inter]
+  return lora_linear_forward(layer.down_proj, gate * up, training);              // [b, s, hidden]
+}
+
+at::Tensor decoder_layer_forward(const DecoderLayer& layer, const LayerDims& dims, const at::Tensor& h,
+                                 const RopeTables& rope, bool training, at::Tensor* cache_k,
+                                 at::Tensor* cache_v) {
+  const int64_t b = h.size(0), s = h.size(1), d = dims.head_dim;
+  at::Tensor x = rms_norm(h, layer.input_layernorm, dims.rms_norm_eps);  // [b, s, hidden]
+  at::Tensor q = lora_linear_forward(layer.q_proj, x, training).view({b, s, dims.num_heads, d}).transpose(1, 2);
+  at::Tensor k = lora_linear_forward(layer.k_proj, x, training).view({b, s, dims.num_kv_heads, d}).transpose(1, 2);
+  at::Tensor v = lora_linear_forward(layer.v_proj, x, training).view({b, s, dims.num_kv_heads, d}).transpose(1, 2);
+  q = apply_rope(q, rope);  // [b, heads, s, d]
+  k = apply_rope(k, rope);  // [b, kv_heads, s, d]
+  if (cache_k) {
+    if (cache_k->defined()) {
+      *cache_k = at::cat({*cache_k, k}, 2);  // [b, kv_heads, past + s, d]
+      *cache_v = at::cat({*cache_v, v}, 2);
+    } else {
+      *cache_k = k;
+      *cache_v = v;
+    }
+    k = *cache_k;
+    v = *cache_v;
+  }
+  at::Tensor attn = causal_attention(q, k, v).transpose(1, 2).reshape({b, s, dims.num_heads * d});
+  at::Tensor hidden = h + lora_linear_forward(layer.o_proj, attn, training);  // [b, s, hidden]
+  x = rms_norm(hidden, layer.post_attention_layernorm, dims.rms_norm_eps);
+  return hidden + swiglu_mlp(layer, x, training);
+}
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+struct Recompute : torch::CustomClassHolder {
+  std::function<at::Tensor(const at::Tensor&)> fn;
+  std::vector<at::Tensor> params;  // the leaves fn reads that want gradients (same as the inputs)
+};
+
+struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction> {
+  // Runs under no-grad (custom functions' forward always does), so none of fn's activations
+  // are kept: only h (saved) and the RNG state.
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& h, at::TensorList params,
+                            const c10::intrusive_ptr<Recompute>& recompute) {
+    ctx->save_for_backward({h});
+    ctx->saved_data["fn"] = c10::IValue::make_capsule(recompute);
+    ctx->saved_data["n_params"] = static_cast<int64_t>(params.size());
+    at::Generator gen = at::globalContext().defaultGenerator(h.device());
+    ctx->saved_data["rng"] = gen.get_state();
+    return recompute->fn(h);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    const at::Tensor h = ctx->get_saved_variables()[0];
+    auto recompute = c10::static_intrusive_pointer_cast<Recompute>(ctx->saved_data["fn"].toCapsule());
+    const int64_t n_params = ctx->saved_data["n_params"].toInt();
+    // Gradients must reach the very leaf tensors fn reads during the replay, so we differentiate
+    // with respect to those (kept in the closure), not the forward's input copies.
+    at::Tensor h_in = h.detach().requires_grad_(h.requires_grad());
+    at::Generator gen = at::globalContext().defaultGenerator(h.device());
+    at::Tensor rng_now = gen.get_state();
+    gen.set_state(ctx->saved_data["rng"].toTensor());  // replay the forward's dropout masks
+    at::Tensor out;
+    {
+      at::AutoGradMode enable(true);
+      out = recompute->fn(h_in);
+    }
+    gen.set_state(rng_now);
+    variable_list inputs;
+    std::vector<int64_t> where;  // index in the result of each entry of inputs
+    if (h_in.requires_grad()) {
+      inputs.push_back(h_in);
+      where.push_back(0);
+    }
+    const std::vector<at::Tensor>& targets = recompute->params;
+    for (int64_t i = 0; i < n_params; ++i) {
+      if (targets[i].requires_grad()) {
+        inputs.push_back(targets[i]);
+        where.push_back(1 + i);
+      }
+    }
+    variable_list result(static_cast<size_t>(n_params + 2));
+    if (!inputs.empty() && out.requires_grad()) {
+      variable_list grads = torch::autograd::grad({out}, inputs, {grad_outputs[0]}, /*retain_graph=*/false,
+                                                  /*create_graph=*/false, /*allow_unused=*/true);
+      for (size_t j = 0; j < grads.size(); ++j) result[where[j]] = grads[j];
+    }
+    return result;
+  }
+};
+
+}  // namespace
+
+at::Tensor checkpointed(const std::function<at::Tensor(const at::Tensor&)>& fn, const at::Tensor& h,
+                        const std::vector<at::Tensor>& params) {
+  auto recompute = c10::make_intrusive<Recompute>();
+  recompute->fn = fn;
+  recompute->params = params;
+  return CheckpointFunction::apply(h, at::TensorList(params), recompute);
+}
+
+}  // namespace qlora::modules

@@ -1,0 +1,149 @@
+// The lora_finetune recipe config: TOML in, typed structs out. Defaults live in the structs, so a
+// missing key means "the default"; an unknown key, a wrong type, a bad enum value or an out-of-range
+// number is a ConfigError naming the file, the key and (where the TOML parser knows it) the line.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace qlora::config {
+
+struct ConfigError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+enum class ComputeDtype { BF16, FP32 };            // "bf16" | "fp32"
+enum class BaseFormat { NF4, BF16, FP32 };         // "nf4" | "bf16" | "fp32": storage of frozen weights
+enum class DataFormat { Instruct, Chat, Text };    // "instruct" | "chat" | "text"
+enum class PromptTemplate { Alpaca, Llama2Chat, Llama3Chat, ChatML, None };
+enum class Schedule { Cosine, Constant };          // both with linear warmup
+enum class MergeFrom { NF4, Original };            // merge LoRA into dequantized NF4 or original weights
+enum class Progress { Auto, Bar, Plain };
+
+// Spelling of each enum value in TOML ("bf16", "llama3-chat", ...).
+const char* to_string(ComputeDtype v);
+const char* to_string(BaseFormat v);
+const char* to_string(DataFormat v);
+const char* to_string(PromptTemplate v);
+const char* to_string(Schedule v);
+const char* to_string(MergeFrom v);
+const char* to_string(Progress v);
+
+struct ModelConfig {
+  std::string checkpoint_dir;  // HF directory; empty = the embedded tiny default model
+  ComputeDtype dtype = ComputeDtype::BF16;
+  BaseFormat base = BaseFormat::NF4;
+  bool activation_checkpointing = true;
+};
+
+struct LoraConfig {
+  int64_t rank = 8;
+  double alpha = 16.0;
+  double dropout = 0.05;
+  // Allowed: q, k, v, o, gate, up, down, output.
+  std::vector<std::string> targets = {"q", "k", "v", "o"};
+};
+
+struct DataConfig {
+  std::string path;  // empty = the embedded tiny default data set
+  DataFormat format = DataFormat::Instruct;
+  PromptTemplate template_ = PromptTemplate::Alpaca;  // TOML key "template"
+  int64_t max_seq_len = 512;
+  bool train_on_input = false;
+  bool packing = false;
+  bool shuffle = true;
+};
+
+struct OptimConfig {
+  double lr = 2e-4;
+  double weight_decay = 0.01;
+  std::array<double, 2> betas = {0.9, 0.999};
+  double eps = 1e-8;
+  int64_t warmup_steps = 100;
+  Schedule schedule = Schedule::Cosine;
+  double min_lr_ratio = 0.0;  // cosine floor as a fraction of lr; 0 = torchtune's schedule exactly
+  double max_grad_norm = 1.0;  // <= 0 disables clipping
+};
+
+struct TrainingConfig {
+  int64_t epochs = 1;
+  int64_t batch_size = 2;
+  int64_t grad_accum = 8;
+  int64_t max_steps_per_epoch = 0;  // 0 = no cap
+  int64_t seed = 42;
+};
+
+struct CheckpointConfig {
+  std::string output_dir = "out";
+  int64_t save_every_steps = 0;  // 0 = only at the end of each epoch
+  int64_t keep_last_n = 2;
+  bool adapter_only = false;
+  MergeFrom merge_from = MergeFrom::NF4;
+  bool resume = false;
+};
+
+struct LoggingConfig {
+  int64_t log_every_steps = 1;
+  Progress progress = Progress::Auto;
+};
+
+struct DistConfig {
+  int64_t shard_size = 0;  // 0 = world size
+  int64_t collective_timeout_s = 300;
+};
+
+struct RecipeConfig {
+  ModelConfig model;
+  LoraConfig lora;
+  DataConfig data;
+  OptimConfig optim;
+  TrainingConfig training;
+  CheckpointConfig checkpoint;
+  LoggingConfig logging;
+  DistConfig dist;
+};
+
+// Reads and parses a file; errors name the file.
+RecipeConfig load_config(const std::string& toml_path);
+// source_name appears in error messages in place of a file name.
+RecipeConfig parse_config(std::string_view toml_text, const std::string& source_name);
+
+// Applies one command-line override "section.key=value". The value is read as a TOML value
+// (1e-4, true, ["q","v"], "text"); for string and enum keys a value that is not a TOML string is
+// taken verbatim, so model.checkpoint_dir=/m/Llama-2-7b-hf works unquoted. The whole config is
+// validated again afterwards; errors name the override.
+void apply_override(RecipeConfig& cfg, std::string_view override_text);
+
+// Canonical TOML: every key, fixed order, floats with 17 significant digits, so
+// parse_config(to_toml(c)) == c exactly.
+std::string to_toml(const RecipeConfig& cfg);
+
+enum class HashScope {
+  Full,       // every key
+  Exactness,  // only the keys listed by exactness_breaking_differences (see config.cpp)
+};
+// 16 hex digits: FNV-1a 64 over the canonical TOML of the keys in scope. Stable across runs,
+// machines and builds (it depends only on to_toml's text).
+std::string config_hash(const RecipeConfig& cfg, HashScope scope);
+
+// "section.key" of every key that differs between a and b and whose change would make a resumed
+// run diverge from an uninterrupted one (e.g. optim.lr, lora.rank, training.seed). Keys that only
+// change where things go or what is printed (logging.*, checkpoint.output_dir, checkpoint.resume,
+// ...) are never listed. Empty = resuming b from a checkpoint written under a is exact.
+std::vector<std::string> exactness_breaking_differences(const RecipeConfig& a, const RecipeConfig& b);
+
+// All "section.key" names, in canonical order, and whether each affects exactness.
+struct KeyInfo {
+  std::string name;
+  bool affects_exactness;
+};
+std::vector<KeyInfo> known_keys();
+
+bool operator==(const RecipeConfig& a, const RecipeConfig& b);
+inline bool operator!=(const RecipeConfig& a, const RecipeConfig& b) { return !(a == b); }
+
+}  // namespace qlora::config

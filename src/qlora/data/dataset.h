@@ -1,0 +1,67 @@
+// Local JSON / JSONL datasets → tokenized samples with loss masks.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "qlora/data/templates.h"
+#include "qlora/data/tokenizer.h"
+
+namespace qlora::data {
+
+// Label value the loss ignores (PyTorch cross_entropy's default ignore_index).
+constexpr int64_t kIgnoreIndex = -100;
+
+enum class DatasetKind {
+  kInstruct,  // {"instruction", "input" (optional), "output"}; names configurable
+  kChat,      // {"messages": [{"role", "content"}, ...]}
+  kText,      // {"text"}: plain language modelling, every token trained
+};
+// "instruct", "chat", "text"; throws std::invalid_argument listing them.
+DatasetKind dataset_kind_from_name(std::string_view name);
+
+struct DatasetOptions {
+  DatasetKind kind = DatasetKind::kInstruct;
+  TemplateKind prompt_template = TemplateKind::kAlpaca;
+  std::string instruction_field = "instruction";
+  std::string input_field = "input";
+  std::string output_field = "output";
+  std::string messages_field = "messages";
+  std::string text_field = "text";
+  int64_t max_seq_len = 512;    // <= 0: no truncation
+  bool train_on_input = false;  // true: prompt tokens are trained too
+  bool add_bos = true;          // Llama family: BOS starts every sequence
+  bool add_eos = true;          // EOS ends every sample so the model learns to stop
+};
+
+// tokens and labels have equal length; labels[i] is tokens[i] or kIgnoreIndex (not shifted:
+// collate() shifts per sample, so no target crosses a packed boundary).
+struct Sample {
+  std::vector<int64_t> tokens;
+  std::vector<int64_t> labels;
+};
+
+// One record rendered by its template; `origin` is "<file>: line N" for later error messages.
+struct RenderedRecord {
+  std::string origin;
+  std::vector<Segment> segments;
+};
+
+// Reads a JSON array of objects (".json") or one object per line (".jsonl"; any other
+// extension: the first non-space byte decides, '[' meaning an array). A malformed record
+// throws std::invalid_argument naming the file, the 1-based line (and the record index for
+// arrays) and what is wrong. Blank JSONL lines are skipped.
+std::vector<RenderedRecord> read_records(const std::string& path, const DatasetOptions& options);
+
+// Segments → ids and labels: BOS (if add_bos), each segment (prompt ones masked unless
+// train_on_input), EOS (if add_eos), then truncation to max_seq_len.
+Sample tokenize_segments(const std::vector<Segment>& segments, const Tokenizer& tokenizer,
+                         const DatasetOptions& options);
+
+// read_records + tokenize_segments for every record, in file order.
+std::vector<Sample> load_dataset(const std::string& path, const Tokenizer& tokenizer,
+                                 const DatasetOptions& options);
+
+}  // namespace qlora::data

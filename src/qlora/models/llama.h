@@ -1,0 +1,60 @@
+// The Llama family (Llama-2, Llama-3/3.1, Mistral) as a plain struct of tensors, loaded from a
+// Hugging Face checkpoint directory, with a frozen base (full precision or NF4) and optional
+// LoRA adapters whose names follow PEFT's adapter_model.safetensors keys.
+#pragma once
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "qlora/models/llama_config.h"
+#include "qlora/modules/layers.h"
+#include "qlora/modules/lora_linear.h"
+
+namespace qlora::models {
+
+struct LlamaLoadOptions {
+  // Every *_proj.weight of the decoder layers is read as NF4 (checkpoint::load_nf4, one tensor at
+  // a time), so a full-precision copy of the base never sits whole in memory.
+  bool base_in_nf4 = false;
+  at::ScalarType compute_dtype = at::kFloat;  // kFloat or kBFloat16
+  at::Device device = at::kCPU;
+  // LoRA targets, PEFT spelling: q_proj k_proj v_proj o_proj gate_proj up_proj down_proj, and
+  // lm_head for the output projection (short forms q k v o gate up down output also accepted).
+  std::vector<std::string> lora_targets;
+  int64_t lora_r = 8;
+  double lora_alpha = 16.0;
+  double lora_dropout = 0.0;
+  uint64_t seed = 0;  // LoRA A init: drawn layer by layer, q k v o gate up down, then lm_head
+  bool activation_checkpointing = false;
+};
+
+struct LlamaModel {
+  LlamaConfig config;
+  at::ScalarType compute_dtype = at::kFloat;
+  at::Tensor embed_tokens;  // [vocab, hidden], frozen
+  std::vector<modules::DecoderLayer> layers;
+  at::Tensor norm;                 // [hidden], frozen
+  modules::LoraLinear lm_head;     // [vocab, hidden], dense; shares embed_tokens when tied
+  at::Tensor inv_freq;             // [head_dim / 2] fp32
+  bool activation_checkpointing = false;
+  bool training = false;           // enables LoRA dropout
+
+  // tokens: [batch, seq] int64. With a cache, the tokens continue the cached sequence and the
+  // cache is extended (cache and activation checkpointing are exclusive: generation needs no
+  // backward). Returns logits [batch, seq, vocab] float32.
+  at::Tensor forward(const at::Tensor& tokens, modules::KvCache* cache = nullptr) const;
+
+  // Trainable tensors with PEFT names, e.g.
+  // base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight ([r, in]) / .lora_B.weight.
+  std::vector<std::pair<std::string, at::Tensor>> lora_parameters() const;
+  modules::LayerDims dims() const;
+};
+
+// checkpoint_dir: an HF directory with config.json and model.safetensors (or shards + index).
+// Errors name the checkpoint and the tensor (missing key, wrong shape).
+LlamaModel load_llama(const std::string& checkpoint_dir, const LlamaLoadOptions& options);
+
+}  // namespace qlora::models

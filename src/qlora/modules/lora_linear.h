@@ -1,0 +1,46 @@
+// A frozen base projection (NF4 or full precision) plus an optional trainable LoRA adapter:
+//   y = base(x) + (dropout(x) @ A^T @ B^T) * (alpha / r)
+// Adapters live in fp32. As peft's lora.Linear does, the LoRA path runs in the adapters' dtype:
+// x is cast to fp32, the product is added to the base output (promoting to fp32) and the sum is
+// cast back to the compute dtype. So with a bf16 base the low-rank update is not rounded to bf16
+// before it is added.
+#pragma once
+#include <ATen/core/Generator.h>
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+
+#include "quant/nf4_tensor.h"
+
+namespace qlora::modules {
+
+struct LoraLinear {
+  // Exactly one of the two bases is set; both frozen (no requires_grad).
+  Nf4Tensor base_nf4;     // [out, in] NF4
+  at::Tensor base_dense;  // [out, in] in the compute dtype
+  int64_t in_features = 0, out_features = 0;
+
+  // Adapter; undefined when this projection is not a LoRA target (r == 0).
+  at::Tensor lora_a;  // [r, in]  fp32, requires_grad
+  at::Tensor lora_b;  // [out, r] fp32, requires_grad
+  int64_t r = 0;
+  double scale = 0.0;      // alpha / r
+  double dropout = 0.0;    // probability, applied to the LoRA path's input only
+
+  bool has_lora() const { return r > 0; }
+};
+
+LoraLinear lora_linear_dense(at::Tensor weight /*[out, in]*/);
+LoraLinear lora_linear_nf4(Nf4Tensor weight /*[out, in]*/);
+
+// Adds an adapter as peft initialises one (init_lora_weights=True): A ~ kaiming_uniform(a=sqrt(5)),
+// i.e. U(-1/sqrt(in), 1/sqrt(in)), drawn from `gen` (CPU) so runs are reproducible; B = 0, so the
+// adapted layer starts out equal to the base. The adapters are created on `device`.
+void lora_linear_add_adapter(LoraLinear& layer, int64_t r, double alpha, double dropout,
+                             at::Generator gen, at::Device device);
+
+// x: [..., in] in the compute dtype. `training` enables dropout (drawn from the default
+// generator of x's device, so activation checkpointing can replay it). Returns [..., out].
+at::Tensor lora_linear_forward(const LoraLinear& layer, const at::Tensor& x, bool training);
+
+}  // namespace qlora::modules

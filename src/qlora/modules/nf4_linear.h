@@ -1,0 +1,28 @@
+// Linear layer over a frozen NF4 weight, as an autograd function.
+//
+// Memory is the point of QLoRA: the weight is dequantized just in time for each matmul and the
+// dequantized copy is dropped right after. Backward does not find it saved; it dequantizes again
+// to form grad_input. The base weight never gets a gradient (it is frozen and not a graph input).
+#pragma once
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include "quant/nf4_tensor.h"
+
+namespace qlora::modules {
+
+// y = x @ W^T with W = dequantize(weight) in x's dtype.
+// x: [..., in] float32/bfloat16; weight: NF4 of shape [out, in] on x's device. Returns [..., out].
+at::Tensor nf4_linear(const at::Tensor& x, const Nf4Tensor& weight);
+
+// The autograd function behind nf4_linear. Saved state (ctx): the NF4 buffers (codes, scalers,
+// factors, mean) in saved_data plus its shape/layout as ints; no saved variables at all, since
+// grad_input needs only the weight and grad_output. Exposed so tests can inspect what is kept.
+struct Nf4LinearFunction : public torch::autograd::Function<Nf4LinearFunction> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            const Nf4Tensor& weight);
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad_outputs);
+};
+
+}  // namespace qlora::modules
