@@ -1,12 +1,17 @@
 // The `qlora` command: one binary, a subcommand per recipe.
 #include <cstdio>
 #include <exception>
+#include <algorithm>
+#include <filesystem>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
 namespace qlora::recipes {
 int quantize_main(const std::vector<std::string>& args);
 int dequantize_main(const std::vector<std::string>& args);
+int lora_finetune_main(const std::vector<std::string>& args);
+int generate_main(const std::vector<std::string>& args);
 }  // namespace qlora::recipes
 
 namespace {
@@ -15,12 +20,43 @@ constexpr const char* kUsage =
     "usage: qlora <command> [args]\n"
     "\n"
     "commands:\n"
+    "  run lora_finetune [--config FILE] [section.key=value ...]\n"
+    "                          QLoRA fine-tuning; no --config: the embedded tiny default\n"
+    "  generate --checkpoint DIR --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-p P]\n"
+    "                          text from an exported epoch (out/.../epoch_N)\n"
+    "  ls                      recipes and shipped configs\n"
     "  quantize [IN OUT]       every 2-D float *_proj.weight of a safetensors file or HF\n"
     "                          checkpoint directory becomes NF4 (qlora-nf4-v1), the rest is\n"
     "                          copied; no arguments: the bundled tiny example\n"
     "  dequantize IN OUT [--dtype bf16|fp16|fp32]\n"
     "                          the inverse: NF4 tensors back to plain tensors\n"
     "  help                    this text\n";
+
+int run_main(std::vector<std::string> args) {
+  if (!args.empty() && args[0] == "--nproc-per-node") {
+    if (args.size() < 2) throw std::invalid_argument("--nproc-per-node needs a number");
+    if (args[1] != "1")
+      throw std::invalid_argument("--nproc-per-node " + args[1] +
+                                  ": multi-rank training (the sharded engine) is not built yet; use 1");
+    args.erase(args.begin(), args.begin() + 2);
+  }
+  if (args.empty()) throw std::invalid_argument("qlora run needs a recipe name (see `qlora ls`)");
+  const std::string recipe = args[0];
+  args.erase(args.begin());
+  if (recipe == "lora_finetune") return qlora::recipes::lora_finetune_main(args);
+  throw std::invalid_argument("unknown recipe '" + recipe + "' (see `qlora ls`)");
+}
+
+int ls_main() {
+  std::printf("recipes:\n  lora_finetune    QLoRA fine-tuning (single process)\n\nconfigs (%s/configs):\n",
+              QLORA_SOURCE_DIR);
+  std::vector<std::string> names;
+  for (const auto& e : std::filesystem::directory_iterator(QLORA_SOURCE_DIR "/configs"))
+    if (e.path().extension() == ".toml") names.push_back(e.path().filename().string());
+  std::sort(names.begin(), names.end());
+  for (const auto& n : names) std::printf("  configs/%s\n", n.c_str());
+  return 0;
+}
 
 }  // namespace
 
@@ -33,6 +69,9 @@ int main(int argc, char** argv) {
   const std::string cmd = args[0];
   args.erase(args.begin());
   try {
+    if (cmd == "run") return run_main(args);
+    if (cmd == "generate") return qlora::recipes::generate_main(args);
+    if (cmd == "ls") return ls_main();
     if (cmd == "quantize") return qlora::recipes::quantize_main(args);
     if (cmd == "dequantize") return qlora::recipes::dequantize_main(args);
   } catch (const std::exception& e) {

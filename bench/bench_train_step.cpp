@@ -1,0 +1,302 @@
+// QLoRA training-step throughput and peak memory on the CPU: qlora (load_llama with an NF4 base,
+// fp32 LoRA on q,k,v,o,gate,up,down, AdamW) against the same step in PyTorch + torchao
+// (bench/peer_train_step.py), same shapes, same random checkpoint, measured in the same run.
+// Each side runs in its own process so its VmHWM (peak RSS) is its own: this program re-executes
+// itself with --worker for the qlora side and popen()s the peer. Prints one JSON object.
+//
+//   build/bench_train_step [--hidden 768 --inter 2048 --layers 12 --heads 12 --vocab 32000]
+//                          [--seq 512] [--batch 1] [--steps 3] [--r 8 --alpha 16]
+//                          [--workdir DIR] [--no-peer]
+//   build/bench_train_step --llama2-7b [--seq 128] [--steps 1] [--layers 32] [--no-activation-checkpointing]
+//       Llama-2-7B shape built in memory with random NF4 weights (writing and re-reading 13 GB
+//       of bf16 would dominate the run); reports seconds per step and peak RSS, no peer.
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Parallel.h>
+#include <ATen/TensorOperators.h>
+#include <ATen/core/Reduction.h>
+#include <ATen/ops/cross_entropy_loss.h>
+#include <ATen/ops/ones.h>
+#include <ATen/ops/randint.h>
+#include <ATen/ops/randn.h>
+#include <nlohmann/json.hpp>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "qlora/models/llama.h"
+#include "qlora/modules/layers.h"
+#include "qlora/optim/adamw.h"
+#include "quant/nf4_tensor.h"
+
+using nlohmann::json;
+namespace fs = std::filesystem;
+
+namespace {
+
+struct Args {
+  int64_t hidden = 768, inter = 2048, layers = 12, heads = 12, vocab = 32000;
+  int64_t seq = 512, batch = 1, steps = 3, r = 8;
+  double alpha = 16.0;
+  std::string workdir, model;
+  bool peer = true, worker = false, llama7b = false;
+  bool no_ac = false;
+  bool seq_given = false, steps_given = false, layers_given = false;
+};
+
+const std::vector<std::string> kTargets = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
+
+int64_t vm_hwm_bytes() {
+  std::ifstream f("/proc/self/status");
+  for (std::string line; std::getline(f, line);)
+    if (line.rfind("VmHWM:", 0) == 0) return std::stoll(line.substr(6)) * 1024;
+  return -1;
+}
+
+std::string cpu_model() {
+  std::ifstream f("/proc/cpuinfo");
+  for (std::string line; std::getline(f, line);)
+    if (line.rfind("model name", 0) == 0) return line.substr(line.find(':') + 2);
+  return "unknown";
+}
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// A frozen NF4 projection with random buffers: codes uniform over the 16 levels, block scalers
+// absmax in about [0.01, 0.05] (int8 / factor + mean, as the format dequantizes them). The values
+// only need to be finite and Llama-scaled; the step's cost does not depend on them.
+qlora::modules::LoraLinear random_nf4_projection(int64_t out, int64_t in, at::Generator& gen) {
+  qlora::Nf4Tensor w = qlora::nf4_empty({out, in}, at::kBFloat16, at::kCPU);
+  w.codes.random_(0, 256, gen);
+  w.scalers.random_(-128, 128, gen);
+  w.factors.fill_(127.0 / 0.02);
+  w.mean.fill_(0.03);
+  return qlora::modules::lora_linear_nf4(std::move(w));
+}
+
+// Llama-2-7B (or its first `layers` layers) in memory: NF4 projections, fp32 embeddings, norms
+// and lm_head (what load_llama gives with base_in_nf4 and fp32 compute), LoRA on all 7 projections.
+qlora::models::LlamaModel random_llama2_7b(const Args& a) {
+  qlora::models::LlamaModel m;
+  auto& c = m.config;
+  c.model_type = "llama";
+  c.hidden_size = 4096;
+  c.intermediate_size = 11008;
+  c.num_hidden_layers = a.layers;
+  c.num_attention_heads = c.num_key_value_heads = 32;
+  c.head_dim = 128;
+  c.vocab_size = 32000;
+  c.rms_norm_eps = 1e-5;
+  c.max_position_embeddings = 4096;
+  c.validate("llama2-7b bench shape");
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(0);
+  const int64_t h = c.hidden_size, f = c.intermediate_size;
+  m.embed_tokens = at::randn({c.vocab_size, h}, gen).mul_(0.02);  // in place: no second 0.5 GB temp
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    qlora::modules::DecoderLayer L;
+    L.input_layernorm = at::ones({h});
+    L.post_attention_layernorm = at::ones({h});
+    L.q_proj = random_nf4_projection(h, h, gen);
+    L.k_proj = random_nf4_projection(h, h, gen);
+    L.v_proj = random_nf4_projection(h, h, gen);
+    L.o_proj = random_nf4_projection(h, h, gen);
+    L.gate_proj = random_nf4_projection(f, h, gen);
+    L.up_proj = random_nf4_projection(f, h, gen);
+    L.down_proj = random_nf4_projection(h, f, gen);
+    for (auto* p : {&L.q_proj, &L.k_proj, &L.v_proj, &L.o_proj, &L.gate_proj, &L.up_proj, &L.down_proj})
+      qlora::modules::lora_linear_add_adapter(*p, a.r, a.alpha, 0.0, gen, at::kCPU);
+    m.layers.push_back(std::move(L));
+  }
+  m.norm = at::ones({h});
+  m.lm_head = qlora::modules::lora_linear_dense(at::randn({c.vocab_size, h}, gen).mul_(0.02));
+  m.inv_freq = qlora::modules::rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling);
+  // Per-layer activation checkpointing, as a 7B QLoRA recipe runs: without it the saved
+  // activations of 32 layers (~75 MB each at seq 128 in fp32) alone take ~2.4 GB.
+  m.activation_checkpointing = !a.no_ac;
+  return m;
+}
+
+// The qlora side, in its own process: load, warm-up step, timed steps.
+json run_worker(const Args& a) {
+  const auto t0 = std::chrono::steady_clock::now();
+  qlora::models::LlamaModel m;
+  if (a.llama7b) {
+    m = random_llama2_7b(a);
+  } else {
+    qlora::models::LlamaLoadOptions o;
+    o.base_in_nf4 = true;
+    o.compute_dtype = at::kFloat;
+    o.lora_targets = kTargets;
+    o.lora_r = a.r;
+    o.lora_alpha = a.alpha;
+    m = qlora::models::load_llama(a.model, o);
+  }
+  const double load_s = seconds_since(t0);
+  const int64_t rss_after_load = vm_hwm_bytes();
+  m.training = true;
+  std::vector<at::Tensor> params;
+  int64_t trainable = 0;
+  for (const auto& [name, t] : m.lora_parameters()) {
+    params.push_back(t);
+    trainable += t.numel();
+  }
+  qlora::optim::AdamWOptions ao;
+  ao.lr = 1e-4;
+  qlora::optim::AdamW opt(params, ao);
+  const int64_t V = m.config.vocab_size;
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(1);
+  const at::Tensor tokens = at::randint(0, V, {a.batch, a.seq + 1}, gen);  // [batch, seq + 1]
+  // Labels already shifted, as data/batching produces them.
+  const at::Tensor inp = tokens.narrow(1, 0, a.seq), labels = tokens.narrow(1, 1, a.seq);
+
+  auto step = [&]() {
+    const at::Tensor logits = m.forward(inp);  // [batch, seq, V] fp32
+    at::Tensor loss = at::cross_entropy_loss(logits.view({-1, V}), labels.reshape({-1}), {},
+                                             at::Reduction::Mean, -100);
+    loss.backward();
+    opt.step();
+    opt.zero_grad();
+    return loss.item<double>();
+  };
+  std::vector<double> losses, times;
+  // The 7B mode skips the warm-up to stay within minutes on a small CPU; its one step then
+  // includes first-touch costs, so it is an upper bound.
+  if (!a.llama7b) losses.push_back(step());
+  for (int64_t i = 0; i < a.steps; ++i) {
+    const auto t = std::chrono::steady_clock::now();
+    losses.push_back(step());
+    times.push_back(seconds_since(t));
+  }
+  std::vector<double> sorted = times;
+  std::sort(sorted.begin(), sorted.end());
+  const double med = sorted[sorted.size() / 2];
+  return {{"impl", "qlora (C++)"}, {"threads", at::get_num_threads()}, {"load_s", load_s},
+          {"trainable_params", trainable}, {"warmup_step", !a.llama7b}, {"step_s", times},
+          {"median_step_s", med}, {"tokens_per_s", double(a.batch * a.seq) / med},
+          {"peak_rss_bytes", vm_hwm_bytes()}, {"rss_after_load_bytes", rss_after_load}, {"losses", losses}};
+}
+
+json run_json(const std::string& cmd) {
+  FILE* p = popen(cmd.c_str(), "r");
+  if (!p) return {{"error", "could not start " + cmd}};
+  std::string out;
+  char buf[4096];
+  while (size_t n = fread(buf, 1, sizeof buf, p)) out.append(buf, n);
+  const int rc = pclose(p);
+  // The JSON is the last line (the peer may warn on stdout first).
+  const size_t nl = out.find_last_of('\n', out.size() >= 2 ? out.size() - 2 : 0);
+  const json j = json::parse(nl == std::string::npos ? out : out.substr(nl + 1), nullptr, false);
+  if (rc != 0 || j.is_discarded()) return {{"error", "failed (rc " + std::to_string(rc) + "): " + cmd}, {"output", out}};
+  return j;
+}
+
+std::string shape_flags(const Args& a) {
+  return " --hidden " + std::to_string(a.hidden) + " --inter " + std::to_string(a.inter) + " --layers " +
+         std::to_string(a.layers) + " --heads " + std::to_string(a.heads) + " --vocab " + std::to_string(a.vocab) +
+         " --seq " + std::to_string(a.seq) + " --batch " + std::to_string(a.batch) + " --steps " +
+         std::to_string(a.steps) + " --r " + std::to_string(a.r) + " --alpha " + std::to_string(a.alpha);
+}
+
+std::string self_exe() { return fs::read_symlink("/proc/self/exe").string(); }
+
+}  // namespace
+
+int main(int argc, char** argv) try {
+  Args a;
+  for (int i = 1; i < argc; ++i) {
+    const std::string s = argv[i];
+    auto next = [&]() -> std::string {
+      if (i + 1 >= argc) throw std::invalid_argument(s + " needs a value");
+      return argv[++i];
+    };
+    if (s == "--hidden") a.hidden = std::stoll(next());
+    else if (s == "--inter") a.inter = std::stoll(next());
+    else if (s == "--layers") { a.layers = std::stoll(next()); a.layers_given = true; }
+    else if (s == "--heads") a.heads = std::stoll(next());
+    else if (s == "--vocab") a.vocab = std::stoll(next());
+    else if (s == "--seq") { a.seq = std::stoll(next()); a.seq_given = true; }
+    else if (s == "--batch") a.batch = std::stoll(next());
+    else if (s == "--steps") { a.steps = std::stoll(next()); a.steps_given = true; }
+    else if (s == "--r") a.r = std::stoll(next());
+    else if (s == "--alpha") a.alpha = std::stod(next());
+    else if (s == "--workdir") a.workdir = next();
+    else if (s == "--model") a.model = next();
+    else if (s == "--no-peer") a.peer = false;
+    else if (s == "--worker") a.worker = true;
+    else if (s == "--llama2-7b") a.llama7b = true;
+    else if (s == "--no-activation-checkpointing") a.no_ac = true;
+    else { std::cerr << "bench_train_step: unknown argument " << s << "\n"; return 2; }
+  }
+  if (a.llama7b) {
+    if (!a.seq_given) a.seq = 128;
+    if (!a.steps_given) a.steps = 1;
+    if (!a.layers_given) a.layers = 32;
+  }
+  if (a.steps < 1 || a.seq < 1 || a.batch < 1) throw std::invalid_argument("--steps, --seq, --batch must be >= 1");
+  if (a.worker) {
+    std::cout << run_worker(a).dump() << std::endl;
+    return 0;
+  }
+
+  json r = {{"bench", "train_step"}, {"machine", {{"cpu", cpu_model()}, {"logical_cpus", sysconf(_SC_NPROCESSORS_ONLN)}}}};
+  if (a.llama7b) {
+    r["shape"] = {{"model", "llama2-7b (random NF4, in memory)"}, {"layers", a.layers}, {"seq", a.seq},
+                  {"batch", a.batch}, {"steps", a.steps}, {"lora_r", a.r}, {"lora_alpha", a.alpha},
+                  {"compute_dtype", "fp32"}, {"activation_checkpointing", !a.no_ac}};
+    json q = run_json(self_exe() + " --worker --llama2-7b" + shape_flags(a) +
+                      (a.no_ac ? " --no-activation-checkpointing" : ""));
+    r["qlora"] = q;
+    if (q.contains("peak_rss_bytes")) {
+      r["seconds_per_step"] = q["median_step_s"];
+      r["peak_rss_gib"] = q["peak_rss_bytes"].get<double>() / (1024.0 * 1024 * 1024);
+      r["target_peak_rss_le_6gb_met"] = q["peak_rss_bytes"].get<double>() <= 6e9;
+    }
+    std::cout << r.dump(2) << std::endl;
+    return 0;
+  }
+
+  // One random bf16 checkpoint for both sides, written by the peer script once per shape.
+  const std::string dir = !a.workdir.empty()
+                              ? a.workdir
+                              : (fs::temp_directory_path() / ("qlora_bench_train_step_h" + std::to_string(a.hidden) +
+                                                              "_l" + std::to_string(a.layers) + "_v" +
+                                                              std::to_string(a.vocab) + "_i" + std::to_string(a.inter) +
+                                                              "_a" + std::to_string(a.heads)))
+                                    .string();
+  const std::string py = std::string(QLORA_PYTHON) + " " + QLORA_SOURCE_DIR + "/bench/peer_train_step.py";
+  if (!fs::exists(fs::path(dir) / "model.safetensors") || !fs::exists(fs::path(dir) / "config.json")) {
+    const std::string cmd = py + " --write-model " + dir + shape_flags(a);
+    if (std::system(cmd.c_str()) != 0) throw std::runtime_error("could not write the bench checkpoint: " + cmd);
+  }
+  r["shape"] = {{"hidden", a.hidden}, {"intermediate", a.inter}, {"layers", a.layers}, {"heads", a.heads},
+                {"vocab", a.vocab}, {"seq", a.seq}, {"batch", a.batch}, {"steps", a.steps}, {"lora_r", a.r},
+                {"lora_alpha", a.alpha}, {"lora_targets", kTargets}, {"base", "nf4"}, {"compute_dtype", "fp32"},
+                {"checkpoint", dir}};
+  const json q = run_json(self_exe() + " --worker --model " + dir + shape_flags(a));
+  r["qlora"] = q;
+  if (a.peer) {
+    const json p = run_json(py + " --model " + dir + shape_flags(a));
+    r["peer"] = p;
+    if (q.contains("tokens_per_s") && p.contains("tokens_per_s")) {
+      const double tps = q["tokens_per_s"].get<double>() / p["tokens_per_s"].get<double>();
+      const double rss = q["peak_rss_bytes"].get<double>() / p["peak_rss_bytes"].get<double>();
+      r["ratio_tokens_per_s"] = tps;
+      r["ratio_peak_rss"] = rss;
+      r["target"] = "tokens/s ratio >= 1.5 and peak RSS ratio <= 0.8";
+      r["target_met"] = tps >= 1.5 && rss <= 0.8;
+    }
+  }
+  std::cout << r.dump(2) << std::endl;
+  return 0;
+} catch (const std::exception& e) {
+  std::cerr << "bench_train_step: " << e.what() << "\n";
+  return 1;
+}

@@ -1,0 +1,274 @@
+// `qlora run lora_finetune`: single-process QLoRA fine-tuning, top to bottom.
+//   setup  : config (file + overrides, or the embedded default), model (NF4 base + LoRA), data,
+//            optimizer, schedule, and the resume point if asked for
+//   train  : epochs of optimizer steps; each step accumulates grad_accum micro-batches with the
+//            loss normalised by the non-masked tokens of the whole step, clips, steps
+//   save   : a resume checkpoint every save_every_steps and at every epoch end; an inference
+//            export (PEFT adapter + merged HF model) after every epoch
+//   cleanup: where the exports are
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/core/Reduction.h>
+#include <ATen/core/grad_mode.h>
+#include <torch/csrc/autograd/autograd.h>
+
+#include <chrono>
+#include <csignal>
+#include <cstdlib>
+#include <cstdio>
+#include <filesystem>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "qlora/checkpoint/export.h"
+#include "qlora/checkpoint/resume.h"
+#include "qlora/config/config.h"
+#include "qlora/data/batching.h"
+#include "qlora/data/dataset.h"
+#include "qlora/data/sampler.h"
+#include "qlora/data/tokenizer.h"
+#include "qlora/models/llama.h"
+#include "qlora/optim/adamw.h"
+#include "qlora/optim/schedule.h"
+#include "qlora/train/metrics.h"
+#include "qlora/train/tiny_default.h"
+
+namespace qlora::recipes {
+
+extern const char* const kEmbeddedTinyConfig;  // configs/tiny_qlora.toml, compiled in
+
+namespace {
+namespace fs = std::filesystem;
+using config::RecipeConfig;
+
+RecipeConfig load_recipe_config(const std::vector<std::string>& args) {
+  std::string path;
+  std::vector<std::string> overrides;
+  for (size_t i = 0; i < args.size(); ++i) {
+    if (args[i] == "--config") {
+      if (i + 1 >= args.size()) throw std::invalid_argument("--config needs a file");
+      path = args[++i];
+    } else if (args[i].find('=') != std::string::npos && args[i][0] != '-') {
+      overrides.push_back(args[i]);
+    } else {
+      throw std::invalid_argument("unexpected argument '" + args[i] +
+                                  "'; expected --config FILE and section.key=value overrides");
+    }
+  }
+  RecipeConfig cfg = path.empty() ? config::parse_config(kEmbeddedTinyConfig, "<embedded tiny_qlora.toml>")
+                                  : config::load_config(path);
+  if (path.empty()) std::printf("No --config: running the embedded default (configs/tiny_qlora.toml)\n");
+  for (const auto& o : overrides) config::apply_override(cfg, o);
+  return cfg;
+}
+
+std::vector<std::string> peft_targets(const std::vector<std::string>& short_names) {
+  std::vector<std::string> out;
+  for (const auto& t : short_names) out.push_back(t == "output" ? "lm_head" : t + "_proj");
+  return out;
+}
+
+// Everything a resumed run needs to continue bit for bit.
+checkpoint::ResumeState capture(const std::vector<std::pair<std::string, at::Tensor>>& lora,
+                                const optim::AdamW& opt, const data::Sampler& sampler, int64_t epoch,
+                                int64_t step_in_epoch, int64_t global_step, const RecipeConfig& cfg) {
+  checkpoint::ResumeState s;
+  for (const auto& [name, t] : lora) s.tensors.push_back({"model." + name, t.detach().cpu()});
+  for (const auto& [name, t] : opt.state_dict()) s.tensors.push_back({"optim." + name, t});
+  s.tensors.push_back({"rng.cpu", at::detail::getDefaultCPUGenerator().get_state()});
+  s.meta = {{"epoch", epoch},
+            {"step_in_epoch", step_in_epoch},
+            {"global_step", global_step},
+            {"sampler", nlohmann::json::parse(sampler.state_json())},
+            {"config_toml", config::to_toml(cfg)},
+            {"config_hash", config::config_hash(cfg, config::HashScope::Exactness)}};
+  return s;
+}
+
+}  // namespace
+
+int lora_finetune_main(const std::vector<std::string>& args) {
+  // ---------------------------------------------------------------- setup
+  const RecipeConfig cfg = load_recipe_config(args);
+  const auto& out_dir = cfg.checkpoint.output_dir;
+  fs::create_directories(out_dir);
+  at::manual_seed(static_cast<uint64_t>(cfg.training.seed));
+  // Early steps push tiny values through AdamW's moments and the LoRA path; denormal arithmetic
+  // is ~100x slower on x86, and flushing them to zero changes nothing a loss can see.
+  at::globalContext().setFlushDenormal(true);
+
+  const std::string base_dir = cfg.model.checkpoint_dir.empty()
+                                   ? train::ensure_tiny_base(out_dir + "/tiny_base")
+                                   : cfg.model.checkpoint_dir;
+  const std::string data_path = cfg.data.path.empty() ? train::bundled_data_dir() + "/tiny_tasks.jsonl" : cfg.data.path;
+  const std::string tokenizer_path = base_dir + "/tokenizer.model";
+  const data::Tokenizer tokenizer = data::Tokenizer::open(tokenizer_path);
+  if (cfg.data.packing)
+    throw std::invalid_argument("data.packing = true is not supported yet by the single-device recipe "
+                                "(the model does not take a block-causal mask yet); set it to false");
+
+  data::DatasetOptions dopts;
+  dopts.kind = data::dataset_kind_from_name(config::to_string(cfg.data.format));
+  if (cfg.data.template_ != config::PromptTemplate::None)
+    dopts.prompt_template = data::template_kind_from_name(config::to_string(cfg.data.template_));
+  dopts.max_seq_len = cfg.data.max_seq_len;
+  dopts.train_on_input = cfg.data.train_on_input;
+  const std::vector<data::Sample> samples = data::load_dataset(data_path, tokenizer, dopts);
+
+  data::SamplerOptions sopts;
+  sopts.dataset_size = static_cast<int64_t>(samples.size());
+  sopts.batch_size = cfg.training.batch_size;
+  sopts.seed = static_cast<uint64_t>(cfg.training.seed);
+  sopts.shuffle = cfg.data.shuffle;
+  sopts.drop_last = true;
+  data::Sampler sampler(sopts);
+
+  models::LlamaLoadOptions mopts;
+  mopts.base_in_nf4 = cfg.model.base == config::BaseFormat::NF4;
+  mopts.compute_dtype = cfg.model.dtype == config::ComputeDtype::BF16 ? at::kBFloat16 : at::kFloat;
+  mopts.lora_targets = cfg.lora.targets;
+  mopts.lora_r = cfg.lora.rank;
+  mopts.lora_alpha = cfg.lora.alpha;
+  mopts.lora_dropout = cfg.lora.dropout;
+  mopts.seed = static_cast<uint64_t>(cfg.training.seed);
+  mopts.activation_checkpointing = cfg.model.activation_checkpointing;
+  models::LlamaModel model = models::load_llama(base_dir, mopts);
+  model.training = true;
+  const auto lora = model.lora_parameters();
+  std::vector<at::Tensor> params;
+  for (const auto& [name, t] : lora) params.push_back(t);
+
+  optim::AdamW opt(params, {cfg.optim.lr, cfg.optim.betas[0], cfg.optim.betas[1], cfg.optim.eps,
+                            cfg.optim.weight_decay});
+  int64_t steps_per_epoch = sampler.batches_per_epoch() / cfg.training.grad_accum;
+  if (cfg.training.max_steps_per_epoch > 0) steps_per_epoch = std::min(steps_per_epoch, cfg.training.max_steps_per_epoch);
+  if (steps_per_epoch < 1)
+    throw std::invalid_argument("data set " + data_path + " has " + std::to_string(samples.size()) +
+                                " samples: too few for one step of batch_size x grad_accum");
+  optim::LrSchedule schedule;
+  schedule.kind = cfg.optim.schedule == config::Schedule::Cosine ? optim::ScheduleKind::Cosine : optim::ScheduleKind::Constant;
+  schedule.base_lr = cfg.optim.lr;
+  schedule.warmup_steps = cfg.optim.warmup_steps;
+  schedule.total_steps = steps_per_epoch * cfg.training.epochs;
+  schedule.min_lr_ratio = cfg.optim.min_lr_ratio;
+
+  int64_t start_epoch = 0, start_step = 0, global_step = 0;
+  if (cfg.checkpoint.resume) {
+    const auto latest = checkpoint::latest_resume_checkpoint(out_dir);
+    if (!latest) {
+      std::printf("checkpoint.resume = true but %s has no resume checkpoint: starting fresh\n", out_dir.c_str());
+    } else {
+      const checkpoint::ResumeState s = checkpoint::load_resume_checkpoint(*latest);
+      const RecipeConfig saved = config::parse_config(s.meta.at("config_toml").get<std::string>(), *latest + "/meta.json");
+      const auto diffs = config::exactness_breaking_differences(saved, cfg);
+      if (!diffs.empty()) {
+        std::string keys;
+        for (const auto& d : diffs) keys += (keys.empty() ? "" : ", ") + d;
+        throw std::invalid_argument("cannot resume " + *latest + ": these keys differ from the run that wrote it and "
+                                    "would change its results: " + keys + " (restore them, or start a new output_dir)");
+      }
+      std::map<std::string, at::Tensor> by_name(s.tensors.begin(), s.tensors.end());
+      c10::NoGradGuard no_grad;
+      for (const auto& [name, t] : lora) t.copy_(by_name.at("model." + name));
+      optim::NamedTensors ostate;
+      for (const auto& [name, t] : s.tensors)
+        if (name.rfind("optim.", 0) == 0) ostate.push_back({name.substr(6), t});
+      opt.load_state_dict(ostate);
+      at::Generator rng = at::detail::getDefaultCPUGenerator();
+      rng.set_state(by_name.at("rng.cpu"));
+      sampler.load_state_json(s.meta.at("sampler").dump(), *latest);
+      start_epoch = s.meta.at("epoch");
+      start_step = s.meta.at("step_in_epoch");
+      global_step = s.meta.at("global_step");
+      std::printf("resumed from %s (epoch %lld, step %lld)\n", latest->c_str(), (long long)start_epoch + 1,
+                  (long long)global_step);
+    }
+  }
+
+  train::MetricsLog metrics(out_dir, global_step);
+  train::Progress progress(train::parse_progress_mode(config::to_string(cfg.logging.progress)));
+  const checkpoint::AdapterInfo adapter_info{cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout,
+                                             peft_targets(cfg.lora.targets), base_dir};
+  std::printf("model %s: %lld layers, %lld trainable LoRA parameters; %zu samples; %lld steps/epoch x %lld epochs\n",
+              base_dir.c_str(), (long long)model.config.num_hidden_layers,
+              (long long)[&] { int64_t n = 0; for (auto& p : params) n += p.numel(); return n; }(), samples.size(),
+              (long long)steps_per_epoch, (long long)cfg.training.epochs);
+
+  // ---------------------------------------------------------------- train
+  // QLORA_TEST_KILL_AFTER_STEP=N: die by SIGKILL right after step N is logged (resume tests).
+  const char* kill_env = std::getenv("QLORA_TEST_KILL_AFTER_STEP");
+  const int64_t kill_after_step = kill_env ? std::stoll(kill_env) : -1;
+  const int64_t vocab = model.config.vocab_size;
+  for (int64_t epoch = start_epoch; epoch < cfg.training.epochs; ++epoch) {
+    progress.start_epoch(epoch, cfg.training.epochs, steps_per_epoch, epoch == start_epoch ? start_step : 0);
+    for (int64_t step = epoch == start_epoch ? start_step : 0; step < steps_per_epoch; ++step) {
+      const auto t0 = std::chrono::steady_clock::now();
+      const double lr = schedule.lr_at(global_step);
+      opt.set_lr(lr);
+      std::vector<data::Batch> micro;
+      int64_t tokens = 0;
+      for (int64_t m = 0; m < cfg.training.grad_accum; ++m) {
+        std::vector<data::Sample> picked;
+        for (int64_t idx : sampler.next()) picked.push_back(samples[idx]);
+        micro.push_back(data::collate(picked, tokenizer.pad_id()));
+        tokens += micro.back().num_label_tokens;
+      }
+      double loss_value = 0.0;
+      for (const auto& b : micro) {
+        // Sum over tokens / tokens of the whole step: every token weighs the same, however the
+        // step's tokens fall into micro-batches.
+        const at::Tensor logits = model.forward(b.tokens);  // [batch, seq, vocab] fp32
+        const at::Tensor loss = at::cross_entropy_loss(logits.view({-1, vocab}), b.labels.view({-1}), {},
+                                                       at::Reduction::Sum, data::kIgnoreIndex) /
+                                static_cast<double>(std::max<int64_t>(tokens, 1));
+        torch::autograd::backward({loss});
+        loss_value += loss.item<double>();
+      }
+      const double grad_norm = optim::clip_grad_norm_(params, cfg.optim.max_grad_norm).item<double>();
+      opt.step();
+      opt.zero_grad();
+      ++global_step;
+
+      const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      train::StepMetrics sm;
+      sm.step = global_step;
+      sm.epoch = epoch;
+      sm.loss = loss_value;
+      sm.lr = lr;
+      sm.tokens = tokens;
+      sm.tokens_per_second = tokens / std::max(secs, 1e-9);
+      sm.peak_memory_bytes = train::peak_rss_bytes();
+      sm.grad_norm = grad_norm;
+      metrics.append(sm);
+      progress.update(sm, step + 1, cfg.logging.log_every_steps);
+
+      if (global_step == kill_after_step) ::raise(SIGKILL);  // tests: an abrupt death mid-run
+
+      const bool epoch_end = step + 1 == steps_per_epoch;
+      if (epoch_end) sampler.set_state({epoch + 1, 0});  // max_steps_per_epoch may cut an epoch short
+      if (epoch_end || (cfg.checkpoint.save_every_steps > 0 && global_step % cfg.checkpoint.save_every_steps == 0)) {
+        const int64_t next_epoch = epoch_end ? epoch + 1 : epoch, next_step = epoch_end ? 0 : step + 1;
+        checkpoint::save_resume_checkpoint(
+            out_dir, global_step, capture(lora, opt, sampler, next_epoch, next_step, global_step, cfg),
+            cfg.checkpoint.keep_last_n);
+      }
+    }
+    progress.end_epoch();
+
+    // ------------------------------------------------------------ save (export for inference)
+    checkpoint::export_epoch(out_dir, epoch, model, adapter_info, cfg.checkpoint.adapter_only, base_dir,
+                             cfg.checkpoint.merge_from == config::MergeFrom::NF4 ? checkpoint::MergeSource::Nf4
+                                                                                 : checkpoint::MergeSource::Original,
+                             tokenizer_path);
+    std::printf("epoch %lld exported to %s/epoch_%lld\n", (long long)epoch + 1, out_dir.c_str(), (long long)epoch);
+  }
+
+  // ---------------------------------------------------------------- cleanup
+  std::printf("done: %lld steps; metrics in %s; exports in %s/epoch_*; try\n  qlora generate --checkpoint %s/epoch_%lld --prompt \"...\"\n",
+              (long long)global_step, metrics.path().c_str(), out_dir.c_str(), out_dir.c_str(),
+              (long long)cfg.training.epochs - 1);
+  return 0;
+}
+
+}  // namespace qlora::recipes

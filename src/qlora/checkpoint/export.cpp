@@ -1,0 +1,307 @@
+#include "qlora/checkpoint/export.h"
+
+#include <ATen/ops/matmul.h>
+#include <c10/core/GradMode.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <optional>
+#include <set>
+#include <sstream>
+
+#include "qlora/checkpoint/checkpoint_dir.h"
+#include "qlora/checkpoint/resume.h"
+#include "qlora/checkpoint/safetensors.h"
+#include "qlora/ops/nf4_ops.h"
+
+namespace fs = std::filesystem;
+
+namespace qlora::checkpoint {
+
+namespace {
+
+const char* const kProjNames[] = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
+const char* const kCopiedFiles[] = {"config.json", "tokenizer.model", "tokenizer.json", "tokenizer_config.json",
+                                    "special_tokens_map.json", "generation_config.json"};
+
+std::string read_file(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw ExportError("export: cannot read " + path.string());
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// PEFT module name of a parameter: "...layers.0.self_attn.q_proj.lora_A.weight" -> "q_proj".
+std::string module_of(const std::string& name) {
+  const auto pos = name.rfind(".lora_");
+  if (pos == std::string::npos) return "";
+  const auto start = name.rfind('.', pos - 1);
+  return name.substr(start == std::string::npos ? 0 : start + 1, pos - (start == std::string::npos ? 0 : start + 1));
+}
+
+nlohmann::json number(double v) {
+  // PEFT writes lora_alpha as given (usually an int); keep integers integral.
+  if (std::isfinite(v) && v == std::floor(v) && std::fabs(v) < 1e15) return static_cast<int64_t>(v);
+  return v;
+}
+
+std::string hf_stem(size_t layer, int proj) {
+  return "model.layers." + std::to_string(layer) + (proj < 4 ? ".self_attn." : ".mlp.") + kProjNames[proj];
+}
+
+// One tensor of the merged checkpoint: declared up front (the safetensors header comes first),
+// produced only when its turn comes, so a single merged tensor is in memory at a time.
+struct Entry {
+  std::string key;
+  at::ScalarType dtype;
+  std::vector<int64_t> shape;
+  std::function<at::Tensor()> produce;  // CPU tensor of dtype and shape
+  int64_t nbytes() const {
+    int64_t n = dtype_size(from_scalar_type(dtype));
+    for (int64_t s : shape) n *= s;
+    return n;
+  }
+};
+
+// The base weight of a projection as the model holds it, in fp32.
+at::Tensor model_base_fp32(const modules::LoraLinear& l) {
+  if (l.base_nf4.defined()) return ops::nf4_dequantize(l.base_nf4, at::kFloat);
+  return l.base_dense.to(at::kFloat);
+}
+
+at::ScalarType model_base_dtype(const modules::LoraLinear& l) {
+  return l.base_nf4.defined() ? l.base_nf4.dtype() : l.base_dense.scalar_type();
+}
+
+void copy_file_atomic(const fs::path& from, const fs::path& to) { write_file_atomic(to.string(), read_file(from)); }
+
+}  // namespace
+
+void write_peft_adapter(const std::string& dir, const std::vector<std::pair<std::string, at::Tensor>>& lora_params,
+                        const AdapterInfo& info, at::ScalarType dtype) {
+  if (lora_params.empty()) throw ExportError("write_peft_adapter " + dir + ": no LoRA parameters to write");
+  if (info.r <= 0) throw ExportError("write_peft_adapter " + dir + ": r must be positive");
+  std::set<std::string> derived;
+  std::vector<std::pair<std::string, at::Tensor>> cpu;
+  for (const auto& [name, t] : lora_params) {
+    const bool is_a = name.size() > 14 && name.compare(name.size() - 14, 14, ".lora_A.weight") == 0;
+    const bool is_b = name.size() > 14 && name.compare(name.size() - 14, 14, ".lora_B.weight") == 0;
+    if (name.rfind("base_model.model.", 0) != 0 || !(is_a || is_b)) {
+      throw ExportError("write_peft_adapter " + dir + ": '" + name +
+                        "' is not a PEFT LoRA key (base_model.model.<module>.lora_{A,B}.weight)");
+    }
+    if (!t.defined() || t.dim() != 2 || (is_a ? t.size(0) : t.size(1)) != info.r) {
+      throw ExportError("write_peft_adapter " + dir + ": '" + name + "' must be 2-D with rank " +
+                        std::to_string(info.r) + (is_a ? " rows" : " columns"));
+    }
+    derived.insert(module_of(name));
+    cpu.emplace_back(name, t.detach().to(at::kCPU, dtype).contiguous());
+  }
+  fs::create_directories(dir);
+  save_safetensors((fs::path(dir) / "adapter_model.safetensors").string(), cpu, {{"format", "pt"}});
+
+  const std::vector<std::string> targets =
+      info.target_modules.empty() ? std::vector<std::string>(derived.begin(), derived.end()) : info.target_modules;
+  nlohmann::json base = info.base_model_name_or_path.empty() ? nlohmann::json(nullptr)
+                                                             : nlohmann::json(info.base_model_name_or_path);
+  const nlohmann::json cfg = {
+      {"peft_type", "LORA"},
+      {"task_type", "CAUSAL_LM"},
+      {"base_model_name_or_path", base},
+      {"r", info.r},
+      {"lora_alpha", number(info.alpha)},
+      {"lora_dropout", info.dropout},
+      {"target_modules", targets},
+      {"bias", "none"},
+      {"fan_in_fan_out", false},
+      {"inference_mode", true},
+      {"init_lora_weights", true},
+      {"modules_to_save", nullptr},
+      {"layers_to_transform", nullptr},
+      {"layers_pattern", nullptr},
+      {"rank_pattern", nlohmann::json::object()},
+      {"alpha_pattern", nlohmann::json::object()},
+      {"revision", nullptr},
+      {"use_rslora", false},  // scale is alpha / r, not alpha / sqrt(r)
+      {"use_dora", false},
+  };
+  // json's object keys are sorted, as PEFT's own json.dumps(sort_keys=True) writes them.
+  write_file_atomic((fs::path(dir) / "adapter_config.json").string(), cfg.dump(2) + "\n");
+}
+
+void write_merged_model(const std::string& dir, const models::LlamaModel& model, const std::string& base_checkpoint_dir,
+                        MergeSource source, int64_t max_shard_bytes, const std::string& tokenizer_path) {
+  if (max_shard_bytes <= 0) throw ExportError("write_merged_model " + dir + ": max_shard_bytes must be positive");
+  if (base_checkpoint_dir.empty() || !fs::is_regular_file(fs::path(base_checkpoint_dir) / "config.json")) {
+    throw ExportError("write_merged_model " + dir + ": base checkpoint '" + base_checkpoint_dir +
+                      "' has no config.json (needed for the merged model's config)");
+  }
+  const CheckpointDir orig = CheckpointDir::open(base_checkpoint_dir);
+  const c10::NoGradGuard no_grad;
+
+  std::vector<Entry> entries;
+  auto from_orig = [&orig](const std::string& key) {
+    return [&orig, key]() { return orig.tensor(key).contiguous(); };
+  };
+  // A frozen non-projection tensor: the original's bytes when it has the key, else the model's.
+  auto plain = [&](const std::string& key, const at::Tensor& t) {
+    if (orig.contains(key)) {
+      const TensorInfo& ti = orig.file_of(key).info(key);
+      entries.push_back({key, to_scalar_type(ti.dtype), ti.shape, from_orig(key)});
+    } else {
+      entries.push_back({key, t.scalar_type(), t.sizes().vec(), [t]() { return t.detach().cpu().contiguous(); }});
+    }
+  };
+  auto projection = [&](const std::string& key, const modules::LoraLinear& l) {
+    const std::vector<int64_t> shape = {l.out_features, l.in_features};
+    const bool have = orig.contains(key);
+    if (have && orig.file_of(key).info(key).shape != shape) {
+      throw ExportError("write_merged_model: " + key + " in " + base_checkpoint_dir + " has another shape than the model's");
+    }
+    const at::ScalarType out = have ? to_scalar_type(orig.file_of(key).info(key).dtype) : model_base_dtype(l);
+    if (!l.has_lora()) {
+      if (have) {
+        entries.push_back({key, out, shape, from_orig(key)});
+      } else {
+        entries.push_back({key, out, shape, [&l, out]() { return model_base_fp32(l).to(out).cpu().contiguous(); }});
+      }
+      return;
+    }
+    if (source == MergeSource::Original && !have) {
+      throw ExportError("write_merged_model: merge source 'original' needs " + key + ", which " + base_checkpoint_dir +
+                        " does not contain");
+    }
+    const bool use_orig = source == MergeSource::Original;
+    entries.push_back({key, out, shape, [&l, &orig, key, out, use_orig]() {
+                         at::Tensor w = use_orig ? orig.tensor(key).to(at::kFloat) : model_base_fp32(l);  // [out, in]
+                         const at::Tensor delta = at::matmul(l.lora_b.detach().to(at::kFloat),
+                                                             l.lora_a.detach().to(at::kFloat));  // [out, in]
+                         w = w.to(delta.device()).add(delta, l.scale);
+                         return w.to(out).cpu().contiguous();
+                       }});
+  };
+
+  const models::LlamaConfig& c = model.config;
+  plain("model.embed_tokens.weight", model.embed_tokens);
+  for (size_t i = 0; i < model.layers.size(); ++i) {
+    const modules::DecoderLayer& L = model.layers[i];
+    const std::string pre = "model.layers." + std::to_string(i) + ".";
+    plain(pre + "input_layernorm.weight", L.input_layernorm);
+    plain(pre + "post_attention_layernorm.weight", L.post_attention_layernorm);
+    const modules::LoraLinear* projs[] = {&L.q_proj, &L.k_proj, &L.v_proj, &L.o_proj, &L.gate_proj, &L.up_proj, &L.down_proj};
+    for (int j = 0; j < 7; ++j) projection(hf_stem(i, j) + ".weight", *projs[j]);
+  }
+  plain("model.norm.weight", model.norm);
+  const bool untie = c.tie_word_embeddings && model.lm_head.has_lora();
+  if (!c.tie_word_embeddings || untie) {
+    if (untie && !orig.contains("lm_head.weight")) {
+      // Tied: the original has no lm_head.weight; the merged head starts from the embedding.
+      const at::ScalarType out = to_scalar_type(orig.file_of("model.embed_tokens.weight").info("model.embed_tokens.weight").dtype);
+      const modules::LoraLinear& l = model.lm_head;
+      entries.push_back({"lm_head.weight", out, {l.out_features, l.in_features}, [&l, &orig, out, source]() {
+                           at::Tensor w = source == MergeSource::Original
+                                              ? orig.tensor("model.embed_tokens.weight").to(at::kFloat)
+                                              : model_base_fp32(l);
+                           const at::Tensor d = at::matmul(l.lora_b.detach().to(at::kFloat), l.lora_a.detach().to(at::kFloat));
+                           return w.to(d.device()).add(d, l.scale).to(out).cpu().contiguous();
+                         }});
+    } else {
+      projection("lm_head.weight", model.lm_head);
+    }
+  }
+
+  // Greedy sharding in checkpoint order, as transformers' split_torch_state_dict_into_shards.
+  std::vector<std::vector<size_t>> shards(1);
+  int64_t cur = 0, total = 0;
+  for (size_t i = 0; i < entries.size(); ++i) {
+    const int64_t n = entries[i].nbytes();
+    if (!shards.back().empty() && cur + n > max_shard_bytes) {
+      shards.emplace_back();
+      cur = 0;
+    }
+    shards.back().push_back(i);
+    cur += n;
+    total += n;
+  }
+
+  fs::create_directories(dir);
+  std::map<std::string, std::string> weight_map;
+  char name[64];
+  for (size_t s = 0; s < shards.size(); ++s) {
+    if (shards.size() == 1) {
+      std::snprintf(name, sizeof name, "model.safetensors");
+    } else {
+      std::snprintf(name, sizeof name, "model-%05zu-of-%05zu.safetensors", s + 1, shards.size());
+    }
+    // Wider dtypes first within a shard, so every tensor is naturally aligned for zero-copy reads.
+    std::vector<size_t> idx = shards[s];
+    std::stable_sort(idx.begin(), idx.end(), [&](size_t a, size_t b) {
+      return c10::elementSize(entries[a].dtype) > c10::elementSize(entries[b].dtype);
+    });
+    std::vector<EntrySpec> specs;
+    for (size_t i : idx) specs.push_back({entries[i].key, from_scalar_type(entries[i].dtype), entries[i].shape});
+    SafetensorsWriter w((fs::path(dir) / name).string(), specs, {{"format", "pt"}});
+    for (size_t i : idx) {
+      const Entry& e = entries[i];
+      const at::Tensor t = e.produce();
+      if (t.scalar_type() != e.dtype || t.sizes().vec() != e.shape) {
+        throw ExportError("write_merged_model: internal error, " + e.key + " produced the wrong dtype or shape");
+      }
+      w.write_tensor(t);
+      if (orig.contains(e.key)) orig.file_of(e.key).release(e.key);  // keep RSS flat on 7B bases
+      weight_map[e.key] = name;
+    }
+    w.commit();
+  }
+  if (shards.size() > 1) {
+    write_safetensors_index((fs::path(dir) / "model.safetensors.index.json").string(), weight_map,
+                            static_cast<uint64_t>(total));
+  }
+
+  // Config and tokenizer files: the base checkpoint's, then an explicit tokenizer overriding them.
+  for (const char* f : kCopiedFiles) {
+    const fs::path p = fs::path(base_checkpoint_dir) / f;
+    if (fs::is_regular_file(p)) copy_file_atomic(p, fs::path(dir) / f);
+  }
+  if (!tokenizer_path.empty()) {
+    const fs::path tp(tokenizer_path);
+    if (fs::is_directory(tp)) {
+      for (const char* f : kCopiedFiles) {
+        if (std::string(f) != "config.json" && fs::is_regular_file(tp / f)) copy_file_atomic(tp / f, fs::path(dir) / f);
+      }
+    } else if (fs::is_regular_file(tp)) {
+      copy_file_atomic(tp, fs::path(dir) / tp.filename());
+    } else {
+      throw ExportError("write_merged_model " + dir + ": tokenizer path '" + tokenizer_path + "' does not exist");
+    }
+  }
+  if (untie) {
+    const fs::path cfg_path = fs::path(dir) / "config.json";
+    nlohmann::json cfg = nlohmann::json::parse(read_file(cfg_path));
+    cfg["tie_word_embeddings"] = false;
+    write_file_atomic(cfg_path.string(), cfg.dump(2) + "\n");
+  }
+}
+
+void export_epoch(const std::string& output_dir, int64_t epoch, const models::LlamaModel& model, const AdapterInfo& info,
+                  bool adapter_only, const std::string& base_checkpoint_dir, MergeSource source,
+                  const std::string& tokenizer_path) {
+  if (epoch < 0) throw ExportError("export_epoch: negative epoch " + std::to_string(epoch));
+  const fs::path final_dir = fs::path(output_dir) / ("epoch_" + std::to_string(epoch));
+  const fs::path tmp = final_dir.string() + ".tmp";
+  fs::create_directories(output_dir);
+  fs::remove_all(tmp);  // an export that crashed: incomplete by construction
+  fs::create_directories(tmp);
+  write_peft_adapter((tmp / "adapter").string(), model.lora_parameters(), info);
+  if (!adapter_only) write_merged_model(tmp.string(), model, base_checkpoint_dir, source, 5LL << 30, tokenizer_path);
+  commit_directory(tmp.string(), final_dir.string());
+}
+
+}  // namespace qlora::checkpoint

@@ -1,0 +1,73 @@
+// Inference exports of a LoRA-adapted Llama: a PEFT adapter directory (loadable with
+// peft.PeftModel.from_pretrained) and a merged Hugging Face model directory (loadable with
+// transformers.AutoModelForCausalLM.from_pretrained), per epoch and committed atomically.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "qlora/models/llama.h"
+
+namespace qlora::checkpoint {
+
+struct AdapterInfo {
+  int64_t r = 0;
+  double alpha = 0.0;
+  double dropout = 0.0;
+  // PEFT module names, e.g. {"q_proj", "v_proj"}; empty: derived from the parameter names.
+  std::vector<std::string> target_modules;
+  std::string base_model_name_or_path;
+};
+
+// Every message names the directory or file, and the tensor where one is involved.
+struct ExportError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// Writes <dir>/adapter_model.safetensors (the given PEFT-named tensors, e.g. from
+// LlamaModel::lora_parameters(), cast to `dtype` on the CPU) and <dir>/adapter_config.json, each
+// atomically; creates dir. adapter_config.json carries the LoraConfig fields PEFT has long
+// written (peft_type, r, lora_alpha, target_modules, lora_dropout, bias, task_type,
+// base_model_name_or_path, fan_in_fan_out, inference_mode, init_lora_weights, rank/alpha_pattern,
+// use_rslora, use_dora, ...), not every field of the newest PEFT: PEFT fills absent fields with
+// their defaults, while older PEFT releases reject fields they do not know.
+void write_peft_adapter(const std::string& dir, const std::vector<std::pair<std::string, at::Tensor>>& lora_params,
+                        const AdapterInfo& info, at::ScalarType dtype = at::kFloat);
+
+enum class MergeSource {
+  Nf4,       // W = the base the model trained against (NF4 dequantized, or the dense base), as torchtune
+  Original,  // W = the full-precision tensor from base_checkpoint_dir (error if it lacks one)
+};
+
+// Writes the merged model as an HF checkpoint into dir (created if needed): for every adapted
+// projection W' = W + scale * (B @ A), computed in fp32 and cast to the output dtype (the
+// original checkpoint's dtype for that key, else the model's base dtype); every other weight
+// copied from base_checkpoint_dir when it has the key (bit-exact), else from the model. One
+// model.safetensors if the total fits in max_shard_bytes, else model-0000i-of-0000n.safetensors
+// of at most max_shard_bytes each (a single larger tensor gets a shard of its own, as
+// transformers does) plus model.safetensors.index.json. config.json and whichever tokenizer files
+// exist (tokenizer.model, tokenizer.json, tokenizer_config.json, special_tokens_map.json,
+// generation_config.json) are copied from base_checkpoint_dir, then from tokenizer_path (a file,
+// copied under its own name, or a directory) if given. Streams: one merged tensor in memory at
+// a time. A LoRA on a tied lm_head unties it: lm_head.weight is written and config.json gets
+// tie_word_embeddings=false.
+void write_merged_model(const std::string& dir, const models::LlamaModel& model, const std::string& base_checkpoint_dir,
+                        MergeSource source, int64_t max_shard_bytes = 5LL << 30, const std::string& tokenizer_path = "");
+
+// <output_dir>/epoch_<epoch>/: the merged model at the top level (so the directory is a plain HF
+// checkpoint) unless adapter_only, and the PEFT adapter always in the adapter/ subdirectory.
+// The adapter lives in a subdirectory because transformers' from_pretrained, on finding
+// adapter_config.json next to config.json, loads the adapter on top of the (already merged)
+// weights, applying the update twice. Built in epoch_<epoch>.tmp/ (a leftover one is discarded)
+// and renamed into place; an existing epoch_<epoch> is replaced only once the new one is
+// complete (atomically where the filesystem supports RENAME_EXCHANGE).
+void export_epoch(const std::string& output_dir, int64_t epoch, const models::LlamaModel& model,
+                  const AdapterInfo& info, bool adapter_only, const std::string& base_checkpoint_dir,
+                  MergeSource source, const std::string& tokenizer_path = "");
+
+}  // namespace qlora::checkpoint

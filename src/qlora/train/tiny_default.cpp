@@ -1,0 +1,69 @@
+#include "qlora/train/tiny_default.h"
+
+#include <ATen/ATen.h>
+#include <nlohmann/json.hpp>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <stdexcept>
+
+#include "qlora/checkpoint/safetensors.h"
+
+namespace qlora::train {
+namespace fs = std::filesystem;
+
+namespace {
+// Vocab matches the bundled tokenizer; the rest is as small as still shows learning in a minute.
+constexpr int64_t kVocab = 512, kHidden = 128, kInter = 352, kLayers = 4, kHeads = 4, kKvHeads = 2;
+}  // namespace
+
+std::string bundled_data_dir() {
+  if (const char* d = std::getenv("QLORA_DATA_DIR")) return d;
+  return QLORA_SOURCE_DIR "/tests/data";
+}
+
+std::string ensure_tiny_base(const std::string& dir) {
+  if (fs::exists(fs::path(dir) / "model.safetensors") && fs::exists(fs::path(dir) / "config.json")) return dir;
+  const std::string tokenizer = bundled_data_dir() + "/tokenizer/tokenizer.model";
+  if (!fs::exists(tokenizer)) throw std::runtime_error("bundled tokenizer not found: " + tokenizer);
+  const fs::path tmp = dir + ".tmp";
+  fs::remove_all(tmp);
+  fs::create_directories(tmp);
+
+  at::Generator gen = at::detail::createCPUGenerator(20240611);
+  auto w = [&](int64_t out, int64_t in) {
+    return (at::randn({out, in}, gen, at::kFloat) * 0.02).to(at::kBFloat16);
+  };
+  const int64_t head_dim = kHidden / kHeads;
+  std::vector<std::pair<std::string, at::Tensor>> t = {{"model.embed_tokens.weight", w(kVocab, kHidden)}};
+  for (int64_t i = 0; i < kLayers; ++i) {
+    const std::string p = "model.layers." + std::to_string(i) + ".";
+    t.push_back({p + "self_attn.q_proj.weight", w(kHeads * head_dim, kHidden)});
+    t.push_back({p + "self_attn.k_proj.weight", w(kKvHeads * head_dim, kHidden)});
+    t.push_back({p + "self_attn.v_proj.weight", w(kKvHeads * head_dim, kHidden)});
+    t.push_back({p + "self_attn.o_proj.weight", w(kHidden, kHeads * head_dim)});
+    t.push_back({p + "mlp.gate_proj.weight", w(kInter, kHidden)});
+    t.push_back({p + "mlp.up_proj.weight", w(kInter, kHidden)});
+    t.push_back({p + "mlp.down_proj.weight", w(kHidden, kInter)});
+    t.push_back({p + "input_layernorm.weight", at::ones({kHidden}, at::kBFloat16)});
+    t.push_back({p + "post_attention_layernorm.weight", at::ones({kHidden}, at::kBFloat16)});
+  }
+  t.push_back({"model.norm.weight", at::ones({kHidden}, at::kBFloat16)});
+  t.push_back({"lm_head.weight", w(kVocab, kHidden)});
+  checkpoint::save_safetensors((tmp / "model.safetensors").string(), t, {{"format", "pt"}});
+
+  const nlohmann::json config = {
+      {"architectures", {"LlamaForCausalLM"}}, {"model_type", "llama"}, {"hidden_size", kHidden},
+      {"intermediate_size", kInter}, {"num_hidden_layers", kLayers}, {"num_attention_heads", kHeads},
+      {"num_key_value_heads", kKvHeads}, {"vocab_size", kVocab}, {"max_position_embeddings", 256},
+      {"rms_norm_eps", 1e-5}, {"rope_theta", 10000.0}, {"tie_word_embeddings", false},
+      {"bos_token_id", 1}, {"eos_token_id", 2}, {"hidden_act", "silu"}, {"torch_dtype", "bfloat16"}};
+  checkpoint::write_file_atomic((tmp / "config.json").string(), config.dump(2) + "\n");
+  fs::copy_file(tokenizer, tmp / "tokenizer.model", fs::copy_options::overwrite_existing);
+  fs::remove_all(dir);
+  fs::rename(tmp, dir);
+  return dir;
+}
+
+}  // namespace qlora::train
