@@ -66,17 +66,23 @@ def main():
                    "tokenizer.model")) and any(f.endswith(".safetensors") for f in os.listdir(d)),
               f"epoch_{e}: PEFT adapter, merged model, config and tokenizer")
 
-    # 2. SIGKILL at step 14 (mid-epoch 2; last checkpoint at step 12), then resume
-    r = run(a.qlora, killed, env={"QLORA_TEST_KILL_AFTER_STEP": "14"}, expect_rc=-9)
-    check(r.returncode == -9, "the run dies by SIGKILL at step 14")
-    r = run(a.qlora, killed, "checkpoint.resume=true")
-    check(r.returncode == 0 and "resumed from" in r.stdout, "resume exits 0 and says where it resumed")
-    got, _ = losses(killed)
-    check(got == ref, "per-step losses of the resumed run equal the uninterrupted run's exactly")
-    same = all(open(os.path.join(full, f"epoch_{e}", "adapter", "adapter_model.safetensors"), "rb").read() ==
-               open(os.path.join(killed, f"epoch_{e}", "adapter", "adapter_model.safetensors"), "rb").read()
-               for e in (0, 1))
-    check(same, "final adapters are byte-identical")
+    # 2. SIGKILL at several steps, then resume: before the first checkpoint (3: resume finds none
+    #    and starts fresh), on an epoch's last step before its checkpoint and export (10), and
+    #    mid-epoch two steps after a checkpoint (14; the last one is at step 12).
+    full_adapters = [open(os.path.join(full, f"epoch_{e}", "adapter", "adapter_model.safetensors"), "rb").read()
+                     for e in (0, 1)]
+    for kill in (3, 10, 14):
+        out = f"{killed}_{kill}"
+        r = run(a.qlora, out, env={"QLORA_TEST_KILL_AFTER_STEP": str(kill)}, expect_rc=-9)
+        check(r.returncode == -9, f"the run dies by SIGKILL at step {kill}")
+        r = run(a.qlora, out, "checkpoint.resume=true")
+        check(r.returncode == 0, f"resume after a kill at step {kill} exits 0")
+        got, _ = losses(out)
+        check(got == ref, f"kill at {kill}: per-step losses equal the uninterrupted run's exactly")
+        same = all(open(os.path.join(out, f"epoch_{e}", "adapter", "adapter_model.safetensors"), "rb").read() ==
+                   full_adapters[e] for e in (0, 1))
+        check(same, f"kill at {kill}: the adapters of both epochs are byte-identical")
+    killed = f"{killed}_14"
 
     # 3. changed config on resume
     r = run(a.qlora, killed, "checkpoint.resume=true", "optim.lr=5e-4", expect_rc=1)
