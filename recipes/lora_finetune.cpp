@@ -104,9 +104,6 @@ int lora_finetune_main(const std::vector<std::string>& args) {
   const std::string data_path = cfg.data.path.empty() ? train::bundled_data_dir() + "/tiny_tasks.jsonl" : cfg.data.path;
   const std::string tokenizer_path = base_dir + "/tokenizer.model";
   const data::Tokenizer tokenizer = data::Tokenizer::open(tokenizer_path);
-  if (cfg.data.packing)
-    throw std::invalid_argument("data.packing = true is not supported yet by the single-device recipe "
-                                "(the model does not take a block-causal mask yet); set it to false");
 
   data::DatasetOptions dopts;
   dopts.kind = data::dataset_kind_from_name(config::to_string(cfg.data.format));
@@ -115,9 +112,13 @@ int lora_finetune_main(const std::vector<std::string>& args) {
   dopts.max_seq_len = cfg.data.max_seq_len;
   dopts.train_on_input = cfg.data.train_on_input;
   const std::vector<data::Sample> samples = data::load_dataset(data_path, tokenizer, dopts);
+  // Packing: samples are packed once into rows of max_seq_len; the sampler then draws rows.
+  const std::vector<data::PackedRow> rows =
+      cfg.data.packing ? data::pack_samples(samples, cfg.data.max_seq_len, tokenizer.pad_id())
+                       : std::vector<data::PackedRow>{};
 
   data::SamplerOptions sopts;
-  sopts.dataset_size = static_cast<int64_t>(samples.size());
+  sopts.dataset_size = static_cast<int64_t>(cfg.data.packing ? rows.size() : samples.size());
   sopts.batch_size = cfg.training.batch_size;
   sopts.seed = static_cast<uint64_t>(cfg.training.seed);
   sopts.shuffle = cfg.data.shuffle;
@@ -209,16 +210,26 @@ int lora_finetune_main(const std::vector<std::string>& args) {
       std::vector<data::Batch> micro;
       int64_t tokens = 0;
       for (int64_t m = 0; m < cfg.training.grad_accum; ++m) {
-        std::vector<data::Sample> picked;
-        for (int64_t idx : sampler.next()) picked.push_back(samples[idx]);
-        micro.push_back(data::collate(picked, tokenizer.pad_id()));
+        const std::vector<int64_t> picked = sampler.next();
+        if (cfg.data.packing) {
+          std::vector<data::PackedRow> batch_rows;
+          for (int64_t idx : picked) batch_rows.push_back(rows[idx]);
+          micro.push_back(data::collate_packed(batch_rows));
+        } else {
+          std::vector<data::Sample> batch_samples;
+          for (int64_t idx : picked) batch_samples.push_back(samples[idx]);
+          micro.push_back(data::collate(batch_samples, tokenizer.pad_id()));
+        }
         tokens += micro.back().num_label_tokens;
       }
       double loss_value = 0.0;
       for (const auto& b : micro) {
         // Sum over tokens / tokens of the whole step: every token weighs the same, however the
         // step's tokens fall into micro-batches.
-        const at::Tensor logits = model.forward(b.tokens);  // [batch, seq, vocab] fp32
+        // [batch, seq, vocab] fp32; packed rows attend within their own sample only
+        const at::Tensor logits =
+            cfg.data.packing ? model.forward(b.tokens, b.position_ids, data::block_causal_mask(b.document_ids))
+                             : model.forward(b.tokens);
         const at::Tensor loss = at::cross_entropy_loss(logits.view({-1, vocab}), b.labels.view({-1}), {},
                                                        at::Reduction::Sum, data::kIgnoreIndex) /
                                 static_cast<double>(std::max<int64_t>(tokens, 1));

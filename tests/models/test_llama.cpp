@@ -282,3 +282,134 @@ TEST(LlamaModel, MissingTensorNamesCheckpointAndKey) {
   }
   fs::remove_all(dir);
 }
+
+// ---- Sequence packing: several samples per row, per-token positions, block-causal mask ----
+namespace {
+
+// Two samples (lengths 5 and 7) packed into rows of 16 with 4 padding tokens. Row 0 holds A then
+// B, row 1 holds B then A, so the per-row RoPE tables really differ between rows.
+struct Packed {
+  at::Tensor a, b;                   // [1, 5], [1, 7]
+  at::Tensor tokens, positions, mask;  // [2, 16], [2, 16], [2, 16, 16]
+  int64_t a_off[2], b_off[2];        // where A and B start in each row
+};
+
+// The rule of data::block_causal_mask, restated (qlora_models must not depend on qlora_data):
+// query i may see key j when j <= i and both carry the same document id; padding (-1) is one more
+// document, so its rows are causal among themselves and never all-false.
+at::Tensor block_causal(const at::Tensor& doc) {  // [b, s] -> [b, s, s]
+  const int64_t s = doc.size(1);
+  return doc.unsqueeze(2).eq(doc.unsqueeze(1)).logical_and(at::ones({s, s}, at::kBool).tril());
+}
+
+Packed make_packed() {
+  Packed p;
+  p.a = at::tensor({5, 17, 200, 3, 45}, at::kLong).view({1, 5});
+  p.b = at::tensor({99, 255, 7, 8, 9, 10, 11}, at::kLong).view({1, 7});
+  const at::Tensor pad = at::zeros({1, 4}, at::kLong);
+  p.tokens = at::cat({at::cat({p.a, p.b, pad}, 1), at::cat({p.b, p.a, pad}, 1)}, 0);
+  auto pos = [](int64_t n) { return at::arange(n, at::kLong).view({1, n}); };
+  p.positions = at::cat({at::cat({pos(5), pos(7), pos(4)}, 1), at::cat({pos(7), pos(5), pos(4)}, 1)}, 0);
+  auto ids = [](int64_t n, int64_t id) { return at::full({1, n}, id, at::kLong); };
+  const at::Tensor doc = at::cat({at::cat({ids(5, 0), ids(7, 1), ids(4, -1)}, 1),
+                                  at::cat({ids(7, 0), ids(5, 1), ids(4, -1)}, 1)}, 0);  // [2, 16]
+  p.mask = block_causal(doc);
+  p.a_off[0] = 0;
+  p.b_off[0] = 5;
+  p.b_off[1] = 0;
+  p.a_off[1] = 7;
+  return p;
+}
+
+}  // namespace
+
+TEST(LlamaModel, PackedForwardEqualsPerSampleForward) {
+  const Packed p = make_packed();
+  for (bool nf4 : {false, true}) {
+    LlamaLoadOptions o;
+    o.base_in_nf4 = nf4;
+    LlamaModel m = load_llama(tiny_llama(), o);
+    at::NoGradGuard ng;
+    const at::Tensor packed = m.forward(p.tokens, p.positions, p.mask);  // [2, 16, vocab]
+    ASSERT_EQ(packed.sizes(), at::IntArrayRef({2, 16, 256}));
+    const at::Tensor la = m.forward(p.a), lb = m.forward(p.b);  // [1, 5, vocab], [1, 7, vocab]
+    for (int row = 0; row < 2; ++row) {
+      // Same maths; masked keys add exactly 0 after softmax, so only matmul/SDPA accumulation
+      // order over different shapes differs: fp32 rounding (logits are O(1)).
+      EXPECT_LT(max_abs(packed[row].narrow(0, p.a_off[row], 5) - la[0]), 1e-5) << "nf4=" << nf4 << " row " << row;
+      EXPECT_LT(max_abs(packed[row].narrow(0, p.b_off[row], 7) - lb[0]), 1e-5) << "nf4=" << nf4 << " row " << row;
+    }
+    EXPECT_TRUE(at::isfinite(packed).all().item<bool>());  // padding rows too: no all-false mask row
+    // Position ids reach RoPE. (A constant shift per sample would not show it: RoPE scores depend
+    // only on relative positions, so 0..15 with this mask gives B's logits too. All-zero positions
+    // erase the relative distances.)
+    EXPECT_GT(max_abs(m.forward(p.tokens, at::zeros_like(p.positions), p.mask)[0].narrow(0, 5, 7) - lb[0]), 1e-3);
+  }
+}
+
+TEST(LlamaModel, PackedForwardRejectsBadInputs) {
+  LlamaModel m = load_llama(tiny_llama(), {});
+  at::NoGradGuard ng;
+  const Packed p = make_packed();
+  modules::KvCache cache;
+  EXPECT_THROW(m.forward(p.tokens, p.positions, p.mask, &cache), std::invalid_argument);
+  EXPECT_THROW(m.forward(p.tokens, p.positions.narrow(1, 0, 15), p.mask), std::invalid_argument);
+  EXPECT_THROW(m.forward(p.tokens, p.positions, p.mask.to(at::kFloat)), std::invalid_argument);
+  EXPECT_THROW(m.forward(p.tokens, p.positions, p.mask.narrow(0, 0, 1)), std::invalid_argument);
+  at::Tensor holes = p.mask.clone();
+  holes[0][3].fill_(false);  // query 3 of row 0 may see nothing
+  try {
+    m.forward(p.tokens, p.positions, holes);
+    ADD_FAILURE() << "expected an error";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("no allowed key"), std::string::npos) << e.what();
+  }
+}
+
+TEST(LlamaModel, PackedGradientsEqualSumOfPerSampleGradients) {
+  const Packed p = make_packed();
+  LlamaLoadOptions o;
+  o.base_in_nf4 = true;
+  o.lora_targets = {"q_proj", "k_proj", "v_proj", "o_proj", "down_proj", "lm_head"};
+  o.lora_r = 4;  // no dropout: packed and per-sample runs would draw different masks
+  for (bool ckpt : {false, true}) {
+    o.activation_checkpointing = ckpt;
+    LlamaModel m = load_llama(tiny_llama(), o);
+    m.training = true;
+    {
+      at::NoGradGuard ng;
+      uint64_t s = 5;
+      for (auto& [name, t] : m.lora_parameters()) {  // nonzero B so gradients reach every A
+        if (name.find("lora_B") != std::string::npos) {
+          t.copy_(at::randn(t.sizes(), at::make_generator<at::CPUGeneratorImpl>(s++)) * 0.05);
+        }
+      }
+    }
+    auto take_grads = [&]() {
+      std::vector<at::Tensor> g;
+      for (auto& [name, t] : m.lora_parameters()) {
+        EXPECT_TRUE(t.grad().defined()) << name;
+        g.push_back(t.grad().clone());
+        t.mutable_grad().reset();
+      }
+      return g;
+    };
+    // A summed (not averaged) loss, so the packed loss is exactly the sum of the per-sample ones.
+    auto loss_of = [](const at::Tensor& logits) { return at::log_softmax(logits, -1).select(-1, 3).sum().neg(); };
+    // Row 0 only (A then B then padding); padding positions are left out of the loss.
+    const at::Tensor logits = m.forward(p.tokens.narrow(0, 0, 1), p.positions.narrow(0, 0, 1), p.mask.narrow(0, 0, 1));
+    (loss_of(logits.narrow(1, 0, 5)) + loss_of(logits.narrow(1, 5, 7))).backward();
+    const auto packed = take_grads();
+    loss_of(m.forward(p.a)).backward();
+    const auto ga = take_grads();
+    loss_of(m.forward(p.b)).backward();
+    const auto gb = take_grads();
+    ASSERT_EQ(packed.size(), ga.size());
+    for (size_t i = 0; i < packed.size(); ++i) {
+      const at::Tensor want = ga[i] + gb[i];
+      // fp32 accumulation over differently shaped matmuls; relative to the gradient's scale.
+      EXPECT_LT(max_abs(packed[i] - want), 1e-5 * std::max(1.0, max_abs(want))) << "ckpt=" << ckpt << " " << i;
+      EXPECT_GT(max_abs(want), 0.0) << i;
+    }
+  }
+}

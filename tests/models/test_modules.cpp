@@ -295,3 +295,32 @@ TEST(ActivationCheckpointing, ForwardKeepsNoGraph) {
   EXPECT_EQ(out.grad_fn()->name().find("CheckpointFunction") != std::string::npos, true) << out.grad_fn()->name();
   EXPECT_EQ(out.grad_fn()->num_inputs(), 1u);
 }
+
+TEST(Rope, PerRowPositionsMatchSharedTables) {
+  at::Tensor inv = rope_inv_freq(8, 10000.0, std::nullopt);
+  at::Tensor pos = at::tensor({0, 1, 2, 0, 1, 4, 0, 1}, at::kLong).view({2, 4});  // [b, s]
+  RopeTables batched = rope_tables(inv, pos, at::kFloat);
+  ASSERT_EQ(batched.cos.sizes(), at::IntArrayRef({2, 4, 8}));
+  at::Tensor x = randn({2, 3, 4, 8}, 12);  // [b, heads, s, d]
+  at::Tensor y = apply_rope(x, batched);
+  for (int64_t r = 0; r < 2; ++r) {
+    RopeTables one = rope_tables(inv, pos[r], at::kFloat);  // [s, d]
+    EXPECT_TRUE(at::equal(y[r], apply_rope(x.narrow(0, r, 1), one)[0])) << r;
+  }
+}
+
+TEST(Attention, MaskedAttentionMatchesReference) {
+  at::Tensor q = randn({2, 4, 5, 8}, 13), k = randn({2, 2, 5, 8}, 14), v = randn({2, 2, 5, 8}, 15);
+  // Row 0: plain causal (must equal causal_attention); row 1: two blocks, [0,2) and [2,5).
+  at::Tensor mask = at::ones({2, 5, 5}, at::kBool).tril();
+  mask[1].narrow(0, 2, 3).narrow(1, 0, 2).fill_(false);
+  at::Tensor out = masked_attention(q, k, v, mask);
+  ASSERT_EQ(out.sizes(), at::IntArrayRef({2, 4, 5, 8}));
+  EXPECT_LT(max_abs(out[0] - causal_attention(q.narrow(0, 0, 1), k.narrow(0, 0, 1), v.narrow(0, 0, 1))[0]), 1e-5);
+  at::Tensor kk = k.repeat_interleave(2, 1), vv = v.repeat_interleave(2, 1);
+  at::Tensor scores = at::matmul(q, kk.transpose(-1, -2)) / std::sqrt(8.0);
+  at::Tensor ref = at::matmul(at::softmax(scores.masked_fill(mask.logical_not().unsqueeze(1), -INFINITY), -1), vv);
+  EXPECT_LT(max_abs(out - ref), 1e-5);  // fp32, different op order
+  EXPECT_THROW(masked_attention(q, k, v, mask.to(at::kFloat)), std::invalid_argument);
+  EXPECT_THROW(masked_attention(q, k, v, mask.narrow(1, 0, 4)), std::invalid_argument);
+}

@@ -90,7 +90,13 @@ def main():
     r = run(a.qlora, killed, "checkpoint.resume=true", "logging.log_every_steps=5")
     check(r.returncode == 0, "resume with a changed logging key is allowed")
 
-    # 4. generation from the export
+    # 4. packed rows train too (block-causal attention, positions restarting per sample)
+    packed = os.path.join(a.workdir, "packed")
+    r = run(a.qlora, packed, "data.packing=true", "training.batch_size=1")
+    pl, _ = losses(packed) if r.returncode == 0 else ([], None)
+    check(r.returncode == 0 and len(pl) == 20 and pl[-1][1] < pl[0][1], "a packed run trains (loss falls)")
+
+    # 5. generation from the export
     g = subprocess.run([a.qlora, "generate", "--checkpoint", os.path.join(full, "epoch_1"), "--prompt",
                         "Add the numbers.", "--max-new-tokens", "8"], capture_output=True, text=True)
     check(g.returncode == 0, "qlora generate runs on the epoch export")

@@ -4,6 +4,7 @@
 #include <ATen/ops/arange.h>
 #include <ATen/ops/embedding.h>
 #include <c10/core/GradMode.h>
+#include <c10/util/StringUtil.h>
 
 #include <set>
 #include <stdexcept>
@@ -129,51 +130,100 @@ LlamaModel load_llama(const std::string& checkpoint_dir, const LlamaLoadOptions&
   return m;
 }
 
-at::Tensor LlamaModel::forward(const at::Tensor& tokens, modules::KvCache* cache) const {
+namespace {
+
+// The shared body of both forwards. positions: [seq] (plain rows) or [batch, seq] (packed rows),
+// already on the model's device; attn_mask: undefined (causal) or [batch, seq, seq] bool.
+at::Tensor forward_impl(const LlamaModel& m, const at::Tensor& tokens, const at::Tensor& positions,
+                        const at::Tensor& attn_mask, modules::KvCache* cache) {
+  if (cache && cache->k.empty()) {
+    cache->k.resize(m.layers.size());
+    cache->v.resize(m.layers.size());
+  }
+  // [seq, head_dim] or [batch, seq, head_dim]
+  const modules::RopeTables rope = modules::rope_tables(m.inv_freq, positions, m.compute_dtype);
+  const modules::LayerDims d = m.dims();
+  const bool checkpoint = m.activation_checkpointing && !cache && at::GradMode::is_enabled();
+  at::Tensor h = at::embedding(m.embed_tokens, tokens.to(m.embed_tokens.device()));  // [batch, seq, hidden]
+  for (size_t i = 0; i < m.layers.size(); ++i) {
+    const DecoderLayer& layer = m.layers[i];
+    if (cache) {
+      h = modules::decoder_layer_forward(layer, d, h, rope, m.training, &cache->k[i], &cache->v[i]);
+    } else if (checkpoint) {
+      const bool train = m.training;
+      // Captured by value: the backward replays this closure after forward_impl has returned.
+      h = modules::checkpointed(
+          [&layer, d, rope, attn_mask, train](const at::Tensor& x) {
+            return modules::decoder_layer_forward(layer, d, x, rope, train, nullptr, nullptr, attn_mask);
+          },
+          h, layer.trainable());
+    } else {
+      h = modules::decoder_layer_forward(layer, d, h, rope, m.training, nullptr, nullptr, attn_mask);
+    }
+  }
+  h = modules::rms_norm(h, m.norm, m.config.rms_norm_eps);
+  return modules::lora_linear_forward(m.lm_head, h, m.training).to(at::kFloat);  // [batch, seq, vocab]
+}
+
+void check_tokens(const LlamaModel& m, const at::Tensor& tokens, int64_t past) {
   if (tokens.dim() != 2 || tokens.scalar_type() != at::kLong) {
     throw std::invalid_argument("LlamaModel::forward: tokens must be int64 [batch, seq]");
   }
   const int64_t seq = tokens.size(1);
   if (seq == 0) throw std::invalid_argument("LlamaModel::forward: empty sequence");
-  const int64_t past = cache ? cache->length() : 0;
-  if (config.sliding_window && past + seq > *config.sliding_window) {
+  if (m.config.sliding_window && past + seq > *m.config.sliding_window) {
     // We implement full causal attention, which equals Mistral's sliding-window attention only
-    // while every query sees at most sliding_window keys.
+    // while every query sees at most sliding_window keys. (For packed rows this is conservative:
+    // it bounds the row length, not each sample's.)
     throw std::invalid_argument("LlamaModel::forward: sequence length " + std::to_string(past + seq) +
-                                " exceeds the config's sliding_window " + std::to_string(*config.sliding_window) +
+                                " exceeds the config's sliding_window " + std::to_string(*m.config.sliding_window) +
                                 " (sliding-window attention is not implemented)");
   }
   if (tokens.numel() > 0) {
     const int64_t lo = tokens.min().item<int64_t>(), hi = tokens.max().item<int64_t>();
-    if (lo < 0 || hi >= config.vocab_size) {
+    if (lo < 0 || hi >= m.config.vocab_size) {
       throw std::invalid_argument("LlamaModel::forward: token id out of range [0, " +
-                                  std::to_string(config.vocab_size) + ")");
+                                  std::to_string(m.config.vocab_size) + ")");
     }
   }
-  if (cache && cache->k.empty()) {
-    cache->k.resize(layers.size());
-    cache->v.resize(layers.size());
-  }
+}
+
+}  // namespace
+
+at::Tensor LlamaModel::forward(const at::Tensor& tokens, modules::KvCache* cache) const {
+  const int64_t past = cache ? cache->length() : 0;
+  check_tokens(*this, tokens, past);
+  const int64_t seq = tokens.size(1);
   const at::Tensor positions = at::arange(past, past + seq, tokens.options().dtype(at::kLong));  // [seq]
-  const modules::RopeTables rope = modules::rope_tables(inv_freq, positions, compute_dtype);
-  const modules::LayerDims d = dims();
-  const bool checkpoint = activation_checkpointing && !cache && at::GradMode::is_enabled();
-  at::Tensor h = at::embedding(embed_tokens, tokens.to(embed_tokens.device()));  // [batch, seq, hidden]
-  for (size_t i = 0; i < layers.size(); ++i) {
-    const DecoderLayer& layer = layers[i];
-    if (cache) {
-      h = modules::decoder_layer_forward(layer, d, h, rope, training, &cache->k[i], &cache->v[i]);
-    } else if (checkpoint) {
-      const bool train = training;
-      h = modules::checkpointed(
-          [&layer, d, rope, train](const at::Tensor& x) { return modules::decoder_layer_forward(layer, d, x, rope, train); },
-          h, layer.trainable());
-    } else {
-      h = modules::decoder_layer_forward(layer, d, h, rope, training);
-    }
+  return forward_impl(*this, tokens, positions, at::Tensor(), cache);
+}
+
+at::Tensor LlamaModel::forward(const at::Tensor& tokens, const at::Tensor& position_ids,
+                               const at::Tensor& attn_mask, modules::KvCache* cache) const {
+  if (cache) {
+    throw std::invalid_argument(
+        "LlamaModel::forward: packed rows (position_ids + attn_mask) cannot use a KV cache; packing is training-only");
   }
-  h = modules::rms_norm(h, norm, config.rms_norm_eps);
-  return modules::lora_linear_forward(lm_head, h, training).to(at::kFloat);  // [batch, seq, vocab]
+  check_tokens(*this, tokens, 0);
+  const int64_t b = tokens.size(0), seq = tokens.size(1);
+  if (!position_ids.defined() || position_ids.scalar_type() != at::kLong || position_ids.sizes() != tokens.sizes()) {
+    throw std::invalid_argument("LlamaModel::forward: position_ids must be int64 [batch, seq] like tokens " +
+                                c10::str(tokens.sizes()));
+  }
+  if (!attn_mask.defined() || attn_mask.scalar_type() != at::kBool || attn_mask.dim() != 3 ||
+      attn_mask.size(0) != b || attn_mask.size(1) != seq || attn_mask.size(2) != seq) {
+    throw std::invalid_argument("LlamaModel::forward: attn_mask must be bool [batch, seq, seq] = [" +
+                                std::to_string(b) + ", " + std::to_string(seq) + ", " + std::to_string(seq) + "]");
+  }
+  const at::Device dev = embed_tokens.device();
+  const at::Tensor mask = attn_mask.to(dev);  // [b, s, s]
+  // A query that may attend to nothing softmaxes over an empty set: NaN logits and gradients.
+  if (!mask.any(-1).all().item<bool>()) {
+    throw std::invalid_argument(
+        "LlamaModel::forward: attn_mask has a query row with no allowed key (let padding attend causally "
+        "among itself, as data::block_causal_mask does for document id -1)");
+  }
+  return forward_impl(*this, tokens, position_ids.to(dev), mask, nullptr);
 }
 
 std::vector<std::pair<std::string, at::Tensor>> LlamaModel::lora_parameters() const {

@@ -47,6 +47,15 @@ struct LlamaModel {
   // backward). Returns logits [batch, seq, vocab] float32.
   at::Tensor forward(const at::Tensor& tokens, modules::KvCache* cache = nullptr) const;
 
+  // Packed rows (training): several samples per row, each with its own positions and attending
+  // only within itself. tokens, position_ids: [batch, seq] int64, positions restarting at 0 per
+  // sample (they drive RoPE); attn_mask: [batch, seq, seq] bool, true where query i may attend to
+  // key j (e.g. data::block_causal_mask), with at least one true per row (give padding a
+  // causal block of its own). Returns logits [batch, seq, vocab] float32. `cache` exists only to
+  // reject it with a clear error: packing is training-only and has no KV-cache path.
+  at::Tensor forward(const at::Tensor& tokens, const at::Tensor& position_ids, const at::Tensor& attn_mask,
+                     modules::KvCache* cache = nullptr) const;
+
   // Trainable tensors with PEFT names, e.g.
   // base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight ([r, in]) / .lora_B.weight.
   std::vector<std::pair<std::string, at::Tensor>> lora_parameters() const;

@@ -12,6 +12,7 @@
 #include <ATen/ops/silu.h>
 #include <ATen/ops/where.h>
 #include <c10/core/GradMode.h>
+#include <c10/util/StringUtil.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 
@@ -53,8 +54,8 @@ at::Tensor rope_inv_freq(int64_t head_dim, double theta,
 }
 
 RopeTables rope_tables(const at::Tensor& inv_freq, const at::Tensor& positions, at::ScalarType dtype) {
-  at::Tensor freqs = positions.unsqueeze(-1).to(at::kFloat) * inv_freq.to(positions.device(), at::kFloat);  // [seq, d/2]
-  at::Tensor emb = at::cat({freqs, freqs}, -1);  // [seq, d]
+  at::Tensor freqs = positions.unsqueeze(-1).to(at::kFloat) * inv_freq.to(positions.device(), at::kFloat);  // [(b,) seq, d/2]
+  at::Tensor emb = at::cat({freqs, freqs}, -1);  // [(b,) seq, d]
   return {emb.cos().to(dtype), emb.sin().to(dtype)};
 }
 
@@ -63,7 +64,9 @@ at::Tensor apply_rope(const at::Tensor& x, const RopeTables& rope) {
   at::Tensor x1 = x.narrow(-1, 0, half);
   at::Tensor x2 = x.narrow(-1, half, half);
   at::Tensor rotated = at::cat({-x2, x1}, -1);  // [b, h, s, d]
-  // Tables are [seq, d]; broadcasting lines them up with the last two dims of x.
+  // [seq, d] tables broadcast against the last two dims of x; per-row [b, seq, d] tables need a
+  // heads dim inserted to become [b, 1, seq, d].
+  if (rope.cos.dim() == 3) return x * rope.cos.unsqueeze(1) + rotated * rope.sin.unsqueeze(1);
   return x * rope.cos + rotated * rope.sin;
 }
 
@@ -94,6 +97,25 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
   return at::scaled_dot_product_attention(q, kk, vv, mask, 0.0, false, scale);
 }
 
+at::Tensor masked_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const at::Tensor& attn_mask) {
+  const int64_t b = q.size(0), heads = q.size(1), seq = q.size(2);
+  if (heads % k.size(1) != 0) throw std::invalid_argument("masked_attention: kv heads must divide query heads");
+  if (k.size(2) != seq) throw std::invalid_argument("masked_attention: keys must cover exactly the query positions");
+  if (attn_mask.scalar_type() != at::kBool || attn_mask.dim() != 3 || attn_mask.size(0) != b ||
+      attn_mask.size(1) != seq || attn_mask.size(2) != seq) {
+    throw std::invalid_argument("masked_attention: attn_mask must be bool [batch, seq, seq] = [" + std::to_string(b) +
+                                ", " + std::to_string(seq) + ", " + std::to_string(seq) + "], got " +
+                                c10::str(attn_mask.sizes()) + " " + c10::toString(attn_mask.scalar_type()));
+  }
+  const int64_t n_rep = heads / k.size(1);
+  at::Tensor kk = repeat_kv(k, n_rep), vv = repeat_kv(v, n_rep);  // [b, heads, seq, d]
+  const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
+  // [b, 1, s, s]: one mask per row, shared by all heads. Not is_causal: the mask already holds
+  // the causal structure (and SDPA rejects is_causal together with an explicit mask).
+  return at::scaled_dot_product_attention(q, kk, vv, attn_mask.unsqueeze(1), 0.0, /*is_causal=*/false, scale);
+}
+
 std::vector<at::Tensor> DecoderLayer::trainable() const {
   std::vector<at::Tensor> out;
   for (const LoraLinear* p : {&q_proj, &k_proj, &v_proj, &o_proj, &gate_proj, &up_proj, &down_proj}) {
@@ -113,7 +135,10 @@ at::Tensor swiglu_mlp(const DecoderLayer& layer, const at::Tensor& x, bool train
 
 at::Tensor decoder_layer_forward(const DecoderLayer& layer, const LayerDims& dims, const at::Tensor& h,
                                  const RopeTables& rope, bool training, at::Tensor* cache_k,
-                                 at::Tensor* cache_v) {
+                                 at::Tensor* cache_v, const at::Tensor& attn_mask) {
+  if (attn_mask.defined() && cache_k) {
+    throw std::invalid_argument("decoder_layer_forward: an attention mask cannot be combined with a KV cache");
+  }
   const int64_t b = h.size(0), s = h.size(1), d = dims.head_dim;
   at::Tensor x = rms_norm(h, layer.input_layernorm, dims.rms_norm_eps);  // [b, s, hidden]
   at::Tensor q = lora_linear_forward(layer.q_proj, x, training).view({b, s, dims.num_heads, d}).transpose(1, 2);
@@ -132,7 +157,9 @@ at::Tensor decoder_layer_forward(const DecoderLayer& layer, const LayerDims& dim
     k = *cache_k;
     v = *cache_v;
   }
-  at::Tensor attn = causal_attention(q, k, v).transpose(1, 2).reshape({b, s, dims.num_heads * d});
+  at::Tensor attn = (attn_mask.defined() ? masked_attention(q, k, v, attn_mask) : causal_attention(q, k, v))
+                        .transpose(1, 2)
+                        .reshape({b, s, dims.num_heads * d});  // [b, s, heads * d]
   at::Tensor hidden = h + lora_linear_forward(layer.o_proj, attn, training);  // [b, s, hidden]
   x = rms_norm(hidden, layer.post_attention_layernorm, dims.rms_norm_eps);
   return hidden + swiglu_mlp(layer, x, training);

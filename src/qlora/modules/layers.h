@@ -25,9 +25,12 @@ at::Tensor rope_inv_freq(int64_t head_dim, double theta,
                          const std::optional<models::Llama3RopeScaling>& scaling);
 
 struct RopeTables {
-  at::Tensor cos, sin;  // [seq, head_dim] in the compute dtype
+  // [seq, head_dim] (one position range shared by every row) or [batch, seq, head_dim] (per-token
+  // positions, e.g. packed rows whose positions restart at 0 per sample), in the compute dtype.
+  at::Tensor cos, sin;
 };
-// positions: [seq] int64. Angles are formed in fp32 and cast at the end, as transformers does.
+// positions: [seq] or [batch, seq] int64; the tables get the same leading dims plus head_dim.
+// Angles are formed in fp32 and cast at the end, as transformers does.
 RopeTables rope_tables(const at::Tensor& inv_freq, const at::Tensor& positions, at::ScalarType dtype);
 
 // Rotate-half RoPE: x * cos + rotate_half(x) * sin. x: [batch, heads, seq, head_dim].
@@ -44,6 +47,13 @@ struct KvCache {
 // positions are the last `seq` of `total` (total > seq with a KV cache). K/V heads are expanded
 // to the query heads (GQA). Returns [batch, heads, seq, d].
 at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v);
+
+// Attention under an explicit boolean mask (true = query i may attend to key j), e.g. the
+// block-causal mask of packed rows. q [batch, heads, seq, d], k/v [batch, kv_heads, seq, d],
+// attn_mask [batch, seq, seq] bool; every query row must allow at least one key (an all-false row
+// would softmax to NaN). K/V heads are expanded as in causal_attention. Returns [batch, heads, seq, d].
+at::Tensor masked_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const at::Tensor& attn_mask);
 
 struct DecoderLayer {
   at::Tensor input_layernorm, post_attention_layernorm;  // [hidden], compute dtype, frozen
@@ -63,9 +73,11 @@ at::Tensor swiglu_mlp(const DecoderLayer& layer, const at::Tensor& x, bool train
 
 // One pre-norm decoder layer. h: [batch, seq, hidden]; rope tables for the seq positions.
 // cache_k/cache_v (optional, together): this layer's cache entries, extended in place.
+// attn_mask (optional, [batch, seq, seq] bool, true = may attend): replaces plain causal attention
+// (packed rows); it cannot be combined with a cache.
 at::Tensor decoder_layer_forward(const DecoderLayer& layer, const LayerDims& dims, const at::Tensor& h,
                                  const RopeTables& rope, bool training, at::Tensor* cache_k = nullptr,
-                                 at::Tensor* cache_v = nullptr);
+                                 at::Tensor* cache_v = nullptr, const at::Tensor& attn_mask = at::Tensor());
 
 // Activation checkpointing: runs `fn(h)` without recording a graph, keeping only h; backward
 // replays fn with grad enabled (and the RNG state of the forward, so dropout masks agree) and
