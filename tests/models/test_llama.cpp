@@ -413,3 +413,86 @@ TEST(LlamaModel, PackedGradientsEqualSumOfPerSampleGradients) {
     }
   }
 }
+
+// Frozen bf16 storage of embed_tokens / lm_head under fp32 compute, on a bf16 checkpoint: the
+// stored values are the checkpoint's, widening bf16 -> fp32 is exact, and with the whole vocab
+// in one lm_head chunk (tiny_llama: 256 <= 4096 rows) the fp32 computation is the same calls on the
+// same values, so logits and LoRA gradients (lm_head adapter included) are bit-identical.
+// With several chunks the forward is still exact per output column, but the backward's grad wrt h
+// sums over the vocab chunk by chunk (a different fp32 accumulation order), so gradients agree to
+// fp32 rounding only: checked to a relative 1e-5.
+TEST(LlamaModel, FrozenBf16StorageEqualsFp32Storage) {
+  LlamaLoadOptions o;
+  o.base_in_nf4 = true;
+  o.compute_dtype = at::kFloat;
+  o.lora_targets = {"q_proj", "v_proj", "down_proj", "lm_head"};
+  o.lora_r = 4;
+  o.lora_dropout = 0.1;
+  o.activation_checkpointing = true;
+  struct Run {
+    at::Tensor logits;
+    std::vector<at::Tensor> grads;
+  };
+  auto run = [&](at::ScalarType frozen, int64_t chunk_rows) {
+    o.frozen_dtype = frozen;
+    LlamaModel m = load_llama(tiny_llama(), o);
+    m.lm_head_chunk_rows = chunk_rows;
+    if (frozen == at::kBFloat16) {
+      EXPECT_EQ(m.frozen_dtype, at::kBFloat16);
+      EXPECT_EQ(m.embed_tokens.scalar_type(), at::kBFloat16);
+      EXPECT_EQ(m.lm_head.base_dense.scalar_type(), at::kBFloat16);
+      EXPECT_EQ(m.norm.scalar_type(), at::kFloat);
+    } else {
+      EXPECT_EQ(m.frozen_dtype, at::kFloat);
+      EXPECT_EQ(m.embed_tokens.scalar_type(), at::kFloat);
+    }
+    m.training = true;
+    {
+      at::NoGradGuard ng;
+      uint64_t s = 5;
+      for (auto& [name, t] : m.lora_parameters()) {  // nonzero B so gradients reach every A
+        if (name.find("lora_B") != std::string::npos) {
+          t.copy_(at::randn(t.sizes(), at::make_generator<at::CPUGeneratorImpl>(s++)) * 0.05);
+        }
+      }
+    }
+    at::manual_seed(11);
+    Run r;
+    r.logits = m.forward(tokens());
+    at::log_softmax(r.logits, -1).select(-1, 3).mean().neg().backward();
+    for (auto& [name, t] : m.lora_parameters()) {
+      EXPECT_TRUE(t.grad().defined()) << name;
+      r.grads.push_back(t.grad().clone());
+    }
+    return r;
+  };
+  const Run ref = run(at::ScalarType::Undefined, 4096);
+  const Run one_chunk = run(at::kBFloat16, 4096);
+  const Run chunked = run(at::kBFloat16, 100);  // 256 rows: chunks of 100, 100, 56
+  EXPECT_EQ(ref.logits.scalar_type(), at::kFloat);
+  EXPECT_TRUE(at::equal(ref.logits, one_chunk.logits));
+  EXPECT_TRUE(at::allclose(ref.logits, chunked.logits, 0.0, 1e-6 * max_abs(ref.logits)));
+  ASSERT_EQ(ref.grads.size(), one_chunk.grads.size());
+  ASSERT_EQ(ref.grads.size(), chunked.grads.size());
+  for (size_t i = 0; i < ref.grads.size(); ++i) {
+    EXPECT_GT(max_abs(ref.grads[i]), 0.0) << i;
+    EXPECT_TRUE(at::equal(ref.grads[i], one_chunk.grads[i])) << i;
+    EXPECT_LE(max_abs(ref.grads[i] - chunked.grads[i]), 1e-5 * max_abs(ref.grads[i])) << i;
+  }
+  // Inference (no grad, KV cache) works with bf16 storage too.
+  o.frozen_dtype = at::kBFloat16;
+  o.lora_targets.clear();
+  o.activation_checkpointing = false;
+  LlamaModel m = load_llama(tiny_llama(), o);
+  at::NoGradGuard ng;
+  modules::KvCache cache;
+  at::Tensor full = m.forward(tokens());
+  at::Tensor a = m.forward(tokens().narrow(1, 0, 4), &cache), b = m.forward(tokens().narrow(1, 4, 3), &cache);
+  EXPECT_LE(max_abs(at::cat({a, b}, 1) - full), 1e-4);
+  // Any other frozen dtype is rejected.
+  o.frozen_dtype = at::kHalf;
+  EXPECT_THROW(load_llama(tiny_llama(), o), std::invalid_argument);
+  o.compute_dtype = at::kBFloat16;
+  o.frozen_dtype = at::kFloat;
+  EXPECT_THROW(load_llama(tiny_llama(), o), std::invalid_argument);
+}

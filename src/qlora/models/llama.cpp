@@ -2,10 +2,18 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/ops/arange.h>
+#include <ATen/ops/dropout.h>
 #include <ATen/ops/embedding.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/matmul.h>
+#include <ATen/ops/zeros.h>
 #include <c10/core/GradMode.h>
 #include <c10/util/StringUtil.h>
 
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <algorithm>
 #include <set>
 #include <stdexcept>
 
@@ -51,14 +59,18 @@ struct Loader {
                                   ", expected " + c10::str(at::IntArrayRef(want)) + " from config.json");
     }
   }
-  at::Tensor dense(const std::string& key, const std::vector<int64_t>& shape) const {
+  // dtype: the storage dtype (compute dtype, or frozen_dtype for embed_tokens / lm_head).
+  at::Tensor dense(const std::string& key, const std::vector<int64_t>& shape, at::ScalarType dtype) const {
     // A checkpoint written by `qlora quantize` stores projections as NF4 entries only;
     // load_nf4 reads those (and names the checkpoint and key when neither form exists).
     at::Tensor t = ckpt.contains(key) ? ckpt.tensor(key)
-                                      : ops::nf4_dequantize(checkpoint::load_nf4(ckpt, key), opt.compute_dtype);
+                                      : ops::nf4_dequantize(checkpoint::load_nf4(ckpt, key), dtype);
     check_shape(key, t.sizes(), shape);
     // Zero-copy when dtype and device already match: the read-only mapping is never written.
-    return t.to(opt.device, opt.compute_dtype);
+    return t.to(opt.device, dtype);
+  }
+  at::Tensor dense(const std::string& key, const std::vector<int64_t>& shape) const {
+    return dense(key, shape, opt.compute_dtype);
   }
   LoraLinear projection(const std::string& key, const std::vector<int64_t>& shape) const {
     if (!opt.base_in_nf4) return modules::lora_linear_dense(dense(key, shape));
@@ -81,6 +93,12 @@ LlamaModel load_llama(const std::string& checkpoint_dir, const LlamaLoadOptions&
   if (opt.compute_dtype != at::kFloat && opt.compute_dtype != at::kBFloat16) {
     throw std::invalid_argument("load_llama: compute dtype must be float32 or bfloat16");
   }
+  const at::ScalarType frozen =
+      opt.frozen_dtype == at::ScalarType::Undefined ? opt.compute_dtype : opt.frozen_dtype;
+  if (frozen != opt.compute_dtype && !(frozen == at::kBFloat16 && opt.compute_dtype == at::kFloat)) {
+    throw std::invalid_argument(
+        "load_llama: frozen dtype must equal the compute dtype, or be bfloat16 with float32 compute");
+  }
   std::set<std::string> targets;
   for (const std::string& t : opt.lora_targets) targets.insert(canonical_target(t));
   if (!targets.empty() && opt.lora_r <= 0) throw std::invalid_argument("load_llama: lora r must be positive");
@@ -88,6 +106,7 @@ LlamaModel load_llama(const std::string& checkpoint_dir, const LlamaLoadOptions&
   LlamaModel m;
   m.config = load_llama_config(checkpoint_dir);
   m.compute_dtype = opt.compute_dtype;
+  m.frozen_dtype = frozen;
   m.activation_checkpointing = opt.activation_checkpointing;
   const LlamaConfig& c = m.config;
   const auto ckpt = checkpoint::CheckpointDir::open(checkpoint_dir);
@@ -96,7 +115,7 @@ LlamaModel load_llama(const std::string& checkpoint_dir, const LlamaLoadOptions&
 
   const int64_t h = c.hidden_size, q_out = c.num_attention_heads * c.head_dim,
                 kv_out = c.num_key_value_heads * c.head_dim, inter = c.intermediate_size;
-  m.embed_tokens = ld.dense("model.embed_tokens.weight", {c.vocab_size, h});
+  m.embed_tokens = ld.dense("model.embed_tokens.weight", {c.vocab_size, h}, frozen);
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
     const std::string pre = "model.layers." + std::to_string(i) + ".";
     DecoderLayer L;
@@ -121,7 +140,7 @@ LlamaModel load_llama(const std::string& checkpoint_dir, const LlamaLoadOptions&
   if (c.tie_word_embeddings) {
     m.lm_head = modules::lora_linear_dense(m.embed_tokens);
   } else {
-    m.lm_head = modules::lora_linear_dense(ld.dense("lm_head.weight", {c.vocab_size, h}));
+    m.lm_head = modules::lora_linear_dense(ld.dense("lm_head.weight", {c.vocab_size, h}, frozen));
   }
   if (targets.count("lm_head")) {
     modules::lora_linear_add_adapter(m.lm_head, opt.lora_r, opt.lora_alpha, opt.lora_dropout, gen, opt.device);
@@ -131,6 +150,62 @@ LlamaModel load_llama(const std::string& checkpoint_dir, const LlamaLoadOptions&
 }
 
 namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// y = x @ W^T for a frozen W [out, in] stored narrower than x (bf16 under fp32 compute), widening
+// `chunk` rows of W at a time in forward and backward: neither a widened W nor widened chunks are
+// kept (autograd through narrow + to + linear would save every widened chunk, i.e. the whole
+// widened W). With out <= chunk this is exactly at::linear(x, W.to(x's dtype)) and its backward.
+struct WidenedLinearFunction : public torch::autograd::Function<WidenedLinearFunction> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w, int64_t chunk) {
+    ctx->saved_data["w"] = w;  // frozen constant: no saved variable, no copy
+    ctx->saved_data["chunk"] = chunk;
+    const int64_t out = w.size(0);
+    if (out <= chunk) return at::linear(x, w.to(x.scalar_type()));  // [..., out]
+    std::vector<int64_t> sizes = x.sizes().vec();
+    sizes.back() = out;
+    at::Tensor y = at::empty(sizes, x.options());  // [..., out]
+    for (int64_t r0 = 0; r0 < out; r0 += chunk) {
+      const int64_t n = std::min(chunk, out - r0);
+      y.narrow(-1, r0, n).copy_(at::linear(x, w.narrow(0, r0, n).to(x.scalar_type())));  // [..., n]
+    }
+    return y;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    const at::Tensor& gy = grad_outputs[0];  // [..., out]
+    const at::Tensor w = ctx->saved_data["w"].toTensor();
+    const int64_t chunk = ctx->saved_data["chunk"].toInt(), out = w.size(0);
+    at::Tensor gx;  // [..., in]
+    if (out <= chunk) {
+      gx = at::matmul(gy, w.to(gy.scalar_type()));
+    } else {
+      for (int64_t r0 = 0; r0 < out; r0 += chunk) {
+        const int64_t n = std::min(chunk, out - r0);
+        at::Tensor part = at::matmul(gy.narrow(-1, r0, n), w.narrow(0, r0, n).to(gy.scalar_type()));
+        gx = gx.defined() ? gx.add_(part) : part;
+      }
+    }
+    return {gx, at::Tensor(), at::Tensor()};
+  }
+};
+
+// The output projection. A dense base stored in the compute dtype goes through
+// lora_linear_forward unchanged; one stored narrower goes through WidenedLinearFunction, with the
+// LoRA path exactly as lora_linear_forward computes it.
+at::Tensor lm_head_forward(const LlamaModel& m, const at::Tensor& h) {
+  const LoraLinear& l = m.lm_head;
+  if (!l.base_dense.defined() || l.base_dense.scalar_type() == h.scalar_type()) {
+    return modules::lora_linear_forward(l, h, m.training);
+  }
+  at::Tensor y = WidenedLinearFunction::apply(h, l.base_dense, std::max<int64_t>(1, m.lm_head_chunk_rows));
+  if (!l.has_lora()) return y;
+  at::Tensor x = h.to(l.lora_a.scalar_type());  // [..., in] fp32
+  if (m.training && l.dropout > 0.0) x = at::dropout(x, l.dropout, /*train=*/true);
+  at::Tensor delta = at::linear(at::linear(x, l.lora_a), l.lora_b);  // [..., out] fp32
+  return (y + delta * l.scale).to(h.scalar_type());
+}
 
 // The shared body of both forwards. positions: [seq] (plain rows) or [batch, seq] (packed rows),
 // already on the model's device; attn_mask: undefined (causal) or [batch, seq, seq] bool.
@@ -145,6 +220,7 @@ at::Tensor forward_impl(const LlamaModel& m, const at::Tensor& tokens, const at:
   const modules::LayerDims d = m.dims();
   const bool checkpoint = m.activation_checkpointing && !cache && at::GradMode::is_enabled();
   at::Tensor h = at::embedding(m.embed_tokens, tokens.to(m.embed_tokens.device()));  // [batch, seq, hidden]
+  if (h.scalar_type() != m.compute_dtype) h = h.to(m.compute_dtype);  // bf16 rows widen exactly
   for (size_t i = 0; i < m.layers.size(); ++i) {
     const DecoderLayer& layer = m.layers[i];
     if (cache) {
@@ -162,7 +238,7 @@ at::Tensor forward_impl(const LlamaModel& m, const at::Tensor& tokens, const at:
     }
   }
   h = modules::rms_norm(h, m.norm, m.config.rms_norm_eps);
-  return modules::lora_linear_forward(m.lm_head, h, m.training).to(at::kFloat);  // [batch, seq, vocab]
+  return lm_head_forward(m, h).to(at::kFloat);  // [batch, seq, vocab]
 }
 
 void check_tokens(const LlamaModel& m, const at::Tensor& tokens, int64_t past) {

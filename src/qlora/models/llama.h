@@ -20,6 +20,14 @@ struct LlamaLoadOptions {
   // a time), so a full-precision copy of the base never sits whole in memory.
   bool base_in_nf4 = false;
   at::ScalarType compute_dtype = at::kFloat;  // kFloat or kBFloat16
+  // Storage dtype of the large frozen dense weights: embed_tokens and the lm_head base (norms stay
+  // in the compute dtype; decoder projections are NF4 or the compute dtype). Undefined (the
+  // default) means compute_dtype, i.e. no conversion. kBFloat16 with fp32 compute halves those
+  // weights' memory (2 x 0.5 GB -> 2 x 0.25 GB for Llama-2-7B); compute stays fp32: embedding rows
+  // are gathered in bf16 and widened (exact), and the lm_head widens its weight a chunk of rows at
+  // a time (LlamaModel::lm_head_chunk_rows), so with a bf16 checkpoint the results equal those
+  // of compute_dtype storage.
+  at::ScalarType frozen_dtype = at::ScalarType::Undefined;
   at::Device device = at::kCPU;
   // LoRA targets, PEFT spelling: q_proj k_proj v_proj o_proj gate_proj up_proj down_proj, and
   // lm_head for the output projection (short forms q k v o gate up down output also accepted).
@@ -34,10 +42,17 @@ struct LlamaLoadOptions {
 struct LlamaModel {
   LlamaConfig config;
   at::ScalarType compute_dtype = at::kFloat;
-  at::Tensor embed_tokens;  // [vocab, hidden], frozen
+  // Storage dtype of embed_tokens and the dense lm_head base (LlamaLoadOptions::frozen_dtype):
+  // compute_dtype, or kBFloat16 under fp32 compute. forward() follows the tensors' own dtypes;
+  // this records what load_llama chose.
+  at::ScalarType frozen_dtype = at::kFloat;
+  // When the dense lm_head base is stored narrower than the compute dtype, it is widened this many
+  // vocab rows at a time (forward and backward), so no [vocab, hidden] compute-dtype copy exists.
+  int64_t lm_head_chunk_rows = 4096;
+  at::Tensor embed_tokens;  // [vocab, hidden], frozen, in frozen_dtype
   std::vector<modules::DecoderLayer> layers;
   at::Tensor norm;                 // [hidden], frozen
-  modules::LoraLinear lm_head;     // [vocab, hidden], dense; shares embed_tokens when tied
+  modules::LoraLinear lm_head;     // [vocab, hidden], dense (frozen_dtype); shares embed_tokens when tied
   at::Tensor inv_freq;             // [head_dim / 2] fp32
   bool activation_checkpointing = false;
   bool training = false;           // enables LoRA dropout
