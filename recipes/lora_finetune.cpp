@@ -14,6 +14,7 @@
 
 #include <chrono>
 #include <csignal>
+#include <ctime>
 #include <cstdlib>
 #include <cstdio>
 #include <filesystem>
@@ -155,8 +156,15 @@ int lora_finetune_main(const std::vector<std::string>& args) {
   schedule.min_lr_ratio = cfg.optim.min_lr_ratio;
 
   int64_t start_epoch = 0, start_step = 0, global_step = 0;
+  const auto latest = checkpoint::latest_resume_checkpoint(out_dir);
+  if (!cfg.checkpoint.resume && fs::exists(out_dir + "/checkpoints")) {
+    // A fresh run must not mix its checkpoints with an earlier run's (keep_last_n would keep the
+    // old, higher steps; a later resume would pick them). Nothing saved is deleted: set aside.
+    const std::string aside = out_dir + "/checkpoints.prev-" + std::to_string(std::time(nullptr));
+    fs::rename(out_dir + "/checkpoints", aside);
+    std::printf("fresh run: the earlier run's resume checkpoints were moved to %s\n", aside.c_str());
+  }
   if (cfg.checkpoint.resume) {
-    const auto latest = checkpoint::latest_resume_checkpoint(out_dir);
     if (!latest) {
       std::printf("checkpoint.resume = true but %s has no resume checkpoint: starting fresh\n", out_dir.c_str());
     } else {
@@ -258,12 +266,12 @@ int lora_finetune_main(const std::vector<std::string>& args) {
 
       const bool epoch_end = step + 1 == steps_per_epoch;
       if (epoch_end) sampler.set_state({epoch + 1, 0});  // max_steps_per_epoch may cut an epoch short
-      if (epoch_end || (cfg.checkpoint.save_every_steps > 0 && global_step % cfg.checkpoint.save_every_steps == 0)) {
-        const int64_t next_epoch = epoch_end ? epoch + 1 : epoch, next_step = epoch_end ? 0 : step + 1;
-        checkpoint::save_resume_checkpoint(
-            out_dir, global_step, capture(lora, opt, sampler, next_epoch, next_step, global_step, cfg),
-            cfg.checkpoint.keep_last_n);
-      }
+      // The epoch-end checkpoint is written after the export below: a resume from it must find
+      // the epoch's export already on disk.
+      if (!epoch_end && cfg.checkpoint.save_every_steps > 0 && global_step % cfg.checkpoint.save_every_steps == 0)
+        checkpoint::save_resume_checkpoint(out_dir, global_step,
+                                           capture(lora, opt, sampler, epoch, step + 1, global_step, cfg),
+                                           cfg.checkpoint.keep_last_n);
     }
     progress.end_epoch();
 
@@ -273,6 +281,9 @@ int lora_finetune_main(const std::vector<std::string>& args) {
                                                                                  : checkpoint::MergeSource::Original,
                              tokenizer_path);
     std::printf("epoch %lld exported to %s/epoch_%lld\n", (long long)epoch + 1, out_dir.c_str(), (long long)epoch);
+    checkpoint::save_resume_checkpoint(out_dir, global_step,
+                                       capture(lora, opt, sampler, epoch + 1, 0, global_step, cfg),
+                                       cfg.checkpoint.keep_last_n);
   }
 
   // ---------------------------------------------------------------- cleanup

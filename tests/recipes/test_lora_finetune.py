@@ -96,7 +96,14 @@ def main():
     pl, _ = losses(packed) if r.returncode == 0 else ([], None)
     check(r.returncode == 0 and len(pl) == 20 and pl[-1][1] < pl[0][1], "a packed run trains (loss falls)")
 
-    # 5. generation from the export
+    # 5. a fresh run in a used output_dir sets the old checkpoints aside instead of mixing them in
+    r = run(a.qlora, full, "training.epochs=1", "training.max_steps_per_epoch=2")
+    aside = [d for d in os.listdir(full) if d.startswith("checkpoints.prev-")]
+    steps = sorted(os.listdir(os.path.join(full, "checkpoints")))
+    check(r.returncode == 0 and len(aside) == 1 and steps == ["step_00000002"],
+          f"fresh run in a used output_dir: old checkpoints set aside ({aside}), new ones alone ({steps})")
+
+    # 6. generation from the export
     g = subprocess.run([a.qlora, "generate", "--checkpoint", os.path.join(full, "epoch_1"), "--prompt",
                         "Add the numbers.", "--max-new-tokens", "8"], capture_output=True, text=True)
     check(g.returncode == 0, "qlora generate runs on the epoch export")
