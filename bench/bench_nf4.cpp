@@ -18,6 +18,7 @@
 #include <thread>
 #include <vector>
 
+#include "bench/run_json.h"
 #include "qlora/ops/nf4_ops.h"
 
 #ifdef QLORA_WITH_CUDA
@@ -65,18 +66,9 @@ std::string cpu_model() {
 }
 
 json run_peer(const Args& a) {
-  const std::string cmd = std::string(QLORA_PYTHON) + " " + QLORA_SOURCE_DIR +
-                          "/bench/torchao_peer.py --device " + a.device + " --rows " +
-                          std::to_string(a.rows) + " --cols " + std::to_string(a.cols);
-  FILE* p = popen(cmd.c_str(), "r");
-  if (!p) return {{"error", "could not start " + cmd}};
-  std::string out;
-  char buf[4096];
-  while (size_t n = fread(buf, 1, sizeof buf, p)) out.append(buf, n);
-  const int rc = pclose(p);
-  const json j = json::parse(out, nullptr, false);
-  if (rc != 0 || j.is_discarded()) return {{"error", "peer failed: " + cmd}, {"output", out}};
-  return j;
+  return qlora::bench::run_json(std::string(QLORA_PYTHON) + " " + QLORA_SOURCE_DIR +
+                                "/bench/torchao_peer.py --device " + a.device + " --rows " +
+                                std::to_string(a.rows) + " --cols " + std::to_string(a.cols));
 }
 
 }  // namespace

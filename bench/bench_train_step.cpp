@@ -30,6 +30,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/run_json.h"
 #include "qlora/models/llama.h"
 #include "qlora/modules/layers.h"
 #include "qlora/optim/adamw.h"
@@ -37,6 +38,7 @@
 
 using nlohmann::json;
 namespace fs = std::filesystem;
+using qlora::bench::run_json;
 
 namespace {
 
@@ -186,20 +188,6 @@ json run_worker(const Args& a) {
           {"trainable_params", trainable}, {"warmup_step", !a.llama7b}, {"step_s", times},
           {"median_step_s", med}, {"tokens_per_s", double(a.batch * a.seq) / med},
           {"peak_rss_bytes", vm_hwm_bytes()}, {"rss_after_load_bytes", rss_after_load}, {"losses", losses}};
-}
-
-json run_json(const std::string& cmd) {
-  FILE* p = popen(cmd.c_str(), "r");
-  if (!p) return {{"error", "could not start " + cmd}};
-  std::string out;
-  char buf[4096];
-  while (size_t n = fread(buf, 1, sizeof buf, p)) out.append(buf, n);
-  const int rc = pclose(p);
-  // The JSON is the last line (the peer may warn on stdout first).
-  const size_t nl = out.find_last_of('\n', out.size() >= 2 ? out.size() - 2 : 0);
-  const json j = json::parse(nl == std::string::npos ? out : out.substr(nl + 1), nullptr, false);
-  if (rc != 0 || j.is_discarded()) return {{"error", "failed (rc " + std::to_string(rc) + "): " + cmd}, {"output", out}};
-  return j;
 }
 
 std::string shape_flags(const Args& a) {
