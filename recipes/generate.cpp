@@ -4,7 +4,7 @@
 // continuation on stdout; timing goes to stderr so stdout is the text alone.
 //
 //   qlora generate --checkpoint DIR --prompt TEXT [--max-new-tokens N] [--temperature T]
-//                  [--top-p P] [--seed S] [--nf4]
+//                  [--top-p P] [--seed S] [--nf4] [--device auto|cpu|cuda[:N]]
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -15,6 +15,7 @@
 #include "qlora/data/tokenizer.h"
 #include "qlora/models/generate.h"
 #include "qlora/models/llama.h"
+#include "qlora/train/device.h"
 
 namespace qlora::recipes {
 
@@ -23,7 +24,7 @@ namespace {
 [[noreturn]] void generate_usage_error(const std::string& what) {
   throw std::invalid_argument(what +
                               "\nusage: qlora generate --checkpoint DIR --prompt TEXT [--max-new-tokens N]"
-                              " [--temperature T] [--top-p P] [--seed S] [--nf4]");
+                              " [--temperature T] [--top-p P] [--seed S] [--nf4] [--device auto|cpu|cuda[:N]]");
 }
 
 // std::stoll/stod accept trailing junk ("12abc"); a CLI number should be all number.
@@ -44,7 +45,7 @@ T parse_number(const std::string& flag, const std::string& s, F parse) {
 
 int generate_main(const std::vector<std::string>& args) {
   namespace fs = std::filesystem;
-  std::string dir, prompt;
+  std::string dir, prompt, device_name = "auto";
   bool have_prompt = false, nf4 = false;
   models::GenerateOptions opt;
   for (size_t i = 0; i < args.size(); ++i) {
@@ -64,6 +65,7 @@ int generate_main(const std::vector<std::string>& args) {
     else if (a == "--seed")
       opt.seed = parse_number<unsigned long long>(a, value(), [](const std::string& s, size_t* n) { return std::stoull(s, n); });
     else if (a == "--nf4") nf4 = true;
+    else if (a == "--device") device_name = value();
     else generate_usage_error("unknown option '" + a + "'");
   }
   if (dir.empty()) generate_usage_error("--checkpoint DIR is required");
@@ -80,7 +82,7 @@ int generate_main(const std::vector<std::string>& args) {
   }
   const std::string tok_path = (fs::path(dir) / "tokenizer.model").string();
   if (!fs::is_regular_file(tok_path)) {
-    throw std::invalid_argument(tok_path + ": missing; generate needs the sentencepiece tokenizer beside the model"
+    throw std::invalid_argument(tok_path + ": missing; generate needs the tokenizer beside the model"
                                 " (export copies it there)");
   }
   const data::Tokenizer tok = data::Tokenizer::open(tok_path);
@@ -88,6 +90,7 @@ int generate_main(const std::vector<std::string>& args) {
   const auto t0 = std::chrono::steady_clock::now();
   models::LlamaLoadOptions lo;
   lo.base_in_nf4 = nf4;  // no lora_targets: an exported model has its adapters merged
+  lo.device = train::resolve_device(device_name, "--device");
   const models::LlamaModel model = models::load_llama(dir, lo);
   if (tok.vocab_size() > model.config.vocab_size) {
     throw std::invalid_argument(tok_path + ": tokenizer has " + std::to_string(tok.vocab_size()) +

@@ -49,6 +49,8 @@ TEST(Config, EmptyTextGivesStructDefaults) {
   EXPECT_EQ(c.training.grad_accum, 8);
   EXPECT_EQ(c.checkpoint.output_dir, "out");
   EXPECT_TRUE(c.model.activation_checkpointing);
+  EXPECT_EQ(c.model.device, "auto");
+  EXPECT_EQ(c.model.tokenizer, "");
 }
 
 TEST(Config, ParsesEveryKind) {
@@ -138,8 +140,14 @@ TEST(Config, RangeChecksNameKeyAndLine) {
                   "'lora.targets' (line 2) must be a list of q, k, v, o, gate, up, down, output, got 'qkv'");
   EXPECT_CONTAINS(parse_error("[lora]\ntargets = [\"q\", \"q\"]\n"), "duplicates");
   EXPECT_CONTAINS(parse_error("[lora]\ntargets = []\n"), "'lora.targets' (line 2) must be non-empty");
+  EXPECT_CONTAINS(parse_error("[model]\ndevice = \"gpu\"\n"),
+                  "'model.device' (line 2) must be \"auto\", \"cpu\", \"cuda\" or \"cuda:N\", got \"gpu\"");
+  EXPECT_CONTAINS(parse_error("[model]\ndevice = \"cuda:\"\n"), "'model.device'");
+  EXPECT_CONTAINS(parse_error("[model]\ndevice = \"cuda:x1\"\n"), "'model.device'");
   // Edge values that are valid.
   EXPECT_EQ(parse_error("[optim]\nmax_grad_norm = 0.0\nwarmup_steps = 0\n[lora]\ndropout = 0.0\n"), "");
+  EXPECT_EQ(parse_error("[model]\ndevice = \"cuda:1\"\n"), "");
+  EXPECT_EQ(parse_error("[model]\ndevice = \"cpu\"\n"), "");
 }
 
 TEST(Config, SyntaxErrorNamesFileAndLine) {
@@ -220,7 +228,7 @@ TEST(Config, HashIsStableAndScoped) {
   EXPECT_EQ(config_hash(a, HashScope::Full), config_hash(RecipeConfig{}, HashScope::Full));
   // Pinned: a change here means every saved checkpoint's recorded hash stops matching, so a
   // resume would be refused. Change the canonical form only deliberately.
-  EXPECT_EQ(config_hash(a, HashScope::Full), "92b3b0787888dac6");
+  EXPECT_EQ(config_hash(a, HashScope::Full), "559fc19cad9d2e3c");
   EXPECT_EQ(config_hash(a, HashScope::Exactness), "2296dca547f0b6e2");
   EXPECT_EQ(config_hash(a, HashScope::Exactness), config_hash(parse_config(to_toml(a), "x"), HashScope::Exactness));
   RecipeConfig b = a;
@@ -252,7 +260,7 @@ TEST(Config, ExactnessBreakingDifferences) {
   int exact = 0;
   for (const KeyInfo& k : known_keys()) exact += k.affects_exactness;
   EXPECT_GT(exact, 20);
-  EXPECT_EQ(known_keys().size(), 38u);
+  EXPECT_EQ(known_keys().size(), 40u);
 }
 
 // Every file in configs/ parses, and its first line is the command that runs it.

@@ -73,6 +73,9 @@ const char* const kLoraTargets[] = {"q", "k", "v", "o", "gate", "up", "down", "o
 template <class Cfg, class V>
 void visit_fields(Cfg& c, V&& v) {
   v("model", "checkpoint_dir", c.model.checkpoint_dir, false);
+  v("model", "tokenizer", c.model.tokenizer, false);
+  // "auto" and "cuda" may name the same device: the recipe checks the resolved device type instead.
+  v("model", "device", c.model.device, false);
   v("model", "dtype", c.model.dtype, true);
   v("model", "base", c.model.base, true);
   v("model", "activation_checkpointing", c.model.activation_checkpointing, true);
@@ -324,6 +327,14 @@ void merge_table(RecipeConfig& cfg, const toml::table& root, const Origin& o, Li
   }
 }
 
+bool is_device_name(const std::string& d) {
+  if (d == "auto" || d == "cpu" || d == "cuda") return true;
+  if (d.rfind("cuda:", 0) != 0 || d.size() == 5 || d.size() > 8) return false;
+  for (size_t k = 5; k < d.size(); ++k)
+    if (!std::isdigit(static_cast<unsigned char>(d[k]))) return false;
+  return true;
+}
+
 void validate(const RecipeConfig& c, const Origin& o, const LineMap& lines) {
   auto check = [&](bool ok, const std::string& key, const std::string& rule,
                    const std::string& got) {
@@ -335,6 +346,8 @@ void validate(const RecipeConfig& c, const Origin& o, const LineMap& lines) {
   };
   const auto d = [](double x) { return format_double(x); };
   const auto i = [](int64_t x) { return std::to_string(x); };
+  check(is_device_name(c.model.device), "model.device", "\"auto\", \"cpu\", \"cuda\" or \"cuda:N\"",
+        "\"" + c.model.device + "\"");
   check(c.lora.rank >= 1, "lora.rank", ">= 1", i(c.lora.rank));
   check(c.lora.alpha > 0, "lora.alpha", "> 0", d(c.lora.alpha));
   check(c.lora.dropout >= 0 && c.lora.dropout < 1, "lora.dropout", "in [0, 1)", d(c.lora.dropout));

@@ -35,6 +35,11 @@ const char* to_string(Progress v);
 
 struct ModelConfig {
   std::string checkpoint_dir;  // HF directory; empty = the embedded tiny default model
+  // Tokenizer file; empty = <checkpoint_dir>/tokenizer.model, else <checkpoint_dir>/original/
+  // tokenizer.model (where Llama-3 repositories keep Meta's tiktoken file).
+  std::string tokenizer;
+  // "auto" (the first CUDA device when one is present, else the CPU), "cpu", "cuda" or "cuda:N".
+  std::string device = "auto";
   ComputeDtype dtype = ComputeDtype::BF16;
   BaseFormat base = BaseFormat::NF4;
   bool activation_checkpointing = true;

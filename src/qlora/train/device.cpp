@@ -1,0 +1,55 @@
+#include "qlora/train/device.h"
+
+#include <ATen/Context.h>
+#include <ATen/detail/CUDAHooksInterface.h>
+#if QLORA_WITH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
+
+#include <stdexcept>
+
+#include "qlora/train/metrics.h"
+
+namespace qlora::train {
+
+c10::Device resolve_device(const std::string& name, const std::string& key) {
+  const bool have_cuda = at::hasCUDA() && at::detail::getCUDAHooks().deviceCount() > 0;
+  if (name == "auto") return have_cuda ? c10::Device(c10::kCUDA, 0) : c10::Device(c10::kCPU);
+  if (name == "cpu") return c10::kCPU;
+  if (name.rfind("cuda", 0) != 0) throw std::invalid_argument(key + ": unknown device '" + name + "'");
+#if !QLORA_WITH_CUDA
+  throw std::invalid_argument(key + " = \"" + name + "\" but this qlora was built without CUDA kernels "
+                              "(no nvcc at configure time); use \"cpu\" or rebuild with the CUDA toolkit");
+#endif
+  if (!have_cuda)
+    throw std::invalid_argument(key + " = \"" + name + "\" but no CUDA device is visible to this process "
+                                "(check CUDA_VISIBLE_DEVICES and the driver); use \"cpu\" or \"auto\"");
+  const c10::Device d(name == "cuda" ? std::string("cuda:0") : name);
+  const int64_t count = at::detail::getCUDAHooks().deviceCount();
+  if (d.index() >= count)
+    throw std::invalid_argument(key + " = \"" + name + "\" but only " + std::to_string(count) +
+                                " CUDA device(s) are visible");
+  return d;
+}
+
+at::Tensor generator_state(c10::Device device) {
+  return at::globalContext().defaultGenerator(device).get_state();
+}
+
+void set_generator_state(c10::Device device, const at::Tensor& state) {
+  at::Generator gen = at::globalContext().defaultGenerator(device);  // a handle to the global one
+  gen.set_state(state);
+}
+
+int64_t peak_memory_bytes(c10::Device device) {
+#if QLORA_WITH_CUDA
+  if (device.is_cuda()) {
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index());
+    return stats.allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)].peak;
+  }
+#endif
+  (void)device;
+  return peak_rss_bytes();
+}
+
+}  // namespace qlora::train

@@ -1,0 +1,28 @@
+// Where a run computes: the config's model.device resolved against what this process can see, the
+// device's random generator state (for exact resume) and its peak memory (for metrics).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+
+#include <cstdint>
+#include <string>
+
+namespace qlora::train {
+
+// "auto" -> cuda:0 when a CUDA device is visible, else cpu; "cpu"; "cuda" -> cuda:0; "cuda:N".
+// Throws std::invalid_argument naming `key` when CUDA is asked for and this build or machine has
+// none, or N is past the last device.
+c10::Device resolve_device(const std::string& name, const std::string& key = "model.device");
+
+// The default generator's state of `device` as a uint8 tensor (CPU), and its inverse. Dropout on
+// a CUDA device draws from the CUDA generator; a resumed run must continue that stream too.
+at::Tensor generator_state(c10::Device device);
+void set_generator_state(c10::Device device, const at::Tensor& state);
+
+// Peak memory for metrics: on a CUDA device the caching allocator's peak of allocated bytes
+// since the last reset (what torch.cuda.max_memory_allocated reports); on the CPU the process's
+// peak resident set (VmHWM).
+int64_t peak_memory_bytes(c10::Device device);
+
+}  // namespace qlora::train
