@@ -234,6 +234,41 @@ TEST(LlamaModel, ActivationCheckpointingGivesIdenticalGradients) {
   }
 }
 
+// UnitHooks come in execution order, with and without activation checkpointing (the replays in
+// backward are bracketed as recompute), and none come when the forward records no graph.
+TEST(LlamaModel, UnitHooksFireInExecutionOrder) {
+  struct Recorder : UnitHooks {
+    std::vector<std::string> events;
+    void before_forward(int64_t u, bool r) override { events.push_back("bf" + std::to_string(u) + (r ? "r" : "")); }
+    void after_forward(int64_t u, bool r) override { events.push_back("af" + std::to_string(u) + (r ? "r" : "")); }
+    void before_backward(int64_t u) override { events.push_back("bb" + std::to_string(u)); }
+    void after_backward(int64_t u) override { events.push_back("ab" + std::to_string(u)); }
+  };
+  LlamaLoadOptions o;
+  o.base_in_nf4 = true;
+  o.lora_targets = {"q_proj"};
+  const std::vector<std::string> fwd = {"bf-1", "af-1", "bf0", "af0", "bf1", "af1", "bf2", "af2"};
+  for (const bool ckpt : {false, true}) {
+    o.activation_checkpointing = ckpt;
+    LlamaModel m = load_llama(tiny_llama(), o);
+    auto rec = std::make_shared<Recorder>();
+    m.hooks = rec;
+    m.forward(tokens()).sum().backward();
+    std::vector<std::string> want = fwd;
+    const std::vector<std::string> bwd =
+        ckpt ? std::vector<std::string>{"bb2", "ab2", "bb1", "bf1r", "af1r", "ab1", "bb0", "bf0r", "af0r"}
+             : std::vector<std::string>{"bb2", "ab2", "bb1", "ab1", "bb0"};
+    want.insert(want.end(), bwd.begin(), bwd.end());
+    EXPECT_EQ(rec->events, want) << "activation checkpointing " << ckpt;
+    rec->events.clear();
+    {
+      at::NoGradGuard ng;
+      m.forward(tokens());
+    }
+    EXPECT_EQ(rec->events, fwd) << "no-grad forward: forward hooks only";
+  }
+}
+
 TEST(LlamaModel, SlidingWindowShorterThanSequenceIsAnError) {
   const fs::path dir = fs::temp_directory_path() / "qlora_test_sliding";
   fs::remove_all(dir);

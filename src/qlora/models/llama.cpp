@@ -207,6 +207,20 @@ at::Tensor lm_head_forward(const LlamaModel& m, const at::Tensor& h) {
   return (y + delta * l.scale).to(h.scalar_type());
 }
 
+// `out` is the output of unit u and, unless u is the head, the input of unit u + 1: when its
+// gradient is complete, u + 1's backward has run and u's is next. (Layer 0's input comes from the
+// frozen embedding and wants no gradient, so no after_backward(0) ever comes: the engine ends the
+// backward itself.)
+void add_backward_hooks(const at::Tensor& out, UnitHooks* hooks, int64_t u, bool feeds_next) {
+  if (!out.requires_grad()) return;
+  at::Tensor t = out;  // register_hook is non-const
+  t.register_hook([hooks, u, feeds_next](const at::Tensor& g) {
+    if (feeds_next) hooks->after_backward(u + 1);
+    hooks->before_backward(u);
+    return g;
+  });
+}
+
 // The shared body of both forwards. positions: [seq] (plain rows) or [batch, seq] (packed rows),
 // already on the model's device; attn_mask: undefined (causal) or [batch, seq, seq] bool.
 at::Tensor forward_impl(const LlamaModel& m, const at::Tensor& tokens, const at::Tensor& positions,
@@ -219,26 +233,46 @@ at::Tensor forward_impl(const LlamaModel& m, const at::Tensor& tokens, const at:
   const modules::RopeTables rope = modules::rope_tables(m.inv_freq, positions, m.compute_dtype);
   const modules::LayerDims d = m.dims();
   const bool checkpoint = m.activation_checkpointing && !cache && at::GradMode::is_enabled();
+  UnitHooks* hooks = m.hooks.get();
+  const int64_t num_layers = static_cast<int64_t>(m.layers.size());
+  if (hooks) hooks->before_forward(UnitHooks::kEmbedUnit, false);
   at::Tensor h = at::embedding(m.embed_tokens, tokens.to(m.embed_tokens.device()));  // [batch, seq, hidden]
   if (h.scalar_type() != m.compute_dtype) h = h.to(m.compute_dtype);  // bf16 rows widen exactly
-  for (size_t i = 0; i < m.layers.size(); ++i) {
+  if (hooks) hooks->after_forward(UnitHooks::kEmbedUnit, false);
+  for (int64_t i = 0; i < num_layers; ++i) {
     const DecoderLayer& layer = m.layers[i];
+    if (hooks) hooks->before_forward(i, false);
     if (cache) {
       h = modules::decoder_layer_forward(layer, d, h, rope, m.training, &cache->k[i], &cache->v[i]);
     } else if (checkpoint) {
       const bool train = m.training;
-      // Captured by value: the backward replays this closure after forward_impl has returned.
+      // Captured by value: the backward replays this closure after forward_impl has returned. The
+      // hooks are held by the model, which outlives its backward.
       h = modules::checkpointed(
-          [&layer, d, rope, attn_mask, train](const at::Tensor& x) {
-            return modules::decoder_layer_forward(layer, d, x, rope, train, nullptr, nullptr, attn_mask);
+          [&layer, d, rope, attn_mask, train, hooks, i](const at::Tensor& x) {
+            const bool replay = at::GradMode::is_enabled();  // the forward pass runs without grad
+            if (hooks && replay) hooks->before_forward(i, true);
+            at::Tensor y = modules::decoder_layer_forward(layer, d, x, rope, train, nullptr, nullptr, attn_mask);
+            if (hooks && replay) hooks->after_forward(i, true);
+            return y;
           },
           h, layer.trainable());
     } else {
       h = modules::decoder_layer_forward(layer, d, h, rope, m.training, nullptr, nullptr, attn_mask);
     }
+    if (hooks) {
+      hooks->after_forward(i, false);
+      add_backward_hooks(h, hooks, i, /*feeds_next=*/true);
+    }
   }
+  if (hooks) hooks->before_forward(num_layers, false);
   h = modules::rms_norm(h, m.norm, m.config.rms_norm_eps);
-  return lm_head_forward(m, h).to(at::kFloat);  // [batch, seq, vocab]
+  at::Tensor logits = lm_head_forward(m, h);
+  if (hooks) {
+    hooks->after_forward(num_layers, false);
+    add_backward_hooks(logits, hooks, num_layers, /*feeds_next=*/false);
+  }
+  return logits.to(at::kFloat);  // [batch, seq, vocab]
 }
 
 void check_tokens(const LlamaModel& m, const at::Tensor& tokens, int64_t past) {

@@ -5,6 +5,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -39,6 +40,22 @@ struct LlamaLoadOptions {
   bool activation_checkpointing = false;
 };
 
+// Calls around each unit of the model, for an engine that keeps weights elsewhere between uses
+// (dist's sharded engine gathers a unit's shard group before it runs and frees it after). Units:
+// kEmbedUnit, the decoder layers 0..L-1, and L = final norm + lm_head. Calls come in execution
+// order: forward units ascending; in backward, before_backward(u) when the gradient of u's output
+// is complete (u's backward is next) and after_backward(u) when the gradient of u's input is (it
+// has run). With activation checkpointing, the replay of layer u inside backward is bracketed by
+// before_forward(u, true) / after_forward(u, true).
+struct UnitHooks {
+  static constexpr int64_t kEmbedUnit = -1;
+  virtual ~UnitHooks() = default;
+  virtual void before_forward(int64_t unit, bool recompute) = 0;
+  virtual void after_forward(int64_t unit, bool recompute) = 0;
+  virtual void before_backward(int64_t unit) = 0;
+  virtual void after_backward(int64_t unit) = 0;
+};
+
 struct LlamaModel {
   LlamaConfig config;
   at::ScalarType compute_dtype = at::kFloat;
@@ -56,6 +73,7 @@ struct LlamaModel {
   at::Tensor inv_freq;             // [head_dim / 2] fp32
   bool activation_checkpointing = false;
   bool training = false;           // enables LoRA dropout
+  std::shared_ptr<UnitHooks> hooks;  // optional; see UnitHooks
 
   // tokens: [batch, seq] int64. With a cache, the tokens continue the cached sequence and the
   // cache is extended (cache and activation checkpointing are exclusive: generation needs no
