@@ -28,6 +28,7 @@
 #include "qlora/data/dataset.h"
 #include "qlora/data/sampler.h"
 #include "qlora/data/tokenizer.h"
+#include "qlora/dist/launcher.h"
 #include "qlora/models/llama.h"
 #include "qlora/optim/adamw.h"
 #include "qlora/optim/schedule.h"
@@ -117,6 +118,8 @@ checkpoint::ResumeState capture(const std::vector<std::pair<std::string, at::Ten
 int lora_finetune_main(const std::vector<std::string>& args) {
   // ---------------------------------------------------------------- setup
   const RecipeConfig cfg = load_recipe_config(args);
+  if (dist::launched_as_rank())
+    throw std::invalid_argument("WORLD_SIZE > 1: the sharded engine is not wired into this recipe yet");
   const auto& out_dir = cfg.checkpoint.output_dir;
   fs::create_directories(out_dir);
   at::manual_seed(static_cast<uint64_t>(cfg.training.seed));

@@ -7,6 +7,8 @@
 #include <string>
 #include <vector>
 
+#include "qlora/dist/launcher.h"
+
 namespace qlora::recipes {
 int quantize_main(const std::vector<std::string>& args);
 int dequantize_main(const std::vector<std::string>& args);
@@ -20,8 +22,10 @@ constexpr const char* kUsage =
     "usage: qlora <command> [args]\n"
     "\n"
     "commands:\n"
-    "  run lora_finetune [--config FILE] [section.key=value ...]\n"
-    "                          QLoRA fine-tuning; no --config: the embedded tiny default\n"
+    "  run [--nproc-per-node N [--nnodes M --node-rank K --master-addr A --master-port P]]\n"
+    "      lora_finetune [--config FILE] [section.key=value ...]\n"
+    "                          QLoRA fine-tuning; no --config: the embedded tiny default;\n"
+    "                          N > 1: N ranks on this node, sharded FSDP-style\n"
     "  generate --checkpoint DIR --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-p P]\n"
     "                          text from an exported epoch (out/.../epoch_N)\n"
     "  ls                      recipes and shipped configs\n"
@@ -33,14 +37,12 @@ constexpr const char* kUsage =
     "  help                    this text\n";
 
 int run_main(std::vector<std::string> args) {
-  if (!args.empty() && args[0] == "--nproc-per-node") {
-    if (args.size() < 2) throw std::invalid_argument("--nproc-per-node needs a number");
-    if (args[1] != "1")
-      throw std::invalid_argument("--nproc-per-node " + args[1] +
-                                  ": multi-rank training (the sharded engine) is not built yet; use 1");
-    args.erase(args.begin(), args.begin() + 2);
-  }
+  const qlora::dist::LaunchOptions launch = qlora::dist::parse_launch_args(args);
   if (args.empty()) throw std::invalid_argument("qlora run needs a recipe name (see `qlora ls`)");
+  if (launch.nproc_per_node * launch.nnodes > 1) {
+    if (args[0] != "lora_finetune") throw std::invalid_argument("unknown recipe '" + args[0] + "' (see `qlora ls`)");
+    return qlora::dist::launch(launch, std::filesystem::read_symlink("/proc/self/exe").string(), args);
+  }
   const std::string recipe = args[0];
   args.erase(args.begin());
   if (recipe == "lora_finetune") return qlora::recipes::lora_finetune_main(args);
