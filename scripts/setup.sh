@@ -17,7 +17,7 @@ say() { printf '[setup] %s\n' "$*"; }
 
 # --- 1. Debian packages ----------------------------------------------------------------------
 PKGS=(g++ cmake make ccache pkg-config libgtest-dev libbenchmark-dev nlohmann-json3-dev
-      libtomlplusplus-dev libsentencepiece-dev)
+      libtomlplusplus-dev libsentencepiece-dev libgloo-dev)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

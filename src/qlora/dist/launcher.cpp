@@ -36,9 +36,10 @@ int parse_int(const std::string& flag, const std::string& v, int lo, int hi) {
   return static_cast<int>(x);
 }
 
-// A port nobody listens on right now: bind to port 0 and read what the kernel gave (torchrun does
-// the same; the small window before rank 0 binds it is accepted).
-int free_port(const std::string& addr) {
+}  // namespace
+
+// torchrun does the same; the small window before rank 0 binds the port is accepted.
+int free_tcp_port(const std::string& addr) {
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
   if (fd < 0) throw std::runtime_error(std::string("launcher: socket: ") + std::strerror(errno));
   sockaddr_in a{};
@@ -55,6 +56,8 @@ int free_port(const std::string& addr) {
   ::close(fd);
   return ntohs(a.sin_port);
 }
+
+namespace {
 
 struct Stream {
   int fd = -1;
@@ -126,7 +129,7 @@ bool launched_as_rank() {
 }
 
 int launch(const LaunchOptions& o, const std::string& exe, const std::vector<std::string>& recipe_args) {
-  const int port = o.master_port ? o.master_port : free_port(o.master_addr);
+  const int port = o.master_port ? o.master_port : free_tcp_port(o.master_addr);
   const int world = o.nproc_per_node * o.nnodes;
   std::vector<Child> children;
   std::vector<Stream> streams;

@@ -28,6 +28,9 @@ struct LaunchOptions {
 // errors name the flag.
 LaunchOptions parse_launch_args(std::vector<std::string>& args);
 
+// A TCP port on `addr` that nobody listens on right now (bind to port 0, read it, close).
+int free_tcp_port(const std::string& addr);
+
 // True when this process is a rank of a multi-process job (WORLD_SIZE > 1 in the environment).
 bool launched_as_rank();
 
