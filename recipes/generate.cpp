@@ -5,6 +5,7 @@
 //
 //   qlora generate --checkpoint DIR --prompt TEXT [--max-new-tokens N] [--temperature T]
 //                  [--top-p P] [--seed S] [--nf4] [--device auto|cpu|cuda[:N]]
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -99,8 +100,10 @@ int generate_main(const std::vector<std::string>& args) {
   }
 
   const std::vector<int64_t> ids = tok.encode_with_special(prompt, /*add_bos=*/true, /*add_eos=*/false);
-  // Stop at the tokenizer's EOS and at any the config lists (Llama-3 has several).
+  // Stop at the tokenizer's EOS and at any the config lists (Llama-3 has several), and at the end
+  // of a Llama-3 chat turn, as Meta's generation does.
   if (tok.eos_id() >= 0) opt.stop_ids.push_back(tok.eos_id());
+  if (tok.eot_id() >= 0) opt.stop_ids.push_back(tok.eot_id());
   for (const int64_t e : model.config.eos_token_ids) opt.stop_ids.push_back(e);
 
   const auto t1 = std::chrono::steady_clock::now();
@@ -113,7 +116,14 @@ int generate_main(const std::vector<std::string>& args) {
                                std::to_string(tok.vocab_size()) + " pieces (" + tok_path + ")");
     }
   }
-  std::printf("%s\n", tok.decode(out).c_str());
+  // The stop id ends the text rather than belonging to it: sentencepiece decodes EOS to nothing,
+  // but a tiktoken model would print "<|eot_id|>".
+  std::vector<int64_t> text_ids = out;
+  if (!text_ids.empty() &&
+      std::find(opt.stop_ids.begin(), opt.stop_ids.end(), text_ids.back()) != opt.stop_ids.end()) {
+    text_ids.pop_back();
+  }
+  std::printf("%s\n", tok.decode(text_ids).c_str());
   const double load_s = std::chrono::duration<double>(t1 - t0).count();
   const double gen_s = std::chrono::duration<double>(t2 - t1).count();
   std::fprintf(stderr, "qlora generate: %zu prompt tokens, %zu new tokens in %.2f s (%.1f tok/s), load %.2f s\n",

@@ -2,7 +2,7 @@
 # Installs whatever is missing, then configures and builds qlora (Release) in build/.
 # Idempotent and quick when everything is already there:
 #   1. Debian packages (compilers, CMake, ccache, GoogleTest, Google Benchmark, toml++,
-#      sentencepiece, nlohmann-json); the CUDA toolkit is used if present, never installed.
+#      sentencepiece, PCRE2, nlohmann-json); the CUDA toolkit is used if present, never installed.
 #   2. .venv with the pinned PyPI torch wheel (LibTorch for C++) and the Python reference
 #      packages of requirements.txt; reinstalled only when requirements.txt changes.
 #   3. cmake configure (first time only) and build.
@@ -17,7 +17,8 @@ say() { printf '[setup] %s\n' "$*"; }
 
 # --- 1. Debian packages ----------------------------------------------------------------------
 PKGS=(g++ cmake make ccache pkg-config libgtest-dev libbenchmark-dev nlohmann-json3-dev
-      libtomlplusplus-dev libsentencepiece-dev libgloo-dev)
+      libtomlplusplus-dev libsentencepiece-dev libgloo-dev
+      libpcre2-dev)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

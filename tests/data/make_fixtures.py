@@ -1,6 +1,8 @@
 """Makes the small fixtures in tests/data (run from the repo root with the project venv):
 
-    .venv/bin/python tests/data/make_fixtures.py
+    .venv/bin/python tests/data/make_fixtures.py [tiny_llama] [tokenizer] [tokenizer_tiktoken]
+
+(no names: all of them; each is deterministic, so remaking one leaves the file as it was).
 
 tiny_llama/: a Llama-shaped checkpoint with random bf16 weights (hidden 128, 2 layers, vocab
 256), saved as two shards with model.safetensors.index.json, as HF writes large models. It is
@@ -11,17 +13,25 @@ bos 1, eos 2, no pad) trained on the bundled English text below plus the tiny ta
 tokenizer/expected_ids.json: ids and decodes of ~50 strings by python sentencepiece, the reference
 the C++ tokenizer test compares against. tiny_tasks.jsonl: 2000 Alpaca-style records of simple
 deterministic tasks (add two numbers, reverse a word), the dataset where learning is visible.
+
+tokenizer_tiktoken/tokenizer.model: a tiktoken-format BPE (as Llama-3's original/tokenizer.model)
+with the 256 byte tokens and 400 merges learned here by a small byte-level BPE trainer over
+text split with Llama-3's pre-tokenizer regex (the English above, task prompts and a few lines
+of accents, CJK, emoji, digits and contractions), and tokenizer_tiktoken/expected_ids.json:
+ids and decodes of ~80 strings by python tiktoken with Meta's Llama-3.1 special tokens, the
+reference the C++ tokenizer test compares against.
 """
 import json
 import os
-
-import torch
-from safetensors.torch import save_file
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def tiny_llama(out_dir: str) -> None:
+    # Imported here so that the conformance tests can import this module's tables cheaply.
+    import torch
+    from safetensors.torch import save_file
+
     hidden, inter, layers, vocab, heads, kv_heads = 128, 352, 2, 256, 4, 2
     head_dim = hidden // heads
     g = torch.Generator().manual_seed(0)
@@ -183,6 +193,121 @@ def tiny_tokenizer(out_dir: str, tasks_path: str) -> None:
         f.write("\n")
 
 
+# Meta's Llama-3 pre-tokenizer (llama3 tokenizer.py pat_str).
+LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
+                  r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def llama3_special_tokens(num_base_tokens: int) -> dict:
+    """Meta's Llama-3.1 special tokens: 11 named ones, then reserved ones numbered from 2."""
+    named = ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
+             "<|reserved_special_token_1|>", "<|finetune_right_pad_id|>", "<|step_id|>",
+             "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>", "<|python_tag|>"]
+    names = named + [f"<|reserved_special_token_{2 + i}|>" for i in range(256 - len(named))]
+    return {name: num_base_tokens + i for i, name in enumerate(names)}
+
+
+# Written for this fixture: text whose pieces the merges should cover beyond plain English.
+_UNICODE_LINES = """\
+Café crème brûlée, naïve résumé, Straße, Ångström, São Paulo, Zürich, façade, señor.
+日本語のテキストです。中文文本，你好，世界！東京と大阪。
+Привет, мир! Καλημέρα κόσμε. Grüße aus Köln.
+Emoji: 😀 🚀 👍🏽 ❤️ 🎉 and more 😀😀 in a row.
+Numbers: 1234567 3.14159 2024-06-01 1,000,000 42 007 99 + 1 = 100.
+Contractions: don't, I'm, we'll, they've, she'd, it's, you're; DON'T, I'M, WE'LL, They'Re.
+Tabs\tand  spaces   and\n\nnew lines\r\nwith   trailing spaces   \n
+    indented code: if (x == 1) { return y; }  // comment
+"""
+
+
+def _train_byte_bpe(pieces: list, n_merges: int) -> dict:
+    """Byte-level BPE training: repeatedly merge the most frequent adjacent pair (ties: the
+    smallest bytes), never across pre-token boundaries. Returns tiktoken's bytes -> rank."""
+    from collections import Counter
+    ranks = {bytes([b]): b for b in range(256)}
+    words = Counter(p.encode("utf-8") for p in pieces)
+    parts = {w: [w[i:i + 1] for i in range(len(w))] for w in words}
+    for _ in range(n_merges):
+        pairs = Counter()
+        for w, count in words.items():
+            p = parts[w]
+            for a, b in zip(p, p[1:]):
+                if a + b not in ranks:  # a token can be made only once
+                    pairs[(a, b)] += count
+        if not pairs:
+            break
+        a, b = min(pairs, key=lambda ab: (-pairs[ab], ab[0] + ab[1], ab[0]))
+        ranks[a + b] = len(ranks)
+        for w, p in parts.items():
+            i, merged = 0, []
+            while i < len(p):
+                if i + 1 < len(p) and p[i] == a and p[i + 1] == b:
+                    merged.append(a + b)
+                    i += 2
+                else:
+                    merged.append(p[i])
+                    i += 1
+            parts[w] = merged
+    return ranks
+
+
+# Strings whose ids the C++ tokenizer must reproduce for the tiktoken fixture: the sentencepiece
+# list plus what is special to Llama-3's tokenizer (specials in text, contractions in any case,
+# digit groups, whitespace before newlines, and U+180E, which PCRE2 alone counts as a space).
+_TIKTOKEN_STRINGS = _CONFORMANCE_STRINGS + [
+    "<|begin_of_text|>", "<|eot_id|><|eot_id|>", "x<|start_header_id|>y", "<|not_special|>",
+    "<|eot_id", "<<|eot_id|>>", "<|reserved_special_token_246|>", "<|finetune_right_pad_id|>",
+    "I'M HE'S we'RE They'll it'D you'Ve", "'s's", "x's", "1234567890", "a1b22c333d4444",
+    "  \n  \n", "a  \n\n  b", "spaces at end   ", "\r\n\r\n", "(?!\\S) \u00a0 \u3000x",
+    "a \u180eb", "\u180e\u180e", "x'\u017fy", "Café 日本語 😀 don't 123", "👍🏽❤️", " 🚀🚀",
+    "tab\t\tend\t", "e\u0301 combining", "\x00\x01\x1f control", "\u2028line\u2029para",
+    # Pieces longer than 64 bytes take the C++ heap merge instead of the short scan.
+    "Reverse" * 12, " thenumbers" * 8, "x" * 100, "9" * 70, "😀" * 20,
+]
+
+
+def tiny_tiktoken(out_dir: str, tasks_path: str) -> None:
+    import base64
+    import regex
+    import tiktoken
+    from tiktoken.load import load_tiktoken_bpe
+
+    with open(tasks_path) as f:
+        records = [json.loads(line) for line in f][:200]
+    text = _ENGLISH + _UNICODE_LINES + "".join(
+        f"{_ALPACA_PREAMBLE}\n\n### Instruction:\n{r['instruction']}\n\n### Input:\n{r['input']}"
+        f"\n\n### Response:\n{r['output']}\n" for r in records)
+    ranks = _train_byte_bpe(regex.findall(LLAMA3_PATTERN, text), n_merges=400)
+    os.makedirs(out_dir, exist_ok=True)
+    model_path = os.path.join(out_dir, "tokenizer.model")
+    with open(model_path, "wb") as f:
+        for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]):
+            f.write(base64.b64encode(token) + b" " + str(rank).encode() + b"\n")
+
+    mergeable = load_tiktoken_bpe(model_path)
+    specials = llama3_special_tokens(len(mergeable))
+    enc = tiktoken.Encoding("tiny_llama3", pat_str=LLAMA3_PATTERN, mergeable_ranks=mergeable,
+                            special_tokens=specials)
+    cases = []
+    for t in _TIKTOKEN_STRINGS:
+        ids = enc.encode(t, allowed_special="all")
+        cases.append({"text": t, "ids": ids, "decoded": enc.decode(ids)})
+    expected = {"tiktoken_version": tiktoken.__version__, "num_base_tokens": len(mergeable),
+                "vocab_size": enc.n_vocab, "bos_id": specials["<|begin_of_text|>"],
+                "eos_id": specials["<|end_of_text|>"], "eot_id": specials["<|eot_id|>"],
+                "pad_id": specials["<|finetune_right_pad_id|>"], "cases": cases}
+    with open(os.path.join(out_dir, "expected_ids.json"), "w") as f:
+        json.dump(expected, f, indent=1, ensure_ascii=False)
+        f.write("\n")
+
+
 if __name__ == "__main__":
-    tiny_llama(os.path.join(HERE, "tiny_llama"))
-    tiny_tokenizer(os.path.join(HERE, "tokenizer"), os.path.join(HERE, "tiny_tasks.jsonl"))
+    import sys
+    wanted = set(sys.argv[1:]) or {"tiny_llama", "tokenizer", "tokenizer_tiktoken"}
+    if "tiny_llama" in wanted:
+        tiny_llama(os.path.join(HERE, "tiny_llama"))
+    if "tokenizer" in wanted:
+        tiny_tokenizer(os.path.join(HERE, "tokenizer"), os.path.join(HERE, "tiny_tasks.jsonl"))
+    # After "tokenizer": its corpus includes tiny_tasks.jsonl, which that step writes.
+    if "tokenizer_tiktoken" in wanted:
+        tiny_tiktoken(os.path.join(HERE, "tokenizer_tiktoken"), os.path.join(HERE, "tiny_tasks.jsonl"))

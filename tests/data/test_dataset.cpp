@@ -83,7 +83,7 @@ TEST(Templates, Llama3Chat) {
                              {{"system", "Be brief."}, {"user", "Hi"}, {"assistant", "Hello"}});
   ASSERT_EQ(s.size(), 2u);
   EXPECT_EQ(s[0].text,
-            "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>"
+            "<|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>"
             "<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>"
             "<|start_header_id|>assistant<|end_header_id|>\n\n");
   EXPECT_TRUE(s[0].is_prompt);
@@ -172,6 +172,47 @@ TEST(Dataset, Llama2InnerTurnsGetBosAndEos) {
   }
   EXPECT_EQ(bos, 2);
   EXPECT_EQ(eos, 2);
+}
+
+// Meta's ChatFormat (and torchtune's Llama-3 tokenize_messages): one <|begin_of_text|>, then per
+// message <|start_header_id|> role <|end_header_id|> "\n\n" content <|eot_id|>; torchtune ends a
+// training sample with <|end_of_text|>.
+TEST(Dataset, Llama3ChatHasOneBeginOfTextWithEitherTokenizer) {
+  const std::vector<Message> m = {{"system", "Be brief."}, {"user", "Hi"}, {"assistant", "Hello"}};
+  const auto segs = render_chat(TemplateKind::kLlama3Chat, m);
+  const DatasetOptions o;
+  const auto tt = Tokenizer::open(data_dir() + "/tokenizer_tiktoken/tokenizer.model");
+  const auto special = [&](const char* name) {
+    const auto ids = tt.encode(name);
+    EXPECT_EQ(ids.size(), 1u) << name;
+    return ids.at(0);
+  };
+  std::vector<int64_t> want = {tt.bos_id()};
+  const auto append = [&](const std::vector<int64_t>& ids) { want.insert(want.end(), ids.begin(), ids.end()); };
+  size_t answer_start = 0;
+  for (const auto& msg : m) {
+    want.push_back(special("<|start_header_id|>"));
+    append(tt.encode(msg.role));
+    want.push_back(special("<|end_header_id|>"));
+    append(tt.encode("\n\n"));
+    if (msg.role == "assistant") answer_start = want.size();
+    append(tt.encode(msg.content));
+    want.push_back(tt.eot_id());
+  }
+  want.push_back(tt.eos_id());
+  const auto s = tokenize_segments(segs, tt, o);
+  EXPECT_EQ(s.tokens, want);
+  EXPECT_EQ(std::count(s.tokens.begin(), s.tokens.end(), tt.bos_id()), 1);
+  for (size_t i = 0; i < s.labels.size(); ++i) {
+    EXPECT_EQ(s.labels[i], i < answer_start ? kIgnoreIndex : s.tokens[i]) << i;
+  }
+
+  // Sentencepiece: its BOS once, and no "<|begin_of_text|>" spelled out as text.
+  const auto sp = fixture_tokenizer();
+  const auto s2 = tokenize_segments(segs, sp, o);
+  EXPECT_EQ(s2.tokens.front(), sp.bos_id());
+  EXPECT_EQ(std::count(s2.tokens.begin(), s2.tokens.end(), sp.bos_id()), 1);
+  EXPECT_EQ(sp.decode(s2.tokens).find("begin_of_text"), std::string::npos);
 }
 
 TEST(Dataset, TruncationKeepsStartAndEndsWithMaskedEos) {

@@ -55,11 +55,14 @@ std::vector<Segment> llama2(const std::vector<Message>& m) {
   return out;
 }
 
-// Llama-3 instruct format, as text: with a sentencepiece model these markers are plain text.
-// Loss covers the answer and its <|eot_id|>, as in Meta's and torchtune's Llama-3 formats.
+// Llama-3 instruct format, as text: a tiktoken (Llama-3) tokenizer encodes the markers as their
+// special ids; with a sentencepiece model they are plain text. <|begin_of_text|> is not written:
+// it is Llama-3's BOS, which the dataset's add_bos puts first (as for every template); spelled
+// here too it would reach the ids twice. Loss covers the answer and its <|eot_id|>, as in Meta's
+// and torchtune's Llama-3 formats.
 std::vector<Segment> llama3(const std::vector<Message>& m) {
   std::vector<Segment> out;
-  std::string prompt = "<|begin_of_text|>";
+  std::string prompt;
   for (const auto& msg : m) {
     const std::string header = "<|start_header_id|>" + msg.role + "<|end_header_id|>\n\n";
     if (msg.role == "assistant") {

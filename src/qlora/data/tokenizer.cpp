@@ -3,7 +3,10 @@
 #include <sentencepiece_processor.h>
 
 #include <algorithm>
+#include <fstream>
 #include <stdexcept>
+
+#include "qlora/data/tiktoken_bpe.h"
 
 namespace qlora::data {
 namespace {
@@ -19,13 +22,22 @@ std::vector<int64_t> to_int64(const std::vector<int>& ids) { return {ids.begin()
 
 Tokenizer Tokenizer::open(const std::string& path) {
   Tokenizer t;
+  t.path_ = path;
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw std::runtime_error("tokenizer: cannot open '" + path + "'");
+  std::string head(4096, '\0');
+  in.read(head.data(), static_cast<std::streamsize>(head.size()));
+  head.resize(static_cast<size_t>(in.gcount()));
+  if (looks_like_tiktoken(head)) {
+    t.open_tiktoken();
+    return t;
+  }
   t.sp_ = std::make_shared<sentencepiece::SentencePieceProcessor>();
   const auto status = t.sp_->Load(path);
   if (!status.ok()) {
     throw std::runtime_error("tokenizer: cannot load sentencepiece model '" + path + "': " +
                              status.ToString());
   }
-  t.path_ = path;
   t.vocab_size_ = t.sp_->GetPieceSize();
   t.bos_id_ = t.sp_->bos_id();
   t.eos_id_ = t.sp_->eos_id();
@@ -36,7 +48,18 @@ Tokenizer Tokenizer::open(const std::string& path) {
   return t;
 }
 
+void Tokenizer::open_tiktoken() {
+  bpe_ = TiktokenBpe::load(path_, kLlama3Pattern, llama3_special_tokens());
+  vocab_size_ = bpe_->vocab_size();
+  bos_id_ = bpe_->special_id("<|begin_of_text|>");
+  eos_id_ = bpe_->special_id("<|end_of_text|>");
+  eot_id_ = bpe_->special_id("<|eot_id|>");
+  const int64_t pad = bpe_->special_id("<|finetune_right_pad_id|>");
+  pad_id_ = pad >= 0 ? pad : eos_id_;
+}
+
 std::vector<int64_t> Tokenizer::encode(std::string_view text) const {
+  if (bpe_) return bpe_->encode(text);
   std::vector<int> ids;
   const auto status = sp_->Encode(text, &ids);
   if (!status.ok()) {
@@ -57,6 +80,7 @@ std::vector<int64_t> Tokenizer::encode_with_special(std::string_view text, bool 
 
 std::vector<int64_t> Tokenizer::encode_continuation(std::string_view text) const {
   if (text.empty()) return {};
+  if (bpe_) return encode(text);
   std::string joined(kContinuationPrefix);
   joined.append(text);
   auto ids = encode(joined);
@@ -72,6 +96,7 @@ std::vector<int64_t> Tokenizer::encode_continuation(std::string_view text) const
 }
 
 std::string Tokenizer::decode(const std::vector<int64_t>& ids) const {
+  if (bpe_) return utf8_replace_invalid(bpe_->decode_bytes(ids));
   std::vector<int> narrow;
   narrow.reserve(ids.size());
   for (size_t i = 0; i < ids.size(); ++i) {
@@ -91,6 +116,7 @@ std::string Tokenizer::decode(const std::vector<int64_t>& ids) const {
 }
 
 std::string Tokenizer::id_to_piece(int64_t id) const {
+  if (bpe_) return std::string(bpe_->token_bytes(id));
   if (id < 0 || id >= vocab_size_) {
     throw std::out_of_range("tokenizer '" + path_ + "': id " + std::to_string(id) +
                             " is outside the vocab");

@@ -1,4 +1,5 @@
-// SentencePiece tokenizer over a checkpoint's tokenizer.model (Llama-2 / Mistral style).
+// The tokenizer of a checkpoint's tokenizer.model: a sentencepiece model (Llama-2, Mistral) or
+// Meta's tiktoken-format BPE (Llama-3/3.1, original/tokenizer.model), told apart by content.
 #pragma once
 
 #include <cstdint>
@@ -13,39 +14,56 @@ class SentencePieceProcessor;
 
 namespace qlora::data {
 
+class TiktokenBpe;
+
 class Tokenizer {
  public:
-  // Loads a sentencepiece model; throws std::runtime_error naming `path` when it cannot.
+  // Loads a sentencepiece model, or a tiktoken file (ASCII lines "<base64> <rank>") with
+  // Llama-3's pre-tokenizer and its 256 special tokens after the ranks. Throws
+  // std::runtime_error naming `path` (and for a malformed tiktoken file, the line).
   static Tokenizer open(const std::string& path);
 
   // Ids of `text` without BOS/EOS. Like sentencepiece (and HF's slow Llama tokenizer) a dummy
-  // prefix "▁" is added when the model says so.
+  // prefix "▁" is added when the model says so. A tiktoken model adds none and, like tiktoken
+  // with allowed_special="all", encodes special-token strings in the text ("<|eot_id|>") as
+  // their ids.
   std::vector<int64_t> encode(std::string_view text) const;
   // encode() plus BOS in front / EOS at the end.
   std::vector<int64_t> encode_with_special(std::string_view text, bool add_bos, bool add_eos) const;
   // Ids of `text` as it tokenizes when it continues earlier text: without the dummy-prefix "▁"
   // that sentencepiece puts at the start of every encode call. Templates tokenize segment by
   // segment; without this, encode(a) + encode(b) would carry a space that a + b does not have.
+  // Same as encode() for a tiktoken model, which has no dummy prefix.
   std::vector<int64_t> encode_continuation(std::string_view text) const;
-  // Text of `ids`; control ids (BOS/EOS) decode to nothing. Throws on ids outside the vocab.
+  // Text of `ids`. Sentencepiece: control ids (BOS/EOS) decode to nothing. Tiktoken: as
+  // tiktoken's decode, special ids decode to their strings and bytes that are not UTF-8 (ids
+  // that split a character) to U+FFFD. Throws std::out_of_range on ids outside the vocab.
   std::string decode(const std::vector<int64_t>& ids) const;
 
   int64_t bos_id() const { return bos_id_; }
   int64_t eos_id() const { return eos_id_; }
-  int64_t unk_id() const { return unk_id_; }
-  // Llama ships no pad piece (pad_id -1): fall back to EOS, else 0. The value only fills padded
-  // positions, whose labels are -100 and which attention never reads, so any valid id works.
+  int64_t unk_id() const { return unk_id_; }  // -1 for tiktoken: bytes cover every text
+  // Llama-2 ships no pad piece (pad_id -1): fall back to EOS, else 0. Llama-3.1 has
+  // <|finetune_right_pad_id|>. The value only fills padded positions, whose labels are -100 and
+  // which attention never reads, so any valid id works.
   int64_t pad_id() const { return pad_id_; }
+  // <|eot_id|>, the end of a Llama-3 chat turn, where generation should stop too; -1 if none.
+  int64_t eot_id() const { return eot_id_; }
   int64_t vocab_size() const { return vocab_size_; }
   const std::string& path() const { return path_; }
+  // Sentencepiece: the piece ("▁the", "<0x0A>"). Tiktoken: the token's raw bytes (may be part
+  // of a UTF-8 character) or the special token's string.
   std::string id_to_piece(int64_t id) const;
 
  private:
   Tokenizer() = default;
+  void open_tiktoken();
   // shared: a Tokenizer is copied into datasets and recipes; the model is read-only after load.
+  // Exactly one of the two is set.
   std::shared_ptr<sentencepiece::SentencePieceProcessor> sp_;
+  std::shared_ptr<const TiktokenBpe> bpe_;
   std::string path_;
-  int64_t bos_id_ = -1, eos_id_ = -1, unk_id_ = -1, pad_id_ = 0, vocab_size_ = 0;
+  int64_t bos_id_ = -1, eos_id_ = -1, unk_id_ = -1, pad_id_ = 0, eot_id_ = -1, vocab_size_ = 0;
   // Ids of kContinuationPrefix, dropped by encode_continuation.
   std::vector<int64_t> prefix_ids_;
 };
