@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "qlora/checkpoint/export.h"
+#include "qlora/checkpoint/fingerprint.h"
 #include "qlora/checkpoint/resume.h"
 #include "qlora/config/config.h"
 #include "qlora/data/batching.h"
@@ -93,11 +94,12 @@ at::ScalarType frozen_storage_dtype(const std::string& base_dir, at::ScalarType 
   return compute;
 }
 
-// Everything a resumed run needs to continue bit for bit.
+// Everything a resumed run needs to continue bit for bit; `inputs` (input_fingerprints) lets the
+// resume tell whether the data or base weights changed under paths the config check ignores.
 checkpoint::ResumeState capture(const std::vector<std::pair<std::string, at::Tensor>>& lora,
                                 const optim::AdamW& opt, const data::Sampler& sampler, int64_t epoch,
                                 int64_t step_in_epoch, int64_t global_step, const RecipeConfig& cfg,
-                                c10::Device device) {
+                                c10::Device device, const nlohmann::json& inputs) {
   checkpoint::ResumeState s;
   for (const auto& [name, t] : lora) s.tensors.push_back({"model." + name, t.detach().cpu()});
   for (const auto& [name, t] : opt.state_dict()) s.tensors.push_back({"optim." + name, t});
@@ -110,6 +112,7 @@ checkpoint::ResumeState capture(const std::vector<std::pair<std::string, at::Ten
             {"config_toml", config::to_toml(cfg)},
             {"config_hash", config::config_hash(cfg, config::HashScope::Exactness)},
             {"device_type", device.is_cuda() ? "cuda" : "cpu"}};
+  s.meta.update(inputs);
   return s;
 }
 
@@ -168,6 +171,10 @@ int lora_finetune_main(const std::vector<std::string>& args) {
   mopts.seed = static_cast<uint64_t>(cfg.training.seed);
   mopts.activation_checkpointing = cfg.model.activation_checkpointing;
   models::LlamaModel model = models::load_llama(base_dir, mopts);
+  if (tokenizer.vocab_size() > model.config.vocab_size)
+    throw std::invalid_argument(tokenizer_path + ": the tokenizer has " + std::to_string(tokenizer.vocab_size()) +
+                                " ids but " + base_dir + "/config.json says vocab_size " +
+                                std::to_string(model.config.vocab_size) + " (a tokenizer of another model?)");
   model.training = true;
   const auto lora = model.lora_parameters();
   std::vector<at::Tensor> params;
@@ -188,6 +195,7 @@ int lora_finetune_main(const std::vector<std::string>& args) {
   schedule.min_lr_ratio = cfg.optim.min_lr_ratio;
 
   int64_t start_epoch = 0, start_step = 0, global_step = 0;
+  const nlohmann::json inputs = checkpoint::input_fingerprints(data_path, base_dir, tokenizer_path);
   const auto latest = checkpoint::latest_resume_checkpoint(out_dir);
   if (!cfg.checkpoint.resume && fs::exists(out_dir + "/checkpoints")) {
     // A fresh run must not mix its checkpoints with an earlier run's (keep_last_n would keep the
@@ -215,6 +223,8 @@ int lora_finetune_main(const std::vector<std::string>& args) {
         throw std::invalid_argument("cannot resume " + *latest + ": it was written by a run on " + saved_device +
                                     " and this run would compute on " + device.str() +
                                     "; set model.device=" + saved_device + " (or start a new output_dir)");
+      if (const auto warning = checkpoint::check_input_fingerprints(s.meta, inputs, *latest))
+        std::printf("warning: %s\n", warning->c_str());
       std::map<std::string, at::Tensor> by_name(s.tensors.begin(), s.tensors.end());
       c10::NoGradGuard no_grad;
       for (const auto& [name, t] : lora) t.copy_(by_name.at("model." + name));
@@ -309,7 +319,7 @@ int lora_finetune_main(const std::vector<std::string>& args) {
       // the epoch's export already on disk.
       if (!epoch_end && cfg.checkpoint.save_every_steps > 0 && global_step % cfg.checkpoint.save_every_steps == 0)
         checkpoint::save_resume_checkpoint(out_dir, global_step,
-                                           capture(lora, opt, sampler, epoch, step + 1, global_step, cfg, device),
+                                           capture(lora, opt, sampler, epoch, step + 1, global_step, cfg, device, inputs),
                                            cfg.checkpoint.keep_last_n);
     }
     progress.end_epoch();
@@ -321,7 +331,7 @@ int lora_finetune_main(const std::vector<std::string>& args) {
                              tokenizer_path);
     std::printf("epoch %lld exported to %s/epoch_%lld\n", (long long)epoch + 1, out_dir.c_str(), (long long)epoch);
     checkpoint::save_resume_checkpoint(out_dir, global_step,
-                                       capture(lora, opt, sampler, epoch + 1, 0, global_step, cfg, device),
+                                       capture(lora, opt, sampler, epoch + 1, 0, global_step, cfg, device, inputs),
                                        cfg.checkpoint.keep_last_n);
   }
 

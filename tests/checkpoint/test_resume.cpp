@@ -46,20 +46,6 @@ void expect_same(const ResumeState& a, const ResumeState& b) {
 
 }  // namespace
 
-TEST(Xxh64, KnownVectorsAndStreaming) {
-  EXPECT_EQ(xxh64("", 0), 0xEF46DB3751D8E999ULL);
-  EXPECT_EQ(xxh64("abc", 3), 0x44BC2CF5AD770999ULL);
-  // The file path hashes in 1 MiB chunks: it must agree with one-shot hashing across stripes.
-  const fs::path d = fresh_dir("xxh");
-  std::string data(3 * (1 << 20) + 37, '\0');
-  for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<char>((i * 2654435761u) >> 13);
-  std::ofstream(d / "f", std::ios::binary) << data;
-  uint64_t n = 0;
-  EXPECT_EQ(xxh64_file((d / "f").string(), &n), xxh64(data.data(), data.size()));
-  EXPECT_EQ(n, data.size());
-  fs::remove_all(d);
-}
-
 TEST(Resume, RoundTripKeepsTensorsDtypesOrderAndMeta) {
   const fs::path d = fresh_dir("roundtrip");
   const ResumeState s = sample_state(7);
@@ -178,5 +164,77 @@ TEST(Resume, SavingSameStepTwiceReplaces) {
   size_t n = 0;
   for ([[maybe_unused]] const auto& e : fs::directory_iterator(d / "checkpoints")) ++n;
   EXPECT_EQ(n, 1u);  // no .tmp or .old left behind
+  fs::remove_all(d);
+}
+
+// Without RENAME_EXCHANGE, replacing step_N renames step_N -> step_N.old, step_N.tmp -> step_N,
+// step_N.old -> step_N.tmp, then removes step_N.tmp. A crash after each rename is built by hand
+// here; every state must resume from a complete copy of step N.
+TEST(Resume, CrashInsideMoveAsideReplacementLeavesStepLoadable) {
+  const fs::path d = fresh_dir("aside"), scratch = fresh_dir("aside_scratch");
+  const fs::path root = d / "checkpoints", plain = root / "step_00000005", aside = root / "step_00000005.old",
+                 tmp = root / "step_00000005.tmp";
+  const ResumeState older = sample_state(3), before = sample_state(5), after = sample_state(50);
+  save_resume_checkpoint(d.string(), 3, older, 0);
+  save_resume_checkpoint(scratch.string(), 5, after, 0);  // the new copy, complete as in step_N.tmp
+  auto start = [&] {  // the moment the save's step_N.tmp is complete, before any rename
+    for (const fs::path& p : {plain, aside, tmp}) fs::remove_all(p);
+    save_resume_checkpoint(d.string(), 5, before, 0);
+    fs::copy(scratch / "checkpoints/step_00000005", tmp, fs::copy_options::recursive);
+  };
+  auto expect_latest = [&](const fs::path& dir, const ResumeState& s, const char* state) {
+    const auto latest = latest_resume_checkpoint(d.string());
+    ASSERT_TRUE(latest) << state;
+    EXPECT_EQ(fs::path(*latest), dir) << state;
+    expect_same(s, load_resume_checkpoint(*latest));
+  };
+
+  start();
+  fs::rename(plain, aside);
+  expect_latest(aside, before, "step_N moved aside, new copy not yet in");
+  fs::rename(tmp, plain);
+  expect_latest(plain, after, "new copy in, old one still aside");
+  fs::rename(aside, tmp);
+  expect_latest(plain, after, "old copy back in .tmp, not yet removed");
+
+  // An aside whose manifest is gone (a removal that crashed) is not a checkpoint.
+  start();
+  fs::rename(plain, aside);
+  fs::remove(aside / "manifest.json");
+  expect_latest(root / "step_00000003", older, "aside without manifest");
+  fs::remove_all(d);
+  fs::remove_all(scratch);
+}
+
+TEST(Resume, NextSaveSettlesAsides) {
+  const fs::path d = fresh_dir("settle");
+  const fs::path root = d / "checkpoints";
+  const ResumeState s5 = sample_state(5);
+  save_resume_checkpoint(d.string(), 5, s5, 0);
+  // The aside is step 5's only copy: a save of another step moves it back under its name.
+  fs::rename(root / "step_00000005", root / "step_00000005.old");
+  save_resume_checkpoint(d.string(), 6, sample_state(6), 0);
+  EXPECT_FALSE(fs::exists(root / "step_00000005.old"));
+  expect_same(s5, load_resume_checkpoint((root / "step_00000005").string()));
+  // Beside a complete step_5 the aside is the older copy: removed. Without a manifest: removed.
+  fs::copy(root / "step_00000005", root / "step_00000005.old", fs::copy_options::recursive);
+  fs::create_directories(root / "step_00000004.old");
+  save_resume_checkpoint(d.string(), 7, sample_state(7), 0);
+  EXPECT_FALSE(fs::exists(root / "step_00000005.old"));
+  EXPECT_FALSE(fs::exists(root / "step_00000004.old"));
+  expect_same(s5, load_resume_checkpoint((root / "step_00000005").string()));
+  // Saving the aside's own step again replaces both.
+  fs::rename(root / "step_00000007", root / "step_00000007.old");
+  const ResumeState again = sample_state(70);
+  save_resume_checkpoint(d.string(), 7, again, 0);
+  EXPECT_FALSE(fs::exists(root / "step_00000007.old"));
+  expect_same(again, load_resume_checkpoint(*latest_resume_checkpoint(d.string())));
+  // keep_last_n counts a restored aside like any checkpoint.
+  fs::rename(root / "step_00000007", root / "step_00000007.old");
+  save_resume_checkpoint(d.string(), 8, sample_state(8), 2);
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(root)) names.push_back(e.path().filename().string());
+  std::sort(names.begin(), names.end());
+  EXPECT_EQ(names, (std::vector<std::string>{"step_00000007", "step_00000008"}));
   fs::remove_all(d);
 }

@@ -4,7 +4,8 @@
 1. it learns visibly and writes metrics.jsonl and an inference export per epoch;
 2. a run killed by SIGKILL mid-epoch and resumed with checkpoint.resume=true gives the same
    per-step losses and a byte-identical final adapter as the uninterrupted run (CPU, fp32);
-3. resuming with a changed lr is refused by name; a changed logging key is allowed;
+3. resuming with a changed lr is refused by name; a changed logging key is allowed; resuming on an
+   edited data file is refused naming the file, on the same data moved elsewhere allowed;
 4. `qlora generate` runs on the export.
 Prints "N passed, M failed"; exit code 1 on any failure.
 """
@@ -90,6 +91,30 @@ def main():
     r = run(a.qlora, killed, "checkpoint.resume=true", "logging.log_every_steps=5")
     check(r.returncode == 0, "resume with a changed logging key is allowed")
 
+    # 3b. the data is matched by content (data.path may move): two steps on a copy of the bundled
+    #     data, then resume on an edited copy (refused) and on the original moved (allowed)
+    inputs = os.path.join(a.workdir, "inputs")
+    bundled = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data", "tiny_tasks.jsonl")
+    data_a, data_b = os.path.join(a.workdir, "data_a.jsonl"), os.path.join(a.workdir, "data_b.jsonl")
+    shutil.copy(bundled, data_a)
+    short = ("training.epochs=1", "training.max_steps_per_epoch=2")
+    r = run(a.qlora, inputs, f"data.path={data_a}", *short)
+    check(r.returncode == 0, "two steps on a copy of the bundled data")
+    with open(data_a) as f:
+        records = f.readlines()
+    edited = json.loads(records[0])
+    edited["output"] += "x"
+    with open(data_a, "w") as f:
+        f.writelines([json.dumps(edited) + "\n"] + records[1:])
+    r = run(a.qlora, inputs, "checkpoint.resume=true", f"data.path={data_a}", *short, expect_rc=1)
+    check(r.returncode == 1 and "data file changed" in r.stderr and data_a in r.stderr and
+          "new output_dir" in r.stderr, "resume on an edited data file is refused, naming the file")
+    os.remove(data_a)
+    with open(data_b, "w") as f:
+        f.writelines(records)
+    r = run(a.qlora, inputs, "checkpoint.resume=true", f"data.path={data_b}", *short)
+    check(r.returncode == 0 and "resumed from" in r.stdout, "resume on the same data at another path is allowed")
+
     # 4. packed rows train too (block-causal attention, positions restarting per sample)
     packed = os.path.join(a.workdir, "packed")
     r = run(a.qlora, packed, "data.packing=true", "training.batch_size=1")
@@ -107,6 +132,22 @@ def main():
     g = subprocess.run([a.qlora, "generate", "--checkpoint", os.path.join(full, "epoch_1"), "--prompt",
                         "Add the numbers.", "--max-new-tokens", "8"], capture_output=True, text=True)
     check(g.returncode == 0, "qlora generate runs on the epoch export")
+
+    # 7. an HF Llama-3 layout keeps tokenizer.model under original/; a tokenizer bigger than the
+    #    model's vocab (another model's) is refused by name
+    l3 = os.path.join(a.workdir, "llama3_layout")
+    shutil.copytree(os.path.join(full, "tiny_base"), l3)
+    os.makedirs(os.path.join(l3, "original"))
+    os.rename(os.path.join(l3, "tokenizer.model"), os.path.join(l3, "original", "tokenizer.model"))
+    l3out = os.path.join(a.workdir, "llama3_out")
+    r = run(a.qlora, l3out, f"model.checkpoint_dir={l3}", "training.epochs=1", "training.max_steps_per_epoch=2")
+    check(r.returncode == 0 and os.path.isfile(os.path.join(l3out, "epoch_0", "tokenizer.model")),
+          "original/tokenizer.model is found and exported beside the model")
+    tik = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data", "tokenizer_tiktoken", "tokenizer.model")
+    r = run(a.qlora, l3out, f"model.tokenizer={tik}", "training.epochs=1", "training.max_steps_per_epoch=2",
+            expect_rc=1)
+    check(r.returncode == 1 and "vocab_size" in r.stderr and "tokenizer_tiktoken" in r.stderr,
+          "a tokenizer larger than the model's vocab is refused, naming both")
 
     print(f"{passed} passed, {failed} failed")
     return 0 if failed == 0 else 1

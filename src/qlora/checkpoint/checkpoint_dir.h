@@ -23,6 +23,7 @@ class CheckpointDir {
   bool is_sharded() const { return sharded_; }
   std::vector<std::string> tensor_names() const { return names_; }  // file order; files sorted
   std::vector<std::string> files() const;                            // shard paths, sorted
+  const std::vector<SafetensorsFile>& shards() const { return files_; }  // same order as files()
   bool contains(std::string_view tensor) const { return owner_.count(tensor) != 0; }
   const SafetensorsFile& file_of(std::string_view tensor) const;     // throws if absent
   at::Tensor tensor(std::string_view name) const;                    // zero-copy, see SafetensorsFile

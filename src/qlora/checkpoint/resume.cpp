@@ -15,6 +15,7 @@
 #include <sstream>
 
 #include "qlora/checkpoint/safetensors.h"
+#include "qlora/checkpoint/xxh64.h"
 
 namespace fs = std::filesystem;
 
@@ -27,86 +28,7 @@ constexpr const char* kState = "state.safetensors";
 constexpr const char* kMeta = "meta.json";
 constexpr const char* kManifest = "manifest.json";
 constexpr const char* kOrderKey = "qlora.tensor_order";  // safetensors metadata: JSON list of names
-
-// ---- XXH64 (the published algorithm; little-endian reads) ----
-constexpr uint64_t P1 = 11400714785074694791ULL, P2 = 14029467366897019727ULL, P3 = 1609587929392839161ULL,
-                   P4 = 9650029242287828579ULL, P5 = 2870177450012600261ULL;
-
-inline uint64_t rotl(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
-inline uint64_t read64(const uint8_t* p) {
-  uint64_t v;
-  std::memcpy(&v, p, 8);
-  return v;  // x86/arm64 little-endian hosts only, as the rest of the safetensors code assumes
-}
-inline uint32_t read32(const uint8_t* p) {
-  uint32_t v;
-  std::memcpy(&v, p, 4);
-  return v;
-}
-inline uint64_t round64(uint64_t acc, uint64_t in) { return rotl(acc + in * P2, 31) * P1; }
-inline uint64_t merge64(uint64_t h, uint64_t v) { return (h ^ round64(0, v)) * P1 + P4; }
-
-// Streaming state, so a file is hashed in fixed-size chunks.
-class Xxh64 {
- public:
-  explicit Xxh64(uint64_t seed) : seed_(seed), v_{seed + P1 + P2, seed + P2, seed, seed - P1} {}
-
-  void update(const uint8_t* p, size_t n) {
-    total_ += n;
-    if (buffered_ > 0) {
-      const size_t take = std::min(n, 32 - buffered_);
-      std::memcpy(buf_ + buffered_, p, take);
-      buffered_ += take, p += take, n -= take;
-      if (buffered_ < 32) return;
-      stripe(buf_);
-      buffered_ = 0;
-    }
-    for (; n >= 32; p += 32, n -= 32) stripe(p);
-    std::memcpy(buf_, p, n);
-    buffered_ = n;
-  }
-
-  uint64_t digest() const {
-    uint64_t h;
-    if (total_ >= 32) {
-      h = rotl(v_[0], 1) + rotl(v_[1], 7) + rotl(v_[2], 12) + rotl(v_[3], 18);
-      for (uint64_t v : v_) h = merge64(h, v);
-    } else {
-      h = seed_ + P5;
-    }
-    h += total_;
-    const uint8_t* p = buf_;
-    size_t n = buffered_;
-    for (; n >= 8; p += 8, n -= 8) h = rotl(h ^ round64(0, read64(p)), 27) * P1 + P4;
-    if (n >= 4) {
-      h = rotl(h ^ (uint64_t{read32(p)} * P1), 23) * P2 + P3;
-      p += 4, n -= 4;
-    }
-    for (; n > 0; ++p, --n) h = rotl(h ^ (uint64_t{*p} * P5), 11) * P1;
-    h ^= h >> 33;
-    h *= P2;
-    h ^= h >> 29;
-    h *= P3;
-    h ^= h >> 32;
-    return h;
-  }
-
- private:
-  void stripe(const uint8_t* p) {
-    for (int i = 0; i < 4; ++i) v_[i] = round64(v_[i], read64(p + 8 * i));
-  }
-  uint64_t seed_;
-  uint64_t v_[4];
-  uint8_t buf_[32] = {};
-  size_t buffered_ = 0;
-  uint64_t total_ = 0;
-};
-
-std::string hex64(uint64_t v) {
-  char s[17];
-  std::snprintf(s, sizeof s, "%016llx", static_cast<unsigned long long>(v));
-  return s;
-}
+constexpr const char* kAside = ".old";  // where the move-aside replacement parks the old directory
 
 std::string step_name(int64_t step) {
   char s[32];
@@ -114,23 +36,24 @@ std::string step_name(int64_t step) {
   return s;
 }
 
-// "step_<digits>" exactly (no .tmp or other suffix) -> step.
-std::optional<int64_t> parse_step_name(const std::string& name) {
+struct StepName {
+  int64_t step;
+  bool aside;  // step_<digits>.old: the previous copy of that step, parked by a replacing save
+};
+
+// "step_<digits>" or "step_<digits>.old" exactly (not .tmp or any other suffix).
+std::optional<StepName> parse_step_name(std::string name) {
+  const size_t suffix = std::strlen(kAside);
+  const bool aside = name.size() > suffix && name.compare(name.size() - suffix, suffix, kAside) == 0;
+  if (aside) name.resize(name.size() - suffix);
   if (name.size() <= 5 || name.compare(0, 5, "step_") != 0 || name.size() > 5 + 18) return std::nullopt;
   for (size_t i = 5; i < name.size(); ++i) {
     if (name[i] < '0' || name[i] > '9') return std::nullopt;
   }
-  return std::stoll(name.substr(5));
+  return StepName{std::stoll(name.substr(5)), aside};
 }
 
-void fsync_dir(const fs::path& dir) {
-  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY);
-  if (fd < 0) throw ResumeError("resume checkpoint: cannot open directory " + dir.string() + ": " + std::strerror(errno));
-  const int rc = ::fsync(fd);
-  const int err = errno;
-  ::close(fd);
-  if (rc != 0) throw ResumeError("resume checkpoint: fsync of " + dir.string() + " failed: " + std::strerror(err));
-}
+void fsync_dir(const fs::path& dir) { fsync_path(dir.string()); }
 
 std::string read_text(const fs::path& path) {
   std::ifstream in(path, std::ios::binary);
@@ -159,19 +82,31 @@ std::optional<nlohmann::json> read_manifest(const fs::path& dir) {
   return m;
 }
 
-// step -> directory of every complete checkpoint under <output_dir>/checkpoints.
+// Whether `dir` holds a manifest that parses and names `step`. An unreadable manifest makes the
+// directory not a checkpoint; load would name the problem.
+bool is_complete(const fs::path& dir, int64_t step) {
+  try {
+    const auto m = read_manifest(dir);
+    return m && (*m)["step"].get<int64_t>() == step;
+  } catch (const ResumeError&) {
+    return false;
+  }
+}
+
+// step -> directory of every complete checkpoint under <output_dir>/checkpoints. A step's aside
+// copy stands in only where step_N itself is not complete: that is the state a crash between the
+// two renames of the move-aside replacement leaves, and then the aside is the newest full copy.
 std::map<int64_t, fs::path> complete_checkpoints(const fs::path& root) {
   std::map<int64_t, fs::path> out;
   std::error_code ec;
   if (!fs::is_directory(root, ec)) return out;
   for (const fs::directory_entry& e : fs::directory_iterator(root)) {
-    const auto step = parse_step_name(e.path().filename().string());
-    if (!step || !e.is_directory()) continue;
-    try {
-      const auto m = read_manifest(e.path());
-      if (m && (*m)["step"].get<int64_t>() == *step) out[*step] = e.path();
-    } catch (const ResumeError&) {
-      // An unreadable manifest makes the directory not a checkpoint; load would name the problem.
+    const auto name = parse_step_name(e.path().filename().string());
+    if (!name || !e.is_directory() || !is_complete(e.path(), name->step)) continue;
+    if (name->aside) {
+      out.try_emplace(name->step, e.path());
+    } else {
+      out[name->step] = e.path();
     }
   }
   return out;
@@ -190,7 +125,7 @@ bool rename_dir_replacing(const fs::path& from, const fs::path& to) {
   if (::syscall(SYS_renameat2, AT_FDCWD, from.c_str(), AT_FDCWD, to.c_str(), kRenameExchange) == 0) return true;
 #endif
   // Filesystem without RENAME_EXCHANGE: move the old one aside, then the new one in.
-  const fs::path aside = to.string() + ".old";
+  const fs::path aside = to.string() + kAside;
   fs::remove_all(aside);
   fs::rename(to, aside);
   fs::rename(from, to);
@@ -205,6 +140,27 @@ void remove_checkpoint(const fs::path& dir) {
   fs::remove_all(dir);
 }
 
+// Tidies what a crash inside a move-aside replacement left behind, once a later save has
+// succeeded: an aside is dropped where its step_N is complete (it is the older copy), moved back
+// to step_N where it is that step's only complete copy, and dropped where it is incomplete.
+void settle_asides(const fs::path& root) {
+  std::vector<std::pair<int64_t, fs::path>> asides;  // collected first: the loop below renames
+  for (const fs::directory_entry& e : fs::directory_iterator(root)) {
+    const auto name = parse_step_name(e.path().filename().string());
+    if (name && name->aside && e.is_directory()) asides.emplace_back(name->step, e.path());
+  }
+  for (const auto& [step, aside] : asides) {
+    const fs::path plain = root / step_name(step);
+    if (is_complete(plain, step) || !is_complete(aside, step)) {
+      remove_checkpoint(aside);
+    } else {
+      if (fs::exists(plain)) remove_checkpoint(plain);  // manifest-less: a half-pruned leftover
+      fs::rename(aside, plain);
+    }
+  }
+  if (!asides.empty()) fsync_dir(root);
+}
+
 }  // namespace
 
 void commit_directory(const std::string& tmp, const std::string& final_dir) {
@@ -214,29 +170,6 @@ void commit_directory(const std::string& tmp, const std::string& final_dir) {
     fs::remove_all(tmp);  // now holds the replaced directory
   }
   fsync_dir(parent);
-}
-
-uint64_t xxh64(const void* data, size_t nbytes, uint64_t seed) {
-  Xxh64 h(seed);
-  h.update(static_cast<const uint8_t*>(data), nbytes);
-  return h.digest();
-}
-
-uint64_t xxh64_file(const std::string& path, uint64_t* nbytes) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw ResumeError("resume checkpoint: cannot read " + path);
-  Xxh64 h(0);
-  std::vector<char> buf(1 << 20);
-  uint64_t total = 0;
-  while (in) {
-    in.read(buf.data(), static_cast<std::streamsize>(buf.size()));
-    const auto got = static_cast<size_t>(in.gcount());
-    h.update(reinterpret_cast<const uint8_t*>(buf.data()), got);
-    total += got;
-  }
-  if (in.bad()) throw ResumeError("resume checkpoint: read error in " + path);
-  if (nbytes) *nbytes = total;
-  return h.digest();
 }
 
 void save_resume_checkpoint(const std::string& output_dir, int64_t global_step, const ResumeState& state,
@@ -268,12 +201,13 @@ void save_resume_checkpoint(const std::string& output_dir, int64_t global_step, 
   for (const char* f : {kState, kMeta}) {
     uint64_t n = 0;
     const uint64_t h = xxh64_file((tmp / f).string(), &n);  // hash what is on disk, not what we meant
-    files[f] = {{"bytes", n}, {"xxh64", hex64(h)}};
+    files[f] = {{"bytes", n}, {"xxh64", xxh64_hex(h)}};
   }
   const nlohmann::json manifest = {{"format", kFormat}, {"step", global_step}, {"files", files}};
   write_file_atomic((tmp / kManifest).string(), manifest.dump(2));  // fsyncs tmp/ as well
 
   commit_directory(tmp.string(), final_dir.string());
+  settle_asides(root);
 
   if (keep_last_n <= 0) return;
   const auto all = complete_checkpoints(root);
@@ -318,7 +252,12 @@ ResumeState load_resume_checkpoint(const std::string& dir) {
       throw ResumeError("resume checkpoint " + dir + ": manifest entry for " + name + " lacks bytes/xxh64");
     }
     uint64_t n = 0;
-    const std::string h = hex64(xxh64_file(path.string(), &n));
+    std::string h;
+    try {
+      h = xxh64_hex(xxh64_file(path.string(), &n));
+    } catch (const std::runtime_error& e) {
+      throw ResumeError("resume checkpoint " + dir + ": " + e.what());
+    }
     const uint64_t want_n = entry["bytes"].get<uint64_t>();
     if (n != want_n) {
       throw ResumeError("resume checkpoint " + dir + ": file " + name + " has " + std::to_string(n) +

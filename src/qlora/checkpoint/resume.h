@@ -8,14 +8,18 @@
 //       manifest.json       {"format":"qlora-resume-v1","step":N,
 //                            "files":{"state.safetensors":{"bytes":..,"xxh64":"<16 hex>"},...}}
 //
-// The checksum is XXH64 (seed 0, hex) over each file's bytes, implemented in resume.cpp: a
-// resume state of a few hundred MB is hashed at memory speed, and it catches the torn or bit-rotten
-// files we care about (it is not a defence against tampering).
+// The checksum is XXH64 (seed 0, hex) over each file's bytes (xxh64.h): a resume state of a few
+// hundred MB is hashed at memory speed, and it catches the torn or bit-rotten files we care about
+// (it is not a defence against tampering).
 //
 // Commit protocol: everything is written into step_N.tmp/ (each file written aside, fsynced and
 // renamed by the safetensors layer), manifest.json last; then the directory is renamed to step_N
 // and checkpoints/ is fsynced. Only then are older checkpoints pruned. A directory without a
 // manifest is never a checkpoint, so a crash at any point leaves the previous checkpoints usable.
+// Replacing an existing step_N without RENAME_EXCHANGE takes two renames (step_N -> step_N.old,
+// step_N.tmp -> step_N); a crash between them leaves only step_N.old, which therefore counts as
+// step N while step_N itself is absent or incomplete, and the next successful save moves it back
+// or removes it. So a crash at any point leaves that step's previous copy or an older step.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -41,8 +45,8 @@ struct ResumeError : std::runtime_error {
 };
 
 // Saving a step that already exists replaces it atomically (Linux renameat2 RENAME_EXCHANGE; where
-// that is unavailable the old one is moved aside first, so there is a short window with neither
-// name, but the older steps are still there). keep_last_n > 0: afterwards only the keep_last_n
+// that is unavailable the old one is moved aside to step_N.old first, see above). Asides left by
+// an earlier crash are settled after the commit. keep_last_n > 0: afterwards only the keep_last_n
 // newest complete checkpoints (by step) remain, and the one just written is never removed;
 // keep_last_n <= 0 keeps all. A pruned directory loses its manifest first, so one half-deleted by a
 // crash is not mistaken for a checkpoint. Tensors may live on any device (copied to CPU).
@@ -50,9 +54,10 @@ void save_resume_checkpoint(const std::string& output_dir, int64_t global_step, 
                             int64_t keep_last_n);
 
 // Newest <output_dir>/checkpoints/step_<digits> whose manifest.json exists, parses and names that
-// step; nullopt if none. Leftover step_*.tmp directories (a save that crashed) are ignored, not
-// removed: they may be the only trace of what went wrong, and the next save of that step replaces
-// them. Only the manifest is checked here; load_resume_checkpoint verifies the data.
+// step (step_<digits>.old where that is the step's only such directory); nullopt if none.
+// Leftover step_*.tmp directories (a save that crashed) are ignored, not removed: they may be the
+// only trace of what went wrong, and the next save of that step replaces them. Only the manifest
+// is checked here; load_resume_checkpoint verifies the data.
 std::optional<std::string> latest_resume_checkpoint(const std::string& output_dir);
 
 // Verifies the size and XXH64 of every file listed in the manifest before reading anything;
@@ -64,9 +69,5 @@ ResumeState load_resume_checkpoint(const std::string& dir);
 // atomic swap (renameat2 RENAME_EXCHANGE; else move-aside) after which the replaced directory is
 // removed; the parent is fsynced. Shared by the resume and export commits.
 void commit_directory(const std::string& tmp, const std::string& final_dir);
-
-// XXH64 (seed 0) of a buffer / of a whole file; exposed for tests and tools.
-uint64_t xxh64(const void* data, size_t nbytes, uint64_t seed = 0);
-uint64_t xxh64_file(const std::string& path, uint64_t* nbytes = nullptr);
 
 }  // namespace qlora::checkpoint

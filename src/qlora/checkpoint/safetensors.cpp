@@ -72,12 +72,7 @@ void write_all(int fd, const void* data, size_t nbytes, const std::string& path)
 // Without the directory fsync the rename itself may not survive a power loss.
 void fsync_parent(const std::string& path) {
   const size_t slash = path.find_last_of('/');
-  const std::string dir = slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
-  int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0) fail(path, "cannot open its directory to fsync: " + sys_error());
-  int rc = ::fsync(fd);
-  ::close(fd);
-  if (rc != 0) fail(path, "fsync of its directory failed: " + sys_error());
+  fsync_path(slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash));
 }
 
 // Consumes fd (closed on every path). The caller unlinks tmp if this throws.
@@ -491,6 +486,15 @@ void save_safetensors(const std::string& path, const std::vector<std::pair<std::
   SafetensorsWriter writer(path, std::move(entries), metadata);
   for (auto* p : order) writer.write_tensor(p->second);
   writer.commit();
+}
+
+void fsync_path(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw SafetensorsError("cannot open '" + path + "' to fsync it: " + sys_error());
+  const int rc = ::fsync(fd);
+  const int err = errno;
+  ::close(fd);
+  if (rc != 0) throw SafetensorsError("fsync of '" + path + "' failed: " + std::strerror(err));
 }
 
 void write_file_atomic(const std::string& path, std::string_view contents) {

@@ -127,4 +127,8 @@ void save_safetensors(const std::string& path,
 // the old file or the new one, never a torn one.
 void write_file_atomic(const std::string& path, std::string_view contents);
 
+// fsync of a file, or of a directory so that the creations and renames in it survive a power
+// loss. Throws SafetensorsError naming the path.
+void fsync_path(const std::string& path);
+
 }  // namespace qlora::checkpoint

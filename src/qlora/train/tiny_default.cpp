@@ -61,8 +61,14 @@ std::string ensure_tiny_base(const std::string& dir) {
       {"bos_token_id", 1}, {"eos_token_id", 2}, {"hidden_act", "silu"}, {"torch_dtype", "bfloat16"}};
   checkpoint::write_file_atomic((tmp / "config.json").string(), config.dump(2) + "\n");
   fs::copy_file(tokenizer, tmp / "tokenizer.model", fs::copy_options::overwrite_existing);
+  // The other two files were fsynced by their writers; without this a power loss after the
+  // rename could leave a complete-looking base with an empty or torn tokenizer.
+  checkpoint::fsync_path((tmp / "tokenizer.model").string());
+  checkpoint::fsync_path(tmp.string());
   fs::remove_all(dir);
   fs::rename(tmp, dir);
+  const fs::path parent = fs::path(dir).parent_path();
+  checkpoint::fsync_path(parent.empty() ? "." : parent.string());  // makes the rename itself durable
   return dir;
 }
 
