@@ -7,6 +7,7 @@
 //            export (PEFT adapter + merged HF model) after every epoch
 //   cleanup: where the exports are
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <ATen/core/Reduction.h>
 #include <ATen/core/grad_mode.h>
 #include <torch/csrc/autograd/autograd.h>
@@ -17,6 +18,8 @@
 #include <cstdlib>
 #include <cstdio>
 #include <filesystem>
+#include <optional>
+#include <thread>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -29,7 +32,8 @@
 #include "qlora/data/dataset.h"
 #include "qlora/data/sampler.h"
 #include "qlora/data/tokenizer.h"
-#include "qlora/dist/launcher.h"
+#include "qlora/dist/process_group.h"
+#include "qlora/dist/sharded_model.h"
 #include "qlora/models/llama.h"
 #include "qlora/optim/adamw.h"
 #include "qlora/optim/schedule.h"
@@ -116,13 +120,12 @@ checkpoint::ResumeState capture(const std::vector<std::pair<std::string, at::Ten
   return s;
 }
 
-}  // namespace
-
-int lora_finetune_main(const std::vector<std::string>& args) {
+// The recipe proper. `world` is null for a single process; with ranks, rank 0 (`lead`) prints,
+// logs metrics and writes the exports, and every step's collectives go through `world`.
+int run_recipe(const RecipeConfig& cfg, c10::Device device, dist::World* world) {
   // ---------------------------------------------------------------- setup
-  const RecipeConfig cfg = load_recipe_config(args);
-  if (dist::launched_as_rank())
-    throw std::invalid_argument("WORLD_SIZE > 1: the sharded engine is not wired into this recipe yet");
+  const bool lead = !world || world->rank() == 0;
+  const int64_t ranks = world ? world->size() : 1, rank = world ? world->rank() : 0;
   const auto& out_dir = cfg.checkpoint.output_dir;
   fs::create_directories(out_dir);
   at::manual_seed(static_cast<uint64_t>(cfg.training.seed));
@@ -130,6 +133,9 @@ int lora_finetune_main(const std::vector<std::string>& args) {
   // is ~100x slower on x86, and flushing them to zero changes nothing a loss can see.
   at::globalContext().setFlushDenormal(true);
 
+  // The embedded default's model is written once, by rank 0, before anyone reads it.
+  if (cfg.model.checkpoint_dir.empty() && lead) train::ensure_tiny_base(out_dir + "/tiny_base");
+  if (world) world->world().barrier();
   const std::string base_dir = cfg.model.checkpoint_dir.empty()
                                    ? train::ensure_tiny_base(out_dir + "/tiny_base")
                                    : cfg.model.checkpoint_dir;
@@ -151,14 +157,14 @@ int lora_finetune_main(const std::vector<std::string>& args) {
 
   data::SamplerOptions sopts;
   sopts.dataset_size = static_cast<int64_t>(cfg.data.packing ? rows.size() : samples.size());
-  sopts.batch_size = cfg.training.batch_size;
+  // One global batch per micro-step; each rank trains on its own batch_size rows of it.
+  sopts.batch_size = cfg.training.batch_size * ranks;
   sopts.seed = static_cast<uint64_t>(cfg.training.seed);
   sopts.shuffle = cfg.data.shuffle;
   sopts.drop_last = true;
   data::Sampler sampler(sopts);
 
   models::LlamaLoadOptions mopts;
-  const c10::Device device = train::resolve_device(cfg.model.device);
   if (device.is_cuda()) at::manual_seed(static_cast<uint64_t>(cfg.training.seed));  // seeds CUDA too, now it is up
   mopts.base_in_nf4 = cfg.model.base == config::BaseFormat::NF4;
   mopts.compute_dtype = cfg.model.dtype == config::ComputeDtype::BF16 ? at::kBFloat16 : at::kFloat;
@@ -176,9 +182,14 @@ int lora_finetune_main(const std::vector<std::string>& args) {
                                 " ids but " + base_dir + "/config.json says vocab_size " +
                                 std::to_string(model.config.vocab_size) + " (a tokenizer of another model?)");
   model.training = true;
+  // Ranks: every rank loaded the same model (same seed, same adapters); sharding keeps 1/N of it.
+  std::shared_ptr<dist::ShardedLlama> sharded;
+  if (world) sharded = dist::ShardedLlama::shard(model, *world, {});
   const auto lora = model.lora_parameters();
   std::vector<at::Tensor> params;
-  for (const auto& [name, t] : lora) params.push_back(t);
+  if (sharded) params = sharded->param_shards();
+  else
+    for (const auto& [name, t] : lora) params.push_back(t);
 
   optim::AdamW opt(params, {cfg.optim.lr, cfg.optim.betas[0], cfg.optim.betas[1], cfg.optim.eps,
                             cfg.optim.weight_decay});
@@ -197,7 +208,12 @@ int lora_finetune_main(const std::vector<std::string>& args) {
   int64_t start_epoch = 0, start_step = 0, global_step = 0;
   const nlohmann::json inputs = checkpoint::input_fingerprints(data_path, base_dir, tokenizer_path);
   const auto latest = checkpoint::latest_resume_checkpoint(out_dir);
-  if (!cfg.checkpoint.resume && fs::exists(out_dir + "/checkpoints")) {
+  if (world && cfg.checkpoint.resume)
+    throw std::invalid_argument("checkpoint.resume = true: resuming is single-process for now (sharded resume "
+                                "checkpoints come with distributed state dicts)");
+  if (world && lead)
+    std::printf("note: a sharded run writes its per-epoch exports but no resume checkpoints yet\n");
+  if (lead && !cfg.checkpoint.resume && fs::exists(out_dir + "/checkpoints")) {
     // A fresh run must not mix its checkpoints with an earlier run's (keep_last_n would keep the
     // old, higher steps; a later resume would pick them). Nothing saved is deleted: set aside.
     const std::string aside = out_dir + "/checkpoints.prev-" + std::to_string(std::time(nullptr));
@@ -243,22 +259,27 @@ int lora_finetune_main(const std::vector<std::string>& args) {
     }
   }
 
-  train::MetricsLog metrics(out_dir, global_step);
+  std::optional<train::MetricsLog> metrics;
+  if (lead) metrics.emplace(out_dir, global_step);
   train::Progress progress(train::parse_progress_mode(config::to_string(cfg.logging.progress)));
   const checkpoint::AdapterInfo adapter_info{cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout,
                                              peft_targets(cfg.lora.targets), base_dir};
-  std::printf("model %s on %s: %lld layers, %lld trainable LoRA parameters; %zu samples; %lld steps/epoch x %lld epochs\n",
-              base_dir.c_str(), device.str().c_str(), (long long)model.config.num_hidden_layers,
-              (long long)[&] { int64_t n = 0; for (auto& p : params) n += p.numel(); return n; }(), samples.size(),
-              (long long)steps_per_epoch, (long long)cfg.training.epochs);
+  if (lead)
+    std::printf("model %s on %s x %lld rank(s): %lld layers, %lld trainable LoRA parameters; %zu samples; "
+                "%lld steps/epoch x %lld epochs\n",
+                base_dir.c_str(), device.str().c_str(), (long long)ranks, (long long)model.config.num_hidden_layers,
+                (long long)[&] { int64_t n = 0; for (auto& [k, t] : lora) n += t.numel(); return n; }(),
+                samples.size(), (long long)steps_per_epoch, (long long)cfg.training.epochs);
 
   // ---------------------------------------------------------------- train
-  // QLORA_TEST_KILL_AFTER_STEP=N: die by SIGKILL right after step N is logged (resume tests).
+  // QLORA_TEST_KILL_AFTER_STEP=N: die by SIGKILL right after step N is logged (resume tests);
+  // with QLORA_TEST_KILL_RANK=R only rank R dies (failure tests).
   const char* kill_env = std::getenv("QLORA_TEST_KILL_AFTER_STEP");
-  const int64_t kill_after_step = kill_env ? std::stoll(kill_env) : -1;
+  const char* kill_rank = std::getenv("QLORA_TEST_KILL_RANK");
+  const int64_t kill_after_step = kill_env && (!kill_rank || std::stoll(kill_rank) == rank) ? std::stoll(kill_env) : -1;
   const int64_t vocab = model.config.vocab_size;
   for (int64_t epoch = start_epoch; epoch < cfg.training.epochs; ++epoch) {
-    progress.start_epoch(epoch, cfg.training.epochs, steps_per_epoch, epoch == start_epoch ? start_step : 0);
+    if (lead) progress.start_epoch(epoch, cfg.training.epochs, steps_per_epoch, epoch == start_epoch ? start_step : 0);
     for (int64_t step = epoch == start_epoch ? start_step : 0; step < steps_per_epoch; ++step) {
       const auto t0 = std::chrono::steady_clock::now();
       const double lr = schedule.lr_at(global_step);
@@ -266,7 +287,9 @@ int lora_finetune_main(const std::vector<std::string>& args) {
       std::vector<data::Batch> micro;
       int64_t tokens = 0;
       for (int64_t m = 0; m < cfg.training.grad_accum; ++m) {
-        const std::vector<int64_t> picked = sampler.next();
+        const std::vector<int64_t> global = sampler.next();
+        const std::vector<int64_t> picked(global.begin() + rank * cfg.training.batch_size,
+                                          global.begin() + (rank + 1) * cfg.training.batch_size);
         if (cfg.data.packing) {
           std::vector<data::PackedRow> batch_rows;
           for (int64_t idx : picked) batch_rows.push_back(rows[idx]);
@@ -278,8 +301,16 @@ int lora_finetune_main(const std::vector<std::string>& args) {
         }
         tokens += micro.back().num_label_tokens;
       }
+      // The loss is normalised by the tokens of the whole step on every rank.
+      if (world) {
+        at::Tensor t = at::full({1}, static_cast<double>(tokens), at::kDouble);
+        dist::wait(world->world().all_reduce_sum(t));
+        tokens = static_cast<int64_t>(t.item<double>());
+      }
       double loss_value = 0.0;
-      for (const auto& b : micro) {
+      for (size_t m = 0; m < micro.size(); ++m) {
+        const data::Batch& b = micro[m];
+        if (sharded) sharded->set_gradient_sync(m + 1 == micro.size());
         // Sum over tokens / tokens of the whole step: every token weighs the same, however the
         // step's tokens fall into micro-batches.
         // [batch, seq, vocab] fp32; packed rows attend within their own sample only
@@ -291,11 +322,19 @@ int lora_finetune_main(const std::vector<std::string>& args) {
                                                        at::Reduction::Sum, data::kIgnoreIndex) /
                                 static_cast<double>(std::max<int64_t>(tokens, 1));
         torch::autograd::backward({loss});
+        if (sharded) sharded->finish_backward();
         loss_value += loss.item<double>();
       }
-      const double grad_norm = optim::clip_grad_norm_(params, cfg.optim.max_grad_norm).item<double>();
+      if (world) {
+        at::Tensor l = at::full({1}, loss_value, at::kDouble);
+        dist::wait(world->world().all_reduce_sum(l));
+        loss_value = l.item<double>();
+      }
+      const double grad_norm = sharded ? sharded->clip_grad_norm(cfg.optim.max_grad_norm)
+                                       : optim::clip_grad_norm_(params, cfg.optim.max_grad_norm).item<double>();
       opt.step();
-      opt.zero_grad();
+      if (sharded) sharded->gather_params();
+      else opt.zero_grad();
       ++global_step;
 
       const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -308,8 +347,10 @@ int lora_finetune_main(const std::vector<std::string>& args) {
       sm.tokens_per_second = tokens / std::max(secs, 1e-9);
       sm.peak_memory_bytes = train::peak_memory_bytes(device);
       sm.grad_norm = grad_norm;
-      metrics.append(sm);
-      progress.update(sm, step + 1, cfg.logging.log_every_steps);
+      if (lead) {
+        metrics->append(sm);
+        progress.update(sm, step + 1, cfg.logging.log_every_steps);
+      }
 
       if (global_step == kill_after_step) ::raise(SIGKILL);  // tests: an abrupt death mid-run
 
@@ -317,29 +358,59 @@ int lora_finetune_main(const std::vector<std::string>& args) {
       if (epoch_end) sampler.set_state({epoch + 1, 0});  // max_steps_per_epoch may cut an epoch short
       // The epoch-end checkpoint is written after the export below: a resume from it must find
       // the epoch's export already on disk.
-      if (!epoch_end && cfg.checkpoint.save_every_steps > 0 && global_step % cfg.checkpoint.save_every_steps == 0)
+      if (!world && !epoch_end && cfg.checkpoint.save_every_steps > 0 &&
+          global_step % cfg.checkpoint.save_every_steps == 0)
         checkpoint::save_resume_checkpoint(out_dir, global_step,
                                            capture(lora, opt, sampler, epoch, step + 1, global_step, cfg, device, inputs),
                                            cfg.checkpoint.keep_last_n);
     }
-    progress.end_epoch();
+    if (lead) progress.end_epoch();
 
     // ------------------------------------------------------------ save (export for inference)
-    checkpoint::export_epoch(out_dir, epoch, model, adapter_info, cfg.checkpoint.adapter_only, base_dir,
-                             cfg.checkpoint.merge_from == config::MergeFrom::NF4 ? checkpoint::MergeSource::Nf4
-                                                                                 : checkpoint::MergeSource::Original,
-                             tokenizer_path);
-    std::printf("epoch %lld exported to %s/epoch_%lld\n", (long long)epoch + 1, out_dir.c_str(), (long long)epoch);
+    // With ranks, every rank gathers the whole base (collectives need everyone) and rank 0 writes.
+    if (sharded) sharded->unshard_all();
+    if (lead) {
+      checkpoint::export_epoch(out_dir, epoch, model, adapter_info, cfg.checkpoint.adapter_only, base_dir,
+                               cfg.checkpoint.merge_from == config::MergeFrom::NF4 ? checkpoint::MergeSource::Nf4
+                                                                                   : checkpoint::MergeSource::Original,
+                               tokenizer_path);
+      std::printf("epoch %lld exported to %s/epoch_%lld\n", (long long)epoch + 1, out_dir.c_str(), (long long)epoch);
+    }
+    if (world) {
+      world->world().barrier();
+      sharded->reshard_all();
+      continue;  // no single-file resume checkpoint for a sharded run (see above)
+    }
     checkpoint::save_resume_checkpoint(out_dir, global_step,
                                        capture(lora, opt, sampler, epoch + 1, 0, global_step, cfg, device, inputs),
                                        cfg.checkpoint.keep_last_n);
   }
 
   // ---------------------------------------------------------------- cleanup
-  std::printf("done: %lld steps; metrics in %s; exports in %s/epoch_*; try\n  qlora generate --checkpoint %s/epoch_%lld --prompt \"...\"\n",
-              (long long)global_step, metrics.path().c_str(), out_dir.c_str(), out_dir.c_str(),
+  if (world) world->finish();
+  if (lead)
+    std::printf("done: %lld steps; metrics in %s; exports in %s/epoch_*; try\n  qlora generate --checkpoint %s/epoch_%lld --prompt \"...\"\n",
+              (long long)global_step, metrics->path().c_str(), out_dir.c_str(), out_dir.c_str(),
               (long long)cfg.training.epochs - 1);
   return 0;
+}
+
+}  // namespace
+
+int lora_finetune_main(const std::vector<std::string>& args) {
+  const RecipeConfig cfg = load_recipe_config(args);
+  const dist::RankEnv env = dist::rank_env_from_environment();
+  c10::Device device = train::resolve_device(cfg.model.device);
+  if (env.world_size == 1) return run_recipe(cfg, device, nullptr);
+  // One GPU per rank on a node; on the CPU the node's cores are split between its ranks.
+  if (device.is_cuda()) device = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(env.local_rank));
+  else at::set_num_threads(std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / env.local_world_size));
+  const auto world = dist::World::join(env, cfg.dist.shard_size, std::chrono::seconds(cfg.dist.collective_timeout_s), device);
+  try {
+    return run_recipe(cfg, device, world.get());
+  } catch (const std::exception& e) {
+    world->rethrow_with_culprits(e, "lora_finetune");
+  }
 }
 
 }  // namespace qlora::recipes

@@ -263,9 +263,9 @@ void World::rethrow_with_culprits(const std::exception& e, const std::string& wh
   const std::vector<int> gone = silent_ranks(3 * kHeartbeatInterval);
   std::string who;
   for (int r : gone) who += (who.empty() ? "rank " : ", rank ") + std::to_string(r);
-  throw std::runtime_error("rank " + std::to_string(env_.rank) + ": collective failed during " + what + ": " +
-                           (who.empty() ? std::string("no peer looks dead") : who + " stopped responding") +
-                           " (" + e.what() + ")");
+  if (who.empty()) throw std::runtime_error("rank " + std::to_string(env_.rank) + ": " + e.what());
+  throw std::runtime_error("rank " + std::to_string(env_.rank) + ": " + what + " failed: " + who +
+                           " stopped responding (" + e.what() + ")");
 }
 
 }  // namespace qlora::dist

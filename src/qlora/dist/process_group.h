@@ -94,7 +94,8 @@ class World {
   Comm& replica() { return replica_; }  // this rank's replica group (size 1 without HSDP)
 
   // Rethrows `e`, a failure during `what`, as std::runtime_error naming the ranks whose heartbeat
-  // stopped (it watches them for a few seconds first).
+  // stopped (it watches them for a few seconds first); with every peer alive, the error is this
+  // rank's own and comes back with just the rank prepended.
   [[noreturn]] void rethrow_with_culprits(const std::exception& e, const std::string& what);
 
   // Seconds of silence after which a peer counts as gone (default 30; QLORA_HEARTBEAT_TIMEOUT_S).

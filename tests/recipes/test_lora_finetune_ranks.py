@@ -1,0 +1,128 @@
+"""The lora_finetune recipe on several ranks (`qlora run --nproc-per-node N`) trains like one process.
+
+Same global batch: one process with batch_size 12 against W ranks with batch_size 12 / W (each rank
+trains on its slice of the same sampled rows) for W = 2, 3, 4 and HSDP 2x2 (dist.shard_size=2).
+Per-step losses and the final exported adapter must agree within 1e-4: fp32 throughout, and what
+differs is only the order of sums (per-rank partial gradients reduce-scattered, per-rank padding
+changing matmul shapes), ~1e-6 relative per step, amplified by AdamW on near-zero gradients;
+any real mistake (a rank's rows dropped or counted twice, a stale shard) moves them by > 1e-2.
+
+Failure: a rank SIGKILLed mid-run (ranks started by hand with torchrun's variables, no launcher)
+makes every other rank exit non-zero within 60 s naming it; under the launcher, the launcher names
+it and exits non-zero.
+"""
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+from safetensors.numpy import load_file
+
+passed = failed = 0
+TOL = 1e-4
+
+
+def check(ok, what):
+    global passed, failed
+    passed += bool(ok)
+    failed += not ok
+    print(("PASS " if ok else "FAIL ") + what, flush=True)
+
+
+COMMON = ["training.epochs=1", "training.max_steps_per_epoch=6", "training.grad_accum=1",
+          "checkpoint.save_every_steps=0", "logging.progress=plain", "checkpoint.adapter_only=true"]
+
+
+def run(qlora, out, nproc, *overrides):
+    launch = ["--nproc-per-node", str(nproc)] if nproc > 1 else []
+    cmd = [qlora, "run", *launch, "lora_finetune", f"checkpoint.output_dir={out}", *COMMON, *overrides]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if r.returncode != 0:
+        print(" ".join(cmd), "\n", r.stdout[-3000:], r.stderr[-3000:])
+    return r
+
+
+def trace(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        losses = [json.loads(l)["loss"] for l in f]
+    return losses, load_file(os.path.join(out, "epoch_0", "adapter", "adapter_model.safetensors"))
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--qlora", required=True)
+    ap.add_argument("--workdir", required=True)
+    a = ap.parse_args()
+    shutil.rmtree(a.workdir, ignore_errors=True)
+    os.makedirs(a.workdir)
+
+    ref_dir = os.path.join(a.workdir, "one")
+    r = run(a.qlora, ref_dir, 1, "training.batch_size=12")
+    check(r.returncode == 0, "single process, batch 12")
+    ref_losses, ref_adapter = trace(ref_dir)
+
+    for name, nproc, extra in [("2 ranks", 2, ["training.batch_size=6"]),
+                               ("3 ranks", 3, ["training.batch_size=4"]),
+                               ("4 ranks", 4, ["training.batch_size=3"]),
+                               ("HSDP 2x2", 4, ["training.batch_size=3", "dist.shard_size=2"])]:
+        out = os.path.join(a.workdir, name.replace(" ", "_"))
+        r = run(a.qlora, out, nproc, *extra)
+        if r.returncode != 0:
+            check(False, f"{name}: run exits 0")
+            continue
+        losses, adapter = trace(out)
+        dl = max(abs(x - y) for x, y in zip(losses, ref_losses)) if len(losses) == len(ref_losses) else float("inf")
+        check(dl < TOL, f"{name}: per-step losses equal one process's (max diff {dl:.2e})")
+        da = max(float(np.abs(adapter[k] - ref_adapter[k]).max()) for k in ref_adapter) \
+            if adapter.keys() == ref_adapter.keys() else float("inf")
+        check(da < TOL, f"{name}: final adapter equals one process's (max diff {da:.2e})")
+        check(not any(l.startswith("[rank 1]") and "error" in l for l in r.stderr.splitlines()),
+              f"{name}: no rank reported an error")
+
+    # A rank dies mid-run: ranks started by hand (torchrun's variables, no launcher).
+    port = free_port()
+    out = os.path.join(a.workdir, "killed")
+    procs = []
+    t0 = time.time()
+    for rank in range(3):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "3", "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "3",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "QLORA_TEST_KILL_AFTER_STEP": "2",
+               "QLORA_TEST_KILL_RANK": "1"}
+        cmd = [a.qlora, "run", "lora_finetune", f"checkpoint.output_dir={out}", *COMMON, "training.batch_size=4",
+               "training.max_steps_per_epoch=50"]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    results = [p.communicate(timeout=120) for p in procs]
+    elapsed = time.time() - t0
+    check(procs[1].returncode == -signal.SIGKILL, f"rank 1 was killed (rc {procs[1].returncode})")
+    for rank in (0, 2):
+        err = results[rank][1]
+        check(procs[rank].returncode not in (0, None) and "rank 1" in err,
+              f"rank {rank} exits non-zero naming rank 1 (rc {procs[rank].returncode}): {err.strip()[-300:]}")
+    check(elapsed < 60, f"all ranks ended within 60 s ({elapsed:.1f} s)")
+
+    # Under the launcher: it names the dead rank and exits non-zero.
+    r = subprocess.run([a.qlora, "run", "--nproc-per-node", "2", "lora_finetune", f"checkpoint.output_dir={out}2",
+                        *COMMON, "training.batch_size=6", "training.max_steps_per_epoch=50"],
+                       capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "QLORA_TEST_KILL_AFTER_STEP": "2", "QLORA_TEST_KILL_RANK": "1"})
+    check(r.returncode != 0 and "[launcher] rank 1 was killed by signal 9" in r.stderr,
+          f"the launcher names the killed rank and exits non-zero (rc {r.returncode})")
+
+    print(f"{passed} passed, {failed} failed")
+    return 0 if failed == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
