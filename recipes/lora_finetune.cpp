@@ -176,15 +176,20 @@ int run_recipe(const RecipeConfig& cfg, c10::Device device, dist::World* world) 
   mopts.lora_dropout = cfg.lora.dropout;
   mopts.seed = static_cast<uint64_t>(cfg.training.seed);
   mopts.activation_checkpointing = cfg.model.activation_checkpointing;
+  // Ranks: every rank builds the same model (same seed, same adapters) and keeps 1/N of each layer
+  // as soon as it is loaded, so the whole base never sits in one rank's memory.
+  std::shared_ptr<dist::ShardedLlama> sharded;
+  if (world) {
+    sharded = dist::ShardedLlama::begin(*world, {});
+    mopts.on_layer_loaded = [&sharded](int64_t i, modules::DecoderLayer& L) { sharded->shard_layer(i, L); };
+  }
   models::LlamaModel model = models::load_llama(base_dir, mopts);
+  if (sharded) sharded->finish(model);
   if (tokenizer.vocab_size() > model.config.vocab_size)
     throw std::invalid_argument(tokenizer_path + ": the tokenizer has " + std::to_string(tokenizer.vocab_size()) +
                                 " ids but " + base_dir + "/config.json says vocab_size " +
                                 std::to_string(model.config.vocab_size) + " (a tokenizer of another model?)");
   model.training = true;
-  // Ranks: every rank loaded the same model (same seed, same adapters); sharding keeps 1/N of it.
-  std::shared_ptr<dist::ShardedLlama> sharded;
-  if (world) sharded = dist::ShardedLlama::shard(model, *world, {});
   const auto lora = model.lora_parameters();
   std::vector<at::Tensor> params;
   if (sharded) params = sharded->param_shards();

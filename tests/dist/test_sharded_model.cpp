@@ -17,6 +17,7 @@
 #include <torch/csrc/autograd/autograd.h>
 
 #include <cstdlib>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -38,7 +39,7 @@ std::string tiny_llama() {
   return std::string(d ? d : "tests/data") + "/tiny_llama";
 }
 
-models::LlamaModel load(bool ckpt) {
+models::LlamaModel load(bool ckpt, const std::function<void(int64_t, modules::DecoderLayer&)>& on_layer = {}) {
   models::LlamaLoadOptions o;
   o.base_in_nf4 = true;
   o.lora_targets = {"q", "k", "v", "o", "gate", "up", "down", "output"};
@@ -46,6 +47,7 @@ models::LlamaModel load(bool ckpt) {
   o.lora_alpha = 8;
   o.seed = 3;
   o.activation_checkpointing = ckpt;
+  o.on_layer_loaded = on_layer;
   models::LlamaModel m = models::load_llama(tiny_llama(), o);
   m.training = true;
   return m;
@@ -105,12 +107,21 @@ Trace single_process() {
 struct RunSetup {
   int micro = 1;
   bool ckpt = false;
+  bool stream = true;  // shard each layer as load_llama builds it (else shard the loaded model)
   ShardingOptions sharding;
 };
 
 Trace sharded(World& w, const RunSetup& su) {
-  models::LlamaModel m = load(su.ckpt);
-  auto engine = ShardedLlama::shard(m, w, su.sharding);
+  std::shared_ptr<ShardedLlama> engine;
+  models::LlamaModel m;
+  if (su.stream) {
+    engine = ShardedLlama::begin(w, su.sharding);
+    m = load(su.ckpt, [&](int64_t i, modules::DecoderLayer& L) { engine->shard_layer(i, L); });
+    engine->finish(m);
+  } else {
+    m = load(su.ckpt);
+    engine = ShardedLlama::shard(m, w, su.sharding);
+  }
   optim::AdamW opt(engine->param_shards(), adamw());
   const int per_rank = kRows / w.size(), per_micro = per_rank / su.micro;
   Trace tr;
@@ -176,6 +187,7 @@ TEST(ShardedLlama, ActivationCheckpointingAndNoPrefetchOrReshardChangeNothing) {
   su.ckpt = true;
   expect_same_as_single_process(3, 0, su);
   su.ckpt = false;
+  su.stream = false;
   su.sharding.prefetch = false;
   su.sharding.reshard_after_forward = false;
   expect_same_as_single_process(2, 0, su);

@@ -92,6 +92,18 @@ void add_nf4(std::vector<Member>& out, const std::string& stem, modules::LoraLin
   }
 }
 
+// What a member would weigh as bf16 weights: NF4 codes hold two weights a byte; scalers,
+// factors and means are NF4 overhead that bf16 would not have; anything else is a weight.
+int64_t bf16_bytes_of(const Member& mb) {
+  auto ends_with = [&](const char* suffix) {
+    const std::string s(suffix);
+    return mb.name.size() >= s.size() && mb.name.compare(mb.name.size() - s.size(), s.size(), s) == 0;
+  };
+  if (ends_with(".codes")) return mb.value.numel() * 2 * 2;
+  if (ends_with(".scalers") || ends_with(".factors") || ends_with(".mean")) return 0;
+  return mb.value.numel() * 2;
+}
+
 const char* const kProj[] = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
 
 std::vector<modules::LoraLinear*> projections(modules::DecoderLayer& L) {
@@ -100,114 +112,137 @@ std::vector<modules::LoraLinear*> projections(modules::DecoderLayer& L) {
 
 }  // namespace
 
-ShardedLlama::ShardedLlama(models::LlamaModel& model, World& world, ShardingOptions options)
-    : model_(model), world_(world), opt_(options), num_layers_(static_cast<int64_t>(model.layers.size())) {}
+ShardedLlama::ShardedLlama(World& world, ShardingOptions options) : world_(world), opt_(options) {}
 
 ShardedLlama::~ShardedLlama() = default;
 
+namespace {
+
+// Packs `members` into a new group's full buffer, points the model's tensors at their aliases of
+// it, keeps this rank's shard and releases the full buffer.
+std::unique_ptr<ShardedLlama::FrozenGroup> make_frozen(const std::string& name, const std::vector<Member>& members,
+                                                       int64_t shards, int64_t me, at::Device dev);
+
+}  // namespace
+
+std::shared_ptr<ShardedLlama> ShardedLlama::begin(World& world, ShardingOptions options) {
+  std::shared_ptr<ShardedLlama> self(new ShardedLlama(world, options));
+  self->frozen_.resize(1);  // the embedding's slot; layers append theirs
+  return self;
+}
+
 std::shared_ptr<ShardedLlama> ShardedLlama::shard(models::LlamaModel& m, World& world, ShardingOptions options) {
-  std::shared_ptr<ShardedLlama> self(new ShardedLlama(m, world, options));
-  const int64_t n = world.shard().size(), me = world.shard().rank();
+  auto self = begin(world, options);
+  for (size_t i = 0; i < m.layers.size(); ++i) self->shard_layer(static_cast<int64_t>(i), m.layers[i]);
+  self->finish(m);
+  return self;
+}
+
+void ShardedLlama::shard_layer(int64_t index, modules::DecoderLayer& L) {
+  if (index != num_layers_)
+    throw std::invalid_argument("ShardedLlama::shard_layer: layer " + std::to_string(index) + " out of order (expected " +
+                                std::to_string(num_layers_) + ")");
+  const int64_t n = world_.shard().size(), me = world_.shard().rank();
+  std::vector<Member> ms;
+  const auto projs = projections(L);
+  for (int j = 0; j < 7; ++j) add_nf4(ms, kProj[j], *projs[j]);
+  ms.push_back({"input_layernorm", L.input_layernorm, [&L](const at::Tensor& v) { L.input_layernorm = v; }});
+  ms.push_back({"post_attention_layernorm", L.post_attention_layernorm,
+                [&L](const at::Tensor& v) { L.post_attention_layernorm = v; }});
+  frozen_.push_back(make_frozen("layer" + std::to_string(index), ms, n, me, L.input_layernorm.device()));
+  std::vector<std::string> stems;
+  for (const char* p : kProj) stems.push_back("layer" + std::to_string(index) + "." + p);
+  add_trainable(projs, stems);
+  ++num_layers_;
+}
+
+void ShardedLlama::finish(models::LlamaModel& m) {
+  if (num_layers_ != static_cast<int64_t>(m.layers.size()))
+    throw std::invalid_argument("ShardedLlama::finish: " + std::to_string(num_layers_) + " of " +
+                                std::to_string(m.layers.size()) + " layers were sharded");
+  const int64_t n = world_.shard().size(), me = world_.shard().rank();
   const at::Device dev = m.embed_tokens.device();
   const bool tied = m.lm_head.base_dense.defined() && m.lm_head.base_dense.is_same(m.embed_tokens);
-
-  // ---- frozen groups: embed, layers, head --------------------------------------------------
-  auto make_frozen = [&](const std::string& name, std::vector<Member> members) {
-    auto g = std::make_unique<FrozenGroup>();
-    g->name = name;
-    g->layout = FlatLayout(at::kByte, n);
-    for (const Member& mb : members) {
-      g->layout.add(mb.name, mb.value.scalar_type(), mb.value.sizes().vec());
-      g->bf16_bytes += mb.name.size() > 6 && mb.name.compare(mb.name.size() - 6, 6, ".codes") == 0
-                           ? mb.value.numel() * 2 * 2  // two 4-bit codes a byte -> two bf16 weights
-                           : (mb.name.find(".scalers") != std::string::npos || mb.name.find(".factors") != std::string::npos ||
-                                      mb.name.find(".mean") != std::string::npos
-                                  ? 0
-                                  : mb.value.numel() * 2);
-    }
-    g->full = g->layout.empty_full(at::TensorOptions().device(dev));
-    for (const Member& mb : members) {
-      g->layout.pack(g->full, mb.name, mb.value);
-      g->rebind.push_back(mb.set);
-    }
-    const auto& ms = g->layout.members();
-    for (size_t k = 0; k < ms.size(); ++k) g->rebind[k](alias(g->full, ms[k]));
-    g->shard = g->layout.shard_of(g->full, me).clone();
-    free_storage(g->full);
-    self->frozen_.push_back(std::move(g));
-  };
-  std::vector<Member> embed = {{"embed_tokens", m.embed_tokens, [&m, tied](const at::Tensor& v) {
-                                  m.embed_tokens = v;
-                                  if (tied) m.lm_head.base_dense = v;
-                                }}};
-  if (!tied) make_frozen("embed", embed);
-  for (int64_t i = 0; i < self->num_layers_; ++i) {
-    modules::DecoderLayer& L = m.layers[i];
-    std::vector<Member> ms;
-    const auto projs = projections(L);
-    for (int j = 0; j < 7; ++j) add_nf4(ms, kProj[j], *projs[j]);
-    ms.push_back({"input_layernorm", L.input_layernorm, [&L](const at::Tensor& v) { L.input_layernorm = v; }});
-    ms.push_back({"post_attention_layernorm", L.post_attention_layernorm,
-                  [&L](const at::Tensor& v) { L.post_attention_layernorm = v; }});
-    make_frozen("layer" + std::to_string(i), std::move(ms));
-  }
+  const Member embed{"embed_tokens", m.embed_tokens, [&m, tied](const at::Tensor& v) {
+                       m.embed_tokens = v;
+                       if (tied) m.lm_head.base_dense = v;
+                     }};
+  if (!tied) frozen_[0] = make_frozen("embed", {embed}, n, me, dev);
   std::vector<Member> head = {{"norm", m.norm, [&m](const at::Tensor& v) { m.norm = v; }}};
-  if (tied) head.push_back(embed[0]);
+  if (tied) head.push_back(embed);
   else add_nf4(head, "lm_head", m.lm_head);
-  make_frozen("head", std::move(head));
-  // unit + 1 -> group: the embed unit shares the head's group when the embedding is tied.
-  self->frozen_of_unit_.push_back(tied ? self->num_layers_ : 0);
-  for (int64_t i = 0; i <= self->num_layers_; ++i) self->frozen_of_unit_.push_back(tied ? i : i + 1);
+  frozen_.push_back(make_frozen("head", head, n, me, dev));
+  add_trainable({&m.lm_head}, {"lm_head"});
+  m.hooks = shared_from_this();
+}
 
-  // ---- trainable groups: each layer's adapters, the head's ---------------------------------
-  auto make_train = [&](std::vector<modules::LoraLinear*> ls, std::vector<std::string> stems) {
-    auto g = std::make_unique<TrainGroup>();
-    g->layout = FlatLayout(at::kFloat, n);
-    std::vector<std::pair<at::Tensor*, std::string>> slots;
-    for (size_t k = 0; k < ls.size(); ++k) {
-      if (!ls[k]->has_lora()) continue;
-      slots.push_back({&ls[k]->lora_a, stems[k] + ".lora_A"});
-      slots.push_back({&ls[k]->lora_b, stems[k] + ".lora_B"});
-    }
-    if (slots.empty()) return;
-    for (auto& [t, name] : slots) g->layout.add(name, at::kFloat, t->sizes().vec());
-    const auto fopts = at::TensorOptions().device(dev).dtype(at::kFloat);
-    g->full_param = g->layout.empty_full(fopts);
-    g->full_grad = g->layout.empty_full(fopts);
-    const size_t gi = self->train_.size();
-    for (size_t k = 0; k < slots.size(); ++k) {
-      const FlatMember& mb = g->layout.members()[k];
-      g->layout.view(g->full_param, mb).copy_(slots[k].first->detach());
-      at::Tensor p = g->layout.view(g->full_param, mb).detach().set_requires_grad(true);
-      p.mutable_grad() = g->layout.view(g->full_grad, mb);  // accumulate in place, into the flat buffer
-      *slots[k].first = p;
-      auto acc = torch::autograd::impl::grad_accumulator(p);
-      ShardedLlama* raw = self.get();
-      acc->add_post_hook(std::make_unique<GradReadyHook>([raw, gi] { raw->on_grad_ready(gi); }));
-      g->accumulators.push_back(std::move(acc));
-    }
-    g->expected = static_cast<int64_t>(slots.size());
-    at::Tensor ps = g->layout.shard_of(g->full_param, me).clone();
-    g->grad_shard = at::zeros_like(ps);
-    g->rs_out = at::empty_like(ps);
-    ps.mutable_grad() = g->grad_shard;
-    g->shard_index = self->param_shards_.size();
-    self->param_shards_.push_back(ps);
-    self->train_.push_back(std::move(g));
-  };
-  for (int64_t i = 0; i < self->num_layers_; ++i) {
-    std::vector<std::string> stems;
-    for (const char* p : kProj) stems.push_back("layer" + std::to_string(i) + "." + p);
-    make_train(projections(m.layers[i]), stems);
+namespace {
+
+std::unique_ptr<ShardedLlama::FrozenGroup> make_frozen(const std::string& name, const std::vector<Member>& members,
+                                                       int64_t shards, int64_t me, at::Device dev) {
+  auto g = std::make_unique<ShardedLlama::FrozenGroup>();
+  g->name = name;
+  g->layout = FlatLayout(at::kByte, shards);
+  for (const Member& mb : members) {
+    g->layout.add(mb.name, mb.value.scalar_type(), mb.value.sizes().vec());
+    g->bf16_bytes += bf16_bytes_of(mb);
   }
-  make_train({&m.lm_head}, {"lm_head"});
-  m.hooks = self;
-  return self;
+  g->full = g->layout.empty_full(at::TensorOptions().device(dev));
+  for (const Member& mb : members) {
+    g->layout.pack(g->full, mb.name, mb.value);
+    g->rebind.push_back(mb.set);
+  }
+  const auto& ms = g->layout.members();
+  for (size_t k = 0; k < ms.size(); ++k) g->rebind[k](alias(g->full, ms[k]));
+  g->shard = g->layout.shard_of(g->full, me).clone();
+  free_storage(g->full);
+  return g;
+}
+
+}  // namespace
+
+void ShardedLlama::add_trainable(const std::vector<modules::LoraLinear*>& ls, const std::vector<std::string>& stems) {
+  const int64_t n = world_.shard().size(), me = world_.shard().rank();
+  auto g = std::make_unique<TrainGroup>();
+  g->layout = FlatLayout(at::kFloat, n);
+  std::vector<std::pair<at::Tensor*, std::string>> slots;
+  for (size_t k = 0; k < ls.size(); ++k) {
+    if (!ls[k]->has_lora()) continue;
+    slots.push_back({&ls[k]->lora_a, stems[k] + ".lora_A"});
+    slots.push_back({&ls[k]->lora_b, stems[k] + ".lora_B"});
+  }
+  if (slots.empty()) return;
+  for (auto& [t, name] : slots) g->layout.add(name, at::kFloat, t->sizes().vec());
+  const auto fopts = at::TensorOptions().device(slots[0].first->device()).dtype(at::kFloat);
+  g->full_param = g->layout.empty_full(fopts);
+  g->full_grad = g->layout.empty_full(fopts);
+  const size_t gi = train_.size();
+  for (size_t k = 0; k < slots.size(); ++k) {
+    const FlatMember& mb = g->layout.members()[k];
+    g->layout.view(g->full_param, mb).copy_(slots[k].first->detach());
+    at::Tensor p = g->layout.view(g->full_param, mb).detach().set_requires_grad(true);
+    p.mutable_grad() = g->layout.view(g->full_grad, mb);  // accumulate in place, into the flat buffer
+    *slots[k].first = p;
+    auto acc = torch::autograd::impl::grad_accumulator(p);
+    acc->add_post_hook(std::make_unique<GradReadyHook>([this, gi] { on_grad_ready(gi); }));
+    g->accumulators.push_back(std::move(acc));
+  }
+  g->expected = static_cast<int64_t>(slots.size());
+  at::Tensor ps = g->layout.shard_of(g->full_param, me).clone();
+  g->grad_shard = at::zeros_like(ps);
+  g->rs_out = at::empty_like(ps);
+  ps.mutable_grad() = g->grad_shard;
+  g->shard_index = param_shards_.size();
+  param_shards_.push_back(ps);
+  train_.push_back(std::move(g));
 }
 
 const FlatLayout& ShardedLlama::trainable_layout(size_t g) const { return train_.at(g)->layout; }
 
-ShardedLlama::FrozenGroup& ShardedLlama::group_of(int64_t unit) { return *frozen_[frozen_of_unit_.at(unit + 1)]; }
+ShardedLlama::FrozenGroup& ShardedLlama::group_of(int64_t unit) {
+  const auto& slot = frozen_.at(static_cast<size_t>(unit + 1));
+  return slot ? *slot : *frozen_.back();  // a tied embedding lives in the head's group
+}
 
 void ShardedLlama::gather(FrozenGroup& g, bool wait_now) {
   alloc_storage(g.full);
@@ -320,11 +355,13 @@ void ShardedLlama::gather_params() {
 }
 
 void ShardedLlama::unshard_all() {
-  for (auto& g : frozen_) ensure(*g);
+  for (auto& g : frozen_)
+    if (g) ensure(*g);
 }
 
 void ShardedLlama::reshard_all() {
-  for (auto& g : frozen_) release(*g);
+  for (auto& g : frozen_)
+    if (g) release(*g);
 }
 
 }  // namespace qlora::dist

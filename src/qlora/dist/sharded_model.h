@@ -55,11 +55,18 @@ struct ShardStats {
   int64_t reduce_scatters = 0;
 };
 
-class ShardedLlama : public models::UnitHooks {
+class ShardedLlama : public models::UnitHooks, public std::enable_shared_from_this<ShardedLlama> {
  public:
   // `model` was loaded identically on every rank (same seed: same adapters). Afterwards each rank
   // holds 1/shard_size of every group, and model.hooks points to the returned engine.
   static std::shared_ptr<ShardedLlama> shard(models::LlamaModel& model, World& world, ShardingOptions options);
+
+  // The same in two parts, so a loader can hand over each layer as it is built and the full base
+  // never exists on one rank: begin(); shard_layer() from LlamaLoadOptions::on_layer_loaded for
+  // every layer, in order; finish(model) once load_llama has returned (embedding, head, hooks).
+  static std::shared_ptr<ShardedLlama> begin(World& world, ShardingOptions options);
+  void shard_layer(int64_t index, modules::DecoderLayer& layer);
+  void finish(models::LlamaModel& model);
   ~ShardedLlama() override;
 
   // One fp32 tensor per trainable group: this rank's shard of the adapters, with .grad set to the
@@ -93,24 +100,25 @@ class ShardedLlama : public models::UnitHooks {
   struct TrainGroup;
 
  private:
-  ShardedLlama(models::LlamaModel& model, World& world, ShardingOptions options);
+  ShardedLlama(World& world, ShardingOptions options);
   FrozenGroup& group_of(int64_t unit);
   void gather(FrozenGroup& g, bool wait_now);
   void ensure(FrozenGroup& g);
   void release(FrozenGroup& g);
   void prefetch(int64_t unit);
   void on_grad_ready(size_t group);
+  void add_trainable(const std::vector<modules::LoraLinear*>& layers, const std::vector<std::string>& stems);
 
-  models::LlamaModel& model_;
   World& world_;
   ShardingOptions opt_;
-  std::vector<std::unique_ptr<FrozenGroup>> frozen_;  // unit + 1 -> group (embed, layers..., head)
-  std::vector<int64_t> frozen_of_unit_;                 // unit + 1 -> index into frozen_
+  // Slot unit + 1: the embedding, the layers, the head. A tied embedding lives in the head's
+  // group and its own slot stays empty.
+  std::vector<std::unique_ptr<FrozenGroup>> frozen_;
   std::vector<std::unique_ptr<TrainGroup>> train_;
   std::vector<at::Tensor> param_shards_;
   std::vector<size_t> ready_order_;
   bool sync_ = true;
-  int64_t num_layers_ = 0;
+  int64_t num_layers_ = 0;  // layers sharded so far; all of them after finish()
   ShardStats stats_;
 };
 

@@ -116,6 +116,7 @@ LlamaModel load_llama(const std::string& checkpoint_dir, const LlamaLoadOptions&
   const int64_t h = c.hidden_size, q_out = c.num_attention_heads * c.head_dim,
                 kv_out = c.num_key_value_heads * c.head_dim, inter = c.intermediate_size;
   m.embed_tokens = ld.dense("model.embed_tokens.weight", {c.vocab_size, h}, frozen);
+  m.layers.reserve(static_cast<size_t>(c.num_hidden_layers));  // layers keep their addresses
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
     const std::string pre = "model.layers." + std::to_string(i) + ".";
     DecoderLayer L;
@@ -135,6 +136,7 @@ LlamaModel load_llama(const std::string& checkpoint_dir, const LlamaLoadOptions&
       }
     }
     m.layers.push_back(std::move(L));
+    if (opt.on_layer_loaded) opt.on_layer_loaded(i, m.layers.back());
   }
   m.norm = ld.dense("model.norm.weight", {h});
   if (c.tie_word_embeddings) {

@@ -5,6 +5,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -38,6 +39,10 @@ struct LlamaLoadOptions {
   double lora_dropout = 0.0;
   uint64_t seed = 0;  // LoRA A init: drawn layer by layer, q k v o gate up down, then lm_head
   bool activation_checkpointing = false;
+  // Called with each decoder layer as soon as it is built (in order; the layer stays at that
+  // address in the returned model). A sharded engine takes its slice here, so the whole base never
+  // sits in one rank's memory.
+  std::function<void(int64_t, modules::DecoderLayer&)> on_layer_loaded;
 };
 
 // Calls around each unit of the model, for an engine that keeps weights elsewhere between uses
