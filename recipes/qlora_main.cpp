@@ -41,6 +41,7 @@ int run_main(std::vector<std::string> args) {
   if (args.empty()) throw std::invalid_argument("qlora run needs a recipe name (see `qlora ls`)");
   if (launch.nproc_per_node * launch.nnodes > 1) {
     if (args[0] != "lora_finetune") throw std::invalid_argument("unknown recipe '" + args[0] + "' (see `qlora ls`)");
+    args.insert(args.begin(), "run");
     return qlora::dist::launch(launch, std::filesystem::read_symlink("/proc/self/exe").string(), args);
   }
   const std::string recipe = args[0];
@@ -50,7 +51,7 @@ int run_main(std::vector<std::string> args) {
 }
 
 int ls_main() {
-  std::printf("recipes:\n  lora_finetune    QLoRA fine-tuning (single process)\n\nconfigs (%s/configs):\n",
+  std::printf("recipes:\n  lora_finetune    QLoRA fine-tuning (one process, or N ranks with --nproc-per-node)\n\nconfigs (%s/configs):\n",
               QLORA_SOURCE_DIR);
   std::vector<std::string> names;
   for (const auto& e : std::filesystem::directory_iterator(QLORA_SOURCE_DIR "/configs"))

@@ -2,7 +2,8 @@
 # Installs whatever is missing, then configures and builds qlora (Release) in build/.
 # Idempotent and quick when everything is already there:
 #   1. Debian packages (compilers, CMake, ccache, GoogleTest, Google Benchmark, toml++,
-#      sentencepiece, PCRE2, nlohmann-json); the CUDA toolkit is used if present, never installed.
+#      sentencepiece, PCRE2, nlohmann-json, and gloo's headers for c10d's ProcessGroupGloo, which the
+#      torch wheel lacks; its library is never linked); the CUDA toolkit is used if present, never installed.
 #   2. .venv with the pinned PyPI torch wheel (LibTorch for C++) and the Python reference
 #      packages of requirements.txt; reinstalled only when requirements.txt changes.
 #   3. cmake configure (first time only) and build.

@@ -128,7 +128,7 @@ bool launched_as_rank() {
   return w && std::atoi(w) > 1;
 }
 
-int launch(const LaunchOptions& o, const std::string& exe, const std::vector<std::string>& recipe_args) {
+int launch(const LaunchOptions& o, const std::string& exe, const std::vector<std::string>& args) {
   const int port = o.master_port ? o.master_port : free_tcp_port(o.master_addr);
   const int world = o.nproc_per_node * o.nnodes;
   std::vector<Child> children;
@@ -150,8 +150,8 @@ int launch(const LaunchOptions& o, const std::string& exe, const std::vector<std
       ::setenv("GROUP_RANK", std::to_string(o.node_rank).c_str(), 1);
       ::setenv("MASTER_ADDR", o.master_addr.c_str(), 1);
       ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
-      std::vector<std::string> argv_s = {exe, "run"};
-      argv_s.insert(argv_s.end(), recipe_args.begin(), recipe_args.end());
+      std::vector<std::string> argv_s = {exe};
+      argv_s.insert(argv_s.end(), args.begin(), args.end());
       std::vector<char*> argv;
       for (auto& a : argv_s) argv.push_back(a.data());
       argv.push_back(nullptr);

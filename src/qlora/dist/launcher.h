@@ -34,8 +34,8 @@ int free_tcp_port(const std::string& addr);
 // True when this process is a rank of a multi-process job (WORLD_SIZE > 1 in the environment).
 bool launched_as_rank();
 
-// Starts the ranks as `exe run <recipe_args...>` and supervises them; returns the exit code for
-// the launcher (0 when every rank exited 0).
-int launch(const LaunchOptions& options, const std::string& exe, const std::vector<std::string>& recipe_args);
+// Starts the ranks as `exe <args...>` (for qlora: `run lora_finetune ...`) and supervises them;
+// returns the exit code for the launcher (0 when every rank exited 0).
+int launch(const LaunchOptions& options, const std::string& exe, const std::vector<std::string>& args);
 
 }  // namespace qlora::dist

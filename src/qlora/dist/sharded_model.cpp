@@ -249,7 +249,10 @@ void ShardedLlama::gather(FrozenGroup& g, bool wait_now) {
   g.gathered = true;
   stats_.gathers += 1;
   stats_.bytes_gathered += g.full.numel();
-  stats_.bytes_gathered_as_bf16 += g.bf16_bytes;
+  if (g.name.rfind("layer", 0) == 0) {
+    stats_.layer_bytes_gathered += g.full.numel();
+    stats_.layer_bytes_as_bf16 += g.bf16_bytes;
+  }
   WorkPtr w = world_.shard().all_gather(g.full, g.shard);
   if (wait_now) wait(w);
   else g.pending = std::move(w);

@@ -50,8 +50,11 @@ struct ShardingOptions {
 
 struct ShardStats {
   int64_t gathers = 0;
-  int64_t bytes_gathered = 0;           // received by this rank in frozen-group all-gathers
-  int64_t bytes_gathered_as_bf16 = 0;   // what the same gathers would move as bf16 weights
+  int64_t bytes_gathered = 0;  // every frozen-group all-gather (full buffer sizes)
+  // Of those, the decoder layers' groups (NF4 projections + norms), and what the same layers
+  // would move as bf16 weights; the embedding and head are dense and move as stored.
+  int64_t layer_bytes_gathered = 0;
+  int64_t layer_bytes_as_bf16 = 0;
   int64_t reduce_scatters = 0;
 };
 

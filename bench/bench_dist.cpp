@@ -1,0 +1,247 @@
+// Sharded training on CPU ranks (Gloo), measured in one run and printed as one JSON object:
+//   - tokens/s of the QLoRA step on 1 rank vs 2 ranks (~100M Llama shape, the recipe's path:
+//     load_llama streaming each layer into the sharded engine), each rank batch 1 x seq;
+//   - decoder-layer bytes all-gathered per step as NF4 against what bf16 weights would move (the
+//     embedding and head are dense and move as stored, reported in the total);
+//   - the 2-rank step with prefetch (gather overlapped with compute) against prefetch off;
+//   - with --llama2-7b: a Llama-2-7B shape (random NF4) on 1 process (unsharded) and on 2 ranks,
+//     per-rank peak RSS beside the single-process figure.
+//
+//   build/bench_dist [--hidden 768 --inter 2048 --layers 12 --heads 12 --vocab 32000] [--seq 512]
+//                    [--steps 3] [--workdir DIR]
+//   build/bench_dist --llama2-7b [--layers 32] [--seq 128] [--steps 1]
+// Each configuration runs in fresh processes (this program relaunches itself with --worker under
+// the qlora launcher), so every peak RSS is that configuration's own.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Reduction.h>
+#include <nlohmann/json.hpp>
+#include <torch/csrc/autograd/autograd.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "bench/random_llama.h"
+#include "bench/run_json.h"
+#include "qlora/dist/launcher.h"
+#include "qlora/dist/process_group.h"
+#include "qlora/dist/sharded_model.h"
+#include "qlora/optim/adamw.h"
+#include "qlora/train/metrics.h"
+
+using nlohmann::json;
+namespace fs = std::filesystem;
+using namespace qlora;
+
+namespace {
+
+struct Args {
+  int64_t hidden = 768, inter = 2048, layers = 12, heads = 12, vocab = 32000, seq = 512, steps = 3;
+  std::string workdir;
+  bool llama7b = false, worker = false, prefetch = true, sharded = true;
+  bool seq_given = false, steps_given = false, layers_given = false;
+};
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// One rank of one configuration; rank 0 prints the JSON.
+json run_worker(const Args& a) {
+  const dist::RankEnv env = dist::rank_env_from_environment();
+  at::set_num_threads(std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / env.local_world_size));
+  std::unique_ptr<dist::World> world;
+  if (env.world_size > 1) world = dist::World::join(env, 0, std::chrono::seconds(900), c10::kCPU);
+  dist::ShardingOptions so;
+  so.prefetch = a.prefetch;
+  std::shared_ptr<dist::ShardedLlama> engine;
+  if (world && a.sharded) engine = dist::ShardedLlama::begin(*world, so);
+  auto on_layer = [&engine](int64_t i, modules::DecoderLayer& L) {
+    if (engine) engine->shard_layer(i, L);
+  };
+  const auto t0 = std::chrono::steady_clock::now();
+  models::LlamaModel m;
+  if (a.llama7b) {
+    m = bench::random_llama2_7b(a.layers, 8, 16.0, true, on_layer);
+  } else {
+    models::LlamaLoadOptions o;
+    o.base_in_nf4 = true;
+    o.lora_targets = {"q", "k", "v", "o", "gate", "up", "down"};
+    o.activation_checkpointing = true;
+    o.frozen_dtype = at::kBFloat16;  // as the recipe stores a bf16 checkpoint's embedding and head
+    o.on_layer_loaded = on_layer;
+    m = models::load_llama(a.workdir, o);
+  }
+  if (engine) engine->finish(m);
+  const double load_s = seconds_since(t0);
+  m.training = true;
+  std::vector<at::Tensor> params;
+  if (engine) params = engine->param_shards();
+  else
+    for (const auto& [n, t] : m.lora_parameters()) params.push_back(t);
+  optim::AdamW opt(params, optim::AdamWOptions{});
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(7 + env.rank);
+  const at::Tensor tokens = at::randint(0, m.config.vocab_size, {1, a.seq + 1}, gen);
+  const at::Tensor inp = tokens.narrow(1, 0, a.seq), labels = tokens.narrow(1, 1, a.seq);
+  const int64_t V = m.config.vocab_size;
+  auto step = [&] {
+    const at::Tensor logits = m.forward(inp);
+    const at::Tensor loss = at::cross_entropy_loss(logits.view({-1, V}), labels.reshape({-1}), {},
+                                                   at::Reduction::Mean, -100) / static_cast<double>(env.world_size);
+    torch::autograd::backward({loss});
+    if (engine) {
+      engine->finish_backward();
+      engine->clip_grad_norm(1.0);
+    }
+    opt.step();
+    if (engine) engine->gather_params();
+    else opt.zero_grad();
+  };
+  if (!a.llama7b) step();  // warm-up (the 7B shape skips it to stay within minutes)
+  const dist::ShardStats before = engine ? engine->stats() : dist::ShardStats{};
+  std::vector<double> times;
+  for (int64_t s = 0; s < a.steps; ++s) {
+    const auto t = std::chrono::steady_clock::now();
+    step();
+    times.push_back(seconds_since(t));
+  }
+  std::sort(times.begin(), times.end());
+  const double med = times[times.size() / 2];
+  // Every rank's peak RSS, gathered to all.
+  at::Tensor rss = at::full({1}, static_cast<double>(train::peak_rss_bytes()), at::kDouble);
+  at::Tensor all_rss = at::empty({env.world_size}, at::kDouble);
+  if (world) dist::wait(world->world().all_gather(all_rss, rss));
+  else all_rss.copy_(rss);
+  json j = {{"ranks", env.world_size}, {"sharded", static_cast<bool>(engine)}, {"prefetch", a.prefetch},
+            {"threads_per_rank", at::get_num_threads()}, {"load_s", load_s}, {"median_step_s", med},
+            {"tokens_per_s", double(a.seq * env.world_size) / med}};
+  std::vector<double> rss_v(all_rss.data_ptr<double>(), all_rss.data_ptr<double>() + env.world_size);
+  j["peak_rss_bytes_per_rank"] = rss_v;
+  if (engine) {
+    const dist::ShardStats& st = engine->stats();
+    j["gathered_bytes_per_step"] = double(st.bytes_gathered - before.bytes_gathered) / a.steps;
+    j["layer_gathered_bytes_per_step"] = double(st.layer_bytes_gathered - before.layer_bytes_gathered) / a.steps;
+    j["layer_gathered_bytes_per_step_if_bf16"] = double(st.layer_bytes_as_bf16 - before.layer_bytes_as_bf16) / a.steps;
+    j["gathers_per_step"] = double(st.gathers - before.gathers) / a.steps;
+  }
+  if (world) world->finish();
+  return j;
+}
+
+std::string flags(const Args& a) {
+  std::string f = " --hidden " + std::to_string(a.hidden) + " --inter " + std::to_string(a.inter) + " --layers " +
+                  std::to_string(a.layers) + " --heads " + std::to_string(a.heads) + " --vocab " +
+                  std::to_string(a.vocab) + " --seq " + std::to_string(a.seq) + " --steps " + std::to_string(a.steps);
+  if (!a.workdir.empty()) f += " --workdir " + a.workdir;
+  if (a.llama7b) f += " --llama2-7b";
+  return f;
+}
+
+std::string self_exe() { return fs::read_symlink("/proc/self/exe").string(); }
+
+// One configuration in fresh processes: `ranks` of them under the qlora launcher.
+json configuration(const Args& a, int ranks, bool sharded, bool prefetch) {
+  std::string cmd = self_exe() + " --launch " + std::to_string(ranks) + " --worker" + flags(a);
+  if (!sharded) cmd += " --unsharded";
+  if (!prefetch) cmd += " --no-prefetch";
+  return bench::run_json(cmd);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) try {
+  Args a;
+  int launch = 0;
+  std::vector<std::string> worker_args;
+  for (int i = 1; i < argc; ++i) {
+    const std::string s = argv[i];
+    auto next = [&]() -> std::string {
+      if (i + 1 >= argc) throw std::invalid_argument(s + " needs a value");
+      worker_args.push_back(argv[i + 1]);
+      return argv[++i];
+    };
+    if (s == "--launch") {
+      if (i + 1 >= argc) throw std::invalid_argument("--launch needs a value");
+      launch = std::stoi(argv[++i]);
+      continue;
+    }
+    worker_args.push_back(s);
+    if (s == "--hidden") a.hidden = std::stoll(next());
+    else if (s == "--inter") a.inter = std::stoll(next());
+    else if (s == "--layers") { a.layers = std::stoll(next()); a.layers_given = true; }
+    else if (s == "--heads") a.heads = std::stoll(next());
+    else if (s == "--vocab") a.vocab = std::stoll(next());
+    else if (s == "--seq") { a.seq = std::stoll(next()); a.seq_given = true; }
+    else if (s == "--steps") { a.steps = std::stoll(next()); a.steps_given = true; }
+    else if (s == "--workdir") a.workdir = next();
+    else if (s == "--llama2-7b") a.llama7b = true;
+    else if (s == "--worker") a.worker = true;
+    else if (s == "--no-prefetch") a.prefetch = false;
+    else if (s == "--unsharded") a.sharded = false;
+    else { std::cerr << "bench_dist: unknown argument " << s << "\n"; return 2; }
+  }
+  if (a.llama7b) {
+    if (!a.seq_given) a.seq = 128;
+    if (!a.steps_given) a.steps = 1;
+    if (!a.layers_given) a.layers = 32;
+  }
+  if (launch > 1) {  // this process is the launcher of one configuration
+    dist::LaunchOptions lo;
+    lo.nproc_per_node = launch;
+    return dist::launch(lo, self_exe(), worker_args);
+  }
+  if (a.worker) {
+    const json j = run_worker(a);
+    if (dist::rank_env_from_environment().rank == 0) std::cout << j.dump() << std::endl;
+    return 0;
+  }
+
+  json r = {{"bench", "dist"}, {"backend", "gloo (CPU)"}, {"logical_cpus", sysconf(_SC_NPROCESSORS_ONLN)}};
+  if (a.llama7b) {
+    r["shape"] = {{"model", "llama2-7b (random NF4, in memory)"}, {"layers", a.layers}, {"seq", a.seq}, {"steps", a.steps}};
+    r["one_process"] = configuration(a, 1, false, true);
+    r["two_ranks"] = configuration(a, 2, true, true);
+  } else {
+    if (a.workdir.empty())
+      a.workdir = (fs::temp_directory_path() / ("qlora_bench_train_step_h" + std::to_string(a.hidden) + "_l" +
+                                                std::to_string(a.layers) + "_v" + std::to_string(a.vocab) + "_i" +
+                                                std::to_string(a.inter) + "_a" + std::to_string(a.heads)))
+                      .string();
+    if (!fs::exists(fs::path(a.workdir) / "model.safetensors")) {
+      const std::string cmd = std::string(QLORA_PYTHON) + " " + QLORA_SOURCE_DIR + "/bench/peer_train_step.py --write-model " +
+                              a.workdir + " --hidden " + std::to_string(a.hidden) + " --inter " + std::to_string(a.inter) +
+                              " --layers " + std::to_string(a.layers) + " --heads " + std::to_string(a.heads) +
+                              " --vocab " + std::to_string(a.vocab);
+      if (std::system(cmd.c_str()) != 0) throw std::runtime_error("could not write the bench checkpoint: " + cmd);
+    }
+    r["shape"] = {{"hidden", a.hidden}, {"layers", a.layers}, {"vocab", a.vocab}, {"seq", a.seq},
+                  {"batch_per_rank", 1}, {"steps", a.steps}, {"checkpoint", a.workdir}};
+    r["one_rank"] = configuration(a, 1, false, true);
+    r["two_ranks"] = configuration(a, 2, true, true);
+    r["two_ranks_no_prefetch"] = configuration(a, 2, true, false);
+    const json& one = r["one_rank"];
+    const json& two = r["two_ranks"];
+    if (one.contains("tokens_per_s") && two.contains("tokens_per_s"))
+      r["speedup_2_ranks_vs_1"] = two["tokens_per_s"].get<double>() / one["tokens_per_s"].get<double>();
+    if (two.contains("layer_gathered_bytes_per_step"))
+      r["layer_gather_bytes_nf4_vs_bf16"] = two["layer_gathered_bytes_per_step"].get<double>() /
+                                            two["layer_gathered_bytes_per_step_if_bf16"].get<double>();
+    if (two.contains("median_step_s") && r["two_ranks_no_prefetch"].contains("median_step_s"))
+      r["step_time_prefetch_vs_not"] =
+          two["median_step_s"].get<double>() / r["two_ranks_no_prefetch"]["median_step_s"].get<double>();
+  }
+  std::cout << r.dump(2) << std::endl;
+  return 0;
+} catch (const std::exception& e) {
+  std::cerr << "bench_dist: " << e.what() << "\n";
+  return 1;
+}
