@@ -134,7 +134,8 @@ int run_recipe(const RecipeConfig& cfg, c10::Device device, dist::World* world) 
   at::globalContext().setFlushDenormal(true);
 
   // The embedded default's model is written once, by rank 0, before anyone reads it.
-  if (cfg.model.checkpoint_dir.empty() && lead) train::ensure_tiny_base(out_dir + "/tiny_base");
+  if (cfg.model.checkpoint_dir.empty() && (!world || world->env().local_rank == 0))
+    train::ensure_tiny_base(out_dir + "/tiny_base");  // once per node: output_dir may not be shared
   if (world) world->world().barrier();
   const std::string base_dir = cfg.model.checkpoint_dir.empty()
                                    ? train::ensure_tiny_base(out_dir + "/tiny_base")
@@ -185,6 +186,9 @@ int run_recipe(const RecipeConfig& cfg, c10::Device device, dist::World* world) 
   }
   models::LlamaModel model = models::load_llama(base_dir, mopts);
   if (sharded) sharded->finish(model);
+  // LoRA init above drew from its own seeded generator, identical on every rank; dropout draws
+  // from the default one, which each rank seeds apart so masks are not the same on every rank.
+  if (rank > 0) at::manual_seed(static_cast<uint64_t>(cfg.training.seed) + static_cast<uint64_t>(rank));
   if (tokenizer.vocab_size() > model.config.vocab_size)
     throw std::invalid_argument(tokenizer_path + ": the tokenizer has " + std::to_string(tokenizer.vocab_size()) +
                                 " ids but " + base_dir + "/config.json says vocab_size " +
@@ -202,7 +206,8 @@ int run_recipe(const RecipeConfig& cfg, c10::Device device, dist::World* world) 
   if (cfg.training.max_steps_per_epoch > 0) steps_per_epoch = std::min(steps_per_epoch, cfg.training.max_steps_per_epoch);
   if (steps_per_epoch < 1)
     throw std::invalid_argument("data set " + data_path + " has " + std::to_string(samples.size()) +
-                                " samples: too few for one step of batch_size x grad_accum");
+                                " samples: too few for one step of batch_size x ranks x grad_accum = " +
+                                std::to_string(cfg.training.batch_size * ranks * cfg.training.grad_accum));
   optim::LrSchedule schedule;
   schedule.kind = cfg.optim.schedule == config::Schedule::Cosine ? optim::ScheduleKind::Cosine : optim::ScheduleKind::Constant;
   schedule.base_lr = cfg.optim.lr;
@@ -308,7 +313,8 @@ int run_recipe(const RecipeConfig& cfg, c10::Device device, dist::World* world) 
       }
       // The loss is normalised by the tokens of the whole step on every rank.
       if (world) {
-        at::Tensor t = at::full({1}, static_cast<double>(tokens), at::kDouble);
+        // On the compute device: NCCL reduces CUDA tensors only.
+        at::Tensor t = at::full({1}, static_cast<double>(tokens), at::TensorOptions().dtype(at::kDouble).device(device));
         dist::wait(world->world().all_reduce_sum(t));
         tokens = static_cast<int64_t>(t.item<double>());
       }
@@ -331,7 +337,7 @@ int run_recipe(const RecipeConfig& cfg, c10::Device device, dist::World* world) 
         loss_value += loss.item<double>();
       }
       if (world) {
-        at::Tensor l = at::full({1}, loss_value, at::kDouble);
+        at::Tensor l = at::full({1}, loss_value, at::TensorOptions().dtype(at::kDouble).device(device));
         dist::wait(world->world().all_reduce_sum(l));
         loss_value = l.item<double>();
       }
@@ -372,8 +378,10 @@ int run_recipe(const RecipeConfig& cfg, c10::Device device, dist::World* world) 
     if (lead) progress.end_epoch();
 
     // ------------------------------------------------------------ save (export for inference)
-    // With ranks, every rank gathers the whole base (collectives need everyone) and rank 0 writes.
-    if (sharded) sharded->unshard_all();
+    // With ranks, rank 0 writes. A merged export needs the whole base: every rank takes part in
+    // gathering it (collectives need everyone) and releases it as soon as rank 0 is done; an
+    // adapter-only export reads only the adapters, which every rank holds in full.
+    if (sharded && !cfg.checkpoint.adapter_only) sharded->unshard_all();
     if (lead) {
       checkpoint::export_epoch(out_dir, epoch, model, adapter_info, cfg.checkpoint.adapter_only, base_dir,
                                cfg.checkpoint.merge_from == config::MergeFrom::NF4 ? checkpoint::MergeSource::Nf4
@@ -382,7 +390,8 @@ int run_recipe(const RecipeConfig& cfg, c10::Device device, dist::World* world) 
       std::printf("epoch %lld exported to %s/epoch_%lld\n", (long long)epoch + 1, out_dir.c_str(), (long long)epoch);
     }
     if (world) {
-      world->world().barrier();
+      // An export may take longer than any collective timeout; liveness is the heartbeat's job.
+      world->world().barrier(std::chrono::hours(24));
       sharded->reshard_all();
       continue;  // no single-file resume checkpoint for a sharded run (see above)
     }

@@ -40,6 +40,10 @@ int run_main(std::vector<std::string> args) {
   const qlora::dist::LaunchOptions launch = qlora::dist::parse_launch_args(args);
   if (args.empty()) throw std::invalid_argument("qlora run needs a recipe name (see `qlora ls`)");
   if (launch.nproc_per_node * launch.nnodes > 1) {
+    if (qlora::dist::launched_as_rank())
+      throw std::invalid_argument("--nproc-per-node inside a job that already has ranks (WORLD_SIZE > 1, set by "
+                                  "torchrun, Slurm or `qlora run --nproc-per-node`): run `qlora run lora_finetune ...` "
+                                  "in each rank instead");
     if (args[0] != "lora_finetune") throw std::invalid_argument("unknown recipe '" + args[0] + "' (see `qlora ls`)");
     args.insert(args.begin(), "run");
     return qlora::dist::launch(launch, std::filesystem::read_symlink("/proc/self/exe").string(), args);

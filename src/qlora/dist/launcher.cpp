@@ -4,10 +4,13 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <sys/prctl.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
+
+extern char** environ;
 
 #include <cerrno>
 #include <chrono>
@@ -133,30 +136,59 @@ int launch(const LaunchOptions& o, const std::string& exe, const std::vector<std
   const int world = o.nproc_per_node * o.nnodes;
   std::vector<Child> children;
   std::vector<Stream> streams;
+  // Handlers first, so a Ctrl-C while ranks start still reaches them all.
+  struct sigaction sa{}, old_int{}, old_term{};
+  sa.sa_handler = on_signal;
+  ::sigaction(SIGINT, &sa, &old_int);
+  ::sigaction(SIGTERM, &sa, &old_term);
+  // argv and the environment are built before fork: the child only calls async-signal-safe
+  // functions until exec.
+  std::vector<std::string> argv_s = {exe};
+  argv_s.insert(argv_s.end(), args.begin(), args.end());
+  std::vector<char*> argv;
+  for (auto& a : argv_s) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  const pid_t launcher_pid = ::getpid();
   for (int local = 0; local < o.nproc_per_node; ++local) {
     const int rank = o.node_rank * o.nproc_per_node + local;
-    int out_pipe[2] = {-1, -1}, err_pipe[2];
-    if ((rank != 0 && ::pipe2(out_pipe, O_CLOEXEC) != 0) || ::pipe2(err_pipe, O_CLOEXEC) != 0)
-      throw std::runtime_error(std::string("launcher: pipe: ") + std::strerror(errno));
-    const pid_t pid = ::fork();
-    if (pid < 0) throw std::runtime_error(std::string("launcher: fork: ") + std::strerror(errno));
+    std::vector<std::string> env_s;
+    for (char** e = environ; *e; ++e) {
+      const std::string kv(*e);
+      const std::string k = kv.substr(0, kv.find('='));
+      if (k != "RANK" && k != "WORLD_SIZE" && k != "LOCAL_RANK" && k != "LOCAL_WORLD_SIZE" && k != "GROUP_RANK" &&
+          k != "MASTER_ADDR" && k != "MASTER_PORT")
+        env_s.push_back(kv);
+    }
+    for (const auto& [k, v] : {std::pair<std::string, std::string>{"RANK", std::to_string(rank)},
+                               {"WORLD_SIZE", std::to_string(world)},
+                               {"LOCAL_RANK", std::to_string(local)},
+                               {"LOCAL_WORLD_SIZE", std::to_string(o.nproc_per_node)},
+                               {"GROUP_RANK", std::to_string(o.node_rank)},
+                               {"MASTER_ADDR", o.master_addr},
+                               {"MASTER_PORT", std::to_string(port)}})
+      env_s.push_back(k + "=" + v);
+    std::vector<char*> envp;
+    for (auto& e : env_s) envp.push_back(e.data());
+    envp.push_back(nullptr);
+    int out_pipe[2] = {-1, -1}, err_pipe[2] = {-1, -1};
+    pid_t pid = -1;
+    if ((rank == 0 || ::pipe2(out_pipe, O_CLOEXEC) == 0) && ::pipe2(err_pipe, O_CLOEXEC) == 0) pid = ::fork();
+    if (pid < 0) {
+      const std::string err = std::strerror(errno);
+      for (int fd : {out_pipe[0], out_pipe[1], err_pipe[0], err_pipe[1]})
+        if (fd >= 0) ::close(fd);
+      for (auto& c : children) ::kill(c.pid, SIGKILL);  // nobody left unsupervised
+      for (auto& c : children) ::waitpid(c.pid, nullptr, 0);
+      throw std::runtime_error("launcher: cannot start rank " + std::to_string(rank) + ": " + err);
+    }
     if (pid == 0) {
+      ::prctl(PR_SET_PDEATHSIG, SIGTERM);  // a launcher killed outright takes its ranks along
+      if (::getppid() != launcher_pid) ::_exit(1);
       if (rank != 0) ::dup2(out_pipe[1], STDOUT_FILENO);  // rank 0 keeps the terminal
       ::dup2(err_pipe[1], STDERR_FILENO);
-      ::setenv("RANK", std::to_string(rank).c_str(), 1);
-      ::setenv("WORLD_SIZE", std::to_string(world).c_str(), 1);
-      ::setenv("LOCAL_RANK", std::to_string(local).c_str(), 1);
-      ::setenv("LOCAL_WORLD_SIZE", std::to_string(o.nproc_per_node).c_str(), 1);
-      ::setenv("GROUP_RANK", std::to_string(o.node_rank).c_str(), 1);
-      ::setenv("MASTER_ADDR", o.master_addr.c_str(), 1);
-      ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
-      std::vector<std::string> argv_s = {exe};
-      argv_s.insert(argv_s.end(), args.begin(), args.end());
-      std::vector<char*> argv;
-      for (auto& a : argv_s) argv.push_back(a.data());
-      argv.push_back(nullptr);
-      ::execv(exe.c_str(), argv.data());
-      std::fprintf(stderr, "launcher: cannot exec %s: %s\n", exe.c_str(), std::strerror(errno));
+      ::execve(exe.c_str(), argv.data(), envp.data());
+      static const char msg[] = "launcher: cannot exec the rank binary\n";
+      (void)!::write(STDERR_FILENO, msg, sizeof msg - 1);
       ::_exit(127);
     }
     if (rank != 0) {
@@ -167,11 +199,6 @@ int launch(const LaunchOptions& o, const std::string& exe, const std::vector<std
     streams.push_back({err_pipe[0], rank, {}});
     children.push_back({pid, rank, true, 0});
   }
-
-  struct sigaction sa{}, old_int{}, old_term{};
-  sa.sa_handler = on_signal;
-  ::sigaction(SIGINT, &sa, &old_int);
-  ::sigaction(SIGTERM, &sa, &old_term);
 
   int exit_code = 0;
   bool stopping = false;
@@ -199,6 +226,14 @@ int launch(const LaunchOptions& o, const std::string& exe, const std::vector<std
         streams.erase(streams.begin() + static_cast<std::ptrdiff_t>(k));
       }
     }
+    if (g_forward_signal && !stopping) {
+      std::fprintf(stderr, "[launcher] %s: stopping the ranks\n", strsignal(g_forward_signal));
+      stopping = true;
+      exit_code = 128 + g_forward_signal;
+      stop_all(g_forward_signal);
+      kill_at = std::chrono::steady_clock::now() +
+                std::chrono::milliseconds(static_cast<int64_t>(o.kill_grace_s * 1000));
+    }
     // Reap.
     for (auto& c : children) {
       if (!c.running) continue;
@@ -215,14 +250,6 @@ int launch(const LaunchOptions& o, const std::string& exe, const std::vector<std
         kill_at = std::chrono::steady_clock::now() +
                   std::chrono::milliseconds(static_cast<int64_t>(o.kill_grace_s * 1000));
       }
-    }
-    if (g_forward_signal && !stopping) {
-      std::fprintf(stderr, "[launcher] %s: stopping the ranks\n", strsignal(g_forward_signal));
-      stopping = true;
-      exit_code = 128 + g_forward_signal;
-      stop_all(g_forward_signal);
-      kill_at = std::chrono::steady_clock::now() +
-                std::chrono::milliseconds(static_cast<int64_t>(o.kill_grace_s * 1000));
     }
     if (stopping && running > 0 && std::chrono::steady_clock::now() > kill_at) {
       stop_all(SIGKILL);

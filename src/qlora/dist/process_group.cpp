@@ -98,6 +98,7 @@ WorkPtr Comm::reduce_scatter_sum(at::Tensor out, at::Tensor in) {
     out.copy_(in.view({-1}));
     return {};
   }
+  if (in.is_cuda()) return pg_->_reduce_scatter_base(out, in);  // NCCL's native form
   // The list form is Gloo's fastest reduce-scatter (measured: ~allreduce cost; the flat
   // _reduce_scatter_base is ~1.5x slower there).
   std::vector<at::Tensor> outs{out};
@@ -112,9 +113,11 @@ WorkPtr Comm::all_reduce_sum(at::Tensor t) {
   return pg_->allreduce(v);
 }
 
-void Comm::barrier() {
+void Comm::barrier(std::chrono::milliseconds timeout) {
   if (size() == 1) return;
-  pg_->barrier()->wait();
+  c10d::BarrierOptions o;
+  if (timeout.count() > 0) o.timeout = timeout;
+  pg_->barrier(o)->wait();
 }
 
 void wait(const WorkPtr& w) {
@@ -131,7 +134,12 @@ std::unique_ptr<World> World::join(const RankEnv& env, int64_t shard_size, std::
                                 std::to_string(env.world_size));
   std::unique_ptr<World> w(new World());
   w->env_ = env;
-  if (const char* t = std::getenv("QLORA_HEARTBEAT_TIMEOUT_S")) w->heartbeat_timeout_s_ = std::atof(t);
+  if (const char* t = std::getenv("QLORA_HEARTBEAT_TIMEOUT_S")) {
+    char* end = nullptr;
+    w->heartbeat_timeout_s_ = std::strtod(t, &end);
+    if (*end != '\0' || !(w->heartbeat_timeout_s_ >= 3))
+      throw std::invalid_argument(std::string("QLORA_HEARTBEAT_TIMEOUT_S='") + t + "' must be a number of seconds >= 3");
+  }
   const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(timeout);
   c10d::TCPStoreOptions so;
   so.port = static_cast<uint16_t>(env.master_port);
@@ -146,6 +154,15 @@ std::unique_ptr<World> World::join(const RankEnv& env, int64_t shard_size, std::
                              std::to_string(env.master_port) + " failed (" + env.source + " environment, " +
                              std::to_string(env.world_size) + " ranks): " + e.what());
   }
+  // The heartbeat has its own connection: TCPStore holds a client's lock through blocking calls
+  // (NCCL's rendezvous get, finish()'s wait), which must not silence this rank's heartbeat. Its
+  // timeout is the heartbeat's, so an unresponsive store host is noticed in that time too.
+  c10d::TCPStoreOptions ho;
+  ho.port = so.port;
+  ho.isServer = false;
+  ho.waitWorkers = false;
+  ho.timeout = std::chrono::milliseconds(static_cast<int64_t>(w->heartbeat_timeout_s_ * 1000));
+  w->hb_store_ = c10::make_intrusive<c10d::TCPStore>(env.master_addr, ho);
   const std::string host = gloo_host(env);
   auto make = [&](const std::string& prefix, const std::vector<int>& members) -> Comm {
     int me = 0;
@@ -168,7 +185,7 @@ std::unique_ptr<World> World::join(const RankEnv& env, int64_t shard_size, std::
   w->world_ = make("world", all);
   w->shard_ = s == env.world_size ? w->world_ : make("shard" + std::to_string(first / s), shard);
   w->replica_ = make("replica" + std::to_string(env.rank % s), replica);
-  w->store_->add(key("hb", env.rank), 1);
+  w->hb_store_->add(key("hb", env.rank), 1);
   w->watchdog_ = std::thread([p = w.get()] { p->watchdog_loop(); });
   return w;
 }
@@ -176,13 +193,18 @@ std::unique_ptr<World> World::join(const RankEnv& env, int64_t shard_size, std::
 void World::finish() {
   if (finished_) return;
   finished_ = true;
-  store_->set(key("done", env_.rank), std::vector<uint8_t>{1});
+  hb_store_->set(key("done", env_.rank), std::vector<uint8_t>{1});
   // Rank 0 hosts the store: it stays until every rank has said it is done, so nobody's last
-  // store call finds it gone.
+  // store call finds it gone. The run itself succeeded: a straggler only earns a warning.
   if (env_.rank == 0) {
     std::vector<std::string> keys;
     for (int r = 0; r < env_.world_size; ++r) keys.push_back(key("done", r));
-    store_->wait(keys, std::chrono::milliseconds(static_cast<int64_t>(heartbeat_timeout_s_ * 1000)));
+    try {
+      store_->wait(keys, std::chrono::milliseconds(static_cast<int64_t>(heartbeat_timeout_s_ * 1000)));
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "[rank 0] warning: not every rank reported done within %.0f s (%s)\n",
+                   heartbeat_timeout_s_, e.what());
+    }
   }
 }
 
@@ -190,7 +212,10 @@ World::~World() {
   if (!finished_) {
     // An error is unwinding this rank: tell the peers at once rather than by silence.
     try {
-      store_->set(key("failed", env_.rank), std::vector<uint8_t>{1});
+      const std::string why = failure_reason_.empty() ? "its own error is in its output" : failure_reason_;
+      hb_store_->set(key("failed", env_.rank), std::vector<uint8_t>(why.begin(), why.end()));
+      // The store's host lingers so the others read "failed" rather than find the store gone.
+      if (env_.rank == 0) std::this_thread::sleep_for(std::chrono::duration<double>(2 * kHeartbeatInterval));
     } catch (...) {
     }
   }
@@ -198,35 +223,37 @@ World::~World() {
   if (watchdog_.joinable()) watchdog_.join();
 }
 
-int64_t World::counter(const std::string& k) { return store_->add(k, 0); }
+int64_t World::counter(const std::string& k) { return hb_store_->add(k, 0); }
 
 void World::watchdog_loop() {
   std::vector<int64_t> last(env_.world_size, -1);
   std::vector<std::chrono::steady_clock::time_point> changed(env_.world_size, std::chrono::steady_clock::now());
   while (!stop_) {
     try {
-      store_->add(key("hb", env_.rank), 1);
+      hb_store_->add(key("hb", env_.rank), 1);
       const auto now = std::chrono::steady_clock::now();
       for (int r = 0; r < env_.world_size && !finished_; ++r) {
         if (r == env_.rank) continue;
-        if (store_->check({key("failed", r)})) {
-          std::fprintf(stderr, "[rank %d] rank %d failed (its error is above); stopping\n", env_.rank, r);
+        if (hb_store_->check({key("failed", r)})) {
+          const std::vector<uint8_t> why = hb_store_->get(key("failed", r));
+          std::fprintf(stderr, "[rank %d] rank %d failed (%s); stopping\n", env_.rank, r,
+                       std::string(why.begin(), why.end()).c_str());
           std::fflush(stderr);
           std::_Exit(1);
         }
-        if (store_->check({key("done", r)})) continue;
+        if (hb_store_->check({key("done", r)})) continue;
         const int64_t v = counter(key("hb", r));
         const bool silent = v == last[r] && std::chrono::duration<double>(now - changed[r]).count() > heartbeat_timeout_s_;
         if (v != last[r]) {
           last[r] = v;
           changed[r] = now;
         }
-        if (silent || store_->check({key("gone", r)})) {
+        if (silent || hb_store_->check({key("gone", r)})) {
           std::fprintf(stderr, "[rank %d] rank %d has not been heard from for %.0f s (dead, stopped or wedged); stopping\n",
                        env_.rank, r, heartbeat_timeout_s_);
           std::fflush(stderr);
           // Leave the verdict in the store for the others; its host lingers so they can read it.
-          store_->set(key("gone", r), std::vector<uint8_t>{1});
+          hb_store_->set(key("gone", r), std::vector<uint8_t>{1});
           if (env_.rank == 0) std::this_thread::sleep_for(std::chrono::duration<double>(3 * kHeartbeatInterval));
           std::_Exit(1);
         }
@@ -243,29 +270,37 @@ void World::watchdog_loop() {
   }
 }
 
-std::vector<int> World::silent_ranks(double window_s) {
-  std::vector<int> out;
+World::Culprits World::culprits(double window_s) {
+  Culprits c;
   try {
     std::vector<int64_t> before(env_.world_size);
     for (int r = 0; r < env_.world_size; ++r) before[r] = counter(key("hb", r));
     std::this_thread::sleep_for(std::chrono::duration<double>(window_s));
-    for (int r = 0; r < env_.world_size; ++r)
-      if (r != env_.rank && (store_->check({key("failed", r)}) || store_->check({key("gone", r)}) ||
-                             counter(key("hb", r)) == before[r]))
-        out.push_back(r);
+    for (int r = 0; r < env_.world_size; ++r) {
+      if (r == env_.rank) continue;
+      if (hb_store_->check({key("failed", r)})) c.failed.push_back(r);
+      else if (hb_store_->check({key("gone", r)}) || counter(key("hb", r)) == before[r]) c.silent.push_back(r);
+    }
   } catch (const std::exception&) {
-    out = {0};  // the store is gone with its host
+    c.silent = {0};  // the store is gone with its host
   }
-  return out;
+  return c;
 }
 
 void World::rethrow_with_culprits(const std::exception& e, const std::string& what) {
-  const std::vector<int> gone = silent_ranks(3 * kHeartbeatInterval);
+  const Culprits c = culprits(3 * kHeartbeatInterval);
+  auto list = [](const std::vector<int>& v) {
+    std::string s;
+    for (int r : v) s += (s.empty() ? "rank " : ", rank ") + std::to_string(r);
+    return s;
+  };
   std::string who;
-  for (int r : gone) who += (who.empty() ? "rank " : ", rank ") + std::to_string(r);
+  if (!c.failed.empty()) who = list(c.failed) + " failed (its own error is in its output)";
+  if (!c.silent.empty()) who += (who.empty() ? "" : "; ") + list(c.silent) + " stopped responding";
+  failure_reason_ = who;  // what ~World tells the peers
   if (who.empty()) throw std::runtime_error("rank " + std::to_string(env_.rank) + ": " + e.what());
-  throw std::runtime_error("rank " + std::to_string(env_.rank) + ": " + what + " failed: " + who +
-                           " stopped responding (" + e.what() + ")");
+  throw std::runtime_error("rank " + std::to_string(env_.rank) + ": " + what + " failed: " + who + " (" + e.what() +
+                           ")");
 }
 
 }  // namespace qlora::dist

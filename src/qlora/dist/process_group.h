@@ -7,10 +7,12 @@
 // replica group (gradients are all-reduced over it). shard_size = world size is full sharding;
 // smaller is HSDP.
 //
-// Failure: every rank publishes a heartbeat in the store. A watchdog thread ends the process with a
-// message naming the rank when a peer's heartbeat stalls (a dead, stopped or wedged process) or
-// the store's host (rank 0) is gone; a collective that fails (a peer's socket closed) is turned
-// into an error naming the ranks whose heartbeat stopped. Either way no rank hangs silently.
+// Failure: every rank publishes a heartbeat in the store from a thread of its own. A watchdog thread
+// ends the process with a message naming the rank when a peer's heartbeat stalls (a dead or
+// stopped process; a wedged main thread keeps beating and is caught by the collective timeout
+// instead), when a peer reports it failed, or when the store's host (rank 0) stops answering; a
+// collective that fails (a peer's socket closed) is turned into an error naming the ranks that
+// failed or stopped. Either way no rank hangs silently.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -62,7 +64,9 @@ class Comm {
   // out: [in.numel() / size()]: this rank's slice of the element-wise sum of every rank's `in`.
   WorkPtr reduce_scatter_sum(at::Tensor out, at::Tensor in);
   WorkPtr all_reduce_sum(at::Tensor t);
-  void barrier();
+  // timeout: this barrier's own (e.g. a long wait while rank 0 writes an export); default: the
+  // group's collective timeout.
+  void barrier(std::chrono::milliseconds timeout = std::chrono::milliseconds(0));
 
  private:
   c10::intrusive_ptr<c10d::Backend> pg_;
@@ -104,13 +108,19 @@ class World {
  private:
   World() = default;
   void watchdog_loop();
-  std::vector<int> silent_ranks(double window_s);
+  struct Culprits {
+    std::vector<int> failed;  // said so (an error unwound them)
+    std::vector<int> silent;  // heartbeat stopped, or the store's host is gone
+  };
+  Culprits culprits(double window_s);
   int64_t counter(const std::string& key);
 
   RankEnv env_;
-  c10::intrusive_ptr<c10d::Store> store_;
+  c10::intrusive_ptr<c10d::Store> store_;     // rendezvous and the groups' prefix stores
+  c10::intrusive_ptr<c10d::Store> hb_store_;  // heartbeats, done/failed/gone flags: its own socket
   Comm world_, shard_, replica_;
   double heartbeat_timeout_s_ = 30.0;
+  std::string failure_reason_;  // set by rethrow_with_culprits when a peer is to blame
   std::atomic<bool> stop_{false}, finished_{false};
   std::thread watchdog_;
 };

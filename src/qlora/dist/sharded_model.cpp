@@ -8,6 +8,7 @@
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <algorithm>
 #include <cmath>
 #include <stdexcept>
 
@@ -18,7 +19,7 @@ using Setter = std::function<void(const at::Tensor&)>;
 struct ShardedLlama::FrozenGroup {
   std::string name;
   FlatLayout layout{at::kByte, 1};
-  std::vector<Setter> rebind;  // per member: point the model's tensor at its view of `full`
+  std::vector<Setter> rebind;  // per member, while sharding: point the model's tensor at its alias
   at::Tensor full;             // [padded] bytes; its storage exists only while gathered
   at::Tensor shard;            // this rank's [padded / shards] bytes, owned
   bool gathered = false;
@@ -194,6 +195,7 @@ std::unique_ptr<ShardedLlama::FrozenGroup> make_frozen(const std::string& name, 
   }
   const auto& ms = g->layout.members();
   for (size_t k = 0; k < ms.size(); ++k) g->rebind[k](alias(g->full, ms[k]));
+  g->rebind.clear();  // they point into the model: not to be called again
   g->shard = g->layout.shard_of(g->full, me).clone();
   free_storage(g->full);
   return g;
@@ -309,12 +311,26 @@ void ShardedLlama::on_grad_ready(size_t gi) {
   if (++g.arrived < g.expected) return;
   g.arrived = 0;
   if (!sync_ && !opt_.reduce_scatter_every_micro_batch) return;
+  if (g.rs)  // rs_out and full_grad are still in use by the last backward's reduce-scatter
+    throw std::logic_error("ShardedLlama: a backward ran without finish_backward() after the previous one");
   g.rs = world_.shard().reduce_scatter_sum(g.rs_out, g.full_grad);
   stats_.reduce_scatters += 1;
   ready_order_.push_back(gi);
 }
 
 void ShardedLlama::finish_backward() {
+  // Every group must have had each adapter's gradient exactly once; anything else (an adapter
+  // the graph skipped, a backward cut short) would step on a stale shard, and out of step with
+  // the other ranks' collectives.
+  for (size_t gi = 0; gi < train_.size(); ++gi) {
+    const bool issued = std::find(ready_order_.begin(), ready_order_.end(), gi) != ready_order_.end();
+    const bool want = sync_ || opt_.reduce_scatter_every_micro_batch;
+    if (train_[gi]->arrived != 0 || issued != want)
+      throw std::logic_error("ShardedLlama::finish_backward: trainable group " + std::to_string(gi) + " (" +
+                             train_[gi]->layout.members().front().name + ") received " +
+                             std::to_string(train_[gi]->arrived) + " of " + std::to_string(train_[gi]->expected) +
+                             " adapter gradients in this backward");
+  }
   // Reduce-scatters in the order the groups became ready, then the replica all-reduces (HSDP).
   for (size_t gi : ready_order_) {
     TrainGroup& g = *train_[gi];

@@ -80,8 +80,10 @@ class ShardedLlama : public models::UnitHooks, public std::enable_shared_from_th
 
   // False for every micro-batch but the last of a step: gradients only accumulate locally.
   void set_gradient_sync(bool sync) { sync_ = sync; }
-  // After the step's last backward: waits for every gradient collective (in ready order), frees the
-  // gathered frozen groups and zeroes the full gradient buffers for the next step.
+  // After every backward (every micro-batch's): frees the gathered frozen groups; where gradients
+  // were reduce-scattered (the step's last micro-batch, or every one), waits for those collectives
+  // in ready order, adds them into the shards and zeroes the full gradient buffers. Throws if a
+  // group did not get each adapter's gradient exactly once.
   void finish_backward();
   // torch's clip_grad_norm_ over the global gradient (one all-reduce of the squared shard norms);
   // returns the norm before clipping. max_norm <= 0 only measures.
