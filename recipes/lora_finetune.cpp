@@ -181,7 +181,11 @@ int run_recipe(const RecipeConfig& cfg, c10::Device device, dist::World* world) 
   // as soon as it is loaded, so the whole base never sits in one rank's memory.
   std::shared_ptr<dist::ShardedLlama> sharded;
   if (world) {
-    sharded = dist::ShardedLlama::begin(*world, {});
+    dist::ShardingOptions so;
+    so.reshard_after_forward = cfg.dist.reshard_after_forward;
+    so.prefetch = cfg.dist.prefetch;
+    so.reduce_scatter_every_micro_batch = cfg.dist.reduce_scatter_every_micro_batch;
+    sharded = dist::ShardedLlama::begin(*world, so);
     mopts.on_layer_loaded = [&sharded](int64_t i, modules::DecoderLayer& L) { sharded->shard_layer(i, L); };
   }
   models::LlamaModel model = models::load_llama(base_dir, mopts);

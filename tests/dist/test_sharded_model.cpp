@@ -70,8 +70,14 @@ at::Tensor loss_sum(const models::LlamaModel& m, const at::Tensor& tok, const at
 
 struct Trace {
   std::vector<double> losses;
-  at::Tensor adapters;  // every adapter, flattened, in lora_parameters() order
+  at::Tensor adapters;     // every adapter, flattened, in lora_parameters() order
+  at::Tensor eval_logits;  // a no-grad forward of step 0's first rows after training
 };
+
+at::Tensor eval_logits(const models::LlamaModel& m) {
+  at::NoGradGuard ng;  // generation's path: forward units only, every group released after use
+  return m.forward(batch(0).first.narrow(0, 0, 2));
+}
 
 at::Tensor flat_adapters(const models::LlamaModel& m) {
   std::vector<at::Tensor> v;
@@ -101,6 +107,7 @@ Trace single_process() {
     opt.zero_grad();
   }
   tr.adapters = flat_adapters(m);
+  tr.eval_logits = eval_logits(m);
   return tr;
 }
 
@@ -147,6 +154,8 @@ Trace sharded(World& w, const RunSetup& su) {
     engine->gather_params();
   }
   tr.adapters = flat_adapters(m);
+  tr.eval_logits = eval_logits(m);
+  tr.eval_logits = eval_logits(m);  // twice: the first must have left nothing gathered it relies on
   check(engine->stats().gathers > 0 && engine->stats().reduce_scatters > 0, "the engine gathered and reduce-scattered");
   return tr;
 }
@@ -162,6 +171,8 @@ void expect_same_as_single_process(int ranks, int64_t shard_size, const RunSetup
                 std::to_string(ref.losses[s]));
     const double diff = (t.adapters - ref.adapters).abs().max().item<double>();
     check(diff < kTol, "final adapters differ from single-process by " + std::to_string(diff));
+    const double ldiff = (t.eval_logits - ref.eval_logits).abs().max().item<double>();
+    check(ldiff < 10 * kTol, "no-grad logits differ from single-process by " + std::to_string(ldiff));
   });
   expect_all_ok(res);
 }

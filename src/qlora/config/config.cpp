@@ -113,6 +113,10 @@ void visit_fields(Cfg& c, V&& v) {
   v("logging", "progress", c.logging.progress, false);
   v("dist", "shard_size", c.dist.shard_size, true);
   v("dist", "collective_timeout_s", c.dist.collective_timeout_s, false);
+  // Scheduling only: the sharded engine's results do not depend on them (tested).
+  v("dist", "reshard_after_forward", c.dist.reshard_after_forward, false);
+  v("dist", "prefetch", c.dist.prefetch, false);
+  v("dist", "reduce_scatter_every_micro_batch", c.dist.reduce_scatter_every_micro_batch, false);
 }
 
 template <class T>

@@ -99,6 +99,12 @@ struct LoggingConfig {
 struct DistConfig {
   int64_t shard_size = 0;  // 0 = world size
   int64_t collective_timeout_s = 300;
+  // Free a layer's gathered NF4 after its forward and gather it again for backward (the last
+  // layer and the head stay): memory of one or two layers instead of the whole base.
+  bool reshard_after_forward = true;
+  bool prefetch = true;  // gather the next layer while this one computes
+  // Reduce-scatter gradients after every micro-batch instead of only the step's last; same results.
+  bool reduce_scatter_every_micro_batch = false;
 };
 
 struct RecipeConfig {
