@@ -32,6 +32,7 @@
 
 #include "bench/random_llama.h"
 #include "bench/run_json.h"
+#include "bench/shape_args.h"
 #include "qlora/dist/launcher.h"
 #include "qlora/dist/process_group.h"
 #include "qlora/dist/sharded_model.h"
@@ -44,11 +45,8 @@ using namespace qlora;
 
 namespace {
 
-struct Args {
-  int64_t hidden = 768, inter = 2048, layers = 12, heads = 12, vocab = 32000, seq = 512, steps = 3;
-  std::string workdir;
-  bool llama7b = false, worker = false, prefetch = true, sharded = true;
-  bool seq_given = false, steps_given = false, layers_given = false;
+struct Args : bench::ShapeArgs {
+  bool worker = false, prefetch = true, sharded = true;
 };
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
@@ -137,14 +135,7 @@ json run_worker(const Args& a) {
   return j;
 }
 
-std::string flags(const Args& a) {
-  std::string f = " --hidden " + std::to_string(a.hidden) + " --inter " + std::to_string(a.inter) + " --layers " +
-                  std::to_string(a.layers) + " --heads " + std::to_string(a.heads) + " --vocab " +
-                  std::to_string(a.vocab) + " --seq " + std::to_string(a.seq) + " --steps " + std::to_string(a.steps);
-  if (!a.workdir.empty()) f += " --workdir " + a.workdir;
-  if (a.llama7b) f += " --llama2-7b";
-  return f;
-}
+std::string flags(const Args& a) { return a.flags() + " --workdir " + a.workdir + (a.llama7b ? " --llama2-7b" : ""); }
 
 std::string self_exe() { return fs::read_symlink("/proc/self/exe").string(); }
 
@@ -161,39 +152,20 @@ json configuration(const Args& a, int ranks, bool sharded, bool prefetch) {
 int main(int argc, char** argv) try {
   Args a;
   int launch = 0;
-  std::vector<std::string> worker_args;
+  std::vector<std::string> worker_args(argv + 1, argv + argc);  // what a launched rank is given
   for (int i = 1; i < argc; ++i) {
+    if (a.parse(argc, argv, i)) continue;
     const std::string s = argv[i];
-    auto next = [&]() -> std::string {
-      if (i + 1 >= argc) throw std::invalid_argument(s + " needs a value");
-      worker_args.push_back(argv[i + 1]);
-      return argv[++i];
-    };
     if (s == "--launch") {
       if (i + 1 >= argc) throw std::invalid_argument("--launch needs a value");
       launch = std::stoi(argv[++i]);
-      continue;
-    }
-    worker_args.push_back(s);
-    if (s == "--hidden") a.hidden = std::stoll(next());
-    else if (s == "--inter") a.inter = std::stoll(next());
-    else if (s == "--layers") { a.layers = std::stoll(next()); a.layers_given = true; }
-    else if (s == "--heads") a.heads = std::stoll(next());
-    else if (s == "--vocab") a.vocab = std::stoll(next());
-    else if (s == "--seq") { a.seq = std::stoll(next()); a.seq_given = true; }
-    else if (s == "--steps") { a.steps = std::stoll(next()); a.steps_given = true; }
-    else if (s == "--workdir") a.workdir = next();
-    else if (s == "--llama2-7b") a.llama7b = true;
-    else if (s == "--worker") a.worker = true;
+      worker_args.erase(worker_args.begin() + (i - 2), worker_args.begin() + i);
+    } else if (s == "--worker") a.worker = true;
     else if (s == "--no-prefetch") a.prefetch = false;
     else if (s == "--unsharded") a.sharded = false;
     else { std::cerr << "bench_dist: unknown argument " << s << "\n"; return 2; }
   }
-  if (a.llama7b) {
-    if (!a.seq_given) a.seq = 128;
-    if (!a.steps_given) a.steps = 1;
-    if (!a.layers_given) a.layers = 32;
-  }
+  a.finish();
   if (launch > 1) {  // this process is the launcher of one configuration
     dist::LaunchOptions lo;
     lo.nproc_per_node = launch;
@@ -211,18 +183,7 @@ int main(int argc, char** argv) try {
     r["one_process"] = configuration(a, 1, false, true);
     r["two_ranks"] = configuration(a, 2, true, true);
   } else {
-    if (a.workdir.empty())
-      a.workdir = (fs::temp_directory_path() / ("qlora_bench_train_step_h" + std::to_string(a.hidden) + "_l" +
-                                                std::to_string(a.layers) + "_v" + std::to_string(a.vocab) + "_i" +
-                                                std::to_string(a.inter) + "_a" + std::to_string(a.heads)))
-                      .string();
-    if (!fs::exists(fs::path(a.workdir) / "model.safetensors")) {
-      const std::string cmd = std::string(QLORA_PYTHON) + " " + QLORA_SOURCE_DIR + "/bench/peer_train_step.py --write-model " +
-                              a.workdir + " --hidden " + std::to_string(a.hidden) + " --inter " + std::to_string(a.inter) +
-                              " --layers " + std::to_string(a.layers) + " --heads " + std::to_string(a.heads) +
-                              " --vocab " + std::to_string(a.vocab);
-      if (std::system(cmd.c_str()) != 0) throw std::runtime_error("could not write the bench checkpoint: " + cmd);
-    }
+    a.ensure_checkpoint(QLORA_PYTHON, QLORA_SOURCE_DIR);
     r["shape"] = {{"hidden", a.hidden}, {"layers", a.layers}, {"vocab", a.vocab}, {"seq", a.seq},
                   {"batch_per_rank", 1}, {"steps", a.steps}, {"checkpoint", a.workdir}};
     r["one_rank"] = configuration(a, 1, false, true);

@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "bench/random_llama.h"
+#include "bench/shape_args.h"
 #include "bench/run_json.h"
 #include "qlora/models/llama.h"
 #include "qlora/modules/layers.h"
@@ -43,14 +44,12 @@ using qlora::bench::run_json;
 
 namespace {
 
-struct Args {
-  int64_t hidden = 768, inter = 2048, layers = 12, heads = 12, vocab = 32000;
-  int64_t seq = 512, batch = 1, steps = 3, r = 8;
+struct Args : qlora::bench::ShapeArgs {
+  int64_t batch = 1, r = 8;
   double alpha = 16.0;
-  std::string workdir, model;
-  bool peer = true, worker = false, llama7b = false;
+  std::string model;
+  bool peer = true, worker = false;
   bool no_ac = false;
-  bool seq_given = false, steps_given = false, layers_given = false;
 };
 
 const std::vector<std::string> kTargets = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
@@ -134,10 +133,8 @@ json run_worker(const Args& a) {
 }
 
 std::string shape_flags(const Args& a) {
-  return " --hidden " + std::to_string(a.hidden) + " --inter " + std::to_string(a.inter) + " --layers " +
-         std::to_string(a.layers) + " --heads " + std::to_string(a.heads) + " --vocab " + std::to_string(a.vocab) +
-         " --seq " + std::to_string(a.seq) + " --batch " + std::to_string(a.batch) + " --steps " +
-         std::to_string(a.steps) + " --r " + std::to_string(a.r) + " --alpha " + std::to_string(a.alpha);
+  return a.flags() + " --batch " + std::to_string(a.batch) + " --r " + std::to_string(a.r) + " --alpha " +
+         std::to_string(a.alpha);
 }
 
 std::string self_exe() { return fs::read_symlink("/proc/self/exe").string(); }
@@ -147,35 +144,23 @@ std::string self_exe() { return fs::read_symlink("/proc/self/exe").string(); }
 int main(int argc, char** argv) try {
   Args a;
   for (int i = 1; i < argc; ++i) {
+    if (a.parse(argc, argv, i)) continue;
     const std::string s = argv[i];
     auto next = [&]() -> std::string {
       if (i + 1 >= argc) throw std::invalid_argument(s + " needs a value");
       return argv[++i];
     };
-    if (s == "--hidden") a.hidden = std::stoll(next());
-    else if (s == "--inter") a.inter = std::stoll(next());
-    else if (s == "--layers") { a.layers = std::stoll(next()); a.layers_given = true; }
-    else if (s == "--heads") a.heads = std::stoll(next());
-    else if (s == "--vocab") a.vocab = std::stoll(next());
-    else if (s == "--seq") { a.seq = std::stoll(next()); a.seq_given = true; }
-    else if (s == "--batch") a.batch = std::stoll(next());
-    else if (s == "--steps") { a.steps = std::stoll(next()); a.steps_given = true; }
+    if (s == "--batch") a.batch = std::stoll(next());
     else if (s == "--r") a.r = std::stoll(next());
     else if (s == "--alpha") a.alpha = std::stod(next());
-    else if (s == "--workdir") a.workdir = next();
     else if (s == "--model") a.model = next();
     else if (s == "--no-peer") a.peer = false;
     else if (s == "--worker") a.worker = true;
-    else if (s == "--llama2-7b") a.llama7b = true;
     else if (s == "--no-activation-checkpointing") a.no_ac = true;
     else { std::cerr << "bench_train_step: unknown argument " << s << "\n"; return 2; }
   }
-  if (a.llama7b) {
-    if (!a.seq_given) a.seq = 128;
-    if (!a.steps_given) a.steps = 1;
-    if (!a.layers_given) a.layers = 32;
-  }
-  if (a.steps < 1 || a.seq < 1 || a.batch < 1) throw std::invalid_argument("--steps, --seq, --batch must be >= 1");
+  a.finish();
+  if (a.batch < 1) throw std::invalid_argument("--batch must be >= 1");
   if (a.worker) {
     std::cout << run_worker(a).dump() << std::endl;
     return 0;
@@ -199,18 +184,9 @@ int main(int argc, char** argv) try {
   }
 
   // One random bf16 checkpoint for both sides, written by the peer script once per shape.
-  const std::string dir = !a.workdir.empty()
-                              ? a.workdir
-                              : (fs::temp_directory_path() / ("qlora_bench_train_step_h" + std::to_string(a.hidden) +
-                                                              "_l" + std::to_string(a.layers) + "_v" +
-                                                              std::to_string(a.vocab) + "_i" + std::to_string(a.inter) +
-                                                              "_a" + std::to_string(a.heads)))
-                                    .string();
+  const std::string dir = a.workdir;
   const std::string py = std::string(QLORA_PYTHON) + " " + QLORA_SOURCE_DIR + "/bench/peer_train_step.py";
-  if (!fs::exists(fs::path(dir) / "model.safetensors") || !fs::exists(fs::path(dir) / "config.json")) {
-    const std::string cmd = py + " --write-model " + dir + shape_flags(a);
-    if (std::system(cmd.c_str()) != 0) throw std::runtime_error("could not write the bench checkpoint: " + cmd);
-  }
+  a.ensure_checkpoint(QLORA_PYTHON, QLORA_SOURCE_DIR);
   r["shape"] = {{"hidden", a.hidden}, {"intermediate", a.inter}, {"layers", a.layers}, {"heads", a.heads},
                 {"vocab", a.vocab}, {"seq", a.seq}, {"batch", a.batch}, {"steps", a.steps}, {"lora_r", a.r},
                 {"lora_alpha", a.alpha}, {"lora_targets", kTargets}, {"base", "nf4"}, {"compute_dtype", "fp32"},

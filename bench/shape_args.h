@@ -1,0 +1,74 @@
+// Command-line shape of a bench model, shared by bench_train_step and bench_dist: a Llama shape
+// (written once as a random bf16 checkpoint by bench/peer_train_step.py) or --llama2-7b (random
+// NF4, in memory), and how many steps to time.
+#pragma once
+
+#include <cstdint>
+#include <cstdlib>
+#include <filesystem>
+#include <stdexcept>
+#include <string>
+
+namespace qlora::bench {
+
+struct ShapeArgs {
+  int64_t hidden = 768, inter = 2048, layers = 12, heads = 12, vocab = 32000;
+  int64_t seq = 512, steps = 3;
+  std::string workdir;  // the random checkpoint's directory; empty = one per shape under /tmp
+  bool llama7b = false;
+  bool seq_given = false, steps_given = false, layers_given = false;
+
+  // Consumes argv[i] (and its value) when it is a shape flag; false otherwise.
+  bool parse(int argc, char** argv, int& i) {
+    const std::string s = argv[i];
+    auto next = [&]() -> int64_t {
+      if (i + 1 >= argc) throw std::invalid_argument(s + " needs a value");
+      return std::stoll(argv[++i]);
+    };
+    if (s == "--hidden") hidden = next();
+    else if (s == "--inter") inter = next();
+    else if (s == "--layers") { layers = next(); layers_given = true; }
+    else if (s == "--heads") heads = next();
+    else if (s == "--vocab") vocab = next();
+    else if (s == "--seq") { seq = next(); seq_given = true; }
+    else if (s == "--steps") { steps = next(); steps_given = true; }
+    else if (s == "--llama2-7b") llama7b = true;
+    else if (s == "--workdir") {
+      if (i + 1 >= argc) throw std::invalid_argument("--workdir needs a value");
+      workdir = argv[++i];
+    } else return false;
+    return true;
+  }
+
+  // The 7B shape runs at seq 128, one step, 32 layers unless told otherwise: minutes on a small CPU.
+  void finish() {
+    if (llama7b) {
+      if (!seq_given) seq = 128;
+      if (!steps_given) steps = 1;
+      if (!layers_given) layers = 32;
+    }
+    if (steps < 1 || seq < 1) throw std::invalid_argument("--steps and --seq must be >= 1");
+    if (workdir.empty())
+      workdir = (std::filesystem::temp_directory_path() /
+                 ("qlora_bench_train_step_h" + std::to_string(hidden) + "_l" + std::to_string(layers) + "_v" +
+                  std::to_string(vocab) + "_i" + std::to_string(inter) + "_a" + std::to_string(heads)))
+                    .string();
+  }
+
+  std::string flags() const {
+    return " --hidden " + std::to_string(hidden) + " --inter " + std::to_string(inter) + " --layers " +
+           std::to_string(layers) + " --heads " + std::to_string(heads) + " --vocab " + std::to_string(vocab) +
+           " --seq " + std::to_string(seq) + " --steps " + std::to_string(steps);
+  }
+
+  // Writes the random bf16 checkpoint of this shape once (the peer script's --write-model).
+  void ensure_checkpoint(const std::string& python, const std::string& source_dir) const {
+    if (std::filesystem::exists(std::filesystem::path(workdir) / "model.safetensors") &&
+        std::filesystem::exists(std::filesystem::path(workdir) / "config.json"))
+      return;
+    const std::string cmd = python + " " + source_dir + "/bench/peer_train_step.py --write-model " + workdir + flags();
+    if (std::system(cmd.c_str()) != 0) throw std::runtime_error("could not write the bench checkpoint: " + cmd);
+  }
+};
+
+}  // namespace qlora::bench
