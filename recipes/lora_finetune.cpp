@@ -34,6 +34,7 @@
 #include "qlora/data/tokenizer.h"
 #include "qlora/dist/process_group.h"
 #include "qlora/dist/sharded_model.h"
+#include "qlora/dist/sharded_state.h"
 #include "qlora/models/llama.h"
 #include "qlora/optim/adamw.h"
 #include "qlora/optim/schedule.h"
@@ -100,13 +101,13 @@ at::ScalarType frozen_storage_dtype(const std::string& base_dir, at::ScalarType 
 
 // Everything a resumed run needs to continue bit for bit; `inputs` (input_fingerprints) lets the
 // resume tell whether the data or base weights changed under paths the config check ignores.
-checkpoint::ResumeState capture(const std::vector<std::pair<std::string, at::Tensor>>& lora,
-                                const optim::AdamW& opt, const data::Sampler& sampler, int64_t epoch,
+// `train_state` is the adapters and optimizer state: named per adapter in one process
+// (model.<peft name>, optim.*), or this rank's flat shards with ranks (dist::sharded_train_state).
+checkpoint::ResumeState capture(dist::NamedTensors train_state, const data::Sampler& sampler, int64_t epoch,
                                 int64_t step_in_epoch, int64_t global_step, const RecipeConfig& cfg,
-                                c10::Device device, const nlohmann::json& inputs) {
+                                c10::Device device, const nlohmann::json& inputs, int64_t ranks) {
   checkpoint::ResumeState s;
-  for (const auto& [name, t] : lora) s.tensors.push_back({"model." + name, t.detach().cpu()});
-  for (const auto& [name, t] : opt.state_dict()) s.tensors.push_back({"optim." + name, t});
+  s.tensors = std::move(train_state);
   s.tensors.push_back({"rng.cpu", train::generator_state(c10::kCPU)});
   if (device.is_cuda()) s.tensors.push_back({"rng.cuda", train::generator_state(device)});
   s.meta = {{"epoch", epoch},
@@ -115,9 +116,48 @@ checkpoint::ResumeState capture(const std::vector<std::pair<std::string, at::Ten
             {"sampler", nlohmann::json::parse(sampler.state_json())},
             {"config_toml", config::to_toml(cfg)},
             {"config_hash", config::config_hash(cfg, config::HashScope::Exactness)},
-            {"device_type", device.is_cuda() ? "cuda" : "cpu"}};
+            {"device_type", device.is_cuda() ? "cuda" : "cpu"},
+            {"world_size", ranks}};
   s.meta.update(inputs);
   return s;
+}
+
+dist::NamedTensors single_train_state(const std::vector<std::pair<std::string, at::Tensor>>& lora,
+                                      const optim::AdamW& opt) {
+  dist::NamedTensors out;
+  for (const auto& [name, t] : lora) out.emplace_back("model." + name, t.detach().cpu());
+  for (const auto& [name, t] : opt.state_dict()) out.emplace_back("optim." + name, t);
+  return out;
+}
+
+// The checks before continuing from `ckpt`: exactness-breaking config keys (on another number of
+// ranks, the mesh may change and batch_size with it as long as the global batch is the same),
+// the device kind and the input fingerprints. Returns whether the mesh changed.
+bool check_resumable(const nlohmann::json& meta, const RecipeConfig& cfg, c10::Device device,
+                     const nlohmann::json& inputs, const std::string& ckpt, int64_t ranks) {
+  const RecipeConfig saved = config::parse_config(meta.at("config_toml").get<std::string>(), ckpt + "/meta.json");
+  const int64_t saved_ranks = meta.value("world_size", int64_t{1});
+  const bool remesh = saved_ranks != ranks || saved.dist.shard_size != cfg.dist.shard_size;
+  if (saved.training.batch_size * saved_ranks != cfg.training.batch_size * ranks)
+    throw std::invalid_argument("cannot resume " + ckpt + ": its global batch was " +
+                                std::to_string(saved.training.batch_size) + " x " + std::to_string(saved_ranks) +
+                                " rank(s); this run's is " + std::to_string(cfg.training.batch_size) + " x " +
+                                std::to_string(ranks) + " (set training.batch_size to keep the product)");
+  std::string keys;
+  for (const auto& d : config::exactness_breaking_differences(saved, cfg))
+    if (!(remesh && (d == "dist.shard_size" || d == "training.batch_size"))) keys += (keys.empty() ? "" : ", ") + d;
+  if (!keys.empty())
+    throw std::invalid_argument("cannot resume " + ckpt + ": these keys differ from the run that wrote it and "
+                                "would change its results: " + keys + " (restore them, or start a new output_dir)");
+  // CPU and CUDA kernels round differently: continuing on the other kind would not be exact.
+  const std::string saved_device = meta.value("device_type", std::string("cpu"));
+  if (saved_device != (device.is_cuda() ? "cuda" : "cpu"))
+    throw std::invalid_argument("cannot resume " + ckpt + ": it was written by a run on " + saved_device +
+                                " and this run would compute on " + device.str() + "; set model.device=" +
+                                saved_device + " (or start a new output_dir)");
+  if (const auto warning = checkpoint::check_input_fingerprints(meta, inputs, ckpt))
+    std::printf("warning: %s\n", warning->c_str());
+  return remesh;
 }
 
 // The recipe proper. `world` is null for a single process; with ranks, rank 0 (`lead`) prints,
@@ -222,11 +262,6 @@ int run_recipe(const RecipeConfig& cfg, c10::Device device, dist::World* world) 
   int64_t start_epoch = 0, start_step = 0, global_step = 0;
   const nlohmann::json inputs = checkpoint::input_fingerprints(data_path, base_dir, tokenizer_path);
   const auto latest = checkpoint::latest_resume_checkpoint(out_dir);
-  if (world && cfg.checkpoint.resume)
-    throw std::invalid_argument("checkpoint.resume = true: resuming is single-process for now (sharded resume "
-                                "checkpoints come with distributed state dicts)");
-  if (world && lead)
-    std::printf("note: a sharded run writes its per-epoch exports but no resume checkpoints yet\n");
   if (lead && !cfg.checkpoint.resume && fs::exists(out_dir + "/checkpoints")) {
     // A fresh run must not mix its checkpoints with an earlier run's (keep_last_n would keep the
     // old, higher steps; a later resume would pick them). Nothing saved is deleted: set aside.
@@ -238,37 +273,44 @@ int run_recipe(const RecipeConfig& cfg, c10::Device device, dist::World* world) 
     if (!latest) {
       std::printf("checkpoint.resume = true but %s has no resume checkpoint: starting fresh\n", out_dir.c_str());
     } else {
-      const checkpoint::ResumeState s = checkpoint::load_resume_checkpoint(*latest);
-      const RecipeConfig saved = config::parse_config(s.meta.at("config_toml").get<std::string>(), *latest + "/meta.json");
-      const auto diffs = config::exactness_breaking_differences(saved, cfg);
-      if (!diffs.empty()) {
-        std::string keys;
-        for (const auto& d : diffs) keys += (keys.empty() ? "" : ", ") + d;
-        throw std::invalid_argument("cannot resume " + *latest + ": these keys differ from the run that wrote it and "
-                                    "would change its results: " + keys + " (restore them, or start a new output_dir)");
+      nlohmann::json meta;
+      if (world) {
+        // Every rank reads every old rank's file: on another mesh each needs pieces of all of them.
+        const checkpoint::ShardedResumeState s = checkpoint::load_sharded_resume_checkpoint(*latest);
+        meta = s.meta;
+        const bool remesh = check_resumable(meta, cfg, device, inputs, *latest, ranks);
+        dist::load_sharded_train_state(*sharded, opt, s.ranks);
+        if (!remesh) {
+          std::map<std::string, at::Tensor> mine(s.ranks.at(rank).begin(), s.ranks.at(rank).end());
+          train::set_generator_state(c10::kCPU, mine.at("rng.cpu"));
+          if (device.is_cuda()) train::set_generator_state(device, mine.at("rng.cuda"));
+        } else if (lead) {
+          std::printf("resuming a %lld-rank checkpoint on %lld ranks (shard_size %lld): state resharded; the run "
+                      "continues within float tolerance of the original, not bit for bit\n",
+                      (long long)meta.value("world_size", int64_t{1}), (long long)ranks,
+                      (long long)cfg.dist.shard_size);
+        }
+      } else {
+        const checkpoint::ResumeState s = checkpoint::load_resume_checkpoint(*latest);
+        meta = s.meta;
+        check_resumable(meta, cfg, device, inputs, *latest, ranks);
+        std::map<std::string, at::Tensor> by_name(s.tensors.begin(), s.tensors.end());
+        c10::NoGradGuard no_grad;
+        for (const auto& [name, t] : lora) t.copy_(by_name.at("model." + name));
+        optim::NamedTensors ostate;
+        for (const auto& [name, t] : s.tensors)
+          if (name.rfind("optim.", 0) == 0) ostate.push_back({name.substr(6), t});
+        opt.load_state_dict(ostate);
+        train::set_generator_state(c10::kCPU, by_name.at("rng.cpu"));
+        if (device.is_cuda()) train::set_generator_state(device, by_name.at("rng.cuda"));
       }
-      // CPU and CUDA kernels round differently: continuing on the other kind would not be exact.
-      const std::string saved_device = s.meta.value("device_type", std::string("cpu"));
-      if (saved_device != (device.is_cuda() ? "cuda" : "cpu"))
-        throw std::invalid_argument("cannot resume " + *latest + ": it was written by a run on " + saved_device +
-                                    " and this run would compute on " + device.str() +
-                                    "; set model.device=" + saved_device + " (or start a new output_dir)");
-      if (const auto warning = checkpoint::check_input_fingerprints(s.meta, inputs, *latest))
-        std::printf("warning: %s\n", warning->c_str());
-      std::map<std::string, at::Tensor> by_name(s.tensors.begin(), s.tensors.end());
-      c10::NoGradGuard no_grad;
-      for (const auto& [name, t] : lora) t.copy_(by_name.at("model." + name));
-      optim::NamedTensors ostate;
-      for (const auto& [name, t] : s.tensors)
-        if (name.rfind("optim.", 0) == 0) ostate.push_back({name.substr(6), t});
-      opt.load_state_dict(ostate);
-      train::set_generator_state(c10::kCPU, by_name.at("rng.cpu"));
-      if (device.is_cuda()) train::set_generator_state(device, by_name.at("rng.cuda"));
-      sampler.load_state_json(s.meta.at("sampler").dump(), *latest);
-      start_epoch = s.meta.at("epoch");
-      start_step = s.meta.at("step_in_epoch");
-      global_step = s.meta.at("global_step");
-      std::printf("resumed from %s (epoch %lld, step %lld)\n", latest->c_str(), (long long)start_epoch + 1,
+      const nlohmann::json& s_meta = meta;
+      sampler.load_state_json(s_meta.at("sampler").dump(), *latest);
+      start_epoch = s_meta.at("epoch");
+      start_step = s_meta.at("step_in_epoch");
+      global_step = s_meta.at("global_step");
+      if (lead)
+        std::printf("resumed from %s (epoch %lld, step %lld)\n", latest->c_str(), (long long)start_epoch + 1,
                   (long long)global_step);
     }
   }
@@ -284,6 +326,17 @@ int run_recipe(const RecipeConfig& cfg, c10::Device device, dist::World* world) 
                 base_dir.c_str(), device.str().c_str(), (long long)ranks, (long long)model.config.num_hidden_layers,
                 (long long)[&] { int64_t n = 0; for (auto& [k, t] : lora) n += t.numel(); return n; }(),
                 samples.size(), (long long)steps_per_epoch, (long long)cfg.training.epochs);
+
+  // A resume checkpoint: one file in one process; with ranks, each rank's shards in its own file,
+  // committed by rank 0 once all are durable.
+  const auto save = [&](int64_t epoch, int64_t step_in_epoch) {
+    const checkpoint::ResumeState st =
+        capture(sharded ? dist::sharded_train_state(*sharded, opt) : single_train_state(lora, opt), sampler, epoch,
+                step_in_epoch, global_step, cfg, device, inputs, ranks);
+    if (!world) return checkpoint::save_resume_checkpoint(out_dir, global_step, st, cfg.checkpoint.keep_last_n);
+    const checkpoint::RankSync sync{world->rank(), world->size(), [&] { world->world().barrier(); }};
+    checkpoint::save_sharded_resume_checkpoint(out_dir, global_step, st, sync, cfg.checkpoint.keep_last_n);
+  };
 
   // ---------------------------------------------------------------- train
   // QLORA_TEST_KILL_AFTER_STEP=N: die by SIGKILL right after step N is logged (resume tests);
@@ -373,11 +426,8 @@ int run_recipe(const RecipeConfig& cfg, c10::Device device, dist::World* world) 
       if (epoch_end) sampler.set_state({epoch + 1, 0});  // max_steps_per_epoch may cut an epoch short
       // The epoch-end checkpoint is written after the export below: a resume from it must find
       // the epoch's export already on disk.
-      if (!world && !epoch_end && cfg.checkpoint.save_every_steps > 0 &&
-          global_step % cfg.checkpoint.save_every_steps == 0)
-        checkpoint::save_resume_checkpoint(out_dir, global_step,
-                                           capture(lora, opt, sampler, epoch, step + 1, global_step, cfg, device, inputs),
-                                           cfg.checkpoint.keep_last_n);
+      if (!epoch_end && cfg.checkpoint.save_every_steps > 0 && global_step % cfg.checkpoint.save_every_steps == 0)
+        save(epoch, step + 1);
     }
     if (lead) progress.end_epoch();
 
@@ -397,11 +447,8 @@ int run_recipe(const RecipeConfig& cfg, c10::Device device, dist::World* world) 
       // An export may take longer than any collective timeout; liveness is the heartbeat's job.
       world->world().barrier(std::chrono::hours(24));
       sharded->reshard_all();
-      continue;  // no single-file resume checkpoint for a sharded run (see above)
     }
-    checkpoint::save_resume_checkpoint(out_dir, global_step,
-                                       capture(lora, opt, sampler, epoch + 1, 0, global_step, cfg, device, inputs),
-                                       cfg.checkpoint.keep_last_n);
+    save(epoch + 1, 0);
   }
 
   // ---------------------------------------------------------------- cleanup

@@ -172,48 +172,63 @@ void commit_directory(const std::string& tmp, const std::string& final_dir) {
   fsync_dir(parent);
 }
 
-void save_resume_checkpoint(const std::string& output_dir, int64_t global_step, const ResumeState& state,
-                            int64_t keep_last_n) {
-  if (global_step < 0) throw ResumeError("save_resume_checkpoint: negative step " + std::to_string(global_step));
-  const fs::path root = fs::path(output_dir) / "checkpoints";
-  const fs::path final_dir = root / step_name(global_step);
-  const fs::path tmp = root.string() + "/" + step_name(global_step) + ".tmp";
+namespace {
+
+fs::path checkpoints_root(const std::string& output_dir) { return fs::path(output_dir) / "checkpoints"; }
+fs::path tmp_dir_of(const fs::path& root, int64_t step) { return root.string() + "/" + step_name(step) + ".tmp"; }
+
+// A fresh, empty step_N.tmp/ (a crashed save of this same step is incomplete by construction).
+fs::path prepare_tmp(const fs::path& root, int64_t step) {
+  if (step < 0) throw ResumeError("save_resume_checkpoint: negative step " + std::to_string(step));
   if (!fs::exists(root)) {
     fs::create_directories(root);
     fsync_dir(root.parent_path());
   }
-  fs::remove_all(tmp);  // a crashed save of this same step: incomplete by construction
+  const fs::path tmp = tmp_dir_of(root, step);
+  fs::remove_all(tmp);
   fs::create_directory(tmp);
+  return tmp;
+}
 
+// One safetensors file of named tensors (any device; written from CPU copies), durable on return.
+void write_state_file(const fs::path& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors) {
   std::vector<std::pair<std::string, at::Tensor>> cpu;
   nlohmann::json order = nlohmann::json::array();
-  for (const auto& [name, t] : state.tensors) {
+  for (const auto& [name, t] : tensors) {
     if (!t.defined()) throw ResumeError("save_resume_checkpoint: tensor '" + name + "' is undefined");
     cpu.emplace_back(name, t.detach().to(at::kCPU).contiguous());
     order.push_back(name);
   }
   // save_safetensors orders entries by dtype width for alignment; the caller's order rides along.
-  save_safetensors((tmp / kState).string(), cpu, {{kOrderKey, order.dump()}});
-  cpu.clear();
-  write_file_atomic((tmp / kMeta).string(), (state.meta.is_null() ? nlohmann::json::object() : state.meta).dump(2));
+  save_safetensors(path.string(), cpu, {{kOrderKey, order.dump()}});
+}
 
-  nlohmann::json files = nlohmann::json::object();
-  for (const char* f : {kState, kMeta}) {
+// Writes meta.json and the manifest over every file in `files` (hashing what is on disk, not what
+// was meant), commits tmp/ as step_N and prunes to keep_last_n.
+void commit_checkpoint(const fs::path& root, const fs::path& tmp, int64_t step, const nlohmann::json& meta,
+                       const std::vector<std::string>& files, nlohmann::json manifest_extra, int64_t keep_last_n) {
+  write_file_atomic((tmp / kMeta).string(), (meta.is_null() ? nlohmann::json::object() : meta).dump(2));
+  nlohmann::json listed = nlohmann::json::object();
+  std::vector<std::string> all = files;
+  all.push_back(kMeta);
+  for (const std::string& f : all) {
     uint64_t n = 0;
-    const uint64_t h = xxh64_file((tmp / f).string(), &n);  // hash what is on disk, not what we meant
-    files[f] = {{"bytes", n}, {"xxh64", xxh64_hex(h)}};
+    const uint64_t h = xxh64_file((tmp / f).string(), &n);
+    listed[f] = {{"bytes", n}, {"xxh64", xxh64_hex(h)}};
   }
-  const nlohmann::json manifest = {{"format", kFormat}, {"step", global_step}, {"files", files}};
-  write_file_atomic((tmp / kManifest).string(), manifest.dump(2));  // fsyncs tmp/ as well
+  manifest_extra["format"] = kFormat;
+  manifest_extra["step"] = step;
+  manifest_extra["files"] = listed;
+  write_file_atomic((tmp / kManifest).string(), manifest_extra.dump(2));  // fsyncs tmp/ as well
 
+  const fs::path final_dir = root / step_name(step);
   commit_directory(tmp.string(), final_dir.string());
   settle_asides(root);
-
   if (keep_last_n <= 0) return;
-  const auto all = complete_checkpoints(root);
+  const auto complete = complete_checkpoints(root);
   int64_t kept = 0;
-  for (auto it = all.rbegin(); it != all.rend(); ++it) {
-    if (it->first == global_step || kept < keep_last_n) {
+  for (auto it = complete.rbegin(); it != complete.rend(); ++it) {
+    if (it->first == step || kept < keep_last_n) {
       ++kept;
       continue;
     }
@@ -222,13 +237,9 @@ void save_resume_checkpoint(const std::string& output_dir, int64_t global_step, 
   fsync_dir(root);
 }
 
-std::optional<std::string> latest_resume_checkpoint(const std::string& output_dir) {
-  const auto all = complete_checkpoints(fs::path(output_dir) / "checkpoints");
-  if (all.empty()) return std::nullopt;
-  return all.rbegin()->second.string();
-}
-
-ResumeState load_resume_checkpoint(const std::string& dir) {
+// Checks the manifest of `dir` and the size and XXH64 of every file it lists (`required` among
+// them) before anything is read.
+nlohmann::json verify_checkpoint(const std::string& dir, const std::vector<std::string>& required) {
   const fs::path d(dir);
   const auto manifest = read_manifest(d);
   if (!manifest) {
@@ -236,11 +247,8 @@ ResumeState load_resume_checkpoint(const std::string& dir) {
                       " (an incomplete save, or not a resume checkpoint)");
   }
   const nlohmann::json& files = (*manifest)["files"];
-  for (const char* required : {kState, kMeta}) {
-    if (!files.contains(required)) {
-      throw ResumeError("resume checkpoint " + dir + ": manifest does not list " + required);
-    }
-  }
+  for (const std::string& r : required)
+    if (!files.contains(r)) throw ResumeError("resume checkpoint " + dir + ": manifest does not list " + r);
   for (const auto& [name, entry] : files.items()) {
     if (name.find('/') != std::string::npos || name == "..") {
       throw ResumeError("resume checkpoint " + dir + ": manifest names an invalid file '" + name + "'");
@@ -268,14 +276,21 @@ ResumeState load_resume_checkpoint(const std::string& dir) {
                         ", manifest says " + entry["xxh64"].get<std::string>() + ")");
     }
   }
+  return *manifest;
+}
 
-  ResumeState out;
+nlohmann::json read_meta(const std::string& dir) {
   try {
-    out.meta = nlohmann::json::parse(read_text(d / kMeta));
+    return nlohmann::json::parse(read_text(fs::path(dir) / kMeta));
   } catch (const nlohmann::json::exception& e) {
     throw ResumeError("resume checkpoint " + dir + ": " + kMeta + " is not valid JSON: " + e.what());
   }
-  const SafetensorsFile f = SafetensorsFile::open((d / kState).string());
+}
+
+// The tensors of one state file in the order they were saved, owning their memory (not views of
+// the mapping).
+std::vector<std::pair<std::string, at::Tensor>> read_state_file(const fs::path& path) {
+  const SafetensorsFile f = SafetensorsFile::open(path.string());
   std::vector<std::string> names;
   const auto it = f.metadata().find(kOrderKey);
   if (it != f.metadata().end()) {
@@ -283,10 +298,76 @@ ResumeState load_resume_checkpoint(const std::string& dir) {
   } else {
     for (const TensorInfo& ti : f.tensors()) names.push_back(ti.name);
   }
-  for (const std::string& name : names) {
-    // clone: owned, writable memory instead of a read-only view of the mapping.
-    out.tensors.emplace_back(name, f.tensor(name).clone());
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const std::string& name : names) out.emplace_back(name, f.tensor(name).clone());
+  return out;
+}
+
+std::string rank_file(int rank) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "rank_%05d.safetensors", rank);
+  return buf;
+}
+
+}  // namespace
+
+void save_resume_checkpoint(const std::string& output_dir, int64_t global_step, const ResumeState& state,
+                            int64_t keep_last_n) {
+  const fs::path root = checkpoints_root(output_dir);
+  const fs::path tmp = prepare_tmp(root, global_step);
+  write_state_file(tmp / kState, state.tensors);
+  commit_checkpoint(root, tmp, global_step, state.meta, {kState}, nlohmann::json::object(), keep_last_n);
+}
+
+void save_sharded_resume_checkpoint(const std::string& output_dir, int64_t global_step, const ResumeState& mine,
+                                    const RankSync& sync, int64_t keep_last_n) {
+  const fs::path root = checkpoints_root(output_dir);
+  if (sync.rank == 0) prepare_tmp(root, global_step);
+  sync.barrier();  // step_N.tmp/ exists
+  const fs::path tmp = tmp_dir_of(root, global_step);
+  write_state_file(tmp / rank_file(sync.rank), mine.tensors);
+  sync.barrier();  // every rank's part is durable: only now may it become a checkpoint
+  if (sync.rank == 0) {
+    std::vector<std::string> files;
+    for (int r = 0; r < sync.world_size; ++r) files.push_back(rank_file(r));
+    commit_checkpoint(root, tmp, global_step, mine.meta, files, {{"world_size", sync.world_size}}, keep_last_n);
   }
+  sync.barrier();  // committed (and pruned) before anyone goes on, or saves again
+}
+
+std::optional<std::string> latest_resume_checkpoint(const std::string& output_dir) {
+  const auto all = complete_checkpoints(checkpoints_root(output_dir));
+  if (all.empty()) return std::nullopt;
+  return all.rbegin()->second.string();
+}
+
+int resume_checkpoint_world_size(const std::string& dir) {
+  const auto m = read_manifest(fs::path(dir));
+  if (!m) throw ResumeError("resume checkpoint " + dir + ": missing " + kManifest);
+  return m->value("world_size", 0);
+}
+
+ResumeState load_resume_checkpoint(const std::string& dir) {
+  const nlohmann::json manifest = verify_checkpoint(dir, {kState, kMeta});
+  if (manifest.contains("world_size"))
+    throw ResumeError("resume checkpoint " + dir + " was written by " + std::to_string(manifest["world_size"].get<int>()) +
+                      " ranks: resume it with ranks (qlora run --nproc-per-node ...)");
+  ResumeState out;
+  out.meta = read_meta(dir);
+  out.tensors = read_state_file(fs::path(dir) / kState);
+  return out;
+}
+
+ShardedResumeState load_sharded_resume_checkpoint(const std::string& dir) {
+  const int world = resume_checkpoint_world_size(dir);
+  if (world < 1)
+    throw ResumeError("resume checkpoint " + dir + " was written by a single process: resume it without ranks");
+  std::vector<std::string> required = {kMeta};
+  for (int r = 0; r < world; ++r) required.push_back(rank_file(r));
+  verify_checkpoint(dir, required);
+  ShardedResumeState out;
+  out.meta = read_meta(dir);
+  for (int r = 0; r < world; ++r) out.ranks.push_back(read_state_file(fs::path(dir) / rank_file(r)));
   return out;
 }
 

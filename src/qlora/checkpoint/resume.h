@@ -26,6 +26,7 @@
 #include <nlohmann/json.hpp>
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -64,6 +65,30 @@ std::optional<std::string> latest_resume_checkpoint(const std::string& output_di
 // throws ResumeError naming the file and the checkpoint on a mismatch, a missing file or a missing
 // manifest. Tensors come back on the CPU, owning their memory (not views of the mapped file).
 ResumeState load_resume_checkpoint(const std::string& dir);
+
+// Multi-rank runs: one checkpoint directory for the job, each rank's tensors in
+// rank_<k:05d>.safetensors, meta.json from rank 0, the manifest (with world_size) listing and
+// checksumming every rank's file. Every rank calls save with its own state; `barrier` must be a
+// barrier of all of them. Rank 0 commits only after every rank's file is durable, so a rank that
+// dies mid-save leaves the earlier checkpoints as they were.
+struct RankSync {
+  int rank = 0;
+  int world_size = 1;
+  std::function<void()> barrier;
+};
+void save_sharded_resume_checkpoint(const std::string& output_dir, int64_t global_step, const ResumeState& mine,
+                                    const RankSync& sync, int64_t keep_last_n);
+
+// 0 for a single-process checkpoint, else the number of ranks that wrote it.
+int resume_checkpoint_world_size(const std::string& dir);
+
+struct ShardedResumeState {
+  nlohmann::json meta;
+  std::vector<std::vector<std::pair<std::string, at::Tensor>>> ranks;  // [rank] -> its tensors, in saved order
+};
+// Verifies every rank's file (size and XXH64, named on a mismatch) and reads them all: a run on
+// another number of ranks needs pieces of every old rank's state to build its own.
+ShardedResumeState load_sharded_resume_checkpoint(const std::string& dir);
 
 // Puts the complete directory `tmp` at `final_dir`: a plain rename, or where final_dir exists an
 // atomic swap (renameat2 RENAME_EXCHANGE; else move-aside) after which the replaced directory is

@@ -373,6 +373,27 @@ void ShardedLlama::gather_params() {
   }
 }
 
+at::Tensor ShardedLlama::shard_of_unpadded(size_t g, const at::Tensor& unpadded) const {
+  const FlatLayout& l = train_.at(g)->layout;
+  if (unpadded.numel() != l.used())
+    throw std::invalid_argument("ShardedLlama: trainable group " + std::to_string(g) + " has " +
+                                std::to_string(l.used()) + " values, got " + std::to_string(unpadded.numel()));
+  at::Tensor full = l.empty_full(param_shards_.at(g).options());
+  full.narrow(0, 0, l.used()).copy_(unpadded.reshape({-1}));
+  return l.shard_of(full, world_.shard().rank()).clone();
+}
+
+void ShardedLlama::load_params(const std::vector<at::Tensor>& unpadded) {
+  if (unpadded.size() != train_.size())
+    throw std::invalid_argument("ShardedLlama::load_params: " + std::to_string(unpadded.size()) + " groups for " +
+                                std::to_string(train_.size()));
+  {
+    at::NoGradGuard ng;
+    for (size_t g = 0; g < train_.size(); ++g) param_shards_[g].copy_(shard_of_unpadded(g, unpadded[g]));
+  }
+  gather_params();
+}
+
 void ShardedLlama::unshard_all() {
   for (auto& g : frozen_)
     if (g) ensure(*g);

@@ -91,6 +91,11 @@ class ShardedLlama : public models::UnitHooks, public std::enable_shared_from_th
   // After the optimizer step: the updated shards become the model's adapters on every rank.
   void gather_params();
 
+  // Resume: this rank's shard of group g's unpadded vector (padded for this mesh and cut), and the
+  // adapters set from every group's unpadded vector (then all-gathered into the model).
+  at::Tensor shard_of_unpadded(size_t g, const at::Tensor& unpadded) const;
+  void load_params(const std::vector<at::Tensor>& unpadded);
+
   // Gathers every frozen group and keeps it (export); reshard_all() releases them.
   void unshard_all();
   void reshard_all();
