@@ -10,6 +10,7 @@
 // real mistake (a missing rank's rows, a double-counted gradient, a stale shard move them by the
 // size of an update, ~1e-3).
 #include "qlora/dist/sharded_model.h"
+#include "qlora/dist/sharded_state.h"
 
 #include <ATen/ATen.h>
 #include <ATen/core/Reduction.h>
@@ -154,6 +155,17 @@ Trace sharded(World& w, const RunSetup& su) {
     engine->gather_params();
   }
   tr.adapters = flat_adapters(m);
+  // The consolidated state dict on one writer equals what every rank holds in its model.
+  const auto full = gather_full_train_state(*engine, opt, w.shard(), 0);
+  if (w.shard().rank() == 0) {
+    std::vector<at::Tensor> adapters;
+    for (const auto& g : full) adapters.push_back(g[0]);
+    check(at::equal(at::cat(adapters), tr.adapters), "gathered full adapters equal the model's");
+    check(full.size() == engine->param_shards().size() && full[0][1].numel() == full[0][0].numel(),
+          "one {adapter, exp_avg, exp_avg_sq} per group");
+  } else {
+    check(full.empty(), "only the writer receives the full state");
+  }
   tr.eval_logits = eval_logits(m);
   tr.eval_logits = eval_logits(m);  // twice: the first must have left nothing gathered it relies on
   check(engine->stats().gathers > 0 && engine->stats().reduce_scatters > 0, "the engine gathered and reduce-scattered");

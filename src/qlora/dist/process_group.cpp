@@ -107,6 +107,25 @@ WorkPtr Comm::reduce_scatter_sum(at::Tensor out, at::Tensor in) {
   return pg_->reduce_scatter(outs, ins);
 }
 
+WorkPtr Comm::gather_to(int root, at::Tensor out, at::Tensor in) {
+  if (rank_ == root && out.numel() != in.numel() * size())
+    throw std::invalid_argument("gather_to: output has " + std::to_string(out.numel()) + " elements, expected " +
+                                std::to_string(size()) + " x " + std::to_string(in.numel()));
+  if (size() == 1) {
+    out.copy_(in.view({-1}));
+    return {};
+  }
+  std::vector<std::vector<at::Tensor>> outs;  // Gloo wants none at all on the other ranks
+  if (rank_ == root) {
+    outs.emplace_back();
+    for (int r = 0; r < size(); ++r) outs[0].push_back(out.narrow(0, r * in.numel(), in.numel()));
+  }
+  std::vector<at::Tensor> ins{in};
+  c10d::GatherOptions o;
+  o.rootRank = root;
+  return pg_->gather(outs, ins, o);
+}
+
 WorkPtr Comm::all_reduce_sum(at::Tensor t) {
   if (size() == 1) return {};
   std::vector<at::Tensor> v{t};

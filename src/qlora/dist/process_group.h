@@ -64,6 +64,9 @@ class Comm {
   // out: [in.numel() / size()]: this rank's slice of the element-wise sum of every rank's `in`.
   WorkPtr reduce_scatter_sum(at::Tensor out, at::Tensor in);
   WorkPtr all_reduce_sum(at::Tensor t);
+  // out (on `root` only; ignored elsewhere): [size() * in.numel()] flat, every rank's `in` in rank
+  // order. Only the root receives: a state dict for one writer moves no bytes to anyone else.
+  WorkPtr gather_to(int root, at::Tensor out, at::Tensor in);
   // timeout: this barrier's own (e.g. a long wait while rank 0 writes an export); default: the
   // group's collective timeout.
   void barrier(std::chrono::milliseconds timeout = std::chrono::milliseconds(0));

@@ -53,4 +53,41 @@ void load_sharded_train_state(ShardedLlama& engine, optim::AdamW& opt, const std
   engine.load_params(params);
 }
 
+std::vector<std::vector<at::Tensor>> gather_groups_to(Comm& comm, int root,
+                                                      const std::vector<std::vector<at::Tensor>>& shards,
+                                                      const std::vector<int64_t>& used) {
+  const bool me = comm.rank() == root;
+  std::vector<at::Tensor> outs;
+  std::vector<WorkPtr> works;
+  for (size_t g = 0; g < shards.size(); ++g) {
+    const at::Tensor in = at::cat(shards[g]);  // [kinds * S]: every kind of this rank's shard
+    at::Tensor out = me ? at::empty({in.numel() * comm.size()}, in.options()) : at::empty({0}, in.options());
+    works.push_back(comm.gather_to(root, out, in));
+    outs.push_back(out);
+  }
+  for (auto& w : works) wait(w);
+  std::vector<std::vector<at::Tensor>> full(me ? shards.size() : 0);
+  for (size_t g = 0; me && g < shards.size(); ++g) {
+    const int64_t kinds = static_cast<int64_t>(shards[g].size()), s = shards[g][0].numel();
+    // [rank][kind][S] -> per kind [rank * S], then the padding cut off.
+    const at::Tensor byk = outs[g].view({comm.size(), kinds, s}).transpose(0, 1).reshape({kinds, -1});
+    for (int64_t k = 0; k < kinds; ++k) full[g].push_back(byk[k].narrow(0, 0, used[g]).clone());
+  }
+  return full;
+}
+
+std::vector<std::vector<at::Tensor>> gather_full_train_state(ShardedLlama& engine, const optim::AdamW& opt,
+                                                             Comm& comm, int root) {
+  std::map<std::string, at::Tensor> st;
+  for (const auto& [name, t] : opt.state_dict()) st[name] = t;
+  std::vector<std::vector<at::Tensor>> shards;
+  std::vector<int64_t> used;
+  for (size_t g = 0; g < engine.param_shards().size(); ++g) {
+    const std::string i = std::to_string(g);
+    shards.push_back({engine.param_shards()[g].detach(), st.at("exp_avg." + i), st.at("exp_avg_sq." + i)});
+    used.push_back(engine.trainable_layout(g).used());
+  }
+  return gather_groups_to(comm, root, shards, used);
+}
+
 }  // namespace qlora::dist

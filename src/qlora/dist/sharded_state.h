@@ -25,4 +25,18 @@ NamedTensors sharded_train_state(const ShardedLlama& engine, const optim::AdamW&
 // new shards. Errors name the missing tensor or the group whose size does not match the model.
 void load_sharded_train_state(ShardedLlama& engine, optim::AdamW& opt, const std::vector<NamedTensors>& old_ranks);
 
+// A full state dict of flat groups on one writer rank: for every group, one gather (to `root`
+// only) of this rank's shards of every kind at once (e.g. adapter, exp_avg, exp_avg_sq: one
+// collective, not three, and never one per parameter). shards[g][k] is this rank's shard of kind k
+// of group g (fp32, all of a group's kinds the same length); used[g] its unpadded length. Returns
+// [g][k] unpadded full vectors on root, nothing elsewhere.
+std::vector<std::vector<at::Tensor>> gather_groups_to(Comm& comm, int root,
+                                                      const std::vector<std::vector<at::Tensor>>& shards,
+                                                      const std::vector<int64_t>& used);
+
+// The full (unpadded) adapters and AdamW moments of every trainable group on `root`:
+// [g] = {adapter, exp_avg, exp_avg_sq}.
+std::vector<std::vector<at::Tensor>> gather_full_train_state(ShardedLlama& engine, const optim::AdamW& opt,
+                                                             Comm& comm, int root);
+
 }  // namespace qlora::dist
