@@ -136,17 +136,36 @@ void write_peft_adapter(const std::string& dir, const std::vector<std::pair<std:
   write_file_atomic((fs::path(dir) / "adapter_config.json").string(), cfg.dump(2) + "\n");
 }
 
-void write_merged_model(const std::string& dir, const models::LlamaModel& model, const std::string& base_checkpoint_dir,
-                        MergeSource source, int64_t max_shard_bytes, const std::string& tokenizer_path) {
+struct MergedModelWriter::Impl {
+  std::string dir, base_dir;
+  CheckpointDir orig;
+  std::vector<Entry> entries;
+  std::vector<int64_t> unit;                       // per entry
+  std::vector<std::pair<size_t, size_t>> place;    // per entry: (file, index in the file's header)
+  std::vector<std::string> names;                  // per file
+  std::vector<SafetensorsHeader> headers;          // per file
+  std::map<std::string, std::string> weight_map;
+  int64_t total = 0;
+  bool untie = false;
+};
+
+MergedModelWriter::MergedModelWriter(const std::string& dir, const models::LlamaModel& model,
+                                     const std::string& base_checkpoint_dir, MergeSource source,
+                                     int64_t max_shard_bytes)
+    : impl_(new Impl{dir, base_checkpoint_dir, CheckpointDir{}, {}, {}, {}, {}, {}, {}, 0, false}) {
   if (max_shard_bytes <= 0) throw ExportError("write_merged_model " + dir + ": max_shard_bytes must be positive");
   if (base_checkpoint_dir.empty() || !fs::is_regular_file(fs::path(base_checkpoint_dir) / "config.json")) {
     throw ExportError("write_merged_model " + dir + ": base checkpoint '" + base_checkpoint_dir +
                       "' has no config.json (needed for the merged model's config)");
   }
-  const CheckpointDir orig = CheckpointDir::open(base_checkpoint_dir);
-  const c10::NoGradGuard no_grad;
-
-  std::vector<Entry> entries;
+  impl_->orig = CheckpointDir::open(base_checkpoint_dir);
+  const CheckpointDir& orig = impl_->orig;
+  std::vector<Entry>& entries = impl_->entries;
+  int64_t current_unit = -1;
+  auto push = [&](Entry e) {
+    entries.push_back(std::move(e));
+    impl_->unit.push_back(current_unit);
+  };
   auto from_orig = [&orig](const std::string& key) {
     return [&orig, key]() { return orig.tensor(key).contiguous(); };
   };
@@ -154,9 +173,9 @@ void write_merged_model(const std::string& dir, const models::LlamaModel& model,
   auto plain = [&](const std::string& key, const at::Tensor& t) {
     if (orig.contains(key)) {
       const TensorInfo& ti = orig.file_of(key).info(key);
-      entries.push_back({key, to_scalar_type(ti.dtype), ti.shape, from_orig(key)});
+      push({key, to_scalar_type(ti.dtype), ti.shape, from_orig(key)});
     } else {
-      entries.push_back({key, t.scalar_type(), t.sizes().vec(), [t]() { return t.detach().cpu().contiguous(); }});
+      push({key, t.scalar_type(), t.sizes().vec(), [t]() { return t.detach().cpu().contiguous(); }});
     }
   };
   auto projection = [&](const std::string& key, const modules::LoraLinear& l) {
@@ -168,9 +187,9 @@ void write_merged_model(const std::string& dir, const models::LlamaModel& model,
     const at::ScalarType out = have ? to_scalar_type(orig.file_of(key).info(key).dtype) : model_base_dtype(l);
     if (!l.has_lora()) {
       if (have) {
-        entries.push_back({key, out, shape, from_orig(key)});
+        push({key, out, shape, from_orig(key)});
       } else {
-        entries.push_back({key, out, shape, [&l, out]() { return model_base_fp32(l).to(out).cpu().contiguous(); }});
+        push({key, out, shape, [&l, out]() { return model_base_fp32(l).to(out).cpu().contiguous(); }});
       }
       return;
     }
@@ -179,7 +198,7 @@ void write_merged_model(const std::string& dir, const models::LlamaModel& model,
                         " does not contain");
     }
     const bool use_orig = source == MergeSource::Original;
-    entries.push_back({key, out, shape, [&l, &orig, key, out, use_orig]() {
+    push({key, out, shape, [&l, &orig, key, out, use_orig]() {
                          at::Tensor w = use_orig ? orig.tensor(key).to(at::kFloat) : model_base_fp32(l);  // [out, in]
                          const at::Tensor delta = at::matmul(l.lora_b.detach().to(at::kFloat),
                                                              l.lora_a.detach().to(at::kFloat));  // [out, in]
@@ -191,6 +210,7 @@ void write_merged_model(const std::string& dir, const models::LlamaModel& model,
   const models::LlamaConfig& c = model.config;
   plain("model.embed_tokens.weight", model.embed_tokens);
   for (size_t i = 0; i < model.layers.size(); ++i) {
+    current_unit = static_cast<int64_t>(i);
     const modules::DecoderLayer& L = model.layers[i];
     const std::string pre = "model.layers." + std::to_string(i) + ".";
     plain(pre + "input_layernorm.weight", L.input_layernorm);
@@ -198,6 +218,7 @@ void write_merged_model(const std::string& dir, const models::LlamaModel& model,
     const modules::LoraLinear* projs[] = {&L.q_proj, &L.k_proj, &L.v_proj, &L.o_proj, &L.gate_proj, &L.up_proj, &L.down_proj};
     for (int j = 0; j < 7; ++j) projection(hf_stem(i, j) + ".weight", *projs[j]);
   }
+  current_unit = static_cast<int64_t>(model.layers.size());
   plain("model.norm.weight", model.norm);
   const bool untie = c.tie_word_embeddings && model.lm_head.has_lora();
   if (!c.tie_word_embeddings || untie) {
@@ -205,7 +226,7 @@ void write_merged_model(const std::string& dir, const models::LlamaModel& model,
       // Tied: the original has no lm_head.weight; the merged head starts from the embedding.
       const at::ScalarType out = to_scalar_type(orig.file_of("model.embed_tokens.weight").info("model.embed_tokens.weight").dtype);
       const modules::LoraLinear& l = model.lm_head;
-      entries.push_back({"lm_head.weight", out, {l.out_features, l.in_features}, [&l, &orig, out, source]() {
+      push({"lm_head.weight", out, {l.out_features, l.in_features}, [&l, &orig, out, source]() {
                            at::Tensor w = source == MergeSource::Original
                                               ? orig.tensor("model.embed_tokens.weight").to(at::kFloat)
                                               : model_base_fp32(l);
@@ -217,9 +238,11 @@ void write_merged_model(const std::string& dir, const models::LlamaModel& model,
     }
   }
 
+  impl_->untie = untie;
+
   // Greedy sharding in checkpoint order, as transformers' split_torch_state_dict_into_shards.
   std::vector<std::vector<size_t>> shards(1);
-  int64_t cur = 0, total = 0;
+  int64_t cur = 0;
   for (size_t i = 0; i < entries.size(); ++i) {
     const int64_t n = entries[i].nbytes();
     if (!shards.back().empty() && cur + n > max_shard_bytes) {
@@ -228,43 +251,59 @@ void write_merged_model(const std::string& dir, const models::LlamaModel& model,
     }
     shards.back().push_back(i);
     cur += n;
-    total += n;
+    impl_->total += n;
   }
-
-  fs::create_directories(dir);
-  std::map<std::string, std::string> weight_map;
+  impl_->place.resize(entries.size());
   char name[64];
   for (size_t s = 0; s < shards.size(); ++s) {
-    if (shards.size() == 1) {
-      std::snprintf(name, sizeof name, "model.safetensors");
-    } else {
-      std::snprintf(name, sizeof name, "model-%05zu-of-%05zu.safetensors", s + 1, shards.size());
-    }
+    if (shards.size() == 1) std::snprintf(name, sizeof name, "model.safetensors");
+    else std::snprintf(name, sizeof name, "model-%05zu-of-%05zu.safetensors", s + 1, shards.size());
     // Wider dtypes first within a shard, so every tensor is naturally aligned for zero-copy reads.
     std::vector<size_t> idx = shards[s];
     std::stable_sort(idx.begin(), idx.end(), [&](size_t a, size_t b) {
       return c10::elementSize(entries[a].dtype) > c10::elementSize(entries[b].dtype);
     });
     std::vector<EntrySpec> specs;
-    for (size_t i : idx) specs.push_back({entries[i].key, from_scalar_type(entries[i].dtype), entries[i].shape});
-    SafetensorsWriter w((fs::path(dir) / name).string(), specs, {{"format", "pt"}});
-    for (size_t i : idx) {
-      const Entry& e = entries[i];
-      const at::Tensor t = e.produce();
-      if (t.scalar_type() != e.dtype || t.sizes().vec() != e.shape) {
-        throw ExportError("write_merged_model: internal error, " + e.key + " produced the wrong dtype or shape");
-      }
-      w.write_tensor(t);
-      if (orig.contains(e.key)) orig.file_of(e.key).release(e.key);  // keep RSS flat on 7B bases
-      weight_map[e.key] = name;
+    for (size_t k = 0; k < idx.size(); ++k) {
+      specs.push_back({entries[idx[k]].key, from_scalar_type(entries[idx[k]].dtype), entries[idx[k]].shape});
+      impl_->place[idx[k]] = {s, k};
+      impl_->weight_map[entries[idx[k]].key] = name;
     }
-    w.commit();
+    impl_->names.push_back(name);
+    impl_->headers.push_back(safetensors_header((fs::path(dir) / name).string(), specs, {{"format", "pt"}}));
   }
-  if (shards.size() > 1) {
-    write_safetensors_index((fs::path(dir) / "model.safetensors.index.json").string(), weight_map,
-                            static_cast<uint64_t>(total));
-  }
+}
 
+MergedModelWriter::~MergedModelWriter() = default;
+
+size_t MergedModelWriter::num_entries() const { return impl_->entries.size(); }
+int64_t MergedModelWriter::unit_of(size_t i) const { return impl_->unit.at(i); }
+
+void MergedModelWriter::create_files() const {
+  fs::create_directories(impl_->dir);
+  for (size_t f = 0; f < impl_->names.size(); ++f)
+    create_safetensors_file((fs::path(impl_->dir) / impl_->names[f]).string(), impl_->headers[f]);
+}
+
+void MergedModelWriter::write_entry(size_t i) const {
+  const c10::NoGradGuard no_grad;
+  const Entry& e = impl_->entries.at(i);
+  const at::Tensor t = e.produce();
+  if (t.scalar_type() != e.dtype || t.sizes().vec() != e.shape) {
+    throw ExportError("write_merged_model: internal error, " + e.key + " produced the wrong dtype or shape");
+  }
+  const auto [file, k] = impl_->place[i];
+  write_safetensors_entry((fs::path(impl_->dir) / impl_->names[file]).string(), impl_->headers[file], k, t);
+  if (impl_->orig.contains(e.key)) impl_->orig.file_of(e.key).release(e.key);  // keep RSS flat on 7B bases
+}
+
+void MergedModelWriter::write_extras(const std::string& tokenizer_path) const {
+  const std::string& dir = impl_->dir;
+  const std::string& base_checkpoint_dir = impl_->base_dir;
+  if (impl_->names.size() > 1) {
+    write_safetensors_index((fs::path(dir) / "model.safetensors.index.json").string(), impl_->weight_map,
+                            static_cast<uint64_t>(impl_->total));
+  }
   // Config and tokenizer files: the base checkpoint's, then an explicit tokenizer overriding them.
   for (const char* f : kCopiedFiles) {
     const fs::path p = fs::path(base_checkpoint_dir) / f;
@@ -282,12 +321,22 @@ void write_merged_model(const std::string& dir, const models::LlamaModel& model,
       throw ExportError("write_merged_model " + dir + ": tokenizer path '" + tokenizer_path + "' does not exist");
     }
   }
-  if (untie) {
+  if (impl_->untie) {
     const fs::path cfg_path = fs::path(dir) / "config.json";
     nlohmann::json cfg = nlohmann::json::parse(read_file(cfg_path));
     cfg["tie_word_embeddings"] = false;
     write_file_atomic(cfg_path.string(), cfg.dump(2) + "\n");
   }
+}
+
+
+void write_merged_model(const std::string& dir, const models::LlamaModel& model, const std::string& base_checkpoint_dir,
+                        MergeSource source, int64_t max_shard_bytes, const std::string& tokenizer_path) {
+  const MergedModelWriter w(dir, model, base_checkpoint_dir, source, max_shard_bytes);
+  w.create_files();
+  for (size_t i = 0; i < w.num_entries(); ++i) w.write_entry(i);
+  w.write_extras(tokenizer_path);
+  fsync_path(dir);
 }
 
 void export_epoch(const std::string& output_dir, int64_t epoch, const models::LlamaModel& model, const AdapterInfo& info,

@@ -6,6 +6,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -58,6 +59,27 @@ enum class MergeSource {
 // tie_word_embeddings=false.
 void write_merged_model(const std::string& dir, const models::LlamaModel& model, const std::string& base_checkpoint_dir,
                         MergeSource source, int64_t max_shard_bytes = 5LL << 30, const std::string& tokenizer_path = "");
+
+// write_merged_model in pieces, so several ranks can write one merged model together: every rank
+// builds the same plan (entries, shard files, headers); one creates the files; each entry is
+// written in place by whichever rank holds what it needs (unit_of: -1 the embedding, i layer i,
+// num_layers the final norm and lm_head); one writes the index, config and tokenizer files.
+// The files are byte-identical however the entries are spread over ranks.
+class MergedModelWriter {
+ public:
+  MergedModelWriter(const std::string& dir, const models::LlamaModel& model, const std::string& base_checkpoint_dir,
+                    MergeSource source, int64_t max_shard_bytes = 5LL << 30);
+  ~MergedModelWriter();
+  size_t num_entries() const;
+  int64_t unit_of(size_t entry) const;
+  void create_files() const;
+  void write_entry(size_t entry) const;  // produces it (merging where adapted) and writes it durably
+  void write_extras(const std::string& tokenizer_path) const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
 
 // <output_dir>/epoch_<epoch>/: the merged model at the top level (so the directory is a plain HF
 // checkpoint) unless adapter_only, and the PEFT adapter always in the adapter/ subdirectory.

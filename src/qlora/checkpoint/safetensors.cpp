@@ -333,49 +333,104 @@ void SafetensorsFile::release(std::string_view name) const {
 // ---------------------------------------------------------------------------------------------
 // Writer
 
-SafetensorsWriter::SafetensorsWriter(std::string path, std::vector<EntrySpec> entries,
-                                     std::map<std::string, std::string> metadata)
-    : path_(std::move(path)), tmp_path_(path_ + ".tmp"), entries_(std::move(entries)) {
+SafetensorsHeader safetensors_header(const std::string& path, const std::vector<EntrySpec>& entries,
+                                     const std::map<std::string, std::string>& metadata) {
   // Built by hand rather than as an ordered_json, whose key lookup is linear (a quantized
   // checkpoint declares thousands of entries). Compact JSON with __metadata__ first, as the
   // official writer emits; entries stay in declaration order.
+  SafetensorsHeader h;
   std::string json = "{";
   std::set<std::string_view> seen;
+  uint64_t total = 0;
   try {
     if (!metadata.empty()) json += "\"__metadata__\":" + nlohmann::json(metadata).dump() + ",";
-    for (const EntrySpec& e : entries_) {
+    for (const EntrySpec& e : entries) {
       if (e.name == "__metadata__" || !seen.insert(e.name).second)
-        fail(path_, e.name, "name is reserved or declared twice");
+        fail(path, e.name, "name is reserved or declared twice");
       for (int64_t d : e.shape)
-        if (d < 0) fail(path_, e.name, "negative dim in shape " + shape_str(e.shape));
+        if (d < 0) fail(path, e.name, "negative dim in shape " + shape_str(e.shape));
       uint64_t nbytes;
-      if (!checked_nbytes(e.shape, dtype_size(e.dtype), &nbytes) || nbytes > UINT64_MAX - total_)
-        fail(path_, e.name, "shape " + shape_str(e.shape) + " overflows");
+      if (!checked_nbytes(e.shape, dtype_size(e.dtype), &nbytes) || nbytes > UINT64_MAX - total)
+        fail(path, e.name, "shape " + shape_str(e.shape) + " overflows");
       json += nlohmann::json(e.name).dump() + ":{\"dtype\":\"" + dtype_name(e.dtype) + "\",\"shape\":" +
-              nlohmann::json(e.shape).dump() + ",\"data_offsets\":[" + std::to_string(total_) + "," +
-              std::to_string(total_ + nbytes) + "]},";
-      total_ += nbytes;
-      ends_.push_back(total_);
+              nlohmann::json(e.shape).dump() + ",\"data_offsets\":[" + std::to_string(total) + "," +
+              std::to_string(total + nbytes) + "]},";
+      total += nbytes;
+      h.ends.push_back(total);
     }
   } catch (const nlohmann::json::exception& e) {
-    fail(path_, std::string("tensor names and metadata must be valid UTF-8: ") + e.what());
+    fail(path, std::string("tensor names and metadata must be valid UTF-8: ") + e.what());
   }
   if (json.size() > 1) json.pop_back();  // trailing comma
   json += "}";
   // Padding the JSON with spaces puts the data section on an 8-byte boundary.
   json.append((8 - json.size() % 8) % 8, ' ');
   const uint64_t n = json.size();
-  header_size_ = 8 + n;
+  h.bytes.assign(reinterpret_cast<const char*>(&n), 8);
+  h.bytes += json;
+  h.data_size = total;
+  return h;
+}
+
+SafetensorsWriter::SafetensorsWriter(std::string path, std::vector<EntrySpec> entries,
+                                     std::map<std::string, std::string> metadata)
+    : path_(std::move(path)), tmp_path_(path_ + ".tmp"), entries_(std::move(entries)) {
+  SafetensorsHeader h = safetensors_header(path_, entries_, metadata);
+  ends_ = std::move(h.ends);
+  total_ = h.data_size;
+  header_size_ = h.bytes.size();
   buffer_.reserve(kWriteBuffer);
   fd_ = open_tmp(tmp_path_);
   try {
-    raw_write(&n, 8);
-    raw_write(json.data(), json.size());
+    raw_write(h.bytes.data(), h.bytes.size());
   } catch (...) {
     ::close(fd_);
     ::unlink(tmp_path_.c_str());
     throw;
   }
+}
+
+void create_safetensors_file(const std::string& path, const SafetensorsHeader& header) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) fail(path, std::string("cannot create: ") + std::strerror(errno));
+  try {
+    write_all(fd, header.bytes.data(), header.bytes.size(), path);
+    if (::ftruncate(fd, static_cast<off_t>(header.bytes.size() + header.data_size)) != 0)
+      fail(path, std::string("cannot size the file: ") + std::strerror(errno));
+  } catch (...) {
+    ::close(fd);
+    throw;
+  }
+  ::close(fd);
+}
+
+void write_safetensors_entry(const std::string& path, const SafetensorsHeader& header, size_t entry,
+                             const at::Tensor& t) {
+  const at::Tensor c = t.cpu().contiguous();
+  const uint64_t begin = entry == 0 ? 0 : header.ends.at(entry - 1);
+  const uint64_t nbytes = static_cast<uint64_t>(c.numel()) * c.element_size();
+  if (begin + nbytes != header.ends.at(entry))
+    fail(path, "entry " + std::to_string(entry) + " is " + std::to_string(header.ends[entry] - begin) +
+                   " bytes, the tensor written there " + std::to_string(nbytes));
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CLOEXEC);
+  if (fd < 0) fail(path, std::string("cannot open for writing: ") + std::strerror(errno));
+  const char* p = static_cast<const char*>(c.data_ptr());
+  uint64_t off = header.bytes.size() + begin, left = nbytes;
+  while (left > 0) {
+    const ssize_t w = ::pwrite(fd, p, left, static_cast<off_t>(off));
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) {
+      const std::string err = std::strerror(errno);
+      ::close(fd);
+      fail(path, "write failed: " + err);
+    }
+    p += w;
+    off += static_cast<uint64_t>(w);
+    left -= static_cast<uint64_t>(w);
+  }
+  const int rc = ::fsync(fd);
+  ::close(fd);
+  if (rc != 0) fail(path, std::string("fsync failed: ") + std::strerror(errno));
 }
 
 SafetensorsWriter::~SafetensorsWriter() {

@@ -82,6 +82,23 @@ struct EntrySpec {
   std::vector<int64_t> shape;
 };
 
+// A file's header as SafetensorsWriter writes it: the 8-byte length, the JSON (entries in the
+// given order, 8-byte aligned) and each entry's end offset in the data section.
+struct SafetensorsHeader {
+  std::string bytes;
+  std::vector<uint64_t> ends;
+  uint64_t data_size = 0;
+};
+SafetensorsHeader safetensors_header(const std::string& path, const std::vector<EntrySpec>& entries,
+                                     const std::map<std::string, std::string>& metadata = {});
+
+// Positional writing, for files several processes fill at once (a parallel export): one creates
+// the file with its header at its final size, then each writes (pwrite, fsync) the entries it
+// owns. Not atomic on its own: write into a directory that is committed afterwards.
+void create_safetensors_file(const std::string& path, const SafetensorsHeader& header);
+void write_safetensors_entry(const std::string& path, const SafetensorsHeader& header, size_t entry,
+                             const at::Tensor& t);
+
 // Streaming writer: the header goes first, so every entry is declared up front; data then follows
 // in declared order, in as many write() calls as convenient (a call may span entries). Writes go
 // to path + ".tmp"; only commit() makes the file appear at path.
