@@ -33,6 +33,7 @@
 #include "qlora/data/sampler.h"
 #include "qlora/data/tokenizer.h"
 #include "qlora/dist/process_group.h"
+#include "qlora/dist/sharded_export.h"
 #include "qlora/dist/sharded_model.h"
 #include "qlora/dist/sharded_state.h"
 #include "qlora/models/llama.h"
@@ -432,22 +433,17 @@ int run_recipe(const RecipeConfig& cfg, c10::Device device, dist::World* world) 
     if (lead) progress.end_epoch();
 
     // ------------------------------------------------------------ save (export for inference)
-    // With ranks, rank 0 writes. A merged export needs the whole base: every rank takes part in
-    // gathering it (collectives need everyone) and releases it as soon as rank 0 is done; an
-    // adapter-only export reads only the adapters, which every rank holds in full.
-    if (sharded && !cfg.checkpoint.adapter_only) sharded->unshard_all();
-    if (lead) {
-      checkpoint::export_epoch(out_dir, epoch, model, adapter_info, cfg.checkpoint.adapter_only, base_dir,
-                               cfg.checkpoint.merge_from == config::MergeFrom::NF4 ? checkpoint::MergeSource::Nf4
-                                                                                   : checkpoint::MergeSource::Original,
+    const auto merge = cfg.checkpoint.merge_from == config::MergeFrom::NF4 ? checkpoint::MergeSource::Nf4
+                                                                          : checkpoint::MergeSource::Original;
+    if (sharded) {
+      // Every rank writes the layers it owns into the same files: the same bytes as one process.
+      dist::export_epoch_sharded(out_dir, epoch, model, *sharded, *world, adapter_info, cfg.checkpoint.adapter_only,
+                                 base_dir, merge, tokenizer_path);
+    } else {
+      checkpoint::export_epoch(out_dir, epoch, model, adapter_info, cfg.checkpoint.adapter_only, base_dir, merge,
                                tokenizer_path);
-      std::printf("epoch %lld exported to %s/epoch_%lld\n", (long long)epoch + 1, out_dir.c_str(), (long long)epoch);
     }
-    if (world) {
-      // An export may take longer than any collective timeout; liveness is the heartbeat's job.
-      world->world().barrier(std::chrono::hours(24));
-      sharded->reshard_all();
-    }
+    if (lead) std::printf("epoch %lld exported to %s/epoch_%lld\n", (long long)epoch + 1, out_dir.c_str(), (long long)epoch);
     save(epoch + 1, 0);
   }
 

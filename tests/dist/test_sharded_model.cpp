@@ -9,6 +9,7 @@
 // after 3 steps; 2e-5 absolute on losses (~5.5) and adapters leaves room for it and catches any
 // real mistake (a missing rank's rows, a double-counted gradient, a stale shard move them by the
 // size of an update, ~1e-3).
+#include "qlora/dist/sharded_export.h"
 #include "qlora/dist/sharded_model.h"
 #include "qlora/dist/sharded_state.h"
 
@@ -18,6 +19,9 @@
 #include <torch/csrc/autograd/autograd.h>
 
 #include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <functional>
 #include <string>
 #include <vector>
@@ -80,6 +84,11 @@ at::Tensor eval_logits(const models::LlamaModel& m) {
   return m.forward(batch(0).first.narrow(0, 0, 2));
 }
 
+std::string read_bytes(const std::filesystem::path& p) {
+  std::ifstream f(p, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(f), {});
+}
+
 at::Tensor flat_adapters(const models::LlamaModel& m) {
   std::vector<at::Tensor> v;
   for (const auto& [name, t] : m.lora_parameters()) v.push_back(t.detach().reshape({-1}));
@@ -116,6 +125,7 @@ struct RunSetup {
   int micro = 1;
   bool ckpt = false;
   bool stream = true;  // shard each layer as load_llama builds it (else shard the loaded model)
+  std::string export_dir;  // non-empty: also check the parallel export against one process's
   ShardingOptions sharding;
 };
 
@@ -167,7 +177,31 @@ Trace sharded(World& w, const RunSetup& su) {
     check(full.empty(), "only the writer receives the full state");
   }
   tr.eval_logits = eval_logits(m);
-  tr.eval_logits = eval_logits(m);  // twice: the first must have left nothing gathered it relies on
+  tr.eval_logits = eval_logits(m);
+  if (su.export_dir.empty()) return tr;
+  // The parallel export is byte-identical to one process's export of the same weights.
+  const checkpoint::AdapterInfo info{4, 8, 0.0, {}, tiny_llama()};
+  const std::string sharded_out = su.export_dir + "/w" + std::to_string(w.size()) + "_sharded";
+  const std::string single_out = su.export_dir + "/w" + std::to_string(w.size()) + "_single";
+  export_epoch_sharded(sharded_out, 0, m, *engine, w, info, false, tiny_llama(), checkpoint::MergeSource::Nf4, "");
+  if (w.rank() == 0) {
+    models::LlamaModel one = load(false);
+    {
+      at::NoGradGuard ng;
+      const auto mine = m.lora_parameters(), theirs = one.lora_parameters();
+      for (size_t k = 0; k < mine.size(); ++k) theirs[k].second.copy_(mine[k].second);
+    }
+    checkpoint::export_epoch(single_out, 0, one, info, false, tiny_llama(), checkpoint::MergeSource::Nf4, "");
+    size_t files = 0;
+    for (const auto& e : std::filesystem::recursive_directory_iterator(single_out + "/epoch_0")) {
+      if (!e.is_regular_file()) continue;
+      const auto rel = std::filesystem::relative(e.path(), single_out + "/epoch_0");
+      check(read_bytes(e.path()) == read_bytes(std::filesystem::path(sharded_out + "/epoch_0") / rel),
+            "parallel export's " + rel.string() + " equals one process's");
+      ++files;
+    }
+    check(files >= 4, "the export has the model, config and adapter files");
+  }  // twice: the first must have left nothing gathered it relies on
   check(engine->stats().gathers > 0 && engine->stats().reduce_scatters > 0, "the engine gathered and reduce-scattered");
   return tr;
 }
@@ -196,6 +230,13 @@ TEST(ShardedLlama, FullShardingOnOneToFourRanksEqualsOneProcess) {
 }
 
 TEST(ShardedLlama, HsdpTwoByTwoEqualsOneProcess) { expect_same_as_single_process(4, 2, {}); }
+
+TEST(ShardedLlama, ParallelExportIsByteIdenticalToOneProcess) {
+  RunSetup su;
+  su.export_dir = ::testing::TempDir() + "/sharded_export_" + std::to_string(::getpid());
+  for (int w : {2, 3}) expect_same_as_single_process(w, 0, su);
+  expect_same_as_single_process(4, 2, su);  // HSDP: one shard group writes
+}
 
 TEST(ShardedLlama, GradientAccumulationFourByOneEqualsOneByFour) {
   RunSetup su;

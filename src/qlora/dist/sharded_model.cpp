@@ -394,6 +394,24 @@ void ShardedLlama::load_params(const std::vector<at::Tensor>& unpadded) {
   gather_params();
 }
 
+WorkPtr ShardedLlama::gather_unit_to(int64_t unit, int root) {
+  FrozenGroup& g = group_of(unit);
+  const bool me = world_.shard().rank() == root;
+  at::Tensor out = at::empty({0}, g.shard.options());
+  if (me && !g.gathered) {
+    alloc_storage(g.full);
+    g.gathered = true;
+    out = g.full;
+    stats_.gathers += 1;
+    stats_.bytes_gathered += g.full.numel();
+  } else if (me) {
+    out = at::empty({g.full.numel()}, g.shard.options());  // already here (a tied group): take part, keep ours
+  }
+  return world_.shard().gather_to(root, out, g.shard);
+}
+
+void ShardedLlama::release_unit(int64_t unit) { release(group_of(unit)); }
+
 void ShardedLlama::unshard_all() {
   for (auto& g : frozen_)
     if (g) ensure(*g);

@@ -96,6 +96,11 @@ class ShardedLlama : public models::UnitHooks, public std::enable_shared_from_th
   at::Tensor shard_of_unpadded(size_t g, const at::Tensor& unpadded) const;
   void load_params(const std::vector<at::Tensor>& unpadded);
 
+  // Gathers unit's frozen group to shard rank `root` only (a collective of the shard group: every
+  // member calls it, in the same order); root keeps it until release_unit(). For writers.
+  WorkPtr gather_unit_to(int64_t unit, int root);
+  void release_unit(int64_t unit);
+
   // Gathers every frozen group and keeps it (export); reshard_all() releases them.
   void unshard_all();
   void reshard_all();
