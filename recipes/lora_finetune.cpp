@@ -328,6 +328,14 @@ int run_recipe(const RecipeConfig& cfg, c10::Device device, dist::World* world) 
                 (long long)[&] { int64_t n = 0; for (auto& [k, t] : lora) n += t.numel(); return n; }(),
                 samples.size(), (long long)steps_per_epoch, (long long)cfg.training.epochs);
 
+  // QLORA_TEST_KILL_AFTER_STEP=N: die by SIGKILL right after step N is logged (resume tests);
+  // with QLORA_TEST_KILL_RANK=R only rank R dies (failure tests). QLORA_TEST_KILL_IN_SAVE_AT_STEP=N:
+  // rank R dies in the save of step N, its part written but the checkpoint not yet committed.
+  const char* kill_env = std::getenv("QLORA_TEST_KILL_AFTER_STEP");
+  const char* kill_rank = std::getenv("QLORA_TEST_KILL_RANK");
+  const int64_t kill_after_step = kill_env && (!kill_rank || std::stoll(kill_rank) == rank) ? std::stoll(kill_env) : -1;
+  const char* kill_save_env = std::getenv("QLORA_TEST_KILL_IN_SAVE_AT_STEP");
+  const int64_t kill_in_save = kill_save_env && kill_rank && std::stoll(kill_rank) == rank ? std::stoll(kill_save_env) : -1;
   // A resume checkpoint: one file in one process; with ranks, each rank's shards in its own file,
   // committed by rank 0 once all are durable.
   const auto save = [&](int64_t epoch, int64_t step_in_epoch) {
@@ -335,16 +343,15 @@ int run_recipe(const RecipeConfig& cfg, c10::Device device, dist::World* world) 
         capture(sharded ? dist::sharded_train_state(*sharded, opt) : single_train_state(lora, opt), sampler, epoch,
                 step_in_epoch, global_step, cfg, device, inputs, ranks);
     if (!world) return checkpoint::save_resume_checkpoint(out_dir, global_step, st, cfg.checkpoint.keep_last_n);
-    const checkpoint::RankSync sync{world->rank(), world->size(), [&] { world->world().barrier(); }};
+    int barriers = 0;
+    const checkpoint::RankSync sync{world->rank(), world->size(), [&] {
+                                      if (++barriers == 2 && global_step == kill_in_save) ::raise(SIGKILL);
+                                      world->world().barrier();
+                                    }};
     checkpoint::save_sharded_resume_checkpoint(out_dir, global_step, st, sync, cfg.checkpoint.keep_last_n);
   };
 
   // ---------------------------------------------------------------- train
-  // QLORA_TEST_KILL_AFTER_STEP=N: die by SIGKILL right after step N is logged (resume tests);
-  // with QLORA_TEST_KILL_RANK=R only rank R dies (failure tests).
-  const char* kill_env = std::getenv("QLORA_TEST_KILL_AFTER_STEP");
-  const char* kill_rank = std::getenv("QLORA_TEST_KILL_RANK");
-  const int64_t kill_after_step = kill_env && (!kill_rank || std::stoll(kill_rank) == rank) ? std::stoll(kill_env) : -1;
   const int64_t vocab = model.config.vocab_size;
   for (int64_t epoch = start_epoch; epoch < cfg.training.epochs; ++epoch) {
     if (lead) progress.start_epoch(epoch, cfg.training.epochs, steps_per_epoch, epoch == start_epoch ? start_step : 0);

@@ -159,6 +159,24 @@ def main():
     check(r.returncode != 0 and "rank_00001.safetensors fails its checksum" in r.stderr,
           "a damaged shard is named by its checksum")
 
+    # A rank killed while saving (its part written, the checkpoint not committed) leaves the
+    # previous checkpoint as the newest complete one; the run resumes from it.
+    dying = os.path.join(a.workdir, "ck_dying")
+    r = subprocess.run([a.qlora, "run", "--nproc-per-node", "2", "lora_finetune", f"checkpoint.output_dir={dying}",
+                        *COMMON, "training.batch_size=6", *ck], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "QLORA_TEST_KILL_IN_SAVE_AT_STEP": "4", "QLORA_TEST_KILL_RANK": "1"})
+    steps = sorted(d for d in os.listdir(os.path.join(dying, "checkpoints")) if not d.endswith(".tmp"))
+    check(r.returncode != 0 and steps == ["step_00000002"],
+          f"a rank killed during the step-4 save leaves step 2 the newest checkpoint ({steps})")
+    r = run(a.qlora, dying, 2, "training.batch_size=6", *ck, "checkpoint.resume=true")
+    if r.returncode == 0:
+        l_ref, _ = trace(full2)
+        l_res, _ = trace(dying)
+        check("resumed from" in r.stdout and "step_00000002" in r.stdout and l_res == l_ref,
+              "the run resumes from step 2 and finishes as the uninterrupted one")
+    else:
+        check(False, "resume after a death during save exits 0")
+
     # A rank dies mid-run: ranks started by hand (torchrun's variables, no launcher).
     port = free_port()
     out = os.path.join(a.workdir, "killed")
