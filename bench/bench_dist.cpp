@@ -4,6 +4,8 @@
 //   - decoder-layer bytes all-gathered per step as NF4 against what bf16 weights would move (the
 //     embedding and head are dense and move as stored, reported in the total);
 //   - the 2-rank step with prefetch (gather overlapped with compute) against prefetch off;
+//   - the merged per-epoch export of the same model on 1 process and 2 ranks (parallel writers)
+//     against the raw sequential write speed of the same disk;
 //   - with --llama2-7b: a Llama-2-7B shape (random NF4) on 1 process (unsharded) and on 2 ranks,
 //     per-rank peak RSS beside the single-process figure.
 //
@@ -35,7 +37,9 @@
 #include "bench/shape_args.h"
 #include "qlora/dist/launcher.h"
 #include "qlora/dist/process_group.h"
+#include "qlora/dist/sharded_export.h"
 #include "qlora/dist/sharded_model.h"
+#include "qlora/checkpoint/export.h"
 #include "qlora/optim/adamw.h"
 #include "qlora/train/metrics.h"
 
@@ -47,11 +51,38 @@ namespace {
 
 struct Args : bench::ShapeArgs {
   bool worker = false, prefetch = true, sharded = true;
+  std::string export_to;  // worker: time a merged per-epoch export into this directory instead of steps
 };
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
+
+int64_t bytes_under(const fs::path& dir) {
+  int64_t n = 0;
+  for (const auto& e : fs::recursive_directory_iterator(dir))
+    if (e.is_regular_file()) n += static_cast<int64_t>(e.file_size());
+  return n;
+}
+
+// Sequential write speed of the disk under `dir`: `bytes` in 8 MiB writes, then fsync (what a
+// writer that streams one file could reach).
+double raw_write_mb_s(const fs::path& dir, int64_t bytes) {
+  const fs::path p = dir / "raw_write_probe.bin";
+  std::vector<char> buf(8 << 20, 'x');
+  const auto t0 = std::chrono::steady_clock::now();
+  FILE* f = std::fopen(p.c_str(), "wb");
+  if (!f) throw std::runtime_error("cannot write " + p.string());
+  for (int64_t left = bytes; left > 0; left -= static_cast<int64_t>(buf.size()))
+    std::fwrite(buf.data(), 1, static_cast<size_t>(std::min<int64_t>(left, buf.size())), f);
+  std::fflush(f);
+  ::fsync(fileno(f));
+  std::fclose(f);
+  const double s = seconds_since(t0);
+  fs::remove(p);
+  return bytes / s / 1e6;
+}
+
 
 // One rank of one configuration; rank 0 prints the JSON.
 json run_worker(const Args& a) {
@@ -104,6 +135,22 @@ json run_worker(const Args& a) {
     if (engine) engine->gather_params();
     else opt.zero_grad();
   };
+  if (!a.export_to.empty()) {  // the export of this model instead of training steps
+    const checkpoint::AdapterInfo info{8, 16.0, 0.0, {}, a.workdir};
+    if (world) world->world().barrier();
+    const auto te = std::chrono::steady_clock::now();
+    if (engine)
+      dist::export_epoch_sharded(a.export_to, 0, m, *engine, *world, info, false, a.workdir,
+                                 checkpoint::MergeSource::Nf4, "");
+    else
+      checkpoint::export_epoch(a.export_to, 0, m, info, false, a.workdir, checkpoint::MergeSource::Nf4);
+    const double secs = seconds_since(te);
+    const int64_t bytes = bytes_under(fs::path(a.export_to) / "epoch_0");
+    json j = {{"ranks", env.world_size}, {"export_s", secs}, {"export_bytes", bytes},
+              {"export_mb_s", bytes / secs / 1e6}};
+    if (world) world->finish();
+    return j;
+  }
   if (!a.llama7b) step();  // warm-up (the 7B shape skips it to stay within minutes)
   const dist::ShardStats before = engine ? engine->stats() : dist::ShardStats{};
   std::vector<double> times;
@@ -163,6 +210,7 @@ int main(int argc, char** argv) try {
     } else if (s == "--worker") a.worker = true;
     else if (s == "--no-prefetch") a.prefetch = false;
     else if (s == "--unsharded") a.sharded = false;
+    else if (s == "--export-to" && i + 1 < argc) a.export_to = argv[++i];
     else { std::cerr << "bench_dist: unknown argument " << s << "\n"; return 2; }
   }
   a.finish();
@@ -189,6 +237,22 @@ int main(int argc, char** argv) try {
     r["one_rank"] = configuration(a, 1, false, true);
     r["two_ranks"] = configuration(a, 2, true, true);
     r["two_ranks_no_prefetch"] = configuration(a, 2, true, false);
+    // Per-epoch export of the same model (merged from NF4): 1 process vs 2 ranks writing in
+    // parallel, against the raw sequential write speed of the same disk.
+    const fs::path ex = fs::temp_directory_path() / ("qlora_bench_export_" + std::to_string(::getpid()));
+    fs::remove_all(ex);
+    fs::create_directories(ex);
+    // Measured first, with nothing else in flight (dirty pages of an export would slow it).
+    const double raw = raw_write_mb_s(ex, int64_t{256} << 20);
+    r["raw_sequential_write_mb_s"] = raw;
+    r["export_one_rank"] = bench::run_json(self_exe() + " --worker --unsharded" + flags(a) + " --export-to " + (ex / "one").string());
+    r["export_two_ranks"] = bench::run_json(self_exe() + " --launch 2 --worker" + flags(a) + " --export-to " + (ex / "two").string());
+    if (r["export_two_ranks"].contains("export_bytes")) {
+      r["export_two_ranks_vs_raw_write"] = r["export_two_ranks"]["export_mb_s"].get<double>() / raw;
+      if (r["export_one_rank"].contains("export_mb_s"))
+        r["export_one_rank_vs_raw_write"] = r["export_one_rank"]["export_mb_s"].get<double>() / raw;
+    }
+    fs::remove_all(ex);
     const json& one = r["one_rank"];
     const json& two = r["two_ranks"];
     if (one.contains("tokens_per_s") && two.contains("tokens_per_s"))
