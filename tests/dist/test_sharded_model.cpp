@@ -12,6 +12,8 @@
 #include "qlora/dist/sharded_export.h"
 #include "qlora/dist/sharded_model.h"
 #include "qlora/dist/sharded_state.h"
+#include "qlora/dist/state_dict.h"
+#include "qlora/ops/nf4_ops.h"
 
 #include <ATen/ATen.h>
 #include <ATen/core/Reduction.h>
@@ -19,6 +21,7 @@
 #include <torch/csrc/autograd/autograd.h>
 
 #include <cstdlib>
+#include <map>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -255,4 +258,54 @@ TEST(ShardedLlama, ActivationCheckpointingAndNoPrefetchOrReshardChangeNothing) {
   su.sharding.prefetch = false;
   su.sharding.reshard_after_forward = false;
   expect_same_as_single_process(2, 0, su);
+}
+
+// The state-dict model: every rank's sharded pieces (with offsets) agree with the full entries a
+// writer receives; full NF4 entries equal the unsharded model's, as components and dequantized.
+TEST(ShardedLlama, StateDictsShardedAndFullAgree) {
+  const Result res = run_ranks(3, 0, [](World& w) {
+    at::set_num_threads(1);
+    auto engine = ShardedLlama::begin(w, {});
+    models::LlamaModel m = load(false, [&](int64_t i, modules::DecoderLayer& L) { engine->shard_layer(i, L); });
+    engine->finish(m);
+    optim::AdamW opt(engine->param_shards(), adamw());
+    const auto [tok, lab] = batch(0);
+    torch::autograd::backward({loss_sum(m, tok.narrow(0, w.rank() * 4, 4), lab.narrow(0, w.rank() * 4, 4)) / 100.0});
+    engine->finish_backward();
+    opt.step();
+    engine->gather_params();
+    std::map<std::string, StateEntry> full;  // on this rank, as the writer of one round each
+    for (int root = 0; root < w.size(); ++root)
+      for (auto& e : full_state_dict(*engine, m, &opt, w.shard(), root, Nf4As::Components))
+        if (root == w.rank()) full[e.name] = e;
+    check(!full.empty() && full.count("layer0.q_proj.codes") && full.count("exp_avg.layer1.down_proj.lora_B"),
+          "full state dict has NF4 components and optimizer moments");
+    int64_t covered = 0;
+    for (const auto& p : sharded_state_dict(*engine, &opt, w.shard().rank())) {
+      const StateEntry& f = full.at(p.name);
+      check(p.full_shape == f.full_shape, p.name + ": shapes agree");
+      check(at::equal(p.value.reshape({-1}), f.value.reshape({-1}).narrow(0, p.offset, p.value.numel())),
+            p.name + ": the piece is the full entry's slice at its offset");
+      covered += p.value.numel();
+    }
+    check(covered > 0, "this rank holds pieces");
+    const models::LlamaModel plain = load(false);  // unsharded: the reference bytes
+    const Nf4Tensor& q = plain.layers[1].q_proj.base_nf4;
+    check(at::equal(full.at("layer1.q_proj.codes").value, q.codes) && at::equal(full.at("layer1.q_proj.scalers").value, q.scalers) &&
+              at::equal(full.at("layer1.q_proj.factors").value, q.factors) && at::equal(full.at("layer1.q_proj.mean").value, q.mean),
+          "NF4 components equal the unsharded model's");
+    const auto deq = full_state_dict(*engine, m, &opt, w.shard(), 0, Nf4As::Dequantized, at::kFloat);
+    if (w.rank() == 0) {
+      bool found = false;
+      for (const auto& e : deq)
+        if (e.name == "layer1.q_proj.weight") {
+          found = true;
+          check(at::equal(e.value, ops::nf4_dequantize(q, at::kFloat)), "dequantized entry equals the NF4 weight");
+        }
+      check(found, "dequantized state dict names the projection weight");
+    } else {
+      check(deq.empty(), "only the writer receives the full state");
+    }
+  });
+  expect_all_ok(res);
 }

@@ -241,6 +241,13 @@ void ShardedLlama::add_trainable(const std::vector<modules::LoraLinear*>& ls, co
 
 const FlatLayout& ShardedLlama::trainable_layout(size_t g) const { return train_.at(g)->layout; }
 
+std::vector<ShardedLlama::FrozenView> ShardedLlama::frozen_groups() const {
+  std::vector<FrozenView> out;
+  for (const auto& g : frozen_)
+    if (g) out.push_back({g->name, &g->layout, g->shard, g->full});
+  return out;
+}
+
 ShardedLlama::FrozenGroup& ShardedLlama::group_of(int64_t unit) {
   const auto& slot = frozen_.at(static_cast<size_t>(unit + 1));
   return slot ? *slot : *frozen_.back();  // a tied embedding lives in the head's group

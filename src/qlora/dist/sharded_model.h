@@ -77,6 +77,14 @@ class ShardedLlama : public models::UnitHooks, public std::enable_shared_from_th
   const std::vector<at::Tensor>& param_shards() const { return param_shards_; }
   // Names of the members of trainable group g, in layout order (for state dicts).
   const FlatLayout& trainable_layout(size_t g) const;
+  // The frozen groups in unit order (the embedding unless tied, the layers, the head): for state
+  // dicts. `full` holds data only while the group is gathered here.
+  struct FrozenView {
+    std::string name;
+    const FlatLayout* layout;
+    at::Tensor shard, full;
+  };
+  std::vector<FrozenView> frozen_groups() const;
 
   // False for every micro-batch but the last of a step: gradients only accumulate locally.
   void set_gradient_sync(bool sync) { sync_ = sync; }
