@@ -344,10 +344,12 @@ int run_recipe(const RecipeConfig& cfg, c10::Device device, dist::World* world) 
                 step_in_epoch, global_step, cfg, device, inputs, ranks);
     if (!world) return checkpoint::save_resume_checkpoint(out_dir, global_step, st, cfg.checkpoint.keep_last_n);
     int barriers = 0;
-    const checkpoint::RankSync sync{world->rank(), world->size(), [&] {
+    const checkpoint::RankSync sync{world->rank(), world->size(),
+                                    [&] {
                                       if (++barriers == 2 && global_step == kill_in_save) ::raise(SIGKILL);
                                       world->world().barrier();
-                                    }};
+                                    },
+                                    {{"shard_size", world->shard().size()}, {"replicas", world->replica().size()}}};
     checkpoint::save_sharded_resume_checkpoint(out_dir, global_step, st, sync, cfg.checkpoint.keep_last_n);
   };
 

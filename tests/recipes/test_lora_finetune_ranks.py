@@ -151,6 +151,21 @@ def main():
         da = max(float(np.abs(ad_res[k] - ad_ref[k]).max()) for k in ad_ref)
         check(dl < TOL and da < TOL, f"2-rank checkpoint resumed as {name}: losses and adapter within {TOL} "
                                      f"(max diffs {dl:.1e}, {da:.1e})")
+    # 4 -> 2 and HSDP -> full sharding: the HSDP 2x2 run above saved step 4 on 4 ranks.
+    back = os.path.join(a.workdir, "ck_back_to_2")
+    shutil.copytree(copies["hsdp"], back)
+    shutil.rmtree(os.path.join(back, "checkpoints", "step_00000006"))
+    with open(os.path.join(back, "checkpoints", "step_00000004", "manifest.json")) as f:
+        man = json.load(f)
+    r = run(a.qlora, back, 2, "training.batch_size=6", *ck, "checkpoint.resume=true")
+    if r.returncode == 0 and man.get("world_size") == 4 and man.get("mesh", {}).get("shard_size") == 2:
+        l_ref, ad_ref = trace(full2)
+        l_res, ad_res = trace(back)
+        dl = max(abs(x - y) for x, y in zip(l_res, l_ref)) if len(l_res) == len(l_ref) else float("inf")
+        da = max(float(np.abs(ad_res[k] - ad_ref[k]).max()) for k in ad_ref)
+        check(dl < TOL and da < TOL, f"a 4-rank HSDP checkpoint resumed on 2 ranks: within {TOL} ({dl:.1e}, {da:.1e})")
+    else:
+        check(False, f"resume a 4-rank HSDP checkpoint on 2 ranks exits 0 (manifest {man})")
     shard = os.path.join(copies["damaged"], "checkpoints", "step_00000002", "rank_00001.safetensors")
     with open(shard, "r+b") as f:
         f.seek(-8, 2)

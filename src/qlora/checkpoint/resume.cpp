@@ -330,7 +330,8 @@ void save_sharded_resume_checkpoint(const std::string& output_dir, int64_t globa
   if (sync.rank == 0) {
     std::vector<std::string> files;
     for (int r = 0; r < sync.world_size; ++r) files.push_back(rank_file(r));
-    commit_checkpoint(root, tmp, global_step, mine.meta, files, {{"world_size", sync.world_size}}, keep_last_n);
+    commit_checkpoint(root, tmp, global_step, mine.meta, files, {{"world_size", sync.world_size}, {"mesh", sync.mesh}},
+                      keep_last_n);
   }
   sync.barrier();  // committed (and pruned) before anyone goes on, or saves again
 }

@@ -75,6 +75,7 @@ struct RankSync {
   int rank = 0;
   int world_size = 1;
   std::function<void()> barrier;
+  nlohmann::json mesh;  // recorded in the manifest beside world_size (e.g. {"shard_size": 2})
 };
 void save_sharded_resume_checkpoint(const std::string& output_dir, int64_t global_step, const ResumeState& mine,
                                     const RankSync& sync, int64_t keep_last_n);
