@@ -230,7 +230,12 @@ int run_recipe(const RecipeConfig& cfg, c10::Device device, dist::World* world) 
     mopts.on_layer_loaded = [&sharded](int64_t i, modules::DecoderLayer& L) { sharded->shard_layer(i, L); };
   }
   models::LlamaModel model = models::load_llama(base_dir, mopts);
-  if (sharded) sharded->finish(model);
+  if (sharded) {
+    sharded->finish(model);
+    // Ranks finish loading at their own pace (disk, page cache): wait for the slowest here, so the
+    // step collectives' timeout (dist.collective_timeout_s) only has to cover a hung peer.
+    world->world().barrier(std::chrono::minutes(30));
+  }
   // LoRA init above drew from its own seeded generator, identical on every rank; dropout draws
   // from the default one, which each rank seeds apart so masks are not the same on every rank.
   if (rank > 0) at::manual_seed(static_cast<uint64_t>(cfg.training.seed) + static_cast<uint64_t>(rank));
@@ -334,6 +339,9 @@ int run_recipe(const RecipeConfig& cfg, c10::Device device, dist::World* world) 
   const char* kill_env = std::getenv("QLORA_TEST_KILL_AFTER_STEP");
   const char* kill_rank = std::getenv("QLORA_TEST_KILL_RANK");
   const int64_t kill_after_step = kill_env && (!kill_rank || std::stoll(kill_rank) == rank) ? std::stoll(kill_env) : -1;
+  // QLORA_TEST_HANG_AT_STEP=N with QLORA_TEST_KILL_RANK=R: rank R's loop stalls (alive, beating) before step N.
+  const char* hang_env = std::getenv("QLORA_TEST_HANG_AT_STEP");
+  const int64_t hang_at_step = hang_env && kill_rank && std::stoll(kill_rank) == rank ? std::stoll(hang_env) : -1;
   const char* kill_save_env = std::getenv("QLORA_TEST_KILL_IN_SAVE_AT_STEP");
   const int64_t kill_in_save = kill_save_env && kill_rank && std::stoll(kill_rank) == rank ? std::stoll(kill_save_env) : -1;
   // A resume checkpoint: one file in one process; with ranks, each rank's shards in its own file,
@@ -359,6 +367,8 @@ int run_recipe(const RecipeConfig& cfg, c10::Device device, dist::World* world) 
     if (lead) progress.start_epoch(epoch, cfg.training.epochs, steps_per_epoch, epoch == start_epoch ? start_step : 0);
     for (int64_t step = epoch == start_epoch ? start_step : 0; step < steps_per_epoch; ++step) {
       const auto t0 = std::chrono::steady_clock::now();
+      if (world) world->mark_progress(global_step + 1);
+      if (global_step + 1 == hang_at_step) std::this_thread::sleep_for(std::chrono::hours(1));  // tests: a hung rank
       const double lr = schedule.lr_at(global_step);
       opt.set_lr(lr);
       std::vector<data::Batch> micro;
@@ -479,7 +489,15 @@ int lora_finetune_main(const std::vector<std::string>& args) {
   try {
     return run_recipe(cfg, device, world.get());
   } catch (const std::exception& e) {
-    world->rethrow_with_culprits(e, "lora_finetune");
+    try {
+      world->rethrow_with_culprits(e, "lora_finetune");
+    } catch (const std::exception& named) {
+      // Printed before `world` goes: its destructor tells the peers, and their launcher may then
+      // stop this process before an error thrown further up would be printed.
+      std::fprintf(stderr, "qlora run: error: %s\n", named.what());
+      std::fflush(stderr);
+    }
+    return 1;
   }
 }
 

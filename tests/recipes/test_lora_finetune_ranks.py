@@ -213,6 +213,17 @@ def main():
               f"rank {rank} exits non-zero naming rank 1 (rc {procs[rank].returncode}): {err.strip()[-300:]}")
     check(elapsed < 60, f"all ranks ended within 60 s ({elapsed:.1f} s)")
 
+    # A rank that hangs alive (its heartbeat goes on, its loop stalls): the others fail after
+    # dist.collective_timeout_s, naming it; the launcher then stops it.
+    t0 = time.time()
+    r = subprocess.run([a.qlora, "run", "--nproc-per-node", "2", "lora_finetune", f"checkpoint.output_dir={out}3",
+                        *COMMON, "training.batch_size=6", "training.max_steps_per_epoch=50",
+                        "dist.collective_timeout_s=5"], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "QLORA_TEST_HANG_AT_STEP": "3", "QLORA_TEST_KILL_RANK": "1"})
+    elapsed = time.time() - t0
+    check(r.returncode != 0 and "rank 1 is alive but hangs (in step 3" in r.stderr and elapsed < 60,
+          f"a hung rank is named by the others after the collective timeout ({elapsed:.1f} s): {r.stderr.strip()[-300:]}")
+
     # Under the launcher: it names the dead rank and exits non-zero.
     r = subprocess.run([a.qlora, "run", "--nproc-per-node", "2", "lora_finetune", f"checkpoint.output_dir={out}2",
                         *COMMON, "training.batch_size=6", "training.max_steps_per_epoch=50"],

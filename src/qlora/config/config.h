@@ -98,7 +98,10 @@ struct LoggingConfig {
 
 struct DistConfig {
   int64_t shard_size = 0;  // 0 = world size
-  int64_t collective_timeout_s = 300;
+  // How long a collective may wait for its peers: a peer that hangs (alive but stuck) fails the
+  // others after this. Loading and exports, where ranks legitimately drift apart for long, wait
+  // in barriers of their own.
+  int64_t collective_timeout_s = 60;
   // Free a layer's gathered NF4 after its forward and gather it again for backward (the last
   // layer and the head stay): memory of one or two layers instead of the whole base.
   bool reshard_after_forward = true;

@@ -6,6 +6,7 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <cstdio>
+#include <cstring>
 #include <cstdlib>
 #include <stdexcept>
 #include <string>
@@ -76,10 +77,11 @@ RankEnv rank_env_from_environment() {
 
 // ---- Comm ---------------------------------------------------------------------------------
 
-Comm::Comm(c10::intrusive_ptr<c10d::Backend> pg, std::vector<int> global_ranks)
-    : pg_(std::move(pg)), global_ranks_(std::move(global_ranks)), rank_(pg_ ? pg_->getRank() : 0) {}
+Comm::Comm(c10::intrusive_ptr<c10d::Backend> pg, std::vector<int> global_ranks, std::atomic<int64_t>* entered)
+    : pg_(std::move(pg)), global_ranks_(std::move(global_ranks)), rank_(pg_ ? pg_->getRank() : 0), entered_(entered) {}
 
 WorkPtr Comm::all_gather(at::Tensor out, at::Tensor in) {
+  enter();
   if (out.numel() != in.numel() * size())
     throw std::invalid_argument("all_gather: output has " + std::to_string(out.numel()) + " elements, expected " +
                                 std::to_string(size()) + " x " + std::to_string(in.numel()));
@@ -91,6 +93,7 @@ WorkPtr Comm::all_gather(at::Tensor out, at::Tensor in) {
 }
 
 WorkPtr Comm::reduce_scatter_sum(at::Tensor out, at::Tensor in) {
+  enter();
   if (in.numel() != out.numel() * size())
     throw std::invalid_argument("reduce_scatter: input has " + std::to_string(in.numel()) + " elements, expected " +
                                 std::to_string(size()) + " x " + std::to_string(out.numel()));
@@ -108,6 +111,7 @@ WorkPtr Comm::reduce_scatter_sum(at::Tensor out, at::Tensor in) {
 }
 
 WorkPtr Comm::gather_to(int root, at::Tensor out, at::Tensor in) {
+  enter();
   if (rank_ == root && out.numel() != in.numel() * size())
     throw std::invalid_argument("gather_to: output has " + std::to_string(out.numel()) + " elements, expected " +
                                 std::to_string(size()) + " x " + std::to_string(in.numel()));
@@ -127,12 +131,14 @@ WorkPtr Comm::gather_to(int root, at::Tensor out, at::Tensor in) {
 }
 
 WorkPtr Comm::all_reduce_sum(at::Tensor t) {
+  enter();
   if (size() == 1) return {};
   std::vector<at::Tensor> v{t};
   return pg_->allreduce(v);
 }
 
 void Comm::barrier(std::chrono::milliseconds timeout) {
+  enter();
   if (size() == 1) return;
   c10d::BarrierOptions o;
   if (timeout.count() > 0) o.timeout = timeout;
@@ -186,15 +192,15 @@ std::unique_ptr<World> World::join(const RankEnv& env, int64_t shard_size, std::
   auto make = [&](const std::string& prefix, const std::vector<int>& members) -> Comm {
     int me = 0;
     while (members[me] != env.rank) ++me;
-    if (members.size() == 1) return Comm(nullptr, members);
+    if (members.size() == 1) return Comm(nullptr, members, &w->entered_);
     auto store = c10::make_intrusive<c10d::PrefixStore>(prefix, w->store_);
     const int n = static_cast<int>(members.size());
 #if QLORA_WITH_CUDA
-    if (device.is_cuda()) return Comm(make_nccl_backend(store, me, n, ms, device), members);
+    if (device.is_cuda()) return Comm(make_nccl_backend(store, me, n, ms, device), members, &w->entered_);
 #endif
     if (!device.is_cpu())
       throw std::invalid_argument("no collective backend for device " + device.str() + " in this build");
-    return Comm(make_gloo_backend(store, me, n, ms, host), members);
+    return Comm(make_gloo_backend(store, me, n, ms, host), members, &w->entered_);
   };
   std::vector<int> all(env.world_size), shard, replica;
   for (int r = 0; r < env.world_size; ++r) all[r] = r;
@@ -250,6 +256,9 @@ void World::watchdog_loop() {
   while (!stop_) {
     try {
       hb_store_->add(key("hb", env_.rank), 1);
+      const int64_t progress[2] = {step_.load(), entered_.load()};
+      hb_store_->set(key("progress", env_.rank), std::vector<uint8_t>(reinterpret_cast<const uint8_t*>(progress),
+                                                                      reinterpret_cast<const uint8_t*>(progress) + 16));
       const auto now = std::chrono::steady_clock::now();
       for (int r = 0; r < env_.world_size && !finished_; ++r) {
         if (r == env_.rank) continue;
@@ -289,6 +298,11 @@ void World::watchdog_loop() {
   }
 }
 
+void World::mark_progress(int64_t step) {
+  entered_ = 0;
+  step_ = step;
+}
+
 World::Culprits World::culprits(double window_s) {
   Culprits c;
   try {
@@ -299,6 +313,12 @@ World::Culprits World::culprits(double window_s) {
       if (r == env_.rank) continue;
       if (hb_store_->check({key("failed", r)})) c.failed.push_back(r);
       else if (hb_store_->check({key("gone", r)}) || counter(key("hb", r)) == before[r]) c.silent.push_back(r);
+      else if (step_ >= 0 && hb_store_->check({key("progress", r)})) {
+        int64_t theirs[2];
+        std::memcpy(theirs, hb_store_->get(key("progress", r)).data(), 16);
+        if (std::make_pair(theirs[0], theirs[1]) < std::make_pair(step_.load(), entered_.load()))
+          c.behind.emplace_back(r, theirs[0]);
+      }
     }
   } catch (const std::exception&) {
     c.silent = {0};  // the store is gone with its host
@@ -316,6 +336,10 @@ void World::rethrow_with_culprits(const std::exception& e, const std::string& wh
   std::string who;
   if (!c.failed.empty()) who = list(c.failed) + " failed (its own error is in its output)";
   if (!c.silent.empty()) who += (who.empty() ? "" : "; ") + list(c.silent) + " stopped responding";
+  for (const auto& [r, step] : c.behind)
+    who += (who.empty() ? "" : "; ") + std::string("rank ") + std::to_string(r) + " is alive but hangs (in step " +
+           std::to_string(step) + ", short of the collective this rank waits in, in step " +
+           std::to_string(step_.load()) + ")";
   failure_reason_ = who;  // what ~World tells the peers
   if (who.empty()) throw std::runtime_error("rank " + std::to_string(env_.rank) + ": " + e.what());
   throw std::runtime_error("rank " + std::to_string(env_.rank) + ": " + what + " failed: " + who + " (" + e.what() +

@@ -55,7 +55,8 @@ using WorkPtr = c10::intrusive_ptr<c10d::Work>;
 class Comm {
  public:
   Comm() = default;
-  Comm(c10::intrusive_ptr<c10d::Backend> pg, std::vector<int> global_ranks);
+  // entered: counts the collectives this rank has entered (World's progress record); may be null.
+  Comm(c10::intrusive_ptr<c10d::Backend> pg, std::vector<int> global_ranks, std::atomic<int64_t>* entered = nullptr);
   int rank() const { return rank_; }
   int size() const { return static_cast<int>(global_ranks_.size()); }
   const std::vector<int>& global_ranks() const { return global_ranks_; }
@@ -72,9 +73,13 @@ class Comm {
   void barrier(std::chrono::milliseconds timeout = std::chrono::milliseconds(0));
 
  private:
+  void enter() {
+    if (entered_) entered_->fetch_add(1, std::memory_order_relaxed);
+  }
   c10::intrusive_ptr<c10d::Backend> pg_;
   std::vector<int> global_ranks_;
   int rank_ = 0;
+  std::atomic<int64_t>* entered_ = nullptr;
 };
 
 // Waits for a collective started by Comm (a null work is one that completed at once).
@@ -105,6 +110,11 @@ class World {
   // rank's own and comes back with just the rank prepended.
   [[noreturn]] void rethrow_with_culprits(const std::exception& e, const std::string& what);
 
+  // The training loop's progress: the step about to run. With the count of collectives entered
+  // since, the heartbeat publishes it; when a collective times out, a peer whose (step,
+  // collectives) lags this rank's is named as the one that hangs (alive, but not getting there).
+  void mark_progress(int64_t step);
+
   // Seconds of silence after which a peer counts as gone (default 30; QLORA_HEARTBEAT_TIMEOUT_S).
   double heartbeat_timeout_s() const { return heartbeat_timeout_s_; }
 
@@ -114,6 +124,7 @@ class World {
   struct Culprits {
     std::vector<int> failed;  // said so (an error unwound them)
     std::vector<int> silent;  // heartbeat stopped, or the store's host is gone
+    std::vector<std::pair<int, int64_t>> behind;  // alive but its loop lags this rank's: (rank, its step)
   };
   Culprits culprits(double window_s);
   int64_t counter(const std::string& key);
@@ -123,7 +134,8 @@ class World {
   c10::intrusive_ptr<c10d::Store> hb_store_;  // heartbeats, done/failed/gone flags: its own socket
   Comm world_, shard_, replica_;
   double heartbeat_timeout_s_ = 30.0;
-  std::string failure_reason_;  // set by rethrow_with_culprits when a peer is to blame
+  std::string failure_reason_;
+  std::atomic<int64_t> step_{-1}, entered_{0};  // set by rethrow_with_culprits when a peer is to blame
   std::atomic<bool> stop_{false}, finished_{false};
   std::thread watchdog_;
 };
