@@ -1,4 +1,5 @@
 #include "qlora/checkpoint/export.h"
+#include "qlora/io/read_file.h"
 
 #include <ATen/ops/matmul.h>
 #include <c10/core/GradMode.h>
@@ -31,11 +32,9 @@ const char* const kCopiedFiles[] = {"config.json", "tokenizer.model", "tokenizer
                                     "special_tokens_map.json", "generation_config.json"};
 
 std::string read_file(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw ExportError("export: cannot read " + path.string());
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
+  auto text = io::read_file(path.string());
+  if (!text) throw ExportError("export: cannot read " + path.string());
+  return std::move(*text);
 }
 
 // PEFT module name of a parameter: "...layers.0.self_attn.q_proj.lora_A.weight" -> "q_proj".

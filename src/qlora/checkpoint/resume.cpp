@@ -1,4 +1,5 @@
 #include "qlora/checkpoint/resume.h"
+#include "qlora/io/read_file.h"
 
 #include <ATen/ops/empty.h>
 #include <fcntl.h>
@@ -56,11 +57,9 @@ std::optional<StepName> parse_step_name(std::string name) {
 void fsync_dir(const fs::path& dir) { fsync_path(dir.string()); }
 
 std::string read_text(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw ResumeError("resume checkpoint: cannot read " + path.string());
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
+  auto text = io::read_file(path.string());
+  if (!text) throw ResumeError("resume checkpoint: cannot read " + path.string());
+  return std::move(*text);
 }
 
 // The manifest of `dir`, parsed and shape-checked; nullopt only when the file does not exist.

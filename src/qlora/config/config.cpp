@@ -2,6 +2,7 @@
 // member and whether it affects exactness; parsing, overrides, emitting, equality, hashing and the
 // resume check are all driven by it, so adding a key is one line and cannot be half-wired.
 #include "qlora/config/config.h"
+#include "qlora/io/read_file.h"
 
 #include <toml++/toml.h>
 
@@ -427,12 +428,9 @@ RecipeConfig parse_config(std::string_view toml_text, const std::string& source_
 }
 
 RecipeConfig load_config(const std::string& toml_path) {
-  std::ifstream in(toml_path, std::ios::binary);
-  if (!in) throw ConfigError("config " + toml_path + ": cannot open: " + std::strerror(errno));
-  std::stringstream text;
-  text << in.rdbuf();
-  if (in.bad()) throw ConfigError("config " + toml_path + ": read failed");
-  return parse_config(text.str(), toml_path);
+  const auto text = io::read_file(toml_path);
+  if (!text) throw ConfigError("config " + toml_path + ": cannot open: " + std::strerror(errno));
+  return parse_config(*text, toml_path);
 }
 
 void apply_override(RecipeConfig& cfg, std::string_view override_text) {

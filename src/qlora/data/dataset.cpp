@@ -1,4 +1,5 @@
 #include "qlora/data/dataset.h"
+#include "qlora/io/read_file.h"
 
 #include <nlohmann/json.hpp>
 
@@ -12,11 +13,9 @@ namespace {
 using nlohmann::json;
 
 std::string read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw std::invalid_argument("dataset: cannot open '" + path + "'");
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
+  auto text = io::read_file(path);
+  if (!text) throw std::invalid_argument("dataset: cannot open '" + path + "'");
+  return std::move(*text);
 }
 
 int64_t line_of_offset(const std::string& text, size_t offset) {

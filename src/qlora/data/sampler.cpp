@@ -1,4 +1,5 @@
 #include "qlora/data/sampler.h"
+#include "qlora/io/read_file.h"
 
 #include <nlohmann/json.hpp>
 
@@ -176,11 +177,9 @@ void Sampler::save_state(const std::string& path) const {
 }
 
 void Sampler::load_state(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw std::invalid_argument("sampler: cannot open state file '" + path + "'");
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  load_state_json(ss.str(), path);
+  const auto text = io::read_file(path);
+  if (!text) throw std::invalid_argument("sampler: cannot open state file '" + path + "'");
+  load_state_json(*text, path);
 }
 
 }  // namespace qlora::data

@@ -1,4 +1,5 @@
 #include "qlora/data/tiktoken_bpe.h"
+#include "qlora/io/read_file.h"
 
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include <pcre2.h>
@@ -188,13 +189,11 @@ TiktokenBpe::~TiktokenBpe() = default;
 
 std::shared_ptr<const TiktokenBpe> TiktokenBpe::load(const std::string& path, const std::string& pattern,
                                                      const std::vector<std::string>& special_tokens) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw std::runtime_error("tokenizer: cannot open '" + path + "'");
-  std::ostringstream ss;
-  ss << in.rdbuf();
+  const auto text = io::read_file(path);
+  if (!text) throw std::runtime_error("tokenizer: cannot open '" + path + "'");
   std::shared_ptr<TiktokenBpe> t(new TiktokenBpe());
   t->path_ = path;
-  t->parse_ranks(ss.str());
+  t->parse_ranks(*text);
 
   for (const auto& s : special_tokens) {
     // encode() finds specials by "<|" and the next "|>", which is exact only for this shape.

@@ -1,4 +1,5 @@
 #include "qlora/models/llama_config.h"
+#include "qlora/io/read_file.h"
 
 #include <nlohmann/json.hpp>
 
@@ -158,11 +159,9 @@ LlamaConfig load_llama_config(const std::string& path) {
   namespace fs = std::filesystem;
   fs::path p(path);
   if (fs::is_directory(p)) p /= "config.json";
-  std::ifstream in(p);
-  if (!in) throw std::invalid_argument(p.string() + ": cannot open config file");
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return parse_llama_config(ss.str(), p.string());
+  const auto text = io::read_file(p.string());
+  if (!text) throw std::invalid_argument(p.string() + ": cannot open config file");
+  return parse_llama_config(*text, p.string());
 }
 
 }  // namespace qlora::models
