@@ -146,12 +146,13 @@ struct MergedModelWriter::Impl {
   std::map<std::string, std::string> weight_map;
   int64_t total = 0;
   bool untie = false;
+  std::set<size_t> written;  // files this process wrote entries into, to fsync once each
 };
 
 MergedModelWriter::MergedModelWriter(const std::string& dir, const models::LlamaModel& model,
                                      const std::string& base_checkpoint_dir, MergeSource source,
                                      int64_t max_shard_bytes)
-    : impl_(new Impl{dir, base_checkpoint_dir, CheckpointDir{}, {}, {}, {}, {}, {}, {}, 0, false}) {
+    : impl_(new Impl{dir, base_checkpoint_dir, CheckpointDir{}, {}, {}, {}, {}, {}, {}, 0, false, {}}) {
   if (max_shard_bytes <= 0) throw ExportError("write_merged_model " + dir + ": max_shard_bytes must be positive");
   if (base_checkpoint_dir.empty() || !fs::is_regular_file(fs::path(base_checkpoint_dir) / "config.json")) {
     throw ExportError("write_merged_model " + dir + ": base checkpoint '" + base_checkpoint_dir +
@@ -293,7 +294,13 @@ void MergedModelWriter::write_entry(size_t i) const {
   }
   const auto [file, k] = impl_->place[i];
   write_safetensors_entry((fs::path(impl_->dir) / impl_->names[file]).string(), impl_->headers[file], k, t);
+  impl_->written.insert(file);
   if (impl_->orig.contains(e.key)) impl_->orig.file_of(e.key).release(e.key);  // keep RSS flat on 7B bases
+}
+
+void MergedModelWriter::sync_written() const {
+  for (size_t f : impl_->written) fsync_path((fs::path(impl_->dir) / impl_->names[f]).string());
+  impl_->written.clear();
 }
 
 void MergedModelWriter::write_extras(const std::string& tokenizer_path) const {
@@ -334,6 +341,7 @@ void write_merged_model(const std::string& dir, const models::LlamaModel& model,
   const MergedModelWriter w(dir, model, base_checkpoint_dir, source, max_shard_bytes);
   w.create_files();
   for (size_t i = 0; i < w.num_entries(); ++i) w.write_entry(i);
+  w.sync_written();
   w.write_extras(tokenizer_path);
   fsync_path(dir);
 }

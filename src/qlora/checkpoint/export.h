@@ -73,7 +73,8 @@ class MergedModelWriter {
   size_t num_entries() const;
   int64_t unit_of(size_t entry) const;
   void create_files() const;
-  void write_entry(size_t entry) const;  // produces it (merging where adapted) and writes it durably
+  void write_entry(size_t entry) const;  // produces it (merging where adapted) and writes it in place
+  void sync_written() const;             // fsyncs, once each, the files this process wrote entries into
   void write_extras(const std::string& tokenizer_path) const;
 
  private:

@@ -428,9 +428,7 @@ void write_safetensors_entry(const std::string& path, const SafetensorsHeader& h
     off += static_cast<uint64_t>(w);
     left -= static_cast<uint64_t>(w);
   }
-  const int rc = ::fsync(fd);
   ::close(fd);
-  if (rc != 0) fail(path, std::string("fsync failed: ") + std::strerror(errno));
 }
 
 SafetensorsWriter::~SafetensorsWriter() {

@@ -94,7 +94,8 @@ SafetensorsHeader safetensors_header(const std::string& path, const std::vector<
 
 // Positional writing, for files several processes fill at once (a parallel export): one creates
 // the file with its header at its final size, then each writes (pwrite, fsync) the entries it
-// owns. Not atomic on its own: write into a directory that is committed afterwards.
+// owns, then fsyncs (fsync_path) each file it wrote into, once. Not atomic on its own: write into
+// a directory that is committed afterwards.
 void create_safetensors_file(const std::string& path, const SafetensorsHeader& header);
 void write_safetensors_entry(const std::string& path, const SafetensorsHeader& header, size_t entry,
                              const at::Tensor& t);

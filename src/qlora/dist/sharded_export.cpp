@@ -50,6 +50,7 @@ void export_epoch_sharded(const std::string& output_dir, int64_t epoch, const mo
         engine.release_unit(mine);
       }
     }
+    w.sync_written();
     c.barrier(patient);  // every entry is durable
     if (c.rank() == 0) w.write_extras(tokenizer_path);
   }
