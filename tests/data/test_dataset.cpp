@@ -9,16 +9,13 @@
 #include "qlora/data/dataset.h"
 #include "qlora/data/templates.h"
 
+#include "fixtures.h"
+
 namespace qlora::data {
 namespace {
 
-std::string data_dir() {
-  const char* dir = std::getenv("QLORA_TEST_DATA");
-  if (dir == nullptr) throw std::runtime_error("QLORA_TEST_DATA is not set (ctest sets it)");
-  return dir;
-}
-
-Tokenizer fixture_tokenizer() { return Tokenizer::open(data_dir() + "/tokenizer/tokenizer.model"); }
+using test_fixtures::data_dir;
+using test_fixtures::fixture_tokenizer;
 
 std::string write_temp(const std::string& name, const std::string& text) {
   const std::string path = testing::TempDir() + "qlora_data_" + name;

@@ -13,16 +13,13 @@
 #include "qlora/data/tiktoken_bpe.h"
 #include "qlora/data/tokenizer.h"
 
+#include "fixtures.h"
+
 namespace qlora::data {
 namespace {
 
-std::string data_dir() {
-  const char* dir = std::getenv("QLORA_TEST_DATA");
-  if (dir == nullptr) throw std::runtime_error("QLORA_TEST_DATA is not set (ctest sets it)");
-  return dir;
-}
-
-Tokenizer fixture_tokenizer() { return Tokenizer::open(data_dir() + "/tokenizer/tokenizer.model"); }
+using test_fixtures::data_dir;
+using test_fixtures::fixture_tokenizer;
 
 nlohmann::json expected(const std::string& dir = "tokenizer") {
   std::ifstream in(data_dir() + "/" + dir + "/expected_ids.json");

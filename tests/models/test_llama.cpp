@@ -39,6 +39,15 @@ at::Tensor tokens() {  // [2, 7]
   return at::tensor({1, 17, 200, 3, 45, 99, 255, 7, 8, 9, 10, 11, 12, 13}, at::kLong).view({2, 7});
 }
 
+// Fixed nonzero lora_B (they start at zero), so gradients reach every lora_A.
+void randomize_lora_b(const LlamaModel& m) {
+  at::NoGradGuard ng;
+  uint64_t s = 5;
+  for (auto& [name, t] : m.lora_parameters())
+    if (name.find("lora_B") != std::string::npos)
+      t.copy_(at::randn(t.sizes(), at::make_generator<at::CPUGeneratorImpl>(s++)) * 0.05);
+}
+
 }  // namespace
 
 TEST(LlamaConfig, Llama2Defaults) {
@@ -207,15 +216,7 @@ TEST(LlamaModel, ActivationCheckpointingGivesIdenticalGradients) {
     o.activation_checkpointing = ckpt;
     LlamaModel m = load_llama(tiny_llama(), o);
     m.training = true;
-    {
-      at::NoGradGuard ng;
-      uint64_t s = 5;
-      for (auto& [name, t] : m.lora_parameters()) {  // nonzero B so gradients reach every A
-        if (name.find("lora_B") != std::string::npos) {
-          t.copy_(at::randn(t.sizes(), at::make_generator<at::CPUGeneratorImpl>(s++)) * 0.05);
-        }
-      }
-    }
+    randomize_lora_b(m);
     at::manual_seed(11);
     at::Tensor logits = m.forward(tokens());
     at::log_softmax(logits, -1).select(-1, 3).mean().neg().backward();
@@ -411,15 +412,7 @@ TEST(LlamaModel, PackedGradientsEqualSumOfPerSampleGradients) {
     o.activation_checkpointing = ckpt;
     LlamaModel m = load_llama(tiny_llama(), o);
     m.training = true;
-    {
-      at::NoGradGuard ng;
-      uint64_t s = 5;
-      for (auto& [name, t] : m.lora_parameters()) {  // nonzero B so gradients reach every A
-        if (name.find("lora_B") != std::string::npos) {
-          t.copy_(at::randn(t.sizes(), at::make_generator<at::CPUGeneratorImpl>(s++)) * 0.05);
-        }
-      }
-    }
+    randomize_lora_b(m);
     auto take_grads = [&]() {
       std::vector<at::Tensor> g;
       for (auto& [name, t] : m.lora_parameters()) {
@@ -482,15 +475,7 @@ TEST(LlamaModel, FrozenBf16StorageEqualsFp32Storage) {
       EXPECT_EQ(m.embed_tokens.scalar_type(), at::kFloat);
     }
     m.training = true;
-    {
-      at::NoGradGuard ng;
-      uint64_t s = 5;
-      for (auto& [name, t] : m.lora_parameters()) {  // nonzero B so gradients reach every A
-        if (name.find("lora_B") != std::string::npos) {
-          t.copy_(at::randn(t.sizes(), at::make_generator<at::CPUGeneratorImpl>(s++)) * 0.05);
-        }
-      }
-    }
+    randomize_lora_b(m);
     at::manual_seed(11);
     Run r;
     r.logits = m.forward(tokens());
