@@ -35,10 +35,10 @@
 #include "bench/random_llama.h"
 #include "bench/run_json.h"
 #include "bench/shape_args.h"
-#include "qlora/dist/launcher.h"
-#include "qlora/dist/process_group.h"
-#include "qlora/dist/sharded_export.h"
-#include "qlora/dist/sharded_model.h"
+#include "qlora/engine/launcher.h"
+#include "qlora/engine/process_group.h"
+#include "qlora/engine/sharded_export.h"
+#include "qlora/engine/sharded_model.h"
 #include "qlora/checkpoint/export.h"
 #include "qlora/optim/adamw.h"
 #include "qlora/train/metrics.h"
@@ -86,14 +86,14 @@ double raw_write_mb_s(const fs::path& dir, int64_t bytes) {
 
 // One rank of one configuration; rank 0 prints the JSON.
 json run_worker(const Args& a) {
-  const dist::RankEnv env = dist::rank_env_from_environment();
+  const engine::RankEnv env = engine::rank_env_from_environment();
   at::set_num_threads(std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / env.local_world_size));
-  std::unique_ptr<dist::World> world;
-  if (env.world_size > 1) world = dist::World::join(env, 0, std::chrono::seconds(900), c10::kCPU);
-  dist::ShardingOptions so;
+  std::unique_ptr<engine::World> world;
+  if (env.world_size > 1) world = engine::World::join(env, 0, std::chrono::seconds(900), c10::kCPU);
+  engine::ShardingOptions so;
   so.prefetch = a.prefetch;
-  std::shared_ptr<dist::ShardedLlama> engine;
-  if (world && a.sharded) engine = dist::ShardedLlama::begin(*world, so);
+  std::shared_ptr<engine::ShardedLlama> engine;
+  if (world && a.sharded) engine = engine::ShardedLlama::begin(*world, so);
   auto on_layer = [&engine](int64_t i, modules::DecoderLayer& L) {
     if (engine) engine->shard_layer(i, L);
   };
@@ -140,7 +140,7 @@ json run_worker(const Args& a) {
     if (world) world->world().barrier();
     const auto te = std::chrono::steady_clock::now();
     if (engine)
-      dist::export_epoch_sharded(a.export_to, 0, m, *engine, *world, info, false, a.workdir,
+      engine::export_epoch_sharded(a.export_to, 0, m, *engine, *world, info, false, a.workdir,
                                  checkpoint::MergeSource::Nf4, "");
     else
       checkpoint::export_epoch(a.export_to, 0, m, info, false, a.workdir, checkpoint::MergeSource::Nf4);
@@ -152,7 +152,7 @@ json run_worker(const Args& a) {
     return j;
   }
   if (!a.llama7b) step();  // warm-up (the 7B shape skips it to stay within minutes)
-  const dist::ShardStats before = engine ? engine->stats() : dist::ShardStats{};
+  const engine::ShardStats before = engine ? engine->stats() : engine::ShardStats{};
   std::vector<double> times;
   for (int64_t s = 0; s < a.steps; ++s) {
     const auto t = std::chrono::steady_clock::now();
@@ -164,7 +164,7 @@ json run_worker(const Args& a) {
   // Every rank's peak RSS, gathered to all.
   at::Tensor rss = at::full({1}, static_cast<double>(train::peak_rss_bytes()), at::kDouble);
   at::Tensor all_rss = at::empty({env.world_size}, at::kDouble);
-  if (world) dist::wait(world->world().all_gather(all_rss, rss));
+  if (world) engine::wait(world->world().all_gather(all_rss, rss));
   else all_rss.copy_(rss);
   json j = {{"ranks", env.world_size}, {"sharded", static_cast<bool>(engine)}, {"prefetch", a.prefetch},
             {"threads_per_rank", at::get_num_threads()}, {"load_s", load_s}, {"median_step_s", med},
@@ -172,7 +172,7 @@ json run_worker(const Args& a) {
   std::vector<double> rss_v(all_rss.data_ptr<double>(), all_rss.data_ptr<double>() + env.world_size);
   j["peak_rss_bytes_per_rank"] = rss_v;
   if (engine) {
-    const dist::ShardStats& st = engine->stats();
+    const engine::ShardStats& st = engine->stats();
     j["gathered_bytes_per_step"] = double(st.bytes_gathered - before.bytes_gathered) / a.steps;
     j["layer_gathered_bytes_per_step"] = double(st.layer_bytes_gathered - before.layer_bytes_gathered) / a.steps;
     j["layer_gathered_bytes_per_step_if_bf16"] = double(st.layer_bytes_as_bf16 - before.layer_bytes_as_bf16) / a.steps;
@@ -215,13 +215,13 @@ int main(int argc, char** argv) try {
   }
   a.finish();
   if (launch > 1) {  // this process is the launcher of one configuration
-    dist::LaunchOptions lo;
+    engine::LaunchOptions lo;
     lo.nproc_per_node = launch;
-    return dist::launch(lo, self_exe(), worker_args);
+    return engine::launch(lo, self_exe(), worker_args);
   }
   if (a.worker) {
     const json j = run_worker(a);
-    if (dist::rank_env_from_environment().rank == 0) std::cout << j.dump() << std::endl;
+    if (engine::rank_env_from_environment().rank == 0) std::cout << j.dump() << std::endl;
     return 0;
   }
 

@@ -32,14 +32,14 @@
 #include "qlora/data/dataset.h"
 #include "qlora/data/sampler.h"
 #include "qlora/data/tokenizer.h"
-#include "qlora/dist/process_group.h"
-#include "qlora/dist/sharded_export.h"
-#include "qlora/dist/sharded_model.h"
-#include "qlora/dist/sharded_state.h"
+#include "qlora/engine/process_group.h"
+#include "qlora/engine/sharded_export.h"
+#include "qlora/engine/sharded_model.h"
+#include "qlora/engine/sharded_state.h"
 #include "qlora/models/llama.h"
 #include "qlora/optim/adamw.h"
 #include "qlora/optim/schedule.h"
-#include "qlora/checkpoint/checkpoint_dir.h"
+#include "qlora/io/checkpoint_dir.h"
 #include "qlora/train/device.h"
 #include "qlora/train/metrics.h"
 #include "qlora/train/tiny_default.h"
@@ -93,9 +93,9 @@ std::string find_tokenizer(const RecipeConfig& cfg, const std::string& base_dir)
 // lm_head stay bf16 (widened exactly on use, so the numbers are those of fp32 storage): for a 7B
 // model that is 0.5 GB less resident memory for nothing.
 at::ScalarType frozen_storage_dtype(const std::string& base_dir, at::ScalarType compute) {
-  const auto ckpt = checkpoint::CheckpointDir::open(base_dir);
+  const auto ckpt = io::CheckpointDir::open(base_dir);
   const char* key = "model.embed_tokens.weight";
-  if (compute == at::kFloat && ckpt.contains(key) && ckpt.file_of(key).info(key).dtype == checkpoint::Dtype::BF16)
+  if (compute == at::kFloat && ckpt.contains(key) && ckpt.file_of(key).info(key).dtype == io::Dtype::BF16)
     return at::kBFloat16;
   return compute;
 }
@@ -103,8 +103,8 @@ at::ScalarType frozen_storage_dtype(const std::string& base_dir, at::ScalarType 
 // Everything a resumed run needs to continue bit for bit; `inputs` (input_fingerprints) lets the
 // resume tell whether the data or base weights changed under paths the config check ignores.
 // `train_state` is the adapters and optimizer state: named per adapter in one process
-// (model.<peft name>, optim.*), or this rank's flat shards with ranks (dist::sharded_train_state).
-checkpoint::ResumeState capture(dist::NamedTensors train_state, const data::Sampler& sampler, int64_t epoch,
+// (model.<peft name>, optim.*), or this rank's flat shards with ranks (engine::sharded_train_state).
+checkpoint::ResumeState capture(engine::NamedTensors train_state, const data::Sampler& sampler, int64_t epoch,
                                 int64_t step_in_epoch, int64_t global_step, const RecipeConfig& cfg,
                                 c10::Device device, const nlohmann::json& inputs, int64_t ranks) {
   checkpoint::ResumeState s;
@@ -123,9 +123,9 @@ checkpoint::ResumeState capture(dist::NamedTensors train_state, const data::Samp
   return s;
 }
 
-dist::NamedTensors single_train_state(const std::vector<std::pair<std::string, at::Tensor>>& lora,
+engine::NamedTensors single_train_state(const std::vector<std::pair<std::string, at::Tensor>>& lora,
                                       const optim::AdamW& opt) {
-  dist::NamedTensors out;
+  engine::NamedTensors out;
   for (const auto& [name, t] : lora) out.emplace_back("model." + name, t.detach().cpu());
   for (const auto& [name, t] : opt.state_dict()) out.emplace_back("optim." + name, t);
   return out;
@@ -163,7 +163,7 @@ bool check_resumable(const nlohmann::json& meta, const RecipeConfig& cfg, c10::D
 
 // The recipe proper. `world` is null for a single process; with ranks, rank 0 (`lead`) prints,
 // logs metrics and writes the exports, and every step's collectives go through `world`.
-int run_recipe(const RecipeConfig& cfg, c10::Device device, dist::World* world) {
+int run_recipe(const RecipeConfig& cfg, c10::Device device, engine::World* world) {
   // ---------------------------------------------------------------- setup
   const bool lead = !world || world->rank() == 0;
   const int64_t ranks = world ? world->size() : 1, rank = world ? world->rank() : 0;
@@ -220,13 +220,13 @@ int run_recipe(const RecipeConfig& cfg, c10::Device device, dist::World* world) 
   mopts.activation_checkpointing = cfg.model.activation_checkpointing;
   // Ranks: every rank builds the same model (same seed, same adapters) and keeps 1/N of each layer
   // as soon as it is loaded, so the whole base never sits in one rank's memory.
-  std::shared_ptr<dist::ShardedLlama> sharded;
+  std::shared_ptr<engine::ShardedLlama> sharded;
   if (world) {
-    dist::ShardingOptions so;
+    engine::ShardingOptions so;
     so.reshard_after_forward = cfg.dist.reshard_after_forward;
     so.prefetch = cfg.dist.prefetch;
     so.reduce_scatter_every_micro_batch = cfg.dist.reduce_scatter_every_micro_batch;
-    sharded = dist::ShardedLlama::begin(*world, so);
+    sharded = engine::ShardedLlama::begin(*world, so);
     mopts.on_layer_loaded = [&sharded](int64_t i, modules::DecoderLayer& L) { sharded->shard_layer(i, L); };
   }
   models::LlamaModel model = models::load_llama(base_dir, mopts);
@@ -285,7 +285,7 @@ int run_recipe(const RecipeConfig& cfg, c10::Device device, dist::World* world) 
         const checkpoint::ShardedResumeState s = checkpoint::load_sharded_resume_checkpoint(*latest);
         meta = s.meta;
         const bool remesh = check_resumable(meta, cfg, device, inputs, *latest, ranks);
-        dist::load_sharded_train_state(*sharded, opt, s.ranks);
+        engine::load_sharded_train_state(*sharded, opt, s.ranks);
         if (!remesh) {
           std::map<std::string, at::Tensor> mine(s.ranks.at(rank).begin(), s.ranks.at(rank).end());
           train::set_generator_state(c10::kCPU, mine.at("rng.cpu"));
@@ -348,7 +348,7 @@ int run_recipe(const RecipeConfig& cfg, c10::Device device, dist::World* world) 
   // committed by rank 0 once all are durable.
   const auto save = [&](int64_t epoch, int64_t step_in_epoch) {
     const checkpoint::ResumeState st =
-        capture(sharded ? dist::sharded_train_state(*sharded, opt) : single_train_state(lora, opt), sampler, epoch,
+        capture(sharded ? engine::sharded_train_state(*sharded, opt) : single_train_state(lora, opt), sampler, epoch,
                 step_in_epoch, global_step, cfg, device, inputs, ranks);
     if (!world) return checkpoint::save_resume_checkpoint(out_dir, global_step, st, cfg.checkpoint.keep_last_n);
     int barriers = 0;
@@ -392,7 +392,7 @@ int run_recipe(const RecipeConfig& cfg, c10::Device device, dist::World* world) 
       if (world) {
         // On the compute device: NCCL reduces CUDA tensors only.
         at::Tensor t = at::full({1}, static_cast<double>(tokens), at::TensorOptions().dtype(at::kDouble).device(device));
-        dist::wait(world->world().all_reduce_sum(t));
+        engine::wait(world->world().all_reduce_sum(t));
         tokens = static_cast<int64_t>(t.item<double>());
       }
       double loss_value = 0.0;
@@ -415,7 +415,7 @@ int run_recipe(const RecipeConfig& cfg, c10::Device device, dist::World* world) 
       }
       if (world) {
         at::Tensor l = at::full({1}, loss_value, at::TensorOptions().dtype(at::kDouble).device(device));
-        dist::wait(world->world().all_reduce_sum(l));
+        engine::wait(world->world().all_reduce_sum(l));
         loss_value = l.item<double>();
       }
       const double grad_norm = sharded ? sharded->clip_grad_norm(cfg.optim.max_grad_norm)
@@ -456,7 +456,7 @@ int run_recipe(const RecipeConfig& cfg, c10::Device device, dist::World* world) 
                                                                           : checkpoint::MergeSource::Original;
     if (sharded) {
       // Every rank writes the layers it owns into the same files: the same bytes as one process.
-      dist::export_epoch_sharded(out_dir, epoch, model, *sharded, *world, adapter_info, cfg.checkpoint.adapter_only,
+      engine::export_epoch_sharded(out_dir, epoch, model, *sharded, *world, adapter_info, cfg.checkpoint.adapter_only,
                                  base_dir, merge, tokenizer_path);
     } else {
       checkpoint::export_epoch(out_dir, epoch, model, adapter_info, cfg.checkpoint.adapter_only, base_dir, merge,
@@ -479,13 +479,13 @@ int run_recipe(const RecipeConfig& cfg, c10::Device device, dist::World* world) 
 
 int lora_finetune_main(const std::vector<std::string>& args) {
   const RecipeConfig cfg = load_recipe_config(args);
-  const dist::RankEnv env = dist::rank_env_from_environment();
+  const engine::RankEnv env = engine::rank_env_from_environment();
   c10::Device device = train::resolve_device(cfg.model.device);
   if (env.world_size == 1) return run_recipe(cfg, device, nullptr);
   // One GPU per rank on a node; on the CPU the node's cores are split between its ranks.
   if (device.is_cuda()) device = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(env.local_rank));
   else at::set_num_threads(std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / env.local_world_size));
-  const auto world = dist::World::join(env, cfg.dist.shard_size, std::chrono::seconds(cfg.dist.collective_timeout_s), device);
+  const auto world = engine::World::join(env, cfg.dist.shard_size, std::chrono::seconds(cfg.dist.collective_timeout_s), device);
   try {
     return run_recipe(cfg, device, world.get());
   } catch (const std::exception& e) {

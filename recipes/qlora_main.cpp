@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "qlora/dist/launcher.h"
+#include "qlora/engine/launcher.h"
 
 namespace qlora::recipes {
 int quantize_main(const std::vector<std::string>& args);
@@ -37,16 +37,16 @@ constexpr const char* kUsage =
     "  help                    this text\n";
 
 int run_main(std::vector<std::string> args) {
-  const qlora::dist::LaunchOptions launch = qlora::dist::parse_launch_args(args);
+  const qlora::engine::LaunchOptions launch = qlora::engine::parse_launch_args(args);
   if (args.empty()) throw std::invalid_argument("qlora run needs a recipe name (see `qlora ls`)");
   if (launch.nproc_per_node * launch.nnodes > 1) {
-    if (qlora::dist::launched_as_rank())
+    if (qlora::engine::launched_as_rank())
       throw std::invalid_argument("--nproc-per-node inside a job that already has ranks (WORLD_SIZE > 1, set by "
                                   "torchrun, Slurm or `qlora run --nproc-per-node`): run `qlora run lora_finetune ...` "
                                   "in each rank instead");
     if (args[0] != "lora_finetune") throw std::invalid_argument("unknown recipe '" + args[0] + "' (see `qlora ls`)");
     args.insert(args.begin(), "run");
-    return qlora::dist::launch(launch, std::filesystem::read_symlink("/proc/self/exe").string(), args);
+    return qlora::engine::launch(launch, std::filesystem::read_symlink("/proc/self/exe").string(), args);
   }
   const std::string recipe = args[0];
   args.erase(args.begin());

@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "qlora/checkpoint/quantize_checkpoint.h"
+#include "qlora/io/quantize_checkpoint.h"
 
 namespace qlora::recipes {
 
@@ -33,7 +33,7 @@ double peak_rss_mib() {
   return ru.ru_maxrss / 1024.0;
 }
 
-void print_report(const char* verb, const checkpoint::ConvertReport& r, double seconds) {
+void print_report(const char* verb, const io::ConvertReport& r, double seconds) {
   std::printf("%s %lld tensors, copied %lld; tensor data %.1f MiB -> %.1f MiB; %.2f s; peak RSS %.0f MiB\n",
               verb, static_cast<long long>(r.converted), static_cast<long long>(r.copied),
               r.bytes_in / 1048576.0, r.bytes_out / 1048576.0, seconds, peak_rss_mib());
@@ -73,7 +73,7 @@ int quantize_main(const std::vector<std::string>& args) {
   }
   std::printf("qlora quantize: %s -> %s\n", in.c_str(), out.c_str());
   const auto t0 = std::chrono::steady_clock::now();
-  const auto report = checkpoint::quantize_checkpoint(in, out, log_line);
+  const auto report = io::quantize_checkpoint(in, out, log_line);
   print_report("quantized to NF4:", report,
                std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   std::printf("wrote %s\n", out.c_str());
@@ -98,7 +98,7 @@ int dequantize_main(const std::vector<std::string>& args) {
   if (pos.size() != 2) usage_error("expected IN and OUT");
   std::printf("qlora dequantize: %s -> %s\n", pos[0].c_str(), pos[1].c_str());
   const auto t0 = std::chrono::steady_clock::now();
-  const auto report = checkpoint::dequantize_checkpoint(pos[0], pos[1], dtype, log_line);
+  const auto report = io::dequantize_checkpoint(pos[0], pos[1], dtype, log_line);
   print_report("dequantized", report,
                std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   return 0;

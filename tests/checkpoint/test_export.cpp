@@ -8,9 +8,9 @@
 #include <fstream>
 #include <string>
 
-#include "qlora/checkpoint/checkpoint_dir.h"
+#include "qlora/io/checkpoint_dir.h"
 #include "qlora/checkpoint/export.h"
-#include "qlora/checkpoint/safetensors.h"
+#include "qlora/io/safetensors.h"
 #include "qlora/ops/nf4_ops.h"
 
 namespace fs = std::filesystem;

@@ -9,7 +9,7 @@
 
 #include "qlora/checkpoint/fingerprint.h"
 #include "qlora/checkpoint/resume.h"
-#include "qlora/checkpoint/safetensors.h"
+#include "qlora/io/safetensors.h"
 #include "qlora/checkpoint/xxh64.h"
 
 namespace fs = std::filesystem;

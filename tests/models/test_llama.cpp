@@ -8,8 +8,8 @@
 #include <filesystem>
 #include <fstream>
 
-#include "qlora/checkpoint/checkpoint_dir.h"
-#include "qlora/checkpoint/safetensors.h"
+#include "qlora/io/checkpoint_dir.h"
+#include "qlora/io/safetensors.h"
 #include "qlora/models/llama.h"
 #include "qlora/models/llama_config.h"
 
@@ -298,12 +298,12 @@ TEST(LlamaModel, MissingTensorNamesCheckpointAndKey) {
   fs::remove_all(dir);
   fs::create_directories(dir);
   fs::copy_file(tiny_llama() + "/config.json", dir / "config.json");
-  const auto ckpt = checkpoint::CheckpointDir::open(tiny_llama());
+  const auto ckpt = io::CheckpointDir::open(tiny_llama());
   std::vector<std::pair<std::string, at::Tensor>> kept;
   for (const std::string& n : ckpt.tensor_names()) {
     if (n != "model.layers.1.mlp.up_proj.weight") kept.emplace_back(n, ckpt.tensor(n));
   }
-  checkpoint::save_safetensors((dir / "model.safetensors").string(), kept);
+  io::save_safetensors((dir / "model.safetensors").string(), kept);
   for (bool nf4 : {false, true}) {
     LlamaLoadOptions o;
     o.base_in_nf4 = nf4;

@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "qlora/checkpoint/export.h"
-#include "qlora/checkpoint/safetensors.h"
+#include "qlora/io/safetensors.h"
 #include "qlora/models/llama.h"
 
 namespace {

@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "qlora/checkpoint/safetensors.h"
+#include "qlora/io/safetensors.h"
 #include "qlora/models/llama.h"
 
 namespace {
@@ -81,7 +81,7 @@ int main(int argc, char** argv) {
     const qlora::models::LlamaModel model = qlora::models::load_llama(checkpoint, opt);
     at::NoGradGuard no_grad;
     const at::Tensor logits = model.forward(ids).contiguous();  // [batch, seq, vocab] fp32
-    qlora::checkpoint::save_safetensors(out, {{"logits", logits}});
+    qlora::io::save_safetensors(out, {{"logits", logits}});
   } catch (const std::exception& e) {
     std::cerr << "llama_logits: " << e.what() << "\n";
     return 1;

@@ -7,7 +7,7 @@
 // optimizer rebuilt from that file after resume_at steps, and the run continued).
 // OUT: param.<i>.step<s>, exp_avg.<i>, exp_avg_sq.<i> (final), norm (fp32 [steps]),
 // lr (float64 bits as int64 [steps]: our safetensors layer has no F64).
-#include "qlora/checkpoint/safetensors.h"
+#include "qlora/io/safetensors.h"
 #include "qlora/optim/adamw.h"
 #include "qlora/optim/schedule.h"
 
@@ -24,20 +24,20 @@ using namespace qlora;
 
 namespace {
 
-std::string meta(const checkpoint::SafetensorsFile& f, const std::string& key) {
+std::string meta(const io::SafetensorsFile& f, const std::string& key) {
   auto it = f.metadata().find(key);
   if (it == f.metadata().end()) throw std::runtime_error(f.path() + ": metadata '" + key + "' missing");
   return it->second;
 }
-double meta_double(const checkpoint::SafetensorsFile& f, const std::string& key) {
+double meta_double(const io::SafetensorsFile& f, const std::string& key) {
   return std::strtod(meta(f, key).c_str(), nullptr);  // Python repr() reads back exactly
 }
-int64_t meta_int(const checkpoint::SafetensorsFile& f, const std::string& key) {
+int64_t meta_int(const io::SafetensorsFile& f, const std::string& key) {
   return std::stoll(meta(f, key));
 }
 
 int run(const std::string& in_path, const std::string& out_path) {
-  const auto in = checkpoint::SafetensorsFile::open(in_path);
+  const auto in = io::SafetensorsFile::open(in_path);
   const int64_t steps = meta_int(in, "steps"), n = meta_int(in, "num_params");
   const int64_t resume_at = meta_int(in, "resume_at");
   optim::AdamWOptions o;
@@ -66,9 +66,9 @@ int run(const std::string& in_path, const std::string& out_path) {
       const std::string state_path = out_path + ".state";
       auto state = opt->state_dict();
       for (int64_t i = 0; i < n; ++i) state.emplace_back("param." + std::to_string(i), params[i]);
-      checkpoint::save_safetensors(state_path, state);
+      io::save_safetensors(state_path, state);
       opt.reset();
-      const auto f = checkpoint::SafetensorsFile::open(state_path);
+      const auto f = io::SafetensorsFile::open(state_path);
       optim::NamedTensors loaded;
       for (int64_t i = 0; i < n; ++i) {
         params[i] = f.tensor("param." + std::to_string(i)).clone();
@@ -96,7 +96,7 @@ int run(const std::string& in_path, const std::string& out_path) {
     if (name != "step") out.emplace_back(name, t);
   out.emplace_back("norm", at::tensor(norms, at::kFloat));
   out.emplace_back("lr", at::tensor(lr_bits, at::kLong));
-  checkpoint::save_safetensors(out_path, out);
+  io::save_safetensors(out_path, out);
   return 0;
 }
 

@@ -16,9 +16,9 @@
 #include <set>
 #include <sstream>
 
-#include "qlora/checkpoint/checkpoint_dir.h"
+#include "qlora/io/checkpoint_dir.h"
 #include "qlora/checkpoint/resume.h"
-#include "qlora/checkpoint/safetensors.h"
+#include "qlora/io/safetensors.h"
 #include "qlora/ops/nf4_ops.h"
 
 namespace fs = std::filesystem;

@@ -11,7 +11,7 @@
 #include <string_view>
 #include <vector>
 
-#include "qlora/checkpoint/checkpoint_dir.h"
+#include "qlora/io/checkpoint_dir.h"
 #include "qlora/checkpoint/resume.h"
 #include "qlora/checkpoint/xxh64.h"
 

@@ -15,7 +15,7 @@
 #include <map>
 #include <sstream>
 
-#include "qlora/checkpoint/safetensors.h"
+#include "qlora/io/safetensors.h"
 #include "qlora/checkpoint/xxh64.h"
 
 namespace fs = std::filesystem;

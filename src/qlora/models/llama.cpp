@@ -17,8 +17,8 @@
 #include <set>
 #include <stdexcept>
 
-#include "qlora/checkpoint/checkpoint_dir.h"
-#include "qlora/checkpoint/quantize_checkpoint.h"
+#include "qlora/io/checkpoint_dir.h"
+#include "qlora/io/quantize_checkpoint.h"
 #include "qlora/ops/nf4_ops.h"
 
 namespace qlora::models {
@@ -50,7 +50,7 @@ std::string hf_stem(int64_t layer, const std::string& proj) {
 }
 
 struct Loader {
-  const checkpoint::CheckpointDir& ckpt;
+  const io::CheckpointDir& ckpt;
   const LlamaLoadOptions& opt;
 
   void check_shape(const std::string& key, at::IntArrayRef got, const std::vector<int64_t>& want) const {
@@ -64,7 +64,7 @@ struct Loader {
     // A checkpoint written by `qlora quantize` stores projections as NF4 entries only;
     // load_nf4 reads those (and names the checkpoint and key when neither form exists).
     at::Tensor t = ckpt.contains(key) ? ckpt.tensor(key)
-                                      : ops::nf4_dequantize(checkpoint::load_nf4(ckpt, key), dtype);
+                                      : ops::nf4_dequantize(io::load_nf4(ckpt, key), dtype);
     check_shape(key, t.sizes(), shape);
     // Zero-copy when dtype and device already match: the read-only mapping is never written.
     return t.to(opt.device, dtype);
@@ -74,7 +74,7 @@ struct Loader {
   }
   LoraLinear projection(const std::string& key, const std::vector<int64_t>& shape) const {
     if (!opt.base_in_nf4) return modules::lora_linear_dense(dense(key, shape));
-    Nf4Tensor w = checkpoint::load_nf4(ckpt, key);  // errors name the checkpoint and key
+    Nf4Tensor w = io::load_nf4(ckpt, key);  // errors name the checkpoint and key
     // Drop the float tensor's resident pages once quantized, so loading a 7B base keeps RSS
     // near the NF4 size instead of accumulating the mapped fp16/bf16 file.
     if (ckpt.contains(key)) ckpt.file_of(key).release(key);
@@ -109,7 +109,7 @@ LlamaModel load_llama(const std::string& checkpoint_dir, const LlamaLoadOptions&
   m.frozen_dtype = frozen;
   m.activation_checkpointing = opt.activation_checkpointing;
   const LlamaConfig& c = m.config;
-  const auto ckpt = checkpoint::CheckpointDir::open(checkpoint_dir);
+  const auto ckpt = io::CheckpointDir::open(checkpoint_dir);
   const Loader ld{ckpt, opt};
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(opt.seed);
 

@@ -18,7 +18,7 @@
 namespace qlora::models {
 
 struct LlamaLoadOptions {
-  // Every *_proj.weight of the decoder layers is read as NF4 (checkpoint::load_nf4, one tensor at
+  // Every *_proj.weight of the decoder layers is read as NF4 (io::load_nf4, one tensor at
   // a time), so a full-precision copy of the base never sits whole in memory.
   bool base_in_nf4 = false;
   at::ScalarType compute_dtype = at::kFloat;  // kFloat or kBFloat16

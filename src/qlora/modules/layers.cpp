@@ -33,7 +33,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 // reciprocal(t) * 1.0, `c / t` is reciprocal(t) * c), in the same order, so the fp32 tables agree
 // bit for bit rather than to a tolerance.
 at::Tensor rope_inv_freq(int64_t head_dim, double theta,
-                         const std::optional<models::Llama3RopeScaling>& scaling) {
+                         const std::optional<Llama3RopeScaling>& scaling) {
   at::Tensor exponents = at::arange(0, head_dim, 2, at::TensorOptions().dtype(at::kLong)).to(at::kFloat) /
                          head_dim;                                    // [d/2]
   at::Tensor inv_freq = at::reciprocal(at::pow(theta, exponents));   // [d/2] fp32

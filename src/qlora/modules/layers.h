@@ -10,8 +10,8 @@
 #include <optional>
 #include <vector>
 
-#include "qlora/models/llama_config.h"
 #include "qlora/modules/lora_linear.h"
+#include "qlora/modules/rope_scaling.h"
 
 namespace qlora::modules {
 
@@ -22,7 +22,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 
 // Inverse frequencies [head_dim / 2] fp32: 1 / theta^(2i / head_dim), then llama3 scaling if given.
 at::Tensor rope_inv_freq(int64_t head_dim, double theta,
-                         const std::optional<models::Llama3RopeScaling>& scaling);
+                         const std::optional<Llama3RopeScaling>& scaling);
 
 struct RopeTables {
   // [seq, head_dim] (one position range shared by every row) or [batch, seq, head_dim] (per-token

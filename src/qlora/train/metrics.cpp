@@ -8,7 +8,7 @@
 #include <stdexcept>
 #include <vector>
 
-#include "qlora/checkpoint/safetensors.h"  // write_file_atomic
+#include "qlora/io/safetensors.h"  // write_file_atomic
 
 namespace qlora::train {
 
@@ -45,7 +45,7 @@ MetricsLog::MetricsLog(const std::string& output_dir, int64_t resume_step)
       kept += line + "\n";
     }
     in.close();
-    if (dropped || resume_step == 0) checkpoint::write_file_atomic(path_, resume_step == 0 ? "" : kept);
+    if (dropped || resume_step == 0) io::write_file_atomic(path_, resume_step == 0 ? "" : kept);
   }
   file_ = std::fopen(path_.c_str(), "a");
   if (!file_) throw std::runtime_error("cannot open " + path_ + " for appending");

@@ -8,7 +8,7 @@
 #include <fstream>
 #include <stdexcept>
 
-#include "qlora/checkpoint/safetensors.h"
+#include "qlora/io/safetensors.h"
 
 namespace qlora::train {
 namespace fs = std::filesystem;
@@ -51,7 +51,7 @@ std::string ensure_tiny_base(const std::string& dir) {
   }
   t.push_back({"model.norm.weight", at::ones({kHidden}, at::kBFloat16)});
   t.push_back({"lm_head.weight", w(kVocab, kHidden)});
-  checkpoint::save_safetensors((tmp / "model.safetensors").string(), t, {{"format", "pt"}});
+  io::save_safetensors((tmp / "model.safetensors").string(), t, {{"format", "pt"}});
 
   const nlohmann::json config = {
       {"architectures", {"LlamaForCausalLM"}}, {"model_type", "llama"}, {"hidden_size", kHidden},
@@ -59,16 +59,16 @@ std::string ensure_tiny_base(const std::string& dir) {
       {"num_key_value_heads", kKvHeads}, {"vocab_size", kVocab}, {"max_position_embeddings", 256},
       {"rms_norm_eps", 1e-5}, {"rope_theta", 10000.0}, {"tie_word_embeddings", false},
       {"bos_token_id", 1}, {"eos_token_id", 2}, {"hidden_act", "silu"}, {"torch_dtype", "bfloat16"}};
-  checkpoint::write_file_atomic((tmp / "config.json").string(), config.dump(2) + "\n");
+  io::write_file_atomic((tmp / "config.json").string(), config.dump(2) + "\n");
   fs::copy_file(tokenizer, tmp / "tokenizer.model", fs::copy_options::overwrite_existing);
   // The other two files were fsynced by their writers; without this a power loss after the
   // rename could leave a complete-looking base with an empty or torn tokenizer.
-  checkpoint::fsync_path((tmp / "tokenizer.model").string());
-  checkpoint::fsync_path(tmp.string());
+  io::fsync_path((tmp / "tokenizer.model").string());
+  io::fsync_path(tmp.string());
   fs::remove_all(dir);
   fs::rename(tmp, dir);
   const fs::path parent = fs::path(dir).parent_path();
-  checkpoint::fsync_path(parent.empty() ? "." : parent.string());  // makes the rename itself durable
+  io::fsync_path(parent.empty() ? "." : parent.string());  // makes the rename itself durable
   return dir;
 }
 

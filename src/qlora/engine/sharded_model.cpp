@@ -1,0 +1,432 @@
+#include "qlora/engine/sharded_model.h"
+
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+#include <c10/core/StorageImpl.h>
+#include <c10/util/strides.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+
+namespace qlora::engine {
+
+using Setter = std::function<void(const at::Tensor&)>;
+
+struct ShardedLlama::FrozenGroup {
+  std::string name;
+  FlatLayout layout{at::kByte, 1};
+  std::vector<Setter> rebind;  // per member, while sharding: point the model's tensor at its alias
+  at::Tensor full;             // [padded] bytes; its storage exists only while gathered
+  at::Tensor shard;            // this rank's [padded / shards] bytes, owned
+  bool gathered = false;
+  WorkPtr pending;
+  int64_t bf16_bytes = 0;  // the members as bf16 weights would weigh
+};
+
+struct ShardedLlama::TrainGroup {
+  FlatLayout layout{at::kFloat, 1};
+  at::Tensor full_param, full_grad;  // [padded] fp32; the adapters and their .grad are views
+  at::Tensor grad_shard, rs_out;     // [padded / shards]
+  size_t shard_index = 0;            // into param_shards_
+  int64_t expected = 0, arrived = 0;
+  WorkPtr rs, ar;
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;  // keeps the hooks' nodes alive
+};
+
+namespace {
+
+// Releases / re-creates the memory behind `full` without replacing its StorageImpl, so every view
+// of it (the model's tensors, tensors saved by autograd) stays valid across a reshard and regather.
+void free_storage(const at::Tensor& full) {
+  c10::StorageImpl* s = full.storage().unsafeGetStorageImpl();
+  s->set_data_ptr_noswap(at::DataPtr(nullptr, full.device()));
+  s->set_nbytes(0);
+}
+
+void alloc_storage(const at::Tensor& full) {
+  c10::StorageImpl* s = full.storage().unsafeGetStorageImpl();
+  const size_t nbytes = static_cast<size_t>(full.numel()) * full.element_size();
+  s->set_data_ptr_noswap(s->allocator()->allocate(nbytes));
+  s->set_nbytes(nbytes);
+}
+
+// A tensor over member `m`'s bytes of `full` with a version counter of its own. Autograd saves
+// frozen weights (norms, NF4 buffers) for backward and checks their version there; a plain view
+// would share `full`'s counter, which every regather bumps, and backward would refuse.
+at::Tensor alias(const at::Tensor& full, const FlatMember& m) {
+  const int64_t elem = static_cast<int64_t>(c10::elementSize(m.dtype));
+  const int64_t byte_offset = m.offset * static_cast<int64_t>(full.element_size());
+  at::Tensor t = at::empty({0}, full.options().dtype(m.dtype));
+  t.set_(full.storage(), byte_offset / elem, m.shape, c10::contiguous_strides(m.shape));
+  return t;
+}
+
+struct GradReadyHook : torch::autograd::FunctionPostHook {
+  std::function<void()> fn;
+  explicit GradReadyHook(std::function<void()> f) : fn(std::move(f)) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list&) override {
+    fn();
+    return outputs;
+  }
+};
+
+struct Member {
+  std::string name;
+  at::Tensor value;
+  Setter set;
+};
+
+void add_nf4(std::vector<Member>& out, const std::string& stem, modules::LoraLinear& l) {
+  if (l.base_nf4.defined()) {
+    Nf4Tensor& w = l.base_nf4;
+    out.push_back({stem + ".codes", w.codes, [&w](const at::Tensor& v) { w.codes = v; }});
+    out.push_back({stem + ".scalers", w.scalers, [&w](const at::Tensor& v) { w.scalers = v; }});
+    out.push_back({stem + ".factors", w.factors, [&w](const at::Tensor& v) { w.factors = v; }});
+    out.push_back({stem + ".mean", w.mean, [&w](const at::Tensor& v) { w.mean = v; }});
+  } else {
+    out.push_back({stem + ".weight", l.base_dense, [&l](const at::Tensor& v) { l.base_dense = v; }});
+  }
+}
+
+// What a member would weigh as bf16 weights: NF4 codes hold two weights a byte; scalers,
+// factors and means are NF4 overhead that bf16 would not have; anything else is a weight.
+int64_t bf16_bytes_of(const Member& mb) {
+  auto ends_with = [&](const char* suffix) {
+    const std::string s(suffix);
+    return mb.name.size() >= s.size() && mb.name.compare(mb.name.size() - s.size(), s.size(), s) == 0;
+  };
+  if (ends_with(".codes")) return mb.value.numel() * 2 * 2;
+  if (ends_with(".scalers") || ends_with(".factors") || ends_with(".mean")) return 0;
+  return mb.value.numel() * 2;
+}
+
+const char* const kProj[] = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
+
+std::vector<modules::LoraLinear*> projections(modules::DecoderLayer& L) {
+  return {&L.q_proj, &L.k_proj, &L.v_proj, &L.o_proj, &L.gate_proj, &L.up_proj, &L.down_proj};
+}
+
+}  // namespace
+
+ShardedLlama::ShardedLlama(World& world, ShardingOptions options) : world_(world), opt_(options) {}
+
+ShardedLlama::~ShardedLlama() = default;
+
+namespace {
+
+// Packs `members` into a new group's full buffer, points the model's tensors at their aliases of
+// it, keeps this rank's shard and releases the full buffer.
+std::unique_ptr<ShardedLlama::FrozenGroup> make_frozen(const std::string& name, const std::vector<Member>& members,
+                                                       int64_t shards, int64_t me, at::Device dev);
+
+}  // namespace
+
+std::shared_ptr<ShardedLlama> ShardedLlama::begin(World& world, ShardingOptions options) {
+  std::shared_ptr<ShardedLlama> self(new ShardedLlama(world, options));
+  self->frozen_.resize(1);  // the embedding's slot; layers append theirs
+  return self;
+}
+
+std::shared_ptr<ShardedLlama> ShardedLlama::shard(models::LlamaModel& m, World& world, ShardingOptions options) {
+  auto self = begin(world, options);
+  for (size_t i = 0; i < m.layers.size(); ++i) self->shard_layer(static_cast<int64_t>(i), m.layers[i]);
+  self->finish(m);
+  return self;
+}
+
+void ShardedLlama::shard_layer(int64_t index, modules::DecoderLayer& L) {
+  if (index != num_layers_)
+    throw std::invalid_argument("ShardedLlama::shard_layer: layer " + std::to_string(index) + " out of order (expected " +
+                                std::to_string(num_layers_) + ")");
+  const int64_t n = world_.shard().size(), me = world_.shard().rank();
+  std::vector<Member> ms;
+  const auto projs = projections(L);
+  for (int j = 0; j < 7; ++j) add_nf4(ms, kProj[j], *projs[j]);
+  ms.push_back({"input_layernorm", L.input_layernorm, [&L](const at::Tensor& v) { L.input_layernorm = v; }});
+  ms.push_back({"post_attention_layernorm", L.post_attention_layernorm,
+                [&L](const at::Tensor& v) { L.post_attention_layernorm = v; }});
+  frozen_.push_back(make_frozen("layer" + std::to_string(index), ms, n, me, L.input_layernorm.device()));
+  std::vector<std::string> stems;
+  for (const char* p : kProj) stems.push_back("layer" + std::to_string(index) + "." + p);
+  add_trainable(projs, stems);
+  ++num_layers_;
+}
+
+void ShardedLlama::finish(models::LlamaModel& m) {
+  if (num_layers_ != static_cast<int64_t>(m.layers.size()))
+    throw std::invalid_argument("ShardedLlama::finish: " + std::to_string(num_layers_) + " of " +
+                                std::to_string(m.layers.size()) + " layers were sharded");
+  const int64_t n = world_.shard().size(), me = world_.shard().rank();
+  const at::Device dev = m.embed_tokens.device();
+  const bool tied = m.lm_head.base_dense.defined() && m.lm_head.base_dense.is_same(m.embed_tokens);
+  const Member embed{"embed_tokens", m.embed_tokens, [&m, tied](const at::Tensor& v) {
+                       m.embed_tokens = v;
+                       if (tied) m.lm_head.base_dense = v;
+                     }};
+  if (!tied) frozen_[0] = make_frozen("embed", {embed}, n, me, dev);
+  std::vector<Member> head = {{"norm", m.norm, [&m](const at::Tensor& v) { m.norm = v; }}};
+  if (tied) head.push_back(embed);
+  else add_nf4(head, "lm_head", m.lm_head);
+  frozen_.push_back(make_frozen("head", head, n, me, dev));
+  add_trainable({&m.lm_head}, {"lm_head"});
+  m.hooks = shared_from_this();
+}
+
+namespace {
+
+std::unique_ptr<ShardedLlama::FrozenGroup> make_frozen(const std::string& name, const std::vector<Member>& members,
+                                                       int64_t shards, int64_t me, at::Device dev) {
+  auto g = std::make_unique<ShardedLlama::FrozenGroup>();
+  g->name = name;
+  g->layout = FlatLayout(at::kByte, shards);
+  for (const Member& mb : members) {
+    g->layout.add(mb.name, mb.value.scalar_type(), mb.value.sizes().vec());
+    g->bf16_bytes += bf16_bytes_of(mb);
+  }
+  g->full = g->layout.empty_full(at::TensorOptions().device(dev));
+  for (const Member& mb : members) {
+    g->layout.pack(g->full, mb.name, mb.value);
+    g->rebind.push_back(mb.set);
+  }
+  const auto& ms = g->layout.members();
+  for (size_t k = 0; k < ms.size(); ++k) g->rebind[k](alias(g->full, ms[k]));
+  g->rebind.clear();  // they point into the model: not to be called again
+  g->shard = g->layout.shard_of(g->full, me).clone();
+  free_storage(g->full);
+  return g;
+}
+
+}  // namespace
+
+void ShardedLlama::add_trainable(const std::vector<modules::LoraLinear*>& ls, const std::vector<std::string>& stems) {
+  const int64_t n = world_.shard().size(), me = world_.shard().rank();
+  auto g = std::make_unique<TrainGroup>();
+  g->layout = FlatLayout(at::kFloat, n);
+  std::vector<std::pair<at::Tensor*, std::string>> slots;
+  for (size_t k = 0; k < ls.size(); ++k) {
+    if (!ls[k]->has_lora()) continue;
+    slots.push_back({&ls[k]->lora_a, stems[k] + ".lora_A"});
+    slots.push_back({&ls[k]->lora_b, stems[k] + ".lora_B"});
+  }
+  if (slots.empty()) return;
+  for (auto& [t, name] : slots) g->layout.add(name, at::kFloat, t->sizes().vec());
+  const auto fopts = at::TensorOptions().device(slots[0].first->device()).dtype(at::kFloat);
+  g->full_param = g->layout.empty_full(fopts);
+  g->full_grad = g->layout.empty_full(fopts);
+  const size_t gi = train_.size();
+  for (size_t k = 0; k < slots.size(); ++k) {
+    const FlatMember& mb = g->layout.members()[k];
+    g->layout.view(g->full_param, mb).copy_(slots[k].first->detach());
+    at::Tensor p = g->layout.view(g->full_param, mb).detach().set_requires_grad(true);
+    p.mutable_grad() = g->layout.view(g->full_grad, mb);  // accumulate in place, into the flat buffer
+    *slots[k].first = p;
+    auto acc = torch::autograd::impl::grad_accumulator(p);
+    acc->add_post_hook(std::make_unique<GradReadyHook>([this, gi] { on_grad_ready(gi); }));
+    g->accumulators.push_back(std::move(acc));
+  }
+  g->expected = static_cast<int64_t>(slots.size());
+  at::Tensor ps = g->layout.shard_of(g->full_param, me).clone();
+  g->grad_shard = at::zeros_like(ps);
+  g->rs_out = at::empty_like(ps);
+  ps.mutable_grad() = g->grad_shard;
+  g->shard_index = param_shards_.size();
+  param_shards_.push_back(ps);
+  train_.push_back(std::move(g));
+}
+
+const FlatLayout& ShardedLlama::trainable_layout(size_t g) const { return train_.at(g)->layout; }
+
+std::vector<ShardedLlama::FrozenView> ShardedLlama::frozen_groups() const {
+  std::vector<FrozenView> out;
+  for (const auto& g : frozen_)
+    if (g) out.push_back({g->name, &g->layout, g->shard, g->full});
+  return out;
+}
+
+ShardedLlama::FrozenGroup& ShardedLlama::group_of(int64_t unit) {
+  const auto& slot = frozen_.at(static_cast<size_t>(unit + 1));
+  return slot ? *slot : *frozen_.back();  // a tied embedding lives in the head's group
+}
+
+void ShardedLlama::gather(FrozenGroup& g, bool wait_now) {
+  alloc_storage(g.full);
+  g.gathered = true;
+  stats_.gathers += 1;
+  stats_.bytes_gathered += g.full.numel();
+  if (g.name.rfind("layer", 0) == 0) {
+    stats_.layer_bytes_gathered += g.full.numel();
+    stats_.layer_bytes_as_bf16 += g.bf16_bytes;
+  }
+  WorkPtr w = world_.shard().all_gather(g.full, g.shard);
+  if (wait_now) wait(w);
+  else g.pending = std::move(w);
+}
+
+void ShardedLlama::ensure(FrozenGroup& g) {
+  if (!g.gathered) return gather(g, /*wait_now=*/true);
+  if (g.pending) {
+    WorkPtr w = std::move(g.pending);
+    g.pending = {};
+    wait(w);
+  }
+}
+
+void ShardedLlama::release(FrozenGroup& g) {
+  if (!g.gathered) return;
+  ensure(g);  // a collective still writing into the buffer must finish first
+  free_storage(g.full);
+  g.gathered = false;
+}
+
+void ShardedLlama::prefetch(int64_t unit) {
+  if (!opt_.prefetch || unit < -1 || unit > num_layers_) return;
+  FrozenGroup& g = group_of(unit);
+  if (!g.gathered) gather(g, /*wait_now=*/false);
+}
+
+void ShardedLlama::before_forward(int64_t unit, bool recompute) {
+  ensure(group_of(unit));
+  if (!recompute) prefetch(unit + 1);
+}
+
+void ShardedLlama::after_forward(int64_t unit, bool recompute) {
+  if (recompute || !opt_.reshard_after_forward) return;
+  const bool training = at::GradMode::is_enabled();
+  // Backward starts with the head and the last layer: keep them rather than regather at once.
+  if (training && unit >= num_layers_ - 1) return;
+  FrozenGroup& g = group_of(unit);
+  if (unit == -1 && &g == &group_of(num_layers_)) return;  // tied: the head needs it next
+  release(g);
+}
+
+void ShardedLlama::before_backward(int64_t unit) {
+  ensure(group_of(unit));
+  if (unit > 0) prefetch(unit - 1);
+}
+
+void ShardedLlama::after_backward(int64_t unit) {
+  if (unit >= 0) release(group_of(unit));
+}
+
+void ShardedLlama::on_grad_ready(size_t gi) {
+  TrainGroup& g = *train_[gi];
+  if (++g.arrived < g.expected) return;
+  g.arrived = 0;
+  if (!sync_ && !opt_.reduce_scatter_every_micro_batch) return;
+  if (g.rs)  // rs_out and full_grad are still in use by the last backward's reduce-scatter
+    throw std::logic_error("ShardedLlama: a backward ran without finish_backward() after the previous one");
+  g.rs = world_.shard().reduce_scatter_sum(g.rs_out, g.full_grad);
+  stats_.reduce_scatters += 1;
+  ready_order_.push_back(gi);
+}
+
+void ShardedLlama::finish_backward() {
+  // Every group must have had each adapter's gradient exactly once; anything else (an adapter
+  // the graph skipped, a backward cut short) would step on a stale shard, and out of step with
+  // the other ranks' collectives.
+  for (size_t gi = 0; gi < train_.size(); ++gi) {
+    const bool issued = std::find(ready_order_.begin(), ready_order_.end(), gi) != ready_order_.end();
+    const bool want = sync_ || opt_.reduce_scatter_every_micro_batch;
+    if (train_[gi]->arrived != 0 || issued != want)
+      throw std::logic_error("ShardedLlama::finish_backward: trainable group " + std::to_string(gi) + " (" +
+                             train_[gi]->layout.members().front().name + ") received " +
+                             std::to_string(train_[gi]->arrived) + " of " + std::to_string(train_[gi]->expected) +
+                             " adapter gradients in this backward");
+  }
+  // Reduce-scatters in the order the groups became ready, then the replica all-reduces (HSDP).
+  for (size_t gi : ready_order_) {
+    TrainGroup& g = *train_[gi];
+    WorkPtr w = std::move(g.rs);
+    g.rs = {};
+    wait(w);
+    g.grad_shard.add_(g.rs_out);
+    g.full_grad.zero_();
+    if (sync_) g.ar = world_.replica().all_reduce_sum(g.grad_shard);
+  }
+  for (size_t gi : ready_order_) {
+    WorkPtr w = std::move(train_[gi]->ar);
+    train_[gi]->ar = {};
+    wait(w);
+  }
+  ready_order_.clear();
+  reshard_all();
+}
+
+double ShardedLlama::clip_grad_norm(double max_norm) {
+  at::Tensor sq = at::zeros({1}, param_shards_.empty() ? at::TensorOptions() : param_shards_[0].options());
+  for (const auto& g : train_) sq += g->grad_shard.pow(2).sum();
+  wait(world_.shard().all_reduce_sum(sq));  // replicas hold equal shards after their all-reduce
+  const double total = std::sqrt(sq.item<double>());
+  if (max_norm > 0) {
+    const double coef = max_norm / (total + 1e-6);
+    if (coef < 1.0)
+      for (auto& g : train_) g->grad_shard.mul_(coef);
+  }
+  return total;
+}
+
+void ShardedLlama::gather_params() {
+  std::vector<WorkPtr> works;
+  for (auto& g : train_) works.push_back(world_.shard().all_gather(g->full_param, param_shards_[g->shard_index]));
+  for (auto& w : works) wait(w);
+  for (auto& g : train_) {
+    g->grad_shard.zero_();
+    param_shards_[g->shard_index].mutable_grad() = g->grad_shard;
+  }
+}
+
+at::Tensor ShardedLlama::shard_of_unpadded(size_t g, const at::Tensor& unpadded) const {
+  const FlatLayout& l = train_.at(g)->layout;
+  if (unpadded.numel() != l.used())
+    throw std::invalid_argument("ShardedLlama: trainable group " + std::to_string(g) + " has " +
+                                std::to_string(l.used()) + " values, got " + std::to_string(unpadded.numel()));
+  at::Tensor full = l.empty_full(param_shards_.at(g).options());
+  full.narrow(0, 0, l.used()).copy_(unpadded.reshape({-1}));
+  return l.shard_of(full, world_.shard().rank()).clone();
+}
+
+void ShardedLlama::load_params(const std::vector<at::Tensor>& unpadded) {
+  if (unpadded.size() != train_.size())
+    throw std::invalid_argument("ShardedLlama::load_params: " + std::to_string(unpadded.size()) + " groups for " +
+                                std::to_string(train_.size()));
+  {
+    at::NoGradGuard ng;
+    for (size_t g = 0; g < train_.size(); ++g) param_shards_[g].copy_(shard_of_unpadded(g, unpadded[g]));
+  }
+  gather_params();
+}
+
+WorkPtr ShardedLlama::gather_unit_to(int64_t unit, int root) {
+  FrozenGroup& g = group_of(unit);
+  const bool me = world_.shard().rank() == root;
+  at::Tensor out = at::empty({0}, g.shard.options());
+  if (me && !g.gathered) {
+    alloc_storage(g.full);
+    g.gathered = true;
+    out = g.full;
+    stats_.gathers += 1;
+    stats_.bytes_gathered += g.full.numel();
+  } else if (me) {
+    out = at::empty({g.full.numel()}, g.shard.options());  // already here (a tied group): take part, keep ours
+  }
+  return world_.shard().gather_to(root, out, g.shard);
+}
+
+void ShardedLlama::release_unit(int64_t unit) { release(group_of(unit)); }
+
+void ShardedLlama::unshard_all() {
+  for (auto& g : frozen_)
+    if (g) ensure(*g);
+}
+
+void ShardedLlama::reshard_all() {
+  for (auto& g : frozen_)
+    if (g) release(*g);
+}
+
+}  // namespace qlora::engine

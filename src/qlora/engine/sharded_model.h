@@ -1,0 +1,148 @@
+// FSDP-style sharding of a loaded LlamaModel over a World's mesh.
+//
+// Shard groups, as the recipe wraps them: the token embedding; each decoder layer's frozen part
+// (its NF4 projections' codes, scalers, factors and means, and its two norms) as one byte buffer;
+// final norm + output projection; and, separately, each layer's LoRA adapters (and the output
+// projection's, when adapted) as one fp32 buffer. Every buffer is a FlatLayout padded to split
+// evenly over the shard group, so any number of ranks works for any shape.
+//
+// Frozen groups live as this rank's shard only. Before a unit runs, its group is all-gathered
+// (packed NF4 bytes, never dequantized weights) into a full buffer whose typed views the model's
+// tensors already are; the next unit's gather is issued asynchronously meanwhile (forward order in
+// forward, reverse in backward). After the unit's forward the full buffer's storage is released
+// (reshard_after_forward; the last layer and the head stay, backward needs them next) and gathered
+// again for backward; activation-checkpoint replays find it gathered by before_backward.
+//
+// Trainable groups stay gathered (adapters are ~1% of a 7B base): each rank keeps the full fp32
+// adapters for compute plus its shard as the optimizer's master copy. Gradients accumulate into a
+// full per-group gradient buffer (the adapters' .grad are views of it); when a group's last
+// gradient of the step's last micro-batch is accumulated (a post-hook on the AccumulateGrad nodes),
+// its buffer is reduce-scattered asynchronously within the shard group, overlapping the rest of
+// backward, then all-reduced across replicas (HSDP). finish_backward() waits for them in the order
+// they became ready. The optimizer steps the flat shards; gather_params() all-gathers them back.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "qlora/engine/flat_layout.h"
+#include "qlora/engine/process_group.h"
+#include "qlora/models/llama.h"
+
+namespace torch::autograd {
+struct Node;
+}
+
+namespace qlora::engine {
+
+struct ShardingOptions {
+  bool reshard_after_forward = true;
+  bool prefetch = true;  // off: every gather is issued when needed and waited at once (for benchmarks)
+  // Reduce-scatter every micro-batch's gradients (less memory held between micro-batches in a
+  // future layout; same results) instead of only the last one's.
+  bool reduce_scatter_every_micro_batch = false;
+};
+
+struct ShardStats {
+  int64_t gathers = 0;
+  int64_t bytes_gathered = 0;  // every frozen-group all-gather (full buffer sizes)
+  // Of those, the decoder layers' groups (NF4 projections + norms), and what the same layers
+  // would move as bf16 weights; the embedding and head are dense and move as stored.
+  int64_t layer_bytes_gathered = 0;
+  int64_t layer_bytes_as_bf16 = 0;
+  int64_t reduce_scatters = 0;
+};
+
+class ShardedLlama : public models::UnitHooks, public std::enable_shared_from_this<ShardedLlama> {
+ public:
+  // `model` was loaded identically on every rank (same seed: same adapters). Afterwards each rank
+  // holds 1/shard_size of every group, and model.hooks points to the returned engine.
+  static std::shared_ptr<ShardedLlama> shard(models::LlamaModel& model, World& world, ShardingOptions options);
+
+  // The same in two parts, so a loader can hand over each layer as it is built and the full base
+  // never exists on one rank: begin(); shard_layer() from LlamaLoadOptions::on_layer_loaded for
+  // every layer, in order; finish(model) once load_llama has returned (embedding, head, hooks).
+  static std::shared_ptr<ShardedLlama> begin(World& world, ShardingOptions options);
+  void shard_layer(int64_t index, modules::DecoderLayer& layer);
+  void finish(models::LlamaModel& model);
+  ~ShardedLlama() override;
+
+  // One fp32 tensor per trainable group: this rank's shard of the adapters, with .grad set to the
+  // reduce-scattered gradient after finish_backward(). Step these with the optimizer.
+  const std::vector<at::Tensor>& param_shards() const { return param_shards_; }
+  // Names of the members of trainable group g, in layout order (for state dicts).
+  const FlatLayout& trainable_layout(size_t g) const;
+  // The frozen groups in unit order (the embedding unless tied, the layers, the head): for state
+  // dicts. `full` holds data only while the group is gathered here.
+  struct FrozenView {
+    std::string name;
+    const FlatLayout* layout;
+    at::Tensor shard, full;
+  };
+  std::vector<FrozenView> frozen_groups() const;
+
+  // False for every micro-batch but the last of a step: gradients only accumulate locally.
+  void set_gradient_sync(bool sync) { sync_ = sync; }
+  // After every backward (every micro-batch's): frees the gathered frozen groups; where gradients
+  // were reduce-scattered (the step's last micro-batch, or every one), waits for those collectives
+  // in ready order, adds them into the shards and zeroes the full gradient buffers. Throws if a
+  // group did not get each adapter's gradient exactly once.
+  void finish_backward();
+  // torch's clip_grad_norm_ over the global gradient (one all-reduce of the squared shard norms);
+  // returns the norm before clipping. max_norm <= 0 only measures.
+  double clip_grad_norm(double max_norm);
+  // After the optimizer step: the updated shards become the model's adapters on every rank.
+  void gather_params();
+
+  // Resume: this rank's shard of group g's unpadded vector (padded for this mesh and cut), and the
+  // adapters set from every group's unpadded vector (then all-gathered into the model).
+  at::Tensor shard_of_unpadded(size_t g, const at::Tensor& unpadded) const;
+  void load_params(const std::vector<at::Tensor>& unpadded);
+
+  // Gathers unit's frozen group to shard rank `root` only (a collective of the shard group: every
+  // member calls it, in the same order); root keeps it until release_unit(). For writers.
+  WorkPtr gather_unit_to(int64_t unit, int root);
+  void release_unit(int64_t unit);
+
+  // Gathers every frozen group and keeps it (export); reshard_all() releases them.
+  void unshard_all();
+  void reshard_all();
+  const ShardStats& stats() const { return stats_; }
+
+  void before_forward(int64_t unit, bool recompute) override;
+  void after_forward(int64_t unit, bool recompute) override;
+  void before_backward(int64_t unit) override;
+  void after_backward(int64_t unit) override;
+
+  struct FrozenGroup;
+  struct TrainGroup;
+
+ private:
+  ShardedLlama(World& world, ShardingOptions options);
+  FrozenGroup& group_of(int64_t unit);
+  void gather(FrozenGroup& g, bool wait_now);
+  void ensure(FrozenGroup& g);
+  void release(FrozenGroup& g);
+  void prefetch(int64_t unit);
+  void on_grad_ready(size_t group);
+  void add_trainable(const std::vector<modules::LoraLinear*>& layers, const std::vector<std::string>& stems);
+
+  World& world_;
+  ShardingOptions opt_;
+  // Slot unit + 1: the embedding, the layers, the head. A tied embedding lives in the head's
+  // group and its own slot stays empty.
+  std::vector<std::unique_ptr<FrozenGroup>> frozen_;
+  std::vector<std::unique_ptr<TrainGroup>> train_;
+  std::vector<at::Tensor> param_shards_;
+  std::vector<size_t> ready_order_;
+  bool sync_ = true;
+  int64_t num_layers_ = 0;  // layers sharded so far; all of them after finish()
+  ShardStats stats_;
+};
+
+}  // namespace qlora::engine
