@@ -16,6 +16,7 @@
 namespace fs = std::filesystem;
 using namespace qlora;
 using namespace qlora::checkpoint;
+using namespace qlora::io;
 
 namespace {
 

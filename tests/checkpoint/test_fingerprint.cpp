@@ -14,6 +14,7 @@
 
 namespace fs = std::filesystem;
 using namespace qlora::checkpoint;
+using namespace qlora::io;
 
 namespace {
 

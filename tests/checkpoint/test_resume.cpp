@@ -6,9 +6,11 @@
 #include <string>
 
 #include "qlora/checkpoint/resume.h"
+#include "qlora/io/safetensors.h"
 
 namespace fs = std::filesystem;
 using namespace qlora::checkpoint;
+using namespace qlora::io;
 
 namespace {
 

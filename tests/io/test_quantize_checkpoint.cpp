@@ -11,7 +11,7 @@
 #include "qlora/ops/nf4_ops.h"
 #include "quant/nf4_serialize.h"
 
-namespace qlora::checkpoint {
+namespace qlora::io {
 namespace {
 namespace fs = std::filesystem;
 
@@ -109,4 +109,4 @@ TEST_F(QuantizeCheckpoint, NeverWritesOverItsInputAndNamesBadTensors) {
 }
 
 }  // namespace
-}  // namespace qlora::checkpoint
+}  // namespace qlora::io

@@ -18,7 +18,7 @@
 #include <iterator>
 #include <random>
 
-namespace ck = qlora::checkpoint;
+namespace ck = qlora::io;
 
 namespace {
 

@@ -57,7 +57,7 @@ TEST(Rope, Llama3ScalingHandComputed) {
   // head_dim 8, theta 5e5: inv_freq = 1, 5e5^-0.25, 5e5^-0.5, 5e5^-0.75 with wavelengths
   // 6.3, 167, 4443, 118148. With original context 8192, low/high factors 1/4: the band edges are
   // 8192 and 2048, so the first two are kept, the third interpolated, the fourth divided by 8.
-  models::Llama3RopeScaling s{8.0, 1.0, 4.0, 8192};
+  modules::Llama3RopeScaling s{8.0, 1.0, 4.0, 8192};
   at::Tensor f = rope_inv_freq(8, 500000.0, s);
   auto base = [](int i) { return 1.0 / std::pow(500000.0, 2.0 * i / 8.0); };
   EXPECT_NEAR(f[0].item<double>(), 1.0, 1e-7);

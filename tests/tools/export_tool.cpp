@@ -64,7 +64,7 @@ int main(int argc, char** argv) {
     const at::Tensor tok = at::tensor(ids, at::TensorOptions().dtype(at::kLong)).view({1, -1});
     const c10::NoGradGuard g;
     const at::Tensor logits = m.forward(tok);
-    ck::save_safetensors(out + "/logits.safetensors", {{"tokens", tok}, {"logits", logits.contiguous()}});
+    qlora::io::save_safetensors(out + "/logits.safetensors", {{"tokens", tok}, {"logits", logits.contiguous()}});
   } catch (const std::exception& e) {
     std::cerr << "export_tool: " << e.what() << "\n";
     return 1;

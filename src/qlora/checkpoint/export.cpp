@@ -63,7 +63,7 @@ struct Entry {
   std::vector<int64_t> shape;
   std::function<at::Tensor()> produce;  // CPU tensor of dtype and shape
   int64_t nbytes() const {
-    int64_t n = dtype_size(from_scalar_type(dtype));
+    int64_t n = io::dtype_size(io::from_scalar_type(dtype));
     for (int64_t s : shape) n *= s;
     return n;
   }
@@ -79,7 +79,7 @@ at::ScalarType model_base_dtype(const modules::LoraLinear& l) {
   return l.base_nf4.defined() ? l.base_nf4.dtype() : l.base_dense.scalar_type();
 }
 
-void copy_file_atomic(const fs::path& from, const fs::path& to) { write_file_atomic(to.string(), read_file(from)); }
+void copy_file_atomic(const fs::path& from, const fs::path& to) { io::write_file_atomic(to.string(), read_file(from)); }
 
 }  // namespace
 
@@ -104,7 +104,7 @@ void write_peft_adapter(const std::string& dir, const std::vector<std::pair<std:
     cpu.emplace_back(name, t.detach().to(at::kCPU, dtype).contiguous());
   }
   fs::create_directories(dir);
-  save_safetensors((fs::path(dir) / "adapter_model.safetensors").string(), cpu, {{"format", "pt"}});
+  io::save_safetensors((fs::path(dir) / "adapter_model.safetensors").string(), cpu, {{"format", "pt"}});
 
   const std::vector<std::string> targets =
       info.target_modules.empty() ? std::vector<std::string>(derived.begin(), derived.end()) : info.target_modules;
@@ -132,17 +132,17 @@ void write_peft_adapter(const std::string& dir, const std::vector<std::pair<std:
       {"use_dora", false},
   };
   // json's object keys are sorted, as PEFT's own json.dumps(sort_keys=True) writes them.
-  write_file_atomic((fs::path(dir) / "adapter_config.json").string(), cfg.dump(2) + "\n");
+  io::write_file_atomic((fs::path(dir) / "adapter_config.json").string(), cfg.dump(2) + "\n");
 }
 
 struct MergedModelWriter::Impl {
   std::string dir, base_dir;
-  CheckpointDir orig;
+  io::CheckpointDir orig;
   std::vector<Entry> entries;
   std::vector<int64_t> unit;                       // per entry
   std::vector<std::pair<size_t, size_t>> place;    // per entry: (file, index in the file's header)
   std::vector<std::string> names;                  // per file
-  std::vector<SafetensorsHeader> headers;          // per file
+  std::vector<io::SafetensorsHeader> headers;          // per file
   std::map<std::string, std::string> weight_map;
   int64_t total = 0;
   bool untie = false;
@@ -152,14 +152,14 @@ struct MergedModelWriter::Impl {
 MergedModelWriter::MergedModelWriter(const std::string& dir, const models::LlamaModel& model,
                                      const std::string& base_checkpoint_dir, MergeSource source,
                                      int64_t max_shard_bytes)
-    : impl_(new Impl{dir, base_checkpoint_dir, CheckpointDir{}, {}, {}, {}, {}, {}, {}, 0, false, {}}) {
+    : impl_(new Impl{dir, base_checkpoint_dir, io::CheckpointDir{}, {}, {}, {}, {}, {}, {}, 0, false, {}}) {
   if (max_shard_bytes <= 0) throw ExportError("write_merged_model " + dir + ": max_shard_bytes must be positive");
   if (base_checkpoint_dir.empty() || !fs::is_regular_file(fs::path(base_checkpoint_dir) / "config.json")) {
     throw ExportError("write_merged_model " + dir + ": base checkpoint '" + base_checkpoint_dir +
                       "' has no config.json (needed for the merged model's config)");
   }
-  impl_->orig = CheckpointDir::open(base_checkpoint_dir);
-  const CheckpointDir& orig = impl_->orig;
+  impl_->orig = io::CheckpointDir::open(base_checkpoint_dir);
+  const io::CheckpointDir& orig = impl_->orig;
   std::vector<Entry>& entries = impl_->entries;
   int64_t current_unit = -1;
   auto push = [&](Entry e) {
@@ -172,8 +172,8 @@ MergedModelWriter::MergedModelWriter(const std::string& dir, const models::Llama
   // A frozen non-projection tensor: the original's bytes when it has the key, else the model's.
   auto plain = [&](const std::string& key, const at::Tensor& t) {
     if (orig.contains(key)) {
-      const TensorInfo& ti = orig.file_of(key).info(key);
-      push({key, to_scalar_type(ti.dtype), ti.shape, from_orig(key)});
+      const io::TensorInfo& ti = orig.file_of(key).info(key);
+      push({key, io::to_scalar_type(ti.dtype), ti.shape, from_orig(key)});
     } else {
       push({key, t.scalar_type(), t.sizes().vec(), [t]() { return t.detach().cpu().contiguous(); }});
     }
@@ -184,7 +184,7 @@ MergedModelWriter::MergedModelWriter(const std::string& dir, const models::Llama
     if (have && orig.file_of(key).info(key).shape != shape) {
       throw ExportError("write_merged_model: " + key + " in " + base_checkpoint_dir + " has another shape than the model's");
     }
-    const at::ScalarType out = have ? to_scalar_type(orig.file_of(key).info(key).dtype) : model_base_dtype(l);
+    const at::ScalarType out = have ? io::to_scalar_type(orig.file_of(key).info(key).dtype) : model_base_dtype(l);
     if (!l.has_lora()) {
       if (have) {
         push({key, out, shape, from_orig(key)});
@@ -224,7 +224,7 @@ MergedModelWriter::MergedModelWriter(const std::string& dir, const models::Llama
   if (!c.tie_word_embeddings || untie) {
     if (untie && !orig.contains("lm_head.weight")) {
       // Tied: the original has no lm_head.weight; the merged head starts from the embedding.
-      const at::ScalarType out = to_scalar_type(orig.file_of("model.embed_tokens.weight").info("model.embed_tokens.weight").dtype);
+      const at::ScalarType out = io::to_scalar_type(orig.file_of("model.embed_tokens.weight").info("model.embed_tokens.weight").dtype);
       const modules::LoraLinear& l = model.lm_head;
       push({"lm_head.weight", out, {l.out_features, l.in_features}, [&l, &orig, out, source]() {
                            at::Tensor w = source == MergeSource::Original
@@ -263,14 +263,14 @@ MergedModelWriter::MergedModelWriter(const std::string& dir, const models::Llama
     std::stable_sort(idx.begin(), idx.end(), [&](size_t a, size_t b) {
       return c10::elementSize(entries[a].dtype) > c10::elementSize(entries[b].dtype);
     });
-    std::vector<EntrySpec> specs;
+    std::vector<io::EntrySpec> specs;
     for (size_t k = 0; k < idx.size(); ++k) {
-      specs.push_back({entries[idx[k]].key, from_scalar_type(entries[idx[k]].dtype), entries[idx[k]].shape});
+      specs.push_back({entries[idx[k]].key, io::from_scalar_type(entries[idx[k]].dtype), entries[idx[k]].shape});
       impl_->place[idx[k]] = {s, k};
       impl_->weight_map[entries[idx[k]].key] = name;
     }
     impl_->names.push_back(name);
-    impl_->headers.push_back(safetensors_header((fs::path(dir) / name).string(), specs, {{"format", "pt"}}));
+    impl_->headers.push_back(io::safetensors_header((fs::path(dir) / name).string(), specs, {{"format", "pt"}}));
   }
 }
 
@@ -282,7 +282,7 @@ int64_t MergedModelWriter::unit_of(size_t i) const { return impl_->unit.at(i); }
 void MergedModelWriter::create_files() const {
   fs::create_directories(impl_->dir);
   for (size_t f = 0; f < impl_->names.size(); ++f)
-    create_safetensors_file((fs::path(impl_->dir) / impl_->names[f]).string(), impl_->headers[f]);
+    io::create_safetensors_file((fs::path(impl_->dir) / impl_->names[f]).string(), impl_->headers[f]);
 }
 
 void MergedModelWriter::write_entry(size_t i) const {
@@ -293,13 +293,13 @@ void MergedModelWriter::write_entry(size_t i) const {
     throw ExportError("write_merged_model: internal error, " + e.key + " produced the wrong dtype or shape");
   }
   const auto [file, k] = impl_->place[i];
-  write_safetensors_entry((fs::path(impl_->dir) / impl_->names[file]).string(), impl_->headers[file], k, t);
+  io::write_safetensors_entry((fs::path(impl_->dir) / impl_->names[file]).string(), impl_->headers[file], k, t);
   impl_->written.insert(file);
   if (impl_->orig.contains(e.key)) impl_->orig.file_of(e.key).release(e.key);  // keep RSS flat on 7B bases
 }
 
 void MergedModelWriter::sync_written() const {
-  for (size_t f : impl_->written) fsync_path((fs::path(impl_->dir) / impl_->names[f]).string());
+  for (size_t f : impl_->written) io::fsync_path((fs::path(impl_->dir) / impl_->names[f]).string());
   impl_->written.clear();
 }
 
@@ -307,7 +307,7 @@ void MergedModelWriter::write_extras(const std::string& tokenizer_path) const {
   const std::string& dir = impl_->dir;
   const std::string& base_checkpoint_dir = impl_->base_dir;
   if (impl_->names.size() > 1) {
-    write_safetensors_index((fs::path(dir) / "model.safetensors.index.json").string(), impl_->weight_map,
+    io::write_safetensors_index((fs::path(dir) / "model.safetensors.index.json").string(), impl_->weight_map,
                             static_cast<uint64_t>(impl_->total));
   }
   // Config and tokenizer files: the base checkpoint's, then an explicit tokenizer overriding them.
@@ -331,7 +331,7 @@ void MergedModelWriter::write_extras(const std::string& tokenizer_path) const {
     const fs::path cfg_path = fs::path(dir) / "config.json";
     nlohmann::json cfg = nlohmann::json::parse(read_file(cfg_path));
     cfg["tie_word_embeddings"] = false;
-    write_file_atomic(cfg_path.string(), cfg.dump(2) + "\n");
+    io::write_file_atomic(cfg_path.string(), cfg.dump(2) + "\n");
   }
 }
 
@@ -343,7 +343,7 @@ void write_merged_model(const std::string& dir, const models::LlamaModel& model,
   for (size_t i = 0; i < w.num_entries(); ++i) w.write_entry(i);
   w.sync_written();
   w.write_extras(tokenizer_path);
-  fsync_path(dir);
+  io::fsync_path(dir);
 }
 
 void export_epoch(const std::string& output_dir, int64_t epoch, const models::LlamaModel& model, const AdapterInfo& info,

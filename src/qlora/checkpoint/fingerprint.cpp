@@ -72,7 +72,7 @@ std::string read_whole(const std::string& path) {
   return ReadFile(path).read_at(0, static_cast<uint64_t>(st.st_size));
 }
 
-void add_weight_file(Xxh64& h, const SafetensorsFile& f) {
+void add_weight_file(Xxh64& h, const io::SafetensorsFile& f) {
   const uint64_t size = f.file_size(), data0 = f.data_offset(), data_size = size - data0;
   const ReadFile file(f.path());
   add_field(h, basename_of(f.path()));
@@ -89,7 +89,7 @@ void add_weight_file(Xxh64& h, const SafetensorsFile& f) {
   windows.emplace_back(0, w);
   centered(0, data_size);
   windows.emplace_back(data_size - w, w);
-  for (const TensorInfo& t : f.tensors()) centered(t.begin, t.end - t.begin);
+  for (const io::TensorInfo& t : f.tensors()) centered(t.begin, t.end - t.begin);
   for (const auto& [begin, len] : windows) {
     add_u64(h, begin);
     add_field(h, file.read_at(data0 + begin, len));
@@ -104,14 +104,14 @@ std::string fingerprint_checkpoint_dir(const std::string& dir) {
   const std::string sep = !dir.empty() && dir.back() == '/' ? "" : "/";
   const std::string config = dir + sep + "config.json";
   if (!is_regular_file(config)) throw std::runtime_error("checkpoint '" + dir + "': " + config + " is missing");
-  const CheckpointDir ckpt = CheckpointDir::open(dir);  // its errors name the missing weight files
+  const io::CheckpointDir ckpt = io::CheckpointDir::open(dir);  // its errors name the missing weight files
 
   Xxh64 h(0);
   add_field(h, read_whole(config));
   // An absent tokenizer.model hashes as an empty one, which no usable tokenizer is.
   const std::string tokenizer = dir + sep + "tokenizer.model";
   add_field(h, is_regular_file(tokenizer) ? read_whole(tokenizer) : std::string());
-  for (const SafetensorsFile& f : ckpt.shards()) add_weight_file(h, f);
+  for (const io::SafetensorsFile& f : ckpt.shards()) add_weight_file(h, f);
   return xxh64_hex(h.digest());
 }
 

@@ -54,7 +54,7 @@ std::optional<StepName> parse_step_name(std::string name) {
   return StepName{std::stoll(name.substr(5)), aside};
 }
 
-void fsync_dir(const fs::path& dir) { fsync_path(dir.string()); }
+void fsync_dir(const fs::path& dir) { io::fsync_path(dir.string()); }
 
 std::string read_text(const fs::path& path) {
   auto text = io::read_file(path.string());
@@ -199,14 +199,14 @@ void write_state_file(const fs::path& path, const std::vector<std::pair<std::str
     order.push_back(name);
   }
   // save_safetensors orders entries by dtype width for alignment; the caller's order rides along.
-  save_safetensors(path.string(), cpu, {{kOrderKey, order.dump()}});
+  io::save_safetensors(path.string(), cpu, {{kOrderKey, order.dump()}});
 }
 
 // Writes meta.json and the manifest over every file in `files` (hashing what is on disk, not what
 // was meant), commits tmp/ as step_N and prunes to keep_last_n.
 void commit_checkpoint(const fs::path& root, const fs::path& tmp, int64_t step, const nlohmann::json& meta,
                        const std::vector<std::string>& files, nlohmann::json manifest_extra, int64_t keep_last_n) {
-  write_file_atomic((tmp / kMeta).string(), (meta.is_null() ? nlohmann::json::object() : meta).dump(2));
+  io::write_file_atomic((tmp / kMeta).string(), (meta.is_null() ? nlohmann::json::object() : meta).dump(2));
   nlohmann::json listed = nlohmann::json::object();
   std::vector<std::string> all = files;
   all.push_back(kMeta);
@@ -218,7 +218,7 @@ void commit_checkpoint(const fs::path& root, const fs::path& tmp, int64_t step, 
   manifest_extra["format"] = kFormat;
   manifest_extra["step"] = step;
   manifest_extra["files"] = listed;
-  write_file_atomic((tmp / kManifest).string(), manifest_extra.dump(2));  // fsyncs tmp/ as well
+  io::write_file_atomic((tmp / kManifest).string(), manifest_extra.dump(2));  // fsyncs tmp/ as well
 
   const fs::path final_dir = root / step_name(step);
   commit_directory(tmp.string(), final_dir.string());
@@ -289,13 +289,13 @@ nlohmann::json read_meta(const std::string& dir) {
 // The tensors of one state file in the order they were saved, owning their memory (not views of
 // the mapping).
 std::vector<std::pair<std::string, at::Tensor>> read_state_file(const fs::path& path) {
-  const SafetensorsFile f = SafetensorsFile::open(path.string());
+  const io::SafetensorsFile f = io::SafetensorsFile::open(path.string());
   std::vector<std::string> names;
   const auto it = f.metadata().find(kOrderKey);
   if (it != f.metadata().end()) {
     names = nlohmann::json::parse(it->second).get<std::vector<std::string>>();
   } else {
-    for (const TensorInfo& ti : f.tensors()) names.push_back(ti.name);
+    for (const io::TensorInfo& ti : f.tensors()) names.push_back(ti.name);
   }
   std::vector<std::pair<std::string, at::Tensor>> out;
   for (const std::string& name : names) out.emplace_back(name, f.tensor(name).clone());
