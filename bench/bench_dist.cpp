@@ -140,7 +140,7 @@ json run_worker(const Args& a) {
     if (world) world->world().barrier();
     const auto te = std::chrono::steady_clock::now();
     if (engine)
-      engine::export_epoch_sharded(a.export_to, 0, m, *engine, *world, info, false, a.workdir,
+      engine::export_epoch(a.export_to, 0, m, *engine, *world, info, false, a.workdir,
                                  checkpoint::MergeSource::Nf4, "");
     else
       checkpoint::export_epoch(a.export_to, 0, m, info, false, a.workdir, checkpoint::MergeSource::Nf4);

@@ -1,6 +1,7 @@
-// `qlora run lora_finetune`: single-process QLoRA fine-tuning, top to bottom.
-//   setup  : config (file + overrides, or the embedded default), model (NF4 base + LoRA), data,
-//            optimizer, schedule, and the resume point if asked for
+// `qlora run lora_finetune`: QLoRA fine-tuning on 1..N ranks (one process is a world of one),
+// top to bottom.
+//   setup  : config (file + overrides, or the embedded default), data, model (NF4 base + LoRA,
+//            sharded by the engine), optimizer + schedule, and the resume point if asked for
 //   train  : epochs of optimizer steps; each step accumulates grad_accum micro-batches with the
 //            loss normalised by the non-masked tokens of the whole step, clips, steps
 //   save   : a resume checkpoint every save_every_steps and at every epoch end; an inference
@@ -13,13 +14,13 @@
 #include <torch/csrc/autograd/autograd.h>
 
 #include <chrono>
-#include <csignal>
 #include <ctime>
 #include <cstdlib>
 #include <cstdio>
 #include <filesystem>
 #include <optional>
 #include <thread>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -36,6 +37,7 @@
 #include "qlora/engine/sharded_export.h"
 #include "qlora/engine/sharded_model.h"
 #include "qlora/engine/sharded_state.h"
+#include "qlora/train/faults.h"
 #include "qlora/models/llama.h"
 #include "qlora/optim/adamw.h"
 #include "qlora/optim/schedule.h"
@@ -100,37 +102,6 @@ at::ScalarType frozen_storage_dtype(const std::string& base_dir, at::ScalarType 
   return compute;
 }
 
-// Everything a resumed run needs to continue bit for bit; `inputs` (input_fingerprints) lets the
-// resume tell whether the data or base weights changed under paths the config check ignores.
-// `train_state` is the adapters and optimizer state: named per adapter in one process
-// (model.<peft name>, optim.*), or this rank's flat shards with ranks (engine::sharded_train_state).
-checkpoint::ResumeState capture(engine::NamedTensors train_state, const data::Sampler& sampler, int64_t epoch,
-                                int64_t step_in_epoch, int64_t global_step, const RecipeConfig& cfg,
-                                c10::Device device, const nlohmann::json& inputs, int64_t ranks) {
-  checkpoint::ResumeState s;
-  s.tensors = std::move(train_state);
-  s.tensors.push_back({"rng.cpu", train::generator_state(c10::kCPU)});
-  if (device.is_cuda()) s.tensors.push_back({"rng.cuda", train::generator_state(device)});
-  s.meta = {{"epoch", epoch},
-            {"step_in_epoch", step_in_epoch},
-            {"global_step", global_step},
-            {"sampler", nlohmann::json::parse(sampler.state_json())},
-            {"config_toml", config::to_toml(cfg)},
-            {"config_hash", config::config_hash(cfg, config::HashScope::Exactness)},
-            {"device_type", device.is_cuda() ? "cuda" : "cpu"},
-            {"world_size", ranks}};
-  s.meta.update(inputs);
-  return s;
-}
-
-engine::NamedTensors single_train_state(const std::vector<std::pair<std::string, at::Tensor>>& lora,
-                                      const optim::AdamW& opt) {
-  engine::NamedTensors out;
-  for (const auto& [name, t] : lora) out.emplace_back("model." + name, t.detach().cpu());
-  for (const auto& [name, t] : opt.state_dict()) out.emplace_back("optim." + name, t);
-  return out;
-}
-
 // The checks before continuing from `ckpt`: exactness-breaking config keys (on another number of
 // ranks, the mesh may change and batch_size with it as long as the global batch is the same),
 // the device kind and the input fingerprints. Returns whether the mesh changed.
@@ -161,53 +132,68 @@ bool check_resumable(const nlohmann::json& meta, const RecipeConfig& cfg, c10::D
   return remesh;
 }
 
-// The recipe proper. `world` is null for a single process; with ranks, rank 0 (`lead`) prints,
-// logs metrics and writes the exports, and every step's collectives go through `world`.
-int run_recipe(const RecipeConfig& cfg, c10::Device device, engine::World* world) {
-  // ---------------------------------------------------------------- setup
-  const bool lead = !world || world->rank() == 0;
-  const int64_t ranks = world ? world->size() : 1, rank = world ? world->rank() : 0;
-  const auto& out_dir = cfg.checkpoint.output_dir;
-  fs::create_directories(out_dir);
-  at::manual_seed(static_cast<uint64_t>(cfg.training.seed));
-  // Early steps push tiny values through AdamW's moments and the LoRA path; denormal arithmetic
-  // is ~100x slower on x86, and flushing them to zero changes nothing a loss can see.
-  at::globalContext().setFlushDenormal(true);
+// ---------------------------------------------------------------- setup helpers
 
-  // The embedded default's model is written once, by rank 0, before anyone reads it.
-  if (cfg.model.checkpoint_dir.empty() && (!world || world->env().local_rank == 0))
-    train::ensure_tiny_base(out_dir + "/tiny_base");  // once per node: output_dir may not be shared
-  if (world) world->world().barrier();
-  const std::string base_dir = cfg.model.checkpoint_dir.empty()
-                                   ? train::ensure_tiny_base(out_dir + "/tiny_base")
-                                   : cfg.model.checkpoint_dir;
-  const std::string data_path = cfg.data.path.empty() ? train::bundled_data_dir() + "/tiny_tasks.jsonl" : cfg.data.path;
+// The training data as this run sees it: tokenized samples, packed rows when packing, and the
+// sampler that draws one global batch (batch_size x ranks rows) per micro-step.
+struct Data {
+  std::string path, tokenizer_path;
+  data::Tokenizer tokenizer;
+  std::vector<data::Sample> samples;
+  std::vector<data::PackedRow> rows;  // packing: samples packed once into rows of max_seq_len
+  bool packed = false;
+  std::unique_ptr<data::Sampler> sampler;
+
+  // Rows `picked` of the data set as one batch.
+  data::Batch batch(const std::vector<int64_t>& picked) const {
+    if (packed) {
+      std::vector<data::PackedRow> b;
+      for (int64_t i : picked) b.push_back(rows[i]);
+      return data::collate_packed(b);
+    }
+    std::vector<data::Sample> b;
+    for (int64_t i : picked) b.push_back(samples[i]);
+    return data::collate(b, tokenizer.pad_id());
+  }
+};
+
+Data setup_data(const RecipeConfig& cfg, const std::string& base_dir, int64_t ranks) {
   const std::string tokenizer_path = find_tokenizer(cfg, base_dir);
-  const data::Tokenizer tokenizer = data::Tokenizer::open(tokenizer_path);
-
+  Data d{cfg.data.path.empty() ? train::bundled_data_dir() + "/tiny_tasks.jsonl" : cfg.data.path, tokenizer_path,
+         data::Tokenizer::open(tokenizer_path), {}, {}, cfg.data.packing, nullptr};
   data::DatasetOptions dopts;
   dopts.kind = data::dataset_kind_from_name(config::to_string(cfg.data.format));
   if (cfg.data.template_ != config::PromptTemplate::None)
     dopts.prompt_template = data::template_kind_from_name(config::to_string(cfg.data.template_));
   dopts.max_seq_len = cfg.data.max_seq_len;
   dopts.train_on_input = cfg.data.train_on_input;
-  const std::vector<data::Sample> samples = data::load_dataset(data_path, tokenizer, dopts);
-  // Packing: samples are packed once into rows of max_seq_len; the sampler then draws rows.
-  const std::vector<data::PackedRow> rows =
-      cfg.data.packing ? data::pack_samples(samples, cfg.data.max_seq_len, tokenizer.pad_id())
-                       : std::vector<data::PackedRow>{};
-
+  d.samples = data::load_dataset(d.path, d.tokenizer, dopts);
+  if (d.packed) d.rows = data::pack_samples(d.samples, cfg.data.max_seq_len, d.tokenizer.pad_id());
   data::SamplerOptions sopts;
-  sopts.dataset_size = static_cast<int64_t>(cfg.data.packing ? rows.size() : samples.size());
-  // One global batch per micro-step; each rank trains on its own batch_size rows of it.
-  sopts.batch_size = cfg.training.batch_size * ranks;
+  sopts.dataset_size = static_cast<int64_t>(d.packed ? d.rows.size() : d.samples.size());
+  sopts.batch_size = cfg.training.batch_size * ranks;  // each rank trains on its own batch_size rows of it
   sopts.seed = static_cast<uint64_t>(cfg.training.seed);
   sopts.shuffle = cfg.data.shuffle;
   sopts.drop_last = true;
-  data::Sampler sampler(sopts);
+  d.sampler = std::make_unique<data::Sampler>(sopts);
+  return d;
+}
 
+// The model as the engine holds it: every rank builds the same model (same seed, same adapters)
+// and keeps its share of each layer as soon as the layer is loaded, so the whole base never sits
+// in one rank's memory (one process keeps all of it, unmoved).
+struct Model {
+  models::LlamaModel llama;
+  std::shared_ptr<engine::ShardedLlama> engine;
+};
+
+Model setup_model(const RecipeConfig& cfg, const std::string& base_dir, c10::Device device, engine::World& world) {
+  engine::ShardingOptions so;
+  so.reshard_after_forward = cfg.dist.reshard_after_forward;
+  so.prefetch = cfg.dist.prefetch;
+  so.reduce_scatter_every_micro_batch = cfg.dist.reduce_scatter_every_micro_batch;
+  Model m{{}, engine::ShardedLlama::begin(world, so)};
   models::LlamaLoadOptions mopts;
-  if (device.is_cuda()) at::manual_seed(static_cast<uint64_t>(cfg.training.seed));  // seeds CUDA too, now it is up
   mopts.base_in_nf4 = cfg.model.base == config::BaseFormat::NF4;
   mopts.compute_dtype = cfg.model.dtype == config::ComputeDtype::BF16 ? at::kBFloat16 : at::kFloat;
   mopts.frozen_dtype = frozen_storage_dtype(base_dir, mopts.compute_dtype);
@@ -216,262 +202,274 @@ int run_recipe(const RecipeConfig& cfg, c10::Device device, engine::World* world
   mopts.lora_r = cfg.lora.rank;
   mopts.lora_alpha = cfg.lora.alpha;
   mopts.lora_dropout = cfg.lora.dropout;
-  mopts.seed = static_cast<uint64_t>(cfg.training.seed);
+  mopts.seed = static_cast<uint64_t>(cfg.training.seed);  // LoRA init: its own generator, the same on every rank
   mopts.activation_checkpointing = cfg.model.activation_checkpointing;
-  // Ranks: every rank builds the same model (same seed, same adapters) and keeps 1/N of each layer
-  // as soon as it is loaded, so the whole base never sits in one rank's memory.
-  std::shared_ptr<engine::ShardedLlama> sharded;
-  if (world) {
-    engine::ShardingOptions so;
-    so.reshard_after_forward = cfg.dist.reshard_after_forward;
-    so.prefetch = cfg.dist.prefetch;
-    so.reduce_scatter_every_micro_batch = cfg.dist.reduce_scatter_every_micro_batch;
-    sharded = engine::ShardedLlama::begin(*world, so);
-    mopts.on_layer_loaded = [&sharded](int64_t i, modules::DecoderLayer& L) { sharded->shard_layer(i, L); };
-  }
-  models::LlamaModel model = models::load_llama(base_dir, mopts);
-  if (sharded) {
-    sharded->finish(model);
-    // Ranks finish loading at their own pace (disk, page cache): wait for the slowest here, so the
-    // step collectives' timeout (dist.collective_timeout_s) only has to cover a hung peer.
-    world->world().barrier(std::chrono::minutes(30));
-  }
-  // LoRA init above drew from its own seeded generator, identical on every rank; dropout draws
-  // from the default one, which each rank seeds apart so masks are not the same on every rank.
-  if (rank > 0) at::manual_seed(static_cast<uint64_t>(cfg.training.seed) + static_cast<uint64_t>(rank));
-  if (tokenizer.vocab_size() > model.config.vocab_size)
-    throw std::invalid_argument(tokenizer_path + ": the tokenizer has " + std::to_string(tokenizer.vocab_size()) +
-                                " ids but " + base_dir + "/config.json says vocab_size " +
-                                std::to_string(model.config.vocab_size) + " (a tokenizer of another model?)");
-  model.training = true;
-  const auto lora = model.lora_parameters();
-  std::vector<at::Tensor> params;
-  if (sharded) params = sharded->param_shards();
-  else
-    for (const auto& [name, t] : lora) params.push_back(t);
+  mopts.on_layer_loaded = [&m](int64_t i, modules::DecoderLayer& L) { m.engine->shard_layer(i, L); };
+  m.llama = models::load_llama(base_dir, mopts);
+  m.engine->finish(m.llama);
+  m.llama.training = true;
+  // Ranks finish loading at their own pace (disk, page cache): wait for the slowest here, so the
+  // step collectives' timeout (dist.collective_timeout_s) only has to cover a hung peer.
+  world.world().barrier(std::chrono::minutes(30));
+  return m;
+}
 
-  optim::AdamW opt(params, {cfg.optim.lr, cfg.optim.betas[0], cfg.optim.betas[1], cfg.optim.eps,
-                            cfg.optim.weight_decay});
-  int64_t steps_per_epoch = sampler.batches_per_epoch() / cfg.training.grad_accum;
-  if (cfg.training.max_steps_per_epoch > 0) steps_per_epoch = std::min(steps_per_epoch, cfg.training.max_steps_per_epoch);
-  if (steps_per_epoch < 1)
-    throw std::invalid_argument("data set " + data_path + " has " + std::to_string(samples.size()) +
+struct Optimizer {
+  std::unique_ptr<optim::AdamW> adamw;  // steps this rank's flat shards of the adapters
+  optim::LrSchedule schedule;
+  int64_t steps_per_epoch = 0;
+};
+
+Optimizer setup_optimizer(const RecipeConfig& cfg, const Model& m, const Data& d, int64_t ranks) {
+  Optimizer o;
+  o.adamw = std::make_unique<optim::AdamW>(
+      m.engine->param_shards(),
+      optim::AdamWOptions{cfg.optim.lr, cfg.optim.betas[0], cfg.optim.betas[1], cfg.optim.eps, cfg.optim.weight_decay});
+  o.steps_per_epoch = d.sampler->batches_per_epoch() / cfg.training.grad_accum;
+  if (cfg.training.max_steps_per_epoch > 0) o.steps_per_epoch = std::min(o.steps_per_epoch, cfg.training.max_steps_per_epoch);
+  if (o.steps_per_epoch < 1)
+    throw std::invalid_argument("data set " + d.path + " has " + std::to_string(d.samples.size()) +
                                 " samples: too few for one step of batch_size x ranks x grad_accum = " +
                                 std::to_string(cfg.training.batch_size * ranks * cfg.training.grad_accum));
-  optim::LrSchedule schedule;
-  schedule.kind = cfg.optim.schedule == config::Schedule::Cosine ? optim::ScheduleKind::Cosine : optim::ScheduleKind::Constant;
-  schedule.base_lr = cfg.optim.lr;
-  schedule.warmup_steps = cfg.optim.warmup_steps;
-  schedule.total_steps = steps_per_epoch * cfg.training.epochs;
-  schedule.min_lr_ratio = cfg.optim.min_lr_ratio;
+  o.schedule.kind = cfg.optim.schedule == config::Schedule::Cosine ? optim::ScheduleKind::Cosine : optim::ScheduleKind::Constant;
+  o.schedule.base_lr = cfg.optim.lr;
+  o.schedule.warmup_steps = cfg.optim.warmup_steps;
+  o.schedule.total_steps = o.steps_per_epoch * cfg.training.epochs;
+  o.schedule.min_lr_ratio = cfg.optim.min_lr_ratio;
+  return o;
+}
 
-  int64_t start_epoch = 0, start_step = 0, global_step = 0;
-  const nlohmann::json inputs = checkpoint::input_fingerprints(data_path, base_dir, tokenizer_path);
+// Where the loop starts: the beginning, or just after the newest resume checkpoint.
+struct Position {
+  int64_t epoch = 0, step_in_epoch = 0, global_step = 0;
+};
+
+// A fresh run must not mix its checkpoints with an earlier run's (keep_last_n would keep the old,
+// higher steps; a later resume would pick them): they are set aside, never deleted.
+void set_aside_old_checkpoints(const std::string& out_dir) {
+  if (!fs::exists(out_dir + "/checkpoints")) return;
+  const std::string aside = out_dir + "/checkpoints.prev-" + std::to_string(std::time(nullptr));
+  fs::rename(out_dir + "/checkpoints", aside);
+  std::printf("fresh run: the earlier run's resume checkpoints were moved to %s\n", aside.c_str());
+}
+
+// Continues from the newest resume checkpoint, written on any number of ranks (or by the earlier
+// single-process format): the adapters and AdamW state resharded onto this mesh, the sampler,
+// and the RNG states where the mesh is the same (bit for bit then; within float tolerance else).
+Position resume(const RecipeConfig& cfg, const std::string& where, c10::Device device, engine::World& world,
+                Model& m, Optimizer& o, Data& d, const nlohmann::json& inputs) {
+  const bool lead = world.rank() == 0;
+  const checkpoint::ResumeCheckpoint ck = checkpoint::load_resume_checkpoint(where);
+  const bool remesh = check_resumable(ck.meta, cfg, device, inputs, where, world.size());
+  engine::load_train_state(*m.engine, *o.adamw, ck, m.llama, where);
+  if (!remesh) {
+    std::map<std::string, at::Tensor> mine(ck.ranks.at(world.rank()).begin(), ck.ranks.at(world.rank()).end());
+    for (const char* k : {"rng.cpu", "rng.cuda"})
+      if ((k[4] == 'p' || device.is_cuda()) && !mine.count(k))
+        throw std::invalid_argument("cannot resume " + where + ": it has no " + k + " state");
+    train::set_generator_state(c10::kCPU, mine.at("rng.cpu"));
+    if (device.is_cuda()) train::set_generator_state(device, mine.at("rng.cuda"));
+  } else if (lead) {
+    std::printf("resuming a %lld-rank checkpoint on %lld ranks (shard_size %lld): state resharded; the run "
+                "continues within float tolerance of the original, not bit for bit\n",
+                (long long)ck.meta.value("world_size", int64_t{1}), (long long)world.size(),
+                (long long)cfg.dist.shard_size);
+  }
+  if (ck.legacy_single_process && lead)
+    std::printf("%s is in the single-process format of earlier releases: converted on load\n", where.c_str());
+  d.sampler->load_state_json(ck.meta.at("sampler").dump(), where);
+  const Position p{ck.meta.at("epoch"), ck.meta.at("step_in_epoch"), ck.meta.at("global_step")};
+  if (lead)
+    std::printf("resumed from %s (epoch %lld, step %lld)\n", where.c_str(), (long long)p.epoch + 1,
+                (long long)p.global_step);
+  return p;
+}
+
+// ---------------------------------------------------------------- the step
+
+struct StepResult {
+  double loss = 0.0;
+  int64_t tokens = 0;
+  double grad_norm = 0.0;
+};
+
+// The sum of `v` over every rank (on the compute device: NCCL reduces CUDA tensors only).
+double all_ranks_sum(engine::World& world, double v, c10::Device device) {
+  if (world.size() == 1) return v;
+  at::Tensor t = at::full({1}, v, at::TensorOptions().dtype(at::kDouble).device(device));
+  engine::wait(world.world().all_reduce_sum(t));
+  return t.item<double>();
+}
+
+// One optimizer step: grad_accum micro-batches, this rank's rows of each global batch, the loss
+// normalised by the non-masked tokens of the whole step on every rank (every token weighs the
+// same, however the step's tokens fall into micro-batches and ranks), then clip and step.
+StepResult train_step(const RecipeConfig& cfg, engine::World& world, Model& m, Optimizer& o, Data& d,
+                      c10::Device device) {
+  const int64_t per_rank = cfg.training.batch_size, me = world.rank();
+  std::vector<data::Batch> micro;
+  StepResult r;
+  for (int64_t k = 0; k < cfg.training.grad_accum; ++k) {
+    const std::vector<int64_t> global = d.sampler->next();
+    micro.push_back(d.batch({global.begin() + me * per_rank, global.begin() + (me + 1) * per_rank}));
+    r.tokens += micro.back().num_label_tokens;
+  }
+  r.tokens = static_cast<int64_t>(all_ranks_sum(world, static_cast<double>(r.tokens), device));
+  const int64_t vocab = m.llama.config.vocab_size;
+  for (size_t k = 0; k < micro.size(); ++k) {
+    const data::Batch& b = micro[k];
+    m.engine->set_gradient_sync(k + 1 == micro.size());
+    // [batch, seq, vocab] fp32; packed rows attend within their own sample only
+    const at::Tensor logits = d.packed ? m.llama.forward(b.tokens.to(device), b.position_ids.to(device),
+                                                         data::block_causal_mask(b.document_ids).to(device))
+                                       : m.llama.forward(b.tokens.to(device));
+    const at::Tensor loss = at::cross_entropy_loss(logits.view({-1, vocab}), b.labels.view({-1}).to(device), {},
+                                                   at::Reduction::Sum, data::kIgnoreIndex) /
+                            static_cast<double>(std::max<int64_t>(r.tokens, 1));
+    torch::autograd::backward({loss});
+    m.engine->finish_backward();
+    r.loss += loss.item<double>();
+  }
+  r.loss = all_ranks_sum(world, r.loss, device);
+  r.grad_norm = m.engine->clip_grad_norm(cfg.optim.max_grad_norm);
+  o.adamw->step();
+  m.engine->gather_params();
+  return r;
+}
+
+// ---------------------------------------------------------------- save
+
+// Everything a resumed run needs to continue bit for bit: this rank's flat adapter and AdamW
+// shards, its RNG states, the loop position and sampler, the exact config and the input
+// fingerprints (so a resume can tell whether the data or base weights changed under paths the
+// config check ignores). Every rank writes its part; rank 0 commits once all are durable.
+void save_checkpoint(const RecipeConfig& cfg, engine::World& world, const Model& m, const Optimizer& o, const Data& d,
+                     const Position& p, c10::Device device, const nlohmann::json& inputs) {
+  checkpoint::ResumeState s;
+  s.tensors = engine::train_state(*m.engine, *o.adamw);
+  s.tensors.push_back({"rng.cpu", train::generator_state(c10::kCPU)});
+  if (device.is_cuda()) s.tensors.push_back({"rng.cuda", train::generator_state(device)});
+  s.meta = {{"epoch", p.epoch},
+            {"step_in_epoch", p.step_in_epoch},
+            {"global_step", p.global_step},
+            {"sampler", nlohmann::json::parse(d.sampler->state_json())},
+            {"config_toml", config::to_toml(cfg)},
+            {"config_hash", config::config_hash(cfg, config::HashScope::Exactness)},
+            {"device_type", device.is_cuda() ? "cuda" : "cpu"},
+            {"world_size", world.size()}};
+  s.meta.update(inputs);
+  int barriers = 0;
+  const checkpoint::RankSync sync{world.rank(), world.size(),
+                                  [&] {
+                                    if (const auto& f = train::fault_plan().in_save) f(world.rank(), p.global_step, ++barriers);
+                                    world.world().barrier();
+                                  },
+                                  {{"shard_size", world.shard().size()}, {"replicas", world.replica().size()}}};
+  checkpoint::save_resume_checkpoint(cfg.checkpoint.output_dir, p.global_step, s, cfg.checkpoint.keep_last_n, sync);
+}
+
+void log_step(train::MetricsLog& metrics, train::Progress& progress, const RecipeConfig& cfg, const StepResult& r,
+              const Position& p, double lr, double secs, c10::Device device) {
+  train::StepMetrics sm;
+  sm.step = p.global_step;
+  sm.epoch = p.epoch;
+  sm.loss = r.loss;
+  sm.lr = lr;
+  sm.tokens = r.tokens;
+  sm.tokens_per_second = r.tokens / std::max(secs, 1e-9);
+  sm.peak_memory_bytes = train::peak_memory_bytes(device);
+  sm.grad_norm = r.grad_norm;
+  metrics.append(sm);
+  progress.update(sm, p.step_in_epoch, cfg.logging.log_every_steps);
+}
+
+// The recipe proper, the same on 1..N ranks: rank 0 (`lead`) prints, logs metrics and commits
+// checkpoints and exports; every step's collectives go through `world` (none for one process).
+int run_recipe(const RecipeConfig& cfg, c10::Device device, engine::World& world) {
+  // ---------------------------------------------------------------- setup
+  const bool lead = world.rank() == 0;
+  const int64_t ranks = world.size();
+  const std::string& out_dir = cfg.checkpoint.output_dir;
+  fs::create_directories(out_dir);
+  // Early steps push tiny values through AdamW's moments and the LoRA path; denormal arithmetic
+  // is ~100x slower on x86, and flushing them to zero changes nothing a loss can see.
+  at::globalContext().setFlushDenormal(true);
+  // The embedded default's model is written once per node (output_dir may not be shared), before anyone reads it.
+  if (cfg.model.checkpoint_dir.empty() && world.env().local_rank == 0) train::ensure_tiny_base(out_dir + "/tiny_base");
+  world.world().barrier();
+  const std::string base_dir = cfg.model.checkpoint_dir.empty() ? out_dir + "/tiny_base" : cfg.model.checkpoint_dir;
+
+  Data d = setup_data(cfg, base_dir, ranks);
+  Model m = setup_model(cfg, base_dir, device, world);
+  // Dropout draws from the default generator, seeded apart per rank so masks differ between ranks
+  // (LoRA init drew from its own, identical everywhere). Seeds CUDA too, now that it is up.
+  at::manual_seed(static_cast<uint64_t>(cfg.training.seed) + static_cast<uint64_t>(world.rank()));
+  if (d.tokenizer.vocab_size() > m.llama.config.vocab_size)
+    throw std::invalid_argument(d.tokenizer_path + ": the tokenizer has " + std::to_string(d.tokenizer.vocab_size()) +
+                                " ids but " + base_dir + "/config.json says vocab_size " +
+                                std::to_string(m.llama.config.vocab_size) + " (a tokenizer of another model?)");
+  Optimizer o = setup_optimizer(cfg, m, d, ranks);
+  const nlohmann::json inputs = checkpoint::input_fingerprints(d.path, base_dir, d.tokenizer_path);
   const auto latest = checkpoint::latest_resume_checkpoint(out_dir);
-  if (lead && !cfg.checkpoint.resume && fs::exists(out_dir + "/checkpoints")) {
-    // A fresh run must not mix its checkpoints with an earlier run's (keep_last_n would keep the
-    // old, higher steps; a later resume would pick them). Nothing saved is deleted: set aside.
-    const std::string aside = out_dir + "/checkpoints.prev-" + std::to_string(std::time(nullptr));
-    fs::rename(out_dir + "/checkpoints", aside);
-    std::printf("fresh run: the earlier run's resume checkpoints were moved to %s\n", aside.c_str());
-  }
-  if (cfg.checkpoint.resume) {
-    if (!latest) {
-      std::printf("checkpoint.resume = true but %s has no resume checkpoint: starting fresh\n", out_dir.c_str());
-    } else {
-      nlohmann::json meta;
-      if (world) {
-        // Every rank reads every old rank's file: on another mesh each needs pieces of all of them.
-        const checkpoint::ShardedResumeState s = checkpoint::load_sharded_resume_checkpoint(*latest);
-        meta = s.meta;
-        const bool remesh = check_resumable(meta, cfg, device, inputs, *latest, ranks);
-        engine::load_sharded_train_state(*sharded, opt, s.ranks);
-        if (!remesh) {
-          std::map<std::string, at::Tensor> mine(s.ranks.at(rank).begin(), s.ranks.at(rank).end());
-          train::set_generator_state(c10::kCPU, mine.at("rng.cpu"));
-          if (device.is_cuda()) train::set_generator_state(device, mine.at("rng.cuda"));
-        } else if (lead) {
-          std::printf("resuming a %lld-rank checkpoint on %lld ranks (shard_size %lld): state resharded; the run "
-                      "continues within float tolerance of the original, not bit for bit\n",
-                      (long long)meta.value("world_size", int64_t{1}), (long long)ranks,
-                      (long long)cfg.dist.shard_size);
-        }
-      } else {
-        const checkpoint::ResumeState s = checkpoint::load_resume_checkpoint(*latest);
-        meta = s.meta;
-        check_resumable(meta, cfg, device, inputs, *latest, ranks);
-        std::map<std::string, at::Tensor> by_name(s.tensors.begin(), s.tensors.end());
-        c10::NoGradGuard no_grad;
-        for (const auto& [name, t] : lora) t.copy_(by_name.at("model." + name));
-        optim::NamedTensors ostate;
-        for (const auto& [name, t] : s.tensors)
-          if (name.rfind("optim.", 0) == 0) ostate.push_back({name.substr(6), t});
-        opt.load_state_dict(ostate);
-        train::set_generator_state(c10::kCPU, by_name.at("rng.cpu"));
-        if (device.is_cuda()) train::set_generator_state(device, by_name.at("rng.cuda"));
-      }
-      const nlohmann::json& s_meta = meta;
-      sampler.load_state_json(s_meta.at("sampler").dump(), *latest);
-      start_epoch = s_meta.at("epoch");
-      start_step = s_meta.at("step_in_epoch");
-      global_step = s_meta.at("global_step");
-      if (lead)
-        std::printf("resumed from %s (epoch %lld, step %lld)\n", latest->c_str(), (long long)start_epoch + 1,
-                  (long long)global_step);
-    }
-  }
+  if (lead && !cfg.checkpoint.resume) set_aside_old_checkpoints(out_dir);
+  if (cfg.checkpoint.resume && !latest && lead)
+    std::printf("checkpoint.resume = true but %s has no resume checkpoint: starting fresh\n", out_dir.c_str());
+  const Position start = cfg.checkpoint.resume && latest ? resume(cfg, *latest, device, world, m, o, d, inputs) : Position{};
 
   std::optional<train::MetricsLog> metrics;
-  if (lead) metrics.emplace(out_dir, global_step);
+  if (lead) metrics.emplace(out_dir, start.global_step);
   train::Progress progress(train::parse_progress_mode(config::to_string(cfg.logging.progress)));
   const checkpoint::AdapterInfo adapter_info{cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout,
                                              peft_targets(cfg.lora.targets), base_dir};
+  const auto merge = cfg.checkpoint.merge_from == config::MergeFrom::NF4 ? checkpoint::MergeSource::Nf4
+                                                                        : checkpoint::MergeSource::Original;
   if (lead)
     std::printf("model %s on %s x %lld rank(s): %lld layers, %lld trainable LoRA parameters; %zu samples; "
                 "%lld steps/epoch x %lld epochs\n",
-                base_dir.c_str(), device.str().c_str(), (long long)ranks, (long long)model.config.num_hidden_layers,
-                (long long)[&] { int64_t n = 0; for (auto& [k, t] : lora) n += t.numel(); return n; }(),
-                samples.size(), (long long)steps_per_epoch, (long long)cfg.training.epochs);
-
-  // QLORA_TEST_KILL_AFTER_STEP=N: die by SIGKILL right after step N is logged (resume tests);
-  // with QLORA_TEST_KILL_RANK=R only rank R dies (failure tests). QLORA_TEST_KILL_IN_SAVE_AT_STEP=N:
-  // rank R dies in the save of step N, its part written but the checkpoint not yet committed.
-  const char* kill_env = std::getenv("QLORA_TEST_KILL_AFTER_STEP");
-  const char* kill_rank = std::getenv("QLORA_TEST_KILL_RANK");
-  const int64_t kill_after_step = kill_env && (!kill_rank || std::stoll(kill_rank) == rank) ? std::stoll(kill_env) : -1;
-  // QLORA_TEST_HANG_AT_STEP=N with QLORA_TEST_KILL_RANK=R: rank R's loop stalls (alive, beating) before step N.
-  const char* hang_env = std::getenv("QLORA_TEST_HANG_AT_STEP");
-  const int64_t hang_at_step = hang_env && kill_rank && std::stoll(kill_rank) == rank ? std::stoll(hang_env) : -1;
-  const char* kill_save_env = std::getenv("QLORA_TEST_KILL_IN_SAVE_AT_STEP");
-  const int64_t kill_in_save = kill_save_env && kill_rank && std::stoll(kill_rank) == rank ? std::stoll(kill_save_env) : -1;
-  // A resume checkpoint: one file in one process; with ranks, each rank's shards in its own file,
-  // committed by rank 0 once all are durable.
-  const auto save = [&](int64_t epoch, int64_t step_in_epoch) {
-    const checkpoint::ResumeState st =
-        capture(sharded ? engine::sharded_train_state(*sharded, opt) : single_train_state(lora, opt), sampler, epoch,
-                step_in_epoch, global_step, cfg, device, inputs, ranks);
-    if (!world) return checkpoint::save_resume_checkpoint(out_dir, global_step, st, cfg.checkpoint.keep_last_n);
-    int barriers = 0;
-    const checkpoint::RankSync sync{world->rank(), world->size(),
-                                    [&] {
-                                      if (++barriers == 2 && global_step == kill_in_save) ::raise(SIGKILL);
-                                      world->world().barrier();
-                                    },
-                                    {{"shard_size", world->shard().size()}, {"replicas", world->replica().size()}}};
-    checkpoint::save_sharded_resume_checkpoint(out_dir, global_step, st, sync, cfg.checkpoint.keep_last_n);
-  };
+                base_dir.c_str(), device.str().c_str(), (long long)ranks, (long long)m.llama.config.num_hidden_layers,
+                (long long)[&] { int64_t n = 0; for (auto& [k, t] : m.llama.lora_parameters()) n += t.numel(); return n; }(),
+                d.samples.size(), (long long)o.steps_per_epoch, (long long)cfg.training.epochs);
 
   // ---------------------------------------------------------------- train
-  const int64_t vocab = model.config.vocab_size;
-  for (int64_t epoch = start_epoch; epoch < cfg.training.epochs; ++epoch) {
-    if (lead) progress.start_epoch(epoch, cfg.training.epochs, steps_per_epoch, epoch == start_epoch ? start_step : 0);
-    for (int64_t step = epoch == start_epoch ? start_step : 0; step < steps_per_epoch; ++step) {
+  const train::FaultPlan& faults = train::fault_plan();  // empty unless a test installed one
+  Position p = start;
+  for (; p.epoch < cfg.training.epochs; ++p.epoch, p.step_in_epoch = 0) {
+    if (lead) progress.start_epoch(p.epoch, cfg.training.epochs, o.steps_per_epoch, p.step_in_epoch);
+    while (p.step_in_epoch < o.steps_per_epoch) {
       const auto t0 = std::chrono::steady_clock::now();
-      if (world) world->mark_progress(global_step + 1);
-      if (global_step + 1 == hang_at_step) std::this_thread::sleep_for(std::chrono::hours(1));  // tests: a hung rank
-      const double lr = schedule.lr_at(global_step);
-      opt.set_lr(lr);
-      std::vector<data::Batch> micro;
-      int64_t tokens = 0;
-      for (int64_t m = 0; m < cfg.training.grad_accum; ++m) {
-        const std::vector<int64_t> global = sampler.next();
-        const std::vector<int64_t> picked(global.begin() + rank * cfg.training.batch_size,
-                                          global.begin() + (rank + 1) * cfg.training.batch_size);
-        if (cfg.data.packing) {
-          std::vector<data::PackedRow> batch_rows;
-          for (int64_t idx : picked) batch_rows.push_back(rows[idx]);
-          micro.push_back(data::collate_packed(batch_rows));
-        } else {
-          std::vector<data::Sample> batch_samples;
-          for (int64_t idx : picked) batch_samples.push_back(samples[idx]);
-          micro.push_back(data::collate(batch_samples, tokenizer.pad_id()));
-        }
-        tokens += micro.back().num_label_tokens;
-      }
-      // The loss is normalised by the tokens of the whole step on every rank.
-      if (world) {
-        // On the compute device: NCCL reduces CUDA tensors only.
-        at::Tensor t = at::full({1}, static_cast<double>(tokens), at::TensorOptions().dtype(at::kDouble).device(device));
-        engine::wait(world->world().all_reduce_sum(t));
-        tokens = static_cast<int64_t>(t.item<double>());
-      }
-      double loss_value = 0.0;
-      for (size_t m = 0; m < micro.size(); ++m) {
-        const data::Batch& b = micro[m];
-        if (sharded) sharded->set_gradient_sync(m + 1 == micro.size());
-        // Sum over tokens / tokens of the whole step: every token weighs the same, however the
-        // step's tokens fall into micro-batches.
-        // [batch, seq, vocab] fp32; packed rows attend within their own sample only
-        const at::Tensor logits =
-            cfg.data.packing ? model.forward(b.tokens.to(device), b.position_ids.to(device),
-                                             data::block_causal_mask(b.document_ids).to(device))
-                             : model.forward(b.tokens.to(device));
-        const at::Tensor loss = at::cross_entropy_loss(logits.view({-1, vocab}), b.labels.view({-1}).to(device), {},
-                                                       at::Reduction::Sum, data::kIgnoreIndex) /
-                                static_cast<double>(std::max<int64_t>(tokens, 1));
-        torch::autograd::backward({loss});
-        if (sharded) sharded->finish_backward();
-        loss_value += loss.item<double>();
-      }
-      if (world) {
-        at::Tensor l = at::full({1}, loss_value, at::TensorOptions().dtype(at::kDouble).device(device));
-        engine::wait(world->world().all_reduce_sum(l));
-        loss_value = l.item<double>();
-      }
-      const double grad_norm = sharded ? sharded->clip_grad_norm(cfg.optim.max_grad_norm)
-                                       : optim::clip_grad_norm_(params, cfg.optim.max_grad_norm).item<double>();
-      opt.step();
-      if (sharded) sharded->gather_params();
-      else opt.zero_grad();
-      ++global_step;
-
+      world.mark_progress(p.global_step + 1);
+      if (faults.before_step) faults.before_step(world.rank(), p.global_step + 1);
+      const double lr = o.schedule.lr_at(p.global_step);
+      o.adamw->set_lr(lr);
+      const StepResult r = train_step(cfg, world, m, o, d, device);
+      ++p.global_step, ++p.step_in_epoch;
       const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      train::StepMetrics sm;
-      sm.step = global_step;
-      sm.epoch = epoch;
-      sm.loss = loss_value;
-      sm.lr = lr;
-      sm.tokens = tokens;
-      sm.tokens_per_second = tokens / std::max(secs, 1e-9);
-      sm.peak_memory_bytes = train::peak_memory_bytes(device);
-      sm.grad_norm = grad_norm;
-      if (lead) {
-        metrics->append(sm);
-        progress.update(sm, step + 1, cfg.logging.log_every_steps);
-      }
+      if (lead) log_step(*metrics, progress, cfg, r, p, lr, secs, device);
+      if (faults.after_step) faults.after_step(world.rank(), p.global_step);
 
-      if (global_step == kill_after_step) ::raise(SIGKILL);  // tests: an abrupt death mid-run
-
-      const bool epoch_end = step + 1 == steps_per_epoch;
-      if (epoch_end) sampler.set_state({epoch + 1, 0});  // max_steps_per_epoch may cut an epoch short
+      const bool epoch_end = p.step_in_epoch == o.steps_per_epoch;
+      if (epoch_end) d.sampler->set_state({p.epoch + 1, 0});  // max_steps_per_epoch may cut an epoch short
       // The epoch-end checkpoint is written after the export below: a resume from it must find
       // the epoch's export already on disk.
-      if (!epoch_end && cfg.checkpoint.save_every_steps > 0 && global_step % cfg.checkpoint.save_every_steps == 0)
-        save(epoch, step + 1);
+      if (!epoch_end && cfg.checkpoint.save_every_steps > 0 && p.global_step % cfg.checkpoint.save_every_steps == 0)
+        save_checkpoint(cfg, world, m, o, d, p, device, inputs);
     }
     if (lead) progress.end_epoch();
 
     // ------------------------------------------------------------ save (export for inference)
-    const auto merge = cfg.checkpoint.merge_from == config::MergeFrom::NF4 ? checkpoint::MergeSource::Nf4
-                                                                          : checkpoint::MergeSource::Original;
-    if (sharded) {
-      // Every rank writes the layers it owns into the same files: the same bytes as one process.
-      engine::export_epoch_sharded(out_dir, epoch, model, *sharded, *world, adapter_info, cfg.checkpoint.adapter_only,
-                                 base_dir, merge, tokenizer_path);
-    } else {
-      checkpoint::export_epoch(out_dir, epoch, model, adapter_info, cfg.checkpoint.adapter_only, base_dir, merge,
-                               tokenizer_path);
-    }
-    if (lead) std::printf("epoch %lld exported to %s/epoch_%lld\n", (long long)epoch + 1, out_dir.c_str(), (long long)epoch);
-    save(epoch + 1, 0);
+    // Every rank writes the layers it owns into the same files: the same bytes as one process.
+    engine::export_epoch(out_dir, p.epoch, m.llama, *m.engine, world, adapter_info, cfg.checkpoint.adapter_only, base_dir,
+                         merge, d.tokenizer_path);
+    if (lead) std::printf("epoch %lld exported to %s/epoch_%lld\n", (long long)p.epoch + 1, out_dir.c_str(), (long long)p.epoch);
+    save_checkpoint(cfg, world, m, o, d, {p.epoch + 1, 0, p.global_step}, device, inputs);
   }
 
   // ---------------------------------------------------------------- cleanup
-  if (world) world->finish();
+  world.finish();
   if (lead)
     std::printf("done: %lld steps; metrics in %s; exports in %s/epoch_*; try\n  qlora generate --checkpoint %s/epoch_%lld --prompt \"...\"\n",
-              (long long)global_step, metrics->path().c_str(), out_dir.c_str(), out_dir.c_str(),
-              (long long)cfg.training.epochs - 1);
+                (long long)p.global_step, metrics->path().c_str(), out_dir.c_str(), out_dir.c_str(),
+                (long long)cfg.training.epochs - 1);
   return 0;
 }
 
@@ -481,13 +479,14 @@ int lora_finetune_main(const std::vector<std::string>& args) {
   const RecipeConfig cfg = load_recipe_config(args);
   const engine::RankEnv env = engine::rank_env_from_environment();
   c10::Device device = train::resolve_device(cfg.model.device);
-  if (env.world_size == 1) return run_recipe(cfg, device, nullptr);
-  // One GPU per rank on a node; on the CPU the node's cores are split between its ranks.
-  if (device.is_cuda()) device = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(env.local_rank));
-  else at::set_num_threads(std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / env.local_world_size));
+  if (env.world_size > 1) {
+    // One GPU per rank on a node; on the CPU the node's cores are split between its ranks.
+    if (device.is_cuda()) device = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(env.local_rank));
+    else at::set_num_threads(std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / env.local_world_size));
+  }
   const auto world = engine::World::join(env, cfg.dist.shard_size, std::chrono::seconds(cfg.dist.collective_timeout_s), device);
   try {
-    return run_recipe(cfg, device, world.get());
+    return run_recipe(cfg, device, *world);
   } catch (const std::exception& e) {
     try {
       world->rethrow_with_culprits(e, "lora_finetune");

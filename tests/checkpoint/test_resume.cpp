@@ -6,6 +6,7 @@
 #include <string>
 
 #include "qlora/checkpoint/resume.h"
+#include "qlora/checkpoint/xxh64.h"
 #include "qlora/io/safetensors.h"
 
 namespace fs = std::filesystem;
@@ -36,6 +37,13 @@ std::string read_all(const fs::path& p) {
   return {std::istreambuf_iterator<char>(in), {}};
 }
 
+// A one-process checkpoint: rank 0 of 1, its tensors and the meta.
+ResumeState only_rank(const ResumeCheckpoint& c) {
+  EXPECT_EQ(c.ranks.size(), 1u);
+  EXPECT_FALSE(c.legacy_single_process);
+  return {c.ranks.at(0), c.meta};
+}
+
 void expect_same(const ResumeState& a, const ResumeState& b) {
   ASSERT_EQ(a.tensors.size(), b.tensors.size());
   for (size_t i = 0; i < a.tensors.size(); ++i) {
@@ -55,13 +63,14 @@ TEST(Resume, RoundTripKeepsTensorsDtypesOrderAndMeta) {
   const auto latest = latest_resume_checkpoint(d.string());
   ASSERT_TRUE(latest);
   EXPECT_EQ(fs::path(*latest).filename(), "step_00000007");
-  const ResumeState back = load_resume_checkpoint(*latest);
+  const ResumeState back = only_rank(load_resume_checkpoint(*latest));
   expect_same(s, back);
   back.tensors[0].second.add_(1);  // owned memory, not a read-only mapping
   const auto m = nlohmann::json::parse(read_all(fs::path(*latest) / "manifest.json"));
   EXPECT_EQ(m["format"], "qlora-resume-v1");
   EXPECT_EQ(m["step"], 7);
-  EXPECT_EQ(m["files"]["state.safetensors"]["bytes"].get<uint64_t>(), fs::file_size(fs::path(*latest) / "state.safetensors"));
+  EXPECT_EQ(m["world_size"], 1);
+  EXPECT_EQ(m["files"]["rank_00000.safetensors"]["bytes"].get<uint64_t>(), fs::file_size(fs::path(*latest) / "rank_00000.safetensors"));
   EXPECT_EQ(m["files"]["meta.json"]["xxh64"].get<std::string>().size(), 16u);
   fs::remove_all(d);
 }
@@ -95,7 +104,7 @@ TEST(Resume, TruncatedOrAlteredStateIsDetectedAndNamed) {
   const fs::path d = fresh_dir("corrupt");
   save_resume_checkpoint(d.string(), 3, sample_state(3), 0);
   const fs::path ck = d / "checkpoints/step_00000003";
-  const fs::path st = ck / "state.safetensors";
+  const fs::path st = ck / "rank_00000.safetensors";
   std::string bytes = read_all(st);
 
   bytes.back() ^= 0x01;  // one flipped bit in the data section
@@ -104,7 +113,7 @@ TEST(Resume, TruncatedOrAlteredStateIsDetectedAndNamed) {
     load_resume_checkpoint(ck.string());
     FAIL() << "altered file accepted";
   } catch (const ResumeError& e) {
-    EXPECT_NE(std::string(e.what()).find("state.safetensors"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("rank_00000.safetensors"), std::string::npos) << e.what();
     EXPECT_NE(std::string(e.what()).find("checksum"), std::string::npos) << e.what();
     EXPECT_NE(std::string(e.what()).find(ck.string()), std::string::npos) << e.what();
   }
@@ -114,7 +123,7 @@ TEST(Resume, TruncatedOrAlteredStateIsDetectedAndNamed) {
     load_resume_checkpoint(ck.string());
     FAIL() << "truncated file accepted";
   } catch (const ResumeError& e) {
-    EXPECT_NE(std::string(e.what()).find("state.safetensors"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("rank_00000.safetensors"), std::string::npos) << e.what();
     EXPECT_NE(std::string(e.what()).find("truncated"), std::string::npos) << e.what();
   }
 
@@ -137,7 +146,7 @@ TEST(Resume, LeftoverTmpFromCrashIsIgnored) {
   // A save of step 200 that died before its manifest: files present, no manifest.
   const fs::path tmp = d / "checkpoints/step_00000200.tmp";
   fs::create_directories(tmp);
-  std::ofstream(tmp / "state.safetensors") << "partial";
+  std::ofstream(tmp / "rank_00000.safetensors") << "partial";
   // And one that died after its manifest but before the rename: still only a .tmp.
   const fs::path tmp2 = d / "checkpoints/step_00000300.tmp";
   fs::copy(d / "checkpoints/step_00000100", tmp2);
@@ -146,7 +155,7 @@ TEST(Resume, LeftoverTmpFromCrashIsIgnored) {
   const auto latest = latest_resume_checkpoint(d.string());
   ASSERT_TRUE(latest);
   EXPECT_EQ(fs::path(*latest).filename(), "step_00000100");
-  expect_same(s, load_resume_checkpoint(*latest));
+  expect_same(s, only_rank(load_resume_checkpoint(*latest)));
   EXPECT_TRUE(fs::exists(tmp));  // left for inspection, not removed
   // The next save of the crashed step replaces the leftover.
   save_resume_checkpoint(d.string(), 200, sample_state(200), 0);
@@ -162,7 +171,7 @@ TEST(Resume, SavingSameStepTwiceReplaces) {
   save_resume_checkpoint(d.string(), 9, second, 3);
   const auto latest = latest_resume_checkpoint(d.string());
   ASSERT_TRUE(latest);
-  expect_same(second, load_resume_checkpoint(*latest));
+  expect_same(second, only_rank(load_resume_checkpoint(*latest)));
   size_t n = 0;
   for ([[maybe_unused]] const auto& e : fs::directory_iterator(d / "checkpoints")) ++n;
   EXPECT_EQ(n, 1u);  // no .tmp or .old left behind
@@ -188,7 +197,7 @@ TEST(Resume, CrashInsideMoveAsideReplacementLeavesStepLoadable) {
     const auto latest = latest_resume_checkpoint(d.string());
     ASSERT_TRUE(latest) << state;
     EXPECT_EQ(fs::path(*latest), dir) << state;
-    expect_same(s, load_resume_checkpoint(*latest));
+    expect_same(s, only_rank(load_resume_checkpoint(*latest)));
   };
 
   start();
@@ -217,20 +226,20 @@ TEST(Resume, NextSaveSettlesAsides) {
   fs::rename(root / "step_00000005", root / "step_00000005.old");
   save_resume_checkpoint(d.string(), 6, sample_state(6), 0);
   EXPECT_FALSE(fs::exists(root / "step_00000005.old"));
-  expect_same(s5, load_resume_checkpoint((root / "step_00000005").string()));
+  expect_same(s5, only_rank(load_resume_checkpoint((root / "step_00000005").string())));
   // Beside a complete step_5 the aside is the older copy: removed. Without a manifest: removed.
   fs::copy(root / "step_00000005", root / "step_00000005.old", fs::copy_options::recursive);
   fs::create_directories(root / "step_00000004.old");
   save_resume_checkpoint(d.string(), 7, sample_state(7), 0);
   EXPECT_FALSE(fs::exists(root / "step_00000005.old"));
   EXPECT_FALSE(fs::exists(root / "step_00000004.old"));
-  expect_same(s5, load_resume_checkpoint((root / "step_00000005").string()));
+  expect_same(s5, only_rank(load_resume_checkpoint((root / "step_00000005").string())));
   // Saving the aside's own step again replaces both.
   fs::rename(root / "step_00000007", root / "step_00000007.old");
   const ResumeState again = sample_state(70);
   save_resume_checkpoint(d.string(), 7, again, 0);
   EXPECT_FALSE(fs::exists(root / "step_00000007.old"));
-  expect_same(again, load_resume_checkpoint(*latest_resume_checkpoint(d.string())));
+  expect_same(again, only_rank(load_resume_checkpoint(*latest_resume_checkpoint(d.string()))));
   // keep_last_n counts a restored aside like any checkpoint.
   fs::rename(root / "step_00000007", root / "step_00000007.old");
   save_resume_checkpoint(d.string(), 8, sample_state(8), 2);
@@ -238,5 +247,33 @@ TEST(Resume, NextSaveSettlesAsides) {
   for (const auto& e : fs::directory_iterator(root)) names.push_back(e.path().filename().string());
   std::sort(names.begin(), names.end());
   EXPECT_EQ(names, (std::vector<std::string>{"step_00000007", "step_00000008"}));
+  fs::remove_all(d);
+}
+
+// The single-process format of earlier releases (state.safetensors, a manifest without
+// world_size) still loads, flagged so the engine converts its per-adapter names; its files are
+// verified like any other.
+TEST(Resume, LegacySingleProcessFormatLoadsFlagged) {
+  const fs::path d = fresh_dir("legacy");
+  const fs::path ck = d / "checkpoints/step_00000004";
+  fs::create_directories(ck);
+  const ResumeState s = sample_state(4);
+  save_safetensors((ck / "state.safetensors").string(), s.tensors, {});
+  std::ofstream(ck / "meta.json") << s.meta.dump();
+  nlohmann::json files = nlohmann::json::object();
+  for (const char* f : {"state.safetensors", "meta.json"}) {
+    uint64_t n = 0;
+    const std::string h = xxh64_hex(xxh64_file((ck / f).string(), &n));
+    files[f] = {{"bytes", n}, {"xxh64", h}};
+  }
+  std::ofstream(ck / "manifest.json") << nlohmann::json{{"format", "qlora-resume-v1"}, {"step", 4}, {"files", files}}.dump();
+  ASSERT_EQ(latest_resume_checkpoint(d.string()), ck.string());
+  const ResumeCheckpoint c = load_resume_checkpoint(ck.string());
+  EXPECT_TRUE(c.legacy_single_process);
+  ASSERT_EQ(c.ranks.size(), 1u);
+  EXPECT_EQ(c.ranks[0].size(), s.tensors.size());
+  EXPECT_EQ(c.meta, s.meta);
+  std::ofstream(ck / "state.safetensors", std::ios::app) << "x";
+  EXPECT_THROW(load_resume_checkpoint(ck.string()), ResumeError);
   fs::remove_all(d);
 }

@@ -17,6 +17,7 @@ import subprocess
 import sys
 
 passed = failed = 0
+FAULTS = None  # --qlora-faults
 
 
 def check(ok, what):
@@ -26,11 +27,13 @@ def check(ok, what):
     print(("PASS " if ok else "FAIL ") + what, flush=True)
 
 
-def run(qlora, out, *overrides, env=None, expect_rc=0):
-    cmd = [qlora, "run", "lora_finetune", f"checkpoint.output_dir={out}", "logging.progress=plain",
+def run(qlora, out, *overrides, fault=None, expect_rc=0):
+    """fault: a QLORA_FAULT_PLAN for the qlora_faults test binary (the same command line)."""
+    exe = FAULTS if fault else qlora
+    cmd = [exe, "run", "lora_finetune", f"checkpoint.output_dir={out}", "logging.progress=plain",
            "training.epochs=2", "training.max_steps_per_epoch=10", "checkpoint.save_every_steps=4",
            *overrides]
-    r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})})
+    r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "QLORA_FAULT_PLAN": fault or ""})
     if r.returncode != expect_rc:
         print(" ".join(cmd), "\n", r.stdout[-3000:], r.stderr[-3000:])
     return r
@@ -45,8 +48,11 @@ def losses(out):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--qlora", required=True)
+    ap.add_argument("--qlora-faults", required=True)
     ap.add_argument("--workdir", required=True)
     a = ap.parse_args()
+    global FAULTS
+    FAULTS = a.qlora_faults
     shutil.rmtree(a.workdir, ignore_errors=True)
     os.makedirs(a.workdir)
     full, killed = os.path.join(a.workdir, "full"), os.path.join(a.workdir, "killed")
@@ -74,7 +80,7 @@ def main():
                      for e in (0, 1)]
     for kill in (3, 10, 14):
         out = f"{killed}_{kill}"
-        r = run(a.qlora, out, env={"QLORA_TEST_KILL_AFTER_STEP": str(kill)}, expect_rc=-9)
+        r = run(a.qlora, out, fault=f"kill_after_step={kill}", expect_rc=-9)
         check(r.returncode == -9, f"the run dies by SIGKILL at step {kill}")
         r = run(a.qlora, out, "checkpoint.resume=true")
         check(r.returncode == 0, f"resume after a kill at step {kill} exits 0")
@@ -148,6 +154,22 @@ def main():
             expect_rc=1)
     check(r.returncode == 1 and "vocab_size" in r.stderr and "tokenizer_tiktoken" in r.stderr,
           "a tokenizer larger than the model's vocab is refused, naming both")
+
+    # 8. a checkpoint in the single-process format of earlier releases (tests/data/legacy_resume,
+    #    written by the recipe before the engine was one for 1..N ranks) still resumes, converted on
+    #    load, and continues with the losses that recipe computed (fp32 on the CPU; 1e-5 leaves room
+    #    for another CPU's kernels, a wrong conversion moves them by ~1e-2)
+    legacy = os.path.join(a.workdir, "legacy")
+    fixture = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data", "legacy_resume")
+    shutil.copytree(os.path.join(fixture, "step_00000002"), os.path.join(legacy, "checkpoints", "step_00000002"))
+    with open(os.path.join(fixture, "expected.json")) as f:
+        expected = json.load(f)["losses"]
+    r = run(a.qlora, legacy, "training.epochs=1", "training.max_steps_per_epoch=4", "checkpoint.save_every_steps=2",
+            "checkpoint.resume=true")
+    got, _ = losses(legacy) if r.returncode == 0 else ([], None)
+    check(r.returncode == 0 and "single-process format" in r.stdout and [s for s, _ in got] == [3, 4] and
+          all(abs(l - expected[str(s)]) < 1e-5 for s, l in got),
+          f"a legacy single-process checkpoint resumes and continues as that recipe did ({got} vs {expected})")
 
     print(f"{passed} passed, {failed} failed")
     return 0 if failed == 0 else 1

@@ -64,6 +64,7 @@ def free_port():
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--qlora", required=True)
+    ap.add_argument("--qlora-faults", required=True, help="qlora with QLORA_FAULT_PLAN (tests/tools/qlora_faults.cpp)")
     ap.add_argument("--workdir", required=True)
     a = ap.parse_args()
     shutil.rmtree(a.workdir, ignore_errors=True)
@@ -121,10 +122,10 @@ def main():
     check(r.returncode == 0 and os.path.isfile(os.path.join(full2, "checkpoints", "step_00000002", "rank_00001.safetensors")),
           "a 2-rank run writes sharded resume checkpoints")
     killed2 = os.path.join(a.workdir, "ck_killed")
-    cmd = [a.qlora, "run", "--nproc-per-node", "2", "lora_finetune", f"checkpoint.output_dir={killed2}", *COMMON,
+    cmd = [a.qlora_faults, "run", "--nproc-per-node", "2", "lora_finetune", f"checkpoint.output_dir={killed2}", *COMMON,
            "training.batch_size=6", *ck]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "QLORA_TEST_KILL_AFTER_STEP": "3"})
+                       env={**os.environ, "QLORA_FAULT_PLAN": "kill_after_step=3"})
     check(r.returncode != 0, "a 2-rank run killed after step 3 stops")
     copies = {}
     for name in ("remesh3", "hsdp", "damaged"):
@@ -174,12 +175,31 @@ def main():
     check(r.returncode != 0 and "rank_00001.safetensors fails its checksum" in r.stderr,
           "a damaged shard is named by its checksum")
 
+    # One engine, one checkpoint format: a one-process checkpoint resumes on 2 ranks, and a 2-rank
+    # checkpoint in one process (global batch kept at 12), each within TOL of the uninterrupted run.
+    full1 = os.path.join(a.workdir, "ck_one")
+    r = run(a.qlora, full1, 1, "training.batch_size=12", *ck)
+    for name, src, nproc, bs in (("one process -> 2 ranks", full1, 2, 6), ("2 ranks -> one process", full2, 1, 12)):
+        dst = os.path.join(a.workdir, "ck_" + name.replace(" ", "_").replace(">", ""))
+        shutil.copytree(src, dst)
+        for later in ("step_00000004", "step_00000006"):
+            shutil.rmtree(os.path.join(dst, "checkpoints", later), ignore_errors=True)
+        r = run(a.qlora, dst, nproc, f"training.batch_size={bs}", *ck, "checkpoint.resume=true")
+        if r.returncode != 0 or "resumed from" not in r.stdout:
+            check(False, f"resume {name} exits 0")
+            continue
+        l_ref, ad_ref = trace(src)
+        l_res, ad_res = trace(dst)
+        dl = max(abs(x - y) for x, y in zip(l_res, l_ref)) if len(l_res) == len(l_ref) else float("inf")
+        da = max(float(np.abs(ad_res[k] - ad_ref[k]).max()) for k in ad_ref)
+        check(dl < TOL and da < TOL, f"resume {name}: losses and adapter within {TOL} ({dl:.1e}, {da:.1e})")
+
     # A rank killed while saving (its part written, the checkpoint not committed) leaves the
     # previous checkpoint as the newest complete one; the run resumes from it.
     dying = os.path.join(a.workdir, "ck_dying")
-    r = subprocess.run([a.qlora, "run", "--nproc-per-node", "2", "lora_finetune", f"checkpoint.output_dir={dying}",
+    r = subprocess.run([a.qlora_faults, "run", "--nproc-per-node", "2", "lora_finetune", f"checkpoint.output_dir={dying}",
                         *COMMON, "training.batch_size=6", *ck], capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "QLORA_TEST_KILL_IN_SAVE_AT_STEP": "4", "QLORA_TEST_KILL_RANK": "1"})
+                       env={**os.environ, "QLORA_FAULT_PLAN": "kill_in_save_at_step=4,rank=1"})
     steps = sorted(d for d in os.listdir(os.path.join(dying, "checkpoints")) if not d.endswith(".tmp"))
     check(r.returncode != 0 and steps == ["step_00000002"],
           f"a rank killed during the step-4 save leaves step 2 the newest checkpoint ({steps})")
@@ -199,9 +219,8 @@ def main():
     t0 = time.time()
     for rank in range(3):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "3", "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "3",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "QLORA_TEST_KILL_AFTER_STEP": "2",
-               "QLORA_TEST_KILL_RANK": "1"}
-        cmd = [a.qlora, "run", "lora_finetune", f"checkpoint.output_dir={out}", *COMMON, "training.batch_size=4",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "QLORA_FAULT_PLAN": "kill_after_step=2,rank=1"}
+        cmd = [a.qlora_faults, "run", "lora_finetune", f"checkpoint.output_dir={out}", *COMMON, "training.batch_size=4",
                "training.max_steps_per_epoch=50"]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     results = [p.communicate(timeout=120) for p in procs]
@@ -216,19 +235,19 @@ def main():
     # A rank that hangs alive (its heartbeat goes on, its loop stalls): the others fail after
     # dist.collective_timeout_s, naming it; the launcher then stops it.
     t0 = time.time()
-    r = subprocess.run([a.qlora, "run", "--nproc-per-node", "2", "lora_finetune", f"checkpoint.output_dir={out}3",
+    r = subprocess.run([a.qlora_faults, "run", "--nproc-per-node", "2", "lora_finetune", f"checkpoint.output_dir={out}3",
                         *COMMON, "training.batch_size=6", "training.max_steps_per_epoch=50",
                         "dist.collective_timeout_s=5"], capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "QLORA_TEST_HANG_AT_STEP": "3", "QLORA_TEST_KILL_RANK": "1"})
+                       env={**os.environ, "QLORA_FAULT_PLAN": "hang_at_step=3,rank=1"})
     elapsed = time.time() - t0
     check(r.returncode != 0 and "rank 1 is alive but hangs (in step 3" in r.stderr and elapsed < 60,
           f"a hung rank is named by the others after the collective timeout ({elapsed:.1f} s): {r.stderr.strip()[-300:]}")
 
     # Under the launcher: it names the dead rank and exits non-zero.
-    r = subprocess.run([a.qlora, "run", "--nproc-per-node", "2", "lora_finetune", f"checkpoint.output_dir={out}2",
+    r = subprocess.run([a.qlora_faults, "run", "--nproc-per-node", "2", "lora_finetune", f"checkpoint.output_dir={out}2",
                         *COMMON, "training.batch_size=6", "training.max_steps_per_epoch=50"],
                        capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "QLORA_TEST_KILL_AFTER_STEP": "2", "QLORA_TEST_KILL_RANK": "1"})
+                       env={**os.environ, "QLORA_FAULT_PLAN": "kill_after_step=2,rank=1"})
     check(r.returncode != 0 and "[launcher] rank 1 was killed by signal 9" in r.stderr,
           f"the launcher names the killed rank and exits non-zero (rc {r.returncode})")
 

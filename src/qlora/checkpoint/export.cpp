@@ -336,28 +336,65 @@ void MergedModelWriter::write_extras(const std::string& tokenizer_path) const {
 }
 
 
+namespace {
+
+void call(const std::function<void()>& f) {
+  if (f) f();
+}
+
+// The merged model's files, written by every writer of `ranks` together: writer 0 creates the
+// files with their headers, each writer fills in the entries of the units it owns, writer 0
+// adds the index, config and tokenizer files once every entry is durable.
+void write_merged(const std::string& dir, const models::LlamaModel& model, const std::string& base_checkpoint_dir,
+                  MergeSource source, int64_t max_shard_bytes, const std::string& tokenizer_path,
+                  const ExportRanks& ranks) {
+  const MergedModelWriter w(dir, model, base_checkpoint_dir, source, max_shard_bytes);
+  if (ranks.writer == 0) w.create_files();
+  call(ranks.writers_barrier);
+  std::map<int64_t, std::vector<size_t>> entries_of;  // unit -> its entries
+  for (size_t i = 0; i < w.num_entries(); ++i) entries_of[w.unit_of(i)].push_back(i);
+  std::vector<int64_t> units;
+  for (const auto& [u, e] : entries_of) units.push_back(u);
+  const auto write = [&](int64_t u) {
+    for (size_t i : entries_of[u]) w.write_entry(i);
+  };
+  if (ranks.for_my_units) ranks.for_my_units(units, write);
+  else
+    for (int64_t u : units) write(u);
+  w.sync_written();
+  call(ranks.writers_barrier);  // every entry is durable
+  if (ranks.writer == 0) w.write_extras(tokenizer_path);
+}
+
+}  // namespace
+
 void write_merged_model(const std::string& dir, const models::LlamaModel& model, const std::string& base_checkpoint_dir,
                         MergeSource source, int64_t max_shard_bytes, const std::string& tokenizer_path) {
-  const MergedModelWriter w(dir, model, base_checkpoint_dir, source, max_shard_bytes);
-  w.create_files();
-  for (size_t i = 0; i < w.num_entries(); ++i) w.write_entry(i);
-  w.sync_written();
-  w.write_extras(tokenizer_path);
+  write_merged(dir, model, base_checkpoint_dir, source, max_shard_bytes, tokenizer_path, {});
   io::fsync_path(dir);
 }
 
 void export_epoch(const std::string& output_dir, int64_t epoch, const models::LlamaModel& model, const AdapterInfo& info,
                   bool adapter_only, const std::string& base_checkpoint_dir, MergeSource source,
-                  const std::string& tokenizer_path) {
+                  const std::string& tokenizer_path, const ExportRanks& ranks) {
   if (epoch < 0) throw ExportError("export_epoch: negative epoch " + std::to_string(epoch));
   const fs::path final_dir = fs::path(output_dir) / ("epoch_" + std::to_string(epoch));
   const fs::path tmp = final_dir.string() + ".tmp";
-  fs::create_directories(output_dir);
-  fs::remove_all(tmp);  // an export that crashed: incomplete by construction
-  fs::create_directories(tmp);
-  write_peft_adapter((tmp / "adapter").string(), model.lora_parameters(), info);
-  if (!adapter_only) write_merged_model(tmp.string(), model, base_checkpoint_dir, source, 5LL << 30, tokenizer_path);
-  commit_directory(tmp.string(), final_dir.string());
+  if (ranks.lead) {
+    fs::create_directories(output_dir);
+    fs::remove_all(tmp);  // an export that crashed: incomplete by construction
+    fs::create_directories(tmp);
+    write_peft_adapter((tmp / "adapter").string(), model.lora_parameters(), info);
+  }
+  call(ranks.barrier);
+  if (!adapter_only && ranks.writes_model)
+    write_merged(tmp.string(), model, base_checkpoint_dir, source, 5LL << 30, tokenizer_path, ranks);
+  call(ranks.barrier);
+  if (ranks.lead) {
+    io::fsync_path(tmp.string());
+    commit_directory(tmp.string(), final_dir.string());
+  }
+  call(ranks.barrier);
 }
 
 }  // namespace qlora::checkpoint

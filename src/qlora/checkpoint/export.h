@@ -6,6 +6,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -82,15 +83,30 @@ class MergedModelWriter {
   std::unique_ptr<Impl> impl_;
 };
 
+// How the processes of a job share one export (engine/sharded_export.h builds it from the ranks);
+// the default is one process that holds every unit and writes everything.
+struct ExportRanks {
+  bool lead = true;           // writes the adapter and commits the directory (rank 0 of the job)
+  bool writes_model = true;   // takes part in writing the merged model (the first replica's ranks)
+  int writer = 0;             // this process's index among the model's writers
+  std::function<void()> barrier;          // of every process of the job (empty: one process)
+  std::function<void()> writers_barrier;  // of the model's writers
+  // Calls write(u) for each unit of `units` that this writer owns, with the unit's weights
+  // present while it runs (the engine gathers them to their owner, one unit per writer at a time).
+  std::function<void(const std::vector<int64_t>& units, const std::function<void(int64_t)>& write)> for_my_units;
+};
+
 // <output_dir>/epoch_<epoch>/: the merged model at the top level (so the directory is a plain HF
 // checkpoint) unless adapter_only, and the PEFT adapter always in the adapter/ subdirectory.
 // The adapter lives in a subdirectory because transformers' from_pretrained, on finding
 // adapter_config.json next to config.json, loads the adapter on top of the (already merged)
 // weights, applying the update twice. Built in epoch_<epoch>.tmp/ (a leftover one is discarded)
 // and renamed into place; an existing epoch_<epoch> is replaced only once the new one is
-// complete (atomically where the filesystem supports RENAME_EXCHANGE).
+// complete (atomically where the filesystem supports RENAME_EXCHANGE). With several processes
+// (`ranks`), each writes the units it owns in place, and the files are byte-identical to one
+// process's.
 void export_epoch(const std::string& output_dir, int64_t epoch, const models::LlamaModel& model,
                   const AdapterInfo& info, bool adapter_only, const std::string& base_checkpoint_dir,
-                  MergeSource source, const std::string& tokenizer_path = "");
+                  MergeSource source, const std::string& tokenizer_path = "", const ExportRanks& ranks = {});
 
 }  // namespace qlora::checkpoint

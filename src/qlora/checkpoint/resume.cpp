@@ -25,7 +25,8 @@ namespace qlora::checkpoint {
 namespace {
 
 constexpr const char* kFormat = "qlora-resume-v1";
-constexpr const char* kState = "state.safetensors";
+// The one state file of the single-process format of earlier releases (read, never written).
+constexpr const char* kLegacyState = "state.safetensors";
 constexpr const char* kMeta = "meta.json";
 constexpr const char* kManifest = "manifest.json";
 constexpr const char* kOrderKey = "qlora.tensor_order";  // safetensors metadata: JSON list of names
@@ -310,29 +311,24 @@ std::string rank_file(int rank) {
 
 }  // namespace
 
-void save_resume_checkpoint(const std::string& output_dir, int64_t global_step, const ResumeState& state,
-                            int64_t keep_last_n) {
-  const fs::path root = checkpoints_root(output_dir);
-  const fs::path tmp = prepare_tmp(root, global_step);
-  write_state_file(tmp / kState, state.tensors);
-  commit_checkpoint(root, tmp, global_step, state.meta, {kState}, nlohmann::json::object(), keep_last_n);
-}
-
-void save_sharded_resume_checkpoint(const std::string& output_dir, int64_t global_step, const ResumeState& mine,
-                                    const RankSync& sync, int64_t keep_last_n) {
+void save_resume_checkpoint(const std::string& output_dir, int64_t global_step, const ResumeState& mine,
+                            int64_t keep_last_n, const RankSync& sync) {
+  const auto barrier = [&] {
+    if (sync.barrier) sync.barrier();
+  };
   const fs::path root = checkpoints_root(output_dir);
   if (sync.rank == 0) prepare_tmp(root, global_step);
-  sync.barrier();  // step_N.tmp/ exists
+  barrier();  // step_N.tmp/ exists
   const fs::path tmp = tmp_dir_of(root, global_step);
   write_state_file(tmp / rank_file(sync.rank), mine.tensors);
-  sync.barrier();  // every rank's part is durable: only now may it become a checkpoint
+  barrier();  // every rank's part is durable: only now may it become a checkpoint
   if (sync.rank == 0) {
     std::vector<std::string> files;
     for (int r = 0; r < sync.world_size; ++r) files.push_back(rank_file(r));
     commit_checkpoint(root, tmp, global_step, mine.meta, files, {{"world_size", sync.world_size}, {"mesh", sync.mesh}},
                       keep_last_n);
   }
-  sync.barrier();  // committed (and pruned) before anyone goes on, or saves again
+  barrier();  // committed (and pruned) before anyone goes on, or saves again
 }
 
 std::optional<std::string> latest_resume_checkpoint(const std::string& output_dir) {
@@ -341,31 +337,22 @@ std::optional<std::string> latest_resume_checkpoint(const std::string& output_di
   return all.rbegin()->second.string();
 }
 
-int resume_checkpoint_world_size(const std::string& dir) {
-  const auto m = read_manifest(fs::path(dir));
-  if (!m) throw ResumeError("resume checkpoint " + dir + ": missing " + kManifest);
-  return m->value("world_size", 0);
-}
-
-ResumeState load_resume_checkpoint(const std::string& dir) {
-  const nlohmann::json manifest = verify_checkpoint(dir, {kState, kMeta});
-  if (manifest.contains("world_size"))
-    throw ResumeError("resume checkpoint " + dir + " was written by " + std::to_string(manifest["world_size"].get<int>()) +
-                      " ranks: resume it with ranks (qlora run --nproc-per-node ...)");
-  ResumeState out;
-  out.meta = read_meta(dir);
-  out.tensors = read_state_file(fs::path(dir) / kState);
-  return out;
-}
-
-ShardedResumeState load_sharded_resume_checkpoint(const std::string& dir) {
-  const int world = resume_checkpoint_world_size(dir);
-  if (world < 1)
-    throw ResumeError("resume checkpoint " + dir + " was written by a single process: resume it without ranks");
+ResumeCheckpoint load_resume_checkpoint(const std::string& dir) {
+  const auto manifest = read_manifest(fs::path(dir));
+  if (!manifest) throw ResumeError("resume checkpoint " + dir + ": missing " + kManifest);
+  ResumeCheckpoint out;
+  if (!manifest->contains("world_size")) {  // the single-process format of earlier releases
+    verify_checkpoint(dir, {kLegacyState, kMeta});
+    out.meta = read_meta(dir);
+    out.ranks.push_back(read_state_file(fs::path(dir) / kLegacyState));
+    out.legacy_single_process = true;
+    return out;
+  }
+  const int world = manifest->value("world_size", 0);
+  if (world < 1) throw ResumeError("resume checkpoint " + dir + ": manifest.json says world_size " + std::to_string(world));
   std::vector<std::string> required = {kMeta};
   for (int r = 0; r < world; ++r) required.push_back(rank_file(r));
   verify_checkpoint(dir, required);
-  ShardedResumeState out;
   out.meta = read_meta(dir);
   for (int r = 0; r < world; ++r) out.ranks.push_back(read_state_file(fs::path(dir) / rank_file(r)));
   return out;

@@ -2,11 +2,12 @@
 // atomically and verified on load.
 //
 //   <output_dir>/checkpoints/step_<global_step:08d>/
-//       state.safetensors   the tensors (CPU, any dtype the safetensors layer supports, e.g. uint8
-//                           RNG states, int64 counters, fp32 moments)
+//       rank_<k:05d>.safetensors  rank k's tensors (CPU, any dtype the safetensors layer supports,
+//                           e.g. uint8 RNG states, int64 counters, fp32 moments); one process
+//                           writes rank_00000 alone
 //       meta.json           free-form JSON from the caller
-//       manifest.json       {"format":"qlora-resume-v1","step":N,
-//                            "files":{"state.safetensors":{"bytes":..,"xxh64":"<16 hex>"},...}}
+//       manifest.json       {"format":"qlora-resume-v1","step":N,"world_size":W,"mesh":{..},
+//                            "files":{"rank_00000.safetensors":{"bytes":..,"xxh64":"<16 hex>"},...}}
 //
 // The checksum is XXH64 (seed 0, hex) over each file's bytes (xxh64.h): a resume state of a few
 // hundred MB is hashed at memory speed, and it catches the torn or bit-rotten files we care about
@@ -45,14 +46,27 @@ struct ResumeError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-// Saving a step that already exists replaces it atomically (Linux renameat2 RENAME_EXCHANGE; where
-// that is unavailable the old one is moved aside to step_N.old first, see above). Asides left by
-// an earlier crash are settled after the commit. keep_last_n > 0: afterwards only the keep_last_n
-// newest complete checkpoints (by step) remain, and the one just written is never removed;
-// keep_last_n <= 0 keeps all. A pruned directory loses its manifest first, so one half-deleted by a
-// crash is not mistaken for a checkpoint. Tensors may live on any device (copied to CPU).
-void save_resume_checkpoint(const std::string& output_dir, int64_t global_step, const ResumeState& state,
-                            int64_t keep_last_n);
+// Multi-rank runs and one process alike (one process is rank 0 of 1): one checkpoint directory
+// for the job, each rank's tensors in rank_<k:05d>.safetensors, meta.json from rank 0, the
+// manifest (with world_size and the mesh) listing and checksumming every rank's file. Every rank
+// calls save with its own state; `barrier` must be a barrier of all of them (empty: one process).
+struct RankSync {
+  int rank = 0;
+  int world_size = 1;
+  std::function<void()> barrier;
+  nlohmann::json mesh = nlohmann::json::object();  // recorded in the manifest (e.g. {"shard_size": 2})
+};
+
+// Rank 0 commits only after every rank's file is durable, so a rank that dies mid-save leaves the
+// earlier checkpoints as they were. Saving a step that already exists replaces it atomically
+// (Linux renameat2 RENAME_EXCHANGE; where that is unavailable the old one is moved aside to
+// step_N.old first, see above). Asides left by an earlier crash are settled after the commit.
+// keep_last_n > 0: afterwards only the keep_last_n newest complete checkpoints (by step) remain,
+// and the one just written is never removed; keep_last_n <= 0 keeps all. A pruned directory
+// loses its manifest first, so one half-deleted by a crash is not mistaken for a checkpoint.
+// Tensors may live on any device (copied to CPU).
+void save_resume_checkpoint(const std::string& output_dir, int64_t global_step, const ResumeState& mine,
+                            int64_t keep_last_n, const RankSync& sync = {});
 
 // Newest <output_dir>/checkpoints/step_<digits> whose manifest.json exists, parses and names that
 // step (step_<digits>.old where that is the step's only such directory); nullopt if none.
@@ -61,35 +75,19 @@ void save_resume_checkpoint(const std::string& output_dir, int64_t global_step, 
 // is checked here; load_resume_checkpoint verifies the data.
 std::optional<std::string> latest_resume_checkpoint(const std::string& output_dir);
 
-// Verifies the size and XXH64 of every file listed in the manifest before reading anything;
-// throws ResumeError naming the file and the checkpoint on a mismatch, a missing file or a missing
-// manifest. Tensors come back on the CPU, owning their memory (not views of the mapped file).
-ResumeState load_resume_checkpoint(const std::string& dir);
-
-// Multi-rank runs: one checkpoint directory for the job, each rank's tensors in
-// rank_<k:05d>.safetensors, meta.json from rank 0, the manifest (with world_size) listing and
-// checksumming every rank's file. Every rank calls save with its own state; `barrier` must be a
-// barrier of all of them. Rank 0 commits only after every rank's file is durable, so a rank that
-// dies mid-save leaves the earlier checkpoints as they were.
-struct RankSync {
-  int rank = 0;
-  int world_size = 1;
-  std::function<void()> barrier;
-  nlohmann::json mesh;  // recorded in the manifest beside world_size (e.g. {"shard_size": 2})
-};
-void save_sharded_resume_checkpoint(const std::string& output_dir, int64_t global_step, const ResumeState& mine,
-                                    const RankSync& sync, int64_t keep_last_n);
-
-// 0 for a single-process checkpoint, else the number of ranks that wrote it.
-int resume_checkpoint_world_size(const std::string& dir);
-
-struct ShardedResumeState {
+struct ResumeCheckpoint {
   nlohmann::json meta;
   std::vector<std::vector<std::pair<std::string, at::Tensor>>> ranks;  // [rank] -> its tensors, in saved order
+  // Written by the single-process recipe of qlora before the engine was one for 1..N ranks
+  // (state.safetensors with per-adapter names): ranks[0] holds its tensors, named as it named
+  // them; the engine converts them (engine/sharded_state.h).
+  bool legacy_single_process = false;
 };
-// Verifies every rank's file (size and XXH64, named on a mismatch) and reads them all: a run on
-// another number of ranks needs pieces of every old rank's state to build its own.
-ShardedResumeState load_sharded_resume_checkpoint(const std::string& dir);
+// Verifies the size and XXH64 of every file listed in the manifest before reading anything, and
+// reads every rank's file (a run on another number of ranks needs pieces of every old rank's
+// state to build its own). Throws ResumeError naming the file and the checkpoint on a mismatch, a
+// missing file or a missing manifest. Tensors come back on the CPU, owning their memory.
+ResumeCheckpoint load_resume_checkpoint(const std::string& dir);
 
 // Puts the complete directory `tmp` at `final_dir`: a plain rename, or where final_dir exists an
 // atomic swap (renameat2 RENAME_EXCHANGE; else move-aside) after which the replaced directory is

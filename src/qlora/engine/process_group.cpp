@@ -159,6 +159,10 @@ std::unique_ptr<World> World::join(const RankEnv& env, int64_t shard_size, std::
                                 std::to_string(env.world_size));
   std::unique_ptr<World> w(new World());
   w->env_ = env;
+  if (env.world_size == 1) {  // one process: no store, no peers, collectives that do nothing
+    w->world_ = w->shard_ = w->replica_ = Comm(nullptr, {0}, &w->entered_);
+    return w;
+  }
   if (const char* t = std::getenv("QLORA_HEARTBEAT_TIMEOUT_S")) {
     char* end = nullptr;
     w->heartbeat_timeout_s_ = std::strtod(t, &end);
@@ -216,7 +220,7 @@ std::unique_ptr<World> World::join(const RankEnv& env, int64_t shard_size, std::
 }
 
 void World::finish() {
-  if (finished_) return;
+  if (finished_ || !hb_store_) return;
   finished_ = true;
   hb_store_->set(key("done", env_.rank), std::vector<uint8_t>{1});
   // Rank 0 hosts the store: it stays until every rank has said it is done, so nobody's last
@@ -234,7 +238,7 @@ void World::finish() {
 }
 
 World::~World() {
-  if (!finished_) {
+  if (!finished_ && hb_store_) {
     // An error is unwinding this rank: tell the peers at once rather than by silence.
     try {
       const std::string why = failure_reason_.empty() ? "its own error is in its output" : failure_reason_;
@@ -327,6 +331,7 @@ World::Culprits World::culprits(double window_s) {
 }
 
 void World::rethrow_with_culprits(const std::exception& e, const std::string& what) {
+  if (!hb_store_) throw std::runtime_error(e.what());  // one process: nobody else to blame
   const Culprits c = culprits(3 * kHeartbeatInterval);
   auto list = [](const std::vector<int>& v) {
     std::string s;

@@ -89,6 +89,8 @@ class World {
  public:
   // Joins the job described by `env` (blocks until every rank has joined, or throws after
   // `timeout` naming who is missing). shard_size 0 = world size; it must divide the world size.
+  // A world of size 1 (one process) has no store, no heartbeat and collectives that do nothing:
+  // the engine runs the same code on it.
   static std::unique_ptr<World> join(const RankEnv& env, int64_t shard_size, std::chrono::seconds timeout,
                                      c10::Device device);
   // A clean end: peers stop watching this rank; rank 0 (the store's host) waits until every rank
@@ -107,7 +109,7 @@ class World {
 
   // Rethrows `e`, a failure during `what`, as std::runtime_error naming the ranks whose heartbeat
   // stopped (it watches them for a few seconds first); with every peer alive, the error is this
-  // rank's own and comes back with just the rank prepended.
+  // rank's own and comes back with just the rank prepended (one process: as it is).
   [[noreturn]] void rethrow_with_culprits(const std::exception& e, const std::string& what);
 
   // The training loop's progress: the step about to run. With the count of collectives entered

@@ -1,10 +1,9 @@
-// The per-epoch export of a sharded run, written by several ranks at once: the same epoch_<N>/
-// directory as checkpoint::export_epoch (PEFT adapter + merged HF safetensors + index + config +
-// tokenizer files), byte for byte. Within one shard group (replicas hold the same and stay idle),
-// each unit (embedding, layer, head) has an owner rank; its NF4 group is gathered to the owner
-// only, which merges that unit's tensors and writes them in place into the shard files rank 0
-// created with their headers; rank 0 writes the adapter, the index and the copied files and
-// commits the directory once every rank's part is durable.
+// The per-epoch export of the engine, on 1..N ranks: checkpoint::export_epoch with the ranks as
+// its writers. Within one shard group (replicas hold the same and stay idle) each unit
+// (embedding, layer, head) has an owner rank; its NF4 group is gathered to the owner only, which
+// merges that unit's tensors and writes them in place into the shard files writer 0 created; rank
+// 0 writes the adapter and commits the directory once every rank's part is durable. The files are
+// byte-identical to one process's.
 #pragma once
 
 #include <cstdint>
@@ -16,9 +15,9 @@
 
 namespace qlora::engine {
 
-void export_epoch_sharded(const std::string& output_dir, int64_t epoch, const models::LlamaModel& model,
-                          ShardedLlama& engine, World& world, const checkpoint::AdapterInfo& info, bool adapter_only,
-                          const std::string& base_checkpoint_dir, checkpoint::MergeSource source,
-                          const std::string& tokenizer_path);
+void export_epoch(const std::string& output_dir, int64_t epoch, const models::LlamaModel& model, ShardedLlama& engine,
+                  World& world, const checkpoint::AdapterInfo& info, bool adapter_only,
+                  const std::string& base_checkpoint_dir, checkpoint::MergeSource source,
+                  const std::string& tokenizer_path);
 
 }  // namespace qlora::engine

@@ -12,6 +12,8 @@
 #include <cmath>
 #include <stdexcept>
 
+#include "qlora/optim/adamw.h"
+
 namespace qlora::engine {
 
 using Setter = std::function<void(const at::Tensor&)>;
@@ -196,6 +198,11 @@ std::unique_ptr<ShardedLlama::FrozenGroup> make_frozen(const std::string& name, 
   const auto& ms = g->layout.members();
   for (size_t k = 0; k < ms.size(); ++k) g->rebind[k](alias(g->full, ms[k]));
   g->rebind.clear();  // they point into the model: not to be called again
+  if (shards == 1) {  // the whole group is this rank's: it stays, and nothing is ever gathered
+    g->shard = g->full;
+    g->gathered = true;
+    return g;
+  }
   g->shard = g->layout.shard_of(g->full, me).clone();
   free_storage(g->full);
   return g;
@@ -225,14 +232,16 @@ void ShardedLlama::add_trainable(const std::vector<modules::LoraLinear*>& ls, co
     at::Tensor p = g->layout.view(g->full_param, mb).detach().set_requires_grad(true);
     p.mutable_grad() = g->layout.view(g->full_grad, mb);  // accumulate in place, into the flat buffer
     *slots[k].first = p;
+    adapters_.push_back(p);
     auto acc = torch::autograd::impl::grad_accumulator(p);
     acc->add_post_hook(std::make_unique<GradReadyHook>([this, gi] { on_grad_ready(gi); }));
     g->accumulators.push_back(std::move(acc));
   }
   g->expected = static_cast<int64_t>(slots.size());
-  at::Tensor ps = g->layout.shard_of(g->full_param, me).clone();
-  g->grad_shard = at::zeros_like(ps);
-  g->rs_out = at::empty_like(ps);
+  // A shard group of one rank steps the full buffer itself: no second copy, no collectives.
+  at::Tensor ps = n == 1 ? g->full_param : g->layout.shard_of(g->full_param, me).clone();
+  g->grad_shard = n == 1 ? g->full_grad : at::zeros_like(ps);
+  if (n > 1) g->rs_out = at::empty_like(ps);
   ps.mutable_grad() = g->grad_shard;
   g->shard_index = param_shards_.size();
   param_shards_.push_back(ps);
@@ -277,7 +286,7 @@ void ShardedLlama::ensure(FrozenGroup& g) {
 }
 
 void ShardedLlama::release(FrozenGroup& g) {
-  if (!g.gathered) return;
+  if (!g.gathered || whole()) return;
   ensure(g);  // a collective still writing into the buffer must finish first
   free_storage(g.full);
   g.gathered = false;
@@ -320,8 +329,10 @@ void ShardedLlama::on_grad_ready(size_t gi) {
   if (!sync_ && !opt_.reduce_scatter_every_micro_batch) return;
   if (g.rs)  // rs_out and full_grad are still in use by the last backward's reduce-scatter
     throw std::logic_error("ShardedLlama: a backward ran without finish_backward() after the previous one");
-  g.rs = world_.shard().reduce_scatter_sum(g.rs_out, g.full_grad);
-  stats_.reduce_scatters += 1;
+  if (!whole()) {  // a one-rank shard group's full gradient is its shard already
+    g.rs = world_.shard().reduce_scatter_sum(g.rs_out, g.full_grad);
+    stats_.reduce_scatters += 1;
+  }
   ready_order_.push_back(gi);
 }
 
@@ -341,12 +352,14 @@ void ShardedLlama::finish_backward() {
   // Reduce-scatters in the order the groups became ready, then the replica all-reduces (HSDP).
   for (size_t gi : ready_order_) {
     TrainGroup& g = *train_[gi];
-    WorkPtr w = std::move(g.rs);
-    g.rs = {};
-    wait(w);
-    g.grad_shard.add_(g.rs_out);
-    g.full_grad.zero_();
-    if (sync_) g.ar = world_.replica().all_reduce_sum(g.grad_shard);
+    if (!whole()) {
+      WorkPtr w = std::move(g.rs);
+      g.rs = {};
+      wait(w);
+      g.grad_shard.add_(g.rs_out);
+      g.full_grad.zero_();
+    }
+    if (sync_ && world_.replica().size() > 1) g.ar = world_.replica().all_reduce_sum(g.grad_shard);
   }
   for (size_t gi : ready_order_) {
     WorkPtr w = std::move(train_[gi]->ar);
@@ -358,6 +371,9 @@ void ShardedLlama::finish_backward() {
 }
 
 double ShardedLlama::clip_grad_norm(double max_norm) {
+  // A whole group's gradients are the adapters' own: clip them as torch does (the norm of the
+  // per-adapter norms), so one process computes exactly what torch's clip_grad_norm_ would.
+  if (whole() && world_.replica().size() == 1) return optim::clip_grad_norm_(adapters_, max_norm).item<double>();
   at::Tensor sq = at::zeros({1}, param_shards_.empty() ? at::TensorOptions() : param_shards_[0].options());
   for (const auto& g : train_) sq += g->grad_shard.pow(2).sum();
   wait(world_.shard().all_reduce_sum(sq));  // replicas hold equal shards after their all-reduce
@@ -372,7 +388,8 @@ double ShardedLlama::clip_grad_norm(double max_norm) {
 
 void ShardedLlama::gather_params() {
   std::vector<WorkPtr> works;
-  for (auto& g : train_) works.push_back(world_.shard().all_gather(g->full_param, param_shards_[g->shard_index]));
+  for (auto& g : train_)
+    if (!whole()) works.push_back(world_.shard().all_gather(g->full_param, param_shards_[g->shard_index]));
   for (auto& w : works) wait(w);
   for (auto& g : train_) {
     g->grad_shard.zero_();

@@ -131,6 +131,9 @@ class ShardedLlama : public models::UnitHooks, public std::enable_shared_from_th
   void prefetch(int64_t unit);
   void on_grad_ready(size_t group);
   void add_trainable(const std::vector<modules::LoraLinear*>& layers, const std::vector<std::string>& stems);
+  // A shard group of one rank (one process, or pure replication): every group stays whole where
+  // it is; gathers, releases and reduce-scatters do nothing.
+  bool whole() const { return world_.shard().size() == 1; }
 
   World& world_;
   ShardingOptions opt_;
@@ -139,6 +142,7 @@ class ShardedLlama : public models::UnitHooks, public std::enable_shared_from_th
   std::vector<std::unique_ptr<FrozenGroup>> frozen_;
   std::vector<std::unique_ptr<TrainGroup>> train_;
   std::vector<at::Tensor> param_shards_;
+  std::vector<at::Tensor> adapters_;  // the model's LoRA tensors (views of the groups' full buffers)
   std::vector<size_t> ready_order_;
   bool sync_ = true;
   int64_t num_layers_ = 0;  // layers sharded so far; all of them after finish()

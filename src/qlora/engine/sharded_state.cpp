@@ -10,7 +10,41 @@ namespace {
 const at::Tensor& find(const NamedTensors& ts, const std::string& name, size_t rank) {
   for (const auto& [n, t] : ts)
     if (n == name) return t;
-  throw std::invalid_argument("sharded resume state of old rank " + std::to_string(rank) + " has no '" + name + "'");
+  throw std::invalid_argument("the state of old rank " + std::to_string(rank) + " has no '" + name + "'");
+}
+
+// The single-process format of earlier releases named each adapter (model.<PEFT name>) and kept
+// AdamW per adapter (optim.exp_avg.<i>, in lora_parameters() order): the same values as one
+// rank's flat groups, in the same order. Returns them as rank 0 of 1 of today's format.
+NamedTensors from_legacy(const ShardedLlama& engine, const models::LlamaModel& model, const NamedTensors& old) {
+  const auto lora = model.lora_parameters();
+  std::vector<at::Tensor> params, avg, avg_sq;
+  for (size_t i = 0; i < lora.size(); ++i) {
+    params.push_back(find(old, "model." + lora[i].first, 0).reshape({-1}));
+    avg.push_back(find(old, "optim.exp_avg." + std::to_string(i), 0).reshape({-1}));
+    avg_sq.push_back(find(old, "optim.exp_avg_sq." + std::to_string(i), 0).reshape({-1}));
+  }
+  const at::Tensor all_p = at::cat(params), all_m = at::cat(avg), all_v = at::cat(avg_sq);
+  const at::Tensor steps = find(old, "optim.step", 0);
+  if (steps.numel() == 0 || !at::equal(steps, at::full_like(steps, steps[0].item<int64_t>())))
+    throw std::invalid_argument("optim.step differs between adapters: not a checkpoint this recipe wrote");
+  const size_t groups = engine.param_shards().size();
+  NamedTensors out;
+  int64_t at_ = 0;
+  for (size_t g = 0; g < groups; ++g) {
+    const int64_t n = engine.trainable_layout(g).used();
+    if (at_ + n > all_p.numel()) break;
+    const std::string i = std::to_string(g);
+    out.emplace_back("param." + i, all_p.narrow(0, at_, n));
+    out.emplace_back("optim.exp_avg." + i, all_m.narrow(0, at_, n));
+    out.emplace_back("optim.exp_avg_sq." + i, all_v.narrow(0, at_, n));
+    at_ += n;
+  }
+  if (at_ != all_p.numel() || out.size() != 3 * groups)
+    throw std::invalid_argument("its adapters hold " + std::to_string(all_p.numel()) + " values, the model's " +
+                                std::to_string(at_) + " (a checkpoint of another model or LoRA config?)");
+  out.emplace_back("optim.step", at::full({static_cast<int64_t>(groups)}, steps[0].item<int64_t>(), at::kLong));
+  return out;
 }
 
 // Group g's unpadded vector, joined from every old rank's shard of `kind`.
@@ -19,7 +53,7 @@ at::Tensor joined(const std::vector<NamedTensors>& old_ranks, const std::string&
   for (size_t r = 0; r < old_ranks.size(); ++r) parts.push_back(find(old_ranks[r], kind + std::to_string(g), r).reshape({-1}));
   at::Tensor all = at::cat(parts);
   if (all.numel() < used)
-    throw std::invalid_argument("sharded resume state: " + kind + std::to_string(g) + " holds " +
+    throw std::invalid_argument(kind + std::to_string(g) + " holds " +
                                 std::to_string(all.numel()) + " values, the model's group needs " + std::to_string(used) +
                                 " (a checkpoint of another model or LoRA config?)");
   return all.narrow(0, 0, used);
@@ -27,7 +61,7 @@ at::Tensor joined(const std::vector<NamedTensors>& old_ranks, const std::string&
 
 }  // namespace
 
-NamedTensors sharded_train_state(const ShardedLlama& engine, const optim::AdamW& opt) {
+NamedTensors train_state(const ShardedLlama& engine, const optim::AdamW& opt) {
   NamedTensors out;
   const auto& shards = engine.param_shards();
   for (size_t g = 0; g < shards.size(); ++g) out.emplace_back("param." + std::to_string(g), shards[g].detach());
@@ -35,21 +69,28 @@ NamedTensors sharded_train_state(const ShardedLlama& engine, const optim::AdamW&
   return out;
 }
 
-void load_sharded_train_state(ShardedLlama& engine, optim::AdamW& opt, const std::vector<NamedTensors>& old_ranks) {
-  if (old_ranks.empty()) throw std::invalid_argument("sharded resume state: no ranks");
-  const size_t groups = engine.param_shards().size();
-  std::vector<at::Tensor> params;
-  NamedTensors ostate;
-  for (size_t g = 0; g < groups; ++g) {
-    const int64_t used = engine.trainable_layout(g).used();
-    params.push_back(joined(old_ranks, "param.", g, used));
-    ostate.emplace_back("exp_avg." + std::to_string(g), engine.shard_of_unpadded(g, joined(old_ranks, "optim.exp_avg.", g, used)));
-    ostate.emplace_back("exp_avg_sq." + std::to_string(g),
-                        engine.shard_of_unpadded(g, joined(old_ranks, "optim.exp_avg_sq.", g, used)));
+void load_train_state(ShardedLlama& engine, optim::AdamW& opt, const checkpoint::ResumeCheckpoint& ckpt,
+                      const models::LlamaModel& model, const std::string& where) {
+  try {
+    if (ckpt.ranks.empty()) throw std::invalid_argument("no ranks");
+    const std::vector<NamedTensors> old_ranks =
+        ckpt.legacy_single_process ? std::vector<NamedTensors>{from_legacy(engine, model, ckpt.ranks[0])} : ckpt.ranks;
+    const size_t groups = engine.param_shards().size();
+    std::vector<at::Tensor> params;
+    NamedTensors ostate;
+    for (size_t g = 0; g < groups; ++g) {
+      const int64_t used = engine.trainable_layout(g).used();
+      const std::string i = std::to_string(g);
+      params.push_back(joined(old_ranks, "param.", g, used));
+      ostate.emplace_back("exp_avg." + i, engine.shard_of_unpadded(g, joined(old_ranks, "optim.exp_avg.", g, used)));
+      ostate.emplace_back("exp_avg_sq." + i, engine.shard_of_unpadded(g, joined(old_ranks, "optim.exp_avg_sq.", g, used)));
+    }
+    ostate.emplace_back("step", find(old_ranks[0], "optim.step", 0));  // the same on every rank
+    opt.load_state_dict(ostate);
+    engine.load_params(params);
+  } catch (const std::exception& e) {
+    throw std::invalid_argument("cannot resume " + where + ": " + e.what());
   }
-  ostate.emplace_back("step", find(old_ranks[0], "optim.step", 0));  // the same on every rank
-  opt.load_state_dict(ostate);
-  engine.load_params(params);
 }
 
 }  // namespace qlora::engine

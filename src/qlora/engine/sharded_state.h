@@ -1,6 +1,8 @@
-// A rank's part of a sharded resume checkpoint (its flat adapter and AdamW shards), and the way
-// back on any number of ranks: every old rank's pieces are joined into each group's unpadded
-// vector and cut again for the new mesh, so 4 -> 2, 2 -> 3 or HSDP <-> full sharding all resume.
+// The train state of the engine, saved and restored on any number of ranks: each rank's flat
+// adapter and AdamW shards go into its part of the resume checkpoint, and on the way back every
+// old rank's pieces are joined into each group's unpadded vector and cut again for this mesh, so
+// 1 -> N, 4 -> 2, 2 -> 3 or HSDP <-> full sharding all resume. A checkpoint of the earlier
+// single-process format (per-adapter names) is converted on the way in.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -9,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "qlora/checkpoint/resume.h"
 #include "qlora/engine/sharded_model.h"
 #include "qlora/optim/adamw.h"
 
@@ -18,11 +21,13 @@ using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
 
 // param.<g>, optim.exp_avg.<g>, optim.exp_avg_sq.<g> (this rank's shards of trainable group g)
 // and optim.step. `opt` must be the AdamW over engine.param_shards().
-NamedTensors sharded_train_state(const ShardedLlama& engine, const optim::AdamW& opt);
+NamedTensors train_state(const ShardedLlama& engine, const optim::AdamW& opt);
 
-// Restores from the states every rank of the old run saved (old_ranks[k] = rank k's tensors):
+// Restores from the states every rank of the old run saved (ckpt.ranks[k] = rank k's tensors):
 // the adapters are set and gathered into the model on every rank, the optimizer gets this rank's
-// new shards. Errors name the missing tensor or the group whose size does not match the model.
-void load_sharded_train_state(ShardedLlama& engine, optim::AdamW& opt, const std::vector<NamedTensors>& old_ranks);
+// new shards. `model` names the adapters of a legacy single-process checkpoint. Errors name
+// `where` (the checkpoint) and the missing tensor, or the group whose size does not match.
+void load_train_state(ShardedLlama& engine, optim::AdamW& opt, const checkpoint::ResumeCheckpoint& ckpt,
+                      const models::LlamaModel& model, const std::string& where);
 
 }  // namespace qlora::engine

@@ -1,4 +1,5 @@
-// The `qlora` command: one binary, a subcommand per recipe.
+// The `qlora` command line: a subcommand per recipe (recipes/main.cpp is the binary's main; the
+// test binary tests/tools/qlora_faults.cpp runs the same command line with a fault plan).
 #include <cstdio>
 #include <exception>
 #include <algorithm>
@@ -14,6 +15,7 @@ int quantize_main(const std::vector<std::string>& args);
 int dequantize_main(const std::vector<std::string>& args);
 int lora_finetune_main(const std::vector<std::string>& args);
 int generate_main(const std::vector<std::string>& args);
+int qlora_cli(int argc, char** argv);
 }  // namespace qlora::recipes
 
 namespace {
@@ -67,7 +69,9 @@ int ls_main() {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+namespace qlora::recipes {
+
+int qlora_cli(int argc, char** argv) {
   std::vector<std::string> args(argv + 1, argv + argc);
   if (args.empty() || args[0] == "help" || args[0] == "--help" || args[0] == "-h") {
     std::fputs(kUsage, args.empty() ? stderr : stdout);
@@ -88,3 +92,5 @@ int main(int argc, char** argv) {
   std::fprintf(stderr, "qlora: unknown command '%s'\n\n%s", cmd.c_str(), kUsage);
   return 2;
 }
+
+}  // namespace qlora::recipes

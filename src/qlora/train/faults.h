@@ -1,0 +1,23 @@
+// The seam through which tests inject faults into a training run (a rank killed after a step or
+// inside a save, a rank that hangs alive). Production never installs a plan: every hook is empty
+// and the loop only checks that. The test binary tests/tools/qlora_faults.cpp installs one from
+// its own environment before running the ordinary `qlora` command line.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+
+namespace qlora::train {
+
+struct FaultPlan {
+  std::function<void(int rank, int64_t step)> before_step;  // step (1-based) is about to run
+  std::function<void(int rank, int64_t step)> after_step;   // step is done and logged
+  // Inside the resume save of `step`, at its barrier number `barrier` (1: the directory exists,
+  // 2: this rank's part is durable, 3: committed).
+  std::function<void(int rank, int64_t step, int barrier)> in_save;
+};
+
+void install_fault_plan(FaultPlan plan);  // tests only
+const FaultPlan& fault_plan();
+
+}  // namespace qlora::train
