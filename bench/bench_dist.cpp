@@ -6,7 +6,7 @@
 //   - the 2-rank step with prefetch (gather overlapped with compute) against prefetch off;
 //   - the merged per-epoch export of the same model on 1 process and 2 ranks (parallel writers)
 //     against the raw sequential write speed of the same disk;
-//   - with --llama2-7b: a Llama-2-7B shape (random NF4) on 1 process (unsharded) and on 2 ranks,
+//   - with --llama2-7b: a Llama-2-7B shape (random NF4) on 1 process (a world of one) and on 2 ranks,
 //     per-rank peak RSS beside the single-process figure.
 //
 //   build/bench_dist [--hidden 768 --inter 2048 --layers 12 --heads 12 --vocab 32000] [--seq 512]
@@ -50,7 +50,7 @@ using namespace qlora;
 namespace {
 
 struct Args : bench::ShapeArgs {
-  bool worker = false, prefetch = true, sharded = true;
+  bool worker = false, prefetch = true;
   std::string export_to;  // worker: time a merged per-epoch export into this directory instead of steps
 };
 
@@ -88,15 +88,12 @@ double raw_write_mb_s(const fs::path& dir, int64_t bytes) {
 json run_worker(const Args& a) {
   const engine::RankEnv env = engine::rank_env_from_environment();
   at::set_num_threads(std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / env.local_world_size));
-  std::unique_ptr<engine::World> world;
-  if (env.world_size > 1) world = engine::World::join(env, 0, std::chrono::seconds(900), c10::kCPU);
+  // One process is a world of one: the same engine, nothing gathered.
+  const std::unique_ptr<engine::World> world = engine::World::join(env, 0, std::chrono::seconds(900), c10::kCPU);
   engine::ShardingOptions so;
   so.prefetch = a.prefetch;
-  std::shared_ptr<engine::ShardedLlama> engine;
-  if (world && a.sharded) engine = engine::ShardedLlama::begin(*world, so);
-  auto on_layer = [&engine](int64_t i, modules::DecoderLayer& L) {
-    if (engine) engine->shard_layer(i, L);
-  };
+  const std::shared_ptr<engine::ShardedLlama> engine = engine::ShardedLlama::begin(*world, so);
+  auto on_layer = [&engine](int64_t i, modules::DecoderLayer& L) { engine->shard_layer(i, L); };
   const auto t0 = std::chrono::steady_clock::now();
   models::LlamaModel m;
   if (a.llama7b) {
@@ -110,14 +107,10 @@ json run_worker(const Args& a) {
     o.on_layer_loaded = on_layer;
     m = models::load_llama(a.workdir, o);
   }
-  if (engine) engine->finish(m);
+  engine->finish(m);
   const double load_s = seconds_since(t0);
   m.training = true;
-  std::vector<at::Tensor> params;
-  if (engine) params = engine->param_shards();
-  else
-    for (const auto& [n, t] : m.lora_parameters()) params.push_back(t);
-  optim::AdamW opt(params, optim::AdamWOptions{});
+  optim::AdamW opt(engine->param_shards(), optim::AdamWOptions{});
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(7 + env.rank);
   const at::Tensor tokens = at::randint(0, m.config.vocab_size, {1, a.seq + 1}, gen);
   const at::Tensor inp = tokens.narrow(1, 0, a.seq), labels = tokens.narrow(1, 1, a.seq);
@@ -127,28 +120,21 @@ json run_worker(const Args& a) {
     const at::Tensor loss = at::cross_entropy_loss(logits.view({-1, V}), labels.reshape({-1}), {},
                                                    at::Reduction::Mean, -100) / static_cast<double>(env.world_size);
     torch::autograd::backward({loss});
-    if (engine) {
-      engine->finish_backward();
-      engine->clip_grad_norm(1.0);
-    }
+    engine->finish_backward();
+    engine->clip_grad_norm(1.0);
     opt.step();
-    if (engine) engine->gather_params();
-    else opt.zero_grad();
+    engine->gather_params();
   };
   if (!a.export_to.empty()) {  // the export of this model instead of training steps
     const checkpoint::AdapterInfo info{8, 16.0, 0.0, {}, a.workdir};
-    if (world) world->world().barrier();
+    world->world().barrier();
     const auto te = std::chrono::steady_clock::now();
-    if (engine)
-      engine::export_epoch(a.export_to, 0, m, *engine, *world, info, false, a.workdir,
-                                 checkpoint::MergeSource::Nf4, "");
-    else
-      checkpoint::export_epoch(a.export_to, 0, m, info, false, a.workdir, checkpoint::MergeSource::Nf4);
+    engine::export_epoch(a.export_to, 0, m, *engine, *world, info, false, a.workdir, checkpoint::MergeSource::Nf4, "");
     const double secs = seconds_since(te);
     const int64_t bytes = bytes_under(fs::path(a.export_to) / "epoch_0");
     json j = {{"ranks", env.world_size}, {"export_s", secs}, {"export_bytes", bytes},
               {"export_mb_s", bytes / secs / 1e6}};
-    if (world) world->finish();
+    world->finish();
     return j;
   }
   if (!a.llama7b) step();  // warm-up (the 7B shape skips it to stay within minutes)
@@ -164,21 +150,20 @@ json run_worker(const Args& a) {
   // Every rank's peak RSS, gathered to all.
   at::Tensor rss = at::full({1}, static_cast<double>(train::peak_rss_bytes()), at::kDouble);
   at::Tensor all_rss = at::empty({env.world_size}, at::kDouble);
-  if (world) engine::wait(world->world().all_gather(all_rss, rss));
-  else all_rss.copy_(rss);
-  json j = {{"ranks", env.world_size}, {"sharded", static_cast<bool>(engine)}, {"prefetch", a.prefetch},
+  engine::wait(world->world().all_gather(all_rss, rss));
+  json j = {{"ranks", env.world_size}, {"prefetch", a.prefetch},
             {"threads_per_rank", at::get_num_threads()}, {"load_s", load_s}, {"median_step_s", med},
             {"tokens_per_s", double(a.seq * env.world_size) / med}};
   std::vector<double> rss_v(all_rss.data_ptr<double>(), all_rss.data_ptr<double>() + env.world_size);
   j["peak_rss_bytes_per_rank"] = rss_v;
-  if (engine) {
+  {
     const engine::ShardStats& st = engine->stats();
     j["gathered_bytes_per_step"] = double(st.bytes_gathered - before.bytes_gathered) / a.steps;
     j["layer_gathered_bytes_per_step"] = double(st.layer_bytes_gathered - before.layer_bytes_gathered) / a.steps;
     j["layer_gathered_bytes_per_step_if_bf16"] = double(st.layer_bytes_as_bf16 - before.layer_bytes_as_bf16) / a.steps;
     j["gathers_per_step"] = double(st.gathers - before.gathers) / a.steps;
   }
-  if (world) world->finish();
+  world->finish();
   return j;
 }
 
@@ -187,9 +172,8 @@ std::string flags(const Args& a) { return a.flags() + " --workdir " + a.workdir 
 std::string self_exe() { return fs::read_symlink("/proc/self/exe").string(); }
 
 // One configuration in fresh processes: `ranks` of them under the qlora launcher.
-json configuration(const Args& a, int ranks, bool sharded, bool prefetch) {
+json configuration(const Args& a, int ranks, bool prefetch) {
   std::string cmd = self_exe() + " --launch " + std::to_string(ranks) + " --worker" + flags(a);
-  if (!sharded) cmd += " --unsharded";
   if (!prefetch) cmd += " --no-prefetch";
   return bench::run_json(cmd);
 }
@@ -209,7 +193,6 @@ int main(int argc, char** argv) try {
       worker_args.erase(worker_args.begin() + (i - 2), worker_args.begin() + i);
     } else if (s == "--worker") a.worker = true;
     else if (s == "--no-prefetch") a.prefetch = false;
-    else if (s == "--unsharded") a.sharded = false;
     else if (s == "--export-to" && i + 1 < argc) a.export_to = argv[++i];
     else { std::cerr << "bench_dist: unknown argument " << s << "\n"; return 2; }
   }
@@ -228,15 +211,15 @@ int main(int argc, char** argv) try {
   json r = {{"bench", "dist"}, {"backend", "gloo (CPU)"}, {"logical_cpus", sysconf(_SC_NPROCESSORS_ONLN)}};
   if (a.llama7b) {
     r["shape"] = {{"model", "llama2-7b (random NF4, in memory)"}, {"layers", a.layers}, {"seq", a.seq}, {"steps", a.steps}};
-    r["one_process"] = configuration(a, 1, false, true);
-    r["two_ranks"] = configuration(a, 2, true, true);
+    r["one_process"] = configuration(a, 1, true);
+    r["two_ranks"] = configuration(a, 2, true);
   } else {
     a.ensure_checkpoint(QLORA_PYTHON, QLORA_SOURCE_DIR);
     r["shape"] = {{"hidden", a.hidden}, {"layers", a.layers}, {"vocab", a.vocab}, {"seq", a.seq},
                   {"batch_per_rank", 1}, {"steps", a.steps}, {"checkpoint", a.workdir}};
-    r["one_rank"] = configuration(a, 1, false, true);
-    r["two_ranks"] = configuration(a, 2, true, true);
-    r["two_ranks_no_prefetch"] = configuration(a, 2, true, false);
+    r["one_rank"] = configuration(a, 1, true);
+    r["two_ranks"] = configuration(a, 2, true);
+    r["two_ranks_no_prefetch"] = configuration(a, 2, false);
     // Per-epoch export of the same model (merged from NF4): 1 process vs 2 ranks writing in
     // parallel, against the raw sequential write speed of the same disk.
     const fs::path ex = fs::temp_directory_path() / ("qlora_bench_export_" + std::to_string(::getpid()));
@@ -245,7 +228,7 @@ int main(int argc, char** argv) try {
     // Measured first, with nothing else in flight (dirty pages of an export would slow it).
     const double raw = raw_write_mb_s(ex, int64_t{256} << 20);
     r["raw_sequential_write_mb_s"] = raw;
-    r["export_one_rank"] = bench::run_json(self_exe() + " --worker --unsharded" + flags(a) + " --export-to " + (ex / "one").string());
+    r["export_one_rank"] = bench::run_json(self_exe() + " --worker" + flags(a) + " --export-to " + (ex / "one").string());
     r["export_two_ranks"] = bench::run_json(self_exe() + " --launch 2 --worker" + flags(a) + " --export-to " + (ex / "two").string());
     if (r["export_two_ranks"].contains("export_bytes")) {
       r["export_two_ranks_vs_raw_write"] = r["export_two_ranks"]["export_mb_s"].get<double>() / raw;

@@ -33,6 +33,8 @@
 #include "bench/random_llama.h"
 #include "bench/shape_args.h"
 #include "bench/run_json.h"
+#include "qlora/engine/process_group.h"
+#include "qlora/engine/sharded_model.h"
 #include "qlora/models/llama.h"
 #include "qlora/modules/layers.h"
 #include "qlora/optim/adamw.h"
@@ -72,12 +74,16 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-// The qlora side, in its own process: load, warm-up step, timed steps.
+// The qlora side, in its own process: load, warm-up step, timed steps, through the training
+// engine as the recipe runs it in one process (a world of one).
 json run_worker(const Args& a) {
   const auto t0 = std::chrono::steady_clock::now();
+  const auto world = qlora::engine::World::join(qlora::engine::RankEnv{}, 0, std::chrono::seconds(60), c10::kCPU);
+  const auto engine = qlora::engine::ShardedLlama::begin(*world, {});
+  auto on_layer = [&engine](int64_t i, qlora::modules::DecoderLayer& L) { engine->shard_layer(i, L); };
   qlora::models::LlamaModel m;
   if (a.llama7b) {
-    m = qlora::bench::random_llama2_7b(a.layers, a.r, a.alpha, !a.no_ac);
+    m = qlora::bench::random_llama2_7b(a.layers, a.r, a.alpha, !a.no_ac, on_layer);
   } else {
     qlora::models::LlamaLoadOptions o;
     o.base_in_nf4 = true;
@@ -85,20 +91,18 @@ json run_worker(const Args& a) {
     o.lora_targets = kTargets;
     o.lora_r = a.r;
     o.lora_alpha = a.alpha;
+    o.on_layer_loaded = on_layer;
     m = qlora::models::load_llama(a.model, o);
   }
+  engine->finish(m);
   const double load_s = seconds_since(t0);
   const int64_t rss_after_load = vm_hwm_bytes();
   m.training = true;
-  std::vector<at::Tensor> params;
   int64_t trainable = 0;
-  for (const auto& [name, t] : m.lora_parameters()) {
-    params.push_back(t);
-    trainable += t.numel();
-  }
+  for (const auto& [name, t] : m.lora_parameters()) trainable += t.numel();
   qlora::optim::AdamWOptions ao;
   ao.lr = 1e-4;
-  qlora::optim::AdamW opt(params, ao);
+  qlora::optim::AdamW opt(engine->param_shards(), ao);
   const int64_t V = m.config.vocab_size;
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(1);
   const at::Tensor tokens = at::randint(0, V, {a.batch, a.seq + 1}, gen);  // [batch, seq + 1]
@@ -110,8 +114,9 @@ json run_worker(const Args& a) {
     at::Tensor loss = at::cross_entropy_loss(logits.view({-1, V}), labels.reshape({-1}), {},
                                              at::Reduction::Mean, -100);
     loss.backward();
+    engine->finish_backward();
     opt.step();
-    opt.zero_grad();
+    engine->gather_params();
     return loss.item<double>();
   };
   std::vector<double> losses, times;
