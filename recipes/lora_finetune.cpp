@@ -27,6 +27,7 @@
 #include "qlora/checkpoint/export.h"
 #include "qlora/checkpoint/fingerprint.h"
 #include "qlora/checkpoint/resume.h"
+#include "qlora/config/builders.h"
 #include "qlora/config/config.h"
 #include "qlora/data/batching.h"
 #include "qlora/data/dataset.h"
@@ -185,48 +186,24 @@ int run_recipe(const RecipeConfig& cfg, c10::Device device, engine::World* world
   const std::string tokenizer_path = find_tokenizer(cfg, base_dir);
   const data::Tokenizer tokenizer = data::Tokenizer::open(tokenizer_path);
 
-  data::DatasetOptions dopts;
-  dopts.kind = data::dataset_kind_from_name(config::to_string(cfg.data.format));
-  if (cfg.data.template_ != config::PromptTemplate::None)
-    dopts.prompt_template = data::template_kind_from_name(config::to_string(cfg.data.template_));
-  dopts.max_seq_len = cfg.data.max_seq_len;
-  dopts.train_on_input = cfg.data.train_on_input;
-  const std::vector<data::Sample> samples = data::load_dataset(data_path, tokenizer, dopts);
+  const std::vector<data::Sample> samples = data::load_dataset(data_path, tokenizer, config::dataset_options(cfg.data));
   // Packing: samples are packed once into rows of max_seq_len; the sampler then draws rows.
   const std::vector<data::PackedRow> rows =
       cfg.data.packing ? data::pack_samples(samples, cfg.data.max_seq_len, tokenizer.pad_id())
                        : std::vector<data::PackedRow>{};
 
-  data::SamplerOptions sopts;
-  sopts.dataset_size = static_cast<int64_t>(cfg.data.packing ? rows.size() : samples.size());
   // One global batch per micro-step; each rank trains on its own batch_size rows of it.
-  sopts.batch_size = cfg.training.batch_size * ranks;
-  sopts.seed = static_cast<uint64_t>(cfg.training.seed);
-  sopts.shuffle = cfg.data.shuffle;
-  sopts.drop_last = true;
-  data::Sampler sampler(sopts);
+  const int64_t dataset_size = static_cast<int64_t>(cfg.data.packing ? rows.size() : samples.size());
+  data::Sampler sampler(config::sampler_options(cfg.data, cfg.training, dataset_size, ranks));
 
-  models::LlamaLoadOptions mopts;
   if (device.is_cuda()) at::manual_seed(static_cast<uint64_t>(cfg.training.seed));  // seeds CUDA too, now it is up
-  mopts.base_in_nf4 = cfg.model.base == config::BaseFormat::NF4;
-  mopts.compute_dtype = cfg.model.dtype == config::ComputeDtype::BF16 ? at::kBFloat16 : at::kFloat;
-  mopts.frozen_dtype = frozen_storage_dtype(base_dir, mopts.compute_dtype);
-  mopts.device = device;
-  mopts.lora_targets = cfg.lora.targets;
-  mopts.lora_r = cfg.lora.rank;
-  mopts.lora_alpha = cfg.lora.alpha;
-  mopts.lora_dropout = cfg.lora.dropout;
-  mopts.seed = static_cast<uint64_t>(cfg.training.seed);
-  mopts.activation_checkpointing = cfg.model.activation_checkpointing;
+  models::LlamaLoadOptions mopts =
+      config::llama_load_options(cfg, device, frozen_storage_dtype(base_dir, cfg.model.dtype));
   // Ranks: every rank builds the same model (same seed, same adapters) and keeps 1/N of each layer
   // as soon as it is loaded, so the whole base never sits in one rank's memory.
   std::shared_ptr<engine::ShardedLlama> sharded;
   if (world) {
-    engine::ShardingOptions so;
-    so.reshard_after_forward = cfg.dist.reshard_after_forward;
-    so.prefetch = cfg.dist.prefetch;
-    so.reduce_scatter_every_micro_batch = cfg.dist.reduce_scatter_every_micro_batch;
-    sharded = engine::ShardedLlama::begin(*world, so);
+    sharded = engine::ShardedLlama::begin(*world, config::sharding_options(cfg.dist));
     mopts.on_layer_loaded = [&sharded](int64_t i, modules::DecoderLayer& L) { sharded->shard_layer(i, L); };
   }
   models::LlamaModel model = models::load_llama(base_dir, mopts);
@@ -250,20 +227,14 @@ int run_recipe(const RecipeConfig& cfg, c10::Device device, engine::World* world
   else
     for (const auto& [name, t] : lora) params.push_back(t);
 
-  optim::AdamW opt(params, {cfg.optim.lr, cfg.optim.betas[0], cfg.optim.betas[1], cfg.optim.eps,
-                            cfg.optim.weight_decay});
+  optim::AdamW opt(params, config::adamw_options(cfg.optim));
   int64_t steps_per_epoch = sampler.batches_per_epoch() / cfg.training.grad_accum;
   if (cfg.training.max_steps_per_epoch > 0) steps_per_epoch = std::min(steps_per_epoch, cfg.training.max_steps_per_epoch);
   if (steps_per_epoch < 1)
     throw std::invalid_argument("data set " + data_path + " has " + std::to_string(samples.size()) +
                                 " samples: too few for one step of batch_size x ranks x grad_accum = " +
                                 std::to_string(cfg.training.batch_size * ranks * cfg.training.grad_accum));
-  optim::LrSchedule schedule;
-  schedule.kind = cfg.optim.schedule == config::Schedule::Cosine ? optim::ScheduleKind::Cosine : optim::ScheduleKind::Constant;
-  schedule.base_lr = cfg.optim.lr;
-  schedule.warmup_steps = cfg.optim.warmup_steps;
-  schedule.total_steps = steps_per_epoch * cfg.training.epochs;
-  schedule.min_lr_ratio = cfg.optim.min_lr_ratio;
+  const optim::LrSchedule schedule = config::lr_schedule(cfg.optim, steps_per_epoch * cfg.training.epochs);
 
   int64_t start_epoch = 0, start_step = 0, global_step = 0;
   const nlohmann::json inputs = checkpoint::input_fingerprints(data_path, base_dir, tokenizer_path);
@@ -323,7 +294,7 @@ int run_recipe(const RecipeConfig& cfg, c10::Device device, engine::World* world
 
   std::optional<train::MetricsLog> metrics;
   if (lead) metrics.emplace(out_dir, global_step);
-  train::Progress progress(train::parse_progress_mode(config::to_string(cfg.logging.progress)));
+  train::Progress progress(cfg.logging.progress);
   const checkpoint::AdapterInfo adapter_info{cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout,
                                              peft_targets(cfg.lora.targets), base_dir};
   if (lead)
@@ -452,8 +423,7 @@ int run_recipe(const RecipeConfig& cfg, c10::Device device, engine::World* world
     if (lead) progress.end_epoch();
 
     // ------------------------------------------------------------ save (export for inference)
-    const auto merge = cfg.checkpoint.merge_from == config::MergeFrom::NF4 ? checkpoint::MergeSource::Nf4
-                                                                          : checkpoint::MergeSource::Original;
+    const checkpoint::MergeSource merge = cfg.checkpoint.merge_from;
     if (sharded) {
       // Every rank writes the layers it owns into the same files: the same bytes as one process.
       engine::export_epoch_sharded(out_dir, epoch, model, *sharded, *world, adapter_info, cfg.checkpoint.adapter_only,
