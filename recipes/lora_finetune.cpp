@@ -28,6 +28,7 @@
 #include "qlora/checkpoint/export.h"
 #include "qlora/checkpoint/fingerprint.h"
 #include "qlora/checkpoint/resume.h"
+#include "qlora/config/builders.h"
 #include "qlora/config/config.h"
 #include "qlora/data/batching.h"
 #include "qlora/data/dataset.h"
@@ -161,21 +162,11 @@ Data setup_data(const RecipeConfig& cfg, const std::string& base_dir, int64_t ra
   const std::string tokenizer_path = find_tokenizer(cfg, base_dir);
   Data d{cfg.data.path.empty() ? train::bundled_data_dir() + "/tiny_tasks.jsonl" : cfg.data.path, tokenizer_path,
          data::Tokenizer::open(tokenizer_path), {}, {}, cfg.data.packing, nullptr};
-  data::DatasetOptions dopts;
-  dopts.kind = data::dataset_kind_from_name(config::to_string(cfg.data.format));
-  if (cfg.data.template_ != config::PromptTemplate::None)
-    dopts.prompt_template = data::template_kind_from_name(config::to_string(cfg.data.template_));
-  dopts.max_seq_len = cfg.data.max_seq_len;
-  dopts.train_on_input = cfg.data.train_on_input;
-  d.samples = data::load_dataset(d.path, d.tokenizer, dopts);
+  d.samples = data::load_dataset(d.path, d.tokenizer, config::dataset_options(cfg.data));
   if (d.packed) d.rows = data::pack_samples(d.samples, cfg.data.max_seq_len, d.tokenizer.pad_id());
-  data::SamplerOptions sopts;
-  sopts.dataset_size = static_cast<int64_t>(d.packed ? d.rows.size() : d.samples.size());
-  sopts.batch_size = cfg.training.batch_size * ranks;  // each rank trains on its own batch_size rows of it
-  sopts.seed = static_cast<uint64_t>(cfg.training.seed);
-  sopts.shuffle = cfg.data.shuffle;
-  sopts.drop_last = true;
-  d.sampler = std::make_unique<data::Sampler>(sopts);
+  const int64_t size = static_cast<int64_t>(d.packed ? d.rows.size() : d.samples.size());
+  // One global batch per micro-step; each rank trains on its own batch_size rows of it.
+  d.sampler = std::make_unique<data::Sampler>(config::sampler_options(cfg.data, cfg.training, size, ranks));
   return d;
 }
 
@@ -188,22 +179,9 @@ struct Model {
 };
 
 Model setup_model(const RecipeConfig& cfg, const std::string& base_dir, c10::Device device, engine::World& world) {
-  engine::ShardingOptions so;
-  so.reshard_after_forward = cfg.dist.reshard_after_forward;
-  so.prefetch = cfg.dist.prefetch;
-  so.reduce_scatter_every_micro_batch = cfg.dist.reduce_scatter_every_micro_batch;
-  Model m{{}, engine::ShardedLlama::begin(world, so)};
-  models::LlamaLoadOptions mopts;
-  mopts.base_in_nf4 = cfg.model.base == config::BaseFormat::NF4;
-  mopts.compute_dtype = cfg.model.dtype == config::ComputeDtype::BF16 ? at::kBFloat16 : at::kFloat;
-  mopts.frozen_dtype = frozen_storage_dtype(base_dir, mopts.compute_dtype);
-  mopts.device = device;
-  mopts.lora_targets = cfg.lora.targets;
-  mopts.lora_r = cfg.lora.rank;
-  mopts.lora_alpha = cfg.lora.alpha;
-  mopts.lora_dropout = cfg.lora.dropout;
-  mopts.seed = static_cast<uint64_t>(cfg.training.seed);  // LoRA init: its own generator, the same on every rank
-  mopts.activation_checkpointing = cfg.model.activation_checkpointing;
+  Model m{{}, engine::ShardedLlama::begin(world, config::sharding_options(cfg.dist))};
+  // LoRA init draws from its own generator (training.seed): the same adapters on every rank.
+  models::LlamaLoadOptions mopts = config::llama_load_options(cfg, device, frozen_storage_dtype(base_dir, cfg.model.dtype));
   mopts.on_layer_loaded = [&m](int64_t i, modules::DecoderLayer& L) { m.engine->shard_layer(i, L); };
   m.llama = models::load_llama(base_dir, mopts);
   m.engine->finish(m.llama);
@@ -222,20 +200,14 @@ struct Optimizer {
 
 Optimizer setup_optimizer(const RecipeConfig& cfg, const Model& m, const Data& d, int64_t ranks) {
   Optimizer o;
-  o.adamw = std::make_unique<optim::AdamW>(
-      m.engine->param_shards(),
-      optim::AdamWOptions{cfg.optim.lr, cfg.optim.betas[0], cfg.optim.betas[1], cfg.optim.eps, cfg.optim.weight_decay});
+  o.adamw = std::make_unique<optim::AdamW>(m.engine->param_shards(), config::adamw_options(cfg.optim));
   o.steps_per_epoch = d.sampler->batches_per_epoch() / cfg.training.grad_accum;
   if (cfg.training.max_steps_per_epoch > 0) o.steps_per_epoch = std::min(o.steps_per_epoch, cfg.training.max_steps_per_epoch);
   if (o.steps_per_epoch < 1)
     throw std::invalid_argument("data set " + d.path + " has " + std::to_string(d.samples.size()) +
                                 " samples: too few for one step of batch_size x ranks x grad_accum = " +
                                 std::to_string(cfg.training.batch_size * ranks * cfg.training.grad_accum));
-  o.schedule.kind = cfg.optim.schedule == config::Schedule::Cosine ? optim::ScheduleKind::Cosine : optim::ScheduleKind::Constant;
-  o.schedule.base_lr = cfg.optim.lr;
-  o.schedule.warmup_steps = cfg.optim.warmup_steps;
-  o.schedule.total_steps = o.steps_per_epoch * cfg.training.epochs;
-  o.schedule.min_lr_ratio = cfg.optim.min_lr_ratio;
+  o.schedule = config::lr_schedule(cfg.optim, o.steps_per_epoch * cfg.training.epochs);
   return o;
 }
 
@@ -418,11 +390,9 @@ int run_recipe(const RecipeConfig& cfg, c10::Device device, engine::World& world
 
   std::optional<train::MetricsLog> metrics;
   if (lead) metrics.emplace(out_dir, start.global_step);
-  train::Progress progress(train::parse_progress_mode(config::to_string(cfg.logging.progress)));
+  train::Progress progress(cfg.logging.progress);
   const checkpoint::AdapterInfo adapter_info{cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout,
                                              peft_targets(cfg.lora.targets), base_dir};
-  const auto merge = cfg.checkpoint.merge_from == config::MergeFrom::NF4 ? checkpoint::MergeSource::Nf4
-                                                                        : checkpoint::MergeSource::Original;
   if (lead)
     std::printf("model %s on %s x %lld rank(s): %lld layers, %lld trainable LoRA parameters; %zu samples; "
                 "%lld steps/epoch x %lld epochs\n",
@@ -459,7 +429,7 @@ int run_recipe(const RecipeConfig& cfg, c10::Device device, engine::World& world
     // ------------------------------------------------------------ save (export for inference)
     // Every rank writes the layers it owns into the same files: the same bytes as one process.
     engine::export_epoch(out_dir, p.epoch, m.llama, *m.engine, world, adapter_info, cfg.checkpoint.adapter_only, base_dir,
-                         merge, d.tokenizer_path);
+                         cfg.checkpoint.merge_from, d.tokenizer_path);
     if (lead) std::printf("epoch %lld exported to %s/epoch_%lld\n", (long long)p.epoch + 1, out_dir.c_str(), (long long)p.epoch);
     save_checkpoint(cfg, world, m, o, d, {p.epoch + 1, 0, p.global_step}, device, inputs);
   }

@@ -11,6 +11,7 @@
 #include <sstream>
 
 namespace fs = std::filesystem;
+using namespace qlora;
 using namespace qlora::config;
 
 namespace {
@@ -34,6 +35,12 @@ std::string override_error(RecipeConfig& cfg, const std::string& text) {
   return "";
 }
 
+// <repo>/configs, found from QLORA_TEST_DATA (<repo>/tests/data), which ctest sets.
+fs::path configs_dir() {
+  const char* data = std::getenv("QLORA_TEST_DATA");
+  return (data ? fs::path(data).parent_path().parent_path() : fs::path("..")) / "configs";
+}
+
 #define EXPECT_CONTAINS(haystack, needle) \
   EXPECT_NE(std::string(haystack).find(needle), std::string::npos) << "in: " << (haystack)
 
@@ -45,7 +52,7 @@ TEST(Config, EmptyTextGivesStructDefaults) {
   EXPECT_EQ(c.lora.rank, 8);
   EXPECT_EQ(c.lora.targets, (std::vector<std::string>{"q", "k", "v", "o"}));
   EXPECT_EQ(c.optim.lr, 2e-4);
-  EXPECT_EQ(c.optim.schedule, Schedule::Cosine);
+  EXPECT_EQ(c.optim.schedule, optim::ScheduleKind::Cosine);
   EXPECT_EQ(c.training.grad_accum, 8);
   EXPECT_EQ(c.checkpoint.output_dir, "out");
   EXPECT_TRUE(c.model.activation_checkpointing);
@@ -79,20 +86,20 @@ progress = "plain"
 )",
                                       "t.toml");
   EXPECT_EQ(c.model.checkpoint_dir, "/m/Llama-2-7b-hf");
-  EXPECT_EQ(c.model.dtype, ComputeDtype::FP32);
+  EXPECT_EQ(c.model.dtype, at::kFloat);
   EXPECT_EQ(c.model.base, BaseFormat::BF16);
   EXPECT_FALSE(c.model.activation_checkpointing);
   EXPECT_EQ(c.lora.rank, 16);
   EXPECT_EQ(c.lora.alpha, 32.0);
   EXPECT_EQ(c.lora.targets.size(), 6u);
-  EXPECT_EQ(c.data.template_, PromptTemplate::Llama3Chat);
-  EXPECT_EQ(c.data.format, DataFormat::Chat);
+  EXPECT_EQ(c.data.template_, data::TemplateKind::kLlama3Chat);
+  EXPECT_EQ(c.data.format, data::DatasetKind::kChat);
   EXPECT_EQ(c.data.max_seq_len, 2048);
   EXPECT_EQ(c.optim.lr, 3e-4);
   EXPECT_EQ(c.optim.betas[1], 0.95);
-  EXPECT_EQ(c.optim.schedule, Schedule::Constant);
-  EXPECT_EQ(c.checkpoint.merge_from, MergeFrom::Original);
-  EXPECT_EQ(c.logging.progress, Progress::Plain);
+  EXPECT_EQ(c.optim.schedule, optim::ScheduleKind::Constant);
+  EXPECT_EQ(c.checkpoint.merge_from, checkpoint::MergeSource::Original);
+  EXPECT_EQ(c.logging.progress, train::ProgressMode::Plain);
   EXPECT_EQ(c.training.seed, 42);  // untouched section keeps defaults
 }
 
@@ -180,7 +187,7 @@ TEST(Config, OverridesParseTomlValuesAndBareStrings) {
   EXPECT_EQ(c.lora.alpha, 8.0);
   EXPECT_EQ(c.model.checkpoint_dir, "/m/Llama-2-7b-hf");
   EXPECT_EQ(c.data.path, "/d/with space.json");
-  EXPECT_EQ(c.data.template_, PromptTemplate::ChatML);
+  EXPECT_EQ(c.data.template_, data::TemplateKind::kChatML);
   EXPECT_TRUE(c.checkpoint.resume);
   EXPECT_EQ(c.lora.targets, (std::vector<std::string>{"q", "v"}));
   EXPECT_EQ(c.optim.betas[0], 0.8);
@@ -210,7 +217,7 @@ TEST(Config, ToTomlRoundTripsExactly) {
   c.lora.alpha = 3.0;  // must stay a float in TOML
   c.lora.targets = {"gate", "output"};
   c.training.seed = 9007199254740993;  // > 2^53: integers stay exact
-  c.data.template_ = PromptTemplate::None;
+  c.data.template_ = std::nullopt;  // "none"
   const std::string text = to_toml(c);
   const RecipeConfig back = parse_config(text, "roundtrip");
   EXPECT_TRUE(back == c) << text;
@@ -241,10 +248,19 @@ TEST(Config, HashIsStableAndScoped) {
   EXPECT_NE(config_hash(a, HashScope::Exactness), config_hash(b, HashScope::Exactness));
 }
 
+// The embedded default (configs/tiny_qlora.toml), values computed before the config sections took
+// the components' enums: its resume checkpoints store the exactness hash, so the canonical text
+// must not drift when the config code is restructured.
+TEST(Config, EmbeddedDefaultHashIsPinned) {
+  const RecipeConfig c = load_config((configs_dir() / "tiny_qlora.toml").string());
+  EXPECT_EQ(config_hash(c, HashScope::Full), "85031a8483c02026");
+  EXPECT_EQ(config_hash(c, HashScope::Exactness), "b923ac52111f78e0");
+}
+
 TEST(Config, ExactnessBreakingDifferences) {
   const RecipeConfig a;
   RecipeConfig b = a;
-  b.logging.progress = Progress::Bar;
+  b.logging.progress = train::ProgressMode::Bar;
   b.checkpoint.keep_last_n = 5;
   b.checkpoint.save_every_steps = 100;
   b.checkpoint.resume = true;
@@ -265,9 +281,7 @@ TEST(Config, ExactnessBreakingDifferences) {
 
 // Every file in configs/ parses, and its first line is the command that runs it.
 TEST(Config, ShippedConfigsParseAndNameTheirCommand) {
-  const char* data = std::getenv("QLORA_TEST_DATA");
-  const fs::path repo = data ? fs::path(data).parent_path().parent_path() : fs::path("..");
-  const fs::path dir = repo / "configs";
+  const fs::path dir = configs_dir();
   ASSERT_TRUE(fs::is_directory(dir)) << dir << " (set QLORA_TEST_DATA=<repo>/tests/data)";
   std::vector<std::string> names;
   for (const auto& entry : fs::directory_iterator(dir)) {

@@ -101,6 +101,8 @@ TEST(Templates, NamesAndBadRoles) {
   EXPECT_EQ(template_kind_from_name("llama3-chat"), TemplateKind::kLlama3Chat);
   EXPECT_EQ(template_name(TemplateKind::kChatML), "chatml");
   EXPECT_TRUE(contains(error_of([] { template_kind_from_name("vicuna"); }), "vicuna"));
+  EXPECT_TRUE(contains(error_of([] { template_kind_from_name("vicuna"); }),
+                       "expected one of alpaca, llama2-chat, llama3-chat, chatml"));
   EXPECT_TRUE(contains(error_of([] { validate_messages({{"user", "a"}, {"bot", "b"}}); }),
                        "role 'bot'"));
   EXPECT_TRUE(contains(error_of([] { validate_messages({{"user", "a"}, {"user", "b"}}); }),
@@ -346,6 +348,8 @@ TEST(Dataset, TextKindAndCustomFieldNames) {
                        "/nonexistent.jsonl"));
   EXPECT_EQ(dataset_kind_from_name("chat"), DatasetKind::kChat);
   EXPECT_TRUE(contains(error_of([] { dataset_kind_from_name("csv"); }), "csv"));
+  EXPECT_TRUE(contains(error_of([] { dataset_kind_from_name("csv"); }), "expected one of instruct, chat, text"));
+  EXPECT_STREQ(dataset_kind_name(DatasetKind::kText), "text");
 }
 
 }  // namespace

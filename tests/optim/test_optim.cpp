@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <stdexcept>
 
 using namespace qlora::optim;
 
@@ -57,6 +58,17 @@ std::vector<at::Tensor> params_with_grads(double grad_scale, uint64_t seed) {
   return params;
 }
 }  // namespace
+
+TEST(Schedule, Names) {
+  EXPECT_EQ(schedule_kind_from_name("constant"), ScheduleKind::Constant);
+  EXPECT_STREQ(schedule_kind_name(ScheduleKind::Cosine), "cosine");
+  try {
+    schedule_kind_from_name("linear");
+    FAIL() << "no error";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_STREQ(e.what(), "unknown lr schedule 'linear'; expected one of cosine, constant");
+  }
+}
 
 TEST(Clip, NoOpBelowThresholdBitwise) {
   auto params = params_with_grads(1e-3, 1);

@@ -90,6 +90,8 @@ TEST(Progress, Formats) {
   EXPECT_EQ(format_duration(62), "1:02");
   EXPECT_EQ(format_duration(3723), "1:02:03");
   EXPECT_THROW(parse_progress_mode("fancy"), std::invalid_argument);
+  EXPECT_EQ(parse_progress_mode("plain"), ProgressMode::Plain);
+  EXPECT_STREQ(progress_mode_name(ProgressMode::Bar), "bar");
   EXPECT_GT(peak_rss_bytes(), 0);
 }
 

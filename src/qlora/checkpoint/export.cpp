@@ -83,6 +83,12 @@ void copy_file_atomic(const fs::path& from, const fs::path& to) { io::write_file
 
 }  // namespace
 
+MergeSource merge_source_from_name(std::string_view name) {
+  return io::enum_from_name(kMergeSourceNames, name, "merge source");
+}
+
+const char* merge_source_name(MergeSource source) { return io::enum_name(kMergeSourceNames, source); }
+
 void write_peft_adapter(const std::string& dir, const std::vector<std::pair<std::string, at::Tensor>>& lora_params,
                         const AdapterInfo& info, at::ScalarType dtype) {
   if (lora_params.empty()) throw ExportError("write_peft_adapter " + dir + ": no LoRA parameters to write");

@@ -10,9 +10,11 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
+#include "qlora/io/enum_names.h"
 #include "qlora/models/llama.h"
 
 namespace qlora::checkpoint {
@@ -45,6 +47,12 @@ enum class MergeSource {
   Nf4,       // W = the base the model trained against (NF4 dequantized, or the dense base), as torchtune
   Original,  // W = the full-precision tensor from base_checkpoint_dir (error if it lacks one)
 };
+
+inline constexpr io::EnumName<MergeSource> kMergeSourceNames[] = {{MergeSource::Nf4, "nf4"},
+                                                                  {MergeSource::Original, "original"}};
+// Throws std::invalid_argument listing the names.
+MergeSource merge_source_from_name(std::string_view name);
+const char* merge_source_name(MergeSource source);
 
 // Writes the merged model as an HF checkpoint into dir (created if needed): for every adapted
 // projection W' = W + scale * (B @ A), computed in fp32 and cast to the output dtype (the

@@ -2,6 +2,7 @@
 // member and whether it affects exactness; parsing, overrides, emitting, equality, hashing and the
 // resume check are all driven by it, so adding a key is one line and cannot be half-wired.
 #include "qlora/config/config.h"
+#include "qlora/io/enum_names.h"
 #include "qlora/io/read_file.h"
 
 #include <toml++/toml.h>
@@ -23,41 +24,65 @@
 namespace qlora::config {
 namespace {
 
-// ---- enums ----------------------------------------------------------------------------------
+// ---- enum keys ------------------------------------------------------------------------------
+// Every enum key is spelled by one name table. The components own theirs; config owns only the
+// compute dtypes the models support and BaseFormat, which no component has.
+constexpr io::EnumName<at::ScalarType> kComputeDtypeNames[] = {{at::kBFloat16, "bf16"}, {at::kFloat, "fp32"}};
+constexpr io::EnumName<BaseFormat> kBaseFormatNames[] = {
+    {BaseFormat::NF4, "nf4"}, {BaseFormat::BF16, "bf16"}, {BaseFormat::FP32, "fp32"}};
+
+// The table of each enum type a key holds (found by overload: names_of(T{})).
+constexpr const auto& names_of(at::ScalarType) { return kComputeDtypeNames; }
+constexpr const auto& names_of(BaseFormat) { return kBaseFormatNames; }
+constexpr const auto& names_of(data::DatasetKind) { return data::kDatasetKindNames; }
+constexpr const auto& names_of(data::TemplateKind) { return data::kTemplateKindNames; }
+constexpr const auto& names_of(optim::ScheduleKind) { return optim::kScheduleKindNames; }
+constexpr const auto& names_of(checkpoint::MergeSource) { return checkpoint::kMergeSourceNames; }
+constexpr const auto& names_of(train::ProgressMode) { return train::kProgressModeNames; }
+
+// An optional enum key (data.template) spells its absence "none", after the table's names.
+constexpr const char* kAbsent = "none";
+
+// Named keys: an enum, or an optional enum.
+template <class T>
+struct IsNamed : std::is_enum<T> {};
 template <class E>
-struct EnumNames;
-#define QLORA_ENUM_NAMES(E, ...)                                        \
-  template <>                                                           \
-  struct EnumNames<E> {                                                 \
-    static constexpr std::pair<E, const char*> values[] = {__VA_ARGS__}; \
-  };
-QLORA_ENUM_NAMES(ComputeDtype, {ComputeDtype::BF16, "bf16"}, {ComputeDtype::FP32, "fp32"})
-QLORA_ENUM_NAMES(BaseFormat, {BaseFormat::NF4, "nf4"}, {BaseFormat::BF16, "bf16"},
-                 {BaseFormat::FP32, "fp32"})
-QLORA_ENUM_NAMES(DataFormat, {DataFormat::Instruct, "instruct"}, {DataFormat::Chat, "chat"},
-                 {DataFormat::Text, "text"})
-QLORA_ENUM_NAMES(PromptTemplate, {PromptTemplate::Alpaca, "alpaca"},
-                 {PromptTemplate::Llama2Chat, "llama2-chat"},
-                 {PromptTemplate::Llama3Chat, "llama3-chat"}, {PromptTemplate::ChatML, "chatml"},
-                 {PromptTemplate::None, "none"})
-QLORA_ENUM_NAMES(Schedule, {Schedule::Cosine, "cosine"}, {Schedule::Constant, "constant"})
-QLORA_ENUM_NAMES(MergeFrom, {MergeFrom::NF4, "nf4"}, {MergeFrom::Original, "original"})
-QLORA_ENUM_NAMES(Progress, {Progress::Auto, "auto"}, {Progress::Bar, "bar"},
-                 {Progress::Plain, "plain"})
-#undef QLORA_ENUM_NAMES
+struct IsNamed<std::optional<E>> : std::is_enum<E> {};
+template <class T>
+constexpr bool is_named = IsNamed<T>::value;
 
 template <class E>
-const char* enum_name(E v) {
-  for (const auto& [value, name] : EnumNames<E>::values)
-    if (value == v) return name;
-  return "?";
+const char* enum_name(const E& v) {
+  return io::enum_name(names_of(v), v);
+}
+template <class E>
+const char* enum_name(const std::optional<E>& v) {
+  return v ? enum_name(*v) : kAbsent;
 }
 
 template <class E>
-std::string enum_allowed() {
-  std::string out;
-  for (const auto& [value, name] : EnumNames<E>::values) out += (out.empty() ? "" : ", ") + std::string(name);
-  return out;
+std::string enum_allowed(const E&) {
+  return io::enum_names(names_of(E{}));
+}
+template <class E>
+std::string enum_allowed(const std::optional<E>&) {
+  return enum_allowed(E{}) + ", " + kAbsent;
+}
+
+// False when `name` is not one of the allowed names; out is then untouched.
+template <class E>
+bool enum_set(E& out, std::string_view name) {
+  const auto v = io::enum_value(names_of(out), name);
+  if (v) out = *v;
+  return v.has_value();
+}
+template <class E>
+bool enum_set(std::optional<E>& out, std::string_view name) {
+  if (name == kAbsent) return out.reset(), true;
+  E value{};
+  if (!enum_set(value, name)) return false;
+  out = value;
+  return true;
 }
 
 const char* const kSections[] = {"model",      "lora",    "data", "optim", "training",
@@ -121,7 +146,7 @@ void visit_fields(Cfg& c, V&& v) {
 }
 
 template <class T>
-constexpr bool is_string_like = std::is_same_v<T, std::string> || std::is_enum_v<T>;
+constexpr bool is_string_like = std::is_same_v<T, std::string> || is_named<T>;
 
 template <class T>
 std::string type_name() {
@@ -129,7 +154,7 @@ std::string type_name() {
   else if constexpr (std::is_same_v<T, int64_t>) return "an integer";
   else if constexpr (std::is_same_v<T, double>) return "a number";
   else if constexpr (std::is_same_v<T, std::string>) return "a string";
-  else if constexpr (std::is_enum_v<T>) return "a string (one of " + enum_allowed<T>() + ")";
+  else if constexpr (is_named<T>) return "a string (one of " + enum_allowed(T{}) + ")";
   else if constexpr (std::is_same_v<T, std::vector<std::string>>) return "an array of strings";
   else return "an array of 2 numbers";
 }
@@ -187,13 +212,12 @@ void read_field(const toml::node& n, T& out, const Origin& o, const std::string&
     auto s = n.as_string();
     if (!s) wrong_type();
     out = s->get();
-  } else if constexpr (std::is_enum_v<T>) {
+  } else if constexpr (is_named<T>) {
     auto s = n.as_string();
     if (!s) wrong_type();
-    for (const auto& [value, name] : EnumNames<T>::values)
-      if (s->get() == name) return void(out = value);
-    fail(o, "invalid value '" + s->get() + "' for '" + key + "'" + at_line(o, n) +
-                "; allowed: " + enum_allowed<T>());
+    if (!enum_set(out, s->get()))
+      fail(o, "invalid value '" + s->get() + "' for '" + key + "'" + at_line(o, n) +
+                  "; allowed: " + enum_allowed(out));
   } else if constexpr (std::is_same_v<T, std::vector<std::string>>) {
     auto a = n.as_array();
     if (!a) wrong_type();
@@ -257,7 +281,7 @@ std::string value_text(const T& v) {
   else if constexpr (std::is_same_v<T, int64_t>) return std::to_string(v);
   else if constexpr (std::is_same_v<T, double>) return format_double(v);
   else if constexpr (std::is_same_v<T, std::string>) return quote(v);
-  else if constexpr (std::is_enum_v<T>) return quote(enum_name(v));
+  else if constexpr (is_named<T>) return quote(enum_name(v));
   else {
     std::string out = "[";
     for (size_t i = 0; i < v.size(); ++i) {
@@ -408,14 +432,6 @@ std::string_view trim(std::string_view s) {
 }
 
 }  // namespace
-
-const char* to_string(ComputeDtype v) { return enum_name(v); }
-const char* to_string(BaseFormat v) { return enum_name(v); }
-const char* to_string(DataFormat v) { return enum_name(v); }
-const char* to_string(PromptTemplate v) { return enum_name(v); }
-const char* to_string(Schedule v) { return enum_name(v); }
-const char* to_string(MergeFrom v) { return enum_name(v); }
-const char* to_string(Progress v) { return enum_name(v); }
 
 RecipeConfig parse_config(std::string_view toml_text, const std::string& source_name) {
   const Origin o{"config " + source_name, true};

@@ -1,14 +1,24 @@
 // The lora_finetune recipe config: TOML in, typed structs out. Defaults live in the structs, so a
 // missing key means "the default"; an unknown key, a wrong type, a bad enum value or an out-of-range
 // number is a ConfigError naming the file, the key and (where the TOML parser knows it) the line.
+// Sections hold the components' own enums, spelled by the components' name tables (e.g.
+// data::kDatasetKindNames); builders.h turns sections into the components' options.
 #pragma once
+
+#include <c10/core/ScalarType.h>
 
 #include <array>
 #include <cstdint>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <string_view>
 #include <vector>
+
+#include "qlora/checkpoint/export.h"
+#include "qlora/data/dataset.h"
+#include "qlora/optim/schedule.h"
+#include "qlora/train/metrics.h"
 
 namespace qlora::config {
 
@@ -16,22 +26,10 @@ struct ConfigError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-enum class ComputeDtype { BF16, FP32 };            // "bf16" | "fp32"
-enum class BaseFormat { NF4, BF16, FP32 };         // "nf4" | "bf16" | "fp32": storage of frozen weights
-enum class DataFormat { Instruct, Chat, Text };    // "instruct" | "chat" | "text"
-enum class PromptTemplate { Alpaca, Llama2Chat, Llama3Chat, ChatML, None };
-enum class Schedule { Cosine, Constant };          // both with linear warmup
-enum class MergeFrom { NF4, Original };            // merge LoRA into dequantized NF4 or original weights
-enum class Progress { Auto, Bar, Plain };
-
-// Spelling of each enum value in TOML ("bf16", "llama3-chat", ...).
-const char* to_string(ComputeDtype v);
-const char* to_string(BaseFormat v);
-const char* to_string(DataFormat v);
-const char* to_string(PromptTemplate v);
-const char* to_string(Schedule v);
-const char* to_string(MergeFrom v);
-const char* to_string(Progress v);
+// Storage of the frozen decoder projections: NF4, or dense ("bf16" and "fp32" both mean dense in
+// the compute dtype: models::LlamaLoadOptions has only base_in_nf4). The one enum of config's own:
+// no component has a twin of it.
+enum class BaseFormat { NF4, BF16, FP32 };
 
 struct ModelConfig {
   std::string checkpoint_dir;  // HF directory; empty = the embedded tiny default model
@@ -40,8 +38,8 @@ struct ModelConfig {
   std::string tokenizer;
   // "auto" (the first CUDA device when one is present, else the CPU), "cpu", "cuda" or "cuda:N".
   std::string device = "auto";
-  ComputeDtype dtype = ComputeDtype::BF16;
-  BaseFormat base = BaseFormat::NF4;
+  at::ScalarType dtype = at::kBFloat16;  // compute dtype: "bf16" | "fp32"
+  BaseFormat base = BaseFormat::NF4;      // "nf4" | "bf16" | "fp32"
   bool activation_checkpointing = true;
 };
 
@@ -55,8 +53,10 @@ struct LoraConfig {
 
 struct DataConfig {
   std::string path;  // empty = the embedded tiny default data set
-  DataFormat format = DataFormat::Instruct;
-  PromptTemplate template_ = PromptTemplate::Alpaca;  // TOML key "template"
+  data::DatasetKind format = data::DatasetKind::kInstruct;
+  // TOML key "template". "none" (nullopt): no template chosen, for format "text", which renders
+  // without one; the other formats then get data::DatasetOptions' default (alpaca).
+  std::optional<data::TemplateKind> template_ = data::TemplateKind::kAlpaca;
   int64_t max_seq_len = 512;
   bool train_on_input = false;
   bool packing = false;
@@ -69,7 +69,7 @@ struct OptimConfig {
   std::array<double, 2> betas = {0.9, 0.999};
   double eps = 1e-8;
   int64_t warmup_steps = 100;
-  Schedule schedule = Schedule::Cosine;
+  optim::ScheduleKind schedule = optim::ScheduleKind::Cosine;
   double min_lr_ratio = 0.0;  // cosine floor as a fraction of lr; 0 = torchtune's schedule exactly
   double max_grad_norm = 1.0;  // <= 0 disables clipping
 };
@@ -87,13 +87,13 @@ struct CheckpointConfig {
   int64_t save_every_steps = 0;  // 0 = only at the end of each epoch
   int64_t keep_last_n = 2;
   bool adapter_only = false;
-  MergeFrom merge_from = MergeFrom::NF4;
+  checkpoint::MergeSource merge_from = checkpoint::MergeSource::Nf4;
   bool resume = false;
 };
 
 struct LoggingConfig {
   int64_t log_every_steps = 1;
-  Progress progress = Progress::Auto;
+  train::ProgressMode progress = train::ProgressMode::Auto;
 };
 
 struct DistConfig {

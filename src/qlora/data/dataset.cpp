@@ -123,12 +123,10 @@ bool looks_like_array(const std::string& path, const std::string& text) {
 }  // namespace
 
 DatasetKind dataset_kind_from_name(std::string_view name) {
-  if (name == "instruct") return DatasetKind::kInstruct;
-  if (name == "chat") return DatasetKind::kChat;
-  if (name == "text") return DatasetKind::kText;
-  throw std::invalid_argument("unknown dataset kind '" + std::string(name) +
-                              "'; expected one of instruct, chat, text");
+  return io::enum_from_name(kDatasetKindNames, name, "dataset kind");
 }
+
+const char* dataset_kind_name(DatasetKind kind) { return io::enum_name(kDatasetKindNames, kind); }
 
 std::vector<RenderedRecord> read_records(const std::string& path, const DatasetOptions& options) {
   const std::string text = read_file(path);

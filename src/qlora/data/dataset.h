@@ -8,6 +8,7 @@
 
 #include "qlora/data/templates.h"
 #include "qlora/data/tokenizer.h"
+#include "qlora/io/enum_names.h"
 
 namespace qlora::data {
 
@@ -19,8 +20,11 @@ enum class DatasetKind {
   kChat,      // {"messages": [{"role", "content"}, ...]}
   kText,      // {"text"}: plain language modelling, every token trained
 };
-// "instruct", "chat", "text"; throws std::invalid_argument listing them.
+inline constexpr io::EnumName<DatasetKind> kDatasetKindNames[] = {
+    {DatasetKind::kInstruct, "instruct"}, {DatasetKind::kChat, "chat"}, {DatasetKind::kText, "text"}};
+// Throws std::invalid_argument listing the names.
 DatasetKind dataset_kind_from_name(std::string_view name);
+const char* dataset_kind_name(DatasetKind kind);
 
 struct DatasetOptions {
   DatasetKind kind = DatasetKind::kInstruct;

@@ -100,23 +100,10 @@ std::vector<Segment> chatml(const std::vector<Message>& m) {
 }  // namespace
 
 TemplateKind template_kind_from_name(std::string_view name) {
-  if (name == "alpaca") return TemplateKind::kAlpaca;
-  if (name == "llama2-chat") return TemplateKind::kLlama2Chat;
-  if (name == "llama3-chat") return TemplateKind::kLlama3Chat;
-  if (name == "chatml") return TemplateKind::kChatML;
-  throw std::invalid_argument("unknown prompt template '" + std::string(name) +
-                              "'; expected one of alpaca, llama2-chat, llama3-chat, chatml");
+  return io::enum_from_name(kTemplateKindNames, name, "prompt template");
 }
 
-std::string_view template_name(TemplateKind kind) {
-  switch (kind) {
-    case TemplateKind::kAlpaca: return "alpaca";
-    case TemplateKind::kLlama2Chat: return "llama2-chat";
-    case TemplateKind::kLlama3Chat: return "llama3-chat";
-    case TemplateKind::kChatML: return "chatml";
-  }
-  return "?";
-}
+std::string_view template_name(TemplateKind kind) { return io::enum_name(kTemplateKindNames, kind); }
 
 void validate_messages(const std::vector<Message>& m) {
   if (m.empty()) throw std::invalid_argument("conversation has no messages");

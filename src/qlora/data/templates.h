@@ -6,11 +6,18 @@
 #include <string_view>
 #include <vector>
 
+#include "qlora/io/enum_names.h"
+
 namespace qlora::data {
 
 enum class TemplateKind { kAlpaca, kLlama2Chat, kLlama3Chat, kChatML };
 
-// "alpaca", "llama2-chat", "llama3-chat", "chatml"; throws std::invalid_argument listing them.
+inline constexpr io::EnumName<TemplateKind> kTemplateKindNames[] = {
+    {TemplateKind::kAlpaca, "alpaca"},
+    {TemplateKind::kLlama2Chat, "llama2-chat"},
+    {TemplateKind::kLlama3Chat, "llama3-chat"},
+    {TemplateKind::kChatML, "chatml"}};
+// Throws std::invalid_argument listing the names.
 TemplateKind template_kind_from_name(std::string_view name);
 std::string_view template_name(TemplateKind kind);
 

@@ -5,6 +5,12 @@
 
 namespace qlora::optim {
 
+ScheduleKind schedule_kind_from_name(std::string_view name) {
+  return io::enum_from_name(kScheduleKindNames, name, "lr schedule");
+}
+
+const char* schedule_kind_name(ScheduleKind kind) { return io::enum_name(kScheduleKindNames, kind); }
+
 // Python divides ints with true division, correctly rounded; for |ints| < 2^53 that is the double
 // quotient, so converting first gives the same bits.
 double cosine_with_warmup_factor(int64_t step, int64_t warmup_steps, int64_t total_steps,

@@ -4,10 +4,19 @@
 #pragma once
 
 #include <cstdint>
+#include <string_view>
+
+#include "qlora/io/enum_names.h"
 
 namespace qlora::optim {
 
-enum class ScheduleKind { Cosine, Constant };
+enum class ScheduleKind { Cosine, Constant };  // both with linear warmup
+
+inline constexpr io::EnumName<ScheduleKind> kScheduleKindNames[] = {{ScheduleKind::Cosine, "cosine"},
+                                                                    {ScheduleKind::Constant, "constant"}};
+// Throws std::invalid_argument listing the names.
+ScheduleKind schedule_kind_from_name(std::string_view name);
+const char* schedule_kind_name(ScheduleKind kind);
 
 // torchtune.training.lr_schedulers.get_cosine_schedule_with_warmup's lr_lambda, same double
 // arithmetic in the same order: linear warmup from 0, then half a cosine (num_cycles 0.5) to 0 at

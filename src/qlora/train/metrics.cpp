@@ -69,11 +69,10 @@ int64_t peak_rss_bytes() {
 }
 
 ProgressMode parse_progress_mode(const std::string& s) {
-  if (s == "auto") return ProgressMode::Auto;
-  if (s == "bar") return ProgressMode::Bar;
-  if (s == "plain") return ProgressMode::Plain;
-  throw std::invalid_argument("progress mode must be auto, bar or plain, got '" + s + "'");
+  return io::enum_from_name(kProgressModeNames, s, "progress mode");
 }
+
+const char* progress_mode_name(ProgressMode mode) { return io::enum_name(kProgressModeNames, mode); }
 
 std::string format_bytes(int64_t bytes) {
   const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};

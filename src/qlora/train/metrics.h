@@ -9,6 +9,8 @@
 #include <cstdio>
 #include <string>
 
+#include "qlora/io/enum_names.h"
+
 namespace qlora::train {
 
 struct StepMetrics {
@@ -44,7 +46,11 @@ class MetricsLog {
 int64_t peak_rss_bytes();
 
 enum class ProgressMode { Auto, Bar, Plain };
-ProgressMode parse_progress_mode(const std::string& s);  // "auto" | "bar" | "plain"
+inline constexpr io::EnumName<ProgressMode> kProgressModeNames[] = {
+    {ProgressMode::Auto, "auto"}, {ProgressMode::Bar, "bar"}, {ProgressMode::Plain, "plain"}};
+// Throws std::invalid_argument listing the names.
+ProgressMode parse_progress_mode(const std::string& s);
+const char* progress_mode_name(ProgressMode mode);
 
 // One bar per epoch: "epoch 1/3 [#####.....] 50/100 loss 1.234 lr 2.0e-04 3.1k tok/s
 // mem 1.2 GiB eta 0:42". Plain mode prints the same fields as a line every `every` steps.

@@ -1,0 +1,63 @@
+#include "qlora/config/builders.h"
+
+namespace qlora::config {
+
+data::DatasetOptions dataset_options(const DataConfig& data_cfg) {
+  data::DatasetOptions o;
+  o.kind = data_cfg.format;
+  if (data_cfg.template_) o.prompt_template = *data_cfg.template_;
+  o.max_seq_len = data_cfg.max_seq_len;
+  o.train_on_input = data_cfg.train_on_input;
+  return o;
+}
+
+data::SamplerOptions sampler_options(const DataConfig& data_cfg, const TrainingConfig& training,
+                                     int64_t dataset_size, int64_t ranks) {
+  data::SamplerOptions o;
+  o.dataset_size = dataset_size;
+  o.batch_size = training.batch_size * ranks;
+  o.seed = static_cast<uint64_t>(training.seed);
+  o.shuffle = data_cfg.shuffle;
+  o.drop_last = true;
+  return o;
+}
+
+models::LlamaLoadOptions llama_load_options(const RecipeConfig& cfg, c10::Device device,
+                                            at::ScalarType frozen_dtype) {
+  models::LlamaLoadOptions o;
+  o.base_in_nf4 = cfg.model.base == BaseFormat::NF4;
+  o.compute_dtype = cfg.model.dtype;
+  o.frozen_dtype = frozen_dtype;
+  o.device = device;
+  o.lora_targets = cfg.lora.targets;
+  o.lora_r = cfg.lora.rank;
+  o.lora_alpha = cfg.lora.alpha;
+  o.lora_dropout = cfg.lora.dropout;
+  o.seed = static_cast<uint64_t>(cfg.training.seed);
+  o.activation_checkpointing = cfg.model.activation_checkpointing;
+  return o;
+}
+
+optim::AdamWOptions adamw_options(const OptimConfig& optim_cfg) {
+  return {optim_cfg.lr, optim_cfg.betas[0], optim_cfg.betas[1], optim_cfg.eps, optim_cfg.weight_decay};
+}
+
+optim::LrSchedule lr_schedule(const OptimConfig& optim_cfg, int64_t total_steps) {
+  optim::LrSchedule s;
+  s.kind = optim_cfg.schedule;
+  s.base_lr = optim_cfg.lr;
+  s.warmup_steps = optim_cfg.warmup_steps;
+  s.total_steps = total_steps;
+  s.min_lr_ratio = optim_cfg.min_lr_ratio;
+  return s;
+}
+
+engine::ShardingOptions sharding_options(const DistConfig& dist) {
+  engine::ShardingOptions o;
+  o.reshard_after_forward = dist.reshard_after_forward;
+  o.prefetch = dist.prefetch;
+  o.reduce_scatter_every_micro_batch = dist.reduce_scatter_every_micro_batch;
+  return o;
+}
+
+}  // namespace qlora::config

@@ -1,0 +1,47 @@
+// Config sections → the components' options (torchtune's builders): each function copies a
+// section's keys into one component's options struct, field for field, so a key reaches its
+// component in exactly one place and the recipe holds no conversions. Enum keys already hold the
+// components' enums (config.h), so they are copied like any other field; a key that is a whole
+// argument already (logging.progress: train::ProgressMode, checkpoint.merge_from:
+// checkpoint::MergeSource) needs no builder.
+#pragma once
+
+#include <c10/core/Device.h>
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+
+#include "qlora/config/config.h"
+#include "qlora/data/dataset.h"
+#include "qlora/data/sampler.h"
+#include "qlora/engine/sharded_model.h"
+#include "qlora/models/llama.h"
+#include "qlora/optim/adamw.h"
+#include "qlora/optim/schedule.h"
+
+namespace qlora::config {
+
+// kind, prompt template (data.template = "none" keeps the options' default), max_seq_len,
+// train_on_input; field names and BOS/EOS keep data::DatasetOptions' defaults.
+data::DatasetOptions dataset_options(const DataConfig& data_cfg);
+
+// Every rank draws the same global batch of batch_size x ranks rows per micro-step and trains on
+// its own batch_size of them, so the sampler itself is unsharded (world_size 1, rank 0); drop_last
+// keeps every global batch full.
+data::SamplerOptions sampler_options(const DataConfig& data_cfg, const TrainingConfig& training,
+                                     int64_t dataset_size, int64_t ranks);
+
+// model.dtype / base / activation_checkpointing, the [lora] section and training.seed (LoRA init).
+// frozen_dtype is the recipe's to choose: it depends on the checkpoint's files, not on the config.
+// on_layer_loaded stays empty: the sharded engine sets it.
+models::LlamaLoadOptions llama_load_options(const RecipeConfig& cfg, c10::Device device,
+                                            at::ScalarType frozen_dtype);
+
+optim::AdamWOptions adamw_options(const OptimConfig& optim_cfg);
+
+// total_steps: optimizer steps over the whole run (where cosine reaches its floor).
+optim::LrSchedule lr_schedule(const OptimConfig& optim_cfg, int64_t total_steps);
+
+engine::ShardingOptions sharding_options(const DistConfig& dist);
+
+}  // namespace qlora::config
