@@ -1,7 +1,6 @@
 #include "qlora/checkpoint/export.h"
 #include "qlora/io/read_file.h"
 
-#include <ATen/ops/matmul.h>
 #include <c10/core/GradMode.h>
 #include <nlohmann/json.hpp>
 
@@ -199,11 +198,8 @@ MergedModelWriter::MergedModelWriter(const std::string& dir, const models::Llama
     }
     const bool use_orig = source == MergeSource::Original;
     push({key, out, shape, [&l, &orig, key, out, use_orig]() {
-                         at::Tensor w = use_orig ? orig.tensor(key).to(at::kFloat) : model_base_fp32(l);  // [out, in]
-                         const at::Tensor delta = at::matmul(l.lora_b.detach().to(at::kFloat),
-                                                             l.lora_a.detach().to(at::kFloat));  // [out, in]
-                         w = w.to(delta.device()).add(delta, l.scale);
-                         return w.to(out).cpu().contiguous();
+                         const at::Tensor w = use_orig ? orig.tensor(key).to(at::kFloat) : model_base_fp32(l);  // [out, in]
+                         return modules::lora_merged_weight(l, w).to(out).cpu().contiguous();
                        }});
   };
 
@@ -227,11 +223,10 @@ MergedModelWriter::MergedModelWriter(const std::string& dir, const models::Llama
       const at::ScalarType out = io::to_scalar_type(orig.file_of("model.embed_tokens.weight").info("model.embed_tokens.weight").dtype);
       const modules::LoraLinear& l = model.lm_head;
       push({"lm_head.weight", out, {l.out_features, l.in_features}, [&l, &orig, out, source]() {
-                           at::Tensor w = source == MergeSource::Original
-                                              ? orig.tensor("model.embed_tokens.weight").to(at::kFloat)
-                                              : model_base_fp32(l);
-                           const at::Tensor d = at::matmul(l.lora_b.detach().to(at::kFloat), l.lora_a.detach().to(at::kFloat));
-                           return w.to(d.device()).add(d, l.scale).to(out).cpu().contiguous();
+                           const at::Tensor w = source == MergeSource::Original
+                                                    ? orig.tensor("model.embed_tokens.weight").to(at::kFloat)
+                                                    : model_base_fp32(l);
+                           return modules::lora_merged_weight(l, w).to(out).cpu().contiguous();
                          }});
     } else {
       projection("lm_head.weight", model.lm_head);

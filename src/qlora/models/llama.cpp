@@ -2,7 +2,6 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/ops/arange.h>
-#include <ATen/ops/dropout.h>
 #include <ATen/ops/embedding.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
@@ -203,10 +202,7 @@ at::Tensor lm_head_forward(const LlamaModel& m, const at::Tensor& h) {
   }
   at::Tensor y = WidenedLinearFunction::apply(h, l.base_dense, std::max<int64_t>(1, m.lm_head_chunk_rows));
   if (!l.has_lora()) return y;
-  at::Tensor x = h.to(l.lora_a.scalar_type());  // [..., in] fp32
-  if (m.training && l.dropout > 0.0) x = at::dropout(x, l.dropout, /*train=*/true);
-  at::Tensor delta = at::linear(at::linear(x, l.lora_a), l.lora_b);  // [..., out] fp32
-  return (y + delta * l.scale).to(h.scalar_type());
+  return (y + modules::lora_delta(l, h, m.training)).to(h.scalar_type());
 }
 
 // `out` is the output of unit u and, unless u is the head, the input of unit u + 1: when its
