@@ -101,7 +101,7 @@ json run_worker(const Args& a) {
   } else {
     models::LlamaLoadOptions o;
     o.base_in_nf4 = true;
-    o.lora_targets = {"q", "k", "v", "o", "gate", "up", "down"};
+    o.lora_targets = models::layer_peft_names(models::llama_architecture());
     o.activation_checkpointing = true;
     o.frozen_dtype = at::kBFloat16;  // as the recipe stores a bf16 checkpoint's embedding and head
     o.on_layer_loaded = on_layer;

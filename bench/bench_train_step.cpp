@@ -54,7 +54,8 @@ struct Args : qlora::bench::ShapeArgs {
   bool no_ac = false;
 };
 
-const std::vector<std::string> kTargets = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
+// Every decoder projection (the 7B shape of random_llama2_7b adapts the same ones).
+const std::vector<std::string> kTargets = qlora::models::layer_peft_names(qlora::models::llama_architecture());
 
 int64_t vm_hwm_bytes() {
   std::ifstream f("/proc/self/status");

@@ -46,7 +46,8 @@ inline qlora::models::LlamaModel random_llama2_7b(int64_t layers, int64_t r, dou
   c.max_position_embeddings = 4096;
   c.validate("llama2-7b bench shape");
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(0);
-  const int64_t h = c.hidden_size, f = c.intermediate_size;
+  const int64_t h = c.hidden_size;
+  const qlora::models::Architecture& arch = qlora::models::llama_architecture();
   m.frozen_dtype = at::kBFloat16;
   const auto bf16 = at::TensorOptions().dtype(at::kBFloat16);
   m.layers.reserve(static_cast<size_t>(layers));  // on_layer may keep references to layers
@@ -56,14 +57,12 @@ inline qlora::models::LlamaModel random_llama2_7b(int64_t layers, int64_t r, dou
     qlora::modules::DecoderLayer L;
     L.input_layernorm = at::ones({h});
     L.post_attention_layernorm = at::ones({h});
-    L.q_proj = random_nf4_projection(h, h, gen);
-    L.k_proj = random_nf4_projection(h, h, gen);
-    L.v_proj = random_nf4_projection(h, h, gen);
-    L.o_proj = random_nf4_projection(h, h, gen);
-    L.gate_proj = random_nf4_projection(f, h, gen);
-    L.up_proj = random_nf4_projection(f, h, gen);
-    L.down_proj = random_nf4_projection(h, f, gen);
-    for (auto* p : {&L.q_proj, &L.k_proj, &L.v_proj, &L.o_proj, &L.gate_proj, &L.up_proj, &L.down_proj})
+    for (const qlora::models::ProjectionRow& row : arch.projections) {
+      if (!row.member) continue;
+      const std::vector<int64_t> shape = qlora::models::projection_shape(row, c);  // [out, in]
+      L.*row.member = random_nf4_projection(shape[0], shape[1], gen);
+    }
+    for (qlora::modules::LoraLinear* p : qlora::models::layer_projections(arch, L))
       qlora::modules::lora_linear_add_adapter(*p, r, alpha, 0.0, gen, at::kCPU);
     m.layers.push_back(std::move(L));
     if (on_layer) on_layer(i, m.layers.back());

@@ -78,7 +78,7 @@ RecipeConfig load_recipe_config(const std::vector<std::string>& args) {
 
 std::vector<std::string> peft_targets(const std::vector<std::string>& short_names) {
   std::vector<std::string> out;
-  for (const auto& t : short_names) out.push_back(t == "output" ? "lm_head" : t + "_proj");
+  for (const auto& t : short_names) out.push_back(models::peft_target(models::llama_architecture(), t));
   return out;
 }
 

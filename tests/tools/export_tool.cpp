@@ -43,7 +43,7 @@ int main(int argc, char** argv) {
   try {
     namespace ck = qlora::checkpoint;
     qlora::models::LlamaLoadOptions opt;
-    opt.lora_targets = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
+    opt.lora_targets = qlora::models::layer_peft_names(qlora::models::llama_architecture());
     opt.lora_r = 8;
     opt.lora_alpha = 16.0;
     opt.seed = seed;

@@ -1,7 +1,6 @@
 #include "qlora/checkpoint/export.h"
 #include "qlora/io/read_file.h"
 
-#include <ATen/ops/matmul.h>
 #include <c10/core/GradMode.h>
 #include <nlohmann/json.hpp>
 
@@ -16,9 +15,10 @@
 #include <set>
 #include <sstream>
 
-#include "qlora/io/checkpoint_dir.h"
 #include "qlora/checkpoint/resume.h"
+#include "qlora/io/checkpoint_dir.h"
 #include "qlora/io/safetensors.h"
+#include "qlora/models/architecture.h"
 #include "qlora/ops/nf4_ops.h"
 
 namespace fs = std::filesystem;
@@ -27,7 +27,6 @@ namespace qlora::checkpoint {
 
 namespace {
 
-const char* const kProjNames[] = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
 const char* const kCopiedFiles[] = {"config.json", "tokenizer.model", "tokenizer.json", "tokenizer_config.json",
                                     "special_tokens_map.json", "generation_config.json"};
 
@@ -49,10 +48,6 @@ nlohmann::json number(double v) {
   // PEFT writes lora_alpha as given (usually an int); keep integers integral.
   if (std::isfinite(v) && v == std::floor(v) && std::fabs(v) < 1e15) return static_cast<int64_t>(v);
   return v;
-}
-
-std::string hf_stem(size_t layer, int proj) {
-  return "model.layers." + std::to_string(layer) + (proj < 4 ? ".self_attn." : ".mlp.") + kProjNames[proj];
 }
 
 // One tensor of the merged checkpoint: declared up front (the safetensors header comes first),
@@ -205,42 +200,38 @@ MergedModelWriter::MergedModelWriter(const std::string& dir, const models::Llama
     }
     const bool use_orig = source == MergeSource::Original;
     push({key, out, shape, [&l, &orig, key, out, use_orig]() {
-                         at::Tensor w = use_orig ? orig.tensor(key).to(at::kFloat) : model_base_fp32(l);  // [out, in]
-                         const at::Tensor delta = at::matmul(l.lora_b.detach().to(at::kFloat),
-                                                             l.lora_a.detach().to(at::kFloat));  // [out, in]
-                         w = w.to(delta.device()).add(delta, l.scale);
-                         return w.to(out).cpu().contiguous();
+                         const at::Tensor w = use_orig ? orig.tensor(key).to(at::kFloat) : model_base_fp32(l);  // [out, in]
+                         return modules::lora_merged_weight(l, w).to(out).cpu().contiguous();
                        }});
   };
 
   const models::LlamaConfig& c = model.config;
-  plain("model.embed_tokens.weight", model.embed_tokens);
+  const models::Architecture& arch = models::llama_architecture();
+  plain(arch.embed_key, model.embed_tokens);
   for (size_t i = 0; i < model.layers.size(); ++i) {
     current_unit = static_cast<int64_t>(i);
     const modules::DecoderLayer& L = model.layers[i];
-    const std::string pre = "model.layers." + std::to_string(i) + ".";
-    plain(pre + "input_layernorm.weight", L.input_layernorm);
-    plain(pre + "post_attention_layernorm.weight", L.post_attention_layernorm);
-    const modules::LoraLinear* projs[] = {&L.q_proj, &L.k_proj, &L.v_proj, &L.o_proj, &L.gate_proj, &L.up_proj, &L.down_proj};
-    for (int j = 0; j < 7; ++j) projection(hf_stem(i, j) + ".weight", *projs[j]);
+    for (const models::NormRow& n : arch.layer_norms) plain(models::hf_key(n, current_unit), L.*n.member);
+    for (const models::ProjectionRow& row : arch.projections)
+      if (row.member) projection(models::hf_key(row, current_unit), L.*row.member);
   }
   current_unit = static_cast<int64_t>(model.layers.size());
-  plain("model.norm.weight", model.norm);
+  plain(arch.final_norm_key, model.norm);
+  const std::string head_key = models::hf_key(models::output_projection(arch), 0);
   const bool untie = c.tie_word_embeddings && model.lm_head.has_lora();
   if (!c.tie_word_embeddings || untie) {
-    if (untie && !orig.contains("lm_head.weight")) {
+    if (untie && !orig.contains(head_key)) {
       // Tied: the original has no lm_head.weight; the merged head starts from the embedding.
-      const at::ScalarType out = io::to_scalar_type(orig.file_of("model.embed_tokens.weight").info("model.embed_tokens.weight").dtype);
+      const std::string embed = arch.embed_key;
+      const at::ScalarType out = io::to_scalar_type(orig.file_of(embed).info(embed).dtype);
       const modules::LoraLinear& l = model.lm_head;
-      push({"lm_head.weight", out, {l.out_features, l.in_features}, [&l, &orig, out, source]() {
-                           at::Tensor w = source == MergeSource::Original
-                                              ? orig.tensor("model.embed_tokens.weight").to(at::kFloat)
-                                              : model_base_fp32(l);
-                           const at::Tensor d = at::matmul(l.lora_b.detach().to(at::kFloat), l.lora_a.detach().to(at::kFloat));
-                           return w.to(d.device()).add(d, l.scale).to(out).cpu().contiguous();
+      push({head_key, out, {l.out_features, l.in_features}, [&l, &orig, embed, out, source]() {
+                           const at::Tensor w = source == MergeSource::Original ? orig.tensor(embed).to(at::kFloat)
+                                                                                : model_base_fp32(l);
+                           return modules::lora_merged_weight(l, w).to(out).cpu().contiguous();
                          }});
     } else {
-      projection("lm_head.weight", model.lm_head);
+      projection(head_key, model.lm_head);
     }
   }
 

@@ -4,6 +4,7 @@
 #include "qlora/config/config.h"
 #include "qlora/io/enum_names.h"
 #include "qlora/io/read_file.h"
+#include "qlora/models/architecture.h"
 
 #include <toml++/toml.h>
 
@@ -87,7 +88,6 @@ bool enum_set(std::optional<E>& out, std::string_view name) {
 
 const char* const kSections[] = {"model",      "lora",    "data", "optim", "training",
                                  "checkpoint", "logging", "dist"};
-const char* const kLoraTargets[] = {"q", "k", "v", "o", "gate", "up", "down", "output"};
 
 // ---- the key table ----------------------------------------------------------------------------
 // Exactness: a key is "exact" when changing it between a checkpoint and its resume changes the
@@ -382,12 +382,13 @@ void validate(const RecipeConfig& c, const Origin& o, const LineMap& lines) {
   check(c.lora.dropout >= 0 && c.lora.dropout < 1, "lora.dropout", "in [0, 1)", d(c.lora.dropout));
   check(!c.lora.targets.empty(), "lora.targets", "non-empty", "[]");
   std::set<std::string> seen;
-  std::string allowed;
-  for (const char* t : kLoraTargets) allowed += (allowed.empty() ? "" : ", ") + std::string(t);
+  // The short spelling only: lora.targets is compared exactly on resume, and "q" vs "q_proj" for
+  // the same run would refuse it.
+  const models::Architecture& arch = models::llama_architecture();
+  const std::string allowed = models::projection_names(arch, /*peft_spelling=*/false);
   for (const std::string& t : c.lora.targets) {
-    bool ok = false;
-    for (const char* k : kLoraTargets) ok = ok || t == k;
-    check(ok, "lora.targets", "a list of " + allowed, "'" + t + "'");
+    const models::ProjectionRow* row = models::find_projection(arch, t);
+    check(row && t == row->short_name, "lora.targets", "a list of " + allowed, "'" + t + "'");
     check(seen.insert(t).second, "lora.targets", "free of duplicates", "'" + t + "' twice");
   }
   check(c.data.max_seq_len >= 1, "data.max_seq_len", ">= 1", i(c.data.max_seq_len));

@@ -47,7 +47,7 @@ struct LoraConfig {
   int64_t rank = 8;
   double alpha = 16.0;
   double dropout = 0.05;
-  // Allowed: q, k, v, o, gate, up, down, output.
+  // Short names of models::llama_architecture() rows: q, k, v, o, gate, up, down, output.
   std::vector<std::string> targets = {"q", "k", "v", "o"};
 };
 

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <stdexcept>
 
+#include "qlora/models/architecture.h"
 #include "qlora/optim/adamw.h"
 
 namespace qlora::engine {
@@ -107,12 +108,6 @@ int64_t bf16_bytes_of(const Member& mb) {
   return mb.value.numel() * 2;
 }
 
-const char* const kProj[] = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
-
-std::vector<modules::LoraLinear*> projections(modules::DecoderLayer& L) {
-  return {&L.q_proj, &L.k_proj, &L.v_proj, &L.o_proj, &L.gate_proj, &L.up_proj, &L.down_proj};
-}
-
 }  // namespace
 
 ShardedLlama::ShardedLlama(World& world, ShardingOptions options) : world_(world), opt_(options) {}
@@ -146,15 +141,21 @@ void ShardedLlama::shard_layer(int64_t index, modules::DecoderLayer& L) {
     throw std::invalid_argument("ShardedLlama::shard_layer: layer " + std::to_string(index) + " out of order (expected " +
                                 std::to_string(num_layers_) + ")");
   const int64_t n = world_.shard().size(), me = world_.shard().rank();
+  const models::Architecture& arch = models::llama_architecture();
   std::vector<Member> ms;
-  const auto projs = projections(L);
-  for (int j = 0; j < 7; ++j) add_nf4(ms, kProj[j], *projs[j]);
-  ms.push_back({"input_layernorm", L.input_layernorm, [&L](const at::Tensor& v) { L.input_layernorm = v; }});
-  ms.push_back({"post_attention_layernorm", L.post_attention_layernorm,
-                [&L](const at::Tensor& v) { L.post_attention_layernorm = v; }});
-  frozen_.push_back(make_frozen("layer" + std::to_string(index), ms, n, me, L.input_layernorm.device()));
+  std::vector<modules::LoraLinear*> projs;
   std::vector<std::string> stems;
-  for (const char* p : kProj) stems.push_back("layer" + std::to_string(index) + "." + p);
+  for (const models::ProjectionRow& row : arch.projections) {
+    if (!row.member) continue;
+    add_nf4(ms, row.peft_name, L.*row.member);
+    projs.push_back(&(L.*row.member));
+    stems.push_back("layer" + std::to_string(index) + "." + row.peft_name);
+  }
+  for (const models::NormRow& nr : arch.layer_norms) {
+    at::Tensor modules::DecoderLayer::*member = nr.member;
+    ms.push_back({nr.name, L.*member, [&L, member](const at::Tensor& v) { L.*member = v; }});
+  }
+  frozen_.push_back(make_frozen("layer" + std::to_string(index), ms, n, me, L.input_layernorm.device()));
   add_trainable(projs, stems);
   ++num_layers_;
 }
@@ -172,10 +173,11 @@ void ShardedLlama::finish(models::LlamaModel& m) {
                      }};
   if (!tied) frozen_[0] = make_frozen("embed", {embed}, n, me, dev);
   std::vector<Member> head = {{"norm", m.norm, [&m](const at::Tensor& v) { m.norm = v; }}};
+  const char* head_name = models::output_projection(models::llama_architecture()).peft_name;
   if (tied) head.push_back(embed);
-  else add_nf4(head, "lm_head", m.lm_head);
+  else add_nf4(head, head_name, m.lm_head);
   frozen_.push_back(make_frozen("head", head, n, me, dev));
-  add_trainable({&m.lm_head}, {"lm_head"});
+  add_trainable({&m.lm_head}, {head_name});
   m.hooks = shared_from_this();
 }
 

@@ -2,7 +2,6 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/ops/arange.h>
-#include <ATen/ops/dropout.h>
 #include <ATen/ops/embedding.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
@@ -26,28 +25,6 @@ namespace {
 
 using modules::DecoderLayer;
 using modules::LoraLinear;
-
-const char* const kProjections[] = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
-
-std::string canonical_target(const std::string& t) {
-  static const std::pair<const char*, const char*> aliases[] = {
-      {"q", "q_proj"}, {"k", "k_proj"}, {"v", "v_proj"}, {"o", "o_proj"}, {"gate", "gate_proj"},
-      {"up", "up_proj"}, {"down", "down_proj"}, {"output", "lm_head"}};
-  for (const auto& [from, to] : aliases) {
-    if (t == from) return to;
-  }
-  for (const char* p : kProjections) {
-    if (t == p) return t;
-  }
-  if (t == "lm_head") return t;
-  throw std::invalid_argument("load_llama: unknown LoRA target '" + t +
-                              "' (expected q_proj k_proj v_proj o_proj gate_proj up_proj down_proj lm_head)");
-}
-
-std::string hf_stem(int64_t layer, const std::string& proj) {
-  const bool attn = proj == "q_proj" || proj == "k_proj" || proj == "v_proj" || proj == "o_proj";
-  return "model.layers." + std::to_string(layer) + (attn ? ".self_attn." : ".mlp.") + proj;
-}
 
 struct Loader {
   const io::CheckpointDir& ckpt;
@@ -81,7 +58,37 @@ struct Loader {
     check_shape(key, w.shape, shape);
     return modules::lora_linear_nf4(w.to(opt.device));
   }
+  void add_adapter(LoraLinear& l, at::Generator& gen) const {
+    modules::lora_linear_add_adapter(l, opt.lora_r, opt.lora_alpha, opt.lora_dropout, gen, opt.device);
+  }
+  // Decoder layer i, with adapters on the `targets` (PEFT spelling) drawn from `gen` in table
+  // order: the draws go layer by layer, then the output projection's, whatever the targets.
+  DecoderLayer layer(const Architecture& arch, const LlamaConfig& c, int64_t i, const std::set<std::string>& targets,
+                     at::Generator& gen) const {
+    DecoderLayer L;
+    for (const NormRow& n : arch.layer_norms) L.*n.member = dense(hf_key(n, i), {c.hidden_size});
+    for (const ProjectionRow& row : arch.projections) {
+      if (!row.member) continue;
+      LoraLinear& p = L.*row.member;
+      p = projection(hf_key(row, i), projection_shape(row, c));
+      if (targets.count(row.peft_name)) add_adapter(p, gen);
+    }
+    return L;
+  }
 };
+
+// LoRA targets in either spelling -> their PEFT names; unknown ones are refused, naming the allowed.
+std::set<std::string> lora_targets(const Architecture& arch, const std::vector<std::string>& names) {
+  std::set<std::string> out;
+  for (const std::string& t : names) {
+    try {
+      out.insert(peft_target(arch, t));
+    } catch (const std::invalid_argument& e) {
+      throw std::invalid_argument(std::string("load_llama: ") + e.what());
+    }
+  }
+  return out;
+}
 
 }  // namespace
 
@@ -99,8 +106,8 @@ LlamaModel load_llama(const std::string& checkpoint_dir, const LlamaLoadOptions&
     throw std::invalid_argument(
         "load_llama: frozen dtype must equal the compute dtype, or be bfloat16 with float32 compute");
   }
-  std::set<std::string> targets;
-  for (const std::string& t : opt.lora_targets) targets.insert(canonical_target(t));
+  const Architecture& arch = llama_architecture();
+  const std::set<std::string> targets = lora_targets(arch, opt.lora_targets);
   if (!targets.empty() && opt.lora_r <= 0) throw std::invalid_argument("load_llama: lora r must be positive");
 
   LlamaModel m;
@@ -113,40 +120,21 @@ LlamaModel load_llama(const std::string& checkpoint_dir, const LlamaLoadOptions&
   const Loader ld{ckpt, opt};
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(opt.seed);
 
-  const int64_t h = c.hidden_size, q_out = c.num_attention_heads * c.head_dim,
-                kv_out = c.num_key_value_heads * c.head_dim, inter = c.intermediate_size;
-  m.embed_tokens = ld.dense("model.embed_tokens.weight", {c.vocab_size, h}, frozen);
+  const int64_t h = c.hidden_size;
+  m.embed_tokens = ld.dense(arch.embed_key, {c.vocab_size, h}, frozen);
   m.layers.reserve(static_cast<size_t>(c.num_hidden_layers));  // layers keep their addresses
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
-    const std::string pre = "model.layers." + std::to_string(i) + ".";
-    DecoderLayer L;
-    L.input_layernorm = ld.dense(pre + "input_layernorm.weight", {h});
-    L.post_attention_layernorm = ld.dense(pre + "post_attention_layernorm.weight", {h});
-    L.q_proj = ld.projection(pre + "self_attn.q_proj.weight", {q_out, h});
-    L.k_proj = ld.projection(pre + "self_attn.k_proj.weight", {kv_out, h});
-    L.v_proj = ld.projection(pre + "self_attn.v_proj.weight", {kv_out, h});
-    L.o_proj = ld.projection(pre + "self_attn.o_proj.weight", {h, q_out});
-    L.gate_proj = ld.projection(pre + "mlp.gate_proj.weight", {inter, h});
-    L.up_proj = ld.projection(pre + "mlp.up_proj.weight", {inter, h});
-    L.down_proj = ld.projection(pre + "mlp.down_proj.weight", {h, inter});
-    LoraLinear* projs[] = {&L.q_proj, &L.k_proj, &L.v_proj, &L.o_proj, &L.gate_proj, &L.up_proj, &L.down_proj};
-    for (int j = 0; j < 7; ++j) {
-      if (targets.count(kProjections[j])) {
-        modules::lora_linear_add_adapter(*projs[j], opt.lora_r, opt.lora_alpha, opt.lora_dropout, gen, opt.device);
-      }
-    }
-    m.layers.push_back(std::move(L));
+    m.layers.push_back(ld.layer(arch, c, i, targets, gen));
     if (opt.on_layer_loaded) opt.on_layer_loaded(i, m.layers.back());
   }
-  m.norm = ld.dense("model.norm.weight", {h});
+  m.norm = ld.dense(arch.final_norm_key, {h});
+  const ProjectionRow& head = output_projection(arch);
   if (c.tie_word_embeddings) {
     m.lm_head = modules::lora_linear_dense(m.embed_tokens);
   } else {
-    m.lm_head = modules::lora_linear_dense(ld.dense("lm_head.weight", {c.vocab_size, h}, frozen));
+    m.lm_head = modules::lora_linear_dense(ld.dense(hf_key(head, 0), projection_shape(head, c), frozen));
   }
-  if (targets.count("lm_head")) {
-    modules::lora_linear_add_adapter(m.lm_head, opt.lora_r, opt.lora_alpha, opt.lora_dropout, gen, opt.device);
-  }
+  if (targets.count(head.peft_name)) ld.add_adapter(m.lm_head, gen);
   m.inv_freq = modules::rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling).to(opt.device);
   return m;
 }
@@ -203,10 +191,7 @@ at::Tensor lm_head_forward(const LlamaModel& m, const at::Tensor& h) {
   }
   at::Tensor y = WidenedLinearFunction::apply(h, l.base_dense, std::max<int64_t>(1, m.lm_head_chunk_rows));
   if (!l.has_lora()) return y;
-  at::Tensor x = h.to(l.lora_a.scalar_type());  // [..., in] fp32
-  if (m.training && l.dropout > 0.0) x = at::dropout(x, l.dropout, /*train=*/true);
-  at::Tensor delta = at::linear(at::linear(x, l.lora_a), l.lora_b);  // [..., out] fp32
-  return (y + delta * l.scale).to(h.scalar_type());
+  return (y + modules::lora_delta(l, h, m.training)).to(h.scalar_type());
 }
 
 // `out` is the output of unit u and, unless u is the head, the input of unit u + 1: when its
@@ -345,12 +330,12 @@ std::vector<std::pair<std::string, at::Tensor>> LlamaModel::lora_parameters() co
     out.emplace_back("base_model.model." + stem + ".lora_A.weight", l.lora_a);
     out.emplace_back("base_model.model." + stem + ".lora_B.weight", l.lora_b);
   };
+  const Architecture& arch = llama_architecture();
   for (size_t i = 0; i < layers.size(); ++i) {
-    const DecoderLayer& L = layers[i];
-    const LoraLinear* projs[] = {&L.q_proj, &L.k_proj, &L.v_proj, &L.o_proj, &L.gate_proj, &L.up_proj, &L.down_proj};
-    for (int j = 0; j < 7; ++j) add(hf_stem(static_cast<int64_t>(i), kProjections[j]), *projs[j]);
+    for (const ProjectionRow& row : arch.projections)
+      if (row.member) add(hf_module(row.hf_module, static_cast<int64_t>(i)), layers[i].*row.member);
   }
-  add("lm_head", lm_head);
+  add(output_projection(arch).hf_module, lm_head);
   return out;
 }
 

@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "qlora/models/architecture.h"
 #include "qlora/models/llama_config.h"
 #include "qlora/modules/layers.h"
 #include "qlora/modules/lora_linear.h"
@@ -31,13 +32,13 @@ struct LlamaLoadOptions {
   // of compute_dtype storage.
   at::ScalarType frozen_dtype = at::ScalarType::Undefined;
   at::Device device = at::kCPU;
-  // LoRA targets, PEFT spelling: q_proj k_proj v_proj o_proj gate_proj up_proj down_proj, and
-  // lm_head for the output projection (short forms q k v o gate up down output also accepted).
+  // LoRA targets, as rows of llama_architecture() (models/architecture.h) in either spelling:
+  // PEFT (q_proj ... down_proj, lm_head for the output projection) or short (q ... down, output).
   std::vector<std::string> lora_targets;
   int64_t lora_r = 8;
   double lora_alpha = 16.0;
   double lora_dropout = 0.0;
-  uint64_t seed = 0;  // LoRA A init: drawn layer by layer, q k v o gate up down, then lm_head
+  uint64_t seed = 0;  // LoRA A init: drawn layer by layer in table order, then lm_head
   bool activation_checkpointing = false;
   // Called with each decoder layer as soon as it is built (in order; the layer stays at that
   // address in the returned model). A sharded engine takes its slice here, so the whole base never

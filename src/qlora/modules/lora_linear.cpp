@@ -3,6 +3,7 @@
 #include <ATen/ops/dropout.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
+#include <ATen/ops/matmul.h>
 #include <ATen/ops/zeros.h>
 
 #include <cmath>
@@ -54,10 +55,19 @@ at::Tensor lora_linear_forward(const LoraLinear& layer, const at::Tensor& x, boo
   at::Tensor y = layer.base_nf4.defined() ? nf4_linear(x, layer.base_nf4)
                                           : at::linear(x, layer.base_dense);  // [..., out]
   if (!layer.has_lora()) return y;
+  return (y + lora_delta(layer, x, training)).to(x.scalar_type());
+}
+
+at::Tensor lora_delta(const LoraLinear& layer, const at::Tensor& x, bool training) {
   at::Tensor h = x.to(layer.lora_a.scalar_type());  // [..., in] fp32, as peft's _cast_input_dtype
   if (training && layer.dropout > 0.0) h = at::dropout(h, layer.dropout, /*train=*/true);
-  at::Tensor delta = at::linear(at::linear(h, layer.lora_a), layer.lora_b);  // [..., out] fp32
-  return (y + delta * layer.scale).to(x.scalar_type());
+  return at::linear(at::linear(h, layer.lora_a), layer.lora_b) * layer.scale;  // [..., out] fp32
+}
+
+at::Tensor lora_merged_weight(const LoraLinear& layer, const at::Tensor& base) {
+  const at::Tensor delta =
+      at::matmul(layer.lora_b.detach().to(at::kFloat), layer.lora_a.detach().to(at::kFloat));  // [out, in]
+  return base.to(delta.device()).add(delta, layer.scale);
 }
 
 }  // namespace qlora::modules

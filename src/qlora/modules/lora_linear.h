@@ -43,4 +43,16 @@ void lora_linear_add_adapter(LoraLinear& layer, int64_t r, double alpha, double 
 // generator of x's device, so activation checkpointing can replay it). Returns [..., out].
 at::Tensor lora_linear_forward(const LoraLinear& layer, const at::Tensor& x, bool training);
 
+// The LoRA update alone, the one place it is computed for a forward: (dropout(x) @ A^T @ B^T) *
+// scale, [..., out] in the adapters' dtype (fp32), x [..., in] cast to that dtype first. A caller
+// with its own base output y (the lm_head's widened base) adds it exactly as lora_linear_forward
+// does: (y + lora_delta(...)).to(x's dtype). Requires an adapter.
+at::Tensor lora_delta(const LoraLinear& layer, const at::Tensor& x, bool training);
+
+// The merged weight W + scale * (B @ A), [out, in] fp32 on the adapters' device, for exports.
+// base: W [out, in] fp32, on any device. One add with alpha (w + scale * d), not w + d * scale:
+// the two can differ in the last fp32 bit, which can flip a bf16 rounding of the merged weight,
+// and exports must stay byte-identical. Requires an adapter.
+at::Tensor lora_merged_weight(const LoraLinear& layer, const at::Tensor& base);
+
 }  // namespace qlora::modules

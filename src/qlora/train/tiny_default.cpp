@@ -9,6 +9,7 @@
 #include <stdexcept>
 
 #include "qlora/io/safetensors.h"
+#include "qlora/models/architecture.h"
 
 namespace qlora::train {
 namespace fs = std::filesystem;
@@ -16,6 +17,34 @@ namespace fs = std::filesystem;
 namespace {
 // Vocab matches the bundled tokenizer; the rest is as small as still shows learning in a minute.
 constexpr int64_t kVocab = 512, kHidden = 128, kInter = 352, kLayers = 4, kHeads = 4, kKvHeads = 2;
+
+// The base's tensors in checkpoint order (the order fixes the random draws, hence the base).
+std::vector<std::pair<std::string, at::Tensor>> tiny_tensors() {
+  models::LlamaConfig c;  // just the sizes the architecture table's shapes read
+  c.hidden_size = kHidden;
+  c.intermediate_size = kInter;
+  c.num_attention_heads = kHeads;
+  c.num_key_value_heads = kKvHeads;
+  c.head_dim = kHidden / kHeads;
+  c.vocab_size = kVocab;
+  at::Generator gen = at::detail::createCPUGenerator(20240611);
+  auto w = [&](const std::vector<int64_t>& shape) {
+    return (at::randn(shape, gen, at::kFloat) * 0.02).to(at::kBFloat16);
+  };
+  const auto ones = [] { return at::ones({kHidden}, at::kBFloat16); };
+  const models::Architecture& arch = models::llama_architecture();
+  std::vector<std::pair<std::string, at::Tensor>> t = {{arch.embed_key, w({kVocab, kHidden})}};
+  for (int64_t i = 0; i < kLayers; ++i) {
+    for (const models::ProjectionRow& row : arch.projections)
+      if (row.member) t.push_back({models::hf_key(row, i), w(models::projection_shape(row, c))});
+    for (const models::NormRow& n : arch.layer_norms) t.push_back({models::hf_key(n, i), ones()});
+  }
+  t.push_back({arch.final_norm_key, ones()});
+  const models::ProjectionRow& head = models::output_projection(arch);
+  t.push_back({models::hf_key(head, 0), w(models::projection_shape(head, c))});
+  return t;
+}
+
 }  // namespace
 
 std::string bundled_data_dir() {
@@ -31,27 +60,7 @@ std::string ensure_tiny_base(const std::string& dir) {
   fs::remove_all(tmp);
   fs::create_directories(tmp);
 
-  at::Generator gen = at::detail::createCPUGenerator(20240611);
-  auto w = [&](int64_t out, int64_t in) {
-    return (at::randn({out, in}, gen, at::kFloat) * 0.02).to(at::kBFloat16);
-  };
-  const int64_t head_dim = kHidden / kHeads;
-  std::vector<std::pair<std::string, at::Tensor>> t = {{"model.embed_tokens.weight", w(kVocab, kHidden)}};
-  for (int64_t i = 0; i < kLayers; ++i) {
-    const std::string p = "model.layers." + std::to_string(i) + ".";
-    t.push_back({p + "self_attn.q_proj.weight", w(kHeads * head_dim, kHidden)});
-    t.push_back({p + "self_attn.k_proj.weight", w(kKvHeads * head_dim, kHidden)});
-    t.push_back({p + "self_attn.v_proj.weight", w(kKvHeads * head_dim, kHidden)});
-    t.push_back({p + "self_attn.o_proj.weight", w(kHidden, kHeads * head_dim)});
-    t.push_back({p + "mlp.gate_proj.weight", w(kInter, kHidden)});
-    t.push_back({p + "mlp.up_proj.weight", w(kInter, kHidden)});
-    t.push_back({p + "mlp.down_proj.weight", w(kHidden, kInter)});
-    t.push_back({p + "input_layernorm.weight", at::ones({kHidden}, at::kBFloat16)});
-    t.push_back({p + "post_attention_layernorm.weight", at::ones({kHidden}, at::kBFloat16)});
-  }
-  t.push_back({"model.norm.weight", at::ones({kHidden}, at::kBFloat16)});
-  t.push_back({"lm_head.weight", w(kVocab, kHidden)});
-  io::save_safetensors((tmp / "model.safetensors").string(), t, {{"format", "pt"}});
+  io::save_safetensors((tmp / "model.safetensors").string(), tiny_tensors(), {{"format", "pt"}});
 
   const nlohmann::json config = {
       {"architectures", {"LlamaForCausalLM"}}, {"model_type", "llama"}, {"hidden_size", kHidden},

@@ -1,0 +1,92 @@
+// The architecture table of a model family: what every other folder needs to know about the
+// family's weights, written once. Config validation, loading, LoRA targets, sharding, the PEFT
+// adapter and the merged export all read these rows instead of spelling projection names and
+// Hugging Face keys themselves (llama.cpp's tensor-name table is the model). A new family
+// (Qwen2, Qwen3, Gemma, Phi-3) adds a table of rows here, plus flags for the few things its
+// compute does differently (biases, q/k norms, soft-capping, sliding windows) beside the rows,
+// and nothing else.
+#pragma once
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "qlora/models/llama_config.h"
+#include "qlora/modules/layers.h"
+
+namespace qlora::models {
+
+// A projection's sizes, named by the config value they come from, so one table serves every
+// checkpoint of the family.
+enum class Dim {
+  kHidden,        // hidden_size
+  kQHeads,        // num_attention_heads * head_dim
+  kKvHeads,       // num_key_value_heads * head_dim
+  kIntermediate,  // intermediate_size
+  kVocab,         // vocab_size
+};
+
+struct ProjectionRow {
+  const char* short_name;  // what configs write in lora.targets: "q" ... "down", "output"
+  const char* peft_name;   // module and PEFT target name: "q_proj" ... "down_proj", "lm_head"
+  // The HF module path, "{i}" standing for the layer index. The path, not the weight key, is
+  // what the rows share: the weight is <module>.weight, a bias (Qwen2) would be <module>.bias,
+  // and PEFT's adapter keys are base_model.model.<module>.lora_{A,B}.weight.
+  const char* hf_module;
+  // The DecoderLayer member holding it; null for the output projection, which the model holds.
+  modules::LoraLinear modules::DecoderLayer::*member;
+  Dim out, in;  // the weight is [out, in]
+  // For a fused projection (Phi-3's qkv_proj stacks q, k, v; gate_up_proj stacks gate, up): the
+  // short names of the parts it stacks along its output dimension, in order, so the forward can
+  // split its output and a config may target the fused module. Empty for a plain projection, as
+  // every Llama row is.
+  std::vector<const char*> fused_parts;
+};
+
+struct NormRow {
+  const char* name;       // "input_layernorm": its name inside a layer (shard-group member names)
+  const char* hf_module;  // "model.layers.{i}.input_layernorm"; the weight is <module>.weight
+  at::Tensor modules::DecoderLayer::*member;
+};
+
+struct Architecture {
+  const char* family;  // "llama"
+  // A decoder layer's projections in forward order (the order adapters are initialised, exported
+  // and sharded in), then the output projection.
+  std::vector<ProjectionRow> projections;
+  std::vector<NormRow> layer_norms;  // in checkpoint order
+  const char* embed_key;             // "model.embed_tokens.weight"
+  const char* final_norm_key;        // "model.norm.weight"
+};
+
+// Llama-2, Llama-3/3.1 and Mistral (same weights; Mistral differs only in config values).
+const Architecture& llama_architecture();
+
+// hf_module with "{i}" replaced by the layer index (patterns without "{i}" come back as they are).
+std::string hf_module(const char* pattern, int64_t layer);
+// The weight keys: "model.layers.3.self_attn.q_proj.weight", "lm_head.weight", ...
+std::string hf_key(const ProjectionRow& row, int64_t layer);
+std::string hf_key(const NormRow& row, int64_t layer);
+
+// The output projection's row (the one no layer holds).
+const ProjectionRow& output_projection(const Architecture& arch);
+// The row a LoRA target names, in its short ("q") or PEFT ("q_proj") spelling; nullptr if none.
+const ProjectionRow* find_projection(const Architecture& arch, const std::string& name);
+// The PEFT name of a target in either spelling; std::invalid_argument naming the allowed values
+// for anything else.
+std::string peft_target(const Architecture& arch, const std::string& name);
+// "q, k, v, o, gate, up, down, output" (short spelling) or "q_proj, ..., lm_head", for messages.
+std::string projection_names(const Architecture& arch, bool peft_spelling);
+// The PEFT names of a layer's projections in table order: every LoRA target but the output one.
+std::vector<std::string> layer_peft_names(const Architecture& arch);
+
+// A layer's projections in table order (the output projection is not a layer's).
+std::vector<modules::LoraLinear*> layer_projections(const Architecture& arch, modules::DecoderLayer& layer);
+std::vector<const modules::LoraLinear*> layer_projections(const Architecture& arch,
+                                                          const modules::DecoderLayer& layer);
+
+// [out, in] of a projection under a config.
+std::vector<int64_t> projection_shape(const ProjectionRow& row, const LlamaConfig& config);
+
+}  // namespace qlora::models
