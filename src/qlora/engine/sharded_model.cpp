@@ -178,7 +178,7 @@ void ShardedLlama::finish(models::LlamaModel& m) {
   else add_nf4(head, head_name, m.lm_head);
   frozen_.push_back(make_frozen("head", head, n, me, dev));
   add_trainable({&m.lm_head}, {head_name});
-  m.hooks = shared_from_this();
+  if (!whole()) m.hooks = shared_from_this();  // a whole model has nothing to gather around its units
 }
 
 namespace {
@@ -192,6 +192,12 @@ std::unique_ptr<ShardedLlama::FrozenGroup> make_frozen(const std::string& name, 
     g->layout.add(mb.name, mb.value.scalar_type(), mb.value.sizes().vec());
     g->bf16_bytes += bf16_bytes_of(mb);
   }
+  // The whole group is this rank's (one rank per shard group): the model's tensors stay where they
+  // are, nothing is packed, gathered or released, and memory is exactly that of the tensors.
+  if (shards == 1) {
+    g->gathered = true;
+    return g;
+  }
   g->full = g->layout.empty_full(at::TensorOptions().device(dev));
   for (const Member& mb : members) {
     g->layout.pack(g->full, mb.name, mb.value);
@@ -200,11 +206,6 @@ std::unique_ptr<ShardedLlama::FrozenGroup> make_frozen(const std::string& name, 
   const auto& ms = g->layout.members();
   for (size_t k = 0; k < ms.size(); ++k) g->rebind[k](alias(g->full, ms[k]));
   g->rebind.clear();  // they point into the model: not to be called again
-  if (shards == 1) {  // the whole group is this rank's: it stays, and nothing is ever gathered
-    g->shard = g->full;
-    g->gathered = true;
-    return g;
-  }
   g->shard = g->layout.shard_of(g->full, me).clone();
   free_storage(g->full);
   return g;
@@ -251,13 +252,6 @@ void ShardedLlama::add_trainable(const std::vector<modules::LoraLinear*>& ls, co
 }
 
 const FlatLayout& ShardedLlama::trainable_layout(size_t g) const { return train_.at(g)->layout; }
-
-std::vector<ShardedLlama::FrozenView> ShardedLlama::frozen_groups() const {
-  std::vector<FrozenView> out;
-  for (const auto& g : frozen_)
-    if (g) out.push_back({g->name, &g->layout, g->shard, g->full});
-  return out;
-}
 
 ShardedLlama::FrozenGroup& ShardedLlama::group_of(int64_t unit) {
   const auto& slot = frozen_.at(static_cast<size_t>(unit + 1));
@@ -421,6 +415,7 @@ void ShardedLlama::load_params(const std::vector<at::Tensor>& unpadded) {
 }
 
 WorkPtr ShardedLlama::gather_unit_to(int64_t unit, int root) {
+  if (whole()) return {};  // every unit is here already
   FrozenGroup& g = group_of(unit);
   const bool me = world_.shard().rank() == root;
   at::Tensor out = at::empty({0}, g.shard.options());

@@ -20,6 +20,12 @@
 // its buffer is reduce-scattered asynchronously within the shard group, overlapping the rest of
 // backward, then all-reduced across replicas (HSDP). finish_backward() waits for them in the order
 // they became ready. The optimizer steps the flat shards; gather_params() all-gathers them back.
+//
+// A shard group of one rank (one process: a world of one; or shard_size 1) is the same engine with
+// nothing to move: frozen tensors stay as loaded (no buffer, no gather, no release), the trainable
+// groups' full buffers are the optimizer's shards and their gradients, and only replicas (if any)
+// all-reduce. Gradient clipping then follows torch's clip_grad_norm_ over the adapters, so one
+// process computes bit for bit what the per-adapter loop of earlier releases did.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -77,14 +83,6 @@ class ShardedLlama : public models::UnitHooks, public std::enable_shared_from_th
   const std::vector<at::Tensor>& param_shards() const { return param_shards_; }
   // Names of the members of trainable group g, in layout order (for state dicts).
   const FlatLayout& trainable_layout(size_t g) const;
-  // The frozen groups in unit order (the embedding unless tied, the layers, the head): for state
-  // dicts. `full` holds data only while the group is gathered here.
-  struct FrozenView {
-    std::string name;
-    const FlatLayout* layout;
-    at::Tensor shard, full;
-  };
-  std::vector<FrozenView> frozen_groups() const;
 
   // False for every micro-batch but the last of a step: gradients only accumulate locally.
   void set_gradient_sync(bool sync) { sync_ = sync; }
