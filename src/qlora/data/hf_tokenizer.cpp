@@ -173,7 +173,9 @@ void HfTokenizer::Impl::load_added(const json& list) {
     AddedToken t{e["content"], "", e["id"], e.value("normalized", !e.value("special", false)), e.value("lstrip", false),
                  e.value("rstrip", false)};
     t.pattern = t.normalized ? normalize(t.content) : t.content;
-    set_token(t.id, t.content);
+    // The library hands a normalized token to the decoder in its normalized form (Llama-2's
+    // Prepend normalizer makes "hello world" "▁hello▁world", which decodes with a space).
+    set_token(t.id, t.pattern);
     added_ids[t.content] = t.id;
     (t.normalized ? normalized_matcher : raw_matcher).add(t.pattern, added.size());
     added.push_back(std::move(t));
