@@ -15,6 +15,7 @@ int quantize_main(const std::vector<std::string>& args);
 int dequantize_main(const std::vector<std::string>& args);
 int lora_finetune_main(const std::vector<std::string>& args);
 int generate_main(const std::vector<std::string>& args);
+int tokenize_main(const std::vector<std::string>& args);
 int qlora_cli(int argc, char** argv);
 }  // namespace qlora::recipes
 
@@ -31,6 +32,9 @@ constexpr const char* kUsage =
     "  generate --checkpoint DIR --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-p P]\n"
     "                          text from an exported epoch (out/.../epoch_N)\n"
     "  ls                      recipes and shipped configs\n"
+    "  tokenize --tokenizer FILE_OR_MODEL_DIR (--text TEXT | --file FILE) [--decode]\n"
+    "                          per input line, {\"ids\": [...]} as qlora tokenizes it; --decode:\n"
+    "                          lines of id lists (JSON or comma-separated) to {\"text\": ...}\n"
     "  quantize [IN OUT]       every 2-D float *_proj.weight of a safetensors file or HF\n"
     "                          checkpoint directory becomes NF4 (qlora-nf4-v1), the rest is\n"
     "                          copied; no arguments: the bundled tiny example\n"
@@ -85,6 +89,7 @@ int qlora_cli(int argc, char** argv) {
     if (cmd == "ls") return ls_main();
     if (cmd == "quantize") return qlora::recipes::quantize_main(args);
     if (cmd == "dequantize") return qlora::recipes::dequantize_main(args);
+    if (cmd == "tokenize") return qlora::recipes::tokenize_main(args);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "qlora %s: error: %s\n", cmd.c_str(), e.what());
     return 1;

@@ -82,14 +82,15 @@ std::vector<std::string> peft_targets(const std::vector<std::string>& short_name
   return out;
 }
 
-// model.tokenizer, else the checkpoint's tokenizer.model, else original/tokenizer.model (Llama-3
-// repositories keep Meta's tiktoken file there and only tokenizer.json at the top).
+// model.tokenizer, else the checkpoint's tokenizer.model, original/tokenizer.model or tokenizer.json
+// (Tokenizer::find_file's order; Llama-3 repositories keep Meta's tiktoken file under original/).
 std::string find_tokenizer(const RecipeConfig& cfg, const std::string& base_dir) {
   if (!cfg.model.tokenizer.empty()) return cfg.model.tokenizer;
-  for (const char* rel : {"tokenizer.model", "original/tokenizer.model"})
-    if (fs::is_regular_file(fs::path(base_dir) / rel)) return (fs::path(base_dir) / rel).string();
-  throw std::invalid_argument(base_dir + ": no tokenizer.model (nor original/tokenizer.model); "
-                              "set model.tokenizer to the tokenizer file");
+  try {
+    return data::Tokenizer::find_file(base_dir);
+  } catch (const std::runtime_error& e) {
+    throw std::invalid_argument(std::string(e.what()) + "; set model.tokenizer to the tokenizer file");
+  }
 }
 
 // Frozen embedding / lm_head storage: under fp32 compute, a bf16 checkpoint's embed_tokens and

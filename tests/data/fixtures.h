@@ -2,7 +2,10 @@
 // bundled sentencepiece tokenizer.
 #pragma once
 
+#include <gtest/gtest.h>
+
 #include <cstdlib>
+#include <fstream>
 #include <stdexcept>
 #include <string>
 
@@ -17,5 +20,27 @@ inline std::string data_dir() {
 }
 
 inline Tokenizer fixture_tokenizer() { return Tokenizer::open(data_dir() + "/tokenizer/tokenizer.model"); }
+
+// Writes `text` to the file `name` in the test's temporary directory; returns its path.
+inline std::string write_temp(const std::string& name, const std::string& text) {
+  const std::string path = testing::TempDir() + "qlora_tok_" + name;
+  std::ofstream(path, std::ios::binary) << text;
+  return path;
+}
+
+// The message of the error Tokenizer::open throws for a file holding `text`, checked to name the
+// file; a test failure (and "") when it opens.
+inline std::string open_error(const std::string& name, const std::string& text) {
+  const std::string path = write_temp(name, text);
+  try {
+    Tokenizer::open(path);
+  } catch (const std::runtime_error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find(path), std::string::npos) << what;
+    return what;
+  }
+  ADD_FAILURE() << name << ": expected an error";
+  return "";
+}
 
 }  // namespace qlora::data::test_fixtures

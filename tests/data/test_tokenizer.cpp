@@ -20,6 +20,8 @@ namespace {
 
 using test_fixtures::data_dir;
 using test_fixtures::fixture_tokenizer;
+using test_fixtures::open_error;
+using test_fixtures::write_temp;
 
 nlohmann::json expected(const std::string& dir = "tokenizer") {
   std::ifstream in(data_dir() + "/" + dir + "/expected_ids.json");
@@ -210,25 +212,6 @@ std::string byte_lines() {  // a valid file: the 256 single bytes, ranks 0..255
     out += " " + std::to_string(b) + "\n";
   }
   return out;
-}
-
-std::string write_temp(const std::string& name, const std::string& text) {
-  const std::string path = testing::TempDir() + "qlora_tiktoken_" + name;
-  std::ofstream(path, std::ios::binary) << text;
-  return path;
-}
-
-std::string open_error(const std::string& name, const std::string& text) {
-  const std::string path = write_temp(name, text);
-  try {
-    Tokenizer::open(path);
-  } catch (const std::runtime_error& e) {
-    const std::string what = e.what();
-    EXPECT_NE(what.find(path), std::string::npos) << what;
-    return what;
-  }
-  ADD_FAILURE() << name << ": expected an error";
-  return "";
 }
 
 TEST(TiktokenTokenizer, MalformedFilesNameFileAndLine) {

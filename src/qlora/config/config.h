@@ -33,8 +33,8 @@ enum class BaseFormat { NF4, BF16, FP32 };
 
 struct ModelConfig {
   std::string checkpoint_dir;  // HF directory; empty = the embedded tiny default model
-  // Tokenizer file; empty = <checkpoint_dir>/tokenizer.model, else <checkpoint_dir>/original/
-  // tokenizer.model (where Llama-3 repositories keep Meta's tiktoken file).
+  // Tokenizer file; empty = the first of <checkpoint_dir>/tokenizer.model, original/tokenizer.model
+  // (where Llama-3 repositories keep Meta's tiktoken file), tokenizer.json (Qwen ships only that).
   std::string tokenizer;
   // "auto" (the first CUDA device when one is present, else the CPU), "cpu", "cuda" or "cuda:N".
   std::string device = "auto";

@@ -1,15 +1,11 @@
 #include "qlora/data/tiktoken_bpe.h"
+#include "qlora/data/bpe_merge.h"
 #include "qlora/io/read_file.h"
-
-#define PCRE2_CODE_UNIT_WIDTH 8
-#include <pcre2.h>
 
 #include <algorithm>
 #include <array>
 #include <fstream>
-#include <functional>
 #include <limits>
-#include <queue>
 #include <sstream>
 #include <stdexcept>
 
@@ -29,10 +25,6 @@ std::vector<std::string> llama3_special_tokens() {
 }
 
 namespace {
-
-constexpr uint32_t kNoRank = std::numeric_limits<uint32_t>::max();
-// Pieces up to this many bytes merge by a quadratic scan on the stack, longer ones with a heap.
-constexpr size_t kShortPiece = 64;
 
 bool is_base64_char(char c) {
   return (c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '+' ||
@@ -69,78 +61,6 @@ bool base64_decode(std::string_view in, std::string& out) {
   return true;
 }
 
-// Length of the UTF-8 character at s[i] when it is well-formed (ok = true); otherwise the length
-// of its maximal ill-formed subpart (at least 1, ok = false), the unit Python replaces with one
-// U+FFFD. Ranges per the Unicode standard's table of well-formed byte sequences.
-size_t utf8_step(std::string_view s, size_t i, bool& ok) {
-  const auto byte = [&](size_t k) { return static_cast<unsigned char>(s[k]); };
-  const unsigned char c = byte(i);
-  ok = true;
-  if (c < 0x80) return 1;
-  size_t need = 0;
-  unsigned char lo = 0x80, hi = 0xBF;
-  if (c >= 0xC2 && c <= 0xDF) {
-    need = 1;
-  } else if (c >= 0xE0 && c <= 0xEF) {
-    need = 2;
-    if (c == 0xE0) lo = 0xA0;  // no overlong forms
-    if (c == 0xED) hi = 0x9F;  // no surrogates
-  } else if (c >= 0xF0 && c <= 0xF4) {
-    need = 3;
-    if (c == 0xF0) lo = 0x90;  // no overlong forms
-    if (c == 0xF4) hi = 0x8F;  // nothing past U+10FFFF
-  } else {
-    ok = false;
-    return 1;
-  }
-  for (size_t k = 1; k <= need; ++k) {
-    if (i + k >= s.size() || byte(i + k) < lo || byte(i + k) > hi) {
-      ok = false;
-      return k;
-    }
-    lo = 0x80;
-    hi = 0xBF;
-  }
-  return need + 1;
-}
-
-bool utf8_valid(std::string_view s) {
-  bool ok = true;
-  for (size_t i = 0; i < s.size() && ok; i += utf8_step(s, i, ok)) {}
-  return ok;
-}
-
-// tiktoken's patterns are written for Rust's regex engine, where \s is Unicode White_Space.
-// PCRE2's \s (with UCP) also matches U+180E, which left White_Space in Unicode 6.3; spelling the
-// class out makes both engines split text at the same places.
-std::string pcre2_syntax(std::string_view pattern) {
-  const std::string ws =
-      R"(\t-\r \x{85}\x{a0}\x{1680}\x{2000}-\x{200a}\x{2028}\x{2029}\x{202f}\x{205f}\x{3000})";
-  std::string out;
-  bool in_class = false;
-  for (size_t i = 0; i < pattern.size(); ++i) {
-    const char c = pattern[i];
-    if (c == '\\' && i + 1 < pattern.size()) {
-      const char e = pattern[++i];
-      if (e == 's') out += in_class ? ws : "[" + ws + "]";
-      else if (e == 'S' && !in_class) out += "[^" + ws + "]";
-      else if (e == 'S') throw std::invalid_argument("tiktoken pattern: \\S inside [...] is not supported");
-      else out += {c, e};
-      continue;
-    }
-    if (c == '[') in_class = true;
-    else if (c == ']') in_class = false;
-    out += c;
-  }
-  return out;
-}
-
-std::string pcre2_message(int code) {
-  PCRE2_UCHAR buf[256];
-  pcre2_get_error_message(code, buf, sizeof buf);
-  return reinterpret_cast<const char*>(buf);
-}
-
 }  // namespace
 
 bool looks_like_tiktoken(std::string_view head) {
@@ -153,37 +73,7 @@ bool looks_like_tiktoken(std::string_view head) {
          std::all_of(rank.begin(), rank.end(), is_digit);
 }
 
-std::string utf8_replace_invalid(std::string_view bytes) {
-  std::string out;
-  out.reserve(bytes.size());
-  bool ok = true;
-  for (size_t i = 0; i < bytes.size();) {
-    const size_t n = utf8_step(bytes, i, ok);
-    if (ok) out.append(bytes.substr(i, n));
-    else out.append("\xEF\xBF\xBD");  // U+FFFD
-    i += n;
-  }
-  return out;
-}
-
 // ---------------------------------------------------------------------------------------------
-
-struct TiktokenBpe::Regex {
-  pcre2_code* code = nullptr;
-  ~Regex() { pcre2_code_free(code); }
-};
-
-namespace {
-struct MatchData {
-  pcre2_match_data* md;
-  explicit MatchData(const pcre2_code* code) : md(pcre2_match_data_create_from_pattern(code, nullptr)) {
-    if (md == nullptr) throw std::bad_alloc();
-  }
-  ~MatchData() { pcre2_match_data_free(md); }
-  MatchData(const MatchData&) = delete;
-  MatchData& operator=(const MatchData&) = delete;
-};
-}  // namespace
 
 TiktokenBpe::~TiktokenBpe() = default;
 
@@ -206,18 +96,7 @@ std::shared_ptr<const TiktokenBpe> TiktokenBpe::load(const std::string& path, co
     t->specials_.push_back(s);
   }
 
-  int err = 0;
-  PCRE2_SIZE err_offset = 0;
-  const std::string re = pcre2_syntax(pattern);
-  t->regex_ = std::make_unique<Regex>();
-  t->regex_->code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(re.data()), re.size(), PCRE2_UTF | PCRE2_UCP,
-                                  &err, &err_offset, nullptr);
-  if (t->regex_->code == nullptr) {
-    throw std::invalid_argument("tiktoken pattern: " + pcre2_message(err) + " at offset " +
-                                std::to_string(err_offset) + " of " + re);
-  }
-  // JIT makes matching several times faster; without it (unsupported CPU) the interpreter runs.
-  pcre2_jit_compile(t->regex_->code, PCRE2_JIT_COMPLETE);
+  t->regex_ = std::make_unique<TextRegex>(pattern, "tiktoken tokenizer '" + path + "'");
   return t;
 }
 
@@ -326,24 +205,8 @@ std::vector<int64_t> TiktokenBpe::encode(std::string_view text) const {
 }
 
 void TiktokenBpe::encode_ordinary(std::string_view text, std::vector<int64_t>& out) const {
-  if (text.empty()) return;
-  MatchData m(regex_->code);
-  const auto* subject = reinterpret_cast<PCRE2_SPTR>(text.data());
-  for (size_t pos = 0; pos < text.size();) {
-    // The text between two specials is the whole subject, as in tiktoken: a lookahead such as
-    // (?!\S) must not see past it. Validity was checked once in encode().
-    const int rc = pcre2_match(regex_->code, subject, text.size(), pos, PCRE2_NO_UTF_CHECK, m.md, nullptr);
-    if (rc == PCRE2_ERROR_NOMATCH) break;  // like tiktoken, unmatched text is dropped
-    if (rc < 0) throw std::runtime_error("tokenizer '" + path_ + "': pre-tokenizer regex: " + pcre2_message(rc));
-    const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(m.md);
-    if (ov[1] == ov[0]) {  // an empty match (none in Llama-3's pattern): step over a character
-      bool ok = true;
-      pos = ov[0] + utf8_step(text, ov[0], ok);
-      continue;
-    }
-    encode_piece(text.substr(ov[0], ov[1] - ov[0]), out);
-    pos = ov[1];
-  }
+  // Like tiktoken, text the pattern does not match is dropped. Validity was checked in encode().
+  regex_->for_each_match(text, [&](size_t begin, size_t end) { encode_piece(text.substr(begin, end - begin), out); });
 }
 
 void TiktokenBpe::encode_piece(std::string_view piece, std::vector<int64_t>& out) const {
@@ -351,66 +214,13 @@ void TiktokenBpe::encode_piece(std::string_view piece, std::vector<int64_t>& out
     out.push_back(whole);
     return;
   }
-  const size_t n = piece.size();
-  const auto rank_or_none = [&](size_t begin, size_t end) -> uint32_t {
+  // A pair's rank is the rank of the joined bytes: tiktoken's merge order.
+  const auto rank = [&](size_t begin, size_t, size_t end) -> uint32_t {
     const int64_t r = rank_of(piece.substr(begin, end - begin));
     return r < 0 ? kNoRank : static_cast<uint32_t>(r);
   };
-  if (n <= kShortPiece) {
-    // Nearly every piece: tiktoken's own loop (merge the lowest-ranked pair, leftmost first) on
-    // arrays on the stack. Part i is [start[i], start[i + 1]); rank[i] ranks parts i and i + 1
-    // joined.
-    uint32_t start[kShortPiece + 1], rank[kShortPiece + 1];
-    size_t parts = n;
-    for (size_t i = 0; i <= n; ++i) start[i] = static_cast<uint32_t>(i);
-    const auto pair_rank = [&](size_t i) { return i + 1 < parts ? rank_or_none(start[i], start[i + 2]) : kNoRank; };
-    for (size_t i = 0; i < parts; ++i) rank[i] = pair_rank(i);
-    for (;;) {
-      size_t best = 0;
-      for (size_t i = 1; i + 1 < parts; ++i) best = rank[i] < rank[best] ? i : best;
-      if (parts < 2 || rank[best] == kNoRank) break;
-      std::copy(start + best + 2, start + parts + 1, start + best + 1);
-      std::copy(rank + best + 2, rank + parts, rank + best + 1);
-      --parts;
-      rank[best] = pair_rank(best);
-      if (best > 0) rank[best - 1] = pair_rank(best - 1);
-    }
-    for (size_t i = 0; i < parts; ++i) out.push_back(rank_of(piece.substr(start[i], start[i + 1] - start[i])));
-    return;
-  }
-  // Long pieces (a base64 blob, a run of one letter): a doubly linked list plus a heap keyed
-  // (rank, start) picks the same pairs in O(n log n) where tiktoken's loop is quadratic. Part i is
-  // [i, next[i]); pair_rank[i] ranks part i joined with the next one.
-  std::vector<uint32_t> next(n), prev(n), pair_rank(n, kNoRank);
-  for (size_t i = 0; i < n; ++i) {
-    next[i] = static_cast<uint32_t>(i + 1);
-    prev[i] = static_cast<uint32_t>(i - 1);  // wraps for i = 0; never read there
-  }
-  const auto rank_after = [&](uint32_t i) { return next[i] < n ? rank_or_none(i, next[next[i]]) : kNoRank; };
-  using Entry = std::pair<uint32_t, uint32_t>;  // (rank, start)
-  std::priority_queue<Entry, std::vector<Entry>, std::greater<Entry>> heap;
-  for (uint32_t i = 0; i + 1 < n; ++i) {
-    pair_rank[i] = rank_after(i);
-    if (pair_rank[i] != kNoRank) heap.emplace(pair_rank[i], i);
-  }
-  std::vector<bool> alive(n, true);
-  while (!heap.empty()) {
-    const auto [r, i] = heap.top();
-    heap.pop();
-    if (!alive[i] || pair_rank[i] != r) continue;  // stale: a neighbour merged since
-    const uint32_t j = next[i];
-    alive[j] = false;
-    next[i] = next[j];
-    if (next[i] < n) prev[next[i]] = i;
-    pair_rank[i] = rank_after(i);
-    if (pair_rank[i] != kNoRank) heap.emplace(pair_rank[i], i);
-    if (i > 0) {
-      const uint32_t p = prev[i];
-      pair_rank[p] = rank_after(p);
-      if (pair_rank[p] != kNoRank) heap.emplace(pair_rank[p], p);
-    }
-  }
-  for (uint32_t i = 0; i < n; i = next[i]) out.push_back(rank_of(piece.substr(i, next[i] - i)));
+  bpe_merge(piece.size(), rank, [](size_t, size_t) {},
+            [&](size_t begin, size_t end) { out.push_back(rank_of(piece.substr(begin, end - begin))); });
 }
 
 std::string TiktokenBpe::decode_bytes(const std::vector<int64_t>& ids) const {

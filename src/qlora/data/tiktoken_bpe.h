@@ -15,6 +15,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include "qlora/data/text_regex.h"
+
 namespace qlora::data {
 
 // Meta's Llama-3 pre-tokenizer pattern (tiktoken's cl100k_base pattern), in tiktoken's syntax.
@@ -29,10 +31,6 @@ std::vector<std::string> llama3_special_tokens();
 // True when the first line of `head` (the start of a file) reads "<base64> <digits>": a tiktoken
 // file. A sentencepiece model is a protobuf and starts with a binary field tag instead.
 bool looks_like_tiktoken(std::string_view head);
-
-// `bytes` with each maximal ill-formed UTF-8 subsequence replaced by U+FFFD, which is what
-// Python's bytes.decode("utf-8", errors="replace") (and so tiktoken's decode) produces.
-std::string utf8_replace_invalid(std::string_view bytes);
 
 class TiktokenBpe {
  public:
@@ -63,7 +61,6 @@ class TiktokenBpe {
   const std::string& path() const { return path_; }
 
  private:
-  struct Regex;  // the compiled PCRE2 pattern; kept out of this header
   TiktokenBpe() = default;
   void parse_ranks(const std::string& text);
   int64_t rank_of(std::string_view bytes) const;
@@ -77,7 +74,7 @@ class TiktokenBpe {
   std::unordered_map<std::string_view, uint32_t> ranks_;
   std::vector<std::string> specials_;
   std::unordered_map<std::string, int64_t> special_ids_;
-  std::unique_ptr<Regex> regex_;
+  std::unique_ptr<TextRegex> regex_;
 };
 
 }  // namespace qlora::data

@@ -3,10 +3,15 @@
 #include <sentencepiece_processor.h>
 
 #include <algorithm>
+#include <filesystem>
 #include <fstream>
 #include <stdexcept>
 
+#include <nlohmann/json.hpp>
+
+#include "qlora/data/hf_tokenizer.h"
 #include "qlora/data/tiktoken_bpe.h"
+#include "qlora/io/read_file.h"
 
 namespace qlora::data {
 namespace {
@@ -18,16 +23,53 @@ constexpr std::string_view kContinuationPrefix = "\n";
 
 std::vector<int64_t> to_int64(const std::vector<int>& ids) { return {ids.begin(), ids.end()}; }
 
+// Where an HF checkpoint keeps its tokenizer, in the order open() tries them: Llama-3 repositories
+// have tokenizer.json at the top and Meta's tiktoken file under original/.
+// A checkpoint directory's tokenizer: Meta's or sentencepiece's own file first (what earlier
+// releases read, so a run's tokenizer and its resume fingerprint do not change under it), then
+// Llama-3's original/ copy, then the HF tokenizer.json (all that Qwen ships).
+constexpr const char* kTokenizerFiles[] = {"tokenizer.model", "original/tokenizer.model", "tokenizer.json"};
+
+bool looks_like_json(std::string_view head) {
+  const size_t first = head.find_first_not_of(" \t\r\n");
+  return first != std::string_view::npos && head[first] == '{';
+}
+
+// tokenizer_config.json's entry for `key`: a string, or {"content": string} as newer files write
+// it; empty when absent or null.
+std::string config_token(const nlohmann::json& config, const char* key) {
+  if (!config.contains(key)) return "";
+  const auto& v = config[key];
+  if (v.is_string()) return v.get<std::string>();
+  if (v.is_object() && v.contains("content") && v["content"].is_string()) return v["content"].get<std::string>();
+  return "";
+}
+
 }  // namespace
 
-Tokenizer Tokenizer::open(const std::string& path) {
+std::string Tokenizer::find_file(const std::string& path) {
+  namespace fs = std::filesystem;
+  if (!fs::is_directory(path)) return path;
+  for (const char* rel : kTokenizerFiles) {
+    if (fs::is_regular_file(fs::path(path) / rel)) return (fs::path(path) / rel).string();
+  }
+  throw std::runtime_error("tokenizer: directory '" + path +
+                           "' has no tokenizer.model, original/tokenizer.model or tokenizer.json");
+}
+
+Tokenizer Tokenizer::open(const std::string& path_or_dir) {
   Tokenizer t;
+  const std::string path = find_file(path_or_dir);
   t.path_ = path;
   std::ifstream in(path, std::ios::binary);
   if (!in) throw std::runtime_error("tokenizer: cannot open '" + path + "'");
   std::string head(4096, '\0');
   in.read(head.data(), static_cast<std::streamsize>(head.size()));
   head.resize(static_cast<size_t>(in.gcount()));
+  if (looks_like_json(head)) {
+    t.open_hf();
+    return t;
+  }
   if (looks_like_tiktoken(head)) {
     t.open_tiktoken();
     return t;
@@ -58,8 +100,50 @@ void Tokenizer::open_tiktoken() {
   pad_id_ = pad >= 0 ? pad : eos_id_;
 }
 
+void Tokenizer::open_hf() {
+  hf_ = HfTokenizer::load(path_);
+  vocab_size_ = hf_->vocab_size();
+  nlohmann::json config;
+  const auto config_path = std::filesystem::path(path_).parent_path() / "tokenizer_config.json";
+  if (const auto text = io::read_file(config_path.string())) {
+    try {
+      config = nlohmann::json::parse(*text);
+    } catch (const nlohmann::json::parse_error& e) {
+      throw std::runtime_error(config_path.string() + ": not valid JSON: " + e.what());
+    }
+  }
+  // The named token's id; a name the config gives must be a token.
+  const auto id_of = [&](const std::string& name, const char* key) {
+    const int64_t id = hf_->token_id(name);
+    if (id < 0) throw std::runtime_error(config_path.string() + ": " + key + " '" + name + "' is not a token of " + path_);
+    return id;
+  };
+  // The first of `names` that is a token, -1 if none.
+  const auto first_of = [&](std::initializer_list<const char*> names) {
+    for (const char* n : names) {
+      if (const int64_t id = hf_->token_id(n); id >= 0) return id;
+    }
+    return int64_t{-1};
+  };
+  const auto pick = [&](const char* key, std::initializer_list<const char*> names) {
+    if (config.is_object() && config.contains(key)) {
+      const std::string name = config_token(config, key);
+      return name.empty() ? int64_t{-1} : id_of(name, key);
+    }
+    return first_of(names);
+  };
+  bos_id_ = pick("bos_token", {"<s>", "<|begin_of_text|>"});
+  eos_id_ = pick("eos_token", {"</s>", "<|end_of_text|>", "<|endoftext|>"});
+  unk_id_ = pick("unk_token", {"<unk>"});
+  const int64_t pad = pick("pad_token", {"<pad>", "<|finetune_right_pad_id|>"});
+  pad_id_ = pad >= 0 ? pad : (eos_id_ >= 0 ? eos_id_ : 0);
+  eot_id_ = first_of({"<|eot_id|>", "<|im_end|>"});
+  if (hf_->adds_prefix()) prefix_ids_ = encode(kContinuationPrefix);
+}
+
 std::vector<int64_t> Tokenizer::encode(std::string_view text) const {
   if (bpe_) return bpe_->encode(text);
+  if (hf_) return hf_->encode(text);
   std::vector<int> ids;
   const auto status = sp_->Encode(text, &ids);
   if (!status.ok()) {
@@ -80,7 +164,7 @@ std::vector<int64_t> Tokenizer::encode_with_special(std::string_view text, bool 
 
 std::vector<int64_t> Tokenizer::encode_continuation(std::string_view text) const {
   if (text.empty()) return {};
-  if (bpe_) return encode(text);
+  if (bpe_ || (hf_ && !hf_->adds_prefix())) return encode(text);
   std::string joined(kContinuationPrefix);
   joined.append(text);
   auto ids = encode(joined);
@@ -97,6 +181,7 @@ std::vector<int64_t> Tokenizer::encode_continuation(std::string_view text) const
 
 std::string Tokenizer::decode(const std::vector<int64_t>& ids) const {
   if (bpe_) return utf8_replace_invalid(bpe_->decode_bytes(ids));
+  if (hf_) return hf_->decode(ids);
   std::vector<int> narrow;
   narrow.reserve(ids.size());
   for (size_t i = 0; i < ids.size(); ++i) {
@@ -117,6 +202,7 @@ std::string Tokenizer::decode(const std::vector<int64_t>& ids) const {
 
 std::string Tokenizer::id_to_piece(int64_t id) const {
   if (bpe_) return std::string(bpe_->token_bytes(id));
+  if (hf_) return hf_->token(id);
   if (id < 0 || id >= vocab_size_) {
     throw std::out_of_range("tokenizer '" + path_ + "': id " + std::to_string(id) +
                             " is outside the vocab");

@@ -1,0 +1,150 @@
+// HF tokenizer.json: what the conformance test (tests/conformance/test_tokenizer_hf.py, against the
+// tokenizers package) cannot show on its generated files: the error paths, which name the file
+// and the component; the merge order (a merge's line, not the joined token's id); the directory
+// search order; BOS/EOS from tokenizer_config.json; continuations without the prepended "▁".
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include "qlora/data/tokenizer.h"
+
+#include "fixtures.h"
+
+namespace qlora::data {
+namespace {
+
+using nlohmann::json;
+using test_fixtures::data_dir;
+using test_fixtures::open_error;
+using test_fixtures::write_temp;
+namespace fs = std::filesystem;
+
+bool has(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+
+// The message of Tokenizer::open(path)'s error, "" when it opens.
+std::string error_of(const std::string& path) {
+  try {
+    Tokenizer::open(path);
+  } catch (const std::runtime_error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+// A Llama-2-style file: Prepend/Replace normalizers, byte_fallback, the usual decoder. "▁ a" is
+// merged before "a b" because it comes first in merges, though "ab" has the lower id.
+json spm_style() {
+  json vocab = {{"<unk>", 0}, {"<s>", 1}, {"</s>", 2}, {"ab", 3}, {"▁", 4}, {"a", 5}, {"b", 6}, {"▁a", 7}};
+  for (int b = 0; b < 256; ++b) {
+    char name[8];
+    std::snprintf(name, sizeof name, "<0x%02X>", b);
+    vocab[name] = 8 + b;
+  }
+  return {{"version", "1.0"},
+          {"added_tokens",
+           {{{"id", 1}, {"content", "<s>"}, {"special", true}, {"normalized", false}},
+            {{"id", 2}, {"content", "</s>"}, {"special", true}, {"normalized", false}}}},
+          {"normalizer",
+           {{"type", "Sequence"},
+            {"normalizers",
+             {{{"type", "Prepend"}, {"prepend", "▁"}},
+              {{"type", "Replace"}, {"pattern", {{"String", " "}}}, {"content", "▁"}}}}}},
+          {"pre_tokenizer", nullptr},
+          {"post_processor", nullptr},
+          {"decoder",
+           {{"type", "Sequence"},
+            {"decoders",
+             {{{"type", "Replace"}, {"pattern", {{"String", "▁"}}}, {"content", " "}},
+              {{"type", "ByteFallback"}},
+              {{"type", "Fuse"}},
+              {{"type", "Strip"}, {"content", " "}, {"start", 1}, {"stop", 0}}}}}},
+          {"model",
+           {{"type", "BPE"}, {"unk_token", "<unk>"}, {"byte_fallback", true}, {"fuse_unk", true},
+            {"vocab", vocab}, {"merges", {"▁ a", "a b"}}}}};
+}
+
+std::string write_json(const std::string& name, const json& j) { return write_temp(name, j.dump()); }
+
+TEST(HfTokenizer, MergesByLineAndFallsBackToBytes) {
+  const auto tok = Tokenizer::open(write_json("spm.json", spm_style()));
+  EXPECT_EQ(tok.encode("ab"), (std::vector<int64_t>{7, 6}));  // "▁a" "b", not "▁" "ab"
+  EXPECT_EQ(tok.encode("b\n"), (std::vector<int64_t>{4, 6, 8 + 10}));  // "\n" as <0x0A>
+  EXPECT_EQ(tok.encode("ab</s>a"), (std::vector<int64_t>{7, 6, 2, 7}));  // the special is matched first
+  EXPECT_EQ(tok.decode({7, 6, 2, 7}), "ab</s> a");
+  EXPECT_EQ(tok.encode_continuation("ab"), (std::vector<int64_t>{3}));  // no prepended "▁": "a b" merges
+  EXPECT_EQ(tok.bos_id(), 1);  // no tokenizer_config.json: the tokens named <s> and </s>
+  EXPECT_EQ(tok.eos_id(), 2);
+  EXPECT_EQ(tok.vocab_size(), 8 + 256);
+  EXPECT_EQ(tok.id_to_piece(7), "▁a");
+  EXPECT_THROW(tok.decode({8 + 256}), std::out_of_range);
+}
+
+TEST(HfTokenizer, MergesAsListsEqualMergesAsStrings) {
+  json j = spm_style();
+  j["model"]["merges"] = json::array({json::array({"▁", "a"}), json::array({"a", "b"})});
+  EXPECT_EQ(Tokenizer::open(write_json("lists.json", j)).encode("ab ab"), (std::vector<int64_t>{7, 6, 7, 6}));
+}
+
+TEST(HfTokenizer, ErrorsNameFileAndComponent) {
+  json j = spm_style();
+  j["model"]["type"] = "WordPiece";
+  std::string e = open_error("wordpiece.json", j.dump());
+  EXPECT_TRUE(has(e, "model") && has(e, "WordPiece")) << e;
+  e = open_error("malformed.json", "{\"model\": {\"type\": \"BPE\",");
+  EXPECT_TRUE(has(e, "not valid JSON")) << e;
+  j = spm_style();
+  j["model"].erase("merges");
+  e = open_error("nomerges.json", j.dump());
+  EXPECT_TRUE(has(e, "merges")) << e;
+  j = spm_style();
+  j["model"]["merges"] = {"▁ a", "x y"};
+  e = open_error("badmerge.json", j.dump());
+  EXPECT_TRUE(has(e, "model.merges[1]") && has(e, "'x' is not in the vocab")) << e;
+  j = spm_style();
+  j["normalizer"]["normalizers"][1] = {{"type", "Lowercase"}};
+  e = open_error("lowercase.json", j.dump());
+  EXPECT_TRUE(has(e, "normalizer.normalizers[1]") && has(e, "Lowercase")) << e;
+  j = spm_style();
+  j["pre_tokenizer"] = {{"type", "Split"}, {"pattern", {{"Regex", "\\s+"}}}, {"behavior", "Isolated"}, {"x", 1}};
+  e = open_error("option.json", j.dump());
+  EXPECT_TRUE(has(e, "pre_tokenizer") && has(e, "unsupported option \"x\"")) << e;
+  j = spm_style();
+  j["model"]["dropout"] = 0.1;
+  e = open_error("dropout.json", j.dump());
+  EXPECT_TRUE(has(e, "dropout")) << e;
+}
+
+TEST(HfTokenizer, DirectoryPicksModelThenOriginalThenTokenizerJson) {
+  const fs::path dir = fs::path(testing::TempDir()) / "qlora_hf_dir";
+  fs::remove_all(dir);
+  fs::create_directories(dir / "original");
+  const std::string none = error_of(dir.string());
+  EXPECT_TRUE(has(none, dir.string()) && has(none, "no tokenizer.model, original/tokenizer.model or tokenizer.json")) << none;
+  std::ofstream(dir / "tokenizer.json") << spm_style().dump();
+  EXPECT_EQ(Tokenizer::open(dir.string()).path(), (dir / "tokenizer.json").string());
+  const std::string spm = data_dir() + "/tokenizer/tokenizer.model";
+  fs::copy_file(spm, dir / "original" / "tokenizer.model");
+  EXPECT_EQ(Tokenizer::open(dir.string()).path(), (dir / "original" / "tokenizer.model").string());
+  fs::copy_file(spm, dir / "tokenizer.model");
+  EXPECT_EQ(Tokenizer::open(dir.string()).path(), (dir / "tokenizer.model").string());
+  const std::string json_file = (dir / "tokenizer.json").string();
+
+  // tokenizer_config.json beside it names BOS/EOS/pad, as a string or {"content": ...}.
+  std::ofstream(dir / "tokenizer_config.json")
+      << json{{"bos_token", nullptr}, {"eos_token", {{"content", "<s>"}}}, {"pad_token", "</s>"}}.dump();
+  auto tok = Tokenizer::open(json_file);
+  EXPECT_EQ(tok.bos_id(), -1);
+  EXPECT_EQ(tok.eos_id(), 1);
+  EXPECT_EQ(tok.pad_id(), 2);
+  std::ofstream(dir / "tokenizer_config.json") << json{{"eos_token", "<|im_end|>"}}.dump();
+  const std::string e = error_of(json_file);
+  EXPECT_TRUE(has(e, "tokenizer_config.json") && has(e, "<|im_end|>")) << e;
+}
+
+}  // namespace
+}  // namespace qlora::data
