@@ -236,12 +236,14 @@ Position resume(const RecipeConfig& cfg, const std::string& where, c10::Device d
   const bool remesh = check_resumable(ck.meta, cfg, device, inputs, where, world.size());
   engine::load_train_state(*m.engine, *o.adamw, ck, m.llama, where);
   if (!remesh) {
-    std::map<std::string, at::Tensor> mine(ck.ranks.at(world.rank()).begin(), ck.ranks.at(world.rank()).end());
-    for (const char* k : {"rng.cpu", "rng.cuda"})
-      if ((k[4] == 'p' || device.is_cuda()) && !mine.count(k))
-        throw std::invalid_argument("cannot resume " + where + ": it has no " + k + " state");
-    train::set_generator_state(c10::kCPU, mine.at("rng.cpu"));
-    if (device.is_cuda()) train::set_generator_state(device, mine.at("rng.cuda"));
+    const std::map<std::string, at::Tensor> mine(ck.ranks.at(world.rank()).begin(), ck.ranks.at(world.rank()).end());
+    const auto rng = [&](const std::string& key) -> const at::Tensor& {
+      const auto it = mine.find(key);
+      if (it == mine.end()) throw std::invalid_argument("cannot resume " + where + ": it has no " + key + " state");
+      return it->second;
+    };
+    train::set_generator_state(c10::kCPU, rng("rng.cpu"));
+    if (device.is_cuda()) train::set_generator_state(device, rng("rng.cuda"));
   } else if (lead) {
     std::printf("resuming a %lld-rank checkpoint on %lld ranks (shard_size %lld): state resharded; the run "
                 "continues within float tolerance of the original, not bit for bit\n",
