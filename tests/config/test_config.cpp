@@ -131,7 +131,7 @@ TEST(Config, WrongTypeNamesKeyExpectedTypeAndLine) {
 TEST(Config, InvalidEnumListsAllowedValues) {
   const std::string e = parse_error("[data]\ntemplate = \"vicuna\"\n");
   EXPECT_CONTAINS(e, "invalid value 'vicuna' for 'data.template' (line 2)");
-  EXPECT_CONTAINS(e, "allowed: alpaca, llama2-chat, llama3-chat, chatml, none");
+  EXPECT_CONTAINS(e, "allowed: alpaca, llama2-chat, llama3-chat, llama3.1-chat, chatml, qwen2.5, qwen3, gemma, mistral-v0.3, none");
   EXPECT_CONTAINS(parse_error("[model]\nbase = \"int8\"\n"), "allowed: nf4, bf16, fp32");
 }
 
