@@ -76,12 +76,6 @@ RecipeConfig load_recipe_config(const std::vector<std::string>& args) {
   return cfg;
 }
 
-std::vector<std::string> peft_targets(const std::vector<std::string>& short_names) {
-  std::vector<std::string> out;
-  for (const auto& t : short_names) out.push_back(models::peft_target(models::llama_architecture(), t));
-  return out;
-}
-
 // model.tokenizer, else the checkpoint's tokenizer.model, original/tokenizer.model or tokenizer.json
 // (Tokenizer::find_file's order; Llama-3 repositories keep Meta's tiktoken file under original/).
 std::string find_tokenizer(const RecipeConfig& cfg, const std::string& base_dir) {
@@ -397,7 +391,7 @@ int run_recipe(const RecipeConfig& cfg, c10::Device device, engine::World& world
   if (lead) metrics.emplace(out_dir, start.global_step);
   train::Progress progress(cfg.logging.progress);
   const checkpoint::AdapterInfo adapter_info{cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout,
-                                             peft_targets(cfg.lora.targets), base_dir};
+                                             models::peft_targets(m.llama.architecture(), cfg.lora.targets), base_dir};
   if (lead)
     std::printf("model %s on %s x %lld rank(s): %lld layers, %lld trainable LoRA parameters; %zu samples; "
                 "%lld steps/epoch x %lld epochs\n",
