@@ -98,11 +98,12 @@ int generate_main(const std::vector<std::string>& args) {
   }
 
   const std::vector<int64_t> ids = tok.encode_with_special(prompt, /*add_bos=*/true, /*add_eos=*/false);
-  // Stop at the tokenizer's EOS and at any the config lists (Llama-3 has several), and at the end
-  // of a Llama-3 chat turn, as Meta's generation does.
+  // Stop at the tokenizer's EOS, at any config.json or generation_config.json lists (Llama-3 has
+  // several; instruct models list their end of turn), and at the end of a Llama-3 chat turn.
   if (tok.eos_id() >= 0) opt.stop_ids.push_back(tok.eos_id());
   if (tok.eot_id() >= 0) opt.stop_ids.push_back(tok.eot_id());
   for (const int64_t e : model.config.eos_token_ids) opt.stop_ids.push_back(e);
+  for (const int64_t e : models::load_generation_eos_ids(dir)) opt.stop_ids.push_back(e);
 
   const auto t1 = std::chrono::steady_clock::now();
   std::vector<int64_t> out = models::generate(model, ids, opt);

@@ -53,6 +53,24 @@ std::string get_str(const json& j, const char* key, const std::string& where) {
   return v.get<std::string>();
 }
 
+// eos_token_id: an integer or a list of them; absent: none.
+std::vector<int64_t> eos_ids(const json& j, const std::string& where) {
+  std::vector<int64_t> out;
+  if (!present(j, "eos_token_id")) return out;
+  const json& e = j.at("eos_token_id");
+  if (e.is_number_integer()) {
+    out.push_back(e.get<int64_t>());
+  } else if (e.is_array()) {
+    for (const json& v : e) {
+      if (!v.is_number_integer()) fail(where, "eos_token_id", "list entries must be integers");
+      out.push_back(v.get<int64_t>());
+    }
+  } else {
+    fail(where, "eos_token_id", "expected an integer or a list of integers, got " + e.dump());
+  }
+  return out;
+}
+
 // One RoPE dict ({rope_type, rope_theta, factor, ...}) over `p`, whose theta is the default.
 modules::RopeParams parse_rope_dict(const json& r, const json& top, const std::string& w, const std::string& key,
                                     modules::RopeParams p) {
@@ -271,19 +289,7 @@ LlamaConfig parse_llama_config(const std::string& json_text, const std::string& 
   c.tie_word_embeddings = get_bool(j, "tie_word_embeddings", where, is_gemma(c.family));
   parse_rope(j, where, c);
   if (present(j, "bos_token_id")) c.bos_token_id = get_int(j, "bos_token_id", where);
-  if (present(j, "eos_token_id")) {
-    const json& e = j.at("eos_token_id");
-    if (e.is_number_integer()) {
-      c.eos_token_ids.push_back(e.get<int64_t>());
-    } else if (e.is_array()) {
-      for (const json& v : e) {
-        if (!v.is_number_integer()) fail(where, "eos_token_id", "list entries must be integers");
-        c.eos_token_ids.push_back(v.get<int64_t>());
-      }
-    } else {
-      fail(where, "eos_token_id", "expected an integer or a list of integers, got " + e.dump());
-    }
-  }
+  c.eos_token_ids = eos_ids(j, where);
   parse_sliding(j, where, c);
   parse_family_numerics(j, where, c);
   // pretraining_tp only changes how HF splits matmuls (same maths up to rounding): ignored. So are
@@ -291,6 +297,20 @@ LlamaConfig parse_llama_config(const std::string& json_text, const std::string& 
   // eval form; only the LoRA path has dropout (lora.dropout).
   c.validate(where);
   return c;
+}
+
+std::vector<int64_t> load_generation_eos_ids(const std::string& dir) {
+  const std::string path = (std::filesystem::path(dir) / "generation_config.json").string();
+  const auto text = io::read_file(path);
+  if (!text) return {};
+  json j;
+  try {
+    j = json::parse(*text);
+  } catch (const json::parse_error& e) {
+    throw std::invalid_argument(path + ": not valid JSON: " + e.what());
+  }
+  if (!j.is_object()) throw std::invalid_argument(path + ": expected a JSON object");
+  return eos_ids(j, path);
 }
 
 std::string supported_model_types() {

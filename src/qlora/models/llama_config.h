@@ -75,6 +75,9 @@ struct LlamaConfig {
 LlamaConfig parse_llama_config(const std::string& json_text, const std::string& where);
 // Reads `path`: a config.json file or a checkpoint directory containing one.
 LlamaConfig load_llama_config(const std::string& path);
+// The eos_token_id(s) of `dir`/generation_config.json (what transformers' generate stops at; an
+// instruct model lists its end-of-turn there, e.g. Gemma's <end_of_turn>); none without the file.
+std::vector<int64_t> load_generation_eos_ids(const std::string& dir);
 // "llama, mistral, qwen2, qwen3, gemma2, gemma3_text, phi3", for messages.
 std::string supported_model_types();
 

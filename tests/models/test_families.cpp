@@ -1,0 +1,253 @@
+// Tests for the model families' config parsing (models/llama_config), their architecture tables
+// (models/architecture) and the numerics they add to modules/layers: (1 + w) RMSNorm, windowed
+// and soft-capped attention, fused Phi-3 projections. The configs are the published config.json
+// files' keys (values as in the model repos named beside them); what transformers computes from
+// them is checked in conformance.families_transformers.
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+
+#include <filesystem>
+#include <fstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "qlora/models/architecture.h"
+#include "qlora/models/llama_config.h"
+#include "qlora/modules/layers.h"
+
+using namespace qlora::models;
+namespace modules = qlora::modules;
+
+namespace {
+
+std::string error_of(const std::string& json) {
+  try {
+    parse_llama_config(json, "cfg.json");
+  } catch (const std::invalid_argument& e) {
+    return e.what();
+  }
+  return "";
+}
+
+// Qwen/Qwen2.5-7B-Instruct config.json (transformers 4.43 format).
+const char* kQwen25 = R"({"architectures":["Qwen2ForCausalLM"],"attention_dropout":0.0,"bos_token_id":151643,
+  "eos_token_id":151645,"hidden_act":"silu","hidden_size":3584,"initializer_range":0.02,"intermediate_size":18944,
+  "max_position_embeddings":32768,"max_window_layers":28,"model_type":"qwen2","num_attention_heads":28,
+  "num_hidden_layers":28,"num_key_value_heads":4,"rms_norm_eps":1e-06,"rope_theta":1000000.0,"sliding_window":131072,
+  "tie_word_embeddings":false,"torch_dtype":"bfloat16","use_cache":true,"use_sliding_window":false,"vocab_size":152064})";
+
+// google/gemma-2-9b config.json: no layer_types, no tie_word_embeddings (Gemma ties by default).
+const char* kGemma2 = R"({"architectures":["Gemma2ForCausalLM"],"attention_bias":false,"attention_dropout":0.0,
+  "attn_logit_softcapping":50.0,"bos_token_id":2,"cache_implementation":"hybrid","eos_token_id":1,
+  "final_logit_softcapping":30.0,"head_dim":256,"hidden_act":"gelu_pytorch_tanh","hidden_activation":"gelu_pytorch_tanh",
+  "hidden_size":3584,"initializer_range":0.02,"intermediate_size":14336,"max_position_embeddings":8192,
+  "model_type":"gemma2","num_attention_heads":16,"num_hidden_layers":42,"num_key_value_heads":8,"pad_token_id":0,
+  "query_pre_attn_scalar":256,"rms_norm_eps":1e-06,"rope_theta":10000.0,"sliding_window":4096,
+  "sliding_window_size":4096,"torch_dtype":"float32","use_cache":true,"vocab_size":256000})";
+
+// google/gemma-3-1b-it config.json (transformers 4.50 format: pattern + local base frequency).
+const char* kGemma3 = R"({"architectures":["Gemma3ForCausalLM"],"attention_bias":false,"attention_dropout":0.0,
+  "attn_logit_softcapping":null,"bos_token_id":2,"eos_token_id":[1,106],"final_logit_softcapping":null,
+  "head_dim":256,"hidden_activation":"gelu_pytorch_tanh","hidden_size":1152,"intermediate_size":6912,
+  "max_position_embeddings":32768,"model_type":"gemma3_text","num_attention_heads":4,"num_hidden_layers":26,
+  "num_key_value_heads":1,"pad_token_id":0,"query_pre_attn_scalar":256,"rms_norm_eps":1e-06,
+  "rope_local_base_freq":10000,"rope_scaling":null,"rope_theta":1000000,"sliding_window":512,
+  "sliding_window_pattern":6,"torch_dtype":"bfloat16","vocab_size":262144})";
+
+// microsoft/Phi-3-mini-4k-instruct config.json.
+const char* kPhi3 = R"({"architectures":["Phi3ForCausalLM"],"attention_dropout":0.0,"bos_token_id":1,
+  "embd_pdrop":0.0,"eos_token_id":32000,"hidden_act":"silu","hidden_size":3072,"initializer_range":0.02,
+  "intermediate_size":8192,"max_position_embeddings":4096,"model_type":"phi3","num_attention_heads":32,
+  "num_hidden_layers":32,"num_key_value_heads":32,"original_max_position_embeddings":4096,"pad_token_id":32000,
+  "resid_pdrop":0.0,"rms_norm_eps":1e-05,"rope_scaling":null,"rope_theta":10000.0,"sliding_window":2047,
+  "tie_word_embeddings":false,"torch_dtype":"bfloat16","use_cache":true,"vocab_size":32064})";
+
+}  // namespace
+
+TEST(FamilyConfig, Qwen25HasBiasesAndNoWindowWhenUseSlidingWindowIsFalse) {
+  const LlamaConfig c = parse_llama_config(kQwen25, "cfg.json");
+  EXPECT_EQ(c.family, Family::kQwen2);
+  EXPECT_FALSE(c.sliding_window.has_value());
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) EXPECT_FALSE(c.is_sliding(i));
+  EXPECT_DOUBLE_EQ(c.rope_theta, 1e6);
+  const Architecture& a = architecture_of(c);
+  EXPECT_STREQ(a.family, "qwen2");
+  std::vector<std::string> with_bias;
+  for (const ProjectionRow& r : a.projections)
+    if (has_bias(r, c)) with_bias.push_back(hf_bias_key(r, 3));
+  EXPECT_EQ(with_bias, (std::vector<std::string>{"model.layers.3.self_attn.q_proj.bias",
+                                                 "model.layers.3.self_attn.k_proj.bias",
+                                                 "model.layers.3.self_attn.v_proj.bias"}));
+}
+
+TEST(FamilyConfig, Gemma2DefaultsTieAlternatesWindowsAndSoftCaps) {
+  const LlamaConfig c = parse_llama_config(kGemma2, "cfg.json");
+  EXPECT_EQ(c.family, Family::kGemma2);
+  EXPECT_TRUE(c.tie_word_embeddings);  // absent from the file: Gemma's default
+  EXPECT_TRUE(c.norm_plus_one);
+  EXPECT_EQ(c.activation, MlpActivation::kGeluTanh);
+  EXPECT_DOUBLE_EQ(c.embed_scale, std::sqrt(3584.0));
+  EXPECT_EQ(c.attn_logit_softcapping, 50.0);
+  EXPECT_EQ(c.final_logit_softcapping, 30.0);
+  EXPECT_EQ(c.sliding_window, 4096);
+  EXPECT_TRUE(c.is_sliding(0));
+  EXPECT_FALSE(c.is_sliding(1));
+  EXPECT_TRUE(c.is_sliding(40));
+  std::vector<std::string> norms;
+  for (const NormRow& n : architecture_of(c).layer_norms) norms.push_back(hf_key(n, 0));
+  EXPECT_EQ(norms, (std::vector<std::string>{
+                       "model.layers.0.input_layernorm.weight", "model.layers.0.post_attention_layernorm.weight",
+                       "model.layers.0.pre_feedforward_layernorm.weight",
+                       "model.layers.0.post_feedforward_layernorm.weight"}));
+  // null disables a soft-cap; a missing key takes Gemma 2's default.
+  std::string no_caps = kGemma2;
+  no_caps.replace(no_caps.find("\"attn_logit_softcapping\":50.0"), 29, "\"attn_logit_softcapping\":null");
+  EXPECT_FALSE(parse_llama_config(no_caps, "cfg.json").attn_logit_softcapping.has_value());
+}
+
+TEST(FamilyConfig, Gemma3PatternAndLocalRope) {
+  const LlamaConfig c = parse_llama_config(kGemma3, "cfg.json");
+  EXPECT_EQ(c.family, Family::kGemma3);
+  for (int64_t i = 0; i < 12; ++i) EXPECT_EQ(c.is_sliding(i), (i + 1) % 6 != 0) << i;
+  EXPECT_DOUBLE_EQ(c.rope_theta, 1e6);
+  ASSERT_TRUE(c.local_rope.has_value());
+  EXPECT_DOUBLE_EQ(c.local_rope->theta, 10000.0);
+  EXPECT_FALSE(c.attn_logit_softcapping.has_value());
+  EXPECT_EQ(c.eos_token_ids, (std::vector<int64_t>{1, 106}));
+  // transformers 5 form: layer_types and one rope dict per layer type, linear scaling on global.
+  const std::string v5 = R"({"model_type":"gemma3_text","hidden_size":64,"intermediate_size":128,
+    "num_hidden_layers":3,"num_attention_heads":2,"head_dim":32,"vocab_size":10,
+    "layer_types":["sliding_attention","full_attention","sliding_attention"],"sliding_window":8,
+    "rope_parameters":{"full_attention":{"rope_type":"linear","factor":8.0,"rope_theta":1000000.0},
+                       "sliding_attention":{"rope_type":"default","rope_theta":10000.0}}})";
+  const LlamaConfig d = parse_llama_config(v5, "cfg.json");
+  EXPECT_EQ(d.sliding_layers, (std::vector<bool>{true, false, true}));
+  EXPECT_DOUBLE_EQ(d.rope_linear_factor, 8.0);
+  EXPECT_DOUBLE_EQ(d.local_rope->linear_factor, 1.0);
+}
+
+TEST(FamilyConfig, Phi3SlidesEveryLayerAndFusesTargets) {
+  const LlamaConfig c = parse_llama_config(kPhi3, "cfg.json");
+  EXPECT_EQ(c.family, Family::kPhi3);
+  EXPECT_EQ(c.sliding_window, 2047);
+  EXPECT_TRUE(c.is_sliding(0) && c.is_sliding(31));
+  const Architecture& a = architecture_of(c);
+  EXPECT_EQ(projection_shape(*find_projection(a, "qkv"), c), (std::vector<int64_t>{3 * 3072, 3072}));
+  EXPECT_EQ(projection_shape(*find_projection(a, "gate_up"), c), (std::vector<int64_t>{2 * 8192, 3072}));
+  EXPECT_EQ(peft_targets(a, {"q", "k", "v", "o", "gate", "up", "down"}),
+            (std::vector<std::string>{"down_proj", "gate_up_proj", "o_proj", "qkv_proj"}));
+  EXPECT_EQ(peft_targets(a, {"qkv_proj", "output"}), (std::vector<std::string>{"lm_head", "qkv_proj"}));
+  try {
+    peft_targets(a, {"q", "v"});
+    ADD_FAILURE() << "expected an error";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("fuses q, k, v into qkv_proj"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(peft_targets(llama_architecture(), {"qkv"}), std::invalid_argument);
+}
+
+TEST(FamilyConfig, UnsupportedModelsAreRefusedByName) {
+  const std::string e1 = error_of(R"({"model_type":"gemma3","text_config":{},"vision_config":{"model_type":"siglip"}})");
+  EXPECT_NE(e1.find("multimodal"), std::string::npos) << e1;
+  EXPECT_NE(e1.find("vision_config"), std::string::npos) << e1;
+  const std::string e2 = error_of(R"({"model_type":"mllama"})");
+  EXPECT_NE(e2.find("'mllama' is not supported"), std::string::npos) << e2;
+  EXPECT_NE(e2.find("qwen3"), std::string::npos) << e2;  // lists what is
+  std::string partial = kPhi3;
+  partial.insert(1, "\"partial_rotary_factor\":0.75,");
+  EXPECT_NE(error_of(partial).find("partial_rotary_factor"), std::string::npos);
+  std::string longrope = kPhi3;
+  longrope.replace(longrope.find("\"rope_scaling\":null"), 19,
+                   R"("rope_scaling":{"type":"longrope","long_factor":[1],"short_factor":[1]})");
+  EXPECT_NE(error_of(longrope).find("'longrope' is not supported"), std::string::npos) << error_of(longrope);
+  std::string chunked = R"({"model_type":"qwen3","hidden_size":64,"intermediate_size":128,"num_hidden_layers":1,
+    "num_attention_heads":2,"vocab_size":10,"layer_types":["chunked_attention"]})";
+  EXPECT_NE(error_of(chunked).find("layer_types"), std::string::npos);
+}
+
+TEST(FamilyModules, RmsNormPlusOneScalesByOnePlusWeightInFp32) {
+  const at::Tensor x = at::randn({2, 3, 8}).to(at::kBFloat16);
+  const at::Tensor w = at::randn({8}).to(at::kBFloat16);
+  const at::Tensor xf = x.to(at::kFloat);
+  const at::Tensor want = (xf * at::rsqrt(xf.pow(2).mean(-1, true) + 1e-6) * (1.0 + w.to(at::kFloat))).to(at::kBFloat16);
+  EXPECT_TRUE(at::equal(modules::rms_norm_plus_one(x, w, 1e-6), want));
+}
+
+// Reference: scores in fp64 written out, window and cap applied by index.
+TEST(FamilyModules, WindowedSoftCappedAttentionMatchesAReferenceAlsoWithACache) {
+  at::manual_seed(0);
+  const int64_t b = 2, h = 4, kvh = 2, s = 7, d = 8, window = 3;
+  const at::Tensor q = at::randn({b, h, s, d}), k = at::randn({b, kvh, s, d}), v = at::randn({b, kvh, s, d});
+  modules::AttentionOptions opt;
+  opt.scale = 0.3;
+  opt.softcap = 2.0;
+  opt.window = window;
+  const at::Tensor got = modules::causal_attention(q, k, v, opt);
+  const at::Tensor kk = k.repeat_interleave(h / kvh, 1).to(at::kDouble), vv = v.repeat_interleave(h / kvh, 1).to(at::kDouble);
+  at::Tensor scores = at::matmul(q.to(at::kDouble), kk.transpose(2, 3)) * 0.3;
+  scores = at::tanh(scores / 2.0) * 2.0;
+  for (int64_t i = 0; i < s; ++i)
+    for (int64_t j = 0; j < s; ++j)
+      if (j > i || j <= i - window) scores.select(2, i).select(2, j).fill_(-INFINITY);
+  const at::Tensor want = at::matmul(at::softmax(scores, -1), vv).to(at::kFloat);
+  EXPECT_LT((got - want).abs().max().item<float>(), 1e-5);
+  // The last two queries against the whole cache (positions 5, 6) see the same window.
+  const at::Tensor tail = modules::causal_attention(q.narrow(2, 5, 2), k, v, opt);
+  EXPECT_LT((tail - want.narrow(2, 5, 2)).abs().max().item<float>(), 1e-5);
+  // Without a cap, the SDPA path under the same window.
+  opt.softcap = 0.0;
+  at::Tensor plain = at::matmul(q.to(at::kDouble), kk.transpose(2, 3)) * 0.3;
+  for (int64_t i = 0; i < s; ++i)
+    for (int64_t j = 0; j < s; ++j)
+      if (j > i || j <= i - window) plain.select(2, i).select(2, j).fill_(-INFINITY);
+  const at::Tensor want_plain = at::matmul(at::softmax(plain, -1), vv).to(at::kFloat);
+  EXPECT_LT((modules::causal_attention(q, k, v, opt) - want_plain).abs().max().item<float>(), 1e-5);
+  // A packed mask with the window: the window applies within each block.
+  const at::Tensor all = at::ones({b, s, s}, at::kBool).tril();
+  EXPECT_LT((modules::masked_attention(q, k, v, all, opt) - want_plain).abs().max().item<float>(), 1e-5);
+}
+
+TEST(FamilyModules, FusedProjectionsEqualTheirParts) {
+  at::manual_seed(1);
+  const int64_t hidden = 16, heads = 2, kvh = 1, d = 8, inter = 24;
+  modules::DecoderLayer split, fused;
+  auto w = [](int64_t o, int64_t i) { return at::randn({o, i}) * 0.2; };
+  const at::Tensor wq = w(heads * d, hidden), wk = w(kvh * d, hidden), wv = w(kvh * d, hidden);
+  const at::Tensor wo = w(hidden, heads * d), wg = w(inter, hidden), wu = w(inter, hidden), wd = w(hidden, inter);
+  for (modules::DecoderLayer* L : {&split, &fused}) {
+    L->input_layernorm = at::randn({hidden});
+    L->post_attention_layernorm = at::randn({hidden});
+    L->o_proj = modules::lora_linear_dense(wo);
+    L->down_proj = modules::lora_linear_dense(wd);
+  }
+  split.q_proj = modules::lora_linear_dense(wq);
+  split.k_proj = modules::lora_linear_dense(wk);
+  split.v_proj = modules::lora_linear_dense(wv);
+  split.gate_proj = modules::lora_linear_dense(wg);
+  split.up_proj = modules::lora_linear_dense(wu);
+  fused.qkv_proj = modules::lora_linear_dense(at::cat({wq, wk, wv}, 0));
+  fused.gate_up_proj = modules::lora_linear_dense(at::cat({wg, wu}, 0));
+  modules::LayerDims dims{heads, kvh, d, 1e-5};
+  dims.attention.window = 2;
+  const at::Tensor x = at::randn({2, 5, hidden});
+  const modules::RopeTables rope =
+      modules::rope_tables(modules::rope_inv_freq(d, 10000.0, std::nullopt), at::arange(5, at::kLong), at::kFloat);
+  const at::Tensor a = modules::decoder_layer_forward(split, dims, x, rope, false);
+  const at::Tensor f = modules::decoder_layer_forward(fused, dims, x, rope, false);
+  EXPECT_LT((a - f).abs().max().item<float>(), 1e-5);
+}
+
+TEST(FamilyConfig, GenerationConfigEosIds) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / "qlora_test_generation_config";
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  EXPECT_TRUE(load_generation_eos_ids(dir.string()).empty());  // no file: none
+  std::ofstream(dir / "generation_config.json") << R"({"bos_token_id": 2, "eos_token_id": [1, 107]})";
+  EXPECT_EQ(load_generation_eos_ids(dir.string()), (std::vector<int64_t>{1, 107}));
+  std::ofstream(dir / "generation_config.json") << R"({"eos_token_id": "x"})";
+  EXPECT_THROW(load_generation_eos_ids(dir.string()), std::invalid_argument);
+  fs::remove_all(dir);
+}
