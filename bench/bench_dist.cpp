@@ -93,7 +93,9 @@ json run_worker(const Args& a) {
   engine::ShardingOptions so;
   so.prefetch = a.prefetch;
   const std::shared_ptr<engine::ShardedLlama> engine = engine::ShardedLlama::begin(*world, so);
-  auto on_layer = [&engine](int64_t i, modules::DecoderLayer& L) { engine->shard_layer(i, L); };
+  auto on_layer = [&engine](int64_t i, modules::DecoderLayer& L, const models::Architecture& a) {
+    engine->shard_layer(i, L, a);
+  };
   const auto t0 = std::chrono::steady_clock::now();
   models::LlamaModel m;
   if (a.llama7b) {

@@ -81,7 +81,9 @@ json run_worker(const Args& a) {
   const auto t0 = std::chrono::steady_clock::now();
   const auto world = qlora::engine::World::join(qlora::engine::RankEnv{}, 0, std::chrono::seconds(60), c10::kCPU);
   const auto engine = qlora::engine::ShardedLlama::begin(*world, {});
-  auto on_layer = [&engine](int64_t i, qlora::modules::DecoderLayer& L) { engine->shard_layer(i, L); };
+  auto on_layer = [&engine](int64_t i, qlora::modules::DecoderLayer& L, const qlora::models::Architecture& a) {
+    engine->shard_layer(i, L, a);
+  };
   qlora::models::LlamaModel m;
   if (a.llama7b) {
     m = qlora::bench::random_llama2_7b(a.layers, a.r, a.alpha, !a.no_ac, on_layer);

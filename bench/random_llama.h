@@ -32,7 +32,7 @@ inline qlora::modules::LoraLinear random_nf4_projection(int64_t out, int64_t in,
 // lm_head, fp32 norms and compute (what load_llama gives with base_in_nf4, fp32 compute and
 // frozen_dtype bf16: 0.5 GB less than fp32 embeddings and lm_head), LoRA on all 7 projections.
 inline qlora::models::LlamaModel random_llama2_7b(int64_t layers, int64_t r, double alpha, bool activation_checkpointing,
-                                                  const std::function<void(int64_t, qlora::modules::DecoderLayer&)>& on_layer = {}) {
+                                                  const std::function<void(int64_t, qlora::modules::DecoderLayer&, const qlora::models::Architecture&)>& on_layer = {}) {
   qlora::models::LlamaModel m;
   auto& c = m.config;
   c.model_type = "llama";
@@ -65,7 +65,7 @@ inline qlora::models::LlamaModel random_llama2_7b(int64_t layers, int64_t r, dou
     for (qlora::modules::LoraLinear* p : qlora::models::layer_projections(arch, L))
       qlora::modules::lora_linear_add_adapter(*p, r, alpha, 0.0, gen, at::kCPU);
     m.layers.push_back(std::move(L));
-    if (on_layer) on_layer(i, m.layers.back());
+    if (on_layer) on_layer(i, m.layers.back(), arch);
   }
   m.norm = at::ones({h});
   m.lm_head = qlora::modules::lora_linear_dense(at::randn({c.vocab_size, h}, gen, bf16).mul_(0.02));

@@ -81,11 +81,9 @@ int generate_main(const std::vector<std::string>& args) {
   if (!fs::is_regular_file(fs::path(dir) / "config.json")) {
     throw std::invalid_argument("--checkpoint " + dir + ": no config.json (expected an exported HF model dir)");
   }
-  const std::string tok_path = (fs::path(dir) / "tokenizer.model").string();
-  if (!fs::is_regular_file(tok_path)) {
-    throw std::invalid_argument(tok_path + ": missing; generate needs the tokenizer beside the model"
-                                " (export copies it there)");
-  }
+  // tokenizer.model, original/tokenizer.model or tokenizer.json, as a run picks them; errors name
+  // what was looked for (an export copies the run's tokenizer beside the model).
+  const std::string tok_path = data::Tokenizer::find_file(dir);
   const data::Tokenizer tok = data::Tokenizer::open(tok_path);
 
   const auto t0 = std::chrono::steady_clock::now();

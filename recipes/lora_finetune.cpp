@@ -183,7 +183,9 @@ Model setup_model(const RecipeConfig& cfg, const std::string& base_dir, c10::Dev
   Model m{{}, engine::ShardedLlama::begin(world, config::sharding_options(cfg.dist))};
   // LoRA init draws from its own generator (training.seed): the same adapters on every rank.
   models::LlamaLoadOptions mopts = config::llama_load_options(cfg, device, frozen_storage_dtype(base_dir, cfg.model.dtype));
-  mopts.on_layer_loaded = [&m](int64_t i, modules::DecoderLayer& L) { m.engine->shard_layer(i, L); };
+  mopts.on_layer_loaded = [&m](int64_t i, modules::DecoderLayer& L, const models::Architecture& a) {
+    m.engine->shard_layer(i, L, a);
+  };
   m.llama = models::load_llama(base_dir, mopts);
   m.engine->finish(m.llama);
   m.llama.training = true;

@@ -131,7 +131,7 @@ TEST(Config, WrongTypeNamesKeyExpectedTypeAndLine) {
 TEST(Config, InvalidEnumListsAllowedValues) {
   const std::string e = parse_error("[data]\ntemplate = \"vicuna\"\n");
   EXPECT_CONTAINS(e, "invalid value 'vicuna' for 'data.template' (line 2)");
-  EXPECT_CONTAINS(e, "allowed: alpaca, llama2-chat, llama3-chat, chatml, none");
+  EXPECT_CONTAINS(e, "allowed: alpaca, llama2-chat, llama3-chat, llama3.1-chat, chatml, qwen2.5, qwen3, gemma, mistral-v0.3, none");
   EXPECT_CONTAINS(parse_error("[model]\nbase = \"int8\"\n"), "allowed: nf4, bf16, fp32");
 }
 
@@ -143,8 +143,8 @@ TEST(Config, RangeChecksNameKeyAndLine) {
   EXPECT_CONTAINS(parse_error("[training]\nbatch_size = 0\n"), "'training.batch_size' (line 2) must be >= 1");
   EXPECT_CONTAINS(parse_error("[training]\ngrad_accum = -2\n"), "'training.grad_accum'");
   EXPECT_CONTAINS(parse_error("[optim]\nbetas = [0.9, 1.0]\n"), "'optim.betas'");
-  EXPECT_CONTAINS(parse_error("[lora]\ntargets = [\"q\", \"qkv\"]\n"),
-                  "'lora.targets' (line 2) must be a list of q, k, v, o, gate, up, down, output, got 'qkv'");
+  EXPECT_CONTAINS(parse_error("[lora]\ntargets = [\"q\", \"qkvo\"]\n"),
+                  "'lora.targets' (line 2) must be a list of q, k, v, o, gate, up, down, output, qkv, gate_up, got 'qkvo'");
   EXPECT_CONTAINS(parse_error("[lora]\ntargets = [\"q\", \"q\"]\n"), "duplicates");
   EXPECT_CONTAINS(parse_error("[lora]\ntargets = []\n"), "'lora.targets' (line 2) must be non-empty");
   EXPECT_CONTAINS(parse_error("[model]\ndevice = \"gpu\"\n"),

@@ -53,17 +53,18 @@ def texts_for_test() -> list:
     return texts + ["", " ", "  ", "\t\t", "\n\n\n", "x" * 300, "  leading", "trailing  ", "a  b   c"]
 
 
-def train_bytelevel(corpus, pattern, ignore_merges, workdir, name) -> str:
+def train_bytelevel(corpus, pattern, ignore_merges, workdir, name, specials=SPECIALS, added=None, vocab_size=900) -> str:
+    """`added` (default: a non-special "hello world") are added after training."""
     tok = Tokenizer(models.BPE(ignore_merges=ignore_merges))
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
         pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
-    trainer = trainers.BpeTrainer(vocab_size=900, special_tokens=SPECIALS, show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(corpus, trainer)
-    tok.add_tokens([AddedToken("hello world", normalized=True)])
+    tok.add_tokens(added if added is not None else [AddedToken("hello world", normalized=True)])
     path = os.path.join(workdir, name + ".json")
     tok.save(path)
     if not ignore_merges:

@@ -4,6 +4,9 @@
 
 #include <gtest/gtest.h>
 
+#include <nlohmann/json.hpp>
+
+#include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <stdexcept>
@@ -41,6 +44,38 @@ inline std::string open_error(const std::string& name, const std::string& text) 
   }
   ADD_FAILURE() << name << ": expected an error";
   return "";
+}
+
+// A Llama-2-style file: Prepend/Replace normalizers, byte_fallback, the usual decoder. "▁ a" is
+// merged before "a b" because it comes first in merges, though "ab" has the lower id.
+inline nlohmann::json spm_style() {
+  nlohmann::json vocab = {{"<unk>", 0}, {"<s>", 1}, {"</s>", 2}, {"ab", 3}, {"▁", 4}, {"a", 5}, {"b", 6}, {"▁a", 7}};
+  for (int b = 0; b < 256; ++b) {
+    char name[8];
+    std::snprintf(name, sizeof name, "<0x%02X>", b);
+    vocab[name] = 8 + b;
+  }
+  return {{"version", "1.0"},
+          {"added_tokens",
+           {{{"id", 1}, {"content", "<s>"}, {"special", true}, {"normalized", false}},
+            {{"id", 2}, {"content", "</s>"}, {"special", true}, {"normalized", false}}}},
+          {"normalizer",
+           {{"type", "Sequence"},
+            {"normalizers",
+             {{{"type", "Prepend"}, {"prepend", "▁"}},
+              {{"type", "Replace"}, {"pattern", {{"String", " "}}}, {"content", "▁"}}}}}},
+          {"pre_tokenizer", nullptr},
+          {"post_processor", nullptr},
+          {"decoder",
+           {{"type", "Sequence"},
+            {"decoders",
+             {{{"type", "Replace"}, {"pattern", {{"String", "▁"}}}, {"content", " "}},
+              {{"type", "ByteFallback"}},
+              {{"type", "Fuse"}},
+              {{"type", "Strip"}, {"content", " "}, {"start", 1}, {"stop", 0}}}}}},
+          {"model",
+           {{"type", "BPE"}, {"unk_token", "<unk>"}, {"byte_fallback", true}, {"fuse_unk", true},
+            {"vocab", vocab}, {"merges", {"▁ a", "a b"}}}}};
 }
 
 }  // namespace qlora::data::test_fixtures

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <string>
 
@@ -102,7 +103,8 @@ TEST(Templates, NamesAndBadRoles) {
   EXPECT_EQ(template_name(TemplateKind::kChatML), "chatml");
   EXPECT_TRUE(contains(error_of([] { template_kind_from_name("vicuna"); }), "vicuna"));
   EXPECT_TRUE(contains(error_of([] { template_kind_from_name("vicuna"); }),
-                       "expected one of alpaca, llama2-chat, llama3-chat, chatml"));
+                       "expected one of alpaca, llama2-chat, llama3-chat, llama3.1-chat, chatml, qwen2.5, "
+                       "qwen3, gemma, mistral-v0.3"));
   EXPECT_TRUE(contains(error_of([] { validate_messages({{"user", "a"}, {"bot", "b"}}); }),
                        "role 'bot'"));
   EXPECT_TRUE(contains(error_of([] { validate_messages({{"user", "a"}, {"user", "b"}}); }),
@@ -212,6 +214,37 @@ TEST(Dataset, Llama3ChatHasOneBeginOfTextWithEitherTokenizer) {
   EXPECT_EQ(s2.tokens.front(), sp.bos_id());
   EXPECT_EQ(std::count(s2.tokens.begin(), s2.tokens.end(), sp.bos_id()), 1);
   EXPECT_EQ(sp.decode(s2.tokens).find("begin_of_text"), std::string::npos);
+}
+
+// Mistral v0.3 ends every answer with EOS itself; add_eos adds none after the last.
+TEST(Dataset, EosOnceAfterATemplateEndingWithIt) {
+  const auto tok = fixture_tokenizer();
+  const auto segs = render_chat(TemplateKind::kMistralV03,
+                                {{"user", "Hi"}, {"assistant", "Hello"}, {"user", "Bye"}, {"assistant", "Ok"}});
+  DatasetOptions o;
+  const auto s = tokenize_segments(segs, tok, o);
+  EXPECT_EQ(std::count(s.tokens.begin(), s.tokens.end(), tok.eos_id()), 2);
+  for (size_t i = 0; i < s.tokens.size(); ++i) {
+    if (s.tokens[i] == tok.eos_id()) EXPECT_EQ(s.labels[i], tok.eos_id()) << i;  // trained
+  }
+  EXPECT_EQ(s.tokens.back(), tok.eos_id());
+  o.add_eos = false;
+  EXPECT_EQ(tokenize_segments(segs, tok, o).tokens, s.tokens);
+}
+
+// Qwen's tokenizer has no BOS (tokenizer_config.json: "bos_token": null): add_bos adds nothing.
+TEST(Dataset, NoBosFromATokenizerWithoutOne) {
+  const std::string dir = testing::TempDir() + "qlora_data_nobos";
+  std::filesystem::create_directories(dir);
+  std::ofstream(dir + "/tokenizer.json") << test_fixtures::spm_style().dump();
+  std::ofstream(dir + "/tokenizer_config.json") << R"({"bos_token": null, "eos_token": "</s>"})";
+  const auto tok = Tokenizer::open(dir);
+  ASSERT_EQ(tok.bos_id(), -1);
+  const auto segs = render_chat(TemplateKind::kLlama2Chat,
+                                {{"user", "ab"}, {"assistant", "ab"}, {"user", "b"}, {"assistant", "a"}});
+  const auto s = tokenize_segments(segs, tok, DatasetOptions{});
+  EXPECT_TRUE(std::all_of(s.tokens.begin(), s.tokens.end(), [](int64_t id) { return id >= 0; }));
+  EXPECT_EQ(s.tokens.front(), tok.encode(segs[0].text).front());  // the first segment, no BOS before it
 }
 
 TEST(Dataset, TruncationKeepsStartAndEndsWithMaskedEos) {

@@ -21,6 +21,7 @@ namespace {
 using nlohmann::json;
 using test_fixtures::data_dir;
 using test_fixtures::open_error;
+using test_fixtures::spm_style;
 using test_fixtures::write_temp;
 namespace fs = std::filesystem;
 
@@ -34,38 +35,6 @@ std::string error_of(const std::string& path) {
     return e.what();
   }
   return "";
-}
-
-// A Llama-2-style file: Prepend/Replace normalizers, byte_fallback, the usual decoder. "▁ a" is
-// merged before "a b" because it comes first in merges, though "ab" has the lower id.
-json spm_style() {
-  json vocab = {{"<unk>", 0}, {"<s>", 1}, {"</s>", 2}, {"ab", 3}, {"▁", 4}, {"a", 5}, {"b", 6}, {"▁a", 7}};
-  for (int b = 0; b < 256; ++b) {
-    char name[8];
-    std::snprintf(name, sizeof name, "<0x%02X>", b);
-    vocab[name] = 8 + b;
-  }
-  return {{"version", "1.0"},
-          {"added_tokens",
-           {{{"id", 1}, {"content", "<s>"}, {"special", true}, {"normalized", false}},
-            {{"id", 2}, {"content", "</s>"}, {"special", true}, {"normalized", false}}}},
-          {"normalizer",
-           {{"type", "Sequence"},
-            {"normalizers",
-             {{{"type", "Prepend"}, {"prepend", "▁"}},
-              {{"type", "Replace"}, {"pattern", {{"String", " "}}}, {"content", "▁"}}}}}},
-          {"pre_tokenizer", nullptr},
-          {"post_processor", nullptr},
-          {"decoder",
-           {{"type", "Sequence"},
-            {"decoders",
-             {{{"type", "Replace"}, {"pattern", {{"String", "▁"}}}, {"content", " "}},
-              {{"type", "ByteFallback"}},
-              {{"type", "Fuse"}},
-              {{"type", "Strip"}, {"content", " "}, {"start", 1}, {"stop", 0}}}}}},
-          {"model",
-           {{"type", "BPE"}, {"unk_token", "<unk>"}, {"byte_fallback", true}, {"fuse_unk", true},
-            {"vocab", vocab}, {"merges", {"▁ a", "a b"}}}}};
 }
 
 std::string write_json(const std::string& name, const json& j) { return write_temp(name, j.dump()); }

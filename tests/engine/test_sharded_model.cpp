@@ -46,7 +46,7 @@ std::string tiny_llama() {
   return std::string(d ? d : "tests/data") + "/tiny_llama";
 }
 
-models::LlamaModel load(bool ckpt, const std::function<void(int64_t, modules::DecoderLayer&)>& on_layer = {}) {
+models::LlamaModel load(bool ckpt, const std::function<void(int64_t, modules::DecoderLayer&, const models::Architecture&)>& on_layer = {}) {
   models::LlamaLoadOptions o;
   o.base_in_nf4 = true;
   o.lora_targets = {"q", "k", "v", "o", "gate", "up", "down", "output"};
@@ -136,7 +136,7 @@ Trace sharded(World& w, const RunSetup& su) {
   models::LlamaModel m;
   if (su.stream) {
     engine = ShardedLlama::begin(w, su.sharding);
-    m = load(su.ckpt, [&](int64_t i, modules::DecoderLayer& L) { engine->shard_layer(i, L); });
+    m = load(su.ckpt, [&](int64_t i, modules::DecoderLayer& L, const models::Architecture& a) { engine->shard_layer(i, L, a); });
     engine->finish(m);
   } else {
     m = load(su.ckpt);

@@ -1,15 +1,21 @@
 // Runs qlora's Tokenizer on what a conformance script asks and writes the answers as JSON, so
-// the script can compare them with a Python reference (tiktoken) on texts it generates:
+// the script can compare them with a Python reference (tiktoken, transformers) on texts it generates:
 //
 //   tokenize_tool MODEL REQUESTS.json ANSWERS.json
 //
 // REQUESTS: {"encode": [text, ...], "decode": [[id, ...], ...],
-//            "llama3_chat": [[{"role", "content"}, ...], ...]}   (every key optional)
+//            "llama3_chat": [[{"role", "content"}, ...], ...],
+//            "chat": [{"template": NAME, "messages": [{"role", "content"}, ...]}
+//                     or {"template": NAME, "instruct": {"instruction", "input", "output"}}, ...]}
+//           (every key optional)
 // ANSWERS:  {"vocab_size", "bos_id", "eos_id", "pad_id", "eot_id", "encode": [[id, ...], ...],
-//            "decode": [text, ...], "llama3_chat": [{"tokens", "labels"}, ...],
+//            "decode": [text, ...], "llama3_chat": [SAMPLE, ...], "chat": [SAMPLE, ...],
 //            "encode_seconds", "encode_bytes"}
-// llama3_chat renders each conversation with the llama3-chat template and tokenizes it as the
-// dataset does by default (BOS, segments, EOS). encode_seconds times the encode calls alone.
+// SAMPLE:   {"segments": [{"text", "prompt", "bos_before", "eos_after"}, ...], "tokens", "labels"},
+//           or {"error": message} when the template refuses the record.
+// A chat request is rendered with the named template (llama3_chat: llama3-chat) and tokenized as
+// the dataset does by default (BOS, segments, EOS), without truncation. encode_seconds times the
+// encode calls alone.
 #include <chrono>
 #include <cstdio>
 #include <exception>
@@ -23,9 +29,43 @@
 #include "qlora/data/templates.h"
 #include "qlora/data/tokenizer.h"
 
+namespace {
+
+using nlohmann::json;
+namespace data = qlora::data;
+
+// One chat request rendered and tokenized (see SAMPLE above).
+json render_sample(const data::Tokenizer& tok, const json& request) {
+  std::vector<data::Segment> segments;
+  try {
+    const auto kind = data::template_kind_from_name(request.at("template").get<std::string>());
+    if (request.contains("instruct")) {
+      const auto& r = request["instruct"];
+      segments = data::render_instruct(kind, {r.at("instruction").get<std::string>(),
+                                              r.value("input", std::string()), r.at("output").get<std::string>()});
+    } else {
+      std::vector<data::Message> messages;
+      for (const auto& m : request.at("messages")) {
+        messages.push_back({m.at("role").get<std::string>(), m.at("content").get<std::string>()});
+      }
+      segments = data::render_chat(kind, messages);
+    }
+  } catch (const std::invalid_argument& e) {
+    return {{"error", e.what()}};
+  }
+  json segs = json::array();
+  for (const auto& s : segments) {
+    segs.push_back({{"text", s.text}, {"prompt", s.is_prompt}, {"bos_before", s.bos_before}, {"eos_after", s.eos_after}});
+  }
+  data::DatasetOptions options;
+  options.max_seq_len = 0;
+  const auto sample = data::tokenize_segments(segments, tok, options);
+  return {{"segments", segs}, {"tokens", sample.tokens}, {"labels", sample.labels}};
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
-  using nlohmann::json;
-  namespace data = qlora::data;
   if (argc != 4) {
     std::fprintf(stderr, "usage: tokenize_tool MODEL REQUESTS.json ANSWERS.json\n");
     return 2;
@@ -54,15 +94,13 @@ int main(int argc, char** argv) {
     for (const auto& d : req.value("decode", json::array())) decoded.push_back(tok.decode(d.get<std::vector<int64_t>>()));
     out["decode"] = decoded;
 
-    json chats = json::array();
+    json llama3 = json::array(), chats = json::array();
     for (const auto& conversation : req.value("llama3_chat", json::array())) {
-      std::vector<data::Message> messages;
-      for (const auto& m : conversation) messages.push_back({m.at("role").get<std::string>(), m.at("content").get<std::string>()});
-      const auto sample = data::tokenize_segments(data::render_chat(data::TemplateKind::kLlama3Chat, messages), tok,
-                                                  data::DatasetOptions{});
-      chats.push_back({{"tokens", sample.tokens}, {"labels", sample.labels}});
+      llama3.push_back(render_sample(tok, {{"template", "llama3-chat"}, {"messages", conversation}}));
     }
-    out["llama3_chat"] = chats;
+    for (const auto& request : req.value("chat", json::array())) chats.push_back(render_sample(tok, request));
+    out["llama3_chat"] = llama3;
+    out["chat"] = chats;
 
     std::ofstream(argv[3]) << out.dump();
   } catch (const std::exception& e) {

@@ -206,14 +206,17 @@ MergedModelWriter::MergedModelWriter(const std::string& dir, const models::Llama
   };
 
   const models::LlamaConfig& c = model.config;
-  const models::Architecture& arch = models::llama_architecture();
+  const models::Architecture& arch = model.architecture();
   plain(arch.embed_key, model.embed_tokens);
   for (size_t i = 0; i < model.layers.size(); ++i) {
     current_unit = static_cast<int64_t>(i);
     const modules::DecoderLayer& L = model.layers[i];
     for (const models::NormRow& n : arch.layer_norms) plain(models::hf_key(n, current_unit), L.*n.member);
-    for (const models::ProjectionRow& row : arch.projections)
-      if (row.member) projection(models::hf_key(row, current_unit), L.*row.member);
+    for (const models::ProjectionRow& row : arch.projections) {
+      if (!row.member) continue;
+      projection(models::hf_key(row, current_unit), L.*row.member);
+      if ((L.*row.member).bias.defined()) plain(models::hf_bias_key(row, current_unit), (L.*row.member).bias);
+    }
   }
   current_unit = static_cast<int64_t>(model.layers.size());
   plain(arch.final_norm_key, model.norm);

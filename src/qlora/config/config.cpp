@@ -384,11 +384,11 @@ void validate(const RecipeConfig& c, const Origin& o, const LineMap& lines) {
   std::set<std::string> seen;
   // The short spelling only: lora.targets is compared exactly on resume, and "q" vs "q_proj" for
   // the same run would refuse it.
-  const models::Architecture& arch = models::llama_architecture();
-  const std::string allowed = models::projection_names(arch, /*peft_spelling=*/false);
+  // The checkpoint's family is not known here: a name some family has passes, and the loader
+  // checks it against the family's own table.
+  const std::string allowed = models::known_target_names();
   for (const std::string& t : c.lora.targets) {
-    const models::ProjectionRow* row = models::find_projection(arch, t);
-    check(row && t == row->short_name, "lora.targets", "a list of " + allowed, "'" + t + "'");
+    check(models::is_known_target(t), "lora.targets", "a list of " + allowed, "'" + t + "'");
     check(seen.insert(t).second, "lora.targets", "free of duplicates", "'" + t + "' twice");
   }
   check(c.data.max_seq_len >= 1, "data.max_seq_len", ">= 1", i(c.data.max_seq_len));

@@ -47,7 +47,8 @@ struct LoraConfig {
   int64_t rank = 8;
   double alpha = 16.0;
   double dropout = 0.05;
-  // Short names of models::llama_architecture() rows: q, k, v, o, gate, up, down, output.
+  // Short names of architecture rows (models/architecture.h): q, k, v, o, gate, up, down, output;
+  // Phi-3 adds qkv and gate_up (its fused modules), which q, k, v / gate, up also select.
   std::vector<std::string> targets = {"q", "k", "v", "o"};
 };
 

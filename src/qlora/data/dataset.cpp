@@ -183,16 +183,18 @@ Sample tokenize_segments(const std::vector<Segment>& segments, const Tokenizer& 
     s.tokens.insert(s.tokens.end(), ids.begin(), ids.end());
     for (const auto id : ids) s.labels.push_back(masked ? kIgnoreIndex : id);
   };
-  // BOS is never a target after the shift; it counts as prompt for train_on_input=false.
-  if (o.add_bos) push({tokenizer.bos_id()}, !o.train_on_input);
+  // BOS is never a target after the shift; it counts as prompt for train_on_input=false. A
+  // tokenizer without one (Qwen's) gets none, as its chat template writes none.
+  const int64_t bos = tokenizer.bos_id(), eos = tokenizer.eos_id();
+  if (o.add_bos && bos >= 0) push({bos}, !o.train_on_input);
   // Sentencepiece's dummy prefix belongs to the start of a text, i.e. the first segment and the
   // first after an inner BOS (Meta encodes each Llama-2 turn separately). Later segments are
   // continuations so that tokens(segments) ≈ tokens(joined text).
   bool at_text_start = true;
   for (const auto& seg : segments) {
     const bool masked = seg.is_prompt && !o.train_on_input;
-    if (seg.bos_before) {
-      push({tokenizer.bos_id()}, !o.train_on_input);
+    if (seg.bos_before && bos >= 0) {
+      push({bos}, !o.train_on_input);
       at_text_start = true;
     }
     if (!seg.text.empty()) {
@@ -200,18 +202,20 @@ Sample tokenize_segments(const std::vector<Segment>& segments, const Tokenizer& 
            masked);
       at_text_start = false;
     }
-    if (seg.eos_after) push({tokenizer.eos_id()}, masked);
+    if (seg.eos_after && eos >= 0) push({eos}, masked);
   }
-  // EOS is trained: it is how the model learns to stop answering.
-  if (o.add_eos) push({tokenizer.eos_id()}, false);
+  // EOS is trained: it is how the model learns to stop answering. Once: a template whose text
+  // already ends with it (Mistral's answers, Llama-3.1's <|eot_id|> where that is the EOS) gets
+  // no second one, so the ids are apply_chat_template's.
+  if (o.add_eos && eos >= 0 && (s.tokens.empty() || s.tokens.back() != eos)) push({eos}, false);
   if (o.max_seq_len > 0 && static_cast<int64_t>(s.tokens.size()) > o.max_seq_len) {
     // Keep the start, as torchtune's truncate() does; it also overwrites the last kept token
     // with EOS when EOS is wanted. We do the same but mask that EOS: the answer was cut, not
     // finished, so teaching the model to stop there would be wrong.
     s.tokens.resize(static_cast<size_t>(o.max_seq_len));
     s.labels.resize(static_cast<size_t>(o.max_seq_len));
-    if (o.add_eos) {
-      s.tokens.back() = tokenizer.eos_id();
+    if (o.add_eos && eos >= 0) {
+      s.tokens.back() = eos;
       s.labels.back() = kIgnoreIndex;
     }
   }

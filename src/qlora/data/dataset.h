@@ -59,8 +59,9 @@ struct RenderedRecord {
 // arrays) and what is wrong. Blank JSONL lines are skipped.
 std::vector<RenderedRecord> read_records(const std::string& path, const DatasetOptions& options);
 
-// Segments → ids and labels: BOS (if add_bos), each segment (prompt ones masked unless
-// train_on_input), EOS (if add_eos), then truncation to max_seq_len.
+// Segments → ids and labels: BOS (if add_bos and the tokenizer has one), each segment (prompt
+// ones masked unless train_on_input), EOS (if add_eos and the ids do not already end with it),
+// then truncation to max_seq_len.
 Sample tokenize_segments(const std::vector<Segment>& segments, const Tokenizer& tokenizer,
                          const DatasetOptions& options);
 

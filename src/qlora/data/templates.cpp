@@ -55,46 +55,180 @@ std::vector<Segment> llama2(const std::vector<Message>& m) {
   return out;
 }
 
-// Llama-3 instruct format, as text: a tiktoken (Llama-3) tokenizer encodes the markers as their
-// special ids; with a sentencepiece model they are plain text. <|begin_of_text|> is not written:
-// it is Llama-3's BOS, which the dataset's add_bos puts first (as for every template); spelled
-// here too it would reach the ids twice. Loss covers the answer and its <|eot_id|>, as in Meta's
-// and torchtune's Llama-3 formats.
-std::vector<Segment> llama3(const std::vector<Message>& m) {
-  std::vector<Segment> out;
-  std::string prompt;
-  for (const auto& msg : m) {
-    const std::string header = "<|start_header_id|>" + msg.role + "<|end_header_id|>\n\n";
-    if (msg.role == "assistant") {
-      prompt += header;
-      out.push_back(Segment{std::move(prompt), true});
-      prompt.clear();
-      out.push_back(Segment{msg.content + "<|eot_id|>", false});
-    } else {
-      prompt += header + msg.content + "<|eot_id|>";
-    }
+// Collects segments: text is prompt until an answer is added as a trained segment.
+class SegmentList {
+ public:
+  void prompt(std::string_view text) { prompt_ += text; }
+  // A message's text after its header: trained for an answer, prompt otherwise.
+  void body(std::string text, bool is_answer) {
+    if (is_answer) answer(std::move(text));
+    else prompt(text);
   }
-  if (!prompt.empty()) out.push_back(Segment{std::move(prompt), true});
-  return out;
+  void answer(std::string text, bool eos_after = false) {
+    flush();
+    Segment s{std::move(text), false};
+    s.eos_after = eos_after;
+    out_.push_back(std::move(s));
+  }
+  std::vector<Segment> take() {
+    flush();
+    return std::move(out_);
+  }
+
+ private:
+  void flush() {
+    if (!prompt_.empty()) out_.push_back(Segment{std::move(prompt_), true});
+    prompt_.clear();
+  }
+  std::string prompt_;
+  std::vector<Segment> out_;
+};
+
+// What Python's str.isspace() accepts, UTF-8 encoded: Jinja's trim filter is Python's strip().
+constexpr std::string_view kPythonSpaces[] = {
+    "\t", "\n", "\v", "\f", "\r", "\x1c", "\x1d", "\x1e", "\x1f", " ", "\u0085", "\u00a0",
+    "\u1680", "\u2000", "\u2001", "\u2002", "\u2003", "\u2004", "\u2005", "\u2006", "\u2007",
+    "\u2008", "\u2009", "\u200a", "\u2028", "\u2029", "\u202f", "\u205f", "\u3000"};
+
+// Byte length of the space that starts (at_end: ends) `s`, 0 if none.
+size_t space_at(std::string_view s, bool at_end) {
+  for (const auto sp : kPythonSpaces) {
+    if (sp.size() > s.size()) continue;
+    if (s.compare(at_end ? s.size() - sp.size() : 0, sp.size(), sp) == 0) return sp.size();
+  }
+  return 0;
 }
 
-// ChatML: the assistant header is prompt; answer plus "<|im_end|>\n" is trained.
-std::vector<Segment> chatml(const std::vector<Message>& m) {
-  std::vector<Segment> out;
-  std::string prompt;
-  for (const auto& msg : m) {
-    const std::string header = "<|im_start|>" + msg.role + "\n";
-    if (msg.role == "assistant") {
-      prompt += header;
-      out.push_back(Segment{std::move(prompt), true});
-      prompt.clear();
-      out.push_back(Segment{msg.content + "<|im_end|>\n", false});
-    } else {
-      prompt += header + msg.content + "<|im_end|>\n";
+// Python's s.strip(), s.lstrip() (left only) or s.rstrip() (right only); `chars` empty means
+// whitespace, else those bytes (ASCII here: Qwen3's template strips "\n").
+std::string py_strip(std::string_view s, bool left = true, bool right = true,
+                     std::string_view chars = {}) {
+  const auto take = [&](bool at_end) -> size_t {
+    if (s.empty()) return 0;
+    if (chars.empty()) return space_at(s, at_end);
+    return chars.find(at_end ? s.back() : s.front()) != std::string_view::npos ? 1 : 0;
+  };
+  for (size_t n; left && (n = take(false)) > 0;) s.remove_prefix(n);
+  for (size_t n; right && (n = take(true)) > 0;) s.remove_suffix(n);
+  return std::string(s);
+}
+
+// Meta-Llama-3-8B-Instruct's turns: "<|start_header_id|>" role "<|end_header_id|>\n\n", the
+// content trimmed, "<|eot_id|>". The markers are text: a tiktoken (Llama-3) or tokenizer.json
+// tokenizer encodes them as their special ids. <|begin_of_text|> is the dataset's add_bos.
+void llama3_turns(SegmentList& out, const std::vector<Message>& m, size_t first) {
+  for (size_t k = first; k < m.size(); ++k) {
+    out.prompt("<|start_header_id|>" + m[k].role + "<|end_header_id|>\n\n");
+    out.body(py_strip(m[k].content) + "<|eot_id|>", m[k].role == "assistant");
+  }
+}
+
+std::vector<Segment> llama3(const std::vector<Message>& m) {
+  SegmentList out;
+  llama3_turns(out, m, 0);
+  return out.take();
+}
+
+// Llama-3.1 Instruct writes a system header whatever the conversation holds: the knowledge and
+// date lines (the date is the template's default; transformers passes no date_string), then the
+// system message trimmed, if any.
+std::vector<Segment> llama31(const std::vector<Message>& m) {
+  const bool has_system = m[0].role == "system";
+  SegmentList out;
+  out.prompt(
+      "<|start_header_id|>system<|end_header_id|>\n\n"
+      "Cutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\n" +
+      (has_system ? py_strip(m[0].content) : std::string()) + "<|eot_id|>");
+  llama3_turns(out, m, has_system ? 1 : 0);
+  return out.take();
+}
+
+// "<|im_start|>" role "\n" content "<|im_end|>\n"; an answer's header is prompt, its content and
+// "<|im_end|>\n" are trained. `answer_text` gives what an answer renders (Qwen3 rewrites it).
+template <class AnswerText>
+void chatml_turns(SegmentList& out, const std::vector<Message>& m, AnswerText answer_text) {
+  for (size_t k = 0; k < m.size(); ++k) {
+    const bool answer = m[k].role == "assistant";
+    out.prompt("<|im_start|>" + m[k].role + "\n");
+    out.body((answer ? answer_text(k) : m[k].content) + "<|im_end|>\n", answer);
+  }
+}
+
+std::vector<Segment> chatml(const std::vector<Message>& m, std::string_view default_system) {
+  SegmentList out;
+  if (m[0].role != "system" && !default_system.empty()) {
+    out.prompt("<|im_start|>system\n" + std::string(default_system) + "<|im_end|>\n");
+  }
+  chatml_turns(out, m, [&](size_t k) { return m[k].content; });
+  return out.take();
+}
+
+// Qwen3's template: the last user message that is not a <tool_response> ends the query; an answer
+// after it is rendered with its reasoning in a <think> block (an empty one when it has none) if
+// it is the last message or has reasoning, every other answer without its reasoning. Reasoning is
+// what the content holds before "</think>" (after "<think>").
+std::string qwen3_answer(const std::vector<Message>& m, size_t k, size_t last_query) {
+  std::string content = m[k].content, reasoning;
+  constexpr std::string_view kClose = "</think>", kOpen = "<think>";
+  if (content.find(kClose) != std::string::npos) {
+    std::string before = py_strip(content.substr(0, content.find(kClose)), false, true, "\n");
+    const size_t open = before.rfind(kOpen);
+    if (open != std::string::npos) before.erase(0, open + kOpen.size());
+    reasoning = py_strip(before, true, false, "\n");
+    content = py_strip(content.substr(content.rfind(kClose) + kClose.size()), true, false, "\n");
+  }
+  if (k > last_query && (k + 1 == m.size() || !reasoning.empty())) {
+    return "<think>\n" + py_strip(reasoning, true, true, "\n") + "\n</think>\n\n" +
+           py_strip(content, true, false, "\n");
+  }
+  return content;
+}
+
+bool is_tool_response(std::string_view c) {
+  constexpr std::string_view kOpen = "<tool_response>", kClose = "</tool_response>";
+  return c.substr(0, kOpen.size()) == kOpen && c.size() >= kClose.size() &&
+         c.substr(c.size() - kClose.size()) == kClose;
+}
+
+std::vector<Segment> qwen3(const std::vector<Message>& m) {
+  size_t last_query = m.size() - 1;
+  for (size_t k = m.size(); k-- > 0;) {
+    if (m[k].role == "user" && !is_tool_response(m[k].content)) {
+      last_query = k;
+      break;
     }
   }
-  if (!prompt.empty()) out.push_back(Segment{std::move(prompt), true});
-  return out;
+  SegmentList out;
+  chatml_turns(out, m, [&](size_t k) { return qwen3_answer(m, k, last_query); });
+  return out.take();
+}
+
+// Gemma's turns: "<start_of_turn>user\n" or "<start_of_turn>model\n", the content trimmed,
+// "<end_of_turn>\n". Gemma has no system role: Gemma 3's template puts the system message and
+// "\n\n" (untrimmed) before the first user message's content. <bos> is the dataset's add_bos.
+std::vector<Segment> gemma(const std::vector<Message>& m) {
+  const size_t first = m[0].role == "system" ? 1 : 0;
+  const std::string prefix = first == 1 ? m[0].content + "\n\n" : "";
+  SegmentList out;
+  for (size_t k = first; k < m.size(); ++k) {
+    const bool answer = m[k].role == "assistant";
+    out.prompt(std::string("<start_of_turn>") + (answer ? "model" : "user") + "\n" +
+               (k == first ? prefix : ""));
+    out.body(py_strip(m[k].content) + "<end_of_turn>\n", answer);
+  }
+  return out.take();
+}
+
+// Mistral-7B-Instruct-v0.3: "[INST] " user "[/INST]", then " " + the answer trimmed + EOS (an id,
+// see Segment). The system message is dropped, as the template drops it from conversations that
+// end with an answer (it writes it only into a last message that is the user's). <s> is add_bos.
+std::vector<Segment> mistral_v03(const std::vector<Message>& m) {
+  SegmentList out;
+  for (size_t k = m[0].role == "system" ? 1 : 0; k < m.size(); ++k) {
+    if (m[k].role == "user") out.prompt("[INST] " + m[k].content + "[/INST]");
+    else out.answer(" " + py_strip(m[k].content), /*eos_after=*/true);
+  }
+  return out.take();
 }
 
 }  // namespace
@@ -146,12 +280,18 @@ std::vector<Segment> render_chat(TemplateKind kind, const std::vector<Message>& 
       if (m.size() != 2) {
         throw std::invalid_argument(
             "the alpaca template takes one user and one assistant message (got " +
-            std::to_string(m.size()) + " messages); use llama2-chat, llama3-chat or chatml");
+            std::to_string(m.size()) + " messages); use a chat template, e.g. llama3-chat or chatml");
       }
       return alpaca(InstructRecord{m[0].content, "", m[1].content});
     case TemplateKind::kLlama2Chat: return llama2(m);
     case TemplateKind::kLlama3Chat: return llama3(m);
-    case TemplateKind::kChatML: return chatml(m);
+    case TemplateKind::kLlama31Chat: return llama31(m);
+    case TemplateKind::kChatML: return chatml(m, "");
+    case TemplateKind::kQwen25:
+      return chatml(m, "You are Qwen, created by Alibaba Cloud. You are a helpful assistant.");
+    case TemplateKind::kQwen3: return qwen3(m);
+    case TemplateKind::kGemma: return gemma(m);
+    case TemplateKind::kMistralV03: return mistral_v03(m);
   }
   throw std::logic_error("render_chat: unhandled template");
 }

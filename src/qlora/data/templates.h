@@ -10,13 +10,36 @@
 
 namespace qlora::data {
 
-enum class TemplateKind { kAlpaca, kLlama2Chat, kLlama3Chat, kChatML };
+// Each chat kind renders exactly what transformers' apply_chat_template renders with the named
+// model's own chat template (tests/data/chat_templates/ holds those texts; the conformance test
+// tests/conformance/test_chat_templates.py compares), except that BOS is never spelled: the
+// dataset's add_bos puts it first.
+//   llama2-chat    Meta's Llama-2 chat_completion format
+//   llama3-chat    Meta-Llama-3-8B-Instruct: header, trimmed content, <|eot_id|> per message
+//   llama3.1-chat  Llama-3.1/3.3 Instruct: llama3-chat plus the system header the template always
+//                  writes ("Cutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\n")
+//   chatml         plain ChatML (teknium/OpenHermes-2.5-Mistral-7B): no default system, no trim
+//   qwen2.5        Qwen2.5-Instruct: ChatML with Qwen's default system message when none is given
+//   qwen3          Qwen3: ChatML; the last answer gets a <think> block, earlier answers lose theirs
+//   gemma          Gemma 3 instruct (and Gemma 2's, which refuses a system message): user/model
+//                  turns, trimmed content, the system message folded into the first user turn
+//   mistral-v0.3   Mistral-7B-Instruct-v0.3: "[INST] user[/INST]", " answer" + EOS; its template
+//                  puts the system message only into a conversation's last message when that is a
+//                  user message, so a training conversation (ending with an answer) renders without it
+enum class TemplateKind {
+  kAlpaca, kLlama2Chat, kLlama3Chat, kLlama31Chat, kChatML, kQwen25, kQwen3, kGemma, kMistralV03
+};
 
 inline constexpr io::EnumName<TemplateKind> kTemplateKindNames[] = {
     {TemplateKind::kAlpaca, "alpaca"},
     {TemplateKind::kLlama2Chat, "llama2-chat"},
     {TemplateKind::kLlama3Chat, "llama3-chat"},
-    {TemplateKind::kChatML, "chatml"}};
+    {TemplateKind::kLlama31Chat, "llama3.1-chat"},
+    {TemplateKind::kChatML, "chatml"},
+    {TemplateKind::kQwen25, "qwen2.5"},
+    {TemplateKind::kQwen3, "qwen3"},
+    {TemplateKind::kGemma, "gemma"},
+    {TemplateKind::kMistralV03, "mistral-v0.3"}};
 // Throws std::invalid_argument listing the names.
 TemplateKind template_kind_from_name(std::string_view name);
 std::string_view template_name(TemplateKind kind);
@@ -32,11 +55,14 @@ struct InstructRecord {
   std::string output;
 };
 
+// A piece of the rendered text. What is trained (is_prompt false) is each answer with its end of
+// turn (<|eot_id|>, <|im_end|>\n, <end_of_turn>\n, EOS); prompts and answer headers are prompt.
 struct Segment {
   std::string text;
   bool is_prompt = true;
   // Llama-2 chat opens every later turn with BOS and closes every answer but the last with EOS
-  // (Meta's chat_completion). Those are ids no text spells, so the segment carries them.
+  // (Meta's chat_completion); Mistral v0.3 closes every answer with EOS. Those are ids that a
+  // sentencepiece model never produces from text, so the segment carries them.
   bool bos_before = false;
   bool eos_after = false;
 };

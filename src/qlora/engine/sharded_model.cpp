@@ -131,23 +131,24 @@ std::shared_ptr<ShardedLlama> ShardedLlama::begin(World& world, ShardingOptions 
 
 std::shared_ptr<ShardedLlama> ShardedLlama::shard(models::LlamaModel& m, World& world, ShardingOptions options) {
   auto self = begin(world, options);
-  for (size_t i = 0; i < m.layers.size(); ++i) self->shard_layer(static_cast<int64_t>(i), m.layers[i]);
+  for (size_t i = 0; i < m.layers.size(); ++i) self->shard_layer(static_cast<int64_t>(i), m.layers[i], m.architecture());
   self->finish(m);
   return self;
 }
 
-void ShardedLlama::shard_layer(int64_t index, modules::DecoderLayer& L) {
+void ShardedLlama::shard_layer(int64_t index, modules::DecoderLayer& L, const models::Architecture& arch) {
   if (index != num_layers_)
     throw std::invalid_argument("ShardedLlama::shard_layer: layer " + std::to_string(index) + " out of order (expected " +
                                 std::to_string(num_layers_) + ")");
   const int64_t n = world_.shard().size(), me = world_.shard().rank();
-  const models::Architecture& arch = models::llama_architecture();
   std::vector<Member> ms;
   std::vector<modules::LoraLinear*> projs;
   std::vector<std::string> stems;
   for (const models::ProjectionRow& row : arch.projections) {
     if (!row.member) continue;
     add_nf4(ms, row.peft_name, L.*row.member);
+    modules::LoraLinear& l = L.*row.member;
+    if (l.bias.defined()) ms.push_back({std::string(row.peft_name) + ".bias", l.bias, [&l](const at::Tensor& v) { l.bias = v; }});
     projs.push_back(&(L.*row.member));
     stems.push_back("layer" + std::to_string(index) + "." + row.peft_name);
   }
@@ -173,7 +174,7 @@ void ShardedLlama::finish(models::LlamaModel& m) {
                      }};
   if (!tied) frozen_[0] = make_frozen("embed", {embed}, n, me, dev);
   std::vector<Member> head = {{"norm", m.norm, [&m](const at::Tensor& v) { m.norm = v; }}};
-  const char* head_name = models::output_projection(models::llama_architecture()).peft_name;
+  const char* head_name = models::output_projection(m.architecture()).peft_name;
   if (tied) head.push_back(embed);
   else add_nf4(head, head_name, m.lm_head);
   frozen_.push_back(make_frozen("head", head, n, me, dev));

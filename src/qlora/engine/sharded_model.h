@@ -74,7 +74,7 @@ class ShardedLlama : public models::UnitHooks, public std::enable_shared_from_th
   // never exists on one rank: begin(); shard_layer() from LlamaLoadOptions::on_layer_loaded for
   // every layer, in order; finish(model) once load_llama has returned (embedding, head, hooks).
   static std::shared_ptr<ShardedLlama> begin(World& world, ShardingOptions options);
-  void shard_layer(int64_t index, modules::DecoderLayer& layer);
+  void shard_layer(int64_t index, modules::DecoderLayer& layer, const models::Architecture& arch);
   void finish(models::LlamaModel& model);
   ~ShardedLlama() override;
 

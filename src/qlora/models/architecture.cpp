@@ -1,35 +1,158 @@
 #include "qlora/models/architecture.h"
 
+#include <algorithm>
+#include <set>
 #include <stdexcept>
 
 namespace qlora::models {
 
 using modules::DecoderLayer;
 
-const Architecture& llama_architecture() {
-  static const Architecture arch{
-      "llama",
-      {
-          {"q", "q_proj", "model.layers.{i}.self_attn.q_proj", &DecoderLayer::q_proj, Dim::kQHeads, Dim::kHidden, {}},
-          {"k", "k_proj", "model.layers.{i}.self_attn.k_proj", &DecoderLayer::k_proj, Dim::kKvHeads, Dim::kHidden, {}},
-          {"v", "v_proj", "model.layers.{i}.self_attn.v_proj", &DecoderLayer::v_proj, Dim::kKvHeads, Dim::kHidden, {}},
-          {"o", "o_proj", "model.layers.{i}.self_attn.o_proj", &DecoderLayer::o_proj, Dim::kHidden, Dim::kQHeads, {}},
-          {"gate", "gate_proj", "model.layers.{i}.mlp.gate_proj", &DecoderLayer::gate_proj, Dim::kIntermediate,
-           Dim::kHidden, {}},
-          {"up", "up_proj", "model.layers.{i}.mlp.up_proj", &DecoderLayer::up_proj, Dim::kIntermediate, Dim::kHidden, {}},
-          {"down", "down_proj", "model.layers.{i}.mlp.down_proj", &DecoderLayer::down_proj, Dim::kHidden,
-           Dim::kIntermediate, {}},
-          {"output", "lm_head", "lm_head", nullptr, Dim::kVocab, Dim::kHidden, {}},
-      },
-      {
-          {"input_layernorm", "model.layers.{i}.input_layernorm", &DecoderLayer::input_layernorm},
-          {"post_attention_layernorm", "model.layers.{i}.post_attention_layernorm",
-           &DecoderLayer::post_attention_layernorm},
-      },
-      "model.embed_tokens.weight",
-      "model.norm.weight",
+namespace {
+
+// The Llama block's rows; `attn_bias` is the bias rule of q/k/v (o_proj's: `o_bias`).
+std::vector<ProjectionRow> llama_rows(Bias attn_bias, Bias o_bias) {
+  return {
+      {"q", "q_proj", "model.layers.{i}.self_attn.q_proj", &DecoderLayer::q_proj, Dim::kQHeads, Dim::kHidden, {},
+       attn_bias},
+      {"k", "k_proj", "model.layers.{i}.self_attn.k_proj", &DecoderLayer::k_proj, Dim::kKvHeads, Dim::kHidden, {},
+       attn_bias},
+      {"v", "v_proj", "model.layers.{i}.self_attn.v_proj", &DecoderLayer::v_proj, Dim::kKvHeads, Dim::kHidden, {},
+       attn_bias},
+      {"o", "o_proj", "model.layers.{i}.self_attn.o_proj", &DecoderLayer::o_proj, Dim::kHidden, Dim::kQHeads, {},
+       o_bias},
+      {"gate", "gate_proj", "model.layers.{i}.mlp.gate_proj", &DecoderLayer::gate_proj, Dim::kIntermediate,
+       Dim::kHidden, {}},
+      {"up", "up_proj", "model.layers.{i}.mlp.up_proj", &DecoderLayer::up_proj, Dim::kIntermediate, Dim::kHidden, {}},
+      {"down", "down_proj", "model.layers.{i}.mlp.down_proj", &DecoderLayer::down_proj, Dim::kHidden,
+       Dim::kIntermediate, {}},
+      {"output", "lm_head", "lm_head", nullptr, Dim::kVocab, Dim::kHidden, {}},
   };
-  return arch;
+}
+
+// Phi-3: q/k/v stacked in qkv_proj, gate/up in gate_up_proj (peft targets the fused modules).
+std::vector<ProjectionRow> phi3_rows() {
+  return {
+      {"qkv", "qkv_proj", "model.layers.{i}.self_attn.qkv_proj", &DecoderLayer::qkv_proj, Dim::kQkv, Dim::kHidden,
+       {"q", "k", "v"}},
+      {"o", "o_proj", "model.layers.{i}.self_attn.o_proj", &DecoderLayer::o_proj, Dim::kHidden, Dim::kQHeads, {}},
+      {"gate_up", "gate_up_proj", "model.layers.{i}.mlp.gate_up_proj", &DecoderLayer::gate_up_proj, Dim::kGateUp,
+       Dim::kHidden, {"gate", "up"}},
+      {"down", "down_proj", "model.layers.{i}.mlp.down_proj", &DecoderLayer::down_proj, Dim::kHidden,
+       Dim::kIntermediate, {}},
+      {"output", "lm_head", "lm_head", nullptr, Dim::kVocab, Dim::kHidden, {}},
+  };
+}
+
+const NormRow kInputNorm{"input_layernorm", "model.layers.{i}.input_layernorm", &DecoderLayer::input_layernorm};
+const NormRow kPostAttnNorm{"post_attention_layernorm", "model.layers.{i}.post_attention_layernorm",
+                            &DecoderLayer::post_attention_layernorm};
+const NormRow kPreFfnNorm{"pre_feedforward_layernorm", "model.layers.{i}.pre_feedforward_layernorm",
+                          &DecoderLayer::pre_feedforward_layernorm};
+const NormRow kPostFfnNorm{"post_feedforward_layernorm", "model.layers.{i}.post_feedforward_layernorm",
+                           &DecoderLayer::post_feedforward_layernorm};
+const NormRow kQNorm{"q_norm", "model.layers.{i}.self_attn.q_norm", &DecoderLayer::q_norm, Dim::kHeadDim};
+const NormRow kKNorm{"k_norm", "model.layers.{i}.self_attn.k_norm", &DecoderLayer::k_norm, Dim::kHeadDim};
+
+Architecture make(const char* family, std::vector<ProjectionRow> rows, std::vector<NormRow> norms) {
+  return {family, std::move(rows), std::move(norms), "model.embed_tokens.weight", "model.norm.weight"};
+}
+
+const Architecture& qwen2_architecture() {
+  static const Architecture a =
+      make("qwen2", llama_rows(Bias::kAlways, Bias::kNone), {kInputNorm, kPostAttnNorm});
+  return a;
+}
+const Architecture& qwen3_architecture() {
+  static const Architecture a = make("qwen3", llama_rows(Bias::kIfAttentionBias, Bias::kIfAttentionBias),
+                                     {kInputNorm, kPostAttnNorm, kQNorm, kKNorm});
+  return a;
+}
+const Architecture& gemma2_architecture() {
+  static const Architecture a = make("gemma2", llama_rows(Bias::kIfAttentionBias, Bias::kIfAttentionBias),
+                                     {kInputNorm, kPostAttnNorm, kPreFfnNorm, kPostFfnNorm});
+  return a;
+}
+const Architecture& gemma3_architecture() {
+  static const Architecture a =
+      make("gemma3", llama_rows(Bias::kIfAttentionBias, Bias::kIfAttentionBias),
+           {kInputNorm, kPostAttnNorm, kPreFfnNorm, kPostFfnNorm, kQNorm, kKNorm});
+  return a;
+}
+const Architecture& phi3_architecture() {
+  static const Architecture a = make("phi3", phi3_rows(), {kInputNorm, kPostAttnNorm});
+  return a;
+}
+
+const Architecture* const kAllArchitectures[] = {&llama_architecture(), &qwen2_architecture(),
+                                                 &qwen3_architecture(), &gemma2_architecture(),
+                                                 &gemma3_architecture(), &phi3_architecture()};
+
+}  // namespace
+
+const Architecture& llama_architecture() {
+  static const Architecture a =
+      make("llama", llama_rows(Bias::kIfAttentionBias, Bias::kIfAttentionBias), {kInputNorm, kPostAttnNorm});
+  return a;
+}
+
+const Architecture& architecture_of(const LlamaConfig& config) {
+  switch (config.family) {
+    case Family::kLlama: return llama_architecture();
+    case Family::kQwen2: return qwen2_architecture();
+    case Family::kQwen3: return qwen3_architecture();
+    case Family::kGemma2: return gemma2_architecture();
+    case Family::kGemma3: return gemma3_architecture();
+    case Family::kPhi3: return phi3_architecture();
+  }
+  throw std::logic_error("architecture_of: unknown family");
+}
+
+bool has_bias(const ProjectionRow& row, const LlamaConfig& config) {
+  return row.bias == Bias::kAlways || (row.bias == Bias::kIfAttentionBias && config.attention_bias);
+}
+
+std::vector<std::string> peft_targets(const Architecture& arch, const std::vector<std::string>& names) {
+  std::vector<std::string> out;
+  std::set<std::string> parts;
+  for (const std::string& t : names) {
+    if (const ProjectionRow* row = find_projection(arch, t)) out.push_back(row->peft_name);
+    else if (is_known_target(t)) parts.insert(t);
+    else out.push_back(peft_target(arch, t));  // throws, naming the allowed names
+  }
+  for (const ProjectionRow& row : arch.projections) {
+    size_t named = 0;
+    for (const char* p : row.fused_parts) named += parts.erase(p);
+    if (named == row.fused_parts.size() && named > 0) out.push_back(row.peft_name);
+    else if (named > 0) {
+      std::string all;
+      for (const char* p : row.fused_parts) all += (all.empty() ? "" : ", ") + std::string(p);
+      throw std::invalid_argument(std::string(arch.family) + " fuses " + all + " into " + row.peft_name +
+                                  ": target all of them (or '" + row.short_name + "'), not some");
+    }
+  }
+  if (!parts.empty()) peft_target(arch, *parts.begin());  // a name of another family: throws
+  std::sort(out.begin(), out.end());
+  out.erase(std::unique(out.begin(), out.end()), out.end());
+  return out;
+}
+
+bool is_known_target(const std::string& name) {
+  for (const Architecture* a : kAllArchitectures) {
+    const ProjectionRow* row = find_projection(*a, name);
+    if (row && name == row->short_name) return true;
+  }
+  return false;
+}
+
+std::string known_target_names() {
+  std::vector<std::string> seen;
+  for (const Architecture* a : kAllArchitectures)
+    for (const ProjectionRow& row : a->projections)
+      if (std::find(seen.begin(), seen.end(), row.short_name) == seen.end()) seen.push_back(row.short_name);
+  std::string out;
+  for (const std::string& n : seen) out += (out.empty() ? "" : ", ") + n;
+  return out;
 }
 
 std::string hf_module(const char* pattern, int64_t layer) {
@@ -41,6 +164,7 @@ std::string hf_module(const char* pattern, int64_t layer) {
 
 std::string hf_key(const ProjectionRow& row, int64_t layer) { return hf_module(row.hf_module, layer) + ".weight"; }
 std::string hf_key(const NormRow& row, int64_t layer) { return hf_module(row.hf_module, layer) + ".weight"; }
+std::string hf_bias_key(const ProjectionRow& row, int64_t layer) { return hf_module(row.hf_module, layer) + ".bias"; }
 
 const ProjectionRow& output_projection(const Architecture& arch) {
   for (const ProjectionRow& row : arch.projections)
@@ -95,18 +219,22 @@ std::vector<const modules::LoraLinear*> layer_projections(const Architecture& ar
   return projections_of<const DecoderLayer, const modules::LoraLinear>(arch, layer);
 }
 
+int64_t dim_size(Dim d, const LlamaConfig& c) {
+  switch (d) {
+    case Dim::kHidden: return c.hidden_size;
+    case Dim::kQHeads: return c.num_attention_heads * c.head_dim;
+    case Dim::kKvHeads: return c.num_key_value_heads * c.head_dim;
+    case Dim::kIntermediate: return c.intermediate_size;
+    case Dim::kVocab: return c.vocab_size;
+    case Dim::kHeadDim: return c.head_dim;
+    case Dim::kQkv: return (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim;
+    case Dim::kGateUp: return 2 * c.intermediate_size;
+  }
+  throw std::logic_error("dim_size: unknown Dim");
+}
+
 std::vector<int64_t> projection_shape(const ProjectionRow& row, const LlamaConfig& c) {
-  auto size = [&c](Dim d) -> int64_t {
-    switch (d) {
-      case Dim::kHidden: return c.hidden_size;
-      case Dim::kQHeads: return c.num_attention_heads * c.head_dim;
-      case Dim::kKvHeads: return c.num_key_value_heads * c.head_dim;
-      case Dim::kIntermediate: return c.intermediate_size;
-      case Dim::kVocab: return c.vocab_size;
-    }
-    throw std::logic_error("projection_shape: unknown Dim");
-  };
-  return {size(row.out), size(row.in)};
+  return {dim_size(row.out, c), dim_size(row.in, c)};
 }
 
 }  // namespace qlora::models

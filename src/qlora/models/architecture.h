@@ -1,10 +1,11 @@
 // The architecture table of a model family: what every other folder needs to know about the
 // family's weights, written once. Config validation, loading, LoRA targets, sharding, the PEFT
 // adapter and the merged export all read these rows instead of spelling projection names and
-// Hugging Face keys themselves (llama.cpp's tensor-name table is the model). A new family
-// (Qwen2, Qwen3, Gemma, Phi-3) adds a table of rows here, plus flags for the few things its
-// compute does differently (biases, q/k norms, soft-capping, sliding windows) beside the rows,
-// and nothing else.
+// Hugging Face keys themselves (llama.cpp's tensor-name table is the model). Each family (Llama,
+// Qwen2, Qwen3, Gemma 2, Gemma 3, Phi-3) has a table of rows here; what its compute does
+// differently (soft-capping, sliding windows, (1 + w) norms) is read from its config
+// (llama_config.h), and which optional tensors a layer holds (biases, q/k norms, sandwich norms,
+// fused projections) from these rows.
 #pragma once
 #include <ATen/core/Tensor.h>
 
@@ -25,6 +26,16 @@ enum class Dim {
   kKvHeads,       // num_key_value_heads * head_dim
   kIntermediate,  // intermediate_size
   kVocab,         // vocab_size
+  kHeadDim,       // head_dim (Qwen3 / Gemma 3 q_norm, k_norm)
+  kQkv,           // (num_attention_heads + 2 * num_key_value_heads) * head_dim (Phi-3 qkv_proj)
+  kGateUp,        // 2 * intermediate_size (Phi-3 gate_up_proj)
+};
+
+// Whether a projection has a (frozen) bias, <module>.bias.
+enum class Bias {
+  kNone,
+  kAlways,           // Qwen2's q/k/v
+  kIfAttentionBias,  // the attention projections of families with an attention_bias key
 };
 
 struct ProjectionRow {
@@ -42,16 +53,18 @@ struct ProjectionRow {
   // split its output and a config may target the fused module. Empty for a plain projection, as
   // every Llama row is.
   std::vector<const char*> fused_parts;
+  Bias bias = Bias::kNone;
 };
 
 struct NormRow {
   const char* name;       // "input_layernorm": its name inside a layer (shard-group member names)
   const char* hf_module;  // "model.layers.{i}.input_layernorm"; the weight is <module>.weight
   at::Tensor modules::DecoderLayer::*member;
+  Dim size = Dim::kHidden;  // the weight is [size]
 };
 
 struct Architecture {
-  const char* family;  // "llama"
+  const char* family;  // "llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"
   // A decoder layer's projections in forward order (the order adapters are initialised, exported
   // and sharded in), then the output projection.
   std::vector<ProjectionRow> projections;
@@ -62,12 +75,28 @@ struct Architecture {
 
 // Llama-2, Llama-3/3.1 and Mistral (same weights; Mistral differs only in config values).
 const Architecture& llama_architecture();
+// The table of a config's family.
+const Architecture& architecture_of(const LlamaConfig& config);
+
+// Whether the row's projection has a bias under this config.
+bool has_bias(const ProjectionRow& row, const LlamaConfig& config);
+// The PEFT names of LoRA targets given in either spelling. A fused projection (Phi-3's qkv_proj)
+// is targeted by its own name or by naming all its parts (q, k, v); naming only some parts is an
+// error saying which module fuses them. Unknown names: std::invalid_argument naming the allowed.
+std::vector<std::string> peft_targets(const Architecture& arch, const std::vector<std::string>& names);
+// Whether `name` is a LoRA target (short spelling) of some family: what a config can check before
+// it knows the checkpoint's family.
+bool is_known_target(const std::string& name);
+// Every family's short target names, for messages.
+std::string known_target_names();
 
 // hf_module with "{i}" replaced by the layer index (patterns without "{i}" come back as they are).
 std::string hf_module(const char* pattern, int64_t layer);
 // The weight keys: "model.layers.3.self_attn.q_proj.weight", "lm_head.weight", ...
 std::string hf_key(const ProjectionRow& row, int64_t layer);
 std::string hf_key(const NormRow& row, int64_t layer);
+// "model.layers.3.self_attn.q_proj.bias" (for rows with has_bias).
+std::string hf_bias_key(const ProjectionRow& row, int64_t layer);
 
 // The output projection's row (the one no layer holds).
 const ProjectionRow& output_projection(const Architecture& arch);
@@ -86,6 +115,8 @@ std::vector<modules::LoraLinear*> layer_projections(const Architecture& arch, mo
 std::vector<const modules::LoraLinear*> layer_projections(const Architecture& arch,
                                                           const modules::DecoderLayer& layer);
 
+// Size of a Dim under a config.
+int64_t dim_size(Dim d, const LlamaConfig& config);
 // [out, in] of a projection under a config.
 std::vector<int64_t> projection_shape(const ProjectionRow& row, const LlamaConfig& config);
 

@@ -6,6 +6,8 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
 #include <ATen/ops/matmul.h>
+#include <ATen/ops/scalar_tensor.h>
+#include <ATen/ops/tanh.h>
 #include <ATen/ops/zeros.h>
 #include <c10/core/GradMode.h>
 #include <c10/util/StringUtil.h>
@@ -13,6 +15,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <algorithm>
+#include <cmath>
 #include <set>
 #include <stdexcept>
 
@@ -66,11 +69,13 @@ struct Loader {
   DecoderLayer layer(const Architecture& arch, const LlamaConfig& c, int64_t i, const std::set<std::string>& targets,
                      at::Generator& gen) const {
     DecoderLayer L;
-    for (const NormRow& n : arch.layer_norms) L.*n.member = dense(hf_key(n, i), {c.hidden_size});
+    for (const NormRow& n : arch.layer_norms) L.*n.member = dense(hf_key(n, i), {dim_size(n.size, c)});
     for (const ProjectionRow& row : arch.projections) {
       if (!row.member) continue;
       LoraLinear& p = L.*row.member;
-      p = projection(hf_key(row, i), projection_shape(row, c));
+      const std::vector<int64_t> shape = projection_shape(row, c);
+      p = projection(hf_key(row, i), shape);
+      if (has_bias(row, c)) modules::lora_linear_set_bias(p, dense(hf_bias_key(row, i), {shape[0]}));
       if (targets.count(row.peft_name)) add_adapter(p, gen);
     }
     return L;
@@ -79,21 +84,25 @@ struct Loader {
 
 // LoRA targets in either spelling -> their PEFT names; unknown ones are refused, naming the allowed.
 std::set<std::string> lora_targets(const Architecture& arch, const std::vector<std::string>& names) {
-  std::set<std::string> out;
-  for (const std::string& t : names) {
-    try {
-      out.insert(peft_target(arch, t));
-    } catch (const std::invalid_argument& e) {
-      throw std::invalid_argument(std::string("load_llama: ") + e.what());
-    }
+  try {
+    const std::vector<std::string> peft = peft_targets(arch, names);
+    return {peft.begin(), peft.end()};
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument(std::string("load_llama: ") + e.what());
   }
-  return out;
 }
 
 }  // namespace
 
-modules::LayerDims LlamaModel::dims() const {
-  return {config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.rms_norm_eps};
+modules::LayerDims LlamaModel::dims(int64_t layer) const {
+  const LlamaConfig& c = config;
+  modules::LayerDims d{c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps};
+  d.norm_plus_one = c.norm_plus_one;
+  d.activation = c.activation;
+  if (c.query_pre_attn_scalar) d.attention.scale = 1.0 / std::sqrt(*c.query_pre_attn_scalar);
+  d.attention.softcap = c.attn_logit_softcapping.value_or(0.0);
+  if (c.is_sliding(layer)) d.attention.window = *c.sliding_window;
+  return d;
 }
 
 LlamaModel load_llama(const std::string& checkpoint_dir, const LlamaLoadOptions& opt) {
@@ -106,12 +115,11 @@ LlamaModel load_llama(const std::string& checkpoint_dir, const LlamaLoadOptions&
     throw std::invalid_argument(
         "load_llama: frozen dtype must equal the compute dtype, or be bfloat16 with float32 compute");
   }
-  const Architecture& arch = llama_architecture();
-  const std::set<std::string> targets = lora_targets(arch, opt.lora_targets);
-  if (!targets.empty() && opt.lora_r <= 0) throw std::invalid_argument("load_llama: lora r must be positive");
-
   LlamaModel m;
   m.config = load_llama_config(checkpoint_dir);
+  const Architecture& arch = m.architecture();
+  const std::set<std::string> targets = lora_targets(arch, opt.lora_targets);
+  if (!targets.empty() && opt.lora_r <= 0) throw std::invalid_argument("load_llama: lora r must be positive");
   m.compute_dtype = opt.compute_dtype;
   m.frozen_dtype = frozen;
   m.activation_checkpointing = opt.activation_checkpointing;
@@ -125,7 +133,7 @@ LlamaModel load_llama(const std::string& checkpoint_dir, const LlamaLoadOptions&
   m.layers.reserve(static_cast<size_t>(c.num_hidden_layers));  // layers keep their addresses
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
     m.layers.push_back(ld.layer(arch, c, i, targets, gen));
-    if (opt.on_layer_loaded) opt.on_layer_loaded(i, m.layers.back());
+    if (opt.on_layer_loaded) opt.on_layer_loaded(i, m.layers.back(), arch);
   }
   m.norm = ld.dense(arch.final_norm_key, {h});
   const ProjectionRow& head = output_projection(arch);
@@ -135,7 +143,8 @@ LlamaModel load_llama(const std::string& checkpoint_dir, const LlamaLoadOptions&
     m.lm_head = modules::lora_linear_dense(ld.dense(hf_key(head, 0), projection_shape(head, c), frozen));
   }
   if (targets.count(head.peft_name)) ld.add_adapter(m.lm_head, gen);
-  m.inv_freq = modules::rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling).to(opt.device);
+  m.inv_freq = modules::rope_inv_freq(c.head_dim, c.rope()).to(opt.device);
+  if (c.local_rope) m.inv_freq_local = modules::rope_inv_freq(c.head_dim, *c.local_rope).to(opt.device);
   return m;
 }
 
@@ -217,17 +226,23 @@ at::Tensor forward_impl(const LlamaModel& m, const at::Tensor& tokens, const at:
     cache->v.resize(m.layers.size());
   }
   // [seq, head_dim] or [batch, seq, head_dim]
-  const modules::RopeTables rope = modules::rope_tables(m.inv_freq, positions, m.compute_dtype);
-  const modules::LayerDims d = m.dims();
+  const modules::RopeTables rope_global = modules::rope_tables(m.inv_freq, positions, m.compute_dtype);
+  const modules::RopeTables rope_local = m.inv_freq_local.defined()
+                                             ? modules::rope_tables(m.inv_freq_local, positions, m.compute_dtype)
+                                             : rope_global;
   const bool checkpoint = m.activation_checkpointing && !cache && at::GradMode::is_enabled();
   UnitHooks* hooks = m.hooks.get();
   const int64_t num_layers = static_cast<int64_t>(m.layers.size());
   if (hooks) hooks->before_forward(UnitHooks::kEmbedUnit, false);
   at::Tensor h = at::embedding(m.embed_tokens, tokens.to(m.embed_tokens.device()));  // [batch, seq, hidden]
   if (h.scalar_type() != m.compute_dtype) h = h.to(m.compute_dtype);  // bf16 rows widen exactly
+  // Gemma: times sqrt(hidden), rounded to the compute dtype first as transformers does.
+  if (m.config.embed_scale != 1.0) h = h * at::scalar_tensor(m.config.embed_scale, h.options());
   if (hooks) hooks->after_forward(UnitHooks::kEmbedUnit, false);
   for (int64_t i = 0; i < num_layers; ++i) {
     const DecoderLayer& layer = m.layers[i];
+    const modules::LayerDims d = m.dims(i);
+    const modules::RopeTables& rope = m.config.is_sliding(i) ? rope_local : rope_global;
     if (hooks) hooks->before_forward(i, false);
     if (cache) {
       h = modules::decoder_layer_forward(layer, d, h, rope, m.training, &cache->k[i], &cache->v[i]);
@@ -253,8 +268,10 @@ at::Tensor forward_impl(const LlamaModel& m, const at::Tensor& tokens, const at:
     }
   }
   if (hooks) hooks->before_forward(num_layers, false);
-  h = modules::rms_norm(h, m.norm, m.config.rms_norm_eps);
+  h = m.config.norm_plus_one ? modules::rms_norm_plus_one(h, m.norm, m.config.rms_norm_eps)
+                             : modules::rms_norm(h, m.norm, m.config.rms_norm_eps);
   at::Tensor logits = lm_head_forward(m, h);
+  if (const auto cap = m.config.final_logit_softcapping) logits = at::tanh(logits / *cap) * *cap;
   if (hooks) {
     hooks->after_forward(num_layers, false);
     add_backward_hooks(logits, hooks, num_layers, /*feeds_next=*/false);
@@ -268,14 +285,6 @@ void check_tokens(const LlamaModel& m, const at::Tensor& tokens, int64_t past) {
   }
   const int64_t seq = tokens.size(1);
   if (seq == 0) throw std::invalid_argument("LlamaModel::forward: empty sequence");
-  if (m.config.sliding_window && past + seq > *m.config.sliding_window) {
-    // We implement full causal attention, which equals Mistral's sliding-window attention only
-    // while every query sees at most sliding_window keys. (For packed rows this is conservative:
-    // it bounds the row length, not each sample's.)
-    throw std::invalid_argument("LlamaModel::forward: sequence length " + std::to_string(past + seq) +
-                                " exceeds the config's sliding_window " + std::to_string(*m.config.sliding_window) +
-                                " (sliding-window attention is not implemented)");
-  }
   if (tokens.numel() > 0) {
     const int64_t lo = tokens.min().item<int64_t>(), hi = tokens.max().item<int64_t>();
     if (lo < 0 || hi >= m.config.vocab_size) {
@@ -330,7 +339,7 @@ std::vector<std::pair<std::string, at::Tensor>> LlamaModel::lora_parameters() co
     out.emplace_back("base_model.model." + stem + ".lora_A.weight", l.lora_a);
     out.emplace_back("base_model.model." + stem + ".lora_B.weight", l.lora_b);
   };
-  const Architecture& arch = llama_architecture();
+  const Architecture& arch = architecture();
   for (size_t i = 0; i < layers.size(); ++i) {
     for (const ProjectionRow& row : arch.projections)
       if (row.member) add(hf_module(row.hf_module, static_cast<int64_t>(i)), layers[i].*row.member);

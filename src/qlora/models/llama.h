@@ -1,6 +1,7 @@
-// The Llama family (Llama-2, Llama-3/3.1, Mistral) as a plain struct of tensors, loaded from a
-// Hugging Face checkpoint directory, with a frozen base (full precision or NF4) and optional
-// LoRA adapters whose names follow PEFT's adapter_model.safetensors keys.
+// A Llama-shaped decoder (Llama-2/3/3.1, Mistral, Qwen2/2.5, Qwen3, Gemma 2, Gemma 3 text, Phi-3;
+// see llama_config.h) as a plain struct of tensors, loaded from a Hugging Face checkpoint
+// directory, with a frozen base (full precision or NF4) and optional LoRA adapters whose names
+// follow PEFT's adapter_model.safetensors keys.
 #pragma once
 #include <ATen/core/Tensor.h>
 
@@ -32,8 +33,9 @@ struct LlamaLoadOptions {
   // of compute_dtype storage.
   at::ScalarType frozen_dtype = at::ScalarType::Undefined;
   at::Device device = at::kCPU;
-  // LoRA targets, as rows of llama_architecture() (models/architecture.h) in either spelling:
-  // PEFT (q_proj ... down_proj, lm_head for the output projection) or short (q ... down, output).
+  // LoRA targets, as rows of the family's architecture (models/architecture.h) in either spelling:
+  // PEFT (q_proj ... down_proj, lm_head for the output projection) or short (q ... down, output);
+  // a fused projection (Phi-3's qkv_proj) by its name or by all its parts (q, k, v).
   std::vector<std::string> lora_targets;
   int64_t lora_r = 8;
   double lora_alpha = 16.0;
@@ -43,7 +45,8 @@ struct LlamaLoadOptions {
   // Called with each decoder layer as soon as it is built (in order; the layer stays at that
   // address in the returned model). A sharded engine takes its slice here, so the whole base never
   // sits in one rank's memory.
-  std::function<void(int64_t, modules::DecoderLayer&)> on_layer_loaded;
+  // The family's architecture says which of the layer's tensors it holds.
+  std::function<void(int64_t, modules::DecoderLayer&, const Architecture&)> on_layer_loaded;
 };
 
 // Calls around each unit of the model, for an engine that keeps weights elsewhere between uses
@@ -77,6 +80,7 @@ struct LlamaModel {
   at::Tensor norm;                 // [hidden], frozen
   modules::LoraLinear lm_head;     // [vocab, hidden], dense (frozen_dtype); shares embed_tokens when tied
   at::Tensor inv_freq;             // [head_dim / 2] fp32
+  at::Tensor inv_freq_local;       // Gemma 3's sliding layers' own frequencies; undefined: inv_freq
   bool activation_checkpointing = false;
   bool training = false;           // enables LoRA dropout
   std::shared_ptr<UnitHooks> hooks;  // optional; see UnitHooks
@@ -98,7 +102,9 @@ struct LlamaModel {
   // Trainable tensors with PEFT names, e.g.
   // base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight ([r, in]) / .lora_B.weight.
   std::vector<std::pair<std::string, at::Tensor>> lora_parameters() const;
-  modules::LayerDims dims() const;
+  // Layer i's forward options (its window, the family's norm and attention numerics).
+  modules::LayerDims dims(int64_t layer) const;
+  const Architecture& architecture() const { return architecture_of(config); }
 };
 
 // checkpoint_dir: an HF directory with config.json and model.safetensors (or shards + index).

@@ -3,6 +3,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -51,35 +53,171 @@ std::string get_str(const json& j, const char* key, const std::string& where) {
   return v.get<std::string>();
 }
 
-// RoPE: transformers <= 4.x wrote rope_theta at top level and scaling in rope_scaling; 5.x writes
-// one rope_parameters dict holding rope_theta and rope_type. Accept both.
-void parse_rope(const json& j, const std::string& where, LlamaConfig& c) {
-  c.rope_theta = get_num(j, "rope_theta", where, 10000.0);
-  const char* key = present(j, "rope_parameters") ? "rope_parameters" : "rope_scaling";
-  if (!present(j, key)) return;
-  const json& r = j.at(key);
-  if (!r.is_object()) fail(where, key, "expected an object or null, got " + r.dump());
-  const std::string sub = std::string(key) + ".";
-  if (present(r, "rope_theta")) c.rope_theta = get_num(r, "rope_theta", where + " (" + key + ")");
+// One RoPE dict ({rope_type, rope_theta, factor, ...}) over `p`, whose theta is the default.
+modules::RopeParams parse_rope_dict(const json& r, const json& top, const std::string& w, const std::string& key,
+                                    modules::RopeParams p) {
+  if (!r.is_object()) fail(w, key, "expected an object or null, got " + r.dump());
+  if (present(r, "rope_theta")) p.theta = get_num(r, "rope_theta", w);
   std::string type = "default";
-  if (present(r, "rope_type")) type = get_str(r, "rope_type", where + " (" + key + ")");
-  else if (present(r, "type")) type = get_str(r, "type", where + " (" + key + ")");
-  if (type == "default") return;
+  if (present(r, "rope_type")) type = get_str(r, "rope_type", w);
+  else if (present(r, "type")) type = get_str(r, "type", w);
+  if (present(r, "partial_rotary_factor") && get_num(r, "partial_rotary_factor", w) != 1.0) {
+    fail(w, key + ".partial_rotary_factor", "partial rotary embeddings are not supported (only 1.0)");
+  }
+  if (type == "default") return p;
+  if (type == "linear") {
+    p.linear_factor = get_num(r, "factor", w);
+    if (!(p.linear_factor > 0)) fail(w, key + ".factor", "linear scaling needs factor > 0");
+    return p;
+  }
   if (type != "llama3") {
-    fail(where, sub + "rope_type", "'" + type + "' is not supported (only default and llama3)");
+    fail(w, key + ".rope_type", "'" + type + "' is not supported (only default, linear and llama3)");
   }
   Llama3RopeScaling s;
-  const std::string w = where + " (" + key + ")";
   s.factor = get_num(r, "factor", w);
   s.low_freq_factor = get_num(r, "low_freq_factor", w);
   s.high_freq_factor = get_num(r, "high_freq_factor", w);
   // transformers falls back to max_position_embeddings when this is absent.
   s.original_max_position_embeddings =
-      get_int(r, "original_max_position_embeddings", w, get_int(j, "max_position_embeddings", where, 2048));
+      get_int(r, "original_max_position_embeddings", w, get_int(top, "max_position_embeddings", w, 2048));
   if (!(s.factor > 0) || !(s.high_freq_factor > s.low_freq_factor) || !(s.low_freq_factor > 0)) {
-    fail(where, sub + "factor", "llama3 scaling needs factor > 0 and high_freq_factor > low_freq_factor > 0");
+    fail(w, key + ".factor", "llama3 scaling needs factor > 0 and high_freq_factor > low_freq_factor > 0");
   }
-  c.rope_scaling = s;
+  p.llama3 = s;
+  return p;
+}
+
+// RoPE: transformers <= 4.x wrote rope_theta at top level and scaling in rope_scaling; 5.x writes
+// one rope_parameters dict holding rope_theta and rope_type, or (Gemma 3) one dict per layer type.
+// Gemma 3's older form: rope_theta + rope_scaling for global layers, rope_local_base_freq for local.
+void parse_rope(const json& j, const std::string& where, LlamaConfig& c) {
+  const bool gemma3 = c.family == Family::kGemma3;
+  modules::RopeParams global{get_num(j, "rope_theta", where, gemma3 ? 1e6 : 10000.0), std::nullopt, 1.0};
+  modules::RopeParams local{get_num(j, "rope_local_base_freq", where, 10000.0), std::nullopt, 1.0};
+  if (present(j, "partial_rotary_factor") && get_num(j, "partial_rotary_factor", where) != 1.0) {
+    fail(where, "partial_rotary_factor", "partial rotary embeddings are not supported (only 1.0)");
+  }
+  const char* key = present(j, "rope_parameters") ? "rope_parameters" : "rope_scaling";
+  if (present(j, key)) {
+    const json& r = j.at(key);
+    const std::string w = where + " (" + key + ")";
+    if (r.is_object() && (r.contains("full_attention") || r.contains("sliding_attention"))) {
+      if (present(r, "full_attention"))
+        global = parse_rope_dict(r.at("full_attention"), j, w, std::string(key) + ".full_attention", global);
+      if (present(r, "sliding_attention"))
+        local = parse_rope_dict(r.at("sliding_attention"), j, w, std::string(key) + ".sliding_attention", local);
+    } else {
+      global = parse_rope_dict(r, j, w, key, global);
+    }
+  }
+  c.rope_theta = global.theta;
+  c.rope_scaling = global.llama3;
+  c.rope_linear_factor = global.linear_factor;
+  if (gemma3) c.local_rope = local;
+}
+
+struct FamilyName {
+  const char* model_type;
+  Family family;
+};
+constexpr FamilyName kFamilies[] = {{"llama", Family::kLlama},   {"mistral", Family::kLlama},
+                                    {"qwen2", Family::kQwen2},   {"qwen3", Family::kQwen3},
+                                    {"gemma2", Family::kGemma2}, {"gemma3_text", Family::kGemma3},
+                                    {"phi3", Family::kPhi3}};
+
+// model_type -> family; a multimodal checkpoint or another family is refused by name.
+Family parse_family(const json& j, const std::string& where, const std::string& type) {
+  if (present(j, "vision_config") || present(j, "text_config")) {
+    fail(where, present(j, "vision_config") ? "vision_config" : "text_config",
+         "'" + type + "' is a multimodal checkpoint (a vision tower beside the language model); only text-only "
+         "decoders are supported (" + supported_model_types() + ")");
+  }
+  for (const FamilyName& f : kFamilies)
+    if (type == f.model_type) return f.family;
+  fail(where, "model_type", "'" + type + "' is not supported (supported: " + supported_model_types() + ")");
+}
+
+// HF's per-class defaults for keys a config.json may leave out.
+bool is_gemma(Family f) { return f == Family::kGemma2 || f == Family::kGemma3; }
+
+// A soft-cap key: absent means the family's default, null means none.
+std::optional<double> softcap(const json& j, const char* key, const std::string& where, std::optional<double> dflt) {
+  if (!j.contains(key)) return dflt;
+  if (j.at(key).is_null()) return std::nullopt;
+  const double v = get_num(j, key, where);
+  if (!(v > 0)) fail(where, key, "must be positive or null, got " + j.at(key).dump());
+  return v;
+}
+
+// Which layers use the sliding window: layer_types when the config lists them (transformers 5),
+// else each family's rule for its older configs.
+void parse_sliding(const json& j, const std::string& where, LlamaConfig& c) {
+  const Family f = c.family;
+  const bool qwen = f == Family::kQwen2 || f == Family::kQwen3;
+  std::optional<int64_t> window;
+  if (present(j, "sliding_window")) window = get_int(j, "sliding_window", where);
+  else if (is_gemma(f) && !j.contains("sliding_window")) window = 4096;
+  if (qwen && !get_bool(j, "use_sliding_window", where, false)) window.reset();
+  if (get_bool(j, "use_bidirectional_attention", where, false)) {
+    fail(where, "use_bidirectional_attention", "bidirectional (encoder) attention is not supported");
+  }
+  const int64_t n = c.num_hidden_layers;
+  c.sliding_layers.assign(static_cast<size_t>(n), false);
+  if (present(j, "layer_types")) {
+    const json& t = j.at("layer_types");
+    if (!t.is_array() || static_cast<int64_t>(t.size()) != n) {
+      fail(where, "layer_types", "expected a list of " + std::to_string(n) + " layer types (num_hidden_layers)");
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      const json& v = t.at(static_cast<size_t>(i));
+      if (v == "sliding_attention") c.sliding_layers[static_cast<size_t>(i)] = true;
+      else if (v != "full_attention")
+        fail(where, "layer_types", "entry " + std::to_string(i) + " is " + v.dump() +
+                                       " (supported: \"full_attention\", \"sliding_attention\")");
+    }
+  } else if (window) {
+    const int64_t pattern = get_int(j, "sliding_window_pattern", where, 6);
+    const int64_t max_window_layers = get_int(j, "max_window_layers", where, 0);
+    for (int64_t i = 0; i < n; ++i) {
+      bool s = true;  // llama/mistral/phi3: every layer
+      if (f == Family::kGemma2) s = i % 2 == 0;
+      if (f == Family::kGemma3) s = pattern <= 0 || (i + 1) % pattern != 0;
+      if (qwen) s = i >= max_window_layers;
+      c.sliding_layers[static_cast<size_t>(i)] = s;
+    }
+  }
+  const bool any = std::find(c.sliding_layers.begin(), c.sliding_layers.end(), true) != c.sliding_layers.end();
+  if (any && !window) fail(where, "sliding_window", "layer_types has sliding layers but no window is set");
+  if (any) c.sliding_window = window;
+}
+
+MlpActivation parse_activation(const json& j, const std::string& where) {
+  const char* key = present(j, "hidden_activation") ? "hidden_activation" : "hidden_act";
+  const std::string act = present(j, key) ? get_str(j, key, where) : "silu";
+  if (act == "silu") return MlpActivation::kSilu;
+  if (act == "gelu_pytorch_tanh") return MlpActivation::kGeluTanh;
+  fail(where, key, "'" + act + "' is not supported (silu or gelu_pytorch_tanh)");
+}
+
+// What the family computes beyond a Llama block (see llama_config.h).
+void parse_family_numerics(const json& j, const std::string& where, LlamaConfig& c) {
+  c.activation = parse_activation(j, where);
+  const Family f = c.family;
+  if (f == Family::kPhi3) {
+    if (j.contains("attention_bias") && get_bool(j, "attention_bias", where, false))
+      fail(where, "attention_bias", "Phi-3 has no attention biases");
+  } else if (f != Family::kQwen2) {
+    c.attention_bias = get_bool(j, "attention_bias", where, false);
+  }
+  if (get_bool(j, "mlp_bias", where, false)) fail(where, "mlp_bias", "MLP biases are not supported");
+  if (!is_gemma(f)) return;
+  c.norm_plus_one = true;
+  c.embed_scale = std::sqrt(static_cast<double>(c.hidden_size));
+  c.query_pre_attn_scalar = get_num(j, "query_pre_attn_scalar", where, 256.0);
+  if (!(*c.query_pre_attn_scalar > 0)) fail(where, "query_pre_attn_scalar", "must be positive");
+  const bool g2 = f == Family::kGemma2;
+  c.attn_logit_softcapping = softcap(j, "attn_logit_softcapping", where, g2 ? std::optional<double>(50.0) : std::nullopt);
+  c.final_logit_softcapping = softcap(j, "final_logit_softcapping", where, g2 ? std::optional<double>(30.0) : std::nullopt);
 }
 
 }  // namespace
@@ -104,6 +242,8 @@ void LlamaConfig::validate(const std::string& where) const {
   if (!(rms_norm_eps > 0)) fail(where, "rms_norm_eps", "must be positive");
   if (!(rope_theta > 0)) fail(where, "rope_theta", "must be positive");
   if (sliding_window && *sliding_window <= 0) fail(where, "sliding_window", "must be positive or null");
+  if (!sliding_layers.empty() && static_cast<int64_t>(sliding_layers.size()) != num_hidden_layers)
+    fail(where, "layer_types", "needs one entry per layer");
 }
 
 LlamaConfig parse_llama_config(const std::string& json_text, const std::string& where) {
@@ -116,9 +256,7 @@ LlamaConfig parse_llama_config(const std::string& json_text, const std::string& 
   if (!j.is_object()) throw std::invalid_argument(where + ": expected a JSON object");
   LlamaConfig c;
   c.model_type = get_str(j, "model_type", where);
-  if (c.model_type != "llama" && c.model_type != "mistral") {
-    fail(where, "model_type", "'" + c.model_type + "' is not supported (llama or mistral)");
-  }
+  c.family = parse_family(j, where, c.model_type);
   c.hidden_size = get_int(j, "hidden_size", where);
   c.intermediate_size = get_int(j, "intermediate_size", where);
   c.num_hidden_layers = get_int(j, "num_hidden_layers", where);
@@ -126,10 +264,11 @@ LlamaConfig parse_llama_config(const std::string& json_text, const std::string& 
   c.num_key_value_heads = get_int(j, "num_key_value_heads", where, c.num_attention_heads);
   c.vocab_size = get_int(j, "vocab_size", where);
   if (c.num_attention_heads <= 0) fail(where, "num_attention_heads", "must be positive");
+  if (c.num_hidden_layers <= 0) fail(where, "num_hidden_layers", "must be positive");
   c.head_dim = get_int(j, "head_dim", where, c.hidden_size / c.num_attention_heads);
-  c.rms_norm_eps = get_num(j, "rms_norm_eps", where, 1e-6);
+  c.rms_norm_eps = get_num(j, "rms_norm_eps", where, c.family == Family::kPhi3 ? 1e-5 : 1e-6);
   c.max_position_embeddings = get_int(j, "max_position_embeddings", where, 2048);
-  c.tie_word_embeddings = get_bool(j, "tie_word_embeddings", where, false);
+  c.tie_word_embeddings = get_bool(j, "tie_word_embeddings", where, is_gemma(c.family));
   parse_rope(j, where, c);
   if (present(j, "bos_token_id")) c.bos_token_id = get_int(j, "bos_token_id", where);
   if (present(j, "eos_token_id")) {
@@ -145,14 +284,19 @@ LlamaConfig parse_llama_config(const std::string& json_text, const std::string& 
       fail(where, "eos_token_id", "expected an integer or a list of integers, got " + e.dump());
     }
   }
-  if (present(j, "sliding_window")) c.sliding_window = get_int(j, "sliding_window", where);
-  const std::string act = present(j, "hidden_act") ? get_str(j, "hidden_act", where) : "silu";
-  if (act != "silu") fail(where, "hidden_act", "'" + act + "' is not supported (only silu)");
-  if (get_bool(j, "attention_bias", where, false)) fail(where, "attention_bias", "biases are not supported");
-  if (get_bool(j, "mlp_bias", where, false)) fail(where, "mlp_bias", "biases are not supported");
-  // pretraining_tp only changes how HF splits matmuls (same maths up to rounding): ignored.
+  parse_sliding(j, where, c);
+  parse_family_numerics(j, where, c);
+  // pretraining_tp only changes how HF splits matmuls (same maths up to rounding): ignored. So are
+  // dropout probabilities (attention_dropout, resid_pdrop, ...): the base is frozen and run in
+  // eval form; only the LoRA path has dropout (lora.dropout).
   c.validate(where);
   return c;
+}
+
+std::string supported_model_types() {
+  std::string out;
+  for (const FamilyName& f : kFamilies) out += (out.empty() ? "" : ", ") + std::string(f.model_type);
+  return out;
 }
 
 LlamaConfig load_llama_config(const std::string& path) {

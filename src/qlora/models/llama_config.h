@@ -1,22 +1,35 @@
-// The Llama-family architecture description, parsed from a Hugging Face config.json.
-// Covers Llama-2, Llama-3/3.1 (GQA, llama3 RoPE scaling) and Mistral-7B. Keys we do not model
-// are ignored (HF configs carry many training/generation keys); keys we model but whose value we
-// cannot honour (another rope type, attention/MLP biases, an activation other than SiLU) are
-// errors, because silently ignoring them would give a model that differs from the checkpoint's.
+// A decoder-only model's architecture description, parsed from a Hugging Face config.json.
+// One struct serves every family we load (the name is historical: they all are Llama-shaped
+// pre-norm decoders); the family decides which weights exist (models/architecture.h) and the
+// fields below say what its compute does differently:
+//   llama, mistral  Llama-2, Llama-3/3.1 (GQA, llama3 RoPE scaling), Mistral (sliding window)
+//   qwen2           Qwen2/2.5: q/k/v biases
+//   qwen3           Qwen3: per-head RMSNorm on q and k
+//   gemma2          (1 + w) norms, sqrt(hidden) embedding scale, four norms a block, soft-capping,
+//                   query_pre_attn_scalar, sliding window on alternate layers, GeGLU (gelu tanh)
+//   gemma3_text     Gemma 2's norms plus q/k norms, local:global layers with their own RoPE
+//   phi3            fused qkv_proj and gate_up_proj
+// Keys we do not model are ignored (HF configs carry many training/generation keys); keys we
+// model but whose value we cannot honour (another rope type, MLP biases, another activation, a
+// vision tower) are errors naming the key, because a silently different model is worse than none.
 #pragma once
 #include <cstdint>
 #include <optional>
 #include <string>
 #include <vector>
 
-#include "qlora/modules/rope_scaling.h"
+#include "qlora/modules/options.h"
 
 namespace qlora::models {
 
 using modules::Llama3RopeScaling;
 
+enum class Family { kLlama, kQwen2, kQwen3, kGemma2, kGemma3, kPhi3 };
+using modules::MlpActivation;
+
 struct LlamaConfig {
-  std::string model_type;  // "llama" or "mistral"
+  std::string model_type;  // as config.json spells it: "llama", "mistral", "qwen2", ...
+  Family family = Family::kLlama;
   int64_t hidden_size = 0;
   int64_t intermediate_size = 0;
   int64_t num_hidden_layers = 0;
@@ -26,16 +39,34 @@ struct LlamaConfig {
   int64_t vocab_size = 0;
   double rms_norm_eps = 1e-6;
   double rope_theta = 10000.0;
-  std::optional<Llama3RopeScaling> rope_scaling;  // nullopt: plain RoPE
+  std::optional<Llama3RopeScaling> rope_scaling;  // llama3 scaling; nullopt: none
+  double rope_linear_factor = 1.0;                // "linear" scaling (Gemma 3's global layers)
+  // Gemma 3: the sliding-window layers' own RoPE (rope_local_base_freq, unscaled). nullopt: every
+  // layer uses the RoPE above.
+  std::optional<modules::RopeParams> local_rope;
   int64_t max_position_embeddings = 2048;
   bool tie_word_embeddings = false;
   std::optional<int64_t> bos_token_id;
   std::vector<int64_t> eos_token_ids;  // the HF key may be an int or a list
-  // Mistral's sliding-window attention. We implement full causal attention only, which equals
-  // sliding-window attention as long as seq_len <= sliding_window; forward() checks that.
+
+  // Sliding-window attention: a query at position i sees keys j with i - window < j <= i, on the
+  // layers marked in sliding_layers (one entry a layer; all false without a window).
   std::optional<int64_t> sliding_window;
+  std::vector<bool> sliding_layers;  // empty: no layer slides
+
+  MlpActivation activation = MlpActivation::kSilu;
+  bool attention_bias = false;     // q/k/v/o biases (Llama/Qwen3 attention_bias); Qwen2: q/k/v always
+  bool norm_plus_one = false;      // Gemma: RMSNorm scales by (1 + w), in fp32
+  double embed_scale = 1.0;        // Gemma: sqrt(hidden_size), applied in the compute dtype
+  std::optional<double> query_pre_attn_scalar;   // Gemma: attention scale = this^-0.5
+  std::optional<double> attn_logit_softcapping;  // Gemma 2: tanh soft-cap of attention logits
+  std::optional<double> final_logit_softcapping; // Gemma 2: tanh soft-cap of output logits
 
   int64_t kv_groups() const { return num_attention_heads / num_key_value_heads; }
+  bool is_sliding(int64_t layer) const {
+    return !sliding_layers.empty() && sliding_layers.at(static_cast<size_t>(layer));
+  }
+  modules::RopeParams rope() const { return {rope_theta, rope_scaling, rope_linear_factor}; }
   // Throws std::invalid_argument (prefixed with `where`) when sizes are inconsistent.
   void validate(const std::string& where) const;
 };
@@ -44,5 +75,7 @@ struct LlamaConfig {
 LlamaConfig parse_llama_config(const std::string& json_text, const std::string& where);
 // Reads `path`: a config.json file or a checkpoint directory containing one.
 LlamaConfig load_llama_config(const std::string& path);
+// "llama, mistral, qwen2, qwen3, gemma2, gemma3_text, phi3", for messages.
+std::string supported_model_types();
 
 }  // namespace qlora::models

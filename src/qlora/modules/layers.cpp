@@ -9,14 +9,20 @@
 #include <ATen/ops/rsqrt.h>
 #include <ATen/ops/rsub.h>
 #include <ATen/ops/scaled_dot_product_attention.h>
+#include <ATen/ops/gelu.h>
+#include <ATen/ops/matmul.h>
 #include <ATen/ops/silu.h>
+#include <ATen/ops/softmax.h>
+#include <ATen/ops/tanh.h>
 #include <ATen/ops/where.h>
 #include <c10/core/GradMode.h>
 #include <c10/util/StringUtil.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <array>
 #include <cmath>
+#include <limits>
 #include <stdexcept>
 
 namespace qlora::modules {
@@ -27,6 +33,16 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   at::Tensor variance = h.pow(2).mean(-1, /*keepdim=*/true);  // [..., 1]
   h = h * at::rsqrt(variance + eps);
   return weight * h.to(in_dtype);
+}
+
+at::Tensor rms_norm_plus_one(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  at::Tensor h = x.to(at::kFloat);  // [..., dim] fp32
+  h = h * at::rsqrt(h.pow(2).mean(-1, /*keepdim=*/true) + eps);
+  return (h * (weight.to(at::kFloat) + 1.0)).to(x.scalar_type());
+}
+
+at::Tensor layer_norm(const LayerDims& dims, const at::Tensor& x, const at::Tensor& weight) {
+  return dims.norm_plus_one ? rms_norm_plus_one(x, weight, dims.rms_norm_eps) : rms_norm(x, weight, dims.rms_norm_eps);
 }
 
 // Each step is the ATen op transformers' Python expression dispatches to (e.g. `1.0 / t` is
@@ -53,6 +69,12 @@ at::Tensor rope_inv_freq(int64_t head_dim, double theta,
   return at::where(is_medium, smoothed, inv_llama);
 }
 
+at::Tensor rope_inv_freq(int64_t head_dim, const RopeParams& params) {
+  at::Tensor inv_freq = rope_inv_freq(head_dim, params.theta, params.llama3);
+  // transformers' linear scaling: inv_freq / factor.
+  return params.linear_factor == 1.0 ? inv_freq : inv_freq / params.linear_factor;
+}
+
 RopeTables rope_tables(const at::Tensor& inv_freq, const at::Tensor& positions, at::ScalarType dtype) {
   at::Tensor freqs = positions.unsqueeze(-1).to(at::kFloat) * inv_freq.to(positions.device(), at::kFloat);  // [(b,) seq, d/2]
   at::Tensor emb = at::cat({freqs, freqs}, -1);  // [(b,) seq, d]
@@ -77,28 +99,51 @@ at::Tensor repeat_kv(const at::Tensor& x, int64_t n_rep) {
   const int64_t b = x.size(0), kvh = x.size(1), t = x.size(2), d = x.size(3);
   return x.unsqueeze(2).expand({b, kvh, n_rep, t, d}).reshape({b, kvh * n_rep, t, d});
 }
+
+// [seq, total] bool: query i, at position total - seq + i, may see key j (j <= its position and,
+// with a window, j > its position - window).
+at::Tensor causal_window_mask(int64_t seq, int64_t total, int64_t window, const at::TensorOptions& o) {
+  at::Tensor m = at::ones({seq, total}, o.dtype(at::kBool)).tril(total - seq);
+  return window > 0 ? m.triu(total - seq - window + 1) : m;
+}
+
+// Scores, optional mask and softmax over expanded K/V (kk, vv [b, heads, total, d]). mask:
+// broadcastable to [b, heads, seq, total] bool, or undefined with is_causal (square, top-left).
+// Without soft-capping this is SDPA; with it, transformers' eager path: scores * scale, then
+// cap * tanh(scores / cap), then the mask, then softmax in fp32.
+at::Tensor attend(const at::Tensor& q, const at::Tensor& kk, const at::Tensor& vv, at::Tensor mask, bool is_causal,
+                  const AttentionOptions& opt) {
+  const double scale = opt.scale > 0 ? opt.scale : 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
+  if (opt.softcap <= 0) {
+    const std::optional<at::Tensor> m = mask.defined() ? std::optional<at::Tensor>(mask) : std::nullopt;
+    return at::scaled_dot_product_attention(q, kk, vv, m, 0.0, is_causal, scale);
+  }
+  at::Tensor s = at::matmul(q, kk.transpose(2, 3)) * scale;  // [b, heads, seq, total]
+  s = at::tanh(s / opt.softcap) * opt.softcap;
+  if (is_causal) mask = causal_window_mask(q.size(2), kk.size(2), 0, q.options());
+  if (mask.defined()) s = s.masked_fill(mask.logical_not(), -std::numeric_limits<double>::infinity());
+  return at::matmul(at::softmax(s, -1, at::kFloat).to(q.scalar_type()), vv);  // [b, heads, seq, d]
+}
+
 }  // namespace
 
-at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const AttentionOptions& opt) {
   const int64_t heads = q.size(1), seq = q.size(2), total = k.size(2);
   if (heads % k.size(1) != 0) throw std::invalid_argument("causal_attention: kv heads must divide query heads");
   const int64_t n_rep = heads / k.size(1);
   at::Tensor kk = repeat_kv(k, n_rep), vv = repeat_kv(v, n_rep);  // [b, heads, total, d]
-  const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
-  if (total == seq) {
-    return at::scaled_dot_product_attention(q, kk, vv, {}, 0.0, /*is_causal=*/true, scale);
-  }
-  if (seq == 1) {  // one new token attends to everything cached: no mask
-    return at::scaled_dot_product_attention(q, kk, vv, {}, 0.0, false, scale);
-  }
+  // A window no query can exceed is no window.
+  const int64_t window = opt.window > 0 && opt.window < total ? opt.window : 0;
+  if (total == seq && window == 0) return attend(q, kk, vv, {}, /*is_causal=*/true, opt);
+  if (seq == 1 && window == 0) return attend(q, kk, vv, {}, false, opt);  // one new token sees all
   // SDPA's is_causal aligns the mask top-left; with a cache the queries are the *last* seq
   // positions, so query i may see keys up to (total - seq) + i.
-  at::Tensor mask = at::ones({seq, total}, q.options().dtype(at::kBool)).tril(total - seq);
-  return at::scaled_dot_product_attention(q, kk, vv, mask, 0.0, false, scale);
+  return attend(q, kk, vv, causal_window_mask(seq, total, window, q.options()), false, opt);
 }
 
 at::Tensor masked_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            const at::Tensor& attn_mask) {
+                            const at::Tensor& attn_mask, const AttentionOptions& opt) {
   const int64_t b = q.size(0), heads = q.size(1), seq = q.size(2);
   if (heads % k.size(1) != 0) throw std::invalid_argument("masked_attention: kv heads must divide query heads");
   if (k.size(2) != seq) throw std::invalid_argument("masked_attention: keys must cover exactly the query positions");
@@ -110,15 +155,17 @@ at::Tensor masked_attention(const at::Tensor& q, const at::Tensor& k, const at::
   }
   const int64_t n_rep = heads / k.size(1);
   at::Tensor kk = repeat_kv(k, n_rep), vv = repeat_kv(v, n_rep);  // [b, heads, seq, d]
-  const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
   // [b, 1, s, s]: one mask per row, shared by all heads. Not is_causal: the mask already holds
   // the causal structure (and SDPA rejects is_causal together with an explicit mask).
-  return at::scaled_dot_product_attention(q, kk, vv, attn_mask.unsqueeze(1), 0.0, /*is_causal=*/false, scale);
+  at::Tensor mask = attn_mask.unsqueeze(1);
+  if (opt.window > 0 && opt.window < seq) mask = mask.logical_and(causal_window_mask(seq, seq, opt.window, q.options()));
+  return attend(q, kk, vv, mask, /*is_causal=*/false, opt);
 }
 
 std::vector<at::Tensor> DecoderLayer::trainable() const {
   std::vector<at::Tensor> out;
-  for (const LoraLinear* p : {&q_proj, &k_proj, &v_proj, &o_proj, &gate_proj, &up_proj, &down_proj}) {
+  for (const LoraLinear* p : {&q_proj, &k_proj, &v_proj, &qkv_proj, &o_proj, &gate_proj, &up_proj, &gate_up_proj,
+                              &down_proj}) {
     if (p->has_lora()) {
       out.push_back(p->lora_a);
       out.push_back(p->lora_b);
@@ -127,11 +174,43 @@ std::vector<at::Tensor> DecoderLayer::trainable() const {
   return out;
 }
 
-at::Tensor swiglu_mlp(const DecoderLayer& layer, const at::Tensor& x, bool training) {
-  at::Tensor gate = at::silu(lora_linear_forward(layer.gate_proj, x, training));  // [b, s, inter]
-  at::Tensor up = lora_linear_forward(layer.up_proj, x, training);                // [b, s, inter]
-  return lora_linear_forward(layer.down_proj, gate * up, training);              // [b, s, hidden]
+at::Tensor gated_mlp(const DecoderLayer& layer, const LayerDims& dims, const at::Tensor& x, bool training) {
+  at::Tensor gate, up;  // [b, s, inter]
+  if (layer.gate_up_proj.out_features > 0) {
+    const at::Tensor gu = lora_linear_forward(layer.gate_up_proj, x, training);  // [b, s, 2 * inter]
+    const int64_t inter = gu.size(-1) / 2;
+    gate = gu.narrow(-1, 0, inter);
+    up = gu.narrow(-1, inter, inter);
+  } else {
+    gate = lora_linear_forward(layer.gate_proj, x, training);
+    up = lora_linear_forward(layer.up_proj, x, training);
+  }
+  gate = dims.activation == MlpActivation::kSilu ? at::silu(gate) : at::gelu(gate, "tanh");
+  return lora_linear_forward(layer.down_proj, gate * up, training);  // [b, s, hidden]
 }
+
+namespace {
+
+// q [b, s, heads, d], k and v [b, s, kv_heads, d], from q/k/v_proj or Phi-3's qkv_proj.
+std::array<at::Tensor, 3> project_qkv(const DecoderLayer& layer, const LayerDims& dims, const at::Tensor& x,
+                                      bool training) {
+  const int64_t b = x.size(0), s = x.size(1), d = dims.head_dim;
+  const int64_t nq = dims.num_heads * d, nkv = dims.num_kv_heads * d;
+  at::Tensor q, k, v;
+  if (layer.qkv_proj.out_features > 0) {
+    const at::Tensor qkv = lora_linear_forward(layer.qkv_proj, x, training);  // [b, s, nq + 2 nkv]
+    q = qkv.narrow(-1, 0, nq);
+    k = qkv.narrow(-1, nq, nkv);
+    v = qkv.narrow(-1, nq + nkv, nkv);
+  } else {
+    q = lora_linear_forward(layer.q_proj, x, training);
+    k = lora_linear_forward(layer.k_proj, x, training);
+    v = lora_linear_forward(layer.v_proj, x, training);
+  }
+  return {q.view({b, s, dims.num_heads, d}), k.view({b, s, dims.num_kv_heads, d}), v.view({b, s, dims.num_kv_heads, d})};
+}
+
+}  // namespace
 
 at::Tensor decoder_layer_forward(const DecoderLayer& layer, const LayerDims& dims, const at::Tensor& h,
                                  const RopeTables& rope, bool training, at::Tensor* cache_k,
@@ -139,13 +218,14 @@ at::Tensor decoder_layer_forward(const DecoderLayer& layer, const LayerDims& dim
   if (attn_mask.defined() && cache_k) {
     throw std::invalid_argument("decoder_layer_forward: an attention mask cannot be combined with a KV cache");
   }
-  const int64_t b = h.size(0), s = h.size(1), d = dims.head_dim;
-  at::Tensor x = rms_norm(h, layer.input_layernorm, dims.rms_norm_eps);  // [b, s, hidden]
-  at::Tensor q = lora_linear_forward(layer.q_proj, x, training).view({b, s, dims.num_heads, d}).transpose(1, 2);
-  at::Tensor k = lora_linear_forward(layer.k_proj, x, training).view({b, s, dims.num_kv_heads, d}).transpose(1, 2);
-  at::Tensor v = lora_linear_forward(layer.v_proj, x, training).view({b, s, dims.num_kv_heads, d}).transpose(1, 2);
-  q = apply_rope(q, rope);  // [b, heads, s, d]
-  k = apply_rope(k, rope);  // [b, kv_heads, s, d]
+  const int64_t b = h.size(0), s = h.size(1);
+  at::Tensor x = layer_norm(dims, h, layer.input_layernorm);  // [b, s, hidden]
+  auto [q, k, v] = project_qkv(layer, dims, x, training);      // [b, s, heads, d]
+  if (layer.q_norm.defined()) q = layer_norm(dims, q, layer.q_norm);  // per head, before RoPE
+  if (layer.k_norm.defined()) k = layer_norm(dims, k, layer.k_norm);
+  q = apply_rope(q.transpose(1, 2), rope);  // [b, heads, s, d]
+  k = apply_rope(k.transpose(1, 2), rope);  // [b, kv_heads, s, d]
+  v = v.transpose(1, 2);
   if (cache_k) {
     if (cache_k->defined()) {
       *cache_k = at::cat({*cache_k, k}, 2);  // [b, kv_heads, past + s, d]
@@ -157,12 +237,20 @@ at::Tensor decoder_layer_forward(const DecoderLayer& layer, const LayerDims& dim
     k = *cache_k;
     v = *cache_v;
   }
-  at::Tensor attn = (attn_mask.defined() ? masked_attention(q, k, v, attn_mask) : causal_attention(q, k, v))
+  const AttentionOptions& ao = dims.attention;
+  at::Tensor attn = (attn_mask.defined() ? masked_attention(q, k, v, attn_mask, ao) : causal_attention(q, k, v, ao))
                         .transpose(1, 2)
-                        .reshape({b, s, dims.num_heads * d});  // [b, s, heads * d]
-  at::Tensor hidden = h + lora_linear_forward(layer.o_proj, attn, training);  // [b, s, hidden]
-  x = rms_norm(hidden, layer.post_attention_layernorm, dims.rms_norm_eps);
-  return hidden + swiglu_mlp(layer, x, training);
+                        .reshape({b, s, dims.num_heads * dims.head_dim});  // [b, s, heads * d]
+  at::Tensor out = lora_linear_forward(layer.o_proj, attn, training);    // [b, s, hidden]
+  // Gemma's sandwich: post_attention_layernorm closes the attention branch, pre_feedforward opens
+  // the MLP's. Llama's post_attention_layernorm is the MLP's input norm.
+  const bool sandwich = layer.pre_feedforward_layernorm.defined();
+  if (sandwich) out = layer_norm(dims, out, layer.post_attention_layernorm);
+  const at::Tensor hidden = h + out;
+  x = layer_norm(dims, hidden, sandwich ? layer.pre_feedforward_layernorm : layer.post_attention_layernorm);
+  at::Tensor mlp = gated_mlp(layer, dims, x, training);
+  if (sandwich) mlp = layer_norm(dims, mlp, layer.post_feedforward_layernorm);
+  return hidden + mlp;
 }
 
 namespace {

@@ -1,7 +1,9 @@
-// The pieces of a Llama decoder, as free functions over plain structs of tensors: RMSNorm,
-// rotate-half RoPE (with llama3 frequency scaling), causal GQA attention, SwiGLU MLP, the decoder
-// layer, per-layer activation checkpointing and a KV cache for generation.
-// Numerics follow transformers' Llama implementation op for op where the order matters.
+// The pieces of a Llama-shaped decoder, as free functions over plain structs of tensors: RMSNorm
+// (Llama's and Gemma's (1 + w) form), rotate-half RoPE (llama3 / linear frequency scaling), causal
+// GQA attention (sliding window, logit soft-capping), the gated MLP (SiLU or GELU-tanh), the
+// decoder layer in its pre-norm (Llama) and sandwich-norm (Gemma) forms, per-layer activation
+// checkpointing and a KV cache for generation.
+// Numerics follow transformers' implementation of each family op for op where the order matters.
 #pragma once
 #include <ATen/core/Tensor.h>
 
@@ -11,7 +13,7 @@
 #include <vector>
 
 #include "qlora/modules/lora_linear.h"
-#include "qlora/modules/rope_scaling.h"
+#include "qlora/modules/options.h"
 
 namespace qlora::modules {
 
@@ -19,10 +21,14 @@ namespace qlora::modules {
 // (weight * normed, in that order and in the promoted dtype).
 // x: [..., dim]; weight: [dim]. Returns [..., dim].
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+// HF's GemmaRMSNorm: normalise and scale by (1 + weight) in fp32, then cast to x's dtype.
+at::Tensor rms_norm_plus_one(const at::Tensor& x, const at::Tensor& weight, double eps);
 
 // Inverse frequencies [head_dim / 2] fp32: 1 / theta^(2i / head_dim), then llama3 scaling if given.
 at::Tensor rope_inv_freq(int64_t head_dim, double theta,
                          const std::optional<Llama3RopeScaling>& scaling);
+// The same for a RopeParams (theta, llama3 or linear scaling).
+at::Tensor rope_inv_freq(int64_t head_dim, const RopeParams& params);
 
 struct RopeTables {
   // [seq, head_dim] (one position range shared by every row) or [batch, seq, head_dim] (per-token
@@ -43,33 +49,62 @@ struct KvCache {
   void reset() { k.clear(); v.clear(); }
 };
 
+// How a layer's attention scores are formed beyond q.k: the scale (default 1/sqrt(head_dim);
+// Gemma: query_pre_attn_scalar^-0.5), a tanh soft-cap (Gemma 2: cap * tanh(s / cap), after
+// scaling, before masking) and a sliding window (query i sees keys j with i - window < j <= i).
+struct AttentionOptions {
+  double scale = 0.0;    // 0: 1 / sqrt(head_dim)
+  double softcap = 0.0;  // 0: none
+  int64_t window = 0;    // 0: full causal
+};
+
 // Causal attention over q [batch, heads, seq, d], k/v [batch, kv_heads, total, d] where the q
 // positions are the last `seq` of `total` (total > seq with a KV cache). K/V heads are expanded
 // to the query heads (GQA). Returns [batch, heads, seq, d].
-at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v);
+at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const AttentionOptions& opt = {});
 
 // Attention under an explicit boolean mask (true = query i may attend to key j), e.g. the
 // block-causal mask of packed rows. q [batch, heads, seq, d], k/v [batch, kv_heads, seq, d],
 // attn_mask [batch, seq, seq] bool; every query row must allow at least one key (an all-false row
-// would softmax to NaN). K/V heads are expanded as in causal_attention. Returns [batch, heads, seq, d].
+// would softmax to NaN). K/V heads are expanded as in causal_attention. A window in `opt` is
+// applied on top of the mask, by row distance (packed samples are contiguous, so within a sample
+// that is the position distance). Returns [batch, heads, seq, d].
 at::Tensor masked_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            const at::Tensor& attn_mask);
+                            const at::Tensor& attn_mask, const AttentionOptions& opt = {});
 
+// A decoder layer's tensors. Which optional ones are defined is the family's (its architecture
+// rows decide what is loaded) and selects the forward's form.
 struct DecoderLayer {
   at::Tensor input_layernorm, post_attention_layernorm;  // [hidden], compute dtype, frozen
+  // Gemma's sandwich norms: with them, post_attention_layernorm normalises the attention output
+  // and pre_feedforward_layernorm the MLP input; post_feedforward_layernorm the MLP output.
+  at::Tensor pre_feedforward_layernorm, post_feedforward_layernorm;
+  at::Tensor q_norm, k_norm;                            // [head_dim] (Qwen3, Gemma 3), per head
   LoraLinear q_proj, k_proj, v_proj, o_proj;           // [heads*d, hidden] ... [hidden, heads*d]
   LoraLinear gate_proj, up_proj, down_proj;            // [inter, hidden] x2, [hidden, inter]
+  // Phi-3's fused projections, used instead of q/k/v and gate/up when set: qkv_proj stacks q, k
+  // and v along its output, gate_up_proj stacks gate and up.
+  LoraLinear qkv_proj, gate_up_proj;
   // The trainable tensors of this layer (LoRA A/B of every adapted projection).
   std::vector<at::Tensor> trainable() const;
 };
 
+// What the forward of one layer needs besides its tensors.
 struct LayerDims {
   int64_t num_heads = 0, num_kv_heads = 0, head_dim = 0;
   double rms_norm_eps = 1e-6;
+  bool norm_plus_one = false;  // Gemma's (1 + w) RMSNorm for every norm of the layer
+  MlpActivation activation = MlpActivation::kSilu;
+  AttentionOptions attention;
 };
 
-// down(silu(gate(x)) * up(x)). x: [batch, seq, hidden].
-at::Tensor swiglu_mlp(const DecoderLayer& layer, const at::Tensor& x, bool training);
+// The family's RMSNorm: rms_norm, or rms_norm_plus_one when dims.norm_plus_one.
+at::Tensor layer_norm(const LayerDims& dims, const at::Tensor& x, const at::Tensor& weight);
+
+// down(act(gate(x)) * up(x)), gate and up from gate_up_proj when the layer has it.
+// x: [batch, seq, hidden].
+at::Tensor gated_mlp(const DecoderLayer& layer, const LayerDims& dims, const at::Tensor& x, bool training);
 
 // One pre-norm decoder layer. h: [batch, seq, hidden]; rope tables for the seq positions.
 // cache_k/cache_v (optional, together): this layer's cache entries, extended in place.

@@ -32,6 +32,13 @@ LoraLinear lora_linear_nf4(Nf4Tensor weight) {
   return l;
 }
 
+void lora_linear_set_bias(LoraLinear& layer, at::Tensor bias) {
+  if (bias.dim() != 1 || bias.size(0) != layer.out_features) {
+    throw std::invalid_argument("lora_linear: bias must be [out] = [" + std::to_string(layer.out_features) + "]");
+  }
+  layer.bias = bias.detach();
+}
+
 void lora_linear_add_adapter(LoraLinear& layer, int64_t r, double alpha, double dropout,
                              at::Generator gen, at::Device device) {
   if (r <= 0) throw std::invalid_argument("lora: rank r must be positive, got " + std::to_string(r));
@@ -53,7 +60,8 @@ void lora_linear_add_adapter(LoraLinear& layer, int64_t r, double alpha, double 
 
 at::Tensor lora_linear_forward(const LoraLinear& layer, const at::Tensor& x, bool training) {
   at::Tensor y = layer.base_nf4.defined() ? nf4_linear(x, layer.base_nf4)
-                                          : at::linear(x, layer.base_dense);  // [..., out]
+                                          : at::linear(x, layer.base_dense, layer.bias);  // [..., out]
+  if (layer.base_nf4.defined() && layer.bias.defined()) y = y + layer.bias;
   if (!layer.has_lora()) return y;
   return (y + lora_delta(layer, x, training)).to(x.scalar_type());
 }

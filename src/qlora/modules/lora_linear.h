@@ -19,6 +19,7 @@ struct LoraLinear {
   Nf4Tensor base_nf4;     // [out, in] NF4
   at::Tensor base_dense;  // [out, in] in the compute dtype
   int64_t in_features = 0, out_features = 0;
+  at::Tensor bias;  // [out] in the compute dtype, frozen; undefined for a projection without one
 
   // Adapter; undefined when this projection is not a LoRA target (r == 0).
   at::Tensor lora_a;  // [r, in]  fp32, requires_grad
@@ -32,6 +33,10 @@ struct LoraLinear {
 
 LoraLinear lora_linear_dense(at::Tensor weight /*[out, in]*/);
 LoraLinear lora_linear_nf4(Nf4Tensor weight /*[out, in]*/);
+
+// A frozen bias (Qwen2's q/k/v): added to the base output, before the LoRA update, as HF's
+// Linear (inside peft's base layer) adds it.
+void lora_linear_set_bias(LoraLinear& layer, at::Tensor bias /*[out]*/);
 
 // Adds an adapter as peft initialises one (init_lora_weights=True): A ~ kaiming_uniform(a=sqrt(5)),
 // i.e. U(-1/sqrt(in), 1/sqrt(in)), drawn from `gen` (CPU) so runs are reproducible; B = 0, so the
