@@ -118,8 +118,9 @@ def reference_generate(model, prompt):
     """transformers' greedy generate on a [1, P] prompt -> (ids [GEN_NEW], per-step top-2 gaps)."""
     model.generation_config.eos_token_id = None  # run all GEN_NEW steps, as our tool does (no stop ids)
     with torch.no_grad():
-        out = model.generate(prompt, max_new_tokens=GEN_NEW, do_sample=False, return_dict_in_generate=True,
-                             output_logits=True)
+        # An explicit all-ones mask: without one, generate masks prompt tokens equal to pad_token_id (0).
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=GEN_NEW, do_sample=False,
+                             return_dict_in_generate=True, output_logits=True)
     top2 = torch.stack([l[0].float().topk(2).values for l in out.logits])  # [GEN_NEW, 2]
     return out.sequences[0, prompt.size(1):], top2[:, 0] - top2[:, 1]
 
