@@ -12,14 +12,13 @@ needs (our NF4 pads and does not).
 Usage: test_llama_transformers.py --tool PATH/llama_logits --workdir DIR
 Prints one line per check and "N passed, M failed"; exit status 1 on any failure.
 """
-import argparse
 import os
-import subprocess
 import sys
 
 import torch
-from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+from _common import Checks, logits_tool, nf4_roundtrip_projections, parse_tool_args, randomize_norms
 
 # fp32 on both sides; the only differences are the order of floating-point operations (our
 # matmuls/attention go through the same ATen kernels, but e.g. transformers' SDPA call may get
@@ -61,78 +60,38 @@ def cases():
     }
 
 
-def build(name, cfg_cls, model_cls, kw, seed):
+def build(cfg_cls, model_cls, kw, seed):
     torch.manual_seed(seed)
-    cfg = cfg_cls(**COMMON, **kw)
-    model = model_cls(cfg).to(torch.float32).eval()
-    # Random norm weights (HF initialises them to 1), so the norm's weight-multiply is tested.
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if n.endswith("norm.weight"):
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+    model = model_cls(cfg_cls(**COMMON, **kw)).to(torch.float32).eval()
+    randomize_norms(model, seed)
     return model
 
 
-def nf4_roundtrip_projections(model):
-    from torchao.dtypes.nf4tensor import to_nf4
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if n.endswith("_proj.weight"):
-                p.copy_(to_nf4(p.detach().clone()).get_original_weight())
-
-
-def run_tool(tool, ckpt, tokens, out, nf4):
-    arg = ";".join(",".join(str(int(t)) for t in row) for row in tokens.tolist())
-    cmd = [tool, "--checkpoint", ckpt, "--tokens", arg, "--dtype", "fp32", "--out", out]
-    if nf4:
-        cmd.append("--nf4")
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}): {r.stderr.strip()}")
-    return load_file(out)["logits"]
-
-
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--tool", required=True)
-    ap.add_argument("--workdir", required=True)
-    args = ap.parse_args()
-    os.makedirs(args.workdir, exist_ok=True)
-    passed = failed = 0
-
-    def check(label, ours, ref, atol):
-        nonlocal passed, failed
-        diff = (ours - ref).abs().max().item() if ours.shape == ref.shape else float("inf")
-        ok = ours.shape == ref.shape and diff <= atol and torch.isfinite(ours).all().item()
-        print(f"{'PASS' if ok else 'FAIL'} {label}: shape {tuple(ours.shape)} max|diff| {diff:.3e} "
-              f"(atol {atol:g}, max|ref| {ref.abs().max().item():.3f})")
-        passed += ok
-        failed += not ok
-
+    args = parse_tool_args()
+    checks = Checks()
     for i, (name, (cfg_cls, model_cls, kw)) in enumerate(cases().items()):
         try:
-            model = build(name, cfg_cls, model_cls, kw, seed=1234 + i)
+            model = build(cfg_cls, model_cls, kw, seed=1234 + i)
             g = torch.Generator().manual_seed(99 + i)
             tokens = torch.randint(0, COMMON["vocab_size"], (2, 12), generator=g)
             ckpt = os.path.join(args.workdir, name)
             model.save_pretrained(ckpt, safe_serialization=True)
             with torch.no_grad():
                 ref = model(tokens).logits.float()
-            ours = run_tool(args.tool, ckpt, tokens, os.path.join(args.workdir, name + "_logits.safetensors"), False)
-            check(f"{name} fp32", ours, ref, ATOL_FP32)
+            ours = logits_tool(args.tool, ckpt, tokens, os.path.join(args.workdir, name + "_logits.safetensors"))
+            checks.compare(f"{name} fp32", ours, ref, ATOL_FP32)
 
             nf4_roundtrip_projections(model)
             with torch.no_grad():
                 ref_nf4 = model(tokens).logits.float()
             # Our tool quantizes the original fp32 checkpoint itself.
-            ours_nf4 = run_tool(args.tool, ckpt, tokens, os.path.join(args.workdir, name + "_nf4.safetensors"), True)
-            check(f"{name} nf4", ours_nf4, ref_nf4, ATOL_NF4)
-        except Exception as e:  # a crash in one case is a failure, not the end of the run
-            print(f"FAIL {name}: {type(e).__name__}: {e}")
-            failed += 1
-
-    print(f"{passed} passed, {failed} failed")
-    return 1 if failed else 0
+            ours_nf4 = logits_tool(args.tool, ckpt, tokens, os.path.join(args.workdir, name + "_nf4.safetensors"),
+                                   nf4=True)
+            checks.compare(f"{name} nf4", ours_nf4, ref_nf4, ATOL_NF4)
+        except Exception as e:
+            checks.crashed(name, e)
+    return checks.summary()
 
 
 if __name__ == "__main__":

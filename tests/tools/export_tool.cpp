@@ -1,6 +1,8 @@
 // export_tool: builds our LlamaModel from an HF dir with LoRA on every projection and seeded random
 // B (so the adapter is non-trivial), then writes what the PEFT conformance test compares:
-//   export_tool --checkpoint DIR --out DIR [--tokens 1,2,3] [--seed N]
+//   export_tool --checkpoint DIR --out DIR [--tokens 1,2,3] [--seed N] [--targets q_proj,...]
+// --targets: the LoRA targets in PEFT spelling (default: every Llama projection), for families whose
+// modules are named otherwise (Phi-3's qkv_proj, gate_up_proj).
 // OUT/adapter/ (PEFT adapter), OUT/merged/ (merged HF model, MergeSource::Original),
 // OUT/logits.safetensors ("tokens" int64 [1, seq], "logits" float32 [1, seq, vocab]).
 #include <ATen/ops/randn.h>
@@ -21,13 +23,14 @@
 
 namespace {
 [[noreturn]] void usage(const std::string& why) {
-  std::cerr << "export_tool: " << why << "\nusage: export_tool --checkpoint DIR --out DIR [--tokens 1,2,3] [--seed N]\n";
+  std::cerr << "export_tool: " << why << "\nusage: export_tool --checkpoint DIR --out DIR [--tokens 1,2,3] [--seed N]"
+               " [--targets q_proj,...]\n";
   std::exit(2);
 }
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string checkpoint, out, tokens = "1,5,9,42,7,3,100,2";
+  std::string checkpoint, out, tokens = "1,5,9,42,7,3,100,2", targets;
   uint64_t seed = 1234;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -37,6 +40,7 @@ int main(int argc, char** argv) {
     else if (a == "--out") out = v;
     else if (a == "--tokens") tokens = v;
     else if (a == "--seed") seed = std::stoull(v);
+    else if (a == "--targets") targets = v;
     else usage("unknown argument '" + a + "'");
   }
   if (checkpoint.empty() || out.empty()) usage("--checkpoint and --out are required");
@@ -44,6 +48,11 @@ int main(int argc, char** argv) {
     namespace ck = qlora::checkpoint;
     qlora::models::LlamaLoadOptions opt;
     opt.lora_targets = qlora::models::layer_peft_names(qlora::models::llama_architecture());
+    if (!targets.empty()) {
+      opt.lora_targets.clear();
+      std::stringstream ts(targets);
+      for (std::string t; std::getline(ts, t, ',');) opt.lora_targets.push_back(t);
+    }
     opt.lora_r = 8;
     opt.lora_alpha = 16.0;
     opt.seed = seed;

@@ -1,25 +1,55 @@
-// llama_logits: runs our Llama forward on given token ids and writes the logits, so Python
-// conformance tests can compare them with transformers.
-//   llama_logits --checkpoint DIR --tokens 1,2,3[;4,5,6] [--nf4] [--dtype fp32|bf16] --out FILE
+// llama_logits: runs our forward (any family load_llama reads) on given token ids and writes the
+// logits, so Python conformance tests can compare them with transformers.
+//   llama_logits --checkpoint DIR --tokens 1,2,3[;4,5,6] [--nf4] [--dtype fp32|bf16]
+//                [--packed 5,7 | --decode-from P | --generate N] --out FILE
 // Writes FILE (safetensors) with "logits": float32 [batch, seq, vocab].
+// --packed: each row holds samples of these lengths (summing to seq), run through the packed
+//   training forward (positions restarting per sample, block-causal mask).
+// --decode-from P: the KV-cache path: one forward over the first P tokens, then one per token, the
+//   logits of all steps concatenated (equal to the plain forward's when the cache is right).
+// --generate N: instead of logits, "ids": int64 [batch, N], each row's greedy continuation by
+//   models::generate (KV cache), no stop ids.
+#include <ATen/ops/cat.h>
 #include <ATen/ops/tensor.h>
 #include <c10/core/GradMode.h>
 
 #include <cstdlib>
 #include <iostream>
 #include <sstream>
+#include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "qlora/data/batching.h"
 #include "qlora/io/safetensors.h"
+#include "qlora/models/generate.h"
 #include "qlora/models/llama.h"
 
 namespace {
 
 [[noreturn]] void usage(const std::string& why) {
   std::cerr << "llama_logits: " << why << "\n"
-            << "usage: llama_logits --checkpoint DIR --tokens 1,2,3[;4,5,6] [--nf4] [--dtype fp32|bf16] --out FILE\n";
+            << "usage: llama_logits --checkpoint DIR --tokens 1,2,3[;4,5,6] [--nf4] [--dtype fp32|bf16]"
+               " [--packed 5,7 | --decode-from P | --generate N] --out FILE\n";
   std::exit(2);
+}
+
+// "1,2,3" -> {1, 2, 3}; `what` names the flag in errors.
+std::vector<int64_t> parse_ints(const std::string& text, const std::string& what) {
+  std::vector<int64_t> out;
+  std::stringstream cs(text);
+  for (std::string item; std::getline(cs, item, ',');) {
+    try {
+      size_t used = 0;
+      out.push_back(std::stoll(item, &used));
+      if (used != item.size()) throw std::invalid_argument(item);
+    } catch (const std::exception&) {
+      usage(what + ": '" + item + "' is not an integer");
+    }
+  }
+  if (out.empty()) usage(what + ": empty list");
+  return out;
 }
 
 // "1,2,3;4,5,6" -> rows of equal length.
@@ -27,34 +57,40 @@ at::Tensor parse_tokens(const std::string& text) {
   std::vector<int64_t> flat;
   int64_t rows = 0, cols = -1;
   std::stringstream rs(text);
-  std::string row;
-  while (std::getline(rs, row, ';')) {
-    std::stringstream cs(row);
-    std::string item;
-    int64_t n = 0;
-    while (std::getline(cs, item, ',')) {
-      try {
-        size_t used = 0;
-        flat.push_back(std::stoll(item, &used));
-        if (used != item.size()) throw std::invalid_argument(item);
-      } catch (const std::exception&) {
-        usage("--tokens: '" + item + "' is not an integer");
-      }
-      ++n;
-    }
-    if (n == 0) usage("--tokens: empty row");
-    if (cols >= 0 && n != cols) usage("--tokens: rows must have equal length");
-    cols = n;
+  for (std::string row; std::getline(rs, row, ';');) {
+    const std::vector<int64_t> r = parse_ints(row, "--tokens");
+    if (cols >= 0 && static_cast<int64_t>(r.size()) != cols) usage("--tokens: rows must have equal length");
+    cols = static_cast<int64_t>(r.size());
+    flat.insert(flat.end(), r.begin(), r.end());
     ++rows;
   }
   if (rows == 0) usage("--tokens: no tokens");
   return at::tensor(flat, at::TensorOptions().dtype(at::kLong)).view({rows, cols});
 }
 
+// The packed forward's inputs for rows that each hold samples of `lengths`: positions restart at 0
+// per sample, document ids number the samples (every row is packed the same way).
+std::pair<at::Tensor, at::Tensor> packed_inputs(const std::vector<int64_t>& lengths, int64_t rows, int64_t seq) {
+  std::vector<int64_t> pos, doc;
+  for (size_t d = 0; d < lengths.size(); ++d) {
+    if (lengths[d] <= 0) usage("--packed: lengths must be positive");
+    for (int64_t i = 0; i < lengths[d]; ++i) {
+      pos.push_back(i);
+      doc.push_back(static_cast<int64_t>(d));
+    }
+  }
+  if (static_cast<int64_t>(pos.size()) != seq) usage("--packed: lengths must sum to the row length");
+  const auto opt = at::TensorOptions().dtype(at::kLong);
+  const at::Tensor position_ids = at::tensor(pos, opt).view({1, seq}).expand({rows, seq}).contiguous();
+  const at::Tensor document_ids = at::tensor(doc, opt).view({1, seq}).expand({rows, seq}).contiguous();
+  return {position_ids, qlora::data::block_causal_mask(document_ids)};
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string checkpoint, tokens, out;
+  std::string checkpoint, tokens, out, packed;
+  int64_t generate_n = -1, decode_from = -1;
   qlora::models::LlamaLoadOptions opt;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -66,6 +102,9 @@ int main(int argc, char** argv) {
     else if (a == "--tokens") tokens = value();
     else if (a == "--out") out = value();
     else if (a == "--nf4") opt.base_in_nf4 = true;
+    else if (a == "--packed") packed = value();
+    else if (a == "--generate") generate_n = parse_ints(value(), "--generate").at(0);
+    else if (a == "--decode-from") decode_from = parse_ints(value(), "--decode-from").at(0);
     else if (a == "--dtype") {
       const std::string d = value();
       if (d == "fp32") opt.compute_dtype = at::kFloat;
@@ -76,12 +115,43 @@ int main(int argc, char** argv) {
     }
   }
   if (checkpoint.empty() || tokens.empty() || out.empty()) usage("--checkpoint, --tokens and --out are required");
+  if (!packed.empty() + (generate_n >= 0) + (decode_from >= 0) > 1)
+    usage("--packed, --decode-from and --generate exclude each other");
   try {
     const at::Tensor ids = parse_tokens(tokens);  // [batch, seq]
     const qlora::models::LlamaModel model = qlora::models::load_llama(checkpoint, opt);
     at::NoGradGuard no_grad;
-    const at::Tensor logits = model.forward(ids).contiguous();  // [batch, seq, vocab] fp32
-    qlora::io::save_safetensors(out, {{"logits", logits}});
+    if (generate_n >= 0) {
+      qlora::models::GenerateOptions g;  // greedy, no stop ids
+      g.max_new_tokens = generate_n;
+      std::vector<int64_t> all;
+      for (int64_t r = 0; r < ids.size(0); ++r) {
+        const at::Tensor row = ids[r].contiguous();
+        const std::vector<int64_t> prompt(row.data_ptr<int64_t>(), row.data_ptr<int64_t>() + row.numel());
+        const std::vector<int64_t> got = qlora::models::generate(model, prompt, g);
+        if (static_cast<int64_t>(got.size()) != generate_n)
+          throw std::runtime_error("generate returned " + std::to_string(got.size()) + " ids, wanted " +
+                                   std::to_string(generate_n));
+        all.insert(all.end(), got.begin(), got.end());
+      }
+      const at::Tensor t = at::tensor(all, at::TensorOptions().dtype(at::kLong)).view({ids.size(0), generate_n});
+      qlora::io::save_safetensors(out, {{"ids", t}});
+      return 0;
+    }
+    at::Tensor logits;  // [batch, seq, vocab] fp32
+    if (decode_from >= 0) {
+      if (decode_from < 1 || decode_from > ids.size(1)) usage("--decode-from must be in [1, seq]");
+      qlora::modules::KvCache cache;
+      std::vector<at::Tensor> steps{model.forward(ids.narrow(1, 0, decode_from), &cache)};
+      for (int64_t t = decode_from; t < ids.size(1); ++t) steps.push_back(model.forward(ids.narrow(1, t, 1), &cache));
+      logits = at::cat(steps, 1);
+    } else if (packed.empty()) {
+      logits = model.forward(ids);
+    } else {
+      const auto [position_ids, mask] = packed_inputs(parse_ints(packed, "--packed"), ids.size(0), ids.size(1));
+      logits = model.forward(ids, position_ids, mask);
+    }
+    qlora::io::save_safetensors(out, {{"logits", logits.contiguous()}});
   } catch (const std::exception& e) {
     std::cerr << "llama_logits: " << e.what() << "\n";
     return 1;

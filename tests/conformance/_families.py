@@ -1,0 +1,120 @@
+"""Tiny random models of each family issue #11 adds, as transformers builds them.
+
+Every case: vocab 128, fp32, random norm weights and biases (_common.randomize_norms). Dimensions make
+every decoder projection's numel a multiple of 64 * 256 (torchao's to_nf4). Sliding windows are 8 and
+the test sequences 20 long, so each windowed layer drops keys that full causal attention would keep.
+
+A case's `ablations` are variants of the same weights with one feature switched off (config
+overrides, or an edit of the parameters); the tests check that each one moves the reference
+logits by far more than the tolerance, so the case really exercises that feature and a forward that
+skips it cannot pass.
+"""
+import torch
+from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig,
+                          LlamaForCausalLM, MistralConfig, MistralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+                          Qwen3Config, Qwen3ForCausalLM)
+
+from _common import randomize_norms
+
+WINDOW = 8
+SEQ = 20  # > WINDOW
+COMMON = dict(vocab_size=128, max_position_embeddings=128, initializer_range=0.1, num_hidden_layers=2,
+              pad_token_id=0, bos_token_id=1, eos_token_id=2)
+# q [256, 256] or [512, 256], k/v [128, 256] or [64, 256], MLP [512, 256]: all multiples of 16384.
+GQA = dict(hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=2)
+LLAMA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+PHI3_TARGETS = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]  # as peft names Phi-3's modules
+# Gemma: head_dim 64 with 4 heads, query_pre_attn_scalar 32 != head_dim (scale 32^-0.5, not 64^-0.5).
+GEMMA = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+             query_pre_attn_scalar=32, sliding_window=WINDOW)
+GEMMA3_LAYERS = ["sliding_attention", "full_attention", "sliding_attention"]
+GEMMA3_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+               "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}
+GEMMA3_ROPE_LINEAR = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                      "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}}
+
+
+def _set(suffix, value):
+    """A parameter edit for an ablation: every parameter whose name ends with suffix := value."""
+    def edit(model):
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if n.endswith(suffix):
+                    p.fill_(value)
+    return edit
+
+
+def _case(cfg_cls, model_cls, kw, targets=LLAMA_TARGETS, attn="sdpa", ablations=()):
+    return dict(cfg_cls=cfg_cls, model_cls=model_cls, kw=kw, targets=targets, attn=attn, ablations=list(ablations))
+
+
+CASES = {
+    # The control: a family that loads today, so the packed, KV-cache and generate paths of the tools
+    # are known to pass where the forward is right.
+    "llama": _case(LlamaConfig, LlamaForCausalLM, dict(**GQA, tie_word_embeddings=False)),
+    "qwen2_untied": _case(Qwen2Config, Qwen2ForCausalLM, dict(**GQA, tie_word_embeddings=False),
+                          ablations=[("no q/k/v bias", {}, _set("_proj.bias", 0.0))]),
+    "qwen2_tied": _case(Qwen2Config, Qwen2ForCausalLM, dict(**GQA, tie_word_embeddings=True),
+                        ablations=[("no q/k/v bias", {}, _set("_proj.bias", 0.0))]),
+    # head_dim 64 with 8 heads: q is [512, 256], wider than hidden.
+    "qwen3": _case(Qwen3Config, Qwen3ForCausalLM, dict(**GQA, head_dim=64, tie_word_embeddings=False),
+                   ablations=[("q/k norm weights 1", {}, lambda m: (_set("q_norm.weight", 1.0)(m),
+                                                                    _set("k_norm.weight", 1.0)(m)))]),
+    # Caps small enough to bend random logits of O(1..10); eager: transformers' SDPA path has no
+    # attention soft-capping, eager is the definition.
+    "gemma2": _case(Gemma2Config, Gemma2ForCausalLM,
+                    dict(**GEMMA, attn_logit_softcapping=2.0, final_logit_softcapping=3.0), attn="eager",
+                    ablations=[("no attention softcap", {"attn_logit_softcapping": None}, None),
+                               ("no final softcap", {"final_logit_softcapping": None}, None),
+                               ("no sliding window", {"sliding_window": 4 * SEQ}, None),
+                               ("query_pre_attn_scalar = head_dim", {"query_pre_attn_scalar": 64}, None)]),
+    "gemma3": _case(Gemma3TextConfig, Gemma3ForCausalLM,
+                    dict(**GEMMA, num_hidden_layers=3, layer_types=GEMMA3_LAYERS, rope_parameters=GEMMA3_ROPE),
+                    attn="eager",
+                    ablations=[("no sliding window", {"sliding_window": 4 * SEQ}, None),
+                               ("one RoPE base", {"rope_parameters": {
+                                   k: {"rope_type": "default", "rope_theta": 10000.0} for k in GEMMA3_ROPE}}, None),
+                               ("q/k norm weights 0 (scale 1)", {}, lambda m: (_set("q_norm.weight", 0.0)(m),
+                                                                               _set("k_norm.weight", 0.0)(m)))]),
+    "gemma3_linear": _case(Gemma3TextConfig, Gemma3ForCausalLM,
+                           dict(**GEMMA, num_hidden_layers=3, layer_types=GEMMA3_LAYERS,
+                                rope_parameters=GEMMA3_ROPE_LINEAR),
+                           attn="eager",
+                           ablations=[("no linear scaling", {"rope_parameters": GEMMA3_ROPE}, None)]),
+    "mistral_sliding": _case(MistralConfig, MistralForCausalLM,
+                             dict(**GQA, sliding_window=WINDOW, tie_word_embeddings=False),
+                             ablations=[("no sliding window", {"sliding_window": None}, None)]),
+    # qkv_proj [384, 256], gate_up_proj [1024, 256].
+    "phi3": _case(Phi3Config, Phi3ForCausalLM, dict(**GQA, sliding_window=WINDOW, tie_word_embeddings=False),
+                  targets=PHI3_TARGETS,
+                  ablations=[("no sliding window", {"sliding_window": None}, None)]),
+}
+
+
+def config(name, **overrides):
+    c = CASES[name]
+    kw = {**COMMON, **c["kw"], **overrides}
+    return c["cfg_cls"](**kw)
+
+
+def build(name, seed, **overrides):
+    """The case's model (fp32, eval) with seeded weights, random norms and biases."""
+    c = CASES[name]
+    torch.manual_seed(seed)
+    cfg = config(name, **overrides)
+    cfg._attn_implementation = c["attn"]
+    model = c["model_cls"](cfg).to(torch.float32).eval()
+    randomize_norms(model, seed)
+    return model
+
+
+def ablated(name, model, overrides, edit):
+    """The same weights as `model` with the ablation's config overrides and parameter edit."""
+    c = CASES[name]
+    cfg = config(name, **overrides)
+    cfg._attn_implementation = c["attn"]
+    other = c["model_cls"](cfg).to(torch.float32).eval()
+    other.load_state_dict(model.state_dict())
+    if edit is not None:
+        edit(other)
+    return other

@@ -1,0 +1,192 @@
+#!/usr/bin/env python3
+"""Conformance: our forward for the families of issue #11 (tests/tools/llama_logits) against transformers.
+
+For each tiny random model of _families.CASES (Llama as the control that loads today, Qwen2 untied/tied, Qwen3, Gemma 2, Gemma 3 text with
+mixed layer types and per-type RoPE bases, plus a linear-scaled global RoPE, Mistral and Phi-3 with a
+sliding window shorter than the sequence), written by transformers' save_pretrained in >= 2 shards:
+  reference  each ablation of the case (a feature switched off) moves transformers' logits by far
+             more than the tolerance, so the case exercises that feature (needs no tool)
+  fp32       logits of a batch of 2 rows of SEQ tokens
+  packed     each row as two packed samples (11 + 9 tokens, each longer than the window): the packed
+             training forward equals transformers run on each sample alone
+  decode     the KV cache: prefill P tokens (P = 5 < window, P = 12 > window), then one token per
+             forward; the logits equal transformers' full forward
+  nf4        the base projections in NF4: the reference gets each decoder *_proj.weight replaced by
+             torchao's to_nf4(w).get_original_weight(), our tool runs with --nf4
+Then greedy generation (models::generate through llama_logits --generate) equals transformers'
+generate(do_sample=False) for prompts shorter and longer than the window, prompt + new tokens > window.
+
+Usage: test_families_transformers.py --tool PATH/llama_logits --workdir DIR [--case NAME ...]
+Prints one line per check and "N passed, M failed"; exit status 1 on any failure. A case our tool
+refuses (e.g. an unsupported model_type) fails with the tool's stderr.
+"""
+import os
+import sys
+
+import torch
+
+import _families as F
+from _common import (Checks, logits_tool, nf4_roundtrip_projections, parse_tool_args, run_tool, save_sharded,
+                     tokens_arg)
+
+# fp32 on both sides; the differences are the order of floating-point operations (our matmuls and
+# attention vs transformers' eager/SDPA, one token per forward with a cache vs the whole row).
+# Rounding error grows with the size of the values, and Gemma's sqrt(hidden) embedding scale gives
+# logits of O(20) where the others are O(5), so the tolerance is per unit of the largest reference
+# logit: 1e-4 * max(1, max|ref|) is ~1e3 fp32 ulps of it, while every ablation below (a feature
+# skipped or done the wrong way) moves the logits by > 1.
+ATOL_FP32_PER_UNIT = 1e-4
+# NF4: our dequantization is bit-identical to torchao's (conformance.nf4_torchao), so the fp32
+# tolerance applies; a thread-count-dependent last bit of the absmax mean moves weights by ~1 ulp.
+ATOL_NF4_PER_UNIT = 1e-4
+# An ablation must move the reference logits by this many tolerances to count as exercised.
+ABLATION_MARGIN = 100.0
+PACKED = [11, 9]             # sums to SEQ; each sample longer than the window
+DECODE_FROM = [5, 12]        # prefill lengths for the KV-cache check: below and above the window
+GEN_PROMPTS = [5, 12]        # greedy generation prompt lengths
+GEN_NEW = 16                 # new tokens: 5 + 16 and 12 + 16 both pass the window of 8
+# Greedy ids must be equal. A divergence is excused only where transformers' top-2 logits at that
+# step are closer than two tolerances (each side may be off by one, so such a pair can swap).
+GEN_CASES = {"llama": {}, "qwen2_untied": {}, "gemma2": {"tie_word_embeddings": False},
+             "gemma3": {"tie_word_embeddings": False}, "mistral_sliding": {}, "phi3": {}}
+# Tied Gemma embeddings (scaled by 16) make a random model repeat its input token forever, which
+# would test nothing about the cache; untied, the greedy continuation varies.
+
+
+def atol_for(ref, per_unit):
+    return per_unit * max(1.0, ref.abs().max().item())
+
+
+def reference_logits(model, tokens):
+    with torch.no_grad():
+        return model(tokens).logits.float()
+
+
+def check_ablations(checks, name, model, tokens, ref):
+    atol = atol_for(ref, ATOL_FP32_PER_UNIT)
+    for label, overrides, edit in F.CASES[name]["ablations"]:
+        moved = (reference_logits(F.ablated(name, model, overrides, edit), tokens) - ref).abs().max().item()
+        checks.check(f"{name} reference exercises: {label}", moved > ABLATION_MARGIN * atol,
+                     f"max|ablated - ref| {moved:.3e} (want > {ABLATION_MARGIN:g} x atol {atol:.1e})")
+
+
+def check_forwards(checks, args, name, model, ckpt, tokens):
+    """fp32, packed and decode against the fp32 reference; each step fails on its own."""
+    ref = reference_logits(model, tokens)
+    atol = atol_for(ref, ATOL_FP32_PER_UNIT)
+    out = lambda tag: os.path.join(args.workdir, f"{name}_{tag}.safetensors")
+    try:
+        checks.compare(f"{name} fp32", logits_tool(args.tool, ckpt, tokens, out("fp32")), ref, atol)
+    except Exception as e:
+        checks.crashed(f"{name} fp32", e)
+    try:
+        cut = PACKED[0]
+        ref_packed = torch.cat([reference_logits(model, tokens[:, :cut]), reference_logits(model, tokens[:, cut:])], 1)
+        ours = logits_tool(args.tool, ckpt, tokens, out("packed"), extra=["--packed", ",".join(map(str, PACKED))])
+        checks.compare(f"{name} packed {PACKED}", ours, ref_packed, atol_for(ref_packed, ATOL_FP32_PER_UNIT))
+    except Exception as e:
+        checks.crashed(f"{name} packed", e)
+    for p in DECODE_FROM:
+        try:
+            ours = logits_tool(args.tool, ckpt, tokens, out(f"decode{p}"), extra=["--decode-from", str(p)])
+            checks.compare(f"{name} kv-cache decode from {p}", ours, ref, atol)
+        except Exception as e:
+            checks.crashed(f"{name} kv-cache decode from {p}", e)
+
+
+def check_nf4(checks, args, name, model, ckpt, tokens):
+    try:
+        nf4_roundtrip_projections(model)
+        ref = reference_logits(model, tokens)
+        # Our tool quantizes the original fp32 checkpoint itself.
+        ours = logits_tool(args.tool, ckpt, tokens, os.path.join(args.workdir, f"{name}_nf4.safetensors"), nf4=True)
+        checks.compare(f"{name} nf4", ours, ref, atol_for(ref, ATOL_NF4_PER_UNIT))
+    except Exception as e:
+        checks.crashed(f"{name} nf4", e)
+
+
+def greedy_without_cache(model, prompt, n):
+    """transformers' full forward, argmax appended n times: what the cached generate must equal."""
+    seq = prompt.clone()
+    with torch.no_grad():
+        for _ in range(n):
+            seq = torch.cat([seq, model(seq, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    return seq[:, prompt.size(1):]
+
+
+def reference_generate(model, prompt):
+    """transformers' greedy generate on a [1, P] prompt -> (ids [GEN_NEW], per-step top-2 gaps)."""
+    model.generation_config.eos_token_id = None  # run all GEN_NEW steps, as our tool does (no stop ids)
+    with torch.no_grad():
+        # An explicit all-ones mask: without one, generate masks prompt tokens equal to pad_token_id (0).
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=GEN_NEW, do_sample=False,
+                             return_dict_in_generate=True, output_logits=True)
+    top2 = torch.stack([l[0].float().topk(2).values for l in out.logits])  # [GEN_NEW, 2]
+    return out.sequences[0, prompt.size(1):], top2[:, 0] - top2[:, 1]
+
+
+def compare_ids(checks, label, ours, ref, gaps, tie_gap):
+    ours, ref = ours.tolist(), ref.tolist()
+    first = next((i for i, (a, b) in enumerate(zip(ours, ref)) if a != b), None)
+    if first is None and len(ours) == len(ref):
+        return checks.check(label, True, f"{len(ref)} ids equal: {ref}")
+    if first is not None and gaps[first].item() < tie_gap:
+        return checks.check(label, True, f"equal up to step {first}, where the reference's top-2 gap "
+                                         f"{gaps[first].item():.1e} < {tie_gap:.1e} (a near tie)")
+    return checks.check(label, False, f"first difference at step {first}: ours {ours} ref {ref}")
+
+
+def check_generation(checks, args, name, seed):
+    overrides = GEN_CASES[name]
+    model = F.build(name, seed, **overrides)
+    ckpt = os.path.join(args.workdir, f"{name}_gen")
+    save_sharded(model, ckpt)
+    g = torch.Generator().manual_seed(seed)
+    for plen in GEN_PROMPTS:
+        prompts = torch.randint(0, F.COMMON["vocab_size"], (2, plen), generator=g)
+        window = f" (window {F.WINDOW})" if "sliding_window" in F.CASES[name]["kw"] else ""
+        label = f"{name}{' untied' if overrides else ''} generate {plen}+{GEN_NEW}{window}"
+        refs = [reference_generate(model, prompts[r:r + 1]) for r in range(2)]
+        atol = ATOL_FP32_PER_UNIT * max(1.0, reference_logits(model, prompts).abs().max().item())
+        for r in range(2):
+            # The reference's cached generate against its own full forward: a check of the reference.
+            compare_ids(checks, f"{label} row {r}: transformers cache = no cache",
+                        greedy_without_cache(model, prompts[r:r + 1], GEN_NEW)[0], refs[r][0], refs[r][1], 2 * atol)
+        try:
+            out = os.path.join(args.workdir, f"{name}_gen{plen}.safetensors")
+            ours = run_tool([args.tool, "--checkpoint", ckpt, "--tokens", tokens_arg(prompts), "--dtype", "fp32",
+                             "--generate", GEN_NEW, "--out", out], out)["ids"]
+            for r in range(2):
+                compare_ids(checks, f"{label} row {r}", ours[r], refs[r][0], refs[r][1], 2 * atol)
+        except Exception as e:
+            checks.crashed(label, e)
+
+
+def main():
+    args = parse_tool_args(lambda ap: ap.add_argument("--case", action="append", choices=sorted(F.CASES),
+                                                     help="run only these cases"))
+    checks = Checks()
+    names = args.case or list(F.CASES)
+    for i, name in enumerate(F.CASES):
+        if name not in names:
+            continue
+        seed = 2000 + i
+        try:
+            model = F.build(name, seed)
+            ckpt = os.path.join(args.workdir, name)
+            shards = save_sharded(model, ckpt)
+            checks.check(f"{name} checkpoint sharded", shards >= 2, f"{shards} shards")
+            g = torch.Generator().manual_seed(seed)
+            tokens = torch.randint(0, F.COMMON["vocab_size"], (2, F.SEQ), generator=g)
+            check_ablations(checks, name, model, tokens, reference_logits(model, tokens))
+            check_forwards(checks, args, name, model, ckpt, tokens)
+            check_nf4(checks, args, name, model, ckpt, tokens)  # last: rounds the model's weights
+            if name in GEN_CASES:
+                check_generation(checks, args, name, seed)
+        except Exception as e:
+            checks.crashed(name, e)
+    return checks.summary()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
