@@ -216,9 +216,10 @@ TEST(FamilyModules, FusedProjectionsEqualTheirParts) {
   auto w = [](int64_t o, int64_t i) { return at::randn({o, i}) * 0.2; };
   const at::Tensor wq = w(heads * d, hidden), wk = w(kvh * d, hidden), wv = w(kvh * d, hidden);
   const at::Tensor wo = w(hidden, heads * d), wg = w(inter, hidden), wu = w(inter, hidden), wd = w(hidden, inter);
+  const at::Tensor n1 = at::randn({hidden}), n2 = at::randn({hidden});
   for (modules::DecoderLayer* L : {&split, &fused}) {
-    L->input_layernorm = at::randn({hidden});
-    L->post_attention_layernorm = at::randn({hidden});
+    L->input_layernorm = n1;
+    L->post_attention_layernorm = n2;
     L->o_proj = modules::lora_linear_dense(wo);
     L->down_proj = modules::lora_linear_dense(wd);
   }
