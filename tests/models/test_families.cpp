@@ -16,20 +16,14 @@
 #include "qlora/models/architecture.h"
 #include "qlora/models/llama_config.h"
 #include "qlora/modules/layers.h"
+#include "fixtures.h"
 
 using namespace qlora::models;
 namespace modules = qlora::modules;
 
 namespace {
 
-std::string error_of(const std::string& json) {
-  try {
-    parse_llama_config(json, "cfg.json");
-  } catch (const std::invalid_argument& e) {
-    return e.what();
-  }
-  return "";
-}
+using test_fixtures::error_of;
 
 // Qwen/Qwen2.5-7B-Instruct config.json (transformers 4.43 format).
 const char* kQwen25 = R"({"architectures":["Qwen2ForCausalLM"],"attention_dropout":0.0,"bos_token_id":151643,

@@ -12,6 +12,7 @@
 #include "qlora/io/safetensors.h"
 #include "qlora/models/llama.h"
 #include "qlora/models/llama_config.h"
+#include "fixtures.h"
 
 using namespace qlora;
 using namespace qlora::models;
@@ -19,21 +20,9 @@ namespace fs = std::filesystem;
 
 namespace {
 
-std::string tiny_llama() {
-  const char* d = std::getenv("QLORA_TEST_DATA");
-  return std::string(d ? d : "tests/data") + "/tiny_llama";
-}
-
-double max_abs(const at::Tensor& a) { return a.abs().max().item<double>(); }
-
-std::string error_of(const std::string& json) {
-  try {
-    parse_llama_config(json, "cfg.json");
-  } catch (const std::invalid_argument& e) {
-    return e.what();
-  }
-  return "";
-}
+using qlora::models::test_fixtures::error_of;
+using qlora::models::test_fixtures::max_abs;
+using qlora::models::test_fixtures::tiny_llama;
 
 at::Tensor tokens() {  // [2, 7]
   return at::tensor({1, 17, 200, 3, 45, 99, 255, 7, 8, 9, 10, 11, 12, 13}, at::kLong).view({2, 7});
