@@ -155,10 +155,11 @@ std::vector<int64_t> Tokenizer::encode(std::string_view text) const {
 std::vector<int64_t> Tokenizer::encode_with_special(std::string_view text, bool add_bos,
                                                     bool add_eos) const {
   std::vector<int64_t> ids;
-  if (add_bos) ids.push_back(bos_id_);
+  // A tokenizer without BOS (Qwen's tokenizer.json) gets none: -1 is no id.
+  if (add_bos && bos_id_ >= 0) ids.push_back(bos_id_);
   const auto body = encode(text);
   ids.insert(ids.end(), body.begin(), body.end());
-  if (add_eos) ids.push_back(eos_id_);
+  if (add_eos && eos_id_ >= 0) ids.push_back(eos_id_);
   return ids;
 }
 
