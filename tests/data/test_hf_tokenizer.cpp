@@ -108,6 +108,7 @@ TEST(HfTokenizer, DirectoryPicksModelThenOriginalThenTokenizerJson) {
       << json{{"bos_token", nullptr}, {"eos_token", {{"content", "<s>"}}}, {"pad_token", "</s>"}}.dump();
   auto tok = Tokenizer::open(json_file);
   EXPECT_EQ(tok.bos_id(), -1);
+  EXPECT_EQ(tok.encode_with_special("ab", true, false), tok.encode("ab"));  // no BOS to add, and no -1
   EXPECT_EQ(tok.eos_id(), 1);
   EXPECT_EQ(tok.pad_id(), 2);
   std::ofstream(dir / "tokenizer_config.json") << json{{"eos_token", "<|im_end|>"}}.dump();

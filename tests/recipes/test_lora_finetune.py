@@ -16,32 +16,21 @@ import shutil
 import subprocess
 import sys
 
-passed = failed = 0
+from recipe_common import Checks, metrics_rows, run_recipe
+
+check = Checks()
 FAULTS = None  # --qlora-faults
-
-
-def check(ok, what):
-    global passed, failed
-    passed += bool(ok)
-    failed += not ok
-    print(("PASS " if ok else "FAIL ") + what, flush=True)
 
 
 def run(qlora, out, *overrides, fault=None, expect_rc=0):
     """fault: a QLORA_FAULT_PLAN for the qlora_faults test binary (the same command line)."""
-    exe = FAULTS if fault else qlora
-    cmd = [exe, "run", "lora_finetune", f"checkpoint.output_dir={out}", "logging.progress=plain",
-           "training.epochs=2", "training.max_steps_per_epoch=10", "checkpoint.save_every_steps=4",
-           *overrides]
-    r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "QLORA_FAULT_PLAN": fault or ""})
-    if r.returncode != expect_rc:
-        print(" ".join(cmd), "\n", r.stdout[-3000:], r.stderr[-3000:])
-    return r
+    return run_recipe(FAULTS if fault else qlora, out, "logging.progress=plain", "training.epochs=2",
+                      "training.max_steps_per_epoch=10", "checkpoint.save_every_steps=4", *overrides,
+                      fault=fault, expect_rc=expect_rc)
 
 
 def losses(out):
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        rows = [json.loads(l) for l in f]
+    rows = metrics_rows(out)
     return [(r["step"], r["loss"]) for r in rows], rows
 
 
@@ -171,8 +160,7 @@ def main():
           all(abs(l - expected[str(s)]) < 1e-5 for s, l in got),
           f"a legacy single-process checkpoint resumes and continues as that recipe did ({got} vs {expected})")
 
-    print(f"{passed} passed, {failed} failed")
-    return 0 if failed == 0 else 1
+    return check.summary()
 
 
 if __name__ == "__main__":

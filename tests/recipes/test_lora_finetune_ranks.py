@@ -2,10 +2,8 @@
 
 Same global batch: one process with batch_size 12 against W ranks with batch_size 12 / W (each rank
 trains on its slice of the same sampled rows) for W = 2, 3, 4 and HSDP 2x2 (dist.shard_size=2).
-Per-step losses and the final exported adapter must agree within 1e-4: fp32 throughout, and what
-differs is only the order of sums (per-rank partial gradients reduce-scattered, per-rank padding
-changing matmul shapes), ~1e-6 relative per step, amplified by AdamW on near-zero gradients;
-any real mistake (a rank's rows dropped or counted twice, a stale shard) moves them by > 1e-2.
+Per-step losses and the final exported adapter must agree within RANKS_TOL (recipe_common.py says
+why 1e-4).
 
 Failure: a rank SIGKILLed mid-run (ranks started by hand with torchrun's variables, no launcher)
 makes every other rank exit non-zero within 60 s naming it; under the launcher, the launcher names
@@ -22,37 +20,20 @@ import sys
 import time
 
 import numpy as np
-from safetensors.numpy import load_file
 
-passed = failed = 0
-TOL = 1e-4
+from recipe_common import RANKS_TOL as TOL, Checks, adapter, losses, max_diff, max_tensor_diff, run_recipe
 
-
-def check(ok, what):
-    global passed, failed
-    passed += bool(ok)
-    failed += not ok
-    print(("PASS " if ok else "FAIL ") + what, flush=True)
-
-
+check = Checks()
 COMMON = ["training.epochs=1", "training.max_steps_per_epoch=6", "training.grad_accum=1",
           "checkpoint.save_every_steps=0", "logging.progress=plain", "checkpoint.adapter_only=true"]
 
 
 def run(qlora, out, nproc, *overrides):
-    launch = ["--nproc-per-node", str(nproc)] if nproc > 1 else []
-    cmd = [qlora, "run", *launch, "lora_finetune", f"checkpoint.output_dir={out}", *COMMON, *overrides]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    if r.returncode != 0:
-        print(" ".join(cmd), "\n", r.stdout[-3000:], r.stderr[-3000:])
-    return r
+    return run_recipe(qlora, out, *COMMON, *overrides, nproc=nproc)
 
 
 def trace(out):
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        losses = [json.loads(l)["loss"] for l in f]
-    return losses, load_file(os.path.join(out, "epoch_0", "adapter", "adapter_model.safetensors"))
-
+    return losses(out), adapter(out)
 
 
 def free_port():
@@ -84,11 +65,10 @@ def main():
         if r.returncode != 0:
             check(False, f"{name}: run exits 0")
             continue
-        losses, adapter = trace(out)
-        dl = max(abs(x - y) for x, y in zip(losses, ref_losses)) if len(losses) == len(ref_losses) else float("inf")
+        got_losses, got_adapter = trace(out)
+        dl = max_diff(got_losses, ref_losses)
         check(dl < TOL, f"{name}: per-step losses equal one process's (max diff {dl:.2e})")
-        da = max(float(np.abs(adapter[k] - ref_adapter[k]).max()) for k in ref_adapter) \
-            if adapter.keys() == ref_adapter.keys() else float("inf")
+        da = max_tensor_diff(got_adapter, ref_adapter)
         check(da < TOL, f"{name}: final adapter equals one process's (max diff {da:.2e})")
         check(not any(l.startswith("[rank") and "error" in l for l in r.stderr.splitlines()),
               f"{name}: no rank reported an error")
@@ -104,7 +84,7 @@ def main():
     if r.returncode == 0 and r2.returncode == 0:
         l1, _ = trace(ref2)
         l2, _ = trace(two)
-        dl = max(abs(x - y) for x, y in zip(l1, l2)) if len(l1) == len(l2) else float("inf")
+        dl = max_diff(l1, l2)
         check(dl < TOL, f"2 ranks, packed rows, 2 micro-batches, other schedule: losses equal (max diff {dl:.2e})")
         g = subprocess.run([a.qlora, "generate", "--checkpoint", os.path.join(two, "epoch_0"), "--prompt", "Add",
                             "--max-new-tokens", "4"], capture_output=True, text=True)
@@ -148,8 +128,8 @@ def main():
             continue
         l_ref, ad_ref = trace(full2)
         l_res, ad_res = trace(copies[name])
-        dl = max(abs(x - y) for x, y in zip(l_res, l_ref)) if len(l_res) == len(l_ref) else float("inf")
-        da = max(float(np.abs(ad_res[k] - ad_ref[k]).max()) for k in ad_ref)
+        dl = max_diff(l_res, l_ref)
+        da = max_tensor_diff(ad_res, ad_ref)
         check(dl < TOL and da < TOL, f"2-rank checkpoint resumed as {name}: losses and adapter within {TOL} "
                                      f"(max diffs {dl:.1e}, {da:.1e})")
     # 4 -> 2 and HSDP -> full sharding: the HSDP 2x2 run above saved step 4 on 4 ranks.
@@ -162,8 +142,8 @@ def main():
     if r.returncode == 0 and man.get("world_size") == 4 and man.get("mesh", {}).get("shard_size") == 2:
         l_ref, ad_ref = trace(full2)
         l_res, ad_res = trace(back)
-        dl = max(abs(x - y) for x, y in zip(l_res, l_ref)) if len(l_res) == len(l_ref) else float("inf")
-        da = max(float(np.abs(ad_res[k] - ad_ref[k]).max()) for k in ad_ref)
+        dl = max_diff(l_res, l_ref)
+        da = max_tensor_diff(ad_res, ad_ref)
         check(dl < TOL and da < TOL, f"a 4-rank HSDP checkpoint resumed on 2 ranks: within {TOL} ({dl:.1e}, {da:.1e})")
     else:
         check(False, f"resume a 4-rank HSDP checkpoint on 2 ranks exits 0 (manifest {man})")
@@ -190,8 +170,8 @@ def main():
             continue
         l_ref, ad_ref = trace(src)
         l_res, ad_res = trace(dst)
-        dl = max(abs(x - y) for x, y in zip(l_res, l_ref)) if len(l_res) == len(l_ref) else float("inf")
-        da = max(float(np.abs(ad_res[k] - ad_ref[k]).max()) for k in ad_ref)
+        dl = max_diff(l_res, l_ref)
+        da = max_tensor_diff(ad_res, ad_ref)
         check(dl < TOL and da < TOL, f"resume {name}: losses and adapter within {TOL} ({dl:.1e}, {da:.1e})")
 
     # A rank killed while saving (its part written, the checkpoint not committed) leaves the
@@ -251,8 +231,7 @@ def main():
     check(r.returncode != 0 and "[launcher] rank 1 was killed by signal 9" in r.stderr,
           f"the launcher names the killed rank and exits non-zero (rc {r.returncode})")
 
-    print(f"{passed} passed, {failed} failed")
-    return 0 if failed == 0 else 1
+    return check.summary()
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ class Tokenizer {
   // with allowed_special="all", encodes special-token strings in the text ("<|eot_id|>") as
   // their ids.
   std::vector<int64_t> encode(std::string_view text) const;
-  // encode() plus BOS in front / EOS at the end.
+  // encode() plus BOS in front / EOS at the end, where the tokenizer has them (bos_id() >= 0).
   std::vector<int64_t> encode_with_special(std::string_view text, bool add_bos, bool add_eos) const;
   // Ids of `text` as it tokenizes when it continues earlier text: without the dummy-prefix "▁"
   // that sentencepiece puts at the start of every encode call. Templates tokenize segment by

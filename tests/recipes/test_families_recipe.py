@@ -1,0 +1,294 @@
+"""Every model family through the whole product with the real `qlora` binary: a tiny random
+checkpoint written by transformers (save_pretrained, sharded; norms and biases randomised so each
+one matters), NF4 base + LoRA trained by `qlora run lora_finetune`, exported, resumed and generated
+from. Per family:
+
+1. one process trains: the losses are finite and fall; 2 and 3 ranks (the same global batch of 6)
+   give one process's losses and final adapter within RANKS_TOL (recipe_common.py says why);
+2. the epoch export: adapter_model.safetensors holds exactly the keys (and shapes) that peft's own
+   get_peft_model_state_dict gives for that family's target modules, adapter_config.json names them;
+   the merged model loads in transformers with no missing, unexpected or resized tensor, holds every
+   tensor of the original checkpoint, and its norms, biases and embeddings are the original's bit for
+   bit (they are never quantized or trained);
+3. a run SIGKILLed after step 3 (the qlora_faults seam) resumes from its step-2 checkpoint and
+   finishes with the uninterrupted run's losses exactly and a byte-identical adapter (one process,
+   fp32 on the CPU: the same ops in the same order);
+4. `qlora generate` (greedy) on the export prints the text of transformers' greedy generate on the
+   merged model (fp32, eager attention) for the same prompt ids; the smallest top-2 logit margin of
+   transformers' steps is printed beside it, so a failure on a near tie can be told from a bug.
+
+The families: qwen2 (q/k/v biases, tied embeddings, LoRA on lm_head too so the export unties it, a
+byte-level BPE tokenizer.json with no BOS as Qwen ships), qwen3 (q/k norms), gemma2 (four norms,
+soft-capping, query_pre_attn_scalar, alternating sliding layers), gemma3_text (q/k norms, local and
+global RoPE bases), mistral (sliding_window 8 < data.max_seq_len 128), phi3 (LoRA on the fused
+qkv_proj / gate_up_proj, asked for as q, k, v, gate, up). The sliding-window families train on
+packed rows, so windows meet rows holding several samples, and generate past the window (KV cache).
+
+    python tests/recipes/test_families_recipe.py --qlora build/qlora --qlora-faults build/qlora_faults
+        --workdir build/recipe_families [--families qwen2,phi3]
+"""
+import argparse
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import warnings
+from dataclasses import dataclass
+
+import sentencepiece
+import torch
+import transformers
+from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+from safetensors.torch import load_file
+from tokenizers import Tokenizer
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from recipe_common import RANKS_TOL, Checks, adapter, losses, max_diff, max_tensor_diff, metrics_rows, run_recipe
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "conformance"))
+from test_tokenizer_hf import QWEN2_PATTERN, train_bytelevel  # noqa: E402  (Qwen2's pre-tokenizer)
+
+DATA = os.path.join(HERE, "..", "data")
+SP_TOKENIZER = os.path.join(DATA, "tokenizer", "tokenizer.model")  # 512 pieces, <unk> 0, <s> 1, </s> 2
+LAYER_TARGETS = ["q", "k", "v", "o", "gate", "up", "down"]
+LLAMA_PEFT = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# initializer_range 0.1 rather than 0.02: logits of a few units, so greedy decoding rarely meets a
+# near tie that the two implementations' rounding could break apart.
+SIZES = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1)
+WINDOW = 8
+# Global batch 6: one process x 6 rows, 2 ranks x 3, 3 ranks x 2. Six steps, a resume checkpoint
+# every two; the killed run dies after step 3 and resumes from step 2.
+STEPS, GLOBAL_BATCH, SAVE_EVERY, KILL_AFTER = 6, 6, 2, 3
+RUN = ["logging.progress=plain", "training.epochs=1", f"training.max_steps_per_epoch={STEPS}",
+       f"checkpoint.save_every_steps={SAVE_EVERY}", "checkpoint.keep_last_n=5", "checkpoint.adapter_only=false",
+       "data.max_seq_len=128", "lora.rank=8", "lora.alpha=16", "optim.warmup_steps=1"]
+ALPACA = ("Below is an instruction that describes a task, paired with an input that provides further context. "
+          "Write a response that appropriately completes the request.\n\n### Instruction:\n{instruction}\n\n"
+          "### Input:\n{input}\n\n### Response:\n{output}")
+PROMPT, NEW_TOKENS = "Reverse the word. kite", 12  # prompt + new tokens run past WINDOW
+
+
+@dataclass
+class Family:
+    model_type: str
+    config: dict
+    targets: list           # lora.targets as a config writes them
+    peft_targets: list      # the module names peft targets for them
+    packing: bool = False
+    byte_level: bool = False  # a tokenizer.json (Qwen's kind) instead of the sentencepiece model
+
+
+GEMMA = dict(head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=16,
+             layer_types=["sliding_attention", "full_attention"])
+FAMILIES = [
+    Family("qwen2", dict(tie_word_embeddings=True), LAYER_TARGETS + ["output"], LLAMA_PEFT + ["lm_head"],
+           byte_level=True),
+    Family("qwen3", dict(head_dim=16, tie_word_embeddings=False), LAYER_TARGETS, LLAMA_PEFT),
+    Family("gemma2", dict(GEMMA, attn_logit_softcapping=50.0, final_logit_softcapping=30.0, tie_word_embeddings=True),
+           LAYER_TARGETS, LLAMA_PEFT, packing=True),
+    Family("gemma3_text", dict(GEMMA, tie_word_embeddings=True, rope_parameters={
+        "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}), LAYER_TARGETS, LLAMA_PEFT, packing=True),
+    Family("mistral", dict(sliding_window=WINDOW, tie_word_embeddings=False), LAYER_TARGETS, LLAMA_PEFT, packing=True),
+    Family("phi3", dict(tie_word_embeddings=False), LAYER_TARGETS, ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]),
+]
+
+
+class TokenizerRef:
+    """The reference tokenizer of a checkpoint: ids of the prompt (with BOS where the tokenizer has
+    one, as `qlora generate` encodes it), the text of generated ids, the special ids."""
+
+    def __init__(self, family, workdir):
+        if family.byte_level:
+            # Trained on the samples as the alpaca template renders them: a tokenizer that never
+            # saw the preamble spends data.max_seq_len on it and truncates every answer away.
+            with open(os.path.join(DATA, "tiny_tasks.jsonl")) as f:
+                texts = [ALPACA.format(**json.loads(line)) for line in f]
+            self.path = train_bytelevel(texts, QWEN2_PATTERN, False, workdir, "qwen2_tokenizer", added=[],
+                                        vocab_size=400)
+            self.tok = Tokenizer.from_file(self.path)
+            self.eos = self.pad = self.tok.token_to_id("<|endoftext|>")
+            self.bos = None  # Qwen has no BOS
+            self.vocab = self.tok.get_vocab_size()
+        else:
+            self.path = SP_TOKENIZER
+            self.tok = sentencepiece.SentencePieceProcessor(model_file=SP_TOKENIZER)
+            self.bos, self.eos, self.pad = self.tok.bos_id(), self.tok.eos_id(), 0
+            self.vocab = self.tok.vocab_size()
+        self.byte_level = family.byte_level
+
+    def install(self, model_dir):
+        if not self.byte_level:
+            shutil.copy(self.path, os.path.join(model_dir, "tokenizer.model"))
+            return
+        shutil.copy(self.path, os.path.join(model_dir, "tokenizer.json"))
+        with open(os.path.join(model_dir, "tokenizer_config.json"), "w") as f:
+            json.dump({"bos_token": None, "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"}, f)
+
+    def prompt_ids(self, text):
+        ids = self.tok.encode(text, add_special_tokens=False).ids if self.byte_level else self.tok.encode(text)
+        return ([self.bos] if self.bos is not None else []) + ids
+
+    def decode(self, ids):
+        return self.tok.decode(ids, skip_special_tokens=False) if self.byte_level else self.tok.decode(ids)
+
+
+def build_checkpoint(family, tok, out):
+    """A tiny random model of the family, saved by transformers in several shards."""
+    torch.manual_seed(0)
+    bos = tok.bos if tok.bos is not None else tok.eos
+    cfg = AutoConfig.for_model(family.model_type, vocab_size=tok.vocab, bos_token_id=bos, eos_token_id=tok.eos,
+                               pad_token_id=tok.pad, **SIZES, **family.config)
+    model = AutoModelForCausalLM.from_config(cfg).float()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:  # norms (1 or 0 at init) and biases (0): random, so each one shows
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(out, max_shard_size="100KB")
+    tok.install(out)
+    return model
+
+
+def adapter_bytes(run_dir):
+    with open(os.path.join(run_dir, "epoch_0", "adapter", "adapter_model.safetensors"), "rb") as f:
+        return f.read()
+
+
+def safetensors_of(model_dir):
+    tensors = {}
+    for f in sorted(os.listdir(model_dir)):
+        if f.endswith(".safetensors"):
+            tensors.update(load_file(os.path.join(model_dir, f)))
+    return tensors
+
+
+def check_export(check, name, family, base_dir, run_dir):
+    export = os.path.join(run_dir, "epoch_0")
+    # The adapter's keys as peft names them for this family's target modules. Only the LoRA
+    # tensors: with lm_head targeted peft would also save the (frozen, unchanged) base head unless
+    # told not to, which a QLoRA adapter has no reason to carry.
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    peft_model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=family.peft_targets))
+    want = {k: tuple(v.shape) for k, v in get_peft_model_state_dict(peft_model, save_embedding_layers=False).items()}
+    got = {k: tuple(v.shape) for k, v in adapter(run_dir).items()}
+    check(got == want, f"{name}: adapter keys and shapes are peft's ({len(want)} tensors; "
+                       f"ours only {sorted(set(got) - set(want))[:3]}, peft's only {sorted(set(want) - set(got))[:3]})")
+    with open(os.path.join(export, "adapter", "adapter_config.json")) as f:
+        targets = json.load(f)["target_modules"]
+    check(sorted(targets) == sorted(family.peft_targets), f"{name}: adapter_config target_modules {sorted(targets)}")
+
+    merged, info = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32, attn_implementation="eager",
+                                                        output_loading_info=True)
+    bad = {k: v for k, v in info.items() if v}
+    check(not bad, f"{name}: transformers loads the merged model with nothing missing, unexpected or resized {bad}")
+    original, exported = safetensors_of(base_dir), safetensors_of(export)
+    missing = sorted(set(original) - set(exported))
+    check(not missing and all(exported[k].shape == original[k].shape for k in original),
+          f"{name}: the merged export holds every tensor of the original ({len(original)}; missing {missing[:4]})")
+    frozen = [k for k in original if original[k].dim() == 1 or k == "model.embed_tokens.weight"]
+    changed = [k for k in frozen if k in exported and not torch.equal(exported[k].float(), original[k])]
+    kinds = sorted({re.sub(r"model\.layers\.\d+\.", "", k) for k in frozen})
+    check(not changed, f"{name}: {len(frozen)} norms, biases and embeddings equal the original's ({', '.join(kinds)}); "
+                       f"changed: {changed[:4]}")
+    return merged
+
+
+def check_generate(check, name, qlora, tok, merged, export):
+    r = subprocess.run([qlora, "generate", "--checkpoint", export, "--prompt", PROMPT, "--max-new-tokens",
+                        str(NEW_TOKENS), "--device", "cpu"], capture_output=True, text=True, encoding="utf-8",
+                       errors="surrogateescape")  # bytes that are not UTF-8 compare unequal, not crash
+    n = re.search(r"(\d+) new tokens", r.stderr)
+    if not check(r.returncode == 0 and n and int(n.group(1)) > 0,
+                 f"{name}: qlora generate runs and produces tokens ({r.stderr.strip()[-300:]})"):
+        return
+    ids = tok.prompt_ids(PROMPT)
+    with torch.no_grad():  # the checkpoint's config.json names tok.eos as its EOS too: one stop id
+        g = merged.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                            max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=tok.eos, pad_token_id=tok.pad,
+                            output_scores=True, return_dict_in_generate=True)
+    new = g.sequences[0, len(ids):].tolist()
+    margin = min(float(top[0] - top[1]) for top in (step[0].topk(2).values for step in g.scores))
+    text_ids = new[:-1] if new and new[-1] == tok.eos else new
+    ours = r.stdout[:-1] if r.stdout.endswith("\n") else r.stdout
+    ref = tok.decode(text_ids)
+    prompt_len = re.search(r"(\d+) prompt tokens", r.stderr)
+    check(ours == ref and int(n.group(1)) == len(new) and prompt_len and int(prompt_len.group(1)) == len(ids),
+          f"{name}: qlora generate equals transformers' greedy generate ({len(ids)} prompt and {len(new)} new "
+          f"tokens, smallest top-2 margin {margin:.2e}): {ours!r} vs {ref!r}")
+
+
+def family_checks(check, a, family):
+    name = family.model_type
+    work = os.path.join(a.workdir, name)
+    os.makedirs(work)
+    tok = TokenizerRef(family, work)
+    base_dir = os.path.join(work, "base")
+    build_checkpoint(family, tok, base_dir)
+    common = [*RUN, f"model.checkpoint_dir={base_dir}", f"data.packing={str(family.packing).lower()}",
+              "lora.targets=[" + ",".join(f'"{t}"' for t in family.targets) + "]"]
+
+    # 1. one process, then 2 and 3 ranks on the same global batch
+    one = os.path.join(work, "one")
+    r = run_recipe(a.qlora, one, *common, f"training.batch_size={GLOBAL_BATCH}")
+    if not check(r.returncode == 0, f"{name}: one process trains"):
+        return
+    ref = losses(one)
+    tokens = [row["tokens"] for row in metrics_rows(one)]
+    check(len(ref) == STEPS and all(math.isfinite(x) for x in ref) and ref[-1] < ref[0] and min(tokens) > 0,
+          f"{name}: {len(ref)} finite losses that fall ({ref[0]:.4f} -> {ref[-1]:.4f}), label tokens {tokens}")
+    ref_adapter = adapter(one)
+    for nproc in (2, 3):
+        out = os.path.join(work, f"ranks{nproc}")
+        r = run_recipe(a.qlora, out, *common, f"training.batch_size={GLOBAL_BATCH // nproc}", nproc=nproc)
+        if not check(r.returncode == 0, f"{name}: {nproc} ranks train"):
+            continue
+        dl, da = max_diff(losses(out), ref), max_tensor_diff(adapter(out), ref_adapter)
+        check(dl < RANKS_TOL and da < RANKS_TOL,
+              f"{name}: {nproc} ranks give one process's losses and adapter within {RANKS_TOL} ({dl:.1e}, {da:.1e})")
+
+    # 2. the export
+    merged = check_export(check, name, family, base_dir, one)
+
+    # 3. killed after step 3, resumed
+    killed = os.path.join(work, "killed")
+    r = run_recipe(a.qlora_faults, killed, *common, f"training.batch_size={GLOBAL_BATCH}",
+                   fault=f"kill_after_step={KILL_AFTER}", expect_rc=-9)
+    check(r.returncode == -9, f"{name}: the run dies by SIGKILL after step {KILL_AFTER}")
+    r = run_recipe(a.qlora, killed, *common, f"training.batch_size={GLOBAL_BATCH}", "checkpoint.resume=true")
+    resumed_at = f"step_{KILL_AFTER - KILL_AFTER % SAVE_EVERY:08d}"  # the newest checkpoint before the kill
+    if check(r.returncode == 0 and "resumed from" in r.stdout and resumed_at in r.stdout,
+             f"{name}: the killed run resumes from {resumed_at}"):
+        same = adapter_bytes(killed) == adapter_bytes(one)
+        check(losses(killed) == ref and same,
+              f"{name}: resumed losses equal the uninterrupted run's exactly, adapter byte-identical ({same})")
+
+    # 4. generation
+    check_generate(check, name, a.qlora, tok, merged, os.path.join(one, "epoch_0"))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--qlora", required=True)
+    ap.add_argument("--qlora-faults", required=True, help="qlora with QLORA_FAULT_PLAN (tests/tools/qlora_faults.cpp)")
+    ap.add_argument("--workdir", required=True)
+    ap.add_argument("--families", default="", help="comma-separated model_types (default: all)")
+    a = ap.parse_args()
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' and peft's deprecations
+    shutil.rmtree(a.workdir, ignore_errors=True)
+    os.makedirs(a.workdir)
+    chosen = [f for f in FAMILIES if not a.families or f.model_type in a.families.split(",")]
+    check = Checks()
+    for family in chosen:
+        family_checks(check, a, family)
+    return check.summary()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
