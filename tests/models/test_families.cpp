@@ -120,6 +120,12 @@ TEST(FamilyConfig, Gemma3PatternAndLocalRope) {
   EXPECT_EQ(d.sliding_layers, (std::vector<bool>{true, false, true}));
   EXPECT_DOUBLE_EQ(d.rope_linear_factor, 8.0);
   EXPECT_DOUBLE_EQ(d.local_rope->linear_factor, 1.0);
+  // The Hub's Gemma 3 text_config omits head_dim and hidden_activation: Gemma's defaults.
+  const LlamaConfig e = parse_llama_config(R"({"model_type":"gemma3_text","hidden_size":3840,
+    "intermediate_size":15360,"num_hidden_layers":48,"num_attention_heads":16,"num_key_value_heads":8,
+    "vocab_size":262208})", "cfg.json");
+  EXPECT_EQ(e.head_dim, 256);
+  EXPECT_EQ(e.activation, MlpActivation::kGeluTanh);
 }
 
 TEST(FamilyConfig, Phi3SlidesEveryLayerAndFusesTargets) {

@@ -209,9 +209,9 @@ void parse_sliding(const json& j, const std::string& where, LlamaConfig& c) {
   if (any) c.sliding_window = window;
 }
 
-MlpActivation parse_activation(const json& j, const std::string& where) {
+MlpActivation parse_activation(const json& j, const std::string& where, Family f) {
   const char* key = present(j, "hidden_activation") ? "hidden_activation" : "hidden_act";
-  const std::string act = present(j, key) ? get_str(j, key, where) : "silu";
+  const std::string act = present(j, key) ? get_str(j, key, where) : is_gemma(f) ? "gelu_pytorch_tanh" : "silu";
   if (act == "silu") return MlpActivation::kSilu;
   if (act == "gelu_pytorch_tanh") return MlpActivation::kGeluTanh;
   fail(where, key, "'" + act + "' is not supported (silu or gelu_pytorch_tanh)");
@@ -219,7 +219,7 @@ MlpActivation parse_activation(const json& j, const std::string& where) {
 
 // What the family computes beyond a Llama block (see llama_config.h).
 void parse_family_numerics(const json& j, const std::string& where, LlamaConfig& c) {
-  c.activation = parse_activation(j, where);
+  c.activation = parse_activation(j, where, c.family);
   const Family f = c.family;
   if (f == Family::kPhi3) {
     if (j.contains("attention_bias") && get_bool(j, "attention_bias", where, false))
@@ -283,7 +283,8 @@ LlamaConfig parse_llama_config(const std::string& json_text, const std::string& 
   c.vocab_size = get_int(j, "vocab_size", where);
   if (c.num_attention_heads <= 0) fail(where, "num_attention_heads", "must be positive");
   if (c.num_hidden_layers <= 0) fail(where, "num_hidden_layers", "must be positive");
-  c.head_dim = get_int(j, "head_dim", where, c.hidden_size / c.num_attention_heads);
+  // Gemma's classes default head_dim to 256 rather than hidden / heads.
+  c.head_dim = get_int(j, "head_dim", where, is_gemma(c.family) ? 256 : c.hidden_size / c.num_attention_heads);
   c.rms_norm_eps = get_num(j, "rms_norm_eps", where, c.family == Family::kPhi3 ? 1e-5 : 1e-6);
   c.max_position_embeddings = get_int(j, "max_position_embeddings", where, 2048);
   c.tie_word_embeddings = get_bool(j, "tie_word_embeddings", where, is_gemma(c.family));
