@@ -6,12 +6,13 @@
 //   - the 2-rank step with prefetch (gather overlapped with compute) against prefetch off;
 //   - the merged per-epoch export of the same model on 1 process and 2 ranks (parallel writers)
 //     against the raw sequential write speed of the same disk;
-//   - with --llama2-7b: a Llama-2-7B shape (random NF4) on 1 process (a world of one) and on 2 ranks,
-//     per-rank peak RSS beside the single-process figure.
+//   - with --shape NAME (--llama2-7b: --shape llama2-7b): a real model shape (random NF4,
+//     bench/model_shapes.h) on 1 process (a world of one) and on 2 ranks, per-rank peak RSS beside
+//     the single-process figure.
 //
 //   build/bench_dist [--hidden 768 --inter 2048 --layers 12 --heads 12 --vocab 32000] [--seq 512]
 //                    [--steps 3] [--workdir DIR]
-//   build/bench_dist --llama2-7b [--layers 32] [--seq 128] [--steps 1]
+//   build/bench_dist --shape llama2-7b|qwen2.5-7b|... [--layers N] [--seq 128] [--steps 1]
 // Each configuration runs in fresh processes (this program relaunches itself with --worker under
 // the qlora launcher), so every peak RSS is that configuration's own.
 #include <ATen/ATen.h>
@@ -98,8 +99,8 @@ json run_worker(const Args& a) {
   };
   const auto t0 = std::chrono::steady_clock::now();
   models::LlamaModel m;
-  if (a.llama7b) {
-    m = bench::random_llama2_7b(a.layers, 8, 16.0, true, on_layer);
+  if (!a.shape.empty()) {
+    m = bench::random_model(a.shape_config(), 8, 16.0, true, on_layer);
   } else {
     models::LlamaLoadOptions o;
     o.base_in_nf4 = true;
@@ -139,7 +140,7 @@ json run_worker(const Args& a) {
     world->finish();
     return j;
   }
-  if (!a.llama7b) step();  // warm-up (the 7B shape skips it to stay within minutes)
+  if (a.shape.empty()) step();  // warm-up (a real shape skips it to stay within minutes)
   const engine::ShardStats before = engine ? engine->stats() : engine::ShardStats{};
   std::vector<double> times;
   for (int64_t s = 0; s < a.steps; ++s) {
@@ -169,7 +170,7 @@ json run_worker(const Args& a) {
   return j;
 }
 
-std::string flags(const Args& a) { return a.flags() + " --workdir " + a.workdir + (a.llama7b ? " --llama2-7b" : ""); }
+std::string flags(const Args& a) { return a.flags() + " --workdir " + a.workdir; }
 
 std::string self_exe() { return fs::read_symlink("/proc/self/exe").string(); }
 
@@ -211,8 +212,8 @@ int main(int argc, char** argv) try {
   }
 
   json r = {{"bench", "dist"}, {"backend", "gloo (CPU)"}, {"logical_cpus", sysconf(_SC_NPROCESSORS_ONLN)}};
-  if (a.llama7b) {
-    r["shape"] = {{"model", "llama2-7b (random NF4, in memory)"}, {"layers", a.layers}, {"seq", a.seq}, {"steps", a.steps}};
+  if (!a.shape.empty()) {
+    r["shape"] = {{"model", a.shape + " (random NF4, in memory)"}, {"layers", a.layers}, {"seq", a.seq}, {"steps", a.steps}};
     r["one_process"] = configuration(a, 1, true);
     r["two_ranks"] = configuration(a, 2, true);
   } else {

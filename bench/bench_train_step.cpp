@@ -7,9 +7,13 @@
 //   build/bench_train_step [--hidden 768 --inter 2048 --layers 12 --heads 12 --vocab 32000]
 //                          [--seq 512] [--batch 1] [--steps 3] [--r 8 --alpha 16]
 //                          [--workdir DIR] [--no-peer]
-//   build/bench_train_step --llama2-7b [--seq 128] [--steps 1] [--layers 32] [--no-activation-checkpointing]
-//       Llama-2-7B shape built in memory with random NF4 weights (writing and re-reading 13 GB
-//       of bf16 would dominate the run); reports seconds per step and peak RSS, no peer.
+//   build/bench_train_step --shape NAME [--seq 128] [--steps 1] [--layers N] [--r 8 --alpha 16]
+//                          [--no-activation-checkpointing]
+//       NAME: llama2-7b|llama3.1-8b|mistral-7b|qwen2.5-7b|qwen3-8b|gemma2-9b|gemma3-12b|phi3-mini
+//       (bench/model_shapes.h, parsed from each model's config.json; --llama2-7b is --shape
+//       llama2-7b), all its layers unless --layers, built in memory with random NF4 weights
+//       (writing and re-reading 13-18 GB of bf16 would dominate the run); reports seconds per
+//       step and peak RSS, no peer.
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
 #include <ATen/TensorOperators.h>
@@ -54,7 +58,7 @@ struct Args : qlora::bench::ShapeArgs {
   bool no_ac = false;
 };
 
-// Every decoder projection (the 7B shape of random_llama2_7b adapts the same ones).
+// Every decoder projection of the Llama shape (random_model adapts those of its family).
 const std::vector<std::string> kTargets = qlora::models::layer_peft_names(qlora::models::llama_architecture());
 
 int64_t vm_hwm_bytes() {
@@ -71,6 +75,14 @@ std::string cpu_model() {
   return "unknown";
 }
 
+// /proc/loadavg's 1, 5 and 15 minute load: how busy the shared machine was around the run.
+std::string load_average() {
+  std::ifstream f("/proc/loadavg");
+  std::string one, five, fifteen;
+  f >> one >> five >> fifteen;
+  return one + " " + five + " " + fifteen;
+}
+
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
@@ -85,8 +97,8 @@ json run_worker(const Args& a) {
     engine->shard_layer(i, L, a);
   };
   qlora::models::LlamaModel m;
-  if (a.llama7b) {
-    m = qlora::bench::random_llama2_7b(a.layers, a.r, a.alpha, !a.no_ac, on_layer);
+  if (!a.shape.empty()) {
+    m = qlora::bench::random_model(a.shape_config(), a.r, a.alpha, !a.no_ac, on_layer);
   } else {
     qlora::models::LlamaLoadOptions o;
     o.base_in_nf4 = true;
@@ -123,9 +135,10 @@ json run_worker(const Args& a) {
     return loss.item<double>();
   };
   std::vector<double> losses, times;
-  // The 7B mode skips the warm-up to stay within minutes on a small CPU; its one step then
+  // A real shape skips the warm-up to stay within minutes on a small CPU; its one step then
   // includes first-touch costs, so it is an upper bound.
-  if (!a.llama7b) losses.push_back(step());
+  const bool warmup = a.shape.empty();
+  if (warmup) losses.push_back(step());
   for (int64_t i = 0; i < a.steps; ++i) {
     const auto t = std::chrono::steady_clock::now();
     losses.push_back(step());
@@ -135,7 +148,7 @@ json run_worker(const Args& a) {
   std::sort(sorted.begin(), sorted.end());
   const double med = sorted[sorted.size() / 2];
   return {{"impl", "qlora (C++)"}, {"threads", at::get_num_threads()}, {"load_s", load_s},
-          {"trainable_params", trainable}, {"warmup_step", !a.llama7b}, {"step_s", times},
+          {"trainable_params", trainable}, {"warmup_step", warmup}, {"step_s", times},
           {"median_step_s", med}, {"tokens_per_s", double(a.batch * a.seq) / med},
           {"peak_rss_bytes", vm_hwm_bytes()}, {"rss_after_load_bytes", rss_after_load}, {"losses", losses}};
 }
@@ -174,19 +187,28 @@ int main(int argc, char** argv) try {
     return 0;
   }
 
-  json r = {{"bench", "train_step"}, {"machine", {{"cpu", cpu_model()}, {"logical_cpus", sysconf(_SC_NPROCESSORS_ONLN)}}}};
-  if (a.llama7b) {
-    r["shape"] = {{"model", "llama2-7b (random NF4, in memory)"}, {"layers", a.layers}, {"seq", a.seq},
+  json r = {{"bench", "train_step"},
+            {"machine", {{"cpu", cpu_model()}, {"logical_cpus", sysconf(_SC_NPROCESSORS_ONLN)},
+                         {"loadavg_before", load_average()}}}};
+  if (!a.shape.empty()) {
+    const qlora::models::LlamaConfig c = a.shape_config();
+    r["shape"] = {{"model", a.shape + " (random NF4, in memory)"}, {"model_type", c.model_type},
+                  {"hidden", c.hidden_size}, {"intermediate", c.intermediate_size}, {"heads", c.num_attention_heads},
+                  {"kv_heads", c.num_key_value_heads}, {"head_dim", c.head_dim}, {"vocab", c.vocab_size},
+                  {"tied_embeddings", c.tie_word_embeddings}, {"layers", a.layers},
+                  {"full_depth", qlora::bench::model_shape_config(a.shape).num_hidden_layers}, {"seq", a.seq},
                   {"batch", a.batch}, {"steps", a.steps}, {"lora_r", a.r}, {"lora_alpha", a.alpha},
-                  {"compute_dtype", "fp32"}, {"frozen_dtype", "bf16"}, {"activation_checkpointing", !a.no_ac}};
-    json q = run_json(self_exe() + " --worker --llama2-7b" + shape_flags(a) +
-                      (a.no_ac ? " --no-activation-checkpointing" : ""));
+                  {"lora_targets", qlora::models::layer_peft_names(qlora::models::architecture_of(c))},
+                  {"base", "nf4"}, {"compute_dtype", "fp32"}, {"frozen_dtype", "bf16"},
+                  {"activation_checkpointing", !a.no_ac}};
+    json q = run_json(self_exe() + " --worker" + shape_flags(a) + (a.no_ac ? " --no-activation-checkpointing" : ""));
     r["qlora"] = q;
     if (q.contains("peak_rss_bytes")) {
       r["seconds_per_step"] = q["median_step_s"];
       r["peak_rss_gib"] = q["peak_rss_bytes"].get<double>() / (1024.0 * 1024 * 1024);
-      r["target_peak_rss_le_6gb_met"] = q["peak_rss_bytes"].get<double>() <= 6e9;
+      if (a.shape == "llama2-7b") r["target_peak_rss_le_6gb_met"] = q["peak_rss_bytes"].get<double>() <= 6e9;
     }
+    r["machine"]["loadavg_after"] = load_average();
     std::cout << r.dump(2) << std::endl;
     return 0;
   }
@@ -213,6 +235,7 @@ int main(int argc, char** argv) try {
       r["target_met"] = tps >= 1.5 && rss <= 0.8;
     }
   }
+  r["machine"]["loadavg_after"] = load_average();
   std::cout << r.dump(2) << std::endl;
   return 0;
 } catch (const std::exception& e) {

@@ -1,10 +1,13 @@
-// Random Llama-shaped models for the benches, built in memory (writing and re-reading 13 GB of
-// bf16 for a 7B shape would dominate a run).
+// Random models of any family's shape for the benches, built in memory (writing and re-reading
+// 13-18 GB of bf16 for a 7-9B shape would dominate a run), from the family's architecture table
+// as load_llama builds a checkpoint: the same projections (fused ones included), biases, norms,
+// tied embeddings and RoPE tables.
 #pragma once
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/ops/ones.h>
 #include <ATen/ops/randn.h>
+#include <ATen/ops/zeros.h>
 
 #include <cstdint>
 #include <functional>
@@ -18,58 +21,56 @@ namespace qlora::bench {
 // A frozen NF4 projection with random buffers: codes uniform over the 16 levels, block scalers
 // absmax in about [0.01, 0.05] (int8 / factor + mean, as the format dequantizes them). The values
 // only need to be finite and Llama-scaled; the step's cost does not depend on them.
-inline qlora::modules::LoraLinear random_nf4_projection(int64_t out, int64_t in, at::Generator& gen) {
-  qlora::Nf4Tensor w = qlora::nf4_empty({out, in}, at::kBFloat16, at::kCPU);
+inline modules::LoraLinear random_nf4_projection(int64_t out, int64_t in, at::Generator& gen) {
+  Nf4Tensor w = nf4_empty({out, in}, at::kBFloat16, at::kCPU);
   w.codes.random_(0, 256, gen);
   w.scalers.random_(-128, 128, gen);
   w.factors.fill_(127.0 / 0.02);
   w.mean.fill_(0.03);
-  return qlora::modules::lora_linear_nf4(std::move(w));
+  return modules::lora_linear_nf4(std::move(w));
 }
 
-// Llama-2-7B (or its first `layers` layers; on_layer sees each as it is built, as
+// A model of `config`'s shape (on_layer sees each layer as it is built, as
 // LlamaLoadOptions::on_layer_loaded does) in memory: NF4 projections, bf16 embeddings and
-// lm_head, fp32 norms and compute (what load_llama gives with base_in_nf4, fp32 compute and
-// frozen_dtype bf16: 0.5 GB less than fp32 embeddings and lm_head), LoRA on all 7 projections.
-inline qlora::models::LlamaModel random_llama2_7b(int64_t layers, int64_t r, double alpha, bool activation_checkpointing,
-                                                  const std::function<void(int64_t, qlora::modules::DecoderLayer&, const qlora::models::Architecture&)>& on_layer = {}) {
-  qlora::models::LlamaModel m;
-  auto& c = m.config;
-  c.model_type = "llama";
-  c.hidden_size = 4096;
-  c.intermediate_size = 11008;
-  c.num_hidden_layers = layers;
-  c.num_attention_heads = c.num_key_value_heads = 32;
-  c.head_dim = 128;
-  c.vocab_size = 32000;
-  c.rms_norm_eps = 1e-5;
-  c.max_position_embeddings = 4096;
-  c.validate("llama2-7b bench shape");
+// lm_head (one tensor when the config ties them), fp32 unit norms, zero biases and fp32 compute (what load_llama
+// gives with base_in_nf4, fp32 compute and frozen_dtype bf16), LoRA on every projection of the
+// decoder layers (not the output head).
+inline models::LlamaModel random_model(
+    const models::LlamaConfig& config, int64_t r, double alpha, bool activation_checkpointing,
+    const std::function<void(int64_t, modules::DecoderLayer&, const models::Architecture&)>& on_layer = {}) {
+  models::LlamaModel m;
+  m.config = config;
+  const auto& c = m.config;
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(0);
   const int64_t h = c.hidden_size;
-  const qlora::models::Architecture& arch = qlora::models::llama_architecture();
+  const models::Architecture& arch = models::architecture_of(c);
   m.frozen_dtype = at::kBFloat16;
   const auto bf16 = at::TensorOptions().dtype(at::kBFloat16);
-  m.layers.reserve(static_cast<size_t>(layers));  // on_layer may keep references to layers
+  // A norm weight that scales by 1: w = 1, or w = 0 where the family scales by (1 + w) (Gemma).
+  auto unit_norm = [&c](int64_t n) { return c.norm_plus_one ? at::zeros({n}) : at::ones({n}); };
+  m.layers.reserve(static_cast<size_t>(c.num_hidden_layers));  // on_layer may keep references to layers
   // Drawn in bf16 and scaled in place: no fp32 [vocab, hidden] temporary.
   m.embed_tokens = at::randn({c.vocab_size, h}, gen, bf16).mul_(0.02);
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
-    qlora::modules::DecoderLayer L;
-    L.input_layernorm = at::ones({h});
-    L.post_attention_layernorm = at::ones({h});
-    for (const qlora::models::ProjectionRow& row : arch.projections) {
+    modules::DecoderLayer L;
+    for (const models::NormRow& n : arch.layer_norms) L.*n.member = unit_norm(models::dim_size(n.size, c));
+    for (const models::ProjectionRow& row : arch.projections) {
       if (!row.member) continue;
-      const std::vector<int64_t> shape = qlora::models::projection_shape(row, c);  // [out, in]
+      const std::vector<int64_t> shape = models::projection_shape(row, c);  // [out, in]
       L.*row.member = random_nf4_projection(shape[0], shape[1], gen);
+      if (models::has_bias(row, c)) modules::lora_linear_set_bias(L.*row.member, at::zeros({shape[0]}));
     }
-    for (qlora::modules::LoraLinear* p : qlora::models::layer_projections(arch, L))
-      qlora::modules::lora_linear_add_adapter(*p, r, alpha, 0.0, gen, at::kCPU);
+    for (modules::LoraLinear* p : models::layer_projections(arch, L))
+      modules::lora_linear_add_adapter(*p, r, alpha, 0.0, gen, at::kCPU);
     m.layers.push_back(std::move(L));
     if (on_layer) on_layer(i, m.layers.back(), arch);
   }
-  m.norm = at::ones({h});
-  m.lm_head = qlora::modules::lora_linear_dense(at::randn({c.vocab_size, h}, gen, bf16).mul_(0.02));
-  m.inv_freq = qlora::modules::rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling);
+  m.norm = unit_norm(h);
+  m.lm_head = modules::lora_linear_dense(
+      c.tie_word_embeddings ? m.embed_tokens
+                            : at::randn(models::projection_shape(models::output_projection(arch), c), gen, bf16).mul_(0.02));
+  m.inv_freq = modules::rope_inv_freq(c.head_dim, c.rope());
+  if (c.local_rope) m.inv_freq_local = modules::rope_inv_freq(c.head_dim, *c.local_rope);
   // Per-layer activation checkpointing, as a 7B QLoRA recipe runs: without it the saved
   // activations of 32 layers (~75 MB each at seq 128 in fp32) alone take ~2.4 GB.
   m.activation_checkpointing = activation_checkpointing;

@@ -1,6 +1,7 @@
 // Command-line shape of a bench model, shared by bench_train_step and bench_dist: a Llama shape
-// (written once as a random bf16 checkpoint by bench/peer_train_step.py) or --llama2-7b (random
-// NF4, in memory), and how many steps to time.
+// (written once as a random bf16 checkpoint by bench/peer_train_step.py) or a named real shape
+// (--shape, bench/model_shapes.h; random NF4, in memory; --llama2-7b is --shape llama2-7b), and
+// how many steps to time.
 #pragma once
 
 #include <cstdint>
@@ -9,13 +10,15 @@
 #include <stdexcept>
 #include <string>
 
+#include "bench/model_shapes.h"
+
 namespace qlora::bench {
 
 struct ShapeArgs {
   int64_t hidden = 768, inter = 2048, layers = 12, heads = 12, vocab = 32000;
   int64_t seq = 512, steps = 3;
   std::string workdir;  // the random checkpoint's directory; empty = one per shape under /tmp
-  bool llama7b = false;
+  std::string shape;  // a name of bench/model_shapes.h; empty: the Llama shape of the flags above
   bool seq_given = false, steps_given = false, layers_given = false;
 
   // Consumes argv[i] (and its value) when it is a shape flag; false otherwise.
@@ -32,21 +35,26 @@ struct ShapeArgs {
     else if (s == "--vocab") vocab = next();
     else if (s == "--seq") { seq = next(); seq_given = true; }
     else if (s == "--steps") { steps = next(); steps_given = true; }
-    else if (s == "--llama2-7b") llama7b = true;
-    else if (s == "--workdir") {
+    else if (s == "--llama2-7b") shape = "llama2-7b";
+    else if (s == "--shape") {
+      if (i + 1 >= argc) throw std::invalid_argument("--shape needs a value (" + model_shape_names() + ")");
+      shape = model_shape(argv[++i]).name;
+    } else if (s == "--workdir") {
       if (i + 1 >= argc) throw std::invalid_argument("--workdir needs a value");
       workdir = argv[++i];
     } else return false;
     return true;
   }
 
-  // The 7B shape runs at seq 128, one step, 32 layers unless told otherwise: minutes on a small CPU.
+  // A named shape runs at seq 128, one step, all its layers unless told otherwise: minutes on a
+  // small CPU.
   void finish() {
-    if (llama7b) {
+    if (!shape.empty()) {
       if (!seq_given) seq = 128;
       if (!steps_given) steps = 1;
-      if (!layers_given) layers = 32;
+      if (!layers_given) layers = model_shape_config(shape).num_hidden_layers;
     }
+    if (layers < 1) throw std::invalid_argument("--layers must be >= 1");
     if (steps < 1 || seq < 1) throw std::invalid_argument("--steps and --seq must be >= 1");
     if (workdir.empty())
       workdir = (std::filesystem::temp_directory_path() /
@@ -58,8 +66,12 @@ struct ShapeArgs {
   std::string flags() const {
     return " --hidden " + std::to_string(hidden) + " --inter " + std::to_string(inter) + " --layers " +
            std::to_string(layers) + " --heads " + std::to_string(heads) + " --vocab " + std::to_string(vocab) +
-           " --seq " + std::to_string(seq) + " --steps " + std::to_string(steps);
+           " --seq " + std::to_string(seq) + " --steps " + std::to_string(steps) +
+           (shape.empty() ? "" : " --shape " + shape);
   }
+
+  // The named shape's config at the chosen depth.
+  models::LlamaConfig shape_config() const { return model_shape_config(shape, layers); }
 
   // Writes the random bf16 checkpoint of this shape once (the peer script's --write-model).
   void ensure_checkpoint(const std::string& python, const std::string& source_dir) const {
