@@ -20,8 +20,21 @@ TEST(Builders, DatasetOptionsFromData) {
   EXPECT_EQ(o.prompt_template, data::TemplateKind::kLlama3Chat);
   EXPECT_EQ(o.max_seq_len, 77);
   EXPECT_TRUE(o.train_on_input);
-  // Not config keys: the component's defaults.
+  // Empty field keys keep the component's usual names; set ones replace them.
   EXPECT_EQ(o.instruction_field, data::DatasetOptions{}.instruction_field);
+  EXPECT_EQ(o.messages_field, data::DatasetOptions{}.messages_field);
+  d.instruction_field = "prompt";
+  d.output_field = "response";
+  d.messages_field = "dialog";
+  d.text_field = "body";
+  d.input_field = "context";
+  const data::DatasetOptions mapped = dataset_options(d);
+  EXPECT_EQ(mapped.instruction_field, "prompt");
+  EXPECT_EQ(mapped.input_field, "context");
+  EXPECT_EQ(mapped.output_field, "response");
+  EXPECT_EQ(mapped.messages_field, "dialog");
+  EXPECT_EQ(mapped.text_field, "body");
+  // Not config keys: the component's defaults.
   EXPECT_TRUE(o.add_bos && o.add_eos);
   // template = "none" keeps the options' default template.
   d.template_ = std::nullopt;
@@ -144,6 +157,8 @@ TEST(Builders, EnumKeysAreSpelledByTheComponentsTables) {
                     [](const RecipeConfig& c) { return c.checkpoint.merge_from; });
   expect_spelled_by("logging.progress", train::kProgressModeNames,
                     [](const RecipeConfig& c) { return c.logging.progress; });
+  expect_spelled_by("training.on_nonfinite", train::kNonFinitePolicyNames,
+                    [](const RecipeConfig& c) { return c.training.on_nonfinite; });
   // The components parse and print with the same tables.
   EXPECT_EQ(checkpoint::merge_source_from_name("original"), checkpoint::MergeSource::Original);
   EXPECT_STREQ(checkpoint::merge_source_name(checkpoint::MergeSource::Nf4), "nf4");

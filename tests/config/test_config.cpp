@@ -147,6 +147,12 @@ TEST(Config, RangeChecksNameKeyAndLine) {
                   "'lora.targets' (line 2) must be a list of q, k, v, o, gate, up, down, output, qkv, gate_up, got 'qkvo'");
   EXPECT_CONTAINS(parse_error("[lora]\ntargets = [\"q\", \"q\"]\n"), "duplicates");
   EXPECT_CONTAINS(parse_error("[lora]\ntargets = []\n"), "'lora.targets' (line 2) must be non-empty");
+  EXPECT_CONTAINS(parse_error("[data]\nval_fraction = 1.0\n"), "'data.val_fraction' (line 2) must be in [0, 1)");
+  EXPECT_CONTAINS(parse_error("[data]\nval_path = \"v.jsonl\"\nval_fraction = 0.1\n"),
+                  "'data.val_fraction' (line 3) must be 0 when data.val_path is set");
+  EXPECT_CONTAINS(parse_error("[training]\neval_every_steps = -1\n"), "'training.eval_every_steps' (line 2) must be >= 0");
+  EXPECT_CONTAINS(parse_error("[training]\non_nonfinite = \"ignore\"\n"),
+                  "invalid value 'ignore' for 'training.on_nonfinite' (line 2); allowed: stop, skip");
   EXPECT_CONTAINS(parse_error("[model]\ndevice = \"gpu\"\n"),
                   "'model.device' (line 2) must be \"auto\", \"cpu\", \"cuda\" or \"cuda:N\", got \"gpu\"");
   EXPECT_CONTAINS(parse_error("[model]\ndevice = \"cuda:\"\n"), "'model.device'");
@@ -233,10 +239,11 @@ TEST(Config, HashIsStableAndScoped) {
   const RecipeConfig a;
   EXPECT_EQ(config_hash(a, HashScope::Full).size(), 16u);
   EXPECT_EQ(config_hash(a, HashScope::Full), config_hash(RecipeConfig{}, HashScope::Full));
-  // Pinned: a change here means every saved checkpoint's recorded hash stops matching, so a
-  // resume would be refused. Change the canonical form only deliberately.
-  EXPECT_EQ(config_hash(a, HashScope::Full), "04fb580d95141a21");
-  EXPECT_EQ(config_hash(a, HashScope::Exactness), "2296dca547f0b6e2");
+  // Pinned: meta.json records it, so a change makes new checkpoints' hashes differ from older
+  // ones' for the same run (resume compares the keys themselves, not the hash). New keys change
+  // it (last: #12's validation, field-name and on_nonfinite keys); restructuring must not.
+  EXPECT_EQ(config_hash(a, HashScope::Full), "b6e31afa73405c1e");
+  EXPECT_EQ(config_hash(a, HashScope::Exactness), "ecba12e13bca2f1d");
   EXPECT_EQ(config_hash(a, HashScope::Exactness), config_hash(parse_config(to_toml(a), "x"), HashScope::Exactness));
   RecipeConfig b = a;
   b.logging.log_every_steps = 10;
@@ -248,13 +255,12 @@ TEST(Config, HashIsStableAndScoped) {
   EXPECT_NE(config_hash(a, HashScope::Exactness), config_hash(b, HashScope::Exactness));
 }
 
-// The embedded default (configs/tiny_qlora.toml), values computed before the config sections took
-// the components' enums: its resume checkpoints store the exactness hash, so the canonical text
-// must not drift when the config code is restructured.
+// The embedded default (configs/tiny_qlora.toml): its resume checkpoints store the exactness hash,
+// so the canonical text must not drift when the config code is restructured (new keys do move it).
 TEST(Config, EmbeddedDefaultHashIsPinned) {
   const RecipeConfig c = load_config((configs_dir() / "tiny_qlora.toml").string());
-  EXPECT_EQ(config_hash(c, HashScope::Full), "85031a8483c02026");
-  EXPECT_EQ(config_hash(c, HashScope::Exactness), "b923ac52111f78e0");
+  EXPECT_EQ(config_hash(c, HashScope::Full), "a315fa1feaf017c5");
+  EXPECT_EQ(config_hash(c, HashScope::Exactness), "e82a049239029bff");
 }
 
 TEST(Config, ExactnessBreakingDifferences) {
@@ -276,7 +282,7 @@ TEST(Config, ExactnessBreakingDifferences) {
   int exact = 0;
   for (const KeyInfo& k : known_keys()) exact += k.affects_exactness;
   EXPECT_GT(exact, 20);
-  EXPECT_EQ(known_keys().size(), 43u);
+  EXPECT_EQ(known_keys().size(), 54u);
 }
 
 // Every file in configs/ parses, and its first line is the command that runs it.

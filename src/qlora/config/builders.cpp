@@ -8,6 +8,15 @@ data::DatasetOptions dataset_options(const DataConfig& data_cfg) {
   if (data_cfg.template_) o.prompt_template = *data_cfg.template_;
   o.max_seq_len = data_cfg.max_seq_len;
   o.train_on_input = data_cfg.train_on_input;
+  // An empty field key keeps the format's usual name.
+  const auto set = [](std::string& field, const std::string& configured) {
+    if (!configured.empty()) field = configured;
+  };
+  set(o.instruction_field, data_cfg.instruction_field);
+  set(o.input_field, data_cfg.input_field);
+  set(o.output_field, data_cfg.output_field);
+  set(o.messages_field, data_cfg.messages_field);
+  set(o.text_field, data_cfg.text_field);
   return o;
 }
 

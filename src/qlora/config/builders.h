@@ -22,7 +22,8 @@
 namespace qlora::config {
 
 // kind, prompt template (data.template = "none" keeps the options' default), max_seq_len,
-// train_on_input; field names and BOS/EOS keep data::DatasetOptions' defaults.
+// train_on_input, the field names (an empty key keeps the format's usual name); BOS/EOS keep
+// data::DatasetOptions' defaults.
 data::DatasetOptions dataset_options(const DataConfig& data_cfg);
 
 // Every rank draws the same global batch of batch_size x ranks rows per micro-step and trains on

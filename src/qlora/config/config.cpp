@@ -40,6 +40,7 @@ constexpr const auto& names_of(data::TemplateKind) { return data::kTemplateKindN
 constexpr const auto& names_of(optim::ScheduleKind) { return optim::kScheduleKindNames; }
 constexpr const auto& names_of(checkpoint::MergeSource) { return checkpoint::kMergeSourceNames; }
 constexpr const auto& names_of(train::ProgressMode) { return train::kProgressModeNames; }
+constexpr const auto& names_of(train::NonFinitePolicy) { return train::kNonFinitePolicyNames; }
 
 // An optional enum key (data.template) spells its absence "none", after the table's names.
 constexpr const char* kAbsent = "none";
@@ -99,6 +100,7 @@ const char* const kSections[] = {"model",      "lora",    "data", "optim", "trai
 template <class Cfg, class V>
 void visit_fields(Cfg& c, V&& v) {
   v("model", "checkpoint_dir", c.model.checkpoint_dir, false);
+  v("model", "name", c.model.name, false);
   v("model", "tokenizer", c.model.tokenizer, false);
   // "auto" and "cuda" may name the same device: the recipe checks the resolved device type instead.
   v("model", "device", c.model.device, false);
@@ -110,12 +112,19 @@ void visit_fields(Cfg& c, V&& v) {
   v("lora", "dropout", c.lora.dropout, true);
   v("lora", "targets", c.lora.targets, true);
   v("data", "path", c.data.path, false);
+  v("data", "val_path", c.data.val_path, false);
+  v("data", "val_fraction", c.data.val_fraction, true);  // what it holds out is not trained on
   v("data", "format", c.data.format, true);
   v("data", "template", c.data.template_, true);
   v("data", "max_seq_len", c.data.max_seq_len, true);
   v("data", "train_on_input", c.data.train_on_input, true);
   v("data", "packing", c.data.packing, true);
   v("data", "shuffle", c.data.shuffle, true);
+  v("data", "instruction_field", c.data.instruction_field, true);
+  v("data", "input_field", c.data.input_field, true);
+  v("data", "output_field", c.data.output_field, true);
+  v("data", "messages_field", c.data.messages_field, true);
+  v("data", "text_field", c.data.text_field, true);
   v("optim", "lr", c.optim.lr, true);
   v("optim", "weight_decay", c.optim.weight_decay, true);
   v("optim", "betas", c.optim.betas, true);
@@ -129,6 +138,11 @@ void visit_fields(Cfg& c, V&& v) {
   v("training", "grad_accum", c.training.grad_accum, true);
   v("training", "max_steps_per_epoch", c.training.max_steps_per_epoch, true);
   v("training", "seed", c.training.seed, true);
+  // Evaluation draws no random numbers and updates nothing.
+  v("training", "eval_every_steps", c.training.eval_every_steps, false);
+  // A finite run is the same under either; a run stopped at a non-finite step may resume with "skip".
+  v("training", "on_nonfinite", c.training.on_nonfinite, false);
+  v("training", "max_consecutive_skips", c.training.max_consecutive_skips, false);
   v("checkpoint", "output_dir", c.checkpoint.output_dir, false);
   v("checkpoint", "save_every_steps", c.checkpoint.save_every_steps, false);
   v("checkpoint", "keep_last_n", c.checkpoint.keep_last_n, false);
@@ -392,6 +406,9 @@ void validate(const RecipeConfig& c, const Origin& o, const LineMap& lines) {
     check(seen.insert(t).second, "lora.targets", "free of duplicates", "'" + t + "' twice");
   }
   check(c.data.max_seq_len >= 1, "data.max_seq_len", ">= 1", i(c.data.max_seq_len));
+  check(c.data.val_fraction >= 0 && c.data.val_fraction < 1, "data.val_fraction", "in [0, 1)", d(c.data.val_fraction));
+  check(c.data.val_path.empty() || c.data.val_fraction == 0, "data.val_fraction",
+        "0 when data.val_path is set (one source of validation data)", d(c.data.val_fraction));
   check(c.optim.lr > 0 && std::isfinite(c.optim.lr), "optim.lr", "> 0 and finite", d(c.optim.lr));
   check(c.optim.weight_decay >= 0, "optim.weight_decay", ">= 0", d(c.optim.weight_decay));
   for (double b : c.optim.betas) check(b >= 0 && b < 1, "optim.betas", "in [0, 1)", d(b));
@@ -406,6 +423,10 @@ void validate(const RecipeConfig& c, const Origin& o, const LineMap& lines) {
   check(c.training.max_steps_per_epoch >= 0, "training.max_steps_per_epoch", ">= 0 (0 = no cap)",
         i(c.training.max_steps_per_epoch));
   check(c.training.seed >= 0, "training.seed", ">= 0", i(c.training.seed));
+  check(c.training.eval_every_steps >= 0, "training.eval_every_steps", ">= 0 (0 = at each epoch end)",
+        i(c.training.eval_every_steps));
+  check(c.training.max_consecutive_skips >= 1, "training.max_consecutive_skips", ">= 1",
+        i(c.training.max_consecutive_skips));
   check(!c.checkpoint.output_dir.empty(), "checkpoint.output_dir", "non-empty", "\"\"");
   check(c.checkpoint.save_every_steps >= 0, "checkpoint.save_every_steps", ">= 0 (0 = per epoch)",
         i(c.checkpoint.save_every_steps));

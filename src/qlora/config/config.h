@@ -19,6 +19,7 @@
 #include "qlora/data/dataset.h"
 #include "qlora/optim/schedule.h"
 #include "qlora/train/metrics.h"
+#include "qlora/train/nonfinite.h"
 
 namespace qlora::config {
 
@@ -33,6 +34,9 @@ enum class BaseFormat { NF4, BF16, FP32 };
 
 struct ModelConfig {
   std::string checkpoint_dir;  // HF directory; empty = the embedded tiny default model
+  // What adapter_config.json records as base_model_name_or_path: a hub id ("meta-llama/Llama-2-7b-hf")
+  // where the base will be found under that name; empty = checkpoint_dir as an absolute path.
+  std::string name;
   // Tokenizer file; empty = the first of <checkpoint_dir>/tokenizer.model, original/tokenizer.model
   // (where Llama-3 repositories keep Meta's tiktoken file), tokenizer.json (Qwen ships only that).
   std::string tokenizer;
@@ -54,6 +58,10 @@ struct LoraConfig {
 
 struct DataConfig {
   std::string path;  // empty = the embedded tiny default data set
+  // Validation data: a file of the same format, or (val_path empty) a seeded val_fraction of `path`
+  // held out of training. Neither: no validation.
+  std::string val_path;
+  double val_fraction = 0.0;
   data::DatasetKind format = data::DatasetKind::kInstruct;
   // TOML key "template". "none" (nullopt): no template chosen, for format "text", which renders
   // without one; the other formats then get data::DatasetOptions' default (alpaca).
@@ -62,6 +70,13 @@ struct DataConfig {
   bool train_on_input = false;
   bool packing = false;
   bool shuffle = true;
+  // Record field names; empty = the format's usual names (instruct: instruction/input/output;
+  // chat: messages or conversations, each turn role/content or from/value; text: text).
+  std::string instruction_field;
+  std::string input_field;
+  std::string output_field;
+  std::string messages_field;
+  std::string text_field;
 };
 
 struct OptimConfig {
@@ -81,6 +96,13 @@ struct TrainingConfig {
   int64_t grad_accum = 8;
   int64_t max_steps_per_epoch = 0;  // 0 = no cap
   int64_t seed = 42;
+  // Validation loss every this many optimizer steps (0 = only at each epoch end); needs
+  // data.val_path or data.val_fraction.
+  int64_t eval_every_steps = 0;
+  // A step whose loss or gradient norm is not finite: "stop" (error naming the step and the last
+  // good checkpoint) or "skip" (no update; stop after max_consecutive_skips in a row).
+  train::NonFinitePolicy on_nonfinite = train::NonFinitePolicy::kStop;
+  int64_t max_consecutive_skips = 5;
 };
 
 struct CheckpointConfig {
