@@ -46,46 +46,13 @@
 #include "qlora/train/device.h"
 #include "qlora/train/metrics.h"
 #include "qlora/train/tiny_default.h"
+#include "recipe_config.h"
 
 namespace qlora::recipes {
-
-extern const char* const kEmbeddedTinyConfig;  // configs/tiny_qlora.toml, compiled in
 
 namespace {
 namespace fs = std::filesystem;
 using config::RecipeConfig;
-
-RecipeConfig load_recipe_config(const std::vector<std::string>& args) {
-  std::string path;
-  std::vector<std::string> overrides;
-  for (size_t i = 0; i < args.size(); ++i) {
-    if (args[i] == "--config") {
-      if (i + 1 >= args.size()) throw std::invalid_argument("--config needs a file");
-      path = args[++i];
-    } else if (args[i].find('=') != std::string::npos && args[i][0] != '-') {
-      overrides.push_back(args[i]);
-    } else {
-      throw std::invalid_argument("unexpected argument '" + args[i] +
-                                  "'; expected --config FILE and section.key=value overrides");
-    }
-  }
-  RecipeConfig cfg = path.empty() ? config::parse_config(kEmbeddedTinyConfig, "<embedded tiny_qlora.toml>")
-                                  : config::load_config(path);
-  if (path.empty()) std::printf("No --config: running the embedded default (configs/tiny_qlora.toml)\n");
-  for (const auto& o : overrides) config::apply_override(cfg, o);
-  return cfg;
-}
-
-// model.tokenizer, else the checkpoint's tokenizer.model, original/tokenizer.model or tokenizer.json
-// (Tokenizer::find_file's order; Llama-3 repositories keep Meta's tiktoken file under original/).
-std::string find_tokenizer(const RecipeConfig& cfg, const std::string& base_dir) {
-  if (!cfg.model.tokenizer.empty()) return cfg.model.tokenizer;
-  try {
-    return data::Tokenizer::find_file(base_dir);
-  } catch (const std::runtime_error& e) {
-    throw std::invalid_argument(std::string(e.what()) + "; set model.tokenizer to the tokenizer file");
-  }
-}
 
 // Frozen embedding / lm_head storage: under fp32 compute, a bf16 checkpoint's embed_tokens and
 // lm_head stay bf16 (widened exactly on use, so the numbers are those of fp32 storage): for a 7B
@@ -366,9 +333,9 @@ int run_recipe(const RecipeConfig& cfg, c10::Device device, engine::World& world
   // is ~100x slower on x86, and flushing them to zero changes nothing a loss can see.
   at::globalContext().setFlushDenormal(true);
   // The embedded default's model is written once per node (output_dir may not be shared), before anyone reads it.
-  if (cfg.model.checkpoint_dir.empty() && world.env().local_rank == 0) train::ensure_tiny_base(out_dir + "/tiny_base");
+  if (cfg.model.checkpoint_dir.empty() && world.env().local_rank == 0) train::ensure_tiny_base(base_model_dir(cfg));
   world.world().barrier();
-  const std::string base_dir = cfg.model.checkpoint_dir.empty() ? out_dir + "/tiny_base" : cfg.model.checkpoint_dir;
+  const std::string base_dir = base_model_dir(cfg);
 
   Data d = setup_data(cfg, base_dir, ranks);
   Model m = setup_model(cfg, base_dir, device, world);

@@ -1,0 +1,46 @@
+#include "recipe_config.h"
+
+#include <cstdio>
+#include <stdexcept>
+
+#include "qlora/data/tokenizer.h"
+
+namespace qlora::recipes {
+
+extern const char* const kEmbeddedTinyConfig;  // configs/tiny_qlora.toml, compiled in
+
+config::RecipeConfig load_recipe_config(const std::vector<std::string>& args) {
+  std::string path;
+  std::vector<std::string> overrides;
+  for (size_t i = 0; i < args.size(); ++i) {
+    if (args[i] == "--config") {
+      if (i + 1 >= args.size()) throw std::invalid_argument("--config needs a file");
+      path = args[++i];
+    } else if (args[i].find('=') != std::string::npos && args[i][0] != '-') {
+      overrides.push_back(args[i]);
+    } else {
+      throw std::invalid_argument("unexpected argument '" + args[i] +
+                                  "'; expected --config FILE and section.key=value overrides");
+    }
+  }
+  config::RecipeConfig cfg = path.empty() ? config::parse_config(kEmbeddedTinyConfig, "<embedded tiny_qlora.toml>")
+                                          : config::load_config(path);
+  if (path.empty()) std::printf("No --config: running the embedded default (configs/tiny_qlora.toml)\n");
+  for (const auto& o : overrides) config::apply_override(cfg, o);
+  return cfg;
+}
+
+std::string base_model_dir(const config::RecipeConfig& cfg) {
+  return cfg.model.checkpoint_dir.empty() ? cfg.checkpoint.output_dir + "/tiny_base" : cfg.model.checkpoint_dir;
+}
+
+std::string find_tokenizer(const config::RecipeConfig& cfg, const std::string& base_dir) {
+  if (!cfg.model.tokenizer.empty()) return cfg.model.tokenizer;
+  try {
+    return data::Tokenizer::find_file(base_dir);
+  } catch (const std::runtime_error& e) {
+    throw std::invalid_argument(std::string(e.what()) + "; set model.tokenizer to the tokenizer file");
+  }
+}
+
+}  // namespace qlora::recipes

@@ -1,0 +1,25 @@
+// What every command that reads a lora_finetune config shares (`qlora run lora_finetune`,
+// `qlora data`): the config from --config FILE (or the embedded default) and overrides, and the
+// tokenizer it names or its checkpoint holds.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "qlora/config/config.h"
+
+namespace qlora::recipes {
+
+// "--config FILE" and "section.key=value" overrides; no --config: the embedded tiny default
+// (configs/tiny_qlora.toml, compiled in). Anything else is an error naming it.
+config::RecipeConfig load_recipe_config(const std::vector<std::string>& args);
+
+// The checkpoint the run trains: model.checkpoint_dir, or for the embedded default the tiny base
+// under checkpoint.output_dir (written on first use by train::ensure_tiny_base).
+std::string base_model_dir(const config::RecipeConfig& cfg);
+
+// model.tokenizer, else the checkpoint's tokenizer.model, original/tokenizer.model or tokenizer.json
+// (Tokenizer::find_file's order; Llama-3 repositories keep Meta's tiktoken file under original/).
+std::string find_tokenizer(const config::RecipeConfig& cfg, const std::string& base_dir);
+
+}  // namespace qlora::recipes
