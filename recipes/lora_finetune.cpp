@@ -357,8 +357,16 @@ int run_recipe(const RecipeConfig& cfg, c10::Device device, engine::World& world
   std::optional<train::MetricsLog> metrics;
   if (lead) metrics.emplace(out_dir, start.global_step);
   train::Progress progress(cfg.logging.progress);
-  const checkpoint::AdapterInfo adapter_info{cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout,
-                                             models::peft_targets(m.llama.architecture(), cfg.lora.targets), base_dir};
+  // base_model_name_or_path: model.name (a hub id), else the base's absolute path (PEFT would resolve a
+  // relative one against the loader's working directory). qlora.json: how `qlora generate` renders prompts.
+  const data::DatasetOptions data_opts = config::dataset_options(cfg.data);
+  const checkpoint::AdapterInfo adapter_info{
+      cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, models::peft_targets(m.llama.architecture(), cfg.lora.targets),
+      cfg.model.name.empty() ? fs::absolute(base_dir).lexically_normal().string() : cfg.model.name,
+      checkpoint::PromptFormat{
+          data::dataset_kind_name(data_opts.kind),
+          data_opts.kind == data::DatasetKind::kText ? "" : std::string(data::template_name(data_opts.prompt_template)),
+          data_opts.train_on_input, data_opts.add_bos, data_opts.add_eos}};
   if (lead)
     std::printf("model %s on %s x %lld rank(s): %lld layers, %lld trainable LoRA parameters; %zu samples; "
                 "%lld steps/epoch x %lld epochs\n",
