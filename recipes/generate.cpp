@@ -107,6 +107,9 @@ std::pair<std::vector<data::Segment>, std::string> render_prompt(data::TemplateK
   if (r.instruction) {
     all = data::render_instruct(kind, {*r.instruction, r.input.value_or(""), stand_in});
   } else {
+    if (kind == data::TemplateKind::kAlpaca && (r.system || r.messages.size() > 1))
+      throw std::invalid_argument("the alpaca template renders one instruction: give one --message (no --system and "
+                                  "no earlier turns), or --instruction [--input]");
     if (r.system && kind == data::TemplateKind::kMistralV03)
       throw std::invalid_argument("--system: the run's template mistral-v0.3 drops system messages from what it trains "
                                   "on (as Mistral's own template does), so the model never saw one");

@@ -148,11 +148,12 @@ def check_chat_kinds(check, exe, epoch, sp, wd):
             ok = got.get("text") == want
             if len(turns) == 1:
                 ok = ok and got.get("ids") == [sp.bos_id()] + sp.encode(want)
-            check(ok, f"{kind} ({model}) prompt of system={system!r} {turns!r}:\n  qlora {got}\n  ref   {want!r}")
+            check(ok, f"{kind} ({model}) prompt of system={system!r} {turns!r}" +
+                  ("" if ok else f":\n  qlora {got}\n  ref   {want!r}"))
     ckpt = fake_export(epoch, os.path.join(wd, "kinds", "llama2-chat"), chat_prompt("llama2-chat"))
     got = print_prompt(exe, ckpt, "--system", "Be brief.", "--message", "Hi")
     want = "[INST] <<SYS>>\nBe brief.\n<</SYS>>\n\nHi [/INST]"
-    check(got.get("text") == want and got.get("ids") == [sp.bos_id()] + sp.encode(want), f"llama2-chat prompt: {got}")
+    check(got.get("text") == want and got.get("ids") == [sp.bos_id()] + sp.encode(want), f"llama2-chat prompt ({got})")
 
 
 def check_chat_run(check, exe, wd):
@@ -184,7 +185,8 @@ def check_errors(check, exe, epoch, wd):
                        {"format": "text", "template": None, "train_on_input": False, "add_bos": True, "add_eos": True})
     fails("a plain-text run", ["--message", "x"], "data.format = \"text\"", "--prompt", ckpt=text)
     fails("--prompt with --instruction", ["--prompt", "x", "--instruction", "y"], "--prompt")
-    fails("alpaca multi-turn", ["--message", "a", "--message", "b", "--message", "c"], "alpaca")
+    fails("alpaca multi-turn", ["--message", "a", "--message", "b", "--message", "c"], "alpaca", "one --message")
+    fails("alpaca --system", ["--system", "s", "--message", "x"], "alpaca", "one --message")
     fails("even --message count", ["--message", "a", "--message", "b"], "odd number")
     mistral = os.path.join(wd, "kinds", "mistral-v0.3")
     fails("mistral --system", ["--system", "s", "--message", "x"], "mistral-v0.3", ckpt=mistral)

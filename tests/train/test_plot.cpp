@@ -50,8 +50,11 @@ TEST(PlotAxis, LogTicksAreOneTwoFiveTimesPowersOfTen) {
   EXPECT_TRUE(a.log);
   EXPECT_DOUBLE_EQ(a.lo, 0.02);
   EXPECT_DOUBLE_EQ(a.hi, 10);
-  EXPECT_EQ(tick_label(a.ticks[1], a), "0.05");
-  const PlotAxis wide = nice_log_axis(1e-6, 50);  // > 3 decades: powers of ten and the ends only
+  EXPECT_EQ(tick_label(a.ticks[1], a), "0.1");  // > 2 decades: powers of ten and the ends
+  const PlotAxis narrow = nice_log_axis(0.31, 7.2);
+  expect_covers(narrow, 0.31, 7.2);
+  EXPECT_EQ(narrow.ticks.size(), 6u);  // 0.2 0.5 1 2 5 10
+  const PlotAxis wide = nice_log_axis(1e-6, 50);
   expect_covers(wide, 1e-6, 50);
   EXPECT_EQ(wide.ticks.size(), 9u);
   EXPECT_THROW(nice_log_axis(0, 1), std::invalid_argument);

@@ -289,7 +289,7 @@ PlotAxis nice_log_axis(double min, double max) {
   a.hi = nice_125(max, true);
   if (a.hi <= a.lo) a.hi = nice_125(a.lo * 1.5, true);
   // Every 1, 2, 5 between them when that stays readable, else the powers of ten (and both ends).
-  const bool dense = a.hi / a.lo <= 1000;
+  const bool dense = a.hi / a.lo <= 100;
   for (double e = std::pow(10.0, std::floor(std::log10(a.lo))); e <= a.hi * (1 + 1e-9); e *= 10)
     for (const double m : {1.0, 2.0, 5.0}) {
       const double t = m * e;
