@@ -134,9 +134,10 @@ void Progress::update(const StepMetrics& m, int64_t done, int64_t every) {
   if (m.skipped) ++skipped_;
   else loss_sum_ += m.loss, ++losses_;
   if (m.skipped) {
-    write_line("epoch " + std::to_string(epoch_ + 1) + "/" + std::to_string(num_epochs_) + " step " +
-               std::to_string(m.step) + ": loss " + std::to_string(m.loss) + ", grad norm " +
-               std::to_string(m.grad_norm) + ": not finite, no update");
+    char buf[160];
+    std::snprintf(buf, sizeof buf, "epoch %lld/%lld step %lld: loss %g, grad norm %g: not finite, no update",
+                  (long long)(epoch_ + 1), (long long)num_epochs_, (long long)m.step, m.loss, m.grad_norm);
+    write_line(buf);
   } else if (bar_) {
     bar_open_ = true;
     constexpr int kWidth = 24;
