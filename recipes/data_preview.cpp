@@ -28,10 +28,11 @@ namespace qlora::recipes {
 namespace {
 
 // Plain-text markers (wdiff's), kept when colour is on so that copied output keeps its meaning.
-constexpr const char* kMaskedOpen = "[-";
-constexpr const char* kMaskedClose = "-]";
-constexpr const char* kTrainedOpen = "{+";
-constexpr const char* kTrainedClose = "+}";
+struct Marker {
+  const char* open;
+  const char* close;
+};
+constexpr Marker kMasked{"[-", "-]"}, kTrained{"{+", "+}"};
 constexpr int kHistogramWidth = 40;  // characters of the longest bar
 constexpr size_t kUntrainedShown = 5;
 
@@ -131,9 +132,8 @@ void print_sample(const DataSet& d, size_t i, const data::Tokenizer& tok, bool c
               s.truncated ? ", truncated to data.max_seq_len" : "");
   for (const auto& run : sample_runs(s, tok)) {
     if (color) std::fputs(run.trained ? "\033[1;32m" : "\033[2m", stdout);
-    std::fputs(run.trained ? kTrainedOpen : kMaskedOpen, stdout);
-    std::fputs(run.text.c_str(), stdout);
-    std::fputs(run.trained ? kTrainedClose : kMaskedClose, stdout);
+    const Marker& m = run.trained ? kTrained : kMasked;
+    std::printf("%s%s%s", m.open, run.text.c_str(), m.close);
     if (color) std::fputs("\033[0m", stdout);
   }
   std::fputs("\n\n", stdout);
@@ -192,7 +192,7 @@ int data_main(const std::vector<std::string>& args) {
 
   DataSet train = load_set("train", train_data_path(cfg), tok, options);
   const bool color = isatty(fileno(stdout)) && std::getenv("NO_COLOR") == nullptr;
-  std::printf("%s masked (not trained) %s  %s trained %s\n\n", kMaskedOpen, kMaskedClose, kTrainedOpen, kTrainedClose);
+  std::printf("%s masked (not trained) %s  %s trained %s\n\n", kMasked.open, kMasked.close, kTrained.open, kTrained.close);
   for (size_t i = 0; i < std::min(train.samples.size(), static_cast<size_t>(a.samples)); ++i) print_sample(train, i, tok, color);
 
   std::vector<DataSet> sets;

@@ -2,7 +2,6 @@
 // a file of another format than the configured one is named with the key to set.
 #include <gtest/gtest.h>
 
-#include <fstream>
 #include <string>
 
 #include <nlohmann/json.hpp>
@@ -10,23 +9,16 @@
 #include "qlora/data/dataset.h"
 #include "qlora/data/record_formats.h"
 
+#include "fixtures.h"
+
 namespace qlora::data {
 namespace {
 
-std::string write_temp(const std::string& name, const std::string& text) {
-  const std::string path = testing::TempDir() + "qlora_formats_" + name;
-  std::ofstream(path, std::ios::binary) << text;
-  return path;
-}
+using test_fixtures::error_of;
 
-template <class F>
-std::string error_of(F&& fn) {
-  try {
-    fn();
-  } catch (const std::invalid_argument& e) {
-    return e.what();
-  }
-  return "";
+// In the test's temporary directory, apart from the other data tests' files.
+std::string write_temp(const std::string& name, const std::string& text) {
+  return test_fixtures::write_temp("formats_" + name, text);
 }
 
 bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
