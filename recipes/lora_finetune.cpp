@@ -35,6 +35,8 @@
 #include "qlora/data/batching.h"
 #include "qlora/data/dataset.h"
 #include "qlora/data/sampler.h"
+#include "qlora/data/split.h"
+#include "qlora/data/stats.h"
 #include "qlora/data/tokenizer.h"
 #include "qlora/engine/process_group.h"
 #include "qlora/engine/sharded_export.h"
@@ -131,28 +133,21 @@ std::vector<data::Sample> pick(const std::vector<data::Sample>& all, const std::
   return out;
 }
 
-int64_t trained_tokens(const std::vector<data::Sample>& samples) {
-  int64_t n = 0;
-  for (const auto& s : samples)
-    for (int64_t l : s.labels) n += l != data::kIgnoreIndex;
-  return n;
-}
-
 // The validation set: data.val_path, or data.val_fraction of the training records held out
 // (seeded by training.seed, the same on any number of ranks); empty without either.
 void split_validation(const RecipeConfig& cfg, Data& d) {
   const data::DatasetOptions opts = config::dataset_options(cfg.data);
   if (!cfg.data.val_path.empty()) d.validation = data::load_dataset(cfg.data.val_path, d.tokenizer, opts);
   if (cfg.data.val_fraction > 0) {
-    const data::HeldOutSplit split = data::split_held_out(static_cast<int64_t>(d.samples.size()), cfg.data.val_fraction,
-                                                          static_cast<uint64_t>(cfg.training.seed));
-    d.validation = pick(d.samples, split.validation);
+    const data::SplitIndices split = data::split_validation(static_cast<int64_t>(d.samples.size()),
+                                                            cfg.data.val_fraction, static_cast<uint64_t>(cfg.training.seed));
+    d.validation = pick(d.samples, split.val);
     d.samples = pick(d.samples, split.train);
   }
   if (cfg.training.eval_every_steps > 0 && d.validation.empty())
     throw std::invalid_argument("training.eval_every_steps = " + std::to_string(cfg.training.eval_every_steps) +
                                 " needs validation data: set data.val_path or data.val_fraction");
-  if (!d.validation.empty() && trained_tokens(d.validation) == 0)
+  if (!d.validation.empty() && data::dataset_stats(d.validation).trained_tokens == 0)
     throw std::invalid_argument("validation data (" + (cfg.data.val_path.empty() ? d.path : cfg.data.val_path) +
                                 ") has no trained tokens: every sample's response is cut by data.max_seq_len = " +
                                 std::to_string(cfg.data.max_seq_len) + " (or empty)");
@@ -160,14 +155,19 @@ void split_validation(const RecipeConfig& cfg, Data& d) {
 
 Data setup_data(const RecipeConfig& cfg, const std::string& base_dir, int64_t ranks) {
   const std::string tokenizer_path = find_tokenizer(cfg, base_dir);
-  Data d{cfg.data.path.empty() ? train::bundled_data_dir() + "/tiny_tasks.jsonl" : cfg.data.path, tokenizer_path,
+  Data d{train_data_path(cfg), tokenizer_path,
          data::Tokenizer::open(tokenizer_path), {}, {}, {}, cfg.data.packing, nullptr};
   d.samples = data::load_dataset(d.path, d.tokenizer, config::dataset_options(cfg.data));
   split_validation(cfg, d);
   // Otherwise every step's loss is 0/0 and the run "trains" on nothing.
-  if (trained_tokens(d.samples) == 0)
+  const data::DatasetStats stats = data::dataset_stats(d.samples);
+  if (stats.trained_tokens == 0)
     throw std::invalid_argument(d.path + ": no sample has a trained token: every response is cut by data.max_seq_len = " +
                                 std::to_string(cfg.data.max_seq_len) + " (or empty); raise it (`qlora data` shows the lengths)");
+  if (!stats.untrained.empty())
+    std::printf("warning: %s: %zu of %zu samples have no trained token (cut by data.max_seq_len = %lld, or an empty "
+                "response) and train on nothing; `qlora data` lists them\n",
+                d.path.c_str(), stats.untrained.size(), d.samples.size(), (long long)cfg.data.max_seq_len);
   if (d.packed) d.rows = data::pack_samples(d.samples, cfg.data.max_seq_len, d.tokenizer.pad_id());
   const int64_t size = static_cast<int64_t>(d.packed ? d.rows.size() : d.samples.size());
   // One global batch per micro-step; each rank trains on its own batch_size rows of it.

@@ -143,28 +143,6 @@ TEST(Sampler, SplitmixIsTheReferenceGenerator) {
   EXPECT_EQ(splitmix64_next(state), 0x6E789E6AA1B965F4ull);
 }
 
-TEST(Sampler, HeldOutSplitIsSeededDisjointAndInFileOrder) {
-  const HeldOutSplit a = split_held_out(1000, 0.1, 42);
-  EXPECT_EQ(a.validation.size(), 100u);
-  EXPECT_EQ(a.train.size(), 900u);
-  EXPECT_TRUE(std::is_sorted(a.train.begin(), a.train.end()));
-  EXPECT_TRUE(std::is_sorted(a.validation.begin(), a.validation.end()));
-  std::vector<int64_t> all = a.train;
-  all.insert(all.end(), a.validation.begin(), a.validation.end());
-  std::sort(all.begin(), all.end());
-  for (int64_t i = 0; i < 1000; ++i) ASSERT_EQ(all[static_cast<size_t>(i)], i);
-  // Same seed, same split; another seed, another; not simply the head or tail of the file.
-  EXPECT_EQ(split_held_out(1000, 0.1, 42).validation, a.validation);
-  EXPECT_NE(split_held_out(1000, 0.1, 43).validation, a.validation);
-  EXPECT_LT(a.validation.front(), 100);
-  EXPECT_GT(a.validation.back(), 900);
-  // At least one held out, at least one left to train on; 0 holds out nothing.
-  EXPECT_EQ(split_held_out(10, 0.01, 1).validation.size(), 1u);
-  EXPECT_EQ(split_held_out(10, 0.99, 1).train.size(), 1u);
-  EXPECT_TRUE(split_held_out(10, 0.0, 1).validation.empty());
-  EXPECT_THROW(split_held_out(1, 0.5, 1), std::invalid_argument);
-}
-
 TEST(Sampler, SeedEpochDeterminism) {
   SamplerOptions o{.dataset_size = 100, .batch_size = 8, .seed = 42};
   Sampler a(o), b(o);

@@ -12,7 +12,8 @@ training.eval_every_steps and at each epoch end, on 1..N ranks.
 4. 2 ranks (the last global batch short, so a rank fills its share with masked rows) report the
    same validation losses as one process.
 5. A run killed and resumed logs the same validation rows as the uninterrupted one.
-6. Errors: eval_every_steps without validation data; a missing val_path.
+6. Errors: eval_every_steps without validation data; a missing val_path; data whose every
+   response is truncated away.
 """
 import argparse
 import json
@@ -110,6 +111,11 @@ def errors(check, a):
           "eval_every_steps without validation data is refused, naming the keys")
     r = run_recipe(a.qlora, out, "data.val_path=/nonexistent/val.jsonl", *SHORT, expect_rc=1)
     check(r.returncode == 1 and "/nonexistent/val.jsonl" in r.stderr, "a missing val_path is named")
+    # Every response cut by max_seq_len: training data with nothing to learn is refused (it used to
+    # "train" with loss 0.0); validation data likewise.
+    r = run_recipe(a.qlora, out, "data.max_seq_len=24", *SHORT, expect_rc=1)
+    check(r.returncode == 1 and "no sample has a trained token" in r.stderr and "data.max_seq_len = 24" in r.stderr,
+          "a data set whose every response is truncated away is refused, naming data.max_seq_len")
 
 
 def main():

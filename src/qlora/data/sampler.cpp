@@ -3,8 +3,6 @@
 
 #include <nlohmann/json.hpp>
 
-#include <algorithm>
-#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <numeric>
@@ -182,23 +180,6 @@ void Sampler::load_state(const std::string& path) {
   const auto text = io::read_file(path);
   if (!text) throw std::invalid_argument("sampler: cannot open state file '" + path + "'");
   load_state_json(*text, path);
-}
-
-HeldOutSplit split_held_out(int64_t dataset_size, double fraction, uint64_t seed) {
-  HeldOutSplit split;
-  if (dataset_size <= 0) return split;
-  int64_t count = fraction > 0 ? std::llround(fraction * static_cast<double>(dataset_size)) : 0;
-  if (fraction > 0 && dataset_size < 2)
-    throw std::invalid_argument("cannot hold out a validation fraction of a data set of " + std::to_string(dataset_size) +
-                                " record(s)");
-  if (fraction > 0) count = std::clamp<int64_t>(count, 1, dataset_size - 1);
-  // Another stream than the batch order's (seed) so held-out records are not the epoch-0 head.
-  const std::vector<int64_t> order =
-      Sampler(SamplerOptions{dataset_size, 1, seed ^ 0x76616C5F73706C74ull, true}).epoch_order(0);
-  std::vector<bool> held(static_cast<size_t>(dataset_size), false);
-  for (int64_t i = 0; i < count; ++i) held[static_cast<size_t>(order[static_cast<size_t>(i)])] = true;
-  for (int64_t i = 0; i < dataset_size; ++i) (held[static_cast<size_t>(i)] ? split.validation : split.train).push_back(i);
-  return split;
 }
 
 }  // namespace qlora::data

@@ -73,13 +73,4 @@ class Sampler {
 // splitmix64 (Steele, Lea, Flood 2014): tiny, fully specified, good enough for shuffling.
 uint64_t splitmix64_next(uint64_t& state);
 
-// data.val_fraction: which of `dataset_size` records are held out for validation. The count is
-// round(fraction x size), at least 1 when fraction > 0 and at most size - 1; which ones is the
-// first `count` of a seeded permutation (fraction > 0 of fewer than 2 records throws) (the sampler's, so it depends only on the seed and the
-// size: not on ranks, threads or platform). Both lists come back in file order.
-struct HeldOutSplit {
-  std::vector<int64_t> train, validation;
-};
-HeldOutSplit split_held_out(int64_t dataset_size, double fraction, uint64_t seed);
-
 }  // namespace qlora::data
