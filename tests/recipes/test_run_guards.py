@@ -14,7 +14,6 @@
    skips it, says which and why, sets it aside and continues from the newest intact one with
    the losses of the uninterrupted run.
 """
-import argparse
 import glob
 import math
 import os
@@ -25,7 +24,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from recipe_common import RANKS_TOL, Checks, adapter, max_diff, metrics_rows, run_recipe
+from recipe_common import Checks, RANKS_TOL, adapter, max_diff, metrics_rows, recipe_args, run_recipe
 
 SHORT = ["training.epochs=1", "training.max_steps_per_epoch=6", "logging.progress=plain"]
 
@@ -148,13 +147,7 @@ def damaged_newest(check, a):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--qlora", required=True)
-    ap.add_argument("--qlora-faults", required=True)
-    ap.add_argument("--workdir", required=True)
-    a = ap.parse_args()
-    shutil.rmtree(a.workdir, ignore_errors=True)
-    os.makedirs(a.workdir)
+    a = recipe_args()
     check = Checks()
     diverging(check, a)
     one_nan_step(check, a)

@@ -15,14 +15,12 @@ training.eval_every_steps and at each epoch end, on 1..N ranks.
 6. Errors: eval_every_steps without validation data; a missing val_path; data whose every
    response is truncated away.
 """
-import argparse
 import json
 import math
 import os
-import shutil
 import sys
 
-from recipe_common import RANKS_TOL, Checks, adapter, max_diff, metrics_rows, run_recipe
+from recipe_common import Checks, RANKS_TOL, adapter, max_diff, metrics_rows, recipe_args, run_recipe
 
 SHORT = ["training.epochs=1", "training.max_steps_per_epoch=6", "logging.progress=plain"]
 TASKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data", "tiny_tasks.jsonl")
@@ -119,13 +117,7 @@ def errors(check, a):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--qlora", required=True)
-    ap.add_argument("--qlora-faults", required=True)
-    ap.add_argument("--workdir", required=True)
-    a = ap.parse_args()
-    shutil.rmtree(a.workdir, ignore_errors=True)
-    os.makedirs(a.workdir)
+    a = recipe_args()
     check = Checks()
     same_as_training(check, a)
     rows = changes_nothing(check, a)
