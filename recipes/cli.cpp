@@ -17,6 +17,7 @@ int lora_finetune_main(const std::vector<std::string>& args);
 int generate_main(const std::vector<std::string>& args);
 int tokenize_main(const std::vector<std::string>& args);
 int plot_main(const std::vector<std::string>& args);
+int data_main(const std::vector<std::string>& args);
 int qlora_cli(int argc, char** argv);
 }  // namespace qlora::recipes
 
@@ -30,6 +31,10 @@ constexpr const char* kUsage =
     "      lora_finetune [--config FILE] [section.key=value ...]\n"
     "                          QLoRA fine-tuning; no --config: the embedded tiny default;\n"
     "                          N > 1: N ranks on this node, sharded FSDP-style\n"
+    "  data [--config FILE] [section.key=value ...] [-n N]\n"
+    "                          the data as lora_finetune sees it, no model loaded: the first N\n"
+    "                          samples (3) with trained text marked, token counts, truncated and\n"
+    "                          untrained samples, packing efficiency, a length histogram\n"
     "  generate --checkpoint DIR (--prompt TEXT | --instruction TEXT [--input TEXT] |\n"
     "           [--system TEXT] --message TEXT [--message TEXT ...]) [--print-prompt]\n"
     "           [--max-new-tokens N] [--temperature T] [--top-p P]\n"
@@ -99,6 +104,7 @@ int qlora_cli(int argc, char** argv) {
     if (cmd == "dequantize") return qlora::recipes::dequantize_main(args);
     if (cmd == "tokenize") return qlora::recipes::tokenize_main(args);
     if (cmd == "plot") return qlora::recipes::plot_main(args);
+    if (cmd == "data") return qlora::recipes::data_main(args);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "qlora %s: error: %s\n", cmd.c_str(), e.what());
     return 1;

@@ -17,9 +17,8 @@
    the template cannot render (alpaca multi-turn), an even number of --message, --system with
    mistral-v0.3, a malformed qlora.json.
 
-    python tests/recipes/test_generate_cli.py --qlora build/qlora [--workdir build/cli_generate]
+    python tests/recipes/test_generate_cli.py --qlora build/qlora --qlora-faults build/qlora_faults --workdir build/cli_generate
 """
-import argparse
 import json
 import os
 import shutil
@@ -30,7 +29,7 @@ import sentencepiece
 from transformers.utils.chat_template_utils import render_jinja_template
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from recipe_common import Checks, run_recipe  # noqa: E402
+from recipe_common import Checks, recipe_args, run_recipe  # noqa: E402
 
 DATA = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data"))
 ALPACA = ("Below is an instruction that describes a task, paired with an input that provides further context. "
@@ -195,13 +194,8 @@ def check_errors(check, exe, epoch, wd):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--qlora", required=True)
-    ap.add_argument("--workdir", default="cli_generate")
-    args = ap.parse_args()
+    args = recipe_args()
     wd = os.path.abspath(args.workdir)
-    shutil.rmtree(wd, ignore_errors=True)
-    os.makedirs(wd)
     exe = os.path.abspath(args.qlora)
     check = Checks()
     sp = sentencepiece.SentencePieceProcessor(model_file=os.path.join(DATA, "tokenizer", "tokenizer.model"))

@@ -9,14 +9,13 @@
 4. `qlora generate` runs on the export.
 Prints "N passed, M failed"; exit code 1 on any failure.
 """
-import argparse
 import json
 import os
 import shutil
 import subprocess
 import sys
 
-from recipe_common import Checks, metrics_rows, run_recipe
+from recipe_common import Checks, metrics_rows, recipe_args, run_recipe
 
 check = Checks()
 FAULTS = None  # --qlora-faults
@@ -35,15 +34,9 @@ def losses(out):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--qlora", required=True)
-    ap.add_argument("--qlora-faults", required=True)
-    ap.add_argument("--workdir", required=True)
-    a = ap.parse_args()
+    a = recipe_args()
     global FAULTS
     FAULTS = a.qlora_faults
-    shutil.rmtree(a.workdir, ignore_errors=True)
-    os.makedirs(a.workdir)
     full, killed = os.path.join(a.workdir, "full"), os.path.join(a.workdir, "killed")
 
     # 1. uninterrupted run

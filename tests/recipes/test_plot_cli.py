@@ -10,9 +10,8 @@ malformed line (file and line named), no arguments.
 The README's picture is docs/plot.svg, the plot of the default run (`qlora run lora_finetune`, no
 overrides); QLORA_UPDATE_DOCS=1 regenerates it. It is checked like the others either way.
 
-    python tests/recipes/test_plot_cli.py --qlora build/qlora [--workdir build/cli_plot]
+    python tests/recipes/test_plot_cli.py --qlora build/qlora --qlora-faults build/qlora_faults --workdir build/cli_plot
 """
-import argparse
 import json
 import math
 import os
@@ -22,7 +21,7 @@ import sys
 import xml.etree.ElementTree as ET
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from recipe_common import Checks, metrics_rows, run_recipe  # noqa: E402
+from recipe_common import Checks, recipe_args, metrics_rows, run_recipe  # noqa: E402
 
 ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 DOCS_PLOT = os.path.join(ROOT, "docs", "plot.svg")
@@ -149,13 +148,8 @@ def check_errors(check, qlora, workdir):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--qlora", required=True)
-    ap.add_argument("--workdir", default="cli_plot")
-    args = ap.parse_args()
+    args = recipe_args()
     wd = os.path.abspath(args.workdir)
-    shutil.rmtree(wd, ignore_errors=True)
-    os.makedirs(wd)
     check = Checks()
 
     run_a, run_b = os.path.join(wd, "lr3e-3"), os.path.join(wd, "lr1e-3")
