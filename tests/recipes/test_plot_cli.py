@@ -1,5 +1,5 @@
-"""`qlora plot` on real runs: two short trainings of the embedded default, plotted alone and side by
-side, and a metrics.jsonl with the rows a run can also write (validation rows, skipped non-finite
+"""`qlora plot` on real runs: two short trainings of the embedded default (one with validation rows),
+plotted alone and side by side, and a metrics.jsonl with the rows a run can also write (validation rows, skipped non-finite
 steps, null losses, losses spanning decades). The SVG is parsed with xml.etree; for every series
 (<polyline data-run data-series>) its points are mapped back to (step, value) through the panel's
 axes, whose transform is recovered from the tick labels and tick positions, and must equal the
@@ -154,10 +154,12 @@ def main():
 
     run_a, run_b = os.path.join(wd, "lr3e-3"), os.path.join(wd, "lr1e-3")
     short = ["training.epochs=1", "logging.progress=plain"]
-    check(run_recipe(args.qlora, run_a, *short, "training.max_steps_per_epoch=20").returncode == 0, "run A trains")
+    check(run_recipe(args.qlora, run_a, *short, "training.max_steps_per_epoch=20", "data.val_fraction=0.2",
+                     "training.eval_every_steps=5").returncode == 0, "run A trains (validation every 5 steps)")
     check(run_recipe(args.qlora, run_b, *short, "training.max_steps_per_epoch=12", "optim.lr=1e-3").returncode == 0,
           "run B trains")
     rows_a, rows_b = metrics_rows(run_a), metrics_rows(run_b)
+    check(len(expected_series(rows_a, "val_loss")) == 4, "run A logged 4 validation losses")
 
     r = plot(args.qlora, run_a)
     out_a = os.path.join(run_a, "plot.svg")
