@@ -14,6 +14,9 @@
 //       llama2-7b), all its layers unless --layers, built in memory with random NF4 weights
 //       (writing and re-reading 13-18 GB of bf16 would dominate the run); reports seconds per
 //       step and peak RSS, no peer.
+//   build/bench_train_step --shape llama3.1-8b --layers 2 --seq 2048 --ce-compare [--lora-head]
+//       the step with the chunked output loss (LlamaModel::loss) and with whole [tokens, vocab]
+//       logits (--full-logits), each in its own worker: peak RSS, losses and step time of each.
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
 #include <ATen/TensorOperators.h>
@@ -27,6 +30,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -40,6 +44,7 @@
 #include "qlora/engine/process_group.h"
 #include "qlora/engine/sharded_model.h"
 #include "qlora/models/llama.h"
+#include "qlora/models/output_head.h"
 #include "qlora/modules/layers.h"
 #include "qlora/optim/adamw.h"
 #include "quant/nf4_tensor.h"
@@ -56,6 +61,9 @@ struct Args : qlora::bench::ShapeArgs {
   std::string model;
   bool peer = true, worker = false;
   bool no_ac = false;
+  bool ce_compare = false;  // run the step with the chunked loss and with whole logits, each in its own worker
+  bool full_logits = false;  // worker: LlamaModel::chunked_loss = false
+  bool lora_head = false;    // LoRA on the output head too
 };
 
 // Every decoder projection of the Llama shape (random_model adapts those of its family).
@@ -109,6 +117,11 @@ json run_worker(const Args& a) {
     o.on_layer_loaded = on_layer;
     m = qlora::models::load_llama(a.model, o);
   }
+  if (a.lora_head) {
+    at::Generator g = at::make_generator<at::CPUGeneratorImpl>(7);
+    qlora::modules::lora_linear_add_adapter(m.lm_head, a.r, a.alpha, 0.0, g, at::kCPU);
+  }
+  m.chunked_loss = !a.full_logits;
   engine->finish(m);
   const double load_s = seconds_since(t0);
   const int64_t rss_after_load = vm_hwm_bytes();
@@ -118,16 +131,15 @@ json run_worker(const Args& a) {
   qlora::optim::AdamWOptions ao;
   ao.lr = 1e-4;
   qlora::optim::AdamW opt(engine->param_shards(), ao);
-  const int64_t V = m.config.vocab_size;
+  const int64_t V = m.config.vocab_size, chunk = qlora::models::default_loss_chunk_tokens(V);
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(1);
   const at::Tensor tokens = at::randint(0, V, {a.batch, a.seq + 1}, gen);  // [batch, seq + 1]
   // Labels already shifted, as data/batching produces them.
   const at::Tensor inp = tokens.narrow(1, 0, a.seq), labels = tokens.narrow(1, 1, a.seq);
 
   auto step = [&]() {
-    const at::Tensor logits = m.forward(inp);  // [batch, seq, V] fp32
-    at::Tensor loss = at::cross_entropy_loss(logits.view({-1, V}), labels.reshape({-1}), {},
-                                             at::Reduction::Mean, -100);
+    // The mean token loss as the recipe forms it (every label counts here).
+    at::Tensor loss = m.loss(inp, labels) / static_cast<double>(labels.numel());
     loss.backward();
     engine->finish_backward();
     opt.step();
@@ -150,15 +162,34 @@ json run_worker(const Args& a) {
   return {{"impl", "qlora (C++)"}, {"threads", at::get_num_threads()}, {"load_s", load_s},
           {"trainable_params", trainable}, {"warmup_step", warmup}, {"step_s", times},
           {"median_step_s", med}, {"tokens_per_s", double(a.batch * a.seq) / med},
-          {"peak_rss_bytes", vm_hwm_bytes()}, {"rss_after_load_bytes", rss_after_load}, {"losses", losses}};
+          {"peak_rss_bytes", vm_hwm_bytes()}, {"rss_after_load_bytes", rss_after_load}, {"losses", losses},
+          {"loss", a.full_logits ? "whole [tokens, vocab] logits" : "chunked, " + std::to_string(chunk) + " tokens"}};
 }
 
 std::string shape_flags(const Args& a) {
   return a.flags() + " --batch " + std::to_string(a.batch) + " --r " + std::to_string(a.r) + " --alpha " +
-         std::to_string(a.alpha);
+         std::to_string(a.alpha) + (a.lora_head ? " --lora-head" : "");
 }
 
 std::string self_exe() { return fs::read_symlink("/proc/self/exe").string(); }
+
+// The step with the chunked loss and with whole logits, each in its own worker (so each peak RSS is
+// its own), and what chunking saves.
+json ce_compare(const std::string& worker) {
+  const json c = run_json(worker), f = run_json(worker + " --full-logits");
+  json r = {{"chunked", c}, {"whole_logits", f}};
+  if (!c.contains("peak_rss_bytes") || !f.contains("peak_rss_bytes")) return r;
+  constexpr double kGiB = 1024.0 * 1024 * 1024;
+  const double pc = c["peak_rss_bytes"].get<double>(), pf = f["peak_rss_bytes"].get<double>();
+  const double lc = c["losses"][0].get<double>(), lf = f["losses"][0].get<double>();
+  r["peak_rss_gib_chunked"] = pc / kGiB;
+  r["peak_rss_gib_whole_logits"] = pf / kGiB;
+  r["peak_rss_saved_gib"] = (pf - pc) / kGiB;
+  r["median_step_s_chunked"] = c["median_step_s"];
+  r["median_step_s_whole_logits"] = f["median_step_s"];
+  r["first_loss_rel_diff"] = std::abs(lc - lf) / std::abs(lf);
+  return r;
+}
 
 }  // namespace
 
@@ -178,6 +209,9 @@ int main(int argc, char** argv) try {
     else if (s == "--no-peer") a.peer = false;
     else if (s == "--worker") a.worker = true;
     else if (s == "--no-activation-checkpointing") a.no_ac = true;
+    else if (s == "--ce-compare") a.ce_compare = true;
+    else if (s == "--full-logits") a.full_logits = true;
+    else if (s == "--lora-head") a.lora_head = true;
     else { std::cerr << "bench_train_step: unknown argument " << s << "\n"; return 2; }
   }
   a.finish();
@@ -200,8 +234,16 @@ int main(int argc, char** argv) try {
                   {"batch", a.batch}, {"steps", a.steps}, {"lora_r", a.r}, {"lora_alpha", a.alpha},
                   {"lora_targets", qlora::models::layer_peft_names(qlora::models::architecture_of(c))},
                   {"base", "nf4"}, {"compute_dtype", "fp32"}, {"frozen_dtype", "bf16"},
-                  {"activation_checkpointing", !a.no_ac}};
-    json q = run_json(self_exe() + " --worker" + shape_flags(a) + (a.no_ac ? " --no-activation-checkpointing" : ""));
+                  {"activation_checkpointing", !a.no_ac}, {"lora_head", a.lora_head}};
+    const std::string worker =
+        self_exe() + " --worker" + shape_flags(a) + (a.no_ac ? " --no-activation-checkpointing" : "");
+    if (a.ce_compare) {
+      r["ce_compare"] = ce_compare(worker);
+      r["machine"]["loadavg_after"] = load_average();
+      std::cout << r.dump(2) << std::endl;
+      return 0;
+    }
+    json q = run_json(worker);
     r["qlora"] = q;
     if (q.contains("peak_rss_bytes")) {
       r["seconds_per_step"] = q["median_step_s"];

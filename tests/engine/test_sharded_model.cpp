@@ -57,6 +57,7 @@ models::LlamaModel load(bool ckpt, const std::function<void(int64_t, modules::De
   o.on_layer_loaded = on_layer;
   models::LlamaModel m = models::load_llama(tiny_llama(), o);
   m.training = true;
+  m.loss_chunk_tokens = 5;
   return m;
 }
 
@@ -70,9 +71,10 @@ std::pair<at::Tensor, at::Tensor> batch(int s) {
   return {t.narrow(1, 0, kSeq).contiguous(), labels};
 }
 
+// The sharded runs score by chunks of 5 tokens (the head's adapter gradients come from one node
+// over all chunks, exactly once per backward); the single process from the whole logits.
 at::Tensor loss_sum(const models::LlamaModel& m, const at::Tensor& tok, const at::Tensor& lab) {
-  const at::Tensor logits = m.forward(tok);
-  return at::cross_entropy_loss(logits.view({-1, logits.size(-1)}), lab.reshape({-1}), {}, at::Reduction::Sum, -100);
+  return m.loss(tok, lab);
 }
 
 struct Trace {
@@ -105,6 +107,7 @@ optim::AdamWOptions adamw() {
 
 Trace single_process() {
   models::LlamaModel m = load(false);
+  m.chunked_loss = false;
   std::vector<at::Tensor> params;
   for (const auto& [n, t] : m.lora_parameters()) params.push_back(t);
   optim::AdamW opt(params, adamw());

@@ -20,7 +20,9 @@
 #include <stdexcept>
 
 #include "qlora/io/checkpoint_dir.h"
+
 #include "qlora/io/quantize_checkpoint.h"
+#include "qlora/models/output_head.h"
 #include "qlora/ops/nf4_ops.h"
 
 namespace qlora::models {
@@ -150,57 +152,9 @@ LlamaModel load_llama(const std::string& checkpoint_dir, const LlamaLoadOptions&
 
 namespace {
 
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
-
-// y = x @ W^T for a frozen W [out, in] stored narrower than x (bf16 under fp32 compute), widening
-// `chunk` rows of W at a time in forward and backward: neither a widened W nor widened chunks are
-// kept (autograd through narrow + to + linear would save every widened chunk, i.e. the whole
-// widened W). With out <= chunk this is exactly at::linear(x, W.to(x's dtype)) and its backward.
-struct WidenedLinearFunction : public torch::autograd::Function<WidenedLinearFunction> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w, int64_t chunk) {
-    ctx->saved_data["w"] = w;  // frozen constant: no saved variable, no copy
-    ctx->saved_data["chunk"] = chunk;
-    const int64_t out = w.size(0);
-    if (out <= chunk) return at::linear(x, w.to(x.scalar_type()));  // [..., out]
-    std::vector<int64_t> sizes = x.sizes().vec();
-    sizes.back() = out;
-    at::Tensor y = at::empty(sizes, x.options());  // [..., out]
-    for (int64_t r0 = 0; r0 < out; r0 += chunk) {
-      const int64_t n = std::min(chunk, out - r0);
-      y.narrow(-1, r0, n).copy_(at::linear(x, w.narrow(0, r0, n).to(x.scalar_type())));  // [..., n]
-    }
-    return y;
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
-    const at::Tensor& gy = grad_outputs[0];  // [..., out]
-    const at::Tensor w = ctx->saved_data["w"].toTensor();
-    const int64_t chunk = ctx->saved_data["chunk"].toInt(), out = w.size(0);
-    at::Tensor gx;  // [..., in]
-    if (out <= chunk) {
-      gx = at::matmul(gy, w.to(gy.scalar_type()));
-    } else {
-      for (int64_t r0 = 0; r0 < out; r0 += chunk) {
-        const int64_t n = std::min(chunk, out - r0);
-        at::Tensor part = at::matmul(gy.narrow(-1, r0, n), w.narrow(0, r0, n).to(gy.scalar_type()));
-        gx = gx.defined() ? gx.add_(part) : part;
-      }
-    }
-    return {gx, at::Tensor(), at::Tensor()};
-  }
-};
-
-// The output projection. A dense base stored in the compute dtype goes through
-// lora_linear_forward unchanged; one stored narrower goes through WidenedLinearFunction, with the
-// LoRA path exactly as lora_linear_forward computes it.
-at::Tensor lm_head_forward(const LlamaModel& m, const at::Tensor& h) {
-  const LoraLinear& l = m.lm_head;
-  if (!l.base_dense.defined() || l.base_dense.scalar_type() == h.scalar_type()) {
-    return modules::lora_linear_forward(l, h, m.training);
-  }
-  at::Tensor y = WidenedLinearFunction::apply(h, l.base_dense, std::max<int64_t>(1, m.lm_head_chunk_rows));
-  if (!l.has_lora()) return y;
-  return (y + modules::lora_delta(l, h, m.training)).to(h.scalar_type());
+// The output projection as the model configures it.
+OutputHead output_head(const LlamaModel& m) {
+  return {&m.lm_head, m.lm_head_chunk_rows, m.config.final_logit_softcapping.value_or(0.0)};
 }
 
 // `out` is the output of unit u and, unless u is the head, the input of unit u + 1: when its
@@ -217,10 +171,10 @@ void add_backward_hooks(const at::Tensor& out, UnitHooks* hooks, int64_t u, bool
   });
 }
 
-// The shared body of both forwards. positions: [seq] (plain rows) or [batch, seq] (packed rows),
+// The decoder up to the last layer's output, shared by the forwards and the losses. positions: [seq] (plain rows) or [batch, seq] (packed rows),
 // already on the model's device; attn_mask: undefined (causal) or [batch, seq, seq] bool.
-at::Tensor forward_impl(const LlamaModel& m, const at::Tensor& tokens, const at::Tensor& positions,
-                        const at::Tensor& attn_mask, modules::KvCache* cache) {
+at::Tensor hidden_states(const LlamaModel& m, const at::Tensor& tokens, const at::Tensor& positions,
+                         const at::Tensor& attn_mask, modules::KvCache* cache) {
   if (cache && cache->k.empty()) {
     cache->k.resize(m.layers.size());
     cache->v.resize(m.layers.size());
@@ -248,7 +202,7 @@ at::Tensor forward_impl(const LlamaModel& m, const at::Tensor& tokens, const at:
       h = modules::decoder_layer_forward(layer, d, h, rope, m.training, &cache->k[i], &cache->v[i]);
     } else if (checkpoint) {
       const bool train = m.training;
-      // Captured by value: the backward replays this closure after forward_impl has returned. The
+      // Captured by value: the backward replays this closure after hidden_states has returned. The
       // hooks are held by the model, which outlives its backward.
       h = modules::checkpointed(
           [&layer, d, rope, attn_mask, train, hooks, i](const at::Tensor& x) {
@@ -267,19 +221,30 @@ at::Tensor forward_impl(const LlamaModel& m, const at::Tensor& tokens, const at:
       add_backward_hooks(h, hooks, i, /*feeds_next=*/true);
     }
   }
-  if (hooks) hooks->before_forward(num_layers, false);
-  h = m.config.norm_plus_one ? modules::rms_norm_plus_one(h, m.norm, m.config.rms_norm_eps)
-                             : modules::rms_norm(h, m.norm, m.config.rms_norm_eps);
-  at::Tensor logits = lm_head_forward(m, h);
-  if (const auto cap = m.config.final_logit_softcapping) logits = at::tanh(logits / *cap) * *cap;
-  if (hooks) {
-    hooks->after_forward(num_layers, false);
-    add_backward_hooks(logits, hooks, num_layers, /*feeds_next=*/false);
-  }
-  return logits.to(at::kFloat);  // [batch, seq, vocab]
+  return h;  // [batch, seq, hidden]
 }
 
-void check_tokens(const LlamaModel& m, const at::Tensor& tokens, int64_t past) {
+// Unit L (final norm + lm_head) over the last layer's output h [batch, seq, hidden]: `body` gets
+// the normed hidden states [batch * seq, hidden] and the head's LoRA input (undefined without an
+// adapter) and returns the unit's output (logits or the loss), which gets the unit's hooks.
+template <typename Body>
+at::Tensor head_unit(const LlamaModel& m, const at::Tensor& h, Body body) {
+  UnitHooks* hooks = m.hooks.get();
+  const int64_t unit = static_cast<int64_t>(m.layers.size());
+  if (hooks) hooks->before_forward(unit, false);
+  const at::Tensor normed = (m.config.norm_plus_one ? modules::rms_norm_plus_one(h, m.norm, m.config.rms_norm_eps)
+                                                    : modules::rms_norm(h, m.norm, m.config.rms_norm_eps))
+                                .reshape({-1, h.size(-1)});
+  const at::Tensor lora_x = m.lm_head.has_lora() ? modules::lora_input(m.lm_head, normed, m.training) : at::Tensor();
+  at::Tensor out = body(normed, lora_x);
+  if (hooks) {
+    hooks->after_forward(unit, false);
+    add_backward_hooks(out, hooks, unit, /*feeds_next=*/false);
+  }
+  return out;
+}
+
+void check_tokens(const LlamaModel& m, const at::Tensor& tokens) {
   if (tokens.dim() != 2 || tokens.scalar_type() != at::kLong) {
     throw std::invalid_argument("LlamaModel::forward: tokens must be int64 [batch, seq]");
   }
@@ -294,23 +259,10 @@ void check_tokens(const LlamaModel& m, const at::Tensor& tokens, int64_t past) {
   }
 }
 
-}  // namespace
-
-at::Tensor LlamaModel::forward(const at::Tensor& tokens, modules::KvCache* cache) const {
-  const int64_t past = cache ? cache->length() : 0;
-  check_tokens(*this, tokens, past);
-  const int64_t seq = tokens.size(1);
-  const at::Tensor positions = at::arange(past, past + seq, tokens.options().dtype(at::kLong));  // [seq]
-  return forward_impl(*this, tokens, positions, at::Tensor(), cache);
-}
-
-at::Tensor LlamaModel::forward(const at::Tensor& tokens, const at::Tensor& position_ids,
-                               const at::Tensor& attn_mask, modules::KvCache* cache) const {
-  if (cache) {
-    throw std::invalid_argument(
-        "LlamaModel::forward: packed rows (position_ids + attn_mask) cannot use a KV cache; packing is training-only");
-  }
-  check_tokens(*this, tokens, 0);
+// The packed rows' positions and mask on the model's device, checked (see LlamaModel::forward).
+std::pair<at::Tensor, at::Tensor> packed_inputs(const LlamaModel& m, const at::Tensor& tokens,
+                                                const at::Tensor& position_ids, const at::Tensor& attn_mask) {
+  check_tokens(m, tokens);
   const int64_t b = tokens.size(0), seq = tokens.size(1);
   if (!position_ids.defined() || position_ids.scalar_type() != at::kLong || position_ids.sizes() != tokens.sizes()) {
     throw std::invalid_argument("LlamaModel::forward: position_ids must be int64 [batch, seq] like tokens " +
@@ -321,7 +273,7 @@ at::Tensor LlamaModel::forward(const at::Tensor& tokens, const at::Tensor& posit
     throw std::invalid_argument("LlamaModel::forward: attn_mask must be bool [batch, seq, seq] = [" +
                                 std::to_string(b) + ", " + std::to_string(seq) + ", " + std::to_string(seq) + "]");
   }
-  const at::Device dev = embed_tokens.device();
+  const at::Device dev = m.embed_tokens.device();
   const at::Tensor mask = attn_mask.to(dev);  // [b, s, s]
   // A query that may attend to nothing softmaxes over an empty set: NaN logits and gradients.
   if (!mask.any(-1).all().item<bool>()) {
@@ -329,7 +281,64 @@ at::Tensor LlamaModel::forward(const at::Tensor& tokens, const at::Tensor& posit
         "LlamaModel::forward: attn_mask has a query row with no allowed key (let padding attend causally "
         "among itself, as data::block_causal_mask does for document id -1)");
   }
-  return forward_impl(*this, tokens, position_ids.to(dev), mask, nullptr);
+  return {position_ids.to(dev), mask};
+}
+
+// Positions 0..seq-1 shared by every row: [seq].
+at::Tensor plain_positions(const LlamaModel& m, const at::Tensor& tokens, int64_t past) {
+  check_tokens(m, tokens);
+  return at::arange(past, past + tokens.size(1), tokens.options().dtype(at::kLong));
+}
+
+// The logits [batch, seq, vocab] fp32 of the last layer's output h [batch, seq, hidden].
+at::Tensor logits_of(const LlamaModel& m, const at::Tensor& h) {
+  return head_unit(m, h, [&m](const at::Tensor& normed, const at::Tensor& lora_x) {
+           return output_logits(output_head(m), normed, lora_x);  // [batch * seq, vocab]
+         })
+      .view({h.size(0), h.size(1), -1});
+}
+
+// The summed token cross-entropy of h's logits against labels [batch, seq] (see LlamaModel::loss).
+at::Tensor loss_of(const LlamaModel& m, const at::Tensor& h, const at::Tensor& labels) {
+  if (!labels.defined() || labels.scalar_type() != at::kLong || labels.sizes() != h.sizes().slice(0, 2)) {
+    throw std::invalid_argument("LlamaModel::loss: labels must be int64 [batch, seq] like tokens " +
+                                c10::str(h.sizes().slice(0, 2)) + ", got " +
+                                (labels.defined() ? c10::str(labels.sizes()) : std::string("none")));
+  }
+  const int64_t chunk = m.loss_chunk_tokens > 0 ? m.loss_chunk_tokens : default_loss_chunk_tokens(m.config.vocab_size);
+  return head_unit(m, h, [&](const at::Tensor& normed, const at::Tensor& lora_x) {
+    const at::Tensor flat = labels.reshape({-1}).to(normed.device());  // [batch * seq]
+    return m.chunked_loss ? chunked_token_loss(output_head(m), normed, lora_x, flat, chunk)
+                          : full_token_loss(output_head(m), normed, lora_x, flat);
+  });
+}
+
+}  // namespace
+
+at::Tensor LlamaModel::forward(const at::Tensor& tokens, modules::KvCache* cache) const {
+  const at::Tensor positions = plain_positions(*this, tokens, cache ? cache->length() : 0);  // [seq]
+  return logits_of(*this, hidden_states(*this, tokens, positions, at::Tensor(), cache));
+}
+
+at::Tensor LlamaModel::forward(const at::Tensor& tokens, const at::Tensor& position_ids,
+                               const at::Tensor& attn_mask, modules::KvCache* cache) const {
+  if (cache) {
+    throw std::invalid_argument(
+        "LlamaModel::forward: packed rows (position_ids + attn_mask) cannot use a KV cache; packing is training-only");
+  }
+  const auto [positions, mask] = packed_inputs(*this, tokens, position_ids, attn_mask);
+  return logits_of(*this, hidden_states(*this, tokens, positions, mask, nullptr));
+}
+
+at::Tensor LlamaModel::loss(const at::Tensor& tokens, const at::Tensor& labels) const {
+  const at::Tensor positions = plain_positions(*this, tokens, 0);  // [seq]
+  return loss_of(*this, hidden_states(*this, tokens, positions, at::Tensor(), nullptr), labels);
+}
+
+at::Tensor LlamaModel::loss(const at::Tensor& tokens, const at::Tensor& position_ids, const at::Tensor& attn_mask,
+                            const at::Tensor& labels) const {
+  const auto [positions, mask] = packed_inputs(*this, tokens, position_ids, attn_mask);
+  return loss_of(*this, hidden_states(*this, tokens, positions, mask, nullptr), labels);
 }
 
 std::vector<std::pair<std::string, at::Tensor>> LlamaModel::lora_parameters() const {

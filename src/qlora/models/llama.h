@@ -75,6 +75,13 @@ struct LlamaModel {
   // When the dense lm_head base is stored narrower than the compute dtype, it is widened this many
   // vocab rows at a time (forward and backward), so no [vocab, hidden] compute-dtype copy exists.
   int64_t lm_head_chunk_rows = 4096;
+  // loss() runs the output projection and the cross-entropy this many tokens at a time
+  // (models/output_head.h); 0: default_loss_chunk_tokens(vocab), one chunk's fp32 logits within
+  // kLossChunkBytes (64 MiB).
+  int64_t loss_chunk_tokens = 0;
+  // false: loss() forms the whole [tokens, vocab] logits, as forward() does; the reference the tests
+  // and bench_train_step --ce-compare measure the chunked loss against.
+  bool chunked_loss = true;
   at::Tensor embed_tokens;  // [vocab, hidden], frozen, in frozen_dtype
   std::vector<modules::DecoderLayer> layers;
   at::Tensor norm;                 // [hidden], frozen
@@ -98,6 +105,15 @@ struct LlamaModel {
   // reject it with a clear error: packing is training-only and has no KV-cache path.
   at::Tensor forward(const at::Tensor& tokens, const at::Tensor& position_ids, const at::Tensor& attn_mask,
                      modules::KvCache* cache = nullptr) const;
+
+  // The summed token cross-entropy over labels != -100 (labels: [batch, seq] int64, already shifted
+  // as data::collate makes them), as at::cross_entropy_loss(forward(...), labels, Sum) computes it, but
+  // by chunks of tokens: no [tokens, vocab] logits tensor exists, in forward or backward (see
+  // chunked_token_loss). Returns a 0-dim fp32 tensor; the unit hooks fire as in forward().
+  at::Tensor loss(const at::Tensor& tokens, const at::Tensor& labels) const;
+  // The same over packed rows (position_ids and attn_mask as the packed forward takes them).
+  at::Tensor loss(const at::Tensor& tokens, const at::Tensor& position_ids, const at::Tensor& attn_mask,
+                  const at::Tensor& labels) const;
 
   // Trainable tensors with PEFT names, e.g.
   // base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight ([r, in]) / .lora_B.weight.

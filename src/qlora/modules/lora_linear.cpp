@@ -58,18 +58,30 @@ void lora_linear_add_adapter(LoraLinear& layer, int64_t r, double alpha, double 
   layer.dropout = dropout;
 }
 
+at::Tensor lora_linear_base(const LoraLinear& layer, const at::Tensor& x) {
+  if (!layer.base_nf4.defined()) return at::linear(x, layer.base_dense, layer.bias);  // [..., out]
+  at::Tensor y = nf4_linear(x, layer.base_nf4);
+  return layer.bias.defined() ? y + layer.bias : y;
+}
+
 at::Tensor lora_linear_forward(const LoraLinear& layer, const at::Tensor& x, bool training) {
-  at::Tensor y = layer.base_nf4.defined() ? nf4_linear(x, layer.base_nf4)
-                                          : at::linear(x, layer.base_dense, layer.bias);  // [..., out]
-  if (layer.base_nf4.defined() && layer.bias.defined()) y = y + layer.bias;
+  at::Tensor y = lora_linear_base(layer, x);  // [..., out]
   if (!layer.has_lora()) return y;
   return (y + lora_delta(layer, x, training)).to(x.scalar_type());
 }
 
-at::Tensor lora_delta(const LoraLinear& layer, const at::Tensor& x, bool training) {
+at::Tensor lora_input(const LoraLinear& layer, const at::Tensor& x, bool training) {
   at::Tensor h = x.to(layer.lora_a.scalar_type());  // [..., in] fp32, as peft's _cast_input_dtype
   if (training && layer.dropout > 0.0) h = at::dropout(h, layer.dropout, /*train=*/true);
-  return at::linear(at::linear(h, layer.lora_a), layer.lora_b) * layer.scale;  // [..., out] fp32
+  return h;
+}
+
+at::Tensor lora_update(const LoraLinear& layer, const at::Tensor& lora_x) {
+  return at::linear(at::linear(lora_x, layer.lora_a), layer.lora_b) * layer.scale;  // [..., out] fp32
+}
+
+at::Tensor lora_delta(const LoraLinear& layer, const at::Tensor& x, bool training) {
+  return lora_update(layer, lora_input(layer, x, training));
 }
 
 at::Tensor lora_merged_weight(const LoraLinear& layer, const at::Tensor& base) {

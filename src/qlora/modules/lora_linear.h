@@ -48,10 +48,19 @@ void lora_linear_add_adapter(LoraLinear& layer, int64_t r, double alpha, double 
 // generator of x's device, so activation checkpointing can replay it). Returns [..., out].
 at::Tensor lora_linear_forward(const LoraLinear& layer, const at::Tensor& x, bool training);
 
-// The LoRA update alone, the one place it is computed for a forward: (dropout(x) @ A^T @ B^T) *
-// scale, [..., out] in the adapters' dtype (fp32), x [..., in] cast to that dtype first. A caller
-// with its own base output y (the lm_head's widened base) adds it exactly as lora_linear_forward
-// does: (y + lora_delta(...)).to(x's dtype). Requires an adapter.
+// The base output alone: x @ W^T (+ bias), [..., out] in x's dtype.
+at::Tensor lora_linear_base(const LoraLinear& layer, const at::Tensor& x);
+
+// The LoRA path's input: dropout(x cast to the adapters' dtype), [..., in] fp32, as peft's
+// _cast_input_dtype then lora_dropout. Drawn once per forward; a caller that splits the update into
+// chunks of rows (the chunked output loss) draws it whole first, so the mask equals the unchunked one.
+at::Tensor lora_input(const LoraLinear& layer, const at::Tensor& x, bool training);
+// The update from that input: (lora_x @ A^T @ B^T) * scale, [..., out] fp32.
+at::Tensor lora_update(const LoraLinear& layer, const at::Tensor& lora_x);
+
+// The LoRA update alone, the one place it is computed for a forward: lora_update(lora_input(x)).
+// A caller with its own base output y (the lm_head's widened base) adds it exactly as
+// lora_linear_forward does: (y + lora_delta(...)).to(x's dtype). Requires an adapter.
 at::Tensor lora_delta(const LoraLinear& layer, const at::Tensor& x, bool training);
 
 // The merged weight W + scale * (B @ A), [out, in] fp32 on the adapters' device, for exports.

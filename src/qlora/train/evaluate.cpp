@@ -11,12 +11,10 @@
 namespace qlora::train {
 
 at::Tensor summed_token_loss(const models::LlamaModel& model, const data::Batch& b, bool packed, c10::Device device) {
-  // [batch, seq, vocab] fp32
-  const at::Tensor logits = packed ? model.forward(b.tokens.to(device), b.position_ids.to(device),
-                                                   data::block_causal_mask(b.document_ids).to(device))
-                                   : model.forward(b.tokens.to(device));
-  return at::cross_entropy_loss(logits.view({-1, model.config.vocab_size}), b.labels.view({-1}).to(device), {},
-                                at::Reduction::Sum, data::kIgnoreIndex);
+  const at::Tensor labels = b.labels.to(device);  // [batch, seq]
+  return packed ? model.loss(b.tokens.to(device), b.position_ids.to(device),
+                             data::block_causal_mask(b.document_ids).to(device), labels)
+                : model.loss(b.tokens.to(device), labels);
 }
 
 double all_ranks_sum(engine::World& world, double v, c10::Device device) {

@@ -14,8 +14,8 @@
 
 namespace qlora::train {
 
-// The summed token cross-entropy of a batch over its non-masked labels (fp32 logits; packed rows
-// attend within their own sample only). Divide by the tokens it stands for.
+// The summed token cross-entropy of a batch over its non-masked labels (fp32 logits, by chunks of
+// tokens: LlamaModel::loss; packed rows attend within their own sample only). Divide by the tokens it stands for.
 at::Tensor summed_token_loss(const models::LlamaModel& model, const data::Batch& batch, bool packed,
                              c10::Device device);
 
