@@ -7,7 +7,9 @@
 #include <cstdlib>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
+#include "qlora/models/llama.h"
 #include "qlora/models/llama_config.h"
 
 namespace qlora::models::test_fixtures {
@@ -18,6 +20,16 @@ inline std::string tiny_llama() {
 }
 
 inline double max_abs(const at::Tensor& a) { return a.abs().max().item<double>(); }
+
+// Unit hook calls as strings: "bf3" before_forward(3), "af3r" after_forward(3) of a replay, "bb3",
+// "ab3" for the backward ones.
+struct HookRecorder : UnitHooks {
+  std::vector<std::string> events;
+  void before_forward(int64_t u, bool r) override { events.push_back("bf" + std::to_string(u) + (r ? "r" : "")); }
+  void after_forward(int64_t u, bool r) override { events.push_back("af" + std::to_string(u) + (r ? "r" : "")); }
+  void before_backward(int64_t u) override { events.push_back("bb" + std::to_string(u)); }
+  void after_backward(int64_t u) override { events.push_back("ab" + std::to_string(u)); }
+};
 
 // The error parse_llama_config throws for `json` (read as "cfg.json"); "" when it parses.
 inline std::string error_of(const std::string& json) {

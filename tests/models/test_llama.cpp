@@ -227,13 +227,6 @@ TEST(LlamaModel, ActivationCheckpointingGivesIdenticalGradients) {
 // UnitHooks come in execution order, with and without activation checkpointing (the replays in
 // backward are bracketed as recompute), and none come when the forward records no graph.
 TEST(LlamaModel, UnitHooksFireInExecutionOrder) {
-  struct Recorder : UnitHooks {
-    std::vector<std::string> events;
-    void before_forward(int64_t u, bool r) override { events.push_back("bf" + std::to_string(u) + (r ? "r" : "")); }
-    void after_forward(int64_t u, bool r) override { events.push_back("af" + std::to_string(u) + (r ? "r" : "")); }
-    void before_backward(int64_t u) override { events.push_back("bb" + std::to_string(u)); }
-    void after_backward(int64_t u) override { events.push_back("ab" + std::to_string(u)); }
-  };
   LlamaLoadOptions o;
   o.base_in_nf4 = true;
   o.lora_targets = {"q_proj"};
@@ -241,7 +234,7 @@ TEST(LlamaModel, UnitHooksFireInExecutionOrder) {
   for (const bool ckpt : {false, true}) {
     o.activation_checkpointing = ckpt;
     LlamaModel m = load_llama(tiny_llama(), o);
-    auto rec = std::make_shared<Recorder>();
+    auto rec = std::make_shared<test_fixtures::HookRecorder>();
     m.hooks = rec;
     m.forward(tokens()).sum().backward();
     std::vector<std::string> want = fwd;

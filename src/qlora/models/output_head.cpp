@@ -134,7 +134,9 @@ struct ChunkedLossFunction : public torch::autograd::Function<ChunkedLossFunctio
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& h, const at::Tensor& lora_x,
                             const at::Tensor& /*a*/, const at::Tensor& /*b*/, const at::Tensor& labels,
                             const OutputHead& head, int64_t chunk) {
-    ChunkedLoss r = chunk_loop(head, h, lora_x, labels, chunk, /*grads=*/true);
+    // Without an adapter lora_x, a and b are empty placeholders (autograd takes no undefined inputs).
+    const at::Tensor x = head.proj->has_lora() ? lora_x : at::Tensor();
+    ChunkedLoss r = chunk_loop(head, h, x, labels, chunk, /*grads=*/true);
     for (auto [name, g] : {std::pair{"h", r.h}, {"x", r.x}, {"a", r.a}, {"b", r.b}})
       if (g.defined()) ctx->saved_data[name] = g;
     return r.loss;  // []
@@ -192,7 +194,9 @@ at::Tensor chunked_token_loss(const OutputHead& head, const at::Tensor& h, const
   const bool grads = at::GradMode::is_enabled() && (wants_grad(h) || wants_grad(lora_x) ||
                                                     (l.has_lora() && (wants_grad(l.lora_a) || wants_grad(l.lora_b))));
   if (!grads) return chunk_loop(head, h, lora_x, labels, chunk_tokens, /*grads=*/false).loss;
-  return ChunkedLossFunction::apply(h, lora_x, l.lora_a, l.lora_b, labels, head, chunk_tokens);
+  const at::Tensor none = at::empty({0}, h.options());
+  return l.has_lora() ? ChunkedLossFunction::apply(h, lora_x, l.lora_a, l.lora_b, labels, head, chunk_tokens)
+                      : ChunkedLossFunction::apply(h, none, none, none, labels, head, chunk_tokens);
 }
 
 at::Tensor full_token_loss(const OutputHead& head, const at::Tensor& h, const at::Tensor& lora_x,
