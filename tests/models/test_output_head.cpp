@@ -105,9 +105,10 @@ TEST(OutputHead, ChunkedLossMatchesFullLogitsForEveryHead) {
       });
       for (const int64_t chunk : {int64_t{1}, int64_t{3}, int64_t{4}, int64_t{5}, int64_t{23}, int64_t{64}}) {
         const std::string what = base + " cap " + std::to_string(cap) + " chunk " + std::to_string(chunk);
-        const Grads got = run(l, h, x, [&](const modules::LoraLinear& leaf, const at::Tensor& hl, const at::Tensor& xl) {
-          return chunked_token_loss(with(leaf), hl, xl, labels, chunk);
-        });
+        const Grads got =
+            run(l, h, x, [&](const modules::LoraLinear& leaf, const at::Tensor& hl, const at::Tensor& xl) {
+              return chunked_token_loss(with(leaf), hl, xl, labels, chunk);
+            });
         EXPECT_NEAR(got.loss, want.loss, kRel * std::abs(want.loss)) << what;
         expect_close(got.h, want.h, what + " dL/dh");
         expect_close(got.x, want.x, what + " dL/d(lora x)");

@@ -171,8 +171,9 @@ void add_backward_hooks(const at::Tensor& out, UnitHooks* hooks, int64_t u, bool
   });
 }
 
-// The decoder up to the last layer's output, shared by the forwards and the losses. positions: [seq] (plain rows) or [batch, seq] (packed rows),
-// already on the model's device; attn_mask: undefined (causal) or [batch, seq, seq] bool.
+// The decoder up to the last layer's output, shared by the forwards and the losses.
+// positions: [seq] (plain rows) or [batch, seq] (packed rows), already on the model's device;
+// attn_mask: undefined (causal) or [batch, seq, seq] bool.
 at::Tensor hidden_states(const LlamaModel& m, const at::Tensor& tokens, const at::Tensor& positions,
                          const at::Tensor& attn_mask, modules::KvCache* cache) {
   if (cache && cache->k.empty()) {

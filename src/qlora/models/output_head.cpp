@@ -115,7 +115,8 @@ ChunkedLoss chunk_loop(const OutputHead& head, const at::Tensor& h, const at::Te
     out.loss.add_(loss.detach());
     auto rows = [s, n](const at::Tensor& t) { return t.defined() ? t.narrow(0, s, n) : t; };
     std::vector<at::Tensor> leaves, sums;  // each leaf's gradient adds into its sum
-    for (auto [leaf_t, sum] : {std::pair{hc, rows(out.h)}, {xc, rows(out.x)}, {leaf.lora_a, out.a}, {leaf.lora_b, out.b}}) {
+    for (auto [leaf_t, sum] :
+         {std::pair{hc, rows(out.h)}, {xc, rows(out.x)}, {leaf.lora_a, out.a}, {leaf.lora_b, out.b}}) {
       if (!sum.defined()) continue;
       leaves.push_back(leaf_t);
       sums.push_back(sum);
