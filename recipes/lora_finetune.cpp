@@ -43,6 +43,7 @@
 #include "qlora/optim/adamw.h"
 #include "qlora/optim/schedule.h"
 #include "qlora/io/checkpoint_dir.h"
+#include "qlora/train/demo.h"
 #include "qlora/train/device.h"
 #include "qlora/train/metrics.h"
 #include "qlora/train/tiny_default.h"
@@ -406,6 +407,11 @@ int run_recipe(const RecipeConfig& cfg, c10::Device device, engine::World& world
     std::printf("done: %lld steps; metrics in %s; exports in %s/epoch_*; try\n  qlora generate --checkpoint %s/epoch_%lld --prompt \"...\"\n",
                 (long long)p.global_step, metrics->path().c_str(), out_dir.c_str(), out_dir.c_str(),
                 (long long)cfg.training.epochs - 1);
+  // The embedded default shows what it learned: greedy answers of the last export to held-out prompts.
+  if (lead && cfg.model.checkpoint_dir.empty() && cfg.data.path.empty() && !cfg.checkpoint.adapter_only && cfg.data.template_) {
+    const std::string last = out_dir + "/epoch_" + std::to_string(cfg.training.epochs - 1);
+    train::print_heldout(train::score_heldout(last, train::bundled_val_path(), *cfg.data.template_), train::bundled_val_path(), last);
+  }
   return 0;
 }
 
