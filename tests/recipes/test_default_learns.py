@@ -80,7 +80,7 @@ def main():
     first = alpaca_prompt(records[0])
     shown = re.search(r"one of them, as the model saw it:\n(.*)\n-> the model answers: (.*?)   \(expected: (.*)\)",
                       r.stdout, re.S)
-    check(shown is not None and shown.group(1) == first.rstrip("\n") and shown.group(3) == records[0]["output"],
+    check(shown is not None and shown.group(1) == first and shown.group(3) == records[0]["output"],
           "the run ends by printing a held-out prompt, the model's answer and the expected one")
     scores = printed_scores(r.stdout)
     check(sorted(scores) == sorted({x["instruction"] for x in records}),

@@ -151,7 +151,7 @@ def main():
     #    for another CPU's kernels, a wrong conversion moves them by ~1e-2)
     #    It resumes on what that recipe's default had: its random base with the 512-piece BPE
     #    tokenizer (written again by tiny_base_tool where the default keeps its base), its data
-    #    (make_fixtures.legacy_tiny_tasks) and its batch size.
+    #    (make_fixtures.legacy_tiny_tasks), its batch size and lr.
     legacy = os.path.join(a.workdir, "legacy")
     data_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data")
     fixture = os.path.join(data_dir, "legacy_resume")
@@ -165,7 +165,7 @@ def main():
     with open(os.path.join(fixture, "expected.json")) as f:
         expected = json.load(f)["losses"]
     r = run(a.qlora, legacy, "training.epochs=1", "training.max_steps_per_epoch=4", "checkpoint.save_every_steps=2",
-            "checkpoint.resume=true", f"data.path={legacy_data}", "training.batch_size=8")
+            "checkpoint.resume=true", f"data.path={legacy_data}", "training.batch_size=8", "optim.lr=3e-3")
     got, _ = losses(legacy) if r.returncode == 0 else ([], None)
     check(r.returncode == 0 and "single-process format" in r.stdout and [s for s, _ in got] == [3, 4] and
           all(abs(l - expected[str(s)]) < 1e-5 for s, l in got),
