@@ -16,6 +16,8 @@ int dequantize_main(const std::vector<std::string>& args);
 int lora_finetune_main(const std::vector<std::string>& args);
 int generate_main(const std::vector<std::string>& args);
 int tokenize_main(const std::vector<std::string>& args);
+int plot_main(const std::vector<std::string>& args);
+int data_main(const std::vector<std::string>& args);
 int qlora_cli(int argc, char** argv);
 }  // namespace qlora::recipes
 
@@ -29,8 +31,19 @@ constexpr const char* kUsage =
     "      lora_finetune [--config FILE] [section.key=value ...]\n"
     "                          QLoRA fine-tuning; no --config: the embedded tiny default;\n"
     "                          N > 1: N ranks on this node, sharded FSDP-style\n"
-    "  generate --checkpoint DIR --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-p P]\n"
-    "                          text from an exported epoch (out/.../epoch_N)\n"
+    "  data [--config FILE] [section.key=value ...] [-n N]\n"
+    "                          the data as lora_finetune sees it, no model loaded: the first N\n"
+    "                          samples (3) with trained text marked, token counts, truncated and\n"
+    "                          untrained samples, packing efficiency, a length histogram\n"
+    "  generate --checkpoint DIR (--prompt TEXT | --instruction TEXT [--input TEXT] |\n"
+    "           [--system TEXT] --message TEXT [--message TEXT ...]) [--print-prompt]\n"
+    "           [--max-new-tokens N] [--temperature T] [--top-p P]\n"
+    "                          text from an exported epoch (out/.../epoch_N); --instruction and\n"
+    "                          --message render the template the run trained with (qlora.json)\n"
+    "  plot OUT_DIR [OUT_DIR ...] [-o FILE.svg]\n"
+    "                          training/validation loss, lr and tokens/s over steps from each\n"
+    "                          run's metrics.jsonl, runs overlaid, as one SVG (default\n"
+    "                          OUT_DIR/plot.svg; ./plot.svg for several runs)\n"
     "  ls                      recipes and shipped configs\n"
     "  tokenize --tokenizer FILE_OR_MODEL_DIR (--text TEXT | --file FILE) [--decode]\n"
     "                          per input line, {\"ids\": [...]} as qlora tokenizes it; --decode:\n"
@@ -90,6 +103,8 @@ int qlora_cli(int argc, char** argv) {
     if (cmd == "quantize") return qlora::recipes::quantize_main(args);
     if (cmd == "dequantize") return qlora::recipes::dequantize_main(args);
     if (cmd == "tokenize") return qlora::recipes::tokenize_main(args);
+    if (cmd == "plot") return qlora::recipes::plot_main(args);
+    if (cmd == "data") return qlora::recipes::data_main(args);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "qlora %s: error: %s\n", cmd.c_str(), e.what());
     return 1;

@@ -3,16 +3,30 @@
 // (export merged them), tokenizes the prompt with BOS, decodes with the KV cache and prints the
 // continuation on stdout; timing goes to stderr so stdout is the text alone.
 //
-//   qlora generate --checkpoint DIR --prompt TEXT [--max-new-tokens N] [--temperature T]
-//                  [--top-p P] [--seed S] [--nf4] [--device auto|cpu|cuda[:N]]
+//   qlora generate --checkpoint DIR (--prompt TEXT | --instruction TEXT [--input TEXT] |
+//                  [--system TEXT] --message TEXT [--message TEXT ...]) [--print-prompt]
+//                  [--max-new-tokens N] [--temperature T] [--top-p P] [--seed S] [--nf4]
+//                  [--device auto|cpu|cuda[:N]]
+//
+// --prompt is fed as it is. --instruction/--input and --message render the prompt with the
+// template the run trained with, as the export's qlora.json records it (data/templates.h: the
+// prompt segments of the record with an empty answer, i.e. up to the opened answer turn), and
+// tokenize it as the dataset did. --message alternates user, assistant, user, ...; the last is
+// the user turn to answer. --print-prompt prints {"text", "ids"} of the prompt and stops.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
+#include "qlora/checkpoint/export.h"
+#include "qlora/data/dataset.h"
+#include "qlora/data/templates.h"
 #include "qlora/data/tokenizer.h"
 #include "qlora/models/generate.h"
 #include "qlora/models/llama.h"
@@ -24,8 +38,10 @@ namespace {
 
 [[noreturn]] void generate_usage_error(const std::string& what) {
   throw std::invalid_argument(what +
-                              "\nusage: qlora generate --checkpoint DIR --prompt TEXT [--max-new-tokens N]"
-                              " [--temperature T] [--top-p P] [--seed S] [--nf4] [--device auto|cpu|cuda[:N]]");
+                              "\nusage: qlora generate --checkpoint DIR (--prompt TEXT | --instruction TEXT [--input TEXT]"
+                              " | [--system TEXT] --message TEXT [--message TEXT ...]) [--print-prompt]"
+                              " [--max-new-tokens N] [--temperature T] [--top-p P] [--seed S] [--nf4]"
+                              " [--device auto|cpu|cuda[:N]]");
 }
 
 // std::stoll/stod accept trailing junk ("12abc"); a CLI number should be all number.
@@ -42,13 +58,117 @@ T parse_number(const std::string& flag, const std::string& s, F parse) {
   return v;
 }
 
-}  // namespace
+// What the command line asks to feed the model: a raw prompt, or a record for the recorded template.
+struct PromptRequest {
+  std::optional<std::string> raw;                       // --prompt
+  std::optional<std::string> instruction, input;        // --instruction, --input
+  std::optional<std::string> system;                    // --system
+  std::vector<std::string> messages;                    // --message, alternating user / assistant
+  bool templated() const { return instruction || input || system || !messages.empty(); }
+};
 
-int generate_main(const std::vector<std::string>& args) {
-  namespace fs = std::filesystem;
-  std::string dir, prompt, device_name = "auto";
-  bool have_prompt = false, nf4 = false;
+void check_request(const PromptRequest& r) {
+  if (r.raw && r.templated())
+    generate_usage_error("--prompt is fed as it is; it does not combine with --instruction, --input, --system or "
+                         "--message, which render the run's template");
+  if (!r.raw && !r.templated()) generate_usage_error("give --prompt TEXT, --instruction TEXT or --message TEXT");
+  if (r.input && !r.instruction) generate_usage_error("--input needs --instruction");
+  if (r.instruction && (r.system || !r.messages.empty()))
+    generate_usage_error("--instruction renders an instruct record; --system and --message render a conversation: "
+                         "give one or the other");
+  if (r.system && r.messages.empty()) generate_usage_error("--system needs --message");
+  if (!r.messages.empty() && r.messages.size() % 2 == 0)
+    generate_usage_error("--message alternates user, assistant, user, ...: give an odd number, the last being the "
+                         "user turn the model answers (got " + std::to_string(r.messages.size()) + ")");
+}
+
+// The template the export recorded; errors say why it cannot render (none recorded, plain text).
+data::TemplateKind recorded_template(const std::string& dir, const std::optional<checkpoint::PromptFormat>& pf) {
+  const std::string file = (std::filesystem::path(dir) / "qlora.json").string();
+  if (!pf)
+    throw std::invalid_argument("--checkpoint " + dir + " has no qlora.json, so the template it was trained with is "
+                                "unknown (an export of an earlier qlora release?): give the whole prompt with --prompt");
+  if (pf->template_name.empty())
+    throw std::invalid_argument(file + ": the run trained on data.format = \"" + pf->format +
+                                "\" without a template: give the text with --prompt");
+  try {
+    return data::template_kind_from_name(pf->template_name);
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument(file + ": prompt.template: " + e.what());
+  }
+}
+
+// The record rendered by the template with a stand-in answer: the segments before the answer
+// are the prompt (up to the opened answer turn), and what the answer segment holds after the
+// stand-in is the template's end of turn ("<|im_end|>\n"; Qwen3's <think> block comes before it).
+std::pair<std::vector<data::Segment>, std::string> render_prompt(data::TemplateKind kind, const PromptRequest& r) {
+  const std::string stand_in = "qlora-answer";
+  std::vector<data::Segment> all;
+  if (r.instruction) {
+    all = data::render_instruct(kind, {*r.instruction, r.input.value_or(""), stand_in});
+  } else {
+    if (kind == data::TemplateKind::kAlpaca && (r.system || r.messages.size() > 1))
+      throw std::invalid_argument("the alpaca template renders one instruction: give one --message (no --system and "
+                                  "no earlier turns), or --instruction [--input]");
+    if (r.system && kind == data::TemplateKind::kMistralV03)
+      throw std::invalid_argument("--system: the run's template mistral-v0.3 drops system messages from what it trains "
+                                  "on (as Mistral's own template does), so the model never saw one");
+    std::vector<data::Message> m;
+    if (r.system) m.push_back({"system", *r.system});
+    for (size_t k = 0; k < r.messages.size(); ++k) m.push_back({k % 2 == 0 ? "user" : "assistant", r.messages[k]});
+    m.push_back({"assistant", stand_in});
+    all = data::render_chat(kind, m);
+  }
+  const auto answer = std::find_if(all.rbegin(), all.rend(), [](const data::Segment& s) { return !s.is_prompt; });
+  if (answer == all.rend() || answer->text.find(stand_in) == std::string::npos)
+    throw std::logic_error("generate: the template rendered no answer segment");
+  std::string end_of_turn = answer->text.substr(answer->text.rfind(stand_in) + stand_in.size());
+  all.erase(std::prev(answer.base()), all.end());
+  return {std::move(all), std::move(end_of_turn)};
+}
+
+// Surrounding ASCII whitespace off, enough for end-of-turn markers ("<|im_end|>\n").
+std::string trim(const std::string& s) {
+  const auto b = s.find_first_not_of(" \t\r\n"), e = s.find_last_not_of(" \t\r\n");
+  return b == std::string::npos ? "" : s.substr(b, e - b + 1);
+}
+
+struct Prompt {
+  std::string text;
+  std::vector<int64_t> ids;
+  std::string end_of_turn;  // the template's end of an answer ("" for --prompt): generation stops there
+};
+
+Prompt build_prompt(const PromptRequest& r, const std::string& dir, const data::Tokenizer& tok) {
+  if (r.raw) return {*r.raw, tok.encode_with_special(*r.raw, /*add_bos=*/true, /*add_eos=*/false), ""};
+  const auto pf = checkpoint::read_prompt_format(dir);
+  const data::TemplateKind kind = recorded_template(dir, pf);
+  std::pair<std::vector<data::Segment>, std::string> rendered;
+  try {
+    rendered = render_prompt(kind, r);
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument(dir + "/qlora.json records template '" + pf->template_name + "': " + e.what());
+  }
+  data::DatasetOptions o;  // tokenized as the dataset tokenized the run's samples, without the answer's EOS
+  o.add_bos = pf->add_bos;
+  o.add_eos = false;
+  o.max_seq_len = 0;
+  return {data::join_segments(rendered.first), data::tokenize_segments(rendered.first, tok, o).tokens,
+          trim(rendered.second)};
+}
+
+struct GenerateArgs {
+  std::string dir, device = "auto";
+  bool nf4 = false, print_prompt = false;
   models::GenerateOptions opt;
+  PromptRequest prompt;
+};
+
+GenerateArgs parse_args(const std::vector<std::string>& args) {
+  GenerateArgs g;
+  std::string& dir = g.dir;
+  PromptRequest& req = g.prompt;
+  models::GenerateOptions& opt = g.opt;
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& a = args[i];
     auto value = [&]() -> const std::string& {
@@ -56,7 +176,12 @@ int generate_main(const std::vector<std::string>& args) {
       return args[++i];
     };
     if (a == "--checkpoint") dir = value();
-    else if (a == "--prompt") { prompt = value(); have_prompt = true; }
+    else if (a == "--prompt") req.raw = value();
+    else if (a == "--instruction") req.instruction = value();
+    else if (a == "--input") req.input = value();
+    else if (a == "--system") req.system = value();
+    else if (a == "--message") req.messages.push_back(value());
+    else if (a == "--print-prompt") g.print_prompt = true;
     else if (a == "--max-new-tokens")
       opt.max_new_tokens = parse_number<long long>(a, value(), [](const std::string& s, size_t* n) { return std::stoll(s, n); });
     else if (a == "--temperature")
@@ -65,15 +190,25 @@ int generate_main(const std::vector<std::string>& args) {
       opt.top_p = parse_number<double>(a, value(), [](const std::string& s, size_t* n) { return std::stod(s, n); });
     else if (a == "--seed")
       opt.seed = parse_number<unsigned long long>(a, value(), [](const std::string& s, size_t* n) { return std::stoull(s, n); });
-    else if (a == "--nf4") nf4 = true;
-    else if (a == "--device") device_name = value();
+    else if (a == "--nf4") g.nf4 = true;
+    else if (a == "--device") g.device = value();
     else generate_usage_error("unknown option '" + a + "'");
   }
   if (dir.empty()) generate_usage_error("--checkpoint DIR is required");
-  if (!have_prompt) generate_usage_error("--prompt TEXT is required");
+  check_request(req);
   if (opt.max_new_tokens < 0) generate_usage_error("--max-new-tokens must be >= 0");
   if (opt.temperature < 0) generate_usage_error("--temperature must be >= 0");
   if (!(opt.top_p > 0 && opt.top_p <= 1)) generate_usage_error("--top-p must be in (0, 1]");
+  return g;
+}
+
+}  // namespace
+
+int generate_main(const std::vector<std::string>& args) {
+  namespace fs = std::filesystem;
+  GenerateArgs g = parse_args(args);
+  const std::string& dir = g.dir;
+  models::GenerateOptions& opt = g.opt;
 
   if (!fs::is_directory(dir)) {
     throw std::invalid_argument("--checkpoint " + dir + ": no such directory (expected an exported epoch dir)");
@@ -85,11 +220,16 @@ int generate_main(const std::vector<std::string>& args) {
   // what was looked for (an export copies the run's tokenizer beside the model).
   const std::string tok_path = data::Tokenizer::find_file(dir);
   const data::Tokenizer tok = data::Tokenizer::open(tok_path);
+  const Prompt prompt = build_prompt(g.prompt, dir, tok);
+  if (g.print_prompt) {
+    std::printf("%s\n", nlohmann::json{{"text", prompt.text}, {"ids", prompt.ids}}.dump().c_str());
+    return 0;
+  }
 
   const auto t0 = std::chrono::steady_clock::now();
   models::LlamaLoadOptions lo;
-  lo.base_in_nf4 = nf4;  // no lora_targets: an exported model has its adapters merged
-  lo.device = train::resolve_device(device_name, "--device");
+  lo.base_in_nf4 = g.nf4;  // no lora_targets: an exported model has its adapters merged
+  lo.device = train::resolve_device(g.device, "--device");
   const models::LlamaModel model = models::load_llama(dir, lo);
   if (tok.vocab_size() > model.config.vocab_size) {
     throw std::invalid_argument(tok_path + ": tokenizer has " + std::to_string(tok.vocab_size()) +
@@ -97,13 +237,18 @@ int generate_main(const std::vector<std::string>& args) {
                                 std::to_string(model.config.vocab_size));
   }
 
-  const std::vector<int64_t> ids = tok.encode_with_special(prompt, /*add_bos=*/true, /*add_eos=*/false);
+  const std::vector<int64_t>& ids = prompt.ids;
   // Stop at the tokenizer's EOS, at any config.json or generation_config.json lists (Llama-3 has
-  // several; instruct models list their end of turn), and at the end of a Llama-3 chat turn.
+  // several; instruct models list their end of turn), at the end of a Llama-3 chat turn, and at
+  // the template's end of turn where that is one token (<|im_end|>, <end_of_turn>).
   if (tok.eos_id() >= 0) opt.stop_ids.push_back(tok.eos_id());
   if (tok.eot_id() >= 0) opt.stop_ids.push_back(tok.eot_id());
   for (const int64_t e : model.config.eos_token_ids) opt.stop_ids.push_back(e);
   for (const int64_t e : models::load_generation_eos_ids(dir)) opt.stop_ids.push_back(e);
+  if (!prompt.end_of_turn.empty()) {
+    const auto eot = tok.encode(prompt.end_of_turn);
+    if (eot.size() == 1) opt.stop_ids.push_back(eot[0]);
+  }
 
   const auto t1 = std::chrono::steady_clock::now();
   std::vector<int64_t> out = models::generate(model, ids, opt);
@@ -122,7 +267,11 @@ int generate_main(const std::vector<std::string>& args) {
       std::find(opt.stop_ids.begin(), opt.stop_ids.end(), text_ids.back()) != opt.stop_ids.end()) {
     text_ids.pop_back();
   }
-  std::printf("%s\n", tok.decode(text_ids).c_str());
+  std::string text = tok.decode(text_ids);
+  // An end of turn of several tokens cannot stop generation; the answer still ends there.
+  if (!prompt.end_of_turn.empty() && text.find(prompt.end_of_turn) != std::string::npos)
+    text.erase(text.find(prompt.end_of_turn));
+  std::printf("%s\n", text.c_str());
   const double load_s = std::chrono::duration<double>(t1 - t0).count();
   const double gen_s = std::chrono::duration<double>(t2 - t1).count();
   std::fprintf(stderr, "qlora generate: %zu prompt tokens, %zu new tokens in %.2f s (%.1f tok/s), load %.2f s\n",

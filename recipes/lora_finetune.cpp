@@ -14,6 +14,8 @@
 #include <torch/csrc/autograd/autograd.h>
 
 #include <chrono>
+#include <cmath>
+#include <limits>
 #include <ctime>
 #include <cstdlib>
 #include <cstdio>
@@ -33,6 +35,8 @@
 #include "qlora/data/batching.h"
 #include "qlora/data/dataset.h"
 #include "qlora/data/sampler.h"
+#include "qlora/data/split.h"
+#include "qlora/data/stats.h"
 #include "qlora/data/tokenizer.h"
 #include "qlora/engine/process_group.h"
 #include "qlora/engine/sharded_export.h"
@@ -45,6 +49,7 @@
 #include "qlora/io/checkpoint_dir.h"
 #include "qlora/train/demo.h"
 #include "qlora/train/device.h"
+#include "qlora/train/evaluate.h"
 #include "qlora/train/metrics.h"
 #include "qlora/train/tiny_default.h"
 #include "recipe_config.h"
@@ -104,6 +109,7 @@ struct Data {
   std::string path, tokenizer_path;
   data::Tokenizer tokenizer;
   std::vector<data::Sample> samples;
+  std::vector<data::Sample> validation;  // data.val_path, or the held-out data.val_fraction of `path`
   std::vector<data::PackedRow> rows;  // packing: samples packed once into rows of max_seq_len
   bool packed = false;
   std::unique_ptr<data::Sampler> sampler;
@@ -121,11 +127,48 @@ struct Data {
   }
 };
 
+// Samples `keep` of `all`, in order.
+std::vector<data::Sample> pick(const std::vector<data::Sample>& all, const std::vector<int64_t>& keep) {
+  std::vector<data::Sample> out;
+  for (int64_t i : keep) out.push_back(all[static_cast<size_t>(i)]);
+  return out;
+}
+
+// The validation set: data.val_path, or data.val_fraction of the training records held out
+// (seeded by training.seed, the same on any number of ranks); empty without either.
+void split_validation(const RecipeConfig& cfg, Data& d) {
+  const data::DatasetOptions opts = config::dataset_options(cfg.data);
+  if (!cfg.data.val_path.empty()) d.validation = data::load_dataset(cfg.data.val_path, d.tokenizer, opts);
+  if (cfg.data.val_fraction > 0) {
+    const data::SplitIndices split = data::split_validation(static_cast<int64_t>(d.samples.size()),
+                                                            cfg.data.val_fraction, static_cast<uint64_t>(cfg.training.seed));
+    d.validation = pick(d.samples, split.val);
+    d.samples = pick(d.samples, split.train);
+  }
+  if (cfg.training.eval_every_steps > 0 && d.validation.empty())
+    throw std::invalid_argument("training.eval_every_steps = " + std::to_string(cfg.training.eval_every_steps) +
+                                " needs validation data: set data.val_path or data.val_fraction");
+  if (!d.validation.empty() && data::dataset_stats(d.validation).trained_tokens == 0)
+    throw std::invalid_argument("validation data (" + (cfg.data.val_path.empty() ? d.path : cfg.data.val_path) +
+                                ") has no trained tokens: every sample's response is cut by data.max_seq_len = " +
+                                std::to_string(cfg.data.max_seq_len) + " (or empty)");
+}
+
 Data setup_data(const RecipeConfig& cfg, const std::string& base_dir, int64_t ranks) {
   const std::string tokenizer_path = find_tokenizer(cfg, base_dir);
-  Data d{cfg.data.path.empty() ? train::bundled_data_dir() + "/tiny_tasks.jsonl" : cfg.data.path, tokenizer_path,
-         data::Tokenizer::open(tokenizer_path), {}, {}, cfg.data.packing, nullptr};
+  Data d{train_data_path(cfg), tokenizer_path,
+         data::Tokenizer::open(tokenizer_path), {}, {}, {}, cfg.data.packing, nullptr};
   d.samples = data::load_dataset(d.path, d.tokenizer, config::dataset_options(cfg.data));
+  split_validation(cfg, d);
+  // Otherwise every step's loss is 0/0 and the run "trains" on nothing.
+  const data::DatasetStats stats = data::dataset_stats(d.samples);
+  if (stats.trained_tokens == 0)
+    throw std::invalid_argument(d.path + ": no sample has a trained token: every response is cut by data.max_seq_len = " +
+                                std::to_string(cfg.data.max_seq_len) + " (or empty); raise it (`qlora data` shows the lengths)");
+  if (!stats.untrained.empty())
+    std::printf("warning: %s: %zu of %zu samples have no trained token (cut by data.max_seq_len = %lld, or an empty "
+                "response) and train on nothing; `qlora data` lists them\n",
+                d.path.c_str(), stats.untrained.size(), d.samples.size(), (long long)cfg.data.max_seq_len);
   if (d.packed) d.rows = data::pack_samples(d.samples, cfg.data.max_seq_len, d.tokenizer.pad_id());
   const int64_t size = static_cast<int64_t>(d.packed ? d.rows.size() : d.samples.size());
   // One global batch per micro-step; each rank trains on its own batch_size rows of it.
@@ -190,13 +233,50 @@ void set_aside_old_checkpoints(const std::string& out_dir) {
   std::printf("fresh run: the earlier run's resume checkpoints were moved to %s\n", aside.c_str());
 }
 
-// Continues from the newest resume checkpoint, written on any number of ranks (or by the earlier
+struct Loaded {
+  std::string dir;
+  checkpoint::ResumeCheckpoint ck;
+};
+
+// The newest resume checkpoint that loads intact. A damaged one (a file's size or checksum wrong,
+// a file missing) is skipped, saying which and why, and set aside (<dir>.damaged, by rank 0 once
+// every rank is past it) so keep_last_n no longer counts it. None intact: an error saying why each
+// failed; none at all: nullopt.
+std::optional<Loaded> load_newest_intact(const std::string& out_dir, engine::World& world) {
+  const bool lead = world.rank() == 0;
+  std::vector<std::string> damaged;
+  std::string why;
+  std::optional<Loaded> found;
+  for (const std::string& dir : checkpoint::resume_checkpoints(out_dir)) {
+    try {
+      found = Loaded{dir, checkpoint::load_resume_checkpoint(dir)};
+      break;
+    } catch (const checkpoint::ResumeError& e) {
+      if (lead) std::printf("resume: skipping damaged checkpoint %s: %s\n", dir.c_str(), e.what());
+      damaged.push_back(dir);
+      why += std::string(why.empty() ? "" : "; ") + e.what();
+    }
+  }
+  if (!found && !damaged.empty())
+    throw std::invalid_argument("checkpoint.resume = true but no resume checkpoint in " + out_dir + " is intact: " + why);
+  if (!damaged.empty()) {
+    world.world().barrier(std::chrono::minutes(30));  // nobody still reading them
+    if (lead)
+      for (const std::string& dir : damaged)
+        std::printf("resume: moved %s to %s\n", dir.c_str(), checkpoint::set_aside_damaged(dir).c_str());
+    if (lead) std::printf("resume: continuing from %s, the newest intact checkpoint\n", found->dir.c_str());
+  }
+  return found;
+}
+
+// Continues from a resume checkpoint written on any number of ranks (or by the earlier
 // single-process format): the adapters and AdamW state resharded onto this mesh, the sampler,
 // and the RNG states where the mesh is the same (bit for bit then; within float tolerance else).
-Position resume(const RecipeConfig& cfg, const std::string& where, c10::Device device, engine::World& world,
-                Model& m, Optimizer& o, Data& d, const nlohmann::json& inputs) {
+Position resume(const RecipeConfig& cfg, const Loaded& loaded, c10::Device device, engine::World& world, Model& m,
+                Optimizer& o, Data& d, const nlohmann::json& inputs) {
   const bool lead = world.rank() == 0;
-  const checkpoint::ResumeCheckpoint ck = checkpoint::load_resume_checkpoint(where);
+  const std::string& where = loaded.dir;
+  const checkpoint::ResumeCheckpoint& ck = loaded.ck;
   const bool remesh = check_resumable(ck.meta, cfg, device, inputs, where, world.size());
   engine::load_train_state(*m.engine, *o.adamw, ck, m.llama, where);
   if (!remesh) {
@@ -232,19 +312,13 @@ struct StepResult {
   double grad_norm = 0.0;
 };
 
-// The sum of `v` over every rank (on the compute device: NCCL reduces CUDA tensors only).
-double all_ranks_sum(engine::World& world, double v, c10::Device device) {
-  if (world.size() == 1) return v;
-  at::Tensor t = at::full({1}, v, at::TensorOptions().dtype(at::kDouble).device(device));
-  engine::wait(world.world().all_reduce_sum(t));
-  return t.item<double>();
-}
-
 // One optimizer step: grad_accum micro-batches, this rank's rows of each global batch, the loss
 // normalised by the non-masked tokens of the whole step on every rank (every token weighs the
-// same, however the step's tokens fall into micro-batches and ranks), then clip and step.
-StepResult train_step(const RecipeConfig& cfg, engine::World& world, Model& m, Optimizer& o, Data& d,
-                      c10::Device device) {
+// same, however the step's tokens fall into micro-batches and ranks), then the gradient norm
+// (clipped). The caller steps the optimizer, or not (a non-finite step): every rank sees the same
+// summed loss and norm, so every rank decides alike.
+StepResult train_step(const RecipeConfig& cfg, engine::World& world, Model& m, Data& d, c10::Device device,
+                      int64_t step) {
   const int64_t per_rank = cfg.training.batch_size, me = world.rank();
   std::vector<data::Batch> micro;
   StepResult r;
@@ -253,27 +327,63 @@ StepResult train_step(const RecipeConfig& cfg, engine::World& world, Model& m, O
     micro.push_back(d.batch({global.begin() + me * per_rank, global.begin() + (me + 1) * per_rank}));
     r.tokens += micro.back().num_label_tokens;
   }
-  r.tokens = static_cast<int64_t>(all_ranks_sum(world, static_cast<double>(r.tokens), device));
-  const int64_t vocab = m.llama.config.vocab_size;
+  r.tokens = static_cast<int64_t>(train::all_ranks_sum(world, static_cast<double>(r.tokens), device));
+  const auto& poison = train::fault_plan().poison_loss;  // tests only
+  const bool nan = poison && poison(world.rank(), step);
   for (size_t k = 0; k < micro.size(); ++k) {
-    const data::Batch& b = micro[k];
     m.engine->set_gradient_sync(k + 1 == micro.size());
-    // [batch, seq, vocab] fp32; packed rows attend within their own sample only
-    const at::Tensor logits = d.packed ? m.llama.forward(b.tokens.to(device), b.position_ids.to(device),
-                                                         data::block_causal_mask(b.document_ids).to(device))
-                                       : m.llama.forward(b.tokens.to(device));
-    const at::Tensor loss = at::cross_entropy_loss(logits.view({-1, vocab}), b.labels.view({-1}).to(device), {},
-                                                   at::Reduction::Sum, data::kIgnoreIndex) /
-                            static_cast<double>(std::max<int64_t>(r.tokens, 1));
+    at::Tensor loss = train::summed_token_loss(m.llama, micro[k], d.packed, device) /
+                      static_cast<double>(std::max<int64_t>(r.tokens, 1));
+    if (nan) loss = loss * std::numeric_limits<double>::quiet_NaN();
     torch::autograd::backward({loss});
     m.engine->finish_backward();
     r.loss += loss.item<double>();
   }
-  r.loss = all_ranks_sum(world, r.loss, device);
+  r.loss = train::all_ranks_sum(world, r.loss, device);
   r.grad_norm = m.engine->clip_grad_norm(cfg.optim.max_grad_norm);
-  o.adamw->step();
-  m.engine->gather_params();
   return r;
+}
+
+// ---------------------------------------------------------------- non-finite steps
+
+enum class Verdict { kUpdate, kSkip, kStop };
+
+// training.on_nonfinite applied to a step: a finite loss and gradient norm update; otherwise
+// "skip" drops the update until more than max_consecutive_skips steps in a row were not finite.
+Verdict judge_step(const RecipeConfig& cfg, const StepResult& r, int64_t& consecutive_skips) {
+  if (std::isfinite(r.loss) && std::isfinite(r.grad_norm)) {
+    consecutive_skips = 0;
+    return Verdict::kUpdate;
+  }
+  if (cfg.training.on_nonfinite == train::NonFinitePolicy::kSkip && ++consecutive_skips <= cfg.training.max_consecutive_skips)
+    return Verdict::kSkip;
+  return Verdict::kStop;
+}
+
+// The error a non-finite step stops the run with: the step, what was not finite, and the last good
+// checkpoint to go back to (every saved one is finite: the update was never applied).
+[[noreturn]] void stop_nonfinite(const RecipeConfig& cfg, const StepResult& r, int64_t step) {
+  const auto last = checkpoint::latest_resume_checkpoint(cfg.checkpoint.output_dir);
+  char what[160];
+  std::snprintf(what, sizeof what, "step %lld: loss %g, gradient norm %g: not finite", (long long)step, r.loss,
+                r.grad_norm);
+  const bool skipping = cfg.training.on_nonfinite == train::NonFinitePolicy::kSkip;
+  throw std::runtime_error(
+      std::string(what) +
+      (skipping ? " again after " + std::to_string(cfg.training.max_consecutive_skips) +
+                      " skipped step(s) in a row (training.max_consecutive_skips)"
+                : "") +
+      "; stopped before the update, nothing non-finite was saved. Last good checkpoint: " +
+      (last ? *last + " (continue from it with checkpoint.resume=true, e.g. with a lower optim.lr" +
+                  (skipping ? ")" : ", or training.on_nonfinite=skip to drop such steps)")
+            : std::string("none (no checkpoint was saved before this step)")));
+}
+
+// Nothing non-finite is ever exported (the step guard keeps adapters finite; this is the check).
+void require_finite_adapters(const Model& m, const std::string& what) {
+  for (const auto& [name, t] : m.llama.lora_parameters())
+    if (!at::isfinite(t).all().item<bool>())
+      throw std::runtime_error(what + ": adapter " + name + " holds NaN or inf; not saving it");
 }
 
 // ---------------------------------------------------------------- save
@@ -308,8 +418,9 @@ void save_checkpoint(const RecipeConfig& cfg, engine::World& world, const Model&
 }
 
 void log_step(train::MetricsLog& metrics, train::Progress& progress, const RecipeConfig& cfg, const StepResult& r,
-              const Position& p, double lr, double secs, c10::Device device) {
+              const Position& p, double lr, double secs, c10::Device device, bool skipped) {
   train::StepMetrics sm;
+  sm.skipped = skipped;
   sm.step = p.global_step;
   sm.epoch = p.epoch;
   sm.loss = r.loss;
@@ -320,6 +431,17 @@ void log_step(train::MetricsLog& metrics, train::Progress& progress, const Recip
   sm.grad_norm = r.grad_norm;
   metrics.append(sm);
   progress.update(sm, p.step_in_epoch, cfg.logging.log_every_steps);
+}
+
+// Validation loss now (every rank evaluates its share); rank 0 logs it.
+void validate(const RecipeConfig& cfg, engine::World& world, Model& m, const Data& d, const Position& p,
+              c10::Device device, train::MetricsLog* metrics, train::Progress& progress) {
+  const train::Evaluation e =
+      train::evaluate(m.llama, world, d.validation, cfg.training.batch_size, d.tokenizer.pad_id(), device);
+  if (!metrics) return;
+  const train::ValidationMetrics v{p.global_step, p.epoch, e.loss, e.perplexity, e.tokens};
+  metrics->append(v);
+  progress.validation(v);
 }
 
 // The recipe proper, the same on 1..N ranks: rank 0 (`lead`) prints, logs metrics and commits
@@ -349,17 +471,27 @@ int run_recipe(const RecipeConfig& cfg, c10::Device device, engine::World& world
                                 std::to_string(m.llama.config.vocab_size) + " (a tokenizer of another model?)");
   Optimizer o = setup_optimizer(cfg, m, d, ranks);
   const nlohmann::json inputs = checkpoint::input_fingerprints(d.path, base_dir, d.tokenizer_path);
-  const auto latest = checkpoint::latest_resume_checkpoint(out_dir);
+  std::optional<Loaded> latest;
+  if (cfg.checkpoint.resume) latest = load_newest_intact(out_dir, world);
   if (lead && !cfg.checkpoint.resume) set_aside_old_checkpoints(out_dir);
   if (cfg.checkpoint.resume && !latest && lead)
     std::printf("checkpoint.resume = true but %s has no resume checkpoint: starting fresh\n", out_dir.c_str());
-  const Position start = cfg.checkpoint.resume && latest ? resume(cfg, *latest, device, world, m, o, d, inputs) : Position{};
+  const Position start = latest ? resume(cfg, *latest, device, world, m, o, d, inputs) : Position{};
+  latest.reset();  // its tensors are in the engine and optimizer now
 
   std::optional<train::MetricsLog> metrics;
   if (lead) metrics.emplace(out_dir, start.global_step);
   train::Progress progress(cfg.logging.progress);
-  const checkpoint::AdapterInfo adapter_info{cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout,
-                                             models::peft_targets(m.llama.architecture(), cfg.lora.targets), base_dir};
+  // base_model_name_or_path: model.name (a hub id), else the base's absolute path (PEFT would resolve a
+  // relative one against the loader's working directory). qlora.json: how `qlora generate` renders prompts.
+  const data::DatasetOptions data_opts = config::dataset_options(cfg.data);
+  const checkpoint::AdapterInfo adapter_info{
+      cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, models::peft_targets(m.llama.architecture(), cfg.lora.targets),
+      cfg.model.name.empty() ? fs::absolute(base_dir).lexically_normal().string() : cfg.model.name,
+      checkpoint::PromptFormat{
+          data::dataset_kind_name(data_opts.kind),
+          data_opts.kind == data::DatasetKind::kText ? "" : std::string(data::template_name(data_opts.prompt_template)),
+          data_opts.train_on_input, data_opts.add_bos, data_opts.add_eos}};
   if (lead)
     std::printf("model %s on %s x %lld rank(s): %lld layers, %lld trainable LoRA parameters; %zu samples; "
                 "%lld steps/epoch x %lld epochs\n",
@@ -369,6 +501,8 @@ int run_recipe(const RecipeConfig& cfg, c10::Device device, engine::World& world
 
   // ---------------------------------------------------------------- train
   const train::FaultPlan& faults = train::fault_plan();  // empty unless a test installed one
+  train::MetricsLog* lead_metrics = lead ? &*metrics : nullptr;
+  int64_t consecutive_skips = 0;
   Position p = start;
   for (; p.epoch < cfg.training.epochs; ++p.epoch, p.step_in_epoch = 0) {
     if (lead) progress.start_epoch(p.epoch, cfg.training.epochs, o.steps_per_epoch, p.step_in_epoch);
@@ -378,13 +512,20 @@ int run_recipe(const RecipeConfig& cfg, c10::Device device, engine::World& world
       if (faults.before_step) faults.before_step(world.rank(), p.global_step + 1);
       const double lr = o.schedule.lr_at(p.global_step);
       o.adamw->set_lr(lr);
-      const StepResult r = train_step(cfg, world, m, o, d, device);
+      const StepResult r = train_step(cfg, world, m, d, device, p.global_step + 1);
+      const Verdict verdict = judge_step(cfg, r, consecutive_skips);  // the same on every rank
+      if (verdict == Verdict::kUpdate) o.adamw->step();
+      m.engine->gather_params();  // also zeroes the gradients a skipped step leaves
       ++p.global_step, ++p.step_in_epoch;
       const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      if (lead) log_step(*metrics, progress, cfg, r, p, lr, secs, device);
+      if (lead) log_step(*metrics, progress, cfg, r, p, lr, secs, device, verdict != Verdict::kUpdate);
+      if (verdict == Verdict::kStop) stop_nonfinite(cfg, r, p.global_step);
       if (faults.after_step) faults.after_step(world.rank(), p.global_step);
 
       const bool epoch_end = p.step_in_epoch == o.steps_per_epoch;
+      if (!d.validation.empty() && (epoch_end || (cfg.training.eval_every_steps > 0 &&
+                                                  p.global_step % cfg.training.eval_every_steps == 0)))
+        validate(cfg, world, m, d, p, device, lead_metrics, progress);
       if (epoch_end) d.sampler->set_state({p.epoch + 1, 0});  // max_steps_per_epoch may cut an epoch short
       // The epoch-end checkpoint is written after the export below: a resume from it must find
       // the epoch's export already on disk.
@@ -395,6 +536,7 @@ int run_recipe(const RecipeConfig& cfg, c10::Device device, engine::World& world
 
     // ------------------------------------------------------------ save (export for inference)
     // Every rank writes the layers it owns into the same files: the same bytes as one process.
+    require_finite_adapters(m, "export of epoch " + std::to_string(p.epoch + 1));
     engine::export_epoch(out_dir, p.epoch, m.llama, *m.engine, world, adapter_info, cfg.checkpoint.adapter_only, base_dir,
                          cfg.checkpoint.merge_from, d.tokenizer_path);
     if (lead) std::printf("epoch %lld exported to %s/epoch_%lld\n", (long long)p.epoch + 1, out_dir.c_str(), (long long)p.epoch);

@@ -4,6 +4,7 @@
 #include <stdexcept>
 
 #include "qlora/data/tokenizer.h"
+#include "qlora/train/tiny_default.h"
 
 namespace qlora::recipes {
 
@@ -32,6 +33,10 @@ config::RecipeConfig load_recipe_config(const std::vector<std::string>& args) {
 
 std::string base_model_dir(const config::RecipeConfig& cfg) {
   return cfg.model.checkpoint_dir.empty() ? cfg.checkpoint.output_dir + "/tiny_base" : cfg.model.checkpoint_dir;
+}
+
+std::string train_data_path(const config::RecipeConfig& cfg) {
+  return cfg.data.path.empty() ? train::bundled_data_dir() + "/tiny_tasks.jsonl" : cfg.data.path;
 }
 
 std::string find_tokenizer(const config::RecipeConfig& cfg, const std::string& base_dir) {

@@ -18,6 +18,9 @@ config::RecipeConfig load_recipe_config(const std::vector<std::string>& args);
 // under checkpoint.output_dir (written on first use by train::ensure_tiny_base).
 std::string base_model_dir(const config::RecipeConfig& cfg);
 
+// The training data file: data.path, or for the embedded default the bundled tiny_tasks.jsonl.
+std::string train_data_path(const config::RecipeConfig& cfg);
+
 // model.tokenizer, else the checkpoint's tokenizer.model, original/tokenizer.model or tokenizer.json
 // (Tokenizer::find_file's order; Llama-3 repositories keep Meta's tiktoken file under original/).
 std::string find_tokenizer(const config::RecipeConfig& cfg, const std::string& base_dir);

@@ -193,3 +193,28 @@ TEST(ExportEpoch, LayoutAndAtomicReplace) {
   EXPECT_TRUE(fs::exists(out / "epoch_0/model.safetensors"));
   fs::remove_all(out);
 }
+
+TEST(PromptFormat, RoundTripsAndRefusesMalformedFiles) {
+  const fs::path d = fresh_dir("prompt");
+  EXPECT_FALSE(read_prompt_format(d.string()).has_value());  // an export of an earlier release
+  write_prompt_format(d.string(), {"chat", "qwen3", true, false, true});
+  const auto p = read_prompt_format(d.string());
+  ASSERT_TRUE(p.has_value());
+  EXPECT_EQ(p->format, "chat");
+  EXPECT_EQ(p->template_name, "qwen3");
+  EXPECT_TRUE(p->train_on_input);
+  EXPECT_FALSE(p->add_bos);
+  EXPECT_TRUE(p->add_eos);
+  write_prompt_format(d.string(), {"text", "", false, true, true});
+  EXPECT_TRUE(read_json(d / "qlora.json")["prompt"]["template"].is_null());
+  EXPECT_EQ(read_prompt_format(d.string())->template_name, "");
+  std::ofstream(d / "qlora.json") << R"({"format": "qlora-export-v1", "prompt": {"format": "chat", "add_bos": 1}})";
+  try {
+    read_prompt_format(d.string());
+    FAIL() << "no error";
+  } catch (const ExportError& e) {
+    EXPECT_NE(std::string(e.what()).find((d / "qlora.json").string()), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("prompt.train_on_input"), std::string::npos) << e.what();
+  }
+  fs::remove_all(d);
+}

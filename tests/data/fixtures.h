@@ -31,6 +31,17 @@ inline std::string write_temp(const std::string& name, const std::string& text) 
   return path;
 }
 
+// The message of the std::invalid_argument that `fn` throws ("" if none).
+template <class F>
+std::string error_of(F&& fn) {
+  try {
+    fn();
+  } catch (const std::invalid_argument& e) {
+    return e.what();
+  }
+  return "";
+}
+
 // The message of the error Tokenizer::open throws for a file holding `text`, checked to name the
 // file; a test failure (and "") when it opens.
 inline std::string open_error(const std::string& name, const std::string& text) {

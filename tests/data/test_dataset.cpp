@@ -16,6 +16,7 @@ namespace qlora::data {
 namespace {
 
 using test_fixtures::data_dir;
+using test_fixtures::error_of;
 using test_fixtures::fixture_tokenizer;
 
 std::string write_temp(const std::string& name, const std::string& text) {
@@ -24,16 +25,6 @@ std::string write_temp(const std::string& name, const std::string& text) {
   return path;
 }
 
-// The message of the std::invalid_argument that `fn` throws ("" if none).
-template <class F>
-std::string error_of(F&& fn) {
-  try {
-    fn();
-  } catch (const std::invalid_argument& e) {
-    return e.what();
-  }
-  return "";
-}
 
 bool contains(const std::string& s, const std::string& part) {
   return s.find(part) != std::string::npos;

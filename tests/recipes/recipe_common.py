@@ -2,8 +2,10 @@
 with a fault plan), reading metrics.jsonl and the exported adapter, and the tolerance for runs that
 must agree although they sum in another order.
 """
+import argparse
 import json
 import os
+import shutil
 import subprocess
 
 import numpy as np
@@ -33,6 +35,21 @@ class Checks:
     def summary(self):
         print(f"{self.passed} passed, {self.failed} failed")
         return 0 if self.failed == 0 else 1
+
+
+def recipe_args(*extra):
+    """The recipe tests' command line (--qlora, --qlora-faults, --workdir, plus `extra`: (flag,
+    kwargs) pairs); the work directory is emptied first."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--qlora", required=True)
+    ap.add_argument("--qlora-faults", required=True, help="qlora with QLORA_FAULT_PLAN (tests/tools/qlora_faults.cpp)")
+    ap.add_argument("--workdir", required=True)
+    for flag, kwargs in extra:
+        ap.add_argument(flag, **kwargs)
+    a = ap.parse_args()
+    shutil.rmtree(a.workdir, ignore_errors=True)
+    os.makedirs(a.workdir)
+    return a
 
 
 def run_recipe(exe, out, *overrides, nproc=1, fault=None, expect_rc=0, timeout=600):

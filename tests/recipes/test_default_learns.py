@@ -10,11 +10,9 @@ words and sums that neither the base's pre-training nor the training file contai
    transformers' answer to the prompt it shows.
 Prints "N passed, M failed"; exit code 1 on any failure.
 """
-import argparse
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -22,7 +20,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "data"))
 from make_fixtures import _ALPACA_PREAMBLE  # noqa: E402
-from recipe_common import Checks, run_recipe  # noqa: E402
+from recipe_common import Checks, recipe_args, run_recipe  # noqa: E402
 
 check = Checks()
 HELDOUT = os.path.join(HERE, "..", "data", "tiny_tasks_heldout.jsonl")
@@ -59,12 +57,7 @@ def printed_scores(stdout):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--qlora", required=True)
-    ap.add_argument("--workdir", required=True)
-    a = ap.parse_args()
-    shutil.rmtree(a.workdir, ignore_errors=True)
-    os.makedirs(a.workdir)
+    a = recipe_args()
     out = os.path.join(a.workdir, "out")
 
     # 1. the default run, as the README runs it (only the output_dir and plain progress differ)

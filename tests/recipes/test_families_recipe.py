@@ -27,7 +27,6 @@ packed rows, so windows meet rows holding several samples, and generate past the
     python tests/recipes/test_families_recipe.py --qlora build/qlora --qlora-faults build/qlora_faults
         --workdir build/recipe_families [--families qwen2,phi3]
 """
-import argparse
 import json
 import math
 import os
@@ -46,7 +45,7 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from recipe_common import RANKS_TOL, Checks, adapter, losses, max_diff, max_tensor_diff, metrics_rows, run_recipe
+from recipe_common import Checks, RANKS_TOL, adapter, losses, max_diff, max_tensor_diff, metrics_rows, recipe_args, run_recipe
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "conformance"))
@@ -272,17 +271,10 @@ def family_checks(check, a, family):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--qlora", required=True)
-    ap.add_argument("--qlora-faults", required=True, help="qlora with QLORA_FAULT_PLAN (tests/tools/qlora_faults.cpp)")
-    ap.add_argument("--workdir", required=True)
-    ap.add_argument("--families", default="", help="comma-separated model_types (default: all)")
-    a = ap.parse_args()
+    a = recipe_args(("--families", dict(default="", help="comma-separated model_types (default: all)")))
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
     warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' and peft's deprecations
-    shutil.rmtree(a.workdir, ignore_errors=True)
-    os.makedirs(a.workdir)
     chosen = [f for f in FAMILIES if not a.families or f.model_type in a.families.split(",")]
     check = Checks()
     for family in chosen:

@@ -9,14 +9,13 @@
 4. `qlora generate` runs on the export.
 Prints "N passed, M failed"; exit code 1 on any failure.
 """
-import argparse
 import json
 import os
 import shutil
 import subprocess
 import sys
 
-from recipe_common import Checks, metrics_rows, run_recipe
+from recipe_common import Checks, metrics_rows, recipe_args, run_recipe
 
 check = Checks()
 FAULTS = None  # --qlora-faults
@@ -35,16 +34,9 @@ def losses(out):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--qlora", required=True)
-    ap.add_argument("--qlora-faults", required=True)
-    ap.add_argument("--tiny-base-tool", required=True)
-    ap.add_argument("--workdir", required=True)
-    a = ap.parse_args()
+    a = recipe_args()
     global FAULTS
     FAULTS = a.qlora_faults
-    shutil.rmtree(a.workdir, ignore_errors=True)
-    os.makedirs(a.workdir)
     full, killed = os.path.join(a.workdir, "full"), os.path.join(a.workdir, "killed")
 
     # 1. uninterrupted run
@@ -156,7 +148,8 @@ def main():
     data_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data")
     fixture = os.path.join(data_dir, "legacy_resume")
     shutil.copytree(os.path.join(fixture, "step_00000002"), os.path.join(legacy, "checkpoints", "step_00000002"))
-    subprocess.run([a.tiny_base_tool, os.path.join(legacy, "tiny_base"),
+    tool = os.path.join(os.path.dirname(a.qlora), "tiny_base_tool")  # built beside qlora (CMakeLists.txt)
+    subprocess.run([tool, os.path.join(legacy, "tiny_base"),
                     os.path.join(data_dir, "tokenizer", "tokenizer.model"), "512"], check=True)
     sys.path.insert(0, data_dir)
     from make_fixtures import legacy_tiny_tasks

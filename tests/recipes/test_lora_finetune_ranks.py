@@ -9,7 +9,6 @@ Failure: a rank SIGKILLed mid-run (ranks started by hand with torchrun's variabl
 makes every other rank exit non-zero within 60 s naming it; under the launcher, the launcher names
 it and exits non-zero.
 """
-import argparse
 import json
 import os
 import shutil
@@ -21,7 +20,7 @@ import time
 
 import numpy as np
 
-from recipe_common import RANKS_TOL as TOL, Checks, adapter, losses, max_diff, max_tensor_diff, run_recipe
+from recipe_common import Checks, RANKS_TOL as TOL, adapter, losses, max_diff, max_tensor_diff, recipe_args, run_recipe
 
 check = Checks()
 COMMON = ["training.epochs=1", "training.max_steps_per_epoch=6", "training.grad_accum=1",
@@ -43,13 +42,7 @@ def free_port():
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--qlora", required=True)
-    ap.add_argument("--qlora-faults", required=True, help="qlora with QLORA_FAULT_PLAN (tests/tools/qlora_faults.cpp)")
-    ap.add_argument("--workdir", required=True)
-    a = ap.parse_args()
-    shutil.rmtree(a.workdir, ignore_errors=True)
-    os.makedirs(a.workdir)
+    a = recipe_args()
 
     ref_dir = os.path.join(a.workdir, "one")
     r = run(a.qlora, ref_dir, 1, "training.batch_size=12")

@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <string>
@@ -79,9 +80,52 @@ TEST(Progress, PlainLinesCarryLossLrThroughputMemoryAndEta) {
   std::string text(4096, '\0');
   text.resize(std::fread(text.data(), 1, text.size(), f));
   std::fclose(f);
-  EXPECT_EQ(std::count(text.begin(), text.end(), '\n'), 2);  // every 2nd step
+  EXPECT_EQ(std::count(text.begin(), text.end(), '\n'), 3);  // every 2nd step, and the summary
   EXPECT_NE(text.find("epoch 1/2 step 2 2/4 loss 0.5000 lr 1.00e-04 100 tok/s mem 1.0 MiB eta"), std::string::npos) << text;
   EXPECT_NE(text.find("step 4 4/4"), std::string::npos);
+  EXPECT_NE(text.find("epoch 1/2 done: 4 steps, train loss 0.5208 (mean), 0:00"), std::string::npos) << text;
+}
+
+// A skipped (non-finite) step gets a line of its own and is counted apart in the summary; a
+// validation gets its line and the summary repeats the epoch's last.
+TEST(Progress, SkippedStepsAndValidationInLinesAndSummary) {
+  std::FILE* f = std::tmpfile();
+  Progress p(ProgressMode::Plain, f);
+  p.start_epoch(1, 2, 3, 0);
+  p.update(at(1), 1, 10);
+  StepMetrics bad = at(2);
+  bad.loss = NAN;
+  bad.skipped = true;
+  p.update(bad, 2, 10);
+  p.validation(ValidationMetrics{2, 1, 1.5, std::exp(1.5), 40});
+  p.update(at(3), 3, 10);
+  p.end_epoch();
+  std::rewind(f);
+  std::string text(4096, '\0');
+  text.resize(std::fread(text.data(), 1, text.size(), f));
+  std::fclose(f);
+  EXPECT_NE(text.find("epoch 2/2 step 2: loss nan"), std::string::npos) << text;
+  EXPECT_NE(text.find("not finite, no update"), std::string::npos) << text;
+  EXPECT_NE(text.find("epoch 2/2 step 2 val_loss 1.5000 ppl 4.48 (40 tokens)"), std::string::npos) << text;
+  EXPECT_NE(text.find("epoch 2/2 done: 3 steps, train loss 0.6667 (mean), 1 skipped (not finite), val_loss 1.5000 ppl 4.48"),
+            std::string::npos) << text;
+}
+
+TEST(MetricsLog, SkippedAndValidationRows) {
+  StepMetrics bad = at(3);
+  bad.loss = NAN;
+  bad.grad_norm = NAN;
+  bad.skipped = true;
+  const nlohmann::json j = nlohmann::json::parse(bad.to_json().dump());
+  EXPECT_TRUE(j["loss"].is_null());
+  EXPECT_TRUE(j["grad_norm"].is_null());
+  EXPECT_EQ(j["skipped"], true);
+  EXPECT_FALSE(at(3).to_json().contains("skipped"));
+  const nlohmann::json v = ValidationMetrics{5, 0, 2.0, std::exp(2.0), 17}.to_json();
+  EXPECT_EQ(v["step"], 5);
+  EXPECT_EQ(v["val_loss"], 2.0);
+  EXPECT_EQ(v["val_tokens"], 17);
+  EXPECT_FALSE(v.contains("loss"));
 }
 
 TEST(Progress, Formats) {

@@ -84,6 +84,46 @@ MergeSource merge_source_from_name(std::string_view name) {
 
 const char* merge_source_name(MergeSource source) { return io::enum_name(kMergeSourceNames, source); }
 
+constexpr const char* kPromptFormatFile = "qlora.json";
+constexpr const char* kPromptFormatVersion = "qlora-export-v1";
+
+void write_prompt_format(const std::string& dir, const PromptFormat& p) {
+  const nlohmann::json j = {
+      {"format", kPromptFormatVersion},
+      {"prompt",
+       {{"format", p.format},
+        {"template", p.template_name.empty() ? nlohmann::json(nullptr) : nlohmann::json(p.template_name)},
+        {"train_on_input", p.train_on_input},
+        {"add_bos", p.add_bos},
+        {"add_eos", p.add_eos}}}};
+  io::write_file_atomic((fs::path(dir) / kPromptFormatFile).string(), j.dump(2) + "\n");
+}
+
+std::optional<PromptFormat> read_prompt_format(const std::string& dir) {
+  const fs::path path = fs::path(dir) / kPromptFormatFile;
+  if (!fs::exists(path)) return std::nullopt;
+  const auto j = nlohmann::json::parse(read_file(path), nullptr, false);
+  const auto bad = [&](const std::string& what) { return ExportError(path.string() + ": " + what); };
+  if (j.is_discarded() || !j.is_object()) throw bad("not a JSON object");
+  if (j.value("format", "") != kPromptFormatVersion)
+    throw bad("\"format\" is not \"" + std::string(kPromptFormatVersion) + "\" (written by another qlora release?)");
+  const auto it = j.find("prompt");
+  if (it == j.end() || !it->is_object()) throw bad("no \"prompt\" object");
+  const auto& q = *it;
+  const auto need = [&](const char* key, bool (nlohmann::json::*is)() const noexcept) -> const nlohmann::json& {
+    if (!q.contains(key) || !(q[key].*is)()) throw bad("prompt." + std::string(key) + " is missing or of the wrong type");
+    return q[key];
+  };
+  PromptFormat p;
+  p.format = need("format", &nlohmann::json::is_string).get<std::string>();
+  if (q.contains("template") && !q["template"].is_null())
+    p.template_name = need("template", &nlohmann::json::is_string).get<std::string>();
+  p.train_on_input = need("train_on_input", &nlohmann::json::is_boolean).get<bool>();
+  p.add_bos = need("add_bos", &nlohmann::json::is_boolean).get<bool>();
+  p.add_eos = need("add_eos", &nlohmann::json::is_boolean).get<bool>();
+  return p;
+}
+
 void write_peft_adapter(const std::string& dir, const std::vector<std::pair<std::string, at::Tensor>>& lora_params,
                         const AdapterInfo& info, at::ScalarType dtype) {
   if (lora_params.empty()) throw ExportError("write_peft_adapter " + dir + ": no LoRA parameters to write");
@@ -385,6 +425,7 @@ void export_epoch(const std::string& output_dir, int64_t epoch, const models::Ll
     fs::remove_all(tmp);  // an export that crashed: incomplete by construction
     fs::create_directories(tmp);
     write_peft_adapter((tmp / "adapter").string(), model.lora_parameters(), info);
+    if (info.prompt) write_prompt_format(tmp.string(), *info.prompt);
   }
   call(ranks.barrier);
   if (!adapter_only && ranks.writes_model)

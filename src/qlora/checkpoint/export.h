@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -19,14 +20,36 @@
 
 namespace qlora::checkpoint {
 
+// How the run turned records into tokens, so that `qlora generate` can render prompts the way
+// the model saw them in training. Names are data/'s (checkpoint does not depend on data):
+// data::dataset_kind_name and data::template_name.
+struct PromptFormat {
+  std::string format;         // data.format: "instruct", "chat" or "text"
+  std::string template_name;  // data.template; empty: none (format "text")
+  bool train_on_input = false;
+  bool add_bos = true;  // the tokenizer's BOS starts every sample
+  bool add_eos = true;  // EOS ends every sample
+};
+
 struct AdapterInfo {
   int64_t r = 0;
   double alpha = 0.0;
   double dropout = 0.0;
   // PEFT module names, e.g. {"q_proj", "v_proj"}; empty: derived from the parameter names.
   std::vector<std::string> target_modules;
+  // A hub id, or the base checkpoint's absolute path (PEFT resolves a relative one against the
+  // loader's working directory, not the run's).
   std::string base_model_name_or_path;
+  // Written to <epoch dir>/qlora.json when given (see write_prompt_format).
+  std::optional<PromptFormat> prompt;
 };
+
+// <dir>/qlora.json, atomically: {"format": "qlora-export-v1", "prompt": {"format", "template"
+// (null for none), "train_on_input", "add_bos", "add_eos"}}.
+void write_prompt_format(const std::string& dir, const PromptFormat& prompt);
+// What <dir>/qlora.json records; nullopt when the directory has none (an export of a release
+// before it). A malformed file throws ExportError naming it and the key.
+std::optional<PromptFormat> read_prompt_format(const std::string& dir);
 
 // Every message names the directory or file, and the tensor where one is involved.
 struct ExportError : std::runtime_error {
@@ -108,7 +131,7 @@ struct ExportRanks {
 // checkpoint) unless adapter_only, and the PEFT adapter always in the adapter/ subdirectory.
 // The adapter lives in a subdirectory because transformers' from_pretrained, on finding
 // adapter_config.json next to config.json, loads the adapter on top of the (already merged)
-// weights, applying the update twice. Built in epoch_<epoch>.tmp/ (a leftover one is discarded)
+// weights, applying the update twice. qlora.json (info.prompt) sits at the top level. Built in epoch_<epoch>.tmp/ (a leftover one is discarded)
 // and renamed into place; an existing epoch_<epoch> is replaced only once the new one is
 // complete (atomically where the filesystem supports RENAME_EXCHANGE). With several processes
 // (`ranks`), each writes the units it owns in place, and the files are byte-identical to one

@@ -1,7 +1,9 @@
 #include "qlora/checkpoint/resume.h"
 #include "qlora/io/read_file.h"
 
+#include <ATen/ops/all.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/isfinite.h>
 #include <fcntl.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -196,6 +198,9 @@ void write_state_file(const fs::path& path, const std::vector<std::pair<std::str
   nlohmann::json order = nlohmann::json::array();
   for (const auto& [name, t] : tensors) {
     if (!t.defined()) throw ResumeError("save_resume_checkpoint: tensor '" + name + "' is undefined");
+    if (at::isFloatingType(t.scalar_type()) && !at::isfinite(t).all().item<bool>())
+      throw ResumeError("save_resume_checkpoint: tensor '" + name + "' holds NaN or inf; not saving " + path.string() +
+                        " (nothing non-finite is ever saved)");
     cpu.emplace_back(name, t.detach().to(at::kCPU).contiguous());
     order.push_back(name);
   }
@@ -335,6 +340,21 @@ std::optional<std::string> latest_resume_checkpoint(const std::string& output_di
   const auto all = complete_checkpoints(checkpoints_root(output_dir));
   if (all.empty()) return std::nullopt;
   return all.rbegin()->second.string();
+}
+
+std::vector<std::string> resume_checkpoints(const std::string& output_dir) {
+  std::vector<std::string> out;
+  const auto all = complete_checkpoints(checkpoints_root(output_dir));
+  for (auto it = all.rbegin(); it != all.rend(); ++it) out.push_back(it->second.string());
+  return out;
+}
+
+std::string set_aside_damaged(const std::string& dir) {
+  std::string to = dir + ".damaged";
+  for (int k = 1; fs::exists(to); ++k) to = dir + ".damaged." + std::to_string(k);
+  fs::rename(dir, to);
+  fsync_dir(fs::path(dir).parent_path());
+  return to;
 }
 
 ResumeCheckpoint load_resume_checkpoint(const std::string& dir) {

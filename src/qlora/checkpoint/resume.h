@@ -64,7 +64,8 @@ struct RankSync {
 // keep_last_n > 0: afterwards only the keep_last_n newest complete checkpoints (by step) remain,
 // and the one just written is never removed; keep_last_n <= 0 keeps all. A pruned directory
 // loses its manifest first, so one half-deleted by a crash is not mistaken for a checkpoint.
-// Tensors may live on any device (copied to CPU).
+// Tensors may live on any device (copied to CPU). A floating tensor holding NaN or inf is refused
+// (ResumeError naming it) before anything is written: nothing non-finite is ever saved.
 void save_resume_checkpoint(const std::string& output_dir, int64_t global_step, const ResumeState& mine,
                             int64_t keep_last_n, const RankSync& sync = {});
 
@@ -74,6 +75,13 @@ void save_resume_checkpoint(const std::string& output_dir, int64_t global_step, 
 // only trace of what went wrong, and the next save of that step replaces them. Only the manifest
 // is checked here; load_resume_checkpoint verifies the data.
 std::optional<std::string> latest_resume_checkpoint(const std::string& output_dir);
+// All of them (as latest_resume_checkpoint finds them), newest first.
+std::vector<std::string> resume_checkpoints(const std::string& output_dir);
+
+// Moves a checkpoint that failed to load (load_resume_checkpoint threw) to <dir>.damaged (or
+// .damaged.1, ...): kept for inspection, no longer a checkpoint, so neither resume nor
+// keep_last_n counts it. Returns where it went.
+std::string set_aside_damaged(const std::string& dir);
 
 struct ResumeCheckpoint {
   nlohmann::json meta;

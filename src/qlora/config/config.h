@@ -100,7 +100,8 @@ struct TrainingConfig {
   // data.val_path or data.val_fraction.
   int64_t eval_every_steps = 0;
   // A step whose loss or gradient norm is not finite: "stop" (error naming the step and the last
-  // good checkpoint) or "skip" (no update; stop after max_consecutive_skips in a row).
+  // good checkpoint) or "skip" (no update; the run stops at a non-finite step that follows
+  // max_consecutive_skips skipped ones).
   train::NonFinitePolicy on_nonfinite = train::NonFinitePolicy::kStop;
   int64_t max_consecutive_skips = 5;
 };

@@ -1,4 +1,5 @@
 #include "qlora/data/dataset.h"
+#include "qlora/data/record_formats.h"
 #include "qlora/io/read_file.h"
 
 #include <nlohmann/json.hpp>
@@ -53,62 +54,6 @@ std::vector<size_t> array_element_offsets(const std::string& text) {
   return starts;
 }
 
-const char* type_name(const json& j) { return j.type_name(); }
-
-std::string get_string(const json& obj, const std::string& key, bool required) {
-  const auto it = obj.find(key);
-  if (it == obj.end() || (!required && it->is_null())) {
-    if (required) throw std::invalid_argument("missing field \"" + key + "\"");
-    return {};
-  }
-  if (!it->is_string()) {
-    throw std::invalid_argument("field \"" + key + "\" is " + type_name(*it) +
-                                ", expected a string");
-  }
-  return it->get<std::string>();
-}
-
-std::vector<Segment> render_record(const json& j, const DatasetOptions& o) {
-  if (!j.is_object()) {
-    throw std::invalid_argument(std::string("record is ") + type_name(j) +
-                                ", expected an object");
-  }
-  switch (o.kind) {
-    case DatasetKind::kInstruct: {
-      InstructRecord r;
-      r.instruction = get_string(j, o.instruction_field, true);
-      r.input = get_string(j, o.input_field, false);
-      r.output = get_string(j, o.output_field, true);
-      return render_instruct(o.prompt_template, r);
-    }
-    case DatasetKind::kChat: {
-      const auto it = j.find(o.messages_field);
-      if (it == j.end()) throw std::invalid_argument("missing field \"" + o.messages_field + "\"");
-      if (!it->is_array()) {
-        throw std::invalid_argument("field \"" + o.messages_field + "\" is " + type_name(*it) +
-                                    ", expected an array of {role, content}");
-      }
-      std::vector<Message> messages;
-      for (size_t k = 0; k < it->size(); ++k) {
-        const auto& m = (*it)[k];
-        const std::string where = o.messages_field + "[" + std::to_string(k) + "]";
-        if (!m.is_object()) {
-          throw std::invalid_argument(where + " is " + type_name(m) + ", expected an object");
-        }
-        try {
-          messages.push_back(Message{get_string(m, "role", true), get_string(m, "content", true)});
-        } catch (const std::invalid_argument& e) {
-          throw std::invalid_argument(where + ": " + e.what());
-        }
-      }
-      return render_chat(o.prompt_template, messages);
-    }
-    case DatasetKind::kText:
-      return {Segment{get_string(j, o.text_field, true), false}};
-  }
-  throw std::logic_error("render_record: unhandled dataset kind");
-}
-
 bool looks_like_array(const std::string& path, const std::string& text) {
   const auto ends_with = [&](std::string_view suffix) {
     return path.size() >= suffix.size() &&
@@ -141,7 +86,7 @@ std::vector<RenderedRecord> read_records(const std::string& path, const DatasetO
                                   ": bad JSON: " + e.what());
     }
     if (!doc.is_array()) {
-      throw std::invalid_argument(path + ": top-level JSON is " + type_name(doc) +
+      throw std::invalid_argument(path + ": top-level JSON is " + std::string(doc.type_name()) +
                                   ", expected an array of records (or use JSONL: one per line)");
     }
     const auto starts = array_element_offsets(text);
@@ -212,6 +157,7 @@ Sample tokenize_segments(const std::vector<Segment>& segments, const Tokenizer& 
     // Keep the start, as torchtune's truncate() does; it also overwrites the last kept token
     // with EOS when EOS is wanted. We do the same but mask that EOS: the answer was cut, not
     // finished, so teaching the model to stop there would be wrong.
+    s.truncated = true;
     s.tokens.resize(static_cast<size_t>(o.max_seq_len));
     s.labels.resize(static_cast<size_t>(o.max_seq_len));
     if (o.add_eos && eos >= 0) {
@@ -222,13 +168,17 @@ Sample tokenize_segments(const std::vector<Segment>& segments, const Tokenizer& 
   return s;
 }
 
-std::vector<Sample> load_dataset(const std::string& path, const Tokenizer& tokenizer,
-                                 const DatasetOptions& options) {
-  const auto records = read_records(path, options);
+std::vector<Sample> tokenize_records(const std::vector<RenderedRecord>& records, const Tokenizer& tokenizer,
+                                     const DatasetOptions& options) {
   std::vector<Sample> samples;
   samples.reserve(records.size());
   for (const auto& r : records) samples.push_back(tokenize_segments(r.segments, tokenizer, options));
   return samples;
+}
+
+std::vector<Sample> load_dataset(const std::string& path, const Tokenizer& tokenizer,
+                                 const DatasetOptions& options) {
+  return tokenize_records(read_records(path, options), tokenizer, options);
 }
 
 }  // namespace qlora::data

@@ -17,7 +17,7 @@ constexpr int64_t kIgnoreIndex = -100;
 
 enum class DatasetKind {
   kInstruct,  // {"instruction", "input" (optional), "output"}; names configurable
-  kChat,      // {"messages": [{"role", "content"}, ...]}
+  kChat,      // {"messages": [{"role", "content"}, ...]} or ShareGPT {"conversations": [{"from", "value"}, ...]}
   kText,      // {"text"}: plain language modelling, every token trained
 };
 inline constexpr io::EnumName<DatasetKind> kDatasetKindNames[] = {
@@ -32,7 +32,7 @@ struct DatasetOptions {
   std::string instruction_field = "instruction";
   std::string input_field = "input";
   std::string output_field = "output";
-  std::string messages_field = "messages";
+  std::string messages_field;  // empty: "messages", else "conversations" (record_formats.h)
   std::string text_field = "text";
   int64_t max_seq_len = 512;    // <= 0: no truncation
   bool train_on_input = false;  // true: prompt tokens are trained too
@@ -45,6 +45,7 @@ struct DatasetOptions {
 struct Sample {
   std::vector<int64_t> tokens;
   std::vector<int64_t> labels;
+  bool truncated = false;  // longer than max_seq_len before tokenize_segments cut it
 };
 
 // One record rendered by its template; `origin` is "<file>: line N" for later error messages.
@@ -56,7 +57,8 @@ struct RenderedRecord {
 // Reads a JSON array of objects (".json") or one object per line (".jsonl"; any other
 // extension: the first non-space byte decides, '[' meaning an array). A malformed record
 // throws std::invalid_argument naming the file, the 1-based line (and the record index for
-// arrays) and what is wrong. Blank JSONL lines are skipped.
+// arrays) and what is wrong; a record of another format than options.kind says which format it
+// looks like and the data.format to set (record_formats.h). Blank JSONL lines are skipped.
 std::vector<RenderedRecord> read_records(const std::string& path, const DatasetOptions& options);
 
 // Segments → ids and labels: BOS (if add_bos and the tokenizer has one), each segment (prompt
@@ -65,7 +67,11 @@ std::vector<RenderedRecord> read_records(const std::string& path, const DatasetO
 Sample tokenize_segments(const std::vector<Segment>& segments, const Tokenizer& tokenizer,
                          const DatasetOptions& options);
 
-// read_records + tokenize_segments for every record, in file order.
+// tokenize_segments for every record, in order.
+std::vector<Sample> tokenize_records(const std::vector<RenderedRecord>& records, const Tokenizer& tokenizer,
+                                     const DatasetOptions& options);
+
+// read_records + tokenize_records.
 std::vector<Sample> load_dataset(const std::string& path, const Tokenizer& tokenizer,
                                  const DatasetOptions& options);
 

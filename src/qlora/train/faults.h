@@ -1,5 +1,5 @@
 // The seam through which tests inject faults into a training run (a rank killed after a step or
-// inside a save, a rank that hangs alive). Production never installs a plan: every hook is empty
+// inside a save, a rank that hangs alive, a step whose loss is NaN). Production never installs a plan: every hook is empty
 // and the loop only checks that. The test binary tests/tools/qlora_faults.cpp installs one from
 // its own environment before running the ordinary `qlora` command line.
 #pragma once
@@ -15,6 +15,8 @@ struct FaultPlan {
   // Inside the resume save of `step`, at its barrier number `barrier` (1: the directory exists,
   // 2: this rank's part is durable, 3: committed).
   std::function<void(int rank, int64_t step, int barrier)> in_save;
+  // True: this rank's loss of `step` is made NaN before backward (a diverged step, on demand).
+  std::function<bool(int rank, int64_t step)> poison_loss;
 };
 
 void install_fault_plan(FaultPlan plan);  // tests only

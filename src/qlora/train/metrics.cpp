@@ -20,8 +20,13 @@ nlohmann::json StepMetrics::to_json() const {
                       {"tokens_per_second", tokens_per_second},
                       {"peak_memory_bytes", peak_memory_bytes},
                       {"tokens", tokens}};
-  if (grad_norm >= 0) j["grad_norm"] = grad_norm;
+  if (grad_norm >= 0 || std::isnan(grad_norm)) j["grad_norm"] = grad_norm;  // NaN is written as null
+  if (skipped) j["skipped"] = true;
   return j;
+}
+
+nlohmann::json ValidationMetrics::to_json() const {
+  return {{"step", step}, {"epoch", epoch}, {"val_loss", loss}, {"val_perplexity", perplexity}, {"val_tokens", tokens}};
 }
 
 MetricsLog::MetricsLog(const std::string& output_dir, int64_t resume_step)
@@ -55,11 +60,16 @@ MetricsLog::~MetricsLog() {
   if (file_) std::fclose(file_);
 }
 
-void MetricsLog::append(const StepMetrics& m) {
-  const std::string s = m.to_json().dump() + "\n";
-  if (std::fwrite(s.data(), 1, s.size(), file_) != s.size() || std::fflush(file_) != 0)
-    throw std::runtime_error("cannot write " + path_);
+namespace {
+void append_line(std::FILE* file, const std::string& path, const nlohmann::json& j) {
+  const std::string s = j.dump() + "\n";
+  if (std::fwrite(s.data(), 1, s.size(), file) != s.size() || std::fflush(file) != 0)
+    throw std::runtime_error("cannot write " + path);
 }
+}  // namespace
+
+void MetricsLog::append(const StepMetrics& m) { append_line(file_, path_, m.to_json()); }
+void MetricsLog::append(const ValidationMetrics& m) { append_line(file_, path_, m.to_json()); }
 
 int64_t peak_rss_bytes() {
   std::ifstream f("/proc/self/status");
@@ -104,6 +114,9 @@ void Progress::start_epoch(int64_t epoch, int64_t num_epochs, int64_t steps_in_e
   steps_ = steps_in_epoch;
   first_step_ = first_step;
   start_ = std::chrono::steady_clock::now();
+  loss_sum_ = 0.0;
+  losses_ = skipped_ = 0;
+  last_validation_.reset();
 }
 
 std::string Progress::line(const StepMetrics& m, int64_t done) const {
@@ -118,7 +131,15 @@ std::string Progress::line(const StepMetrics& m, int64_t done) const {
 }
 
 void Progress::update(const StepMetrics& m, int64_t done, int64_t every) {
-  if (bar_) {
+  if (m.skipped) ++skipped_;
+  else loss_sum_ += m.loss, ++losses_;
+  if (m.skipped) {
+    char buf[160];
+    std::snprintf(buf, sizeof buf, "epoch %lld/%lld step %lld: loss %g, grad norm %g: not finite, no update",
+                  (long long)(epoch_ + 1), (long long)num_epochs_, (long long)m.step, m.loss, m.grad_norm);
+    write_line(buf);
+  } else if (bar_) {
+    bar_open_ = true;
     constexpr int kWidth = 24;
     const int filled = steps_ > 0 ? static_cast<int>(kWidth * done / steps_) : kWidth;
     std::fprintf(out_, "\r\033[Kepoch %lld/%lld [%s%s] %s", (long long)(epoch_ + 1), (long long)num_epochs_,
@@ -130,9 +151,33 @@ void Progress::update(const StepMetrics& m, int64_t done, int64_t every) {
   std::fflush(out_);
 }
 
-void Progress::end_epoch() {
-  if (bar_) std::fputc('\n', out_);
+void Progress::write_line(const std::string& text) {
+  if (bar_open_) std::fputc('\n', out_);
+  bar_open_ = false;
+  std::fprintf(out_, "%s\n", text.c_str());
   std::fflush(out_);
+}
+
+void Progress::validation(const ValidationMetrics& v) {
+  last_validation_ = v;
+  char buf[160];
+  std::snprintf(buf, sizeof buf, "epoch %lld/%lld step %lld val_loss %.4f ppl %.2f (%lld tokens)",
+                (long long)(v.epoch + 1), (long long)num_epochs_, (long long)v.step, v.loss, v.perplexity,
+                (long long)v.tokens);
+  write_line(buf);
+}
+
+void Progress::end_epoch() {
+  const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+  std::string text = "epoch " + std::to_string(epoch_ + 1) + "/" + std::to_string(num_epochs_) + " done: " +
+                     std::to_string(losses_ + skipped_) + " steps";
+  char buf[96];
+  if (losses_ > 0) std::snprintf(buf, sizeof buf, ", train loss %.4f (mean)", loss_sum_ / losses_), text += buf;
+  if (skipped_ > 0) text += ", " + std::to_string(skipped_) + " skipped (not finite)";
+  if (last_validation_)
+    std::snprintf(buf, sizeof buf, ", val_loss %.4f ppl %.2f", last_validation_->loss, last_validation_->perplexity),
+        text += buf;
+  write_line(text + ", " + format_duration(elapsed));
 }
 
 }  // namespace qlora::train

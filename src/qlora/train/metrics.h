@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <optional>
 #include <string>
 
 #include "qlora/io/enum_names.h"
@@ -22,6 +23,20 @@ struct StepMetrics {
   int64_t peak_memory_bytes = 0;
   double grad_norm = -1.0;  // < 0: not computed
   int64_t tokens = 0;       // non-masked tokens in the step
+  // The loss or gradient norm was not finite and training.on_nonfinite = "skip" dropped the
+  // update (a non-finite loss is written as null).
+  bool skipped = false;
+  nlohmann::json to_json() const;
+};
+
+// A validation pass after optimizer step `step`: its own line in metrics.jsonl, told apart from
+// step lines by val_loss in place of loss.
+struct ValidationMetrics {
+  int64_t step = 0;
+  int64_t epoch = 0;
+  double loss = 0.0;
+  double perplexity = 0.0;
+  int64_t tokens = 0;
   nlohmann::json to_json() const;
 };
 
@@ -35,6 +50,7 @@ class MetricsLog {
   MetricsLog(const MetricsLog&) = delete;
   MetricsLog& operator=(const MetricsLog&) = delete;
   void append(const StepMetrics& m);
+  void append(const ValidationMetrics& m);
   const std::string& path() const { return path_; }
 
  private:
@@ -59,14 +75,23 @@ class Progress {
   Progress(ProgressMode mode, std::FILE* out = stdout);
   void start_epoch(int64_t epoch, int64_t num_epochs, int64_t steps_in_epoch, int64_t first_step);
   void update(const StepMetrics& m, int64_t step_in_epoch, int64_t every = 1);
+  // A line of its own (the bar goes on below it).
+  void validation(const ValidationMetrics& v);
+  // The epoch's summary: steps run, mean training loss of this process's steps, skipped steps,
+  // the last validation of the epoch if there was one, and the time taken.
   void end_epoch();
   bool is_bar() const { return bar_; }
 
  private:
   std::string line(const StepMetrics& m, int64_t step_in_epoch) const;
+  void write_line(const std::string& text);  // ends a bar in progress first
   std::FILE* out_;
   bool bar_;
+  bool bar_open_ = false;
   int64_t epoch_ = 0, num_epochs_ = 1, steps_ = 0, first_step_ = 0;
+  double loss_sum_ = 0.0;
+  int64_t losses_ = 0, skipped_ = 0;
+  std::optional<ValidationMetrics> last_validation_;
   std::chrono::steady_clock::time_point start_;
 };
 

@@ -1,0 +1,215 @@
+// `qlora data`: what a lora_finetune config's training sees of its data, before any model is
+// loaded (only the tokenizer and the data files are read): the first N samples as rendered, the
+// trained text marked apart from the masked text, each with its token counts; then for the
+// training set (and the validation file or split, where the config has one) the samples, tokens,
+// trained tokens, how many samples truncation cut and how many have no trained token left, the
+// packing efficiency and a histogram of sample lengths.
+//
+//   qlora data [--config FILE] [section.key=value ...] [-n N | --samples N]
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "qlora/config/builders.h"
+#include "qlora/data/dataset.h"
+#include "qlora/data/split.h"
+#include "qlora/data/stats.h"
+#include "qlora/data/tokenizer.h"
+#include "qlora/train/tiny_default.h"
+#include "recipe_config.h"
+
+namespace qlora::recipes {
+namespace {
+
+// Plain-text markers (wdiff's), kept when colour is on so that copied output keeps its meaning.
+struct Marker {
+  const char* open;
+  const char* close;
+};
+constexpr Marker kMasked{"[-", "-]"}, kTrained{"{+", "+}"};
+constexpr int kHistogramWidth = 40;  // characters of the longest bar
+constexpr size_t kUntrainedShown = 5;
+
+struct PreviewArgs {
+  std::vector<std::string> config_args;  // --config and overrides, for load_recipe_config
+  int64_t samples = 3;
+};
+
+PreviewArgs parse_preview_args(const std::vector<std::string>& args) {
+  PreviewArgs a;
+  for (size_t i = 0; i < args.size(); ++i) {
+    if (args[i] != "-n" && args[i] != "--samples") {
+      a.config_args.push_back(args[i]);
+      continue;
+    }
+    const std::string flag = args[i];
+    if (i + 1 >= args.size()) throw std::invalid_argument(flag + " needs a number of samples");
+    const std::string& v = args[++i];
+    if (v.empty() || v.size() > 12 || v.find_first_not_of("0123456789") != std::string::npos)
+      throw std::invalid_argument(flag + " " + v + ": expected a number of samples (0 or more)");
+    a.samples = std::stoll(v);
+  }
+  return a;
+}
+
+// The embedded default's tokenizer lives in the tiny base its first run writes (a copy of the
+// bundled one): before that run, the bundled file itself, so that nothing has to be written here.
+std::string preview_tokenizer(const config::RecipeConfig& cfg) {
+  const std::string base = base_model_dir(cfg);
+  if (cfg.model.checkpoint_dir.empty() && cfg.model.tokenizer.empty() && !std::filesystem::exists(base))
+    return train::bundled_data_dir() + "/tokenizer/tokenizer.model";
+  return find_tokenizer(cfg, base);
+}
+
+// A data set as the preview reports it: each sample with the file and line it came from.
+struct DataSet {
+  std::string title, path;
+  std::vector<std::string> origins;
+  std::vector<data::Sample> samples;
+
+  DataSet subset(const std::string& name, const std::vector<int64_t>& picked) const {
+    DataSet d{name, path, {}, {}};
+    for (const int64_t i : picked) {
+      d.origins.push_back(origins[static_cast<size_t>(i)]);
+      d.samples.push_back(samples[static_cast<size_t>(i)]);
+    }
+    return d;
+  }
+};
+
+DataSet load_set(const std::string& title, const std::string& path, const data::Tokenizer& tok,
+                 const data::DatasetOptions& options) {
+  const auto records = data::read_records(path, options);
+  DataSet d{title, path, {}, data::tokenize_records(records, tok, options)};
+  for (const auto& r : records) d.origins.push_back(r.origin);
+  return d;
+}
+
+// ---------------------------------------------------------------- one sample
+
+struct Run {
+  bool trained = false;
+  std::string text;
+};
+
+// The sample as runs of masked and trained text. A token is trained when it is a target after
+// collate's shift (stats.h). Each stretch's text is what it adds to the decoded prefix, so
+// sentencepiece's word-initial spaces stay where they are; BOS/EOS, which sentencepiece decodes to
+// nothing, show as their pieces.
+std::vector<Run> sample_runs(const data::Sample& s, const data::Tokenizer& tok) {
+  const auto trained_at = [&](size_t i) { return i > 0 && s.labels[i] != data::kIgnoreIndex; };
+  const auto special = [&](size_t i) { return s.tokens[i] == tok.bos_id() || s.tokens[i] == tok.eos_id(); };
+  std::vector<Run> runs;
+  std::string before;  // the text of tokens [0, start)
+  for (size_t start = 0; start < s.tokens.size();) {
+    size_t end = start + 1;
+    if (!special(start))
+      while (end < s.tokens.size() && !special(end) && trained_at(end) == trained_at(start)) ++end;
+    const auto at = [&](size_t k) { return s.tokens.begin() + static_cast<std::ptrdiff_t>(k); };
+    std::string upto = tok.decode(std::vector<int64_t>(at(0), at(end)));
+    // A stretch ending inside a multi-byte character decodes to U+FFFD: then the stretch alone.
+    std::string text = upto.compare(0, before.size(), before) == 0 ? upto.substr(before.size())
+                                                                   : tok.decode(std::vector<int64_t>(at(start), at(end)));
+    if (text.empty() && special(start)) text = tok.id_to_piece(s.tokens[start]);
+    if (runs.empty() || runs.back().trained != trained_at(start)) runs.push_back(Run{trained_at(start), ""});
+    runs.back().text += text;
+    before = std::move(upto);
+    start = end;
+  }
+  return runs;
+}
+
+void print_sample(const DataSet& d, size_t i, const data::Tokenizer& tok, bool color) {
+  const auto& s = d.samples[i];
+  std::printf("--- sample %zu/%zu (%s): %zu tokens, %lld trained%s\n", i + 1, d.samples.size(), d.origins[i].c_str(),
+              s.tokens.size(), static_cast<long long>(data::trained_token_count(s)),
+              s.truncated ? ", truncated to data.max_seq_len" : "");
+  for (const auto& run : sample_runs(s, tok)) {
+    if (color) std::fputs(run.trained ? "\033[1;32m" : "\033[2m", stdout);
+    const Marker& m = run.trained ? kTrained : kMasked;
+    std::printf("%s%s%s", m.open, run.text.c_str(), m.close);
+    if (color) std::fputs("\033[0m", stdout);
+  }
+  std::fputs("\n\n", stdout);
+}
+
+// ---------------------------------------------------------------- a data set's figures
+
+void print_histogram(const std::vector<data::LengthBin>& bins) {
+  int64_t most = 1;
+  for (const auto& b : bins) most = std::max(most, b.count);
+  std::printf("  length histogram (tokens per sample: samples)\n");
+  for (const auto& b : bins) {
+    const int64_t bar = b.count == 0 ? 0 : std::max<int64_t>(1, b.count * kHistogramWidth / most);
+    const std::string range = b.lo == b.hi ? std::to_string(b.lo) : std::to_string(b.lo) + "-" + std::to_string(b.hi);
+    std::printf("    %11s | %-*s %lld\n", range.c_str(), kHistogramWidth, std::string(static_cast<size_t>(bar), '#').c_str(),
+                static_cast<long long>(b.count));
+  }
+}
+
+void print_stats(const DataSet& d, const config::DataConfig& cfg) {
+  const data::DatasetStats st = data::dataset_stats(d.samples, cfg.packing ? cfg.max_seq_len : 0);
+  const auto pct = [](int64_t part, int64_t whole) { return whole > 0 ? 100.0 * static_cast<double>(part) / static_cast<double>(whole) : 0.0; };
+  std::printf("%s: %s\n", d.title.c_str(), d.path.c_str());
+  std::printf("  samples           %lld\n", static_cast<long long>(st.samples));
+  std::printf("  tokens            %lld (per sample: min %lld, mean %.1f, max %lld)\n", static_cast<long long>(st.tokens),
+              static_cast<long long>(st.min_tokens), st.samples ? static_cast<double>(st.tokens) / static_cast<double>(st.samples) : 0.0,
+              static_cast<long long>(st.max_tokens));
+  std::printf("  trained tokens    %lld (%.1f%% of tokens)\n", static_cast<long long>(st.trained_tokens), pct(st.trained_tokens, st.tokens));
+  std::printf("  truncated         %lld (longer than data.max_seq_len = %lld, cut to it)\n", static_cast<long long>(st.truncated),
+              static_cast<long long>(cfg.max_seq_len));
+  std::printf("  no trained token  %lld (these train on nothing)\n", static_cast<long long>(st.untrained.size()));
+  for (size_t k = 0; k < std::min(st.untrained.size(), kUntrainedShown); ++k)
+    std::printf("    %s\n", d.origins[static_cast<size_t>(st.untrained[k])].c_str());
+  if (st.untrained.size() > kUntrainedShown) std::printf("    ...\n");
+  if (cfg.packing)
+    std::printf("  packing           %lld rows of %lld tokens, %.1f%% real tokens (the rest padding)\n",
+                static_cast<long long>(st.packed_rows), static_cast<long long>(cfg.max_seq_len), 100.0 * st.packing_efficiency);
+  else
+    std::printf("  packing           off (data.packing = false)\n");
+  print_histogram(st.histogram);
+  std::printf("\n");
+}
+
+}  // namespace
+
+int data_main(const std::vector<std::string>& args) {
+  const PreviewArgs a = parse_preview_args(args);
+  const config::RecipeConfig cfg = load_recipe_config(a.config_args);
+  const std::string tokenizer_path = preview_tokenizer(cfg);
+  const data::Tokenizer tok = data::Tokenizer::open(tokenizer_path);
+  const data::DatasetOptions options = config::dataset_options(cfg.data);
+  std::printf("data.format = \"%s\"", data::dataset_kind_name(options.kind));
+  if (options.kind != data::DatasetKind::kText)
+    std::printf(", data.template = \"%s\"", std::string(data::template_name(options.prompt_template)).c_str());
+  std::printf("; tokenizer %s\n\n", tokenizer_path.c_str());
+
+  DataSet train = load_set("train", train_data_path(cfg), tok, options);
+  const bool color = isatty(fileno(stdout)) && std::getenv("NO_COLOR") == nullptr;
+  std::printf("%s masked (not trained) %s  %s trained %s\n\n", kMasked.open, kMasked.close, kTrained.open, kTrained.close);
+  for (size_t i = 0; i < std::min(train.samples.size(), static_cast<size_t>(a.samples)); ++i) print_sample(train, i, tok, color);
+
+  std::vector<DataSet> sets;
+  if (!cfg.data.val_path.empty()) {
+    sets.push_back(std::move(train));
+    sets.push_back(load_set("validation (data.val_path)", cfg.data.val_path, tok, options));
+  } else if (cfg.data.val_fraction > 0) {
+    const auto split = data::split_validation(static_cast<int64_t>(train.samples.size()), cfg.data.val_fraction,
+                                              static_cast<uint64_t>(cfg.training.seed));
+    sets.push_back(train.subset("train (data.val_fraction held out)", split.train));
+    sets.push_back(train.subset("validation (data.val_fraction, training.seed)", split.val));
+  } else {
+    sets.push_back(std::move(train));
+  }
+  for (const auto& d : sets) print_stats(d, cfg.data);
+  std::printf("no model loaded: qlora data reads only the tokenizer and the data\n");
+  return 0;
+}
+
+}  // namespace qlora::recipes

@@ -1,0 +1,76 @@
+// `qlora plot`: the training curves of one or several runs as one SVG picture (see
+// train/plot.h), from each run's metrics.jsonl.
+//
+//   qlora plot OUT_DIR [OUT_DIR ...] [-o FILE]
+//
+// OUT_DIR is a run's checkpoint.output_dir (or its metrics.jsonl); each run is named in the
+// legend by its directory. Default FILE: OUT_DIR/plot.svg for one run, ./plot.svg for several.
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "qlora/io/safetensors.h"  // write_file_atomic
+#include "qlora/train/plot.h"
+
+namespace qlora::recipes {
+
+namespace {
+
+[[noreturn]] void plot_usage_error(const std::string& what) {
+  throw std::invalid_argument(what + "\nusage: qlora plot OUT_DIR [OUT_DIR ...] [-o FILE.svg]");
+}
+
+// The run's metrics.jsonl and its legend name (the directory's, as given: "out/tiny/" -> "tiny").
+std::pair<std::string, std::string> locate_metrics(const std::string& arg) {
+  namespace fs = std::filesystem;
+  fs::path p = fs::path(arg).lexically_normal();
+  if (p.has_filename() && fs::is_regular_file(p))
+    return {p.string(), fs::absolute(p).parent_path().filename().string()};
+  if (!fs::is_directory(p)) throw std::invalid_argument(arg + ": no such directory (expected a run's output_dir)");
+  if (!p.has_filename()) p = p.parent_path();  // a trailing slash
+  const fs::path metrics = p / "metrics.jsonl";
+  if (!fs::is_regular_file(metrics))
+    throw std::invalid_argument(arg + ": no metrics.jsonl (expected a run's checkpoint.output_dir)");
+  std::string name = fs::absolute(p).lexically_normal().filename().string();
+  return {metrics.string(), name.empty() ? arg : name};
+}
+
+}  // namespace
+
+int plot_main(const std::vector<std::string>& args) {
+  std::vector<std::string> dirs;
+  std::string out;
+  for (size_t i = 0; i < args.size(); ++i) {
+    if (args[i] == "-o" || args[i] == "--output") {
+      if (i + 1 >= args.size()) plot_usage_error(args[i] + " needs a file name");
+      out = args[++i];
+    } else if (!args[i].empty() && args[i][0] == '-') {
+      plot_usage_error("unknown option '" + args[i] + "'");
+    } else {
+      dirs.push_back(args[i]);
+    }
+  }
+  if (dirs.empty()) plot_usage_error("give at least one run directory");
+
+  std::vector<train::RunCurves> runs;
+  for (const auto& d : dirs) {
+    auto [path, name] = locate_metrics(d);
+    for (const auto& r : runs)
+      if (r.name == name) name = d;  // two runs of the same name: tell them apart by their paths
+    runs.push_back(train::read_run_curves(path, name));
+  }
+  if (out.empty())
+    out = dirs.size() == 1 ? (std::filesystem::path(locate_metrics(dirs[0]).first).parent_path() / "plot.svg").string()
+                           : "plot.svg";
+  io::write_file_atomic(out, train::render_curves_svg(runs));
+  size_t steps = 0;
+  for (const auto& r : runs) steps = std::max(steps, r.loss.size());
+  std::printf("wrote %s (%zu run%s, up to %zu steps)\n", out.c_str(), runs.size(), runs.size() == 1 ? "" : "s", steps);
+  return 0;
+}
+
+}  // namespace qlora::recipes

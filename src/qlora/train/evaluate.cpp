@@ -1,0 +1,67 @@
+#include "qlora/train/evaluate.h"
+
+#include <ATen/ATen.h>
+#include <ATen/core/Reduction.h>
+#include <ATen/core/grad_mode.h>
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+
+namespace qlora::train {
+
+at::Tensor summed_token_loss(const models::LlamaModel& model, const data::Batch& b, bool packed, c10::Device device) {
+  // [batch, seq, vocab] fp32
+  const at::Tensor logits = packed ? model.forward(b.tokens.to(device), b.position_ids.to(device),
+                                                   data::block_causal_mask(b.document_ids).to(device))
+                                   : model.forward(b.tokens.to(device));
+  return at::cross_entropy_loss(logits.view({-1, model.config.vocab_size}), b.labels.view({-1}).to(device), {},
+                                at::Reduction::Sum, data::kIgnoreIndex);
+}
+
+double all_ranks_sum(engine::World& world, double v, c10::Device device) {
+  if (world.size() == 1) return v;
+  at::Tensor t = at::full({1}, v, at::TensorOptions().dtype(at::kDouble).device(device));
+  engine::wait(world.world().all_reduce_sum(t));
+  return t.item<double>();
+}
+
+namespace {
+
+// Rows [begin, end) of `samples`, filled up to `rows` with a fully masked copy of the first
+// sample (it adds no loss and no tokens).
+std::vector<data::Sample> share_of(const std::vector<data::Sample>& samples, int64_t begin, int64_t end, int64_t rows) {
+  std::vector<data::Sample> out;
+  for (int64_t i = begin; i < end; ++i) out.push_back(samples[static_cast<size_t>(i)]);
+  data::Sample filler = samples.front();
+  std::fill(filler.labels.begin(), filler.labels.end(), data::kIgnoreIndex);
+  while (static_cast<int64_t>(out.size()) < rows) out.push_back(filler);
+  return out;
+}
+
+}  // namespace
+
+Evaluation evaluate(models::LlamaModel& model, engine::World& world, const std::vector<data::Sample>& samples,
+                    int64_t batch_size, int64_t pad_id, c10::Device device) {
+  if (samples.empty()) throw std::invalid_argument("evaluate: no validation samples");
+  const int64_t n = static_cast<int64_t>(samples.size()), global = batch_size * world.size();
+  const bool was_training = model.training;
+  model.training = false;  // no dropout: no draws from the generators training continues with
+  at::NoGradGuard no_grad;
+  double loss = 0.0;
+  int64_t tokens = 0;
+  for (int64_t first = 0; first < n; first += global) {
+    const int64_t begin = std::min(n, first + world.rank() * batch_size), end = std::min(n, begin + batch_size);
+    const data::Batch b = data::collate(share_of(samples, begin, end, batch_size), pad_id);
+    loss += summed_token_loss(model, b, false, device).item<double>();
+    tokens += b.num_label_tokens;
+  }
+  model.training = was_training;
+  Evaluation e;
+  e.tokens = static_cast<int64_t>(all_ranks_sum(world, static_cast<double>(tokens), device));
+  e.loss = all_ranks_sum(world, loss, device) / static_cast<double>(std::max<int64_t>(e.tokens, 1));
+  e.perplexity = std::exp(e.loss);
+  return e;
+}
+
+}  // namespace qlora::train

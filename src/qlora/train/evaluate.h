@@ -1,0 +1,39 @@
+// The loss the training step and validation share, and validation itself on 1..N ranks.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "qlora/data/batching.h"
+#include "qlora/data/dataset.h"
+#include "qlora/engine/process_group.h"
+#include "qlora/models/llama.h"
+
+namespace qlora::train {
+
+// The summed token cross-entropy of a batch over its non-masked labels (fp32 logits; packed rows
+// attend within their own sample only). Divide by the tokens it stands for.
+at::Tensor summed_token_loss(const models::LlamaModel& model, const data::Batch& batch, bool packed,
+                             c10::Device device);
+
+// The sum of `v` over every rank (on the compute device: NCCL reduces CUDA tensors only).
+double all_ranks_sum(engine::World& world, double v, c10::Device device);
+
+struct Evaluation {
+  double loss = 0.0;        // mean token cross-entropy over the whole validation set
+  double perplexity = 0.0;  // exp(loss)
+  int64_t tokens = 0;       // non-masked tokens it covers
+};
+
+// Validation loss over `samples` (in order, never packed: a token's loss is the same either way).
+// Every rank takes its `batch_size` rows of each global batch; a rank whose share of the last one
+// is short fills it with fully masked rows, so all ranks run the same forwards (the engine's
+// gathers are collectives). No gradients, no dropout, no random numbers: training continues
+// exactly as without it. Collective: every rank calls it at the same step.
+Evaluation evaluate(models::LlamaModel& model, engine::World& world, const std::vector<data::Sample>& samples,
+                    int64_t batch_size, int64_t pad_id, c10::Device device);
+
+}  // namespace qlora::train
