@@ -41,7 +41,7 @@ def same_as_training(check, a):
         g.writelines(f.readlines()[:8])
     out = os.path.join(a.workdir, "same")
     r = run_recipe(a.qlora, out, f"data.path={small}", f"data.val_path={small}", "data.shuffle=false",
-                   "training.epochs=5", "logging.progress=plain")  # one step per epoch
+                   "training.batch_size=8", "training.epochs=5", "logging.progress=plain")  # one step per epoch
     val = {x["step"]: x["val_loss"] for x in val_rows(out)}
     train = {x["step"]: x["loss"] for x in train_rows(out)}
     pairs = [(val[k], train[k + 1]) for k in range(1, 5) if k in val and k + 1 in train]
@@ -81,7 +81,7 @@ def on_ranks(check, a):
     #    while rank 1 fills its share with masked rows (no dropout: ranks draw their own masks)
     args = ["data.val_fraction=0.05", "training.eval_every_steps=2", *SHORT]
     one = os.path.join(a.workdir, "ranks1")
-    run_recipe(a.qlora, one, *args)
+    run_recipe(a.qlora, one, *args, "training.batch_size=8")
     one_rows = val_rows(one)
     out = os.path.join(a.workdir, "ranks2")
     r = run_recipe(a.qlora, out, *args, "training.batch_size=4", nproc=2)
@@ -111,8 +111,9 @@ def errors(check, a):
     check(r.returncode == 1 and "/nonexistent/val.jsonl" in r.stderr, "a missing val_path is named")
     # Every response cut by max_seq_len: training data with nothing to learn is refused (it used to
     # "train" with loss 0.0); validation data likewise.
-    r = run_recipe(a.qlora, out, "data.max_seq_len=24", *SHORT, expect_rc=1)
-    check(r.returncode == 1 and "no sample has a trained token" in r.stderr and "data.max_seq_len = 24" in r.stderr,
+    # (the default's prompts are at least 9 tokens: BOS, 5 template pieces, an input of >= 3)
+    r = run_recipe(a.qlora, out, "data.max_seq_len=8", *SHORT, expect_rc=1)
+    check(r.returncode == 1 and "no sample has a trained token" in r.stderr and "data.max_seq_len = 8" in r.stderr,
           "a data set whose every response is truncated away is refused, naming data.max_seq_len")
 
 
