@@ -101,10 +101,19 @@ def resumed(check, a, one_rows):
     check(r.returncode == 0 and val_rows(out) == one_rows, "killed after step 3 and resumed: the same validation rows")
 
 
+def default_has_heldout(check, a):
+    # The embedded default (data.path "") validates on its bundled held-out file.
+    out = os.path.join(a.workdir, "default")
+    r = run_recipe(a.qlora, out, *SHORT)
+    rows = val_rows(out)
+    check(r.returncode == 0 and [x["step"] for x in rows] == [6] and "val_loss" in r.stdout,
+          "the embedded default validates on its held-out file at the epoch end")
+
+
 def errors(check, a):
     # 6.
     out = os.path.join(a.workdir, "errors")
-    r = run_recipe(a.qlora, out, "training.eval_every_steps=5", *SHORT, expect_rc=1)
+    r = run_recipe(a.qlora, out, f"data.path={TASKS}", "training.eval_every_steps=5", *SHORT, expect_rc=1)
     check(r.returncode == 1 and "data.val_path or data.val_fraction" in r.stderr,
           "eval_every_steps without validation data is refused, naming the keys")
     r = run_recipe(a.qlora, out, "data.val_path=/nonexistent/val.jsonl", *SHORT, expect_rc=1)
@@ -124,6 +133,7 @@ def main():
     rows = changes_nothing(check, a)
     on_ranks(check, a)
     resumed(check, a, rows)
+    default_has_heldout(check, a)
     errors(check, a)
     return check.summary()
 

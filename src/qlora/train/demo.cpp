@@ -62,8 +62,10 @@ HeldoutResult score_heldout(const std::string& export_dir, const std::string& va
     std::vector<int64_t> out = models::generate(model, tok.encode_with_special(prompt, true, false), opt);
     if (!out.empty() && out.back() == tok.eos_id()) out.pop_back();
     const std::string answer = tok.decode(out);
-    if (used == 1) result.example = {prompt, answer, r.output};
+    const HeldoutExample example{r.input, prompt, answer, r.output};
+    if (used == 1) result.example = example;
     HeldoutScore& s = score_for(result.scores, r.instruction);
+    if (s.total == 0) s.first = example;
     s.total += 1;
     s.correct += answer == r.output;
   }
@@ -75,6 +77,9 @@ void print_heldout(const HeldoutResult& result, const std::string& val_path, con
   for (const HeldoutScore& s : result.scores)
     std::printf(" \"%s\" %lld/%lld right;", s.instruction.c_str(), (long long)s.correct, (long long)s.total);
   std::printf("\n");
+  for (const HeldoutScore& s : result.scores)
+    std::printf("  e.g. %s %s -> %s (%s)\n", s.instruction.c_str(), s.first.input.c_str(), s.first.answer.c_str(),
+                s.first.answer == s.first.expected ? "right" : ("expected " + s.first.expected).c_str());
   const HeldoutExample& e = result.example;
   std::printf("one of them, as the model saw it:\n%s\n-> the model answers: %s   (expected: %s)\n", e.prompt.c_str(),
               e.answer.c_str(), e.expected.c_str());

@@ -10,13 +10,14 @@
 
 namespace qlora::train {
 
+struct HeldoutExample {
+  std::string input, prompt, answer, expected;
+};
+
 struct HeldoutScore {
   std::string instruction;
   int64_t correct = 0, total = 0;
-};
-
-struct HeldoutExample {
-  std::string prompt, answer, expected;
+  HeldoutExample first;  // the instruction's first record
 };
 
 struct HeldoutResult {
@@ -32,7 +33,8 @@ struct HeldoutResult {
 HeldoutResult score_heldout(const std::string& export_dir, const std::string& val_path, data::TemplateKind kind,
                             int64_t max_records = 200, int64_t max_new_tokens = 16);
 
-// Prints the exact-match count per instruction, then the first record's prompt and answer.
+// Prints the exact-match count per instruction, each one's first input and answer, then the first
+// record's whole prompt and answer.
 void print_heldout(const HeldoutResult& result, const std::string& val_path, const std::string& export_dir);
 
 }  // namespace qlora::train

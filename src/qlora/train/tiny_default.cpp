@@ -196,7 +196,7 @@ void pretrain(const models::LlamaModel& m, const data::Tokenizer& tok) {
 
 // Random init -> load -> pre-train -> save, into `dir` (a fresh directory).
 void build_pretrained_base(const fs::path& dir) {
-  const std::string tokenizer = bundled_data_dir() + "/tokenizer_chars/tokenizer.model";
+  const std::string tokenizer = bundled_tokenizer_path();
   if (!fs::exists(tokenizer)) throw std::runtime_error("bundled tokenizer not found: " + tokenizer);
   const data::Tokenizer tok = data::Tokenizer::open(tokenizer);
   write_random_tiny_base(dir.string(), tokenizer, tok.vocab_size());
@@ -257,6 +257,7 @@ std::string bundled_data_dir() {
 
 std::string bundled_train_path() { return bundled_data_dir() + "/tiny_tasks.jsonl"; }
 std::string bundled_val_path() { return bundled_data_dir() + "/tiny_tasks_heldout.jsonl"; }
+std::string bundled_tokenizer_path() { return bundled_data_dir() + "/tokenizer_chars/tokenizer.model"; }
 
 void write_random_tiny_base(const std::string& dir, const std::string& tokenizer, int64_t vocab) {
   write_base(dir, random_tensors(vocab), vocab, tokenizer);

@@ -20,6 +20,8 @@ std::string bundled_data_dir();
 // a run whose data is the embedded default's (data.path "" and data.val_path "").
 std::string bundled_train_path();
 std::string bundled_val_path();
+// The embedded default's tokenizer (one piece per character), which its base carries.
+std::string bundled_tokenizer_path();
 
 // Where the pre-trained tiny base is cached: $QLORA_CACHE_DIR, else $XDG_CACHE_HOME/qlora, else
 // $HOME/.cache/qlora, with a directory name that changes whenever the base would.
