@@ -15,7 +15,7 @@ import shutil
 import subprocess
 import sys
 
-from recipe_common import Checks, metrics_rows, recipe_args, run_recipe
+from recipe_common import Checks, recipe_args, run_recipe, step_rows
 
 check = Checks()
 FAULTS = None  # --qlora-faults
@@ -29,7 +29,7 @@ def run(qlora, out, *overrides, fault=None, expect_rc=0):
 
 
 def losses(out):
-    rows = metrics_rows(out)
+    rows = step_rows(out)
     return [(r["step"], r["loss"]) for r in rows], rows
 
 

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from recipe_common import Checks, RANKS_TOL, adapter, max_diff, metrics_rows, recipe_args, run_recipe
+from recipe_common import Checks, RANKS_TOL, adapter, max_diff, metrics_rows, recipe_args, run_recipe, step_rows
 
 SHORT = ["training.epochs=1", "training.max_steps_per_epoch=6", "logging.progress=plain"]
 
@@ -43,7 +43,7 @@ def checkpoints(out):
 
 
 def losses(out):
-    return [(r["step"], r.get("loss")) for r in metrics_rows(out) if "val_loss" not in r]
+    return [(r["step"], r.get("loss")) for r in step_rows(out)]
 
 
 def diverging(check, a):

@@ -20,18 +20,10 @@ import math
 import os
 import sys
 
-from recipe_common import Checks, RANKS_TOL, adapter, max_diff, metrics_rows, recipe_args, run_recipe
+from recipe_common import Checks, RANKS_TOL, adapter, max_diff, recipe_args, run_recipe, step_rows, val_rows
 
 SHORT = ["training.epochs=1", "training.max_steps_per_epoch=6", "logging.progress=plain"]
 TASKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data", "tiny_tasks.jsonl")
-
-
-def val_rows(out):
-    return [r for r in metrics_rows(out) if "val_loss" in r]
-
-
-def train_rows(out):
-    return [r for r in metrics_rows(out) if "val_loss" not in r]
 
 
 def same_as_training(check, a):
@@ -43,7 +35,7 @@ def same_as_training(check, a):
     r = run_recipe(a.qlora, out, f"data.path={small}", f"data.val_path={small}", "data.shuffle=false",
                    "training.batch_size=8", "training.epochs=5", "logging.progress=plain")  # one step per epoch
     val = {x["step"]: x["val_loss"] for x in val_rows(out)}
-    train = {x["step"]: x["loss"] for x in train_rows(out)}
+    train = {x["step"]: x["loss"] for x in step_rows(out)}
     pairs = [(val[k], train[k + 1]) for k in range(1, 5) if k in val and k + 1 in train]
     check(r.returncode == 0 and len(pairs) == 4 and all(abs(v - t) <= 1e-6 * abs(t) for v, t in pairs),
           f"validation after step k = training loss of step k+1 on the same batch ({pairs})")
@@ -55,7 +47,7 @@ def changes_nothing(check, a):
     run_recipe(a.qlora, plain, "data.val_fraction=0.05", "lora.dropout=0.1", *SHORT)
     val = os.path.join(a.workdir, "val")
     r = run_recipe(a.qlora, val, "data.val_fraction=0.05", "lora.dropout=0.1", "training.eval_every_steps=2", *SHORT)
-    check(r.returncode == 0 and [x["loss"] for x in train_rows(val)] == [x["loss"] for x in train_rows(plain)] and
+    check(r.returncode == 0 and [x["loss"] for x in step_rows(val)] == [x["loss"] for x in step_rows(plain)] and
           max_diff_adapters(val, plain) == 0.0,
           "with dropout on, validating every 2 steps leaves the training losses and adapters bit for bit")
     rows = val_rows(val)
