@@ -63,7 +63,7 @@ PreviewArgs parse_preview_args(const std::vector<std::string>& args) {
 std::string preview_tokenizer(const config::RecipeConfig& cfg) {
   const std::string base = base_model_dir(cfg);
   if (cfg.model.checkpoint_dir.empty() && cfg.model.tokenizer.empty() && !std::filesystem::exists(base))
-    return train::bundled_data_dir() + "/tokenizer/tokenizer.model";
+    return train::bundled_tokenizer_path();
   return find_tokenizer(cfg, base);
 }
 
@@ -196,9 +196,10 @@ int data_main(const std::vector<std::string>& args) {
   for (size_t i = 0; i < std::min(train.samples.size(), static_cast<size_t>(a.samples)); ++i) print_sample(train, i, tok, color);
 
   std::vector<DataSet> sets;
-  if (!cfg.data.val_path.empty()) {
+  if (const std::string val = val_data_path(cfg); !val.empty()) {
     sets.push_back(std::move(train));
-    sets.push_back(load_set("validation (data.val_path)", cfg.data.val_path, tok, options));
+    sets.push_back(load_set(cfg.data.val_path.empty() ? "validation (the bundled held-out file)" : "validation (data.val_path)",
+                            val, tok, options));
   } else if (cfg.data.val_fraction > 0) {
     const auto split = data::split_validation(static_cast<int64_t>(train.samples.size()), cfg.data.val_fraction,
                                               static_cast<uint64_t>(cfg.training.seed));

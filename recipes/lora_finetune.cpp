@@ -47,6 +47,7 @@
 #include "qlora/optim/adamw.h"
 #include "qlora/optim/schedule.h"
 #include "qlora/io/checkpoint_dir.h"
+#include "qlora/train/demo.h"
 #include "qlora/train/device.h"
 #include "qlora/train/evaluate.h"
 #include "qlora/train/metrics.h"
@@ -133,11 +134,12 @@ std::vector<data::Sample> pick(const std::vector<data::Sample>& all, const std::
   return out;
 }
 
-// The validation set: data.val_path, or data.val_fraction of the training records held out
-// (seeded by training.seed, the same on any number of ranks); empty without either.
+// The validation set: data.val_path (the embedded default: its held-out file), or data.val_fraction
+// of the training records held out (seeded by training.seed, the same on any number of ranks);
+// empty without either.
 void split_validation(const RecipeConfig& cfg, Data& d) {
   const data::DatasetOptions opts = config::dataset_options(cfg.data);
-  if (!cfg.data.val_path.empty()) d.validation = data::load_dataset(cfg.data.val_path, d.tokenizer, opts);
+  if (const std::string val = val_data_path(cfg); !val.empty()) d.validation = data::load_dataset(val, d.tokenizer, opts);
   if (cfg.data.val_fraction > 0) {
     const data::SplitIndices split = data::split_validation(static_cast<int64_t>(d.samples.size()),
                                                             cfg.data.val_fraction, static_cast<uint64_t>(cfg.training.seed));
@@ -147,10 +149,6 @@ void split_validation(const RecipeConfig& cfg, Data& d) {
   if (cfg.training.eval_every_steps > 0 && d.validation.empty())
     throw std::invalid_argument("training.eval_every_steps = " + std::to_string(cfg.training.eval_every_steps) +
                                 " needs validation data: set data.val_path or data.val_fraction");
-  if (!d.validation.empty() && data::dataset_stats(d.validation).trained_tokens == 0)
-    throw std::invalid_argument("validation data (" + (cfg.data.val_path.empty() ? d.path : cfg.data.val_path) +
-                                ") has no trained tokens: every sample's response is cut by data.max_seq_len = " +
-                                std::to_string(cfg.data.max_seq_len) + " (or empty)");
 }
 
 Data setup_data(const RecipeConfig& cfg, const std::string& base_dir, int64_t ranks) {
@@ -164,6 +162,10 @@ Data setup_data(const RecipeConfig& cfg, const std::string& base_dir, int64_t ra
   if (stats.trained_tokens == 0)
     throw std::invalid_argument(d.path + ": no sample has a trained token: every response is cut by data.max_seq_len = " +
                                 std::to_string(cfg.data.max_seq_len) + " (or empty); raise it (`qlora data` shows the lengths)");
+  if (!d.validation.empty() && data::dataset_stats(d.validation).trained_tokens == 0)
+    throw std::invalid_argument("validation data (" + (val_data_path(cfg).empty() ? d.path : val_data_path(cfg)) +
+                                ") has no trained tokens: every sample's response is cut by data.max_seq_len = " +
+                                std::to_string(cfg.data.max_seq_len) + " (or empty)");
   if (!stats.untrained.empty())
     std::printf("warning: %s: %zu of %zu samples have no trained token (cut by data.max_seq_len = %lld, or an empty "
                 "response) and train on nothing; `qlora data` lists them\n",
@@ -545,9 +547,18 @@ int run_recipe(const RecipeConfig& cfg, c10::Device device, engine::World& world
   // ---------------------------------------------------------------- cleanup
   world.finish();
   if (lead)
-    std::printf("done: %lld steps; metrics in %s; exports in %s/epoch_*; try\n  qlora generate --checkpoint %s/epoch_%lld --prompt \"...\"\n",
-                (long long)p.global_step, metrics->path().c_str(), out_dir.c_str(), out_dir.c_str(),
-                (long long)cfg.training.epochs - 1);
+    std::printf("done: %lld steps; metrics in %s (qlora plot %s); exports in %s/epoch_*; try\n  qlora generate --checkpoint "
+                "%s/epoch_%lld %s\n",
+                (long long)p.global_step, metrics->path().c_str(), out_dir.c_str(), out_dir.c_str(), out_dir.c_str(),
+                (long long)cfg.training.epochs - 1,
+                cfg.data.format == data::DatasetKind::kInstruct ? "--instruction \"...\" [--input \"...\"]"
+                : cfg.data.format == data::DatasetKind::kChat   ? "--message \"...\""
+                                                                : "--prompt \"...\"");
+  // The embedded default shows what it learned: greedy answers of the last export to held-out prompts.
+  if (lead && cfg.model.checkpoint_dir.empty() && cfg.data.path.empty() && !cfg.checkpoint.adapter_only && cfg.data.template_) {
+    const std::string last = out_dir + "/epoch_" + std::to_string(cfg.training.epochs - 1);
+    train::print_heldout(train::score_heldout(last, train::bundled_val_path(), *cfg.data.template_), train::bundled_val_path(), last);
+  }
   return 0;
 }
 

@@ -36,7 +36,12 @@ std::string base_model_dir(const config::RecipeConfig& cfg) {
 }
 
 std::string train_data_path(const config::RecipeConfig& cfg) {
-  return cfg.data.path.empty() ? train::bundled_data_dir() + "/tiny_tasks.jsonl" : cfg.data.path;
+  return cfg.data.path.empty() ? train::bundled_train_path() : cfg.data.path;
+}
+
+std::string val_data_path(const config::RecipeConfig& cfg) {
+  if (!cfg.data.val_path.empty()) return cfg.data.val_path;
+  return cfg.data.path.empty() && cfg.data.val_fraction == 0 ? train::bundled_val_path() : "";
 }
 
 std::string find_tokenizer(const config::RecipeConfig& cfg, const std::string& base_dir) {

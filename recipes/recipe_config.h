@@ -21,6 +21,10 @@ std::string base_model_dir(const config::RecipeConfig& cfg);
 // The training data file: data.path, or for the embedded default the bundled tiny_tasks.jsonl.
 std::string train_data_path(const config::RecipeConfig& cfg);
 
+// The validation data file: data.val_path; for the embedded default's data (data.path "") without
+// data.val_fraction, the bundled held-out file; else "" (none, or the val_fraction split).
+std::string val_data_path(const config::RecipeConfig& cfg);
+
 // model.tokenizer, else the checkpoint's tokenizer.model, original/tokenizer.model or tokenizer.json
 // (Tokenizer::find_file's order; Llama-3 repositories keep Meta's tiktoken file under original/).
 std::string find_tokenizer(const config::RecipeConfig& cfg, const std::string& base_dir);

@@ -7,6 +7,8 @@
 #   2. .venv with the pinned PyPI torch wheel (LibTorch for C++) and the Python reference
 #      packages of requirements.txt; reinstalled only when requirements.txt changes.
 #   3. cmake configure (first time only) and build.
+#   4. the embedded default's tiny base, pre-trained once per machine and cached (a few minutes the
+#      first time; see src/qlora/train/tiny_default.h), by a one-step run of the default.
 # Environment: QLORA_BUILD_DIR (default build), QLORA_VENV (default .venv), PYTHON (python3).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -59,4 +61,10 @@ if [ ! -f "$BUILD_DIR/CMakeCache.txt" ]; then
 fi
 say "building $BUILD_DIR"
 cmake --build "$BUILD_DIR" -j"$(nproc)"
+
+# --- 4. The embedded default's pre-trained base ----------------------------------------------
+say "the embedded default's base (pre-trained on first use, then cached)"
+"$BUILD_DIR/qlora" run lora_finetune checkpoint.output_dir="$BUILD_DIR/default_base_warmup" training.epochs=1 \
+  training.max_steps_per_epoch=1 checkpoint.adapter_only=true logging.progress=plain > "$BUILD_DIR.warmup.log" 2>&1 \
+  || { cat "$BUILD_DIR.warmup.log"; exit 1; }
 say "ready: $BUILD_DIR/qlora"

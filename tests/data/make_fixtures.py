@@ -154,14 +154,19 @@ _CONFORMANCE_STRINGS = [
 ]
 
 
-def tiny_tokenizer(out_dir: str, tasks_path: str) -> None:
+def legacy_tiny_tasks(path: str) -> None:
+    """The data set of the embedded default before #12 (word list, 0-99 sums), byte for byte: the
+    corpus of tokenizer/ and what tests/data/legacy_resume was trained on."""
+    with open(path, "w") as f:
+        for r in _tiny_task_records(2000, seed=0):
+            f.write(json.dumps(r) + "\n")
+
+
+def tiny_tokenizer(out_dir: str) -> None:
     import io
     import sentencepiece as spm
 
     records = _tiny_task_records(2000, seed=0)
-    with open(tasks_path, "w") as f:
-        for r in records:
-            f.write(json.dumps(r) + "\n")
 
     # The task records go into the corpus rendered with the Alpaca prompt (as qlora's alpaca
     # template writes it), so merges cover the preamble and a tiny model's sequences stay short.
@@ -266,14 +271,13 @@ _TIKTOKEN_STRINGS = _CONFORMANCE_STRINGS + [
 ]
 
 
-def tiny_tiktoken(out_dir: str, tasks_path: str) -> None:
+def tiny_tiktoken(out_dir: str) -> None:
     import base64
     import regex
     import tiktoken
     from tiktoken.load import load_tiktoken_bpe
 
-    with open(tasks_path) as f:
-        records = [json.loads(line) for line in f][:200]
+    records = _tiny_task_records(200, seed=0)
     text = _ENGLISH + _UNICODE_LINES + "".join(
         f"{_ALPACA_PREAMBLE}\n\n### Instruction:\n{r['instruction']}\n\n### Input:\n{r['input']}"
         f"\n\n### Response:\n{r['output']}\n" for r in records)
@@ -301,13 +305,147 @@ def tiny_tiktoken(out_dir: str, tasks_path: str) -> None:
         f.write("\n")
 
 
+# ---- the embedded default's data and tokenizer (issue #12: a default that visibly learns) -----
+
+TASK_ADD, TASK_REVERSE = "Add the numbers.", "Reverse the word."
+_LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+def _heldout_records() -> list:
+    """50 sums of two numbers in 0..99 and 50 real words (from _WORDS), alternating: the held-out
+    set. Neither the training file nor the base's pretraining (tiny_default.cpp, which reads this
+    file) contains these inputs; sums are held out in both orders."""
+    import random
+    rng = random.Random(12)
+    words = rng.sample(sorted(set(_WORDS)), 50)
+    pairs = set()
+    while len(pairs) < 50:
+        pairs.add((rng.randint(0, 99), rng.randint(0, 99)))
+    records = []
+    for (a, b), w in zip(sorted(pairs, key=lambda p: rng.random()), words):
+        records.append({"instruction": TASK_ADD, "input": f"{a} + {b}", "output": str(a + b)})
+        records.append({"instruction": TASK_REVERSE, "input": w, "output": w[::-1]})
+    return records
+
+
+def _train_records(n: int, heldout: list) -> list:
+    """n records, half sums, half reversals of random 3-7 letter strings; no held-out input."""
+    import random
+    rng = random.Random(7)
+    seen = {r["input"] for r in heldout}
+    seen |= {" + ".join(r["input"].split(" + ")[::-1]) for r in heldout if r["instruction"] == TASK_ADD}
+    records = []
+    while len(records) < n:
+        if len(records) % 2 == 0:
+            a, b = rng.randrange(100), rng.randrange(100)
+            r = {"instruction": TASK_ADD, "input": f"{a} + {b}", "output": str(a + b)}
+        else:
+            w = "".join(rng.choice(_LETTERS) for _ in range(rng.randint(3, 7)))
+            r = {"instruction": TASK_REVERSE, "input": w, "output": w[::-1]}
+        if r["input"] not in seen:
+            records.append(r)
+    return records
+
+
+def tiny_tasks(train_path: str, heldout_path: str) -> None:
+    heldout = _heldout_records()
+    for path, records in ((heldout_path, heldout), (train_path, _train_records(2000, heldout))):
+        with open(path, "w") as f:
+            for r in records:
+                f.write(json.dumps(r) + "\n")
+
+
+def _proto_fields(buf: bytes):
+    """(field, wire type, raw value) of a protobuf message: just enough to rename pieces."""
+    def varint(i):
+        v = shift = 0
+        while True:
+            c = buf[i]
+            v, shift, i = v | (c & 0x7F) << shift, shift + 7, i + 1
+            if c < 0x80:
+                return v, i
+    i = 0
+    while i < len(buf):
+        key, i = varint(i)
+        field, wire = key >> 3, key & 7
+        if wire == 0:
+            start = i
+            _, i = varint(i)
+            yield field, wire, buf[start:i]
+        elif wire == 2:
+            n, i = varint(i)
+            yield field, wire, buf[i:i + n]
+            i += n
+        elif wire == 5:
+            yield field, wire, buf[i:i + 4]
+            i += 4
+        else:
+            raise ValueError(f"unexpected protobuf wire type {wire}")
+
+
+def _proto_emit(field: int, wire: int, value: bytes) -> bytes:
+    def varint(v):
+        out = bytearray()
+        while True:
+            out.append((v & 0x7F) | (0x80 if v > 0x7F else 0))
+            v >>= 7
+            if not v:
+                return bytes(out)
+    return varint(field << 3 | wire) + (varint(len(value)) + value if wire == 2 else value)
+
+
+def _rename_pieces(model: bytes, names: dict) -> bytes:
+    """ModelProto with SentencePiece.piece (field 1 of each field-1 message) renamed by `names`."""
+    out = b""
+    for field, wire, value in _proto_fields(model):
+        if field == 1:
+            value = b"".join(_proto_emit(f, w, names.get(v, v) if f == 1 else v)
+                             for f, w, v in _proto_fields(value))
+        out += _proto_emit(field, wire, value)
+    return out
+
+
+def tiny_default_tokenizer(out_dir: str) -> None:
+    """tokenizer_chars/tokenizer.model: one piece per character (letters and digits never merge,
+    so a word's reversal and a sum's digits are token by token), the Alpaca scaffolding and the
+    two task instructions as whole pieces (a prompt is ~10 pieces plus its input), byte fallback
+    for everything else. Sentencepiece takes user-defined symbols comma-separated, and the
+    preamble has a comma, so placeholders are trained and renamed in the model file."""
+    import io
+    import sentencepiece as spm
+
+    symbols = [_ALPACA_PREAMBLE, "\n\n### Instruction:\n", "\n\n### Input:\n", "\n\n### Response:\n",
+               TASK_ADD, TASK_REVERSE]
+    chars = sorted(set(_LETTERS + _LETTERS.upper() + "0123456789 +-=.,:;!?'\"()#"))
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(["".join(chars)]), model_writer=model, model_type="char",
+        vocab_size=3 + len(symbols) + 256 + len(chars), byte_fallback=True,
+        normalization_rule_name="identity", add_dummy_prefix=False, remove_extra_whitespaces=False,
+        allow_whitespace_only_pieces=True, character_coverage=1.0, unk_id=0, bos_id=1, eos_id=2,
+        pad_id=-1, num_threads=1, user_defined_symbols=[f"SYMBOL{i}" for i in range(len(symbols))],
+        minloglevel=2)
+    # In the model file a space is sentencepiece's U+2581, as the normalizer writes it.
+    names = {f"SYMBOL{i}".encode(): s.replace(" ", "\u2581").encode() for i, s in enumerate(symbols)}
+    proto = _rename_pieces(model.getvalue(), names)
+    sp = spm.SentencePieceProcessor(model_proto=proto)
+    prompt = f"{_ALPACA_PREAMBLE}\n\n### Instruction:\n{TASK_REVERSE}\n\n### Input:\nkite\n\n### Response:\n"
+    assert len(sp.encode(prompt)) == 9 and sp.decode(sp.encode(prompt)) == prompt, sp.encode(prompt, out_type=str)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "tokenizer.model"), "wb") as f:
+        f.write(proto)
+
+
 if __name__ == "__main__":
     import sys
-    wanted = set(sys.argv[1:]) or {"tiny_llama", "tokenizer", "tokenizer_tiktoken"}
+    wanted = set(sys.argv[1:]) or {"tiny_llama", "tokenizer", "tokenizer_tiktoken", "tiny_tasks", "tokenizer_chars"}
     if "tiny_llama" in wanted:
         tiny_llama(os.path.join(HERE, "tiny_llama"))
     if "tokenizer" in wanted:
-        tiny_tokenizer(os.path.join(HERE, "tokenizer"), os.path.join(HERE, "tiny_tasks.jsonl"))
-    # After "tokenizer": its corpus includes tiny_tasks.jsonl, which that step writes.
+        tiny_tokenizer(os.path.join(HERE, "tokenizer"))
     if "tokenizer_tiktoken" in wanted:
-        tiny_tiktoken(os.path.join(HERE, "tokenizer_tiktoken"), os.path.join(HERE, "tiny_tasks.jsonl"))
+        tiny_tiktoken(os.path.join(HERE, "tokenizer_tiktoken"))
+    if "tiny_tasks" in wanted:
+        tiny_tasks(os.path.join(HERE, "tiny_tasks.jsonl"), os.path.join(HERE, "tiny_tasks_heldout.jsonl"))
+    if "tokenizer_chars" in wanted:
+        tiny_default_tokenizer(os.path.join(HERE, "tokenizer_chars"))

@@ -260,12 +260,19 @@ TEST(Dataset, TruncationKeepsStartAndEndsWithMaskedEos) {
 // ---- files -----------------------------------------------------------------------------------
 
 TEST(Dataset, TinyTasksLoads) {
-  const auto tok = fixture_tokenizer();
-  const auto samples = load_dataset(data_dir() + "/tiny_tasks.jsonl", tok, DatasetOptions{});
-  ASSERT_EQ(samples.size(), 2000u);
-  for (const auto& s : samples) {
-    ASSERT_LE(s.tokens.size(), 64u);  // the tokenizer learned the Alpaca preamble: short rows
-    ASSERT_GT(std::count_if(s.labels.begin(), s.labels.end(), [](int64_t l) { return l >= 0; }), 1);
+  // The embedded default's data with its tokenizer, which has the Alpaca scaffolding as whole
+  // pieces: ~10 pieces of prompt, then a character each. Answers have 1 to 7 characters + EOS.
+  const auto tok = Tokenizer::open(data_dir() + "/tokenizer_chars/tokenizer.model");
+  for (const auto& [file, records] : {std::pair<std::string, size_t>{"tiny_tasks.jsonl", 2000},
+                                      std::pair<std::string, size_t>{"tiny_tasks_heldout.jsonl", 100}}) {
+    const auto samples = load_dataset(data_dir() + "/" + file, tok, DatasetOptions{});
+    ASSERT_EQ(samples.size(), records) << file;
+    for (const auto& s : samples) {
+      ASSERT_LE(s.tokens.size(), 26u) << file;
+      const auto trained = std::count_if(s.labels.begin(), s.labels.end(), [](int64_t l) { return l >= 0; });
+      ASSERT_GE(trained, 2) << file;
+      ASSERT_LE(trained, 8) << file;
+    }
   }
 }
 

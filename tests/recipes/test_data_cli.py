@@ -28,6 +28,7 @@ from transformers.utils.chat_template_utils import render_jinja_template
 HERE = os.path.dirname(os.path.abspath(__file__))
 DATA = os.path.join(HERE, "..", "data")
 TOKENIZER = os.path.join(DATA, "tokenizer", "tokenizer.model")
+DEFAULT_TOKENIZER = os.path.join(DATA, "tokenizer_chars", "tokenizer.model")  # the embedded default's
 CHATML = os.path.join(DATA, "chat_templates", "OpenHermes-2.5-Mistral-7B.jinja")
 
 ALPACA_INPUT = ("Below is an instruction that describes a task, paired with an input that provides further context. "
@@ -104,6 +105,7 @@ def main() -> int:
     shutil.rmtree(work, ignore_errors=True)
     os.makedirs(work)
     sp = sentencepiece.SentencePieceProcessor(model_file=TOKENIZER)
+    sp_default = sentencepiece.SentencePieceProcessor(model_file=DEFAULT_TOKENIZER)
     results = []
 
     def expect(name, ok, detail=""):
@@ -126,7 +128,7 @@ def main() -> int:
     want = []
     for rec in records:
         prompt = (ALPACA_INPUT if rec.get("input") else ALPACA).format(**rec)
-        want.append(Expect(sp, prompt + rec["output"], [(len(prompt), len(prompt) + len(rec["output"]))]))
+        want.append(Expect(sp_default, prompt + rec["output"], [(len(prompt), len(prompt) + len(rec["output"]))]))
     expect("default shows 3 samples", len(samples) == 3, r.stdout[:2000])
     for k, s in enumerate(samples):
         rec = records[k]
@@ -137,7 +139,8 @@ def main() -> int:
         expect(f"default sample {k + 1} counts", (s["tokens"], s["trained"]) == (want[k].tokens, want[k].trained),
                (s, want[k].tokens, want[k].trained))
         expect(f"default sample {k + 1} origin", s["origin"].endswith(f"tiny_tasks.jsonl: line {k + 1}"), s["origin"])
-    expect("default one section", len(stats) == 1, stats)
+    expect("default: train and its bundled held-out file", len(stats) == 2 and stats[1]["samples"] == 100 and
+           "tiny_tasks_heldout.jsonl" in stats[1]["title"], stats)
     st = stats[0]
     expect("default totals", (st["samples"], st["tokens"], st["trained"], st["truncated"], st["untrained"]) ==
            (2000, sum(w.tokens for w in want), sum(w.trained for w in want), 0, 0), st)

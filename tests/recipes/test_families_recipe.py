@@ -45,7 +45,7 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from recipe_common import Checks, RANKS_TOL, adapter, losses, max_diff, max_tensor_diff, metrics_rows, recipe_args, run_recipe
+from recipe_common import Checks, RANKS_TOL, adapter, losses, max_diff, max_tensor_diff, recipe_args, step_rows, run_recipe
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "conformance"))
@@ -237,7 +237,7 @@ def family_checks(check, a, family):
     if not check(r.returncode == 0, f"{name}: one process trains"):
         return
     ref = losses(one)
-    tokens = [row["tokens"] for row in metrics_rows(one)]
+    tokens = [row["tokens"] for row in step_rows(one)]
     check(len(ref) == STEPS and all(math.isfinite(x) for x in ref) and ref[-1] < ref[0] and min(tokens) > 0,
           f"{name}: {len(ref)} finite losses that fall ({ref[0]:.4f} -> {ref[-1]:.4f}), label tokens {tokens}")
     ref_adapter = adapter(one)

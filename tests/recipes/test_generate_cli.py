@@ -162,8 +162,8 @@ def check_chat_run(check, exe, wd):
     with open(path, "w") as f:
         f.write("".join(json.dumps(r) + "\n" for r in records))
     out = os.path.join(wd, "chat_run")
-    r = run_recipe(exe, out, f"data.path={path}", "data.format=chat", "data.template=chatml", "training.epochs=1",
-                   "training.max_steps_per_epoch=2", "logging.progress=plain")
+    r = run_recipe(exe, out, f"data.path={path}", "data.format=chat", "data.template=chatml", "training.batch_size=4",
+                   "training.epochs=1", "training.max_steps_per_epoch=2", "logging.progress=plain")
     epoch = os.path.join(out, "epoch_0")
     with open(os.path.join(epoch, "qlora.json")) as f:
         check(r.returncode == 0 and json.load(f)["prompt"] == chat_prompt("chatml"), "a chatml run records chat/chatml")
@@ -198,8 +198,9 @@ def main():
     wd = os.path.abspath(args.workdir)
     exe = os.path.abspath(args.qlora)
     check = Checks()
-    sp = sentencepiece.SentencePieceProcessor(model_file=os.path.join(DATA, "tokenizer", "tokenizer.model"))
     epoch = check_export_records(check, exe, wd)
+    # The reference ids: python sentencepiece with the tokenizer the export carries.
+    sp = sentencepiece.SentencePieceProcessor(model_file=os.path.join(epoch, "tokenizer.model"))
     check_alpaca(check, exe, epoch, sp)
     check_chat_kinds(check, exe, epoch, sp, wd)
     check_chat_run(check, exe, wd)

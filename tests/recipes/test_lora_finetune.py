@@ -15,7 +15,7 @@ import shutil
 import subprocess
 import sys
 
-from recipe_common import Checks, metrics_rows, recipe_args, run_recipe
+from recipe_common import Checks, recipe_args, run_recipe, step_rows
 
 check = Checks()
 FAULTS = None  # --qlora-faults
@@ -29,7 +29,7 @@ def run(qlora, out, *overrides, fault=None, expect_rc=0):
 
 
 def losses(out):
-    rows = metrics_rows(out)
+    rows = step_rows(out)
     return [(r["step"], r["loss"]) for r in rows], rows
 
 
@@ -141,13 +141,24 @@ def main():
     #    written by the recipe before the engine was one for 1..N ranks) still resumes, converted on
     #    load, and continues with the losses that recipe computed (fp32 on the CPU; 1e-5 leaves room
     #    for another CPU's kernels, a wrong conversion moves them by ~1e-2)
+    #    It resumes on what that recipe's default had: its random base with the 512-piece BPE
+    #    tokenizer (written again by tiny_base_tool where the default keeps its base), its data
+    #    (make_fixtures.legacy_tiny_tasks), its batch size and lr.
     legacy = os.path.join(a.workdir, "legacy")
-    fixture = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data", "legacy_resume")
+    data_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data")
+    fixture = os.path.join(data_dir, "legacy_resume")
     shutil.copytree(os.path.join(fixture, "step_00000002"), os.path.join(legacy, "checkpoints", "step_00000002"))
+    tool = os.path.join(os.path.dirname(a.qlora), "tiny_base_tool")  # built beside qlora (CMakeLists.txt)
+    subprocess.run([tool, os.path.join(legacy, "tiny_base"),
+                    os.path.join(data_dir, "tokenizer", "tokenizer.model"), "512"], check=True)
+    sys.path.insert(0, data_dir)
+    from make_fixtures import legacy_tiny_tasks
+    legacy_data = os.path.join(a.workdir, "legacy_tiny_tasks.jsonl")
+    legacy_tiny_tasks(legacy_data)
     with open(os.path.join(fixture, "expected.json")) as f:
         expected = json.load(f)["losses"]
     r = run(a.qlora, legacy, "training.epochs=1", "training.max_steps_per_epoch=4", "checkpoint.save_every_steps=2",
-            "checkpoint.resume=true")
+            "checkpoint.resume=true", f"data.path={legacy_data}", "training.batch_size=8", "optim.lr=3e-3")
     got, _ = losses(legacy) if r.returncode == 0 else ([], None)
     check(r.returncode == 0 and "single-process format" in r.stdout and [s for s, _ in got] == [3, 4] and
           all(abs(l - expected[str(s)]) < 1e-5 for s, l in got),

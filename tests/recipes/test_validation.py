@@ -20,18 +20,10 @@ import math
 import os
 import sys
 
-from recipe_common import Checks, RANKS_TOL, adapter, max_diff, metrics_rows, recipe_args, run_recipe
+from recipe_common import Checks, RANKS_TOL, adapter, max_diff, recipe_args, run_recipe, step_rows, val_rows
 
 SHORT = ["training.epochs=1", "training.max_steps_per_epoch=6", "logging.progress=plain"]
 TASKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data", "tiny_tasks.jsonl")
-
-
-def val_rows(out):
-    return [r for r in metrics_rows(out) if "val_loss" in r]
-
-
-def train_rows(out):
-    return [r for r in metrics_rows(out) if "val_loss" not in r]
 
 
 def same_as_training(check, a):
@@ -41,9 +33,9 @@ def same_as_training(check, a):
         g.writelines(f.readlines()[:8])
     out = os.path.join(a.workdir, "same")
     r = run_recipe(a.qlora, out, f"data.path={small}", f"data.val_path={small}", "data.shuffle=false",
-                   "training.epochs=5", "logging.progress=plain")  # one step per epoch
+                   "training.batch_size=8", "training.epochs=5", "logging.progress=plain")  # one step per epoch
     val = {x["step"]: x["val_loss"] for x in val_rows(out)}
-    train = {x["step"]: x["loss"] for x in train_rows(out)}
+    train = {x["step"]: x["loss"] for x in step_rows(out)}
     pairs = [(val[k], train[k + 1]) for k in range(1, 5) if k in val and k + 1 in train]
     check(r.returncode == 0 and len(pairs) == 4 and all(abs(v - t) <= 1e-6 * abs(t) for v, t in pairs),
           f"validation after step k = training loss of step k+1 on the same batch ({pairs})")
@@ -55,7 +47,7 @@ def changes_nothing(check, a):
     run_recipe(a.qlora, plain, "data.val_fraction=0.05", "lora.dropout=0.1", *SHORT)
     val = os.path.join(a.workdir, "val")
     r = run_recipe(a.qlora, val, "data.val_fraction=0.05", "lora.dropout=0.1", "training.eval_every_steps=2", *SHORT)
-    check(r.returncode == 0 and [x["loss"] for x in train_rows(val)] == [x["loss"] for x in train_rows(plain)] and
+    check(r.returncode == 0 and [x["loss"] for x in step_rows(val)] == [x["loss"] for x in step_rows(plain)] and
           max_diff_adapters(val, plain) == 0.0,
           "with dropout on, validating every 2 steps leaves the training losses and adapters bit for bit")
     rows = val_rows(val)
@@ -81,7 +73,7 @@ def on_ranks(check, a):
     #    while rank 1 fills its share with masked rows (no dropout: ranks draw their own masks)
     args = ["data.val_fraction=0.05", "training.eval_every_steps=2", *SHORT]
     one = os.path.join(a.workdir, "ranks1")
-    run_recipe(a.qlora, one, *args)
+    run_recipe(a.qlora, one, *args, "training.batch_size=8")
     one_rows = val_rows(one)
     out = os.path.join(a.workdir, "ranks2")
     r = run_recipe(a.qlora, out, *args, "training.batch_size=4", nproc=2)
@@ -101,18 +93,28 @@ def resumed(check, a, one_rows):
     check(r.returncode == 0 and val_rows(out) == one_rows, "killed after step 3 and resumed: the same validation rows")
 
 
+def default_has_heldout(check, a):
+    # The embedded default (data.path "") validates on its bundled held-out file.
+    out = os.path.join(a.workdir, "default")
+    r = run_recipe(a.qlora, out, *SHORT)
+    rows = val_rows(out)
+    check(r.returncode == 0 and [x["step"] for x in rows] == [6] and "val_loss" in r.stdout,
+          "the embedded default validates on its held-out file at the epoch end")
+
+
 def errors(check, a):
     # 6.
     out = os.path.join(a.workdir, "errors")
-    r = run_recipe(a.qlora, out, "training.eval_every_steps=5", *SHORT, expect_rc=1)
+    r = run_recipe(a.qlora, out, f"data.path={TASKS}", "training.eval_every_steps=5", *SHORT, expect_rc=1)
     check(r.returncode == 1 and "data.val_path or data.val_fraction" in r.stderr,
           "eval_every_steps without validation data is refused, naming the keys")
     r = run_recipe(a.qlora, out, "data.val_path=/nonexistent/val.jsonl", *SHORT, expect_rc=1)
     check(r.returncode == 1 and "/nonexistent/val.jsonl" in r.stderr, "a missing val_path is named")
     # Every response cut by max_seq_len: training data with nothing to learn is refused (it used to
     # "train" with loss 0.0); validation data likewise.
-    r = run_recipe(a.qlora, out, "data.max_seq_len=24", *SHORT, expect_rc=1)
-    check(r.returncode == 1 and "no sample has a trained token" in r.stderr and "data.max_seq_len = 24" in r.stderr,
+    # (the default's prompts are at least 9 tokens: BOS, 5 template pieces, an input of >= 3)
+    r = run_recipe(a.qlora, out, "data.max_seq_len=8", *SHORT, expect_rc=1)
+    check(r.returncode == 1 and "no sample has a trained token" in r.stderr and "data.max_seq_len = 8" in r.stderr,
           "a data set whose every response is truncated away is refused, naming data.max_seq_len")
 
 
@@ -123,6 +125,7 @@ def main():
     rows = changes_nothing(check, a)
     on_ranks(check, a)
     resumed(check, a, rows)
+    default_has_heldout(check, a)
     errors(check, a)
     return check.summary()
 
