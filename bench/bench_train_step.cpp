@@ -131,7 +131,7 @@ json run_worker(const Args& a) {
   qlora::optim::AdamWOptions ao;
   ao.lr = 1e-4;
   qlora::optim::AdamW opt(engine->param_shards(), ao);
-  const int64_t V = m.config.vocab_size, chunk = qlora::models::default_loss_chunk_tokens(V);
+  const int64_t V = m.config.vocab_size, chunk = qlora::models::default_loss_chunk_tokens(std::min(V, m.lm_head_chunk_rows));
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(1);
   const at::Tensor tokens = at::randint(0, V, {a.batch, a.seq + 1}, gen);  // [batch, seq + 1]
   // Labels already shifted, as data/batching produces them.

@@ -2,10 +2,11 @@
 // whole-logits loss it replaces, in value and in every gradient, and never allocates a [tokens,
 // vocab] tensor.
 //
-// Tolerance (fp32): per row the chunked path runs the same ops as the whole one; only sums over
-// rows are split (the loss, the gradients of A and B: a sum of per-chunk matmuls instead of one)
-// and a GEMM over fewer rows may block its inner products differently. Both move results by a few
-// fp32 ulps of the sums (~1e-7 relative); kRel = 1e-5 relative to the reference's largest magnitude
+// Tolerance (fp32): the logits are the same ops per vocab block; what differs is the order of fp32
+// sums: the log-sum-exp and the gradient sums run over vocab blocks with an online max (rescaled
+// partial sums), the loss and the gradients of A and B over token chunks, and a GEMM over fewer
+// rows may block its inner products differently. All move results by a few fp32 ulps of the sums
+// (~1e-7 relative); kRel = 1e-5 relative to the reference's largest magnitude
 // leaves room for that and is far below what a wrong chunk boundary, a dropped or doubled chunk, a
 // missing softcap derivative or a lost LoRA term cause (>= 1e-2 relative, checked by the ablation
 // in ChunkedLossMatchesFullLogitsForEveryHead).
@@ -144,6 +145,8 @@ TEST(OutputHead, BadArgumentsAreRefused) {
   const OutputHead head{&l, 4096, 0.0};
   const at::Tensor h = at::randn({9, 64}), labels = at::zeros({9}, at::kLong);
   EXPECT_THROW(chunked_token_loss(head, h, h, labels, 0), std::invalid_argument);
+  for (const int64_t bad : {int64_t{-1}, head.proj->out_features})  // a scored label outside the vocabulary
+    EXPECT_THROW(chunked_token_loss(head, h, h, labels.clone().fill_(bad), 4), std::invalid_argument);
   EXPECT_THROW(chunked_token_loss(head, h, at::Tensor(), labels, 4), std::invalid_argument);  // adapter, no input
   EXPECT_THROW(chunked_token_loss(head, h, h, at::zeros({8}, at::kLong), 4), std::invalid_argument);
   EXPECT_THROW(chunked_token_loss(head, h.view({3, 3, 64}), h, labels, 4), std::invalid_argument);

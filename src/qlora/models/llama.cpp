@@ -306,7 +306,7 @@ at::Tensor loss_of(const LlamaModel& m, const at::Tensor& h, const at::Tensor& l
                                 c10::str(h.sizes().slice(0, 2)) + ", got " +
                                 (labels.defined() ? c10::str(labels.sizes()) : std::string("none")));
   }
-  const int64_t chunk = m.loss_chunk_tokens > 0 ? m.loss_chunk_tokens : default_loss_chunk_tokens(m.config.vocab_size);
+  const int64_t chunk = m.loss_chunk_tokens > 0 ? m.loss_chunk_tokens : default_loss_chunk_tokens(std::min(m.config.vocab_size, m.lm_head_chunk_rows));
   return head_unit(m, h, [&](const at::Tensor& normed, const at::Tensor& lora_x) {
     const at::Tensor flat = labels.reshape({-1}).to(normed.device());  // [batch * seq]
     return m.chunked_loss ? chunked_token_loss(output_head(m), normed, lora_x, flat, chunk)

@@ -72,12 +72,12 @@ struct LlamaModel {
   // compute_dtype, or kBFloat16 under fp32 compute. forward() follows the tensors' own dtypes;
   // this records what load_llama chose.
   at::ScalarType frozen_dtype = at::kFloat;
-  // When the dense lm_head base is stored narrower than the compute dtype, it is widened this many
-  // vocab rows at a time (forward and backward), so no [vocab, hidden] compute-dtype copy exists.
+  // The lm_head runs this many vocab rows at a time: a dense base stored narrower than the compute
+  // dtype is widened block by block (forward and backward), so no [vocab, hidden] compute-dtype copy
+  // exists; loss() goes through the vocabulary in blocks of this many rows.
   int64_t lm_head_chunk_rows = 4096;
-  // loss() runs the output projection and the cross-entropy this many tokens at a time
-  // (models/output_head.h); 0: default_loss_chunk_tokens(vocab), one chunk's fp32 logits within
-  // kLossChunkBytes (64 MiB).
+  // loss() scores this many (scored) tokens at a time (models/output_head.h); 0:
+  // default_loss_chunk_tokens, one [tokens, vocab block] fp32 logits block within kLossChunkBytes.
   int64_t loss_chunk_tokens = 0;
   // false: loss() forms the whole [tokens, vocab] logits, as forward() does; the reference the tests
   // and bench_train_step --ce-compare measure the chunked loss against.

@@ -1,13 +1,7 @@
 #include "qlora/models/output_head.h"
 
-#include <ATen/ops/constant_pad_nd.h>
-#include <ATen/ops/cross_entropy_loss.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/linear.h>
-#include <ATen/ops/matmul.h>
-#include <ATen/ops/tanh.h>
-#include <ATen/ops/zeros.h>
-#include <ATen/ops/zeros_like.h>
+#include <ATen/ATen.h>
+
 #include <ATen/core/Reduction.h>
 #include <c10/core/GradMode.h>
 #include <c10/util/StringUtil.h>
@@ -15,9 +9,12 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <algorithm>
+#include <limits>
 #include <stdexcept>
 #include <string>
 #include <vector>
+
+#include "qlora/ops/nf4_ops.h"
 
 namespace qlora::models {
 namespace {
@@ -66,78 +63,153 @@ struct WidenedLinearFunction : public torch::autograd::Function<WidenedLinearFun
 
 bool wants_grad(const at::Tensor& t) { return t.defined() && t.requires_grad(); }
 
-// The loss of every chunk and, with `grads`, the gradients of their sum wrt h, lora_x and the
-// head's adapters (undefined for those that need none).
+// The head's weight as blocks of vocab rows in a chosen dtype: a dense base narrowed and converted
+// block by block (a bf16 head is never widened whole); an NF4 base dequantized once.
+struct HeadRows {
+  at::Tensor w;  // [vocab, hidden]: base_dense, or the dequantized NF4 base
+  HeadRows(const modules::LoraLinear& l, at::ScalarType dt)
+      : w(l.base_dense.defined() ? l.base_dense : ops::nf4_dequantize(l.base_nf4, dt)) {}
+  at::Tensor block(int64_t r0, int64_t n, at::ScalarType dt) const { return w.narrow(0, r0, n).to(dt); }  // [n, hidden]
+  at::Tensor rows(const at::Tensor& ids, at::ScalarType dt) const { return w.index_select(0, ids).to(dt); }
+};
+
+// What one chunk of scored tokens needs: hidden states, the LoRA path's x @ A^T, labels (all scored).
+struct ChunkRows {
+  at::Tensor h;   // [T, hidden] compute dtype
+  at::Tensor xa;  // [T, r] fp32 (lora_x @ A^T, unscaled), undefined without an adapter
+  at::Tensor labels;  // [T] int64 in [0, vocab)
+};
+
+// Logits of vocab rows [r0, r0 + n) as output_logits computes those columns: [T, n] fp32.
+at::Tensor block_logits(const OutputHead& head, const ChunkRows& c, const at::Tensor& w, int64_t r0, int64_t n) {
+  const modules::LoraLinear& l = *head.proj;
+  at::Tensor y = at::linear(c.h, w, l.bias.defined() ? l.bias.narrow(0, r0, n) : at::Tensor());  // [T, n]
+  if (l.has_lora()) y = (y + at::linear(c.xa, l.lora_b.detach().narrow(0, r0, n)) * l.scale).to(c.h.scalar_type());
+  if (head.softcap != 0.0) y = at::tanh(y / head.softcap) * head.softcap;
+  return y.to(at::kFloat);
+}
+
+// d softcap(y) / dy from the capped logits z: 1 - (z / cap)^2; 1 without a cap.
+at::Tensor softcap_slope(const OutputHead& head, const at::Tensor& z) {
+  return 1.0 - (z / head.softcap).square();
+}
+
+// One chunk's per-token losses and the gradients of their sum wrt h (dh [T, hidden] fp32) and wrt
+// xa (dxa [T, r] fp32, before the adapter's scale): one pass over the vocabulary in blocks of
+// head.widen_rows rows, keeping a running max m, a running sum s of exp(z - m) and, for the
+// gradients, running sums of exp(z - m) @ W and exp(z - m) @ B, all rescaled when m grows (the
+// online log-sum-exp of flash attention). At the end p = exp(z - lse) = exp(z - m) / s, so
+// dh = (sum_v exp(z_v - m) W_v) / s - W_label, with no [T, vocab] tensor ever formed.
+struct ChunkScore {
+  at::Tensor loss, lse, dh, dxa;
+};
+
+ChunkScore score_chunk(const OutputHead& head, const HeadRows& rows, const ChunkRows& c, bool dh, bool dxa) {
+  const modules::LoraLinear& l = *head.proj;
+  const int64_t T = c.h.size(0), V = l.out_features, block = std::max<int64_t>(1, head.widen_rows);
+  const at::TensorOptions f32 = c.h.options().dtype(at::kFloat);
+  at::Tensor m = at::full({T, 1}, -std::numeric_limits<float>::infinity(), f32), s = at::zeros({T, 1}, f32);
+  at::Tensor zl = at::zeros({T}, f32);  // the label's logit
+  at::Tensor acc_h = dh ? at::zeros({T, l.in_features}, f32) : at::Tensor();
+  at::Tensor acc_xa = dxa ? at::zeros({T, l.r}, f32) : at::Tensor();
+  const at::Tensor lb = c.labels.unsqueeze(1);  // [T, 1]
+  for (int64_t r0 = 0; r0 < V; r0 += block) {
+    const int64_t n = std::min(block, V - r0);
+    const at::Tensor w = rows.block(r0, n, c.h.scalar_type());  // [n, hidden]
+    const at::Tensor z = block_logits(head, c, w, r0, n);  // [T, n]
+    const at::Tensor in_block = (lb >= r0).logical_and_(lb < r0 + n);  // [T, 1]
+    zl.add_(at::where(in_block, z.gather(1, (lb - r0).clamp_(0, n - 1)), 0.0).squeeze(1));
+    const at::Tensor m_new = at::maximum(m, at::amax(z, 1, /*keepdim=*/true));  // [T, 1]
+    const at::Tensor rescale = (m - m_new).exp_();  // 0 on the first block
+    at::Tensor p = (z - m_new).exp_();  // [T, n]
+    s.mul_(rescale).add_(p.sum(1, /*keepdim=*/true));
+    m = m_new;
+    if (!dh && !dxa) continue;
+    if (head.softcap != 0.0) p.mul_(softcap_slope(head, z));
+    if (dh) acc_h.mul_(rescale).addmm_(p, w.scalar_type() == at::kFloat ? w : w.to(at::kFloat));
+    if (dxa) acc_xa.mul_(rescale).addmm_(p, l.lora_b.detach().narrow(0, r0, n));
+  }
+  ChunkScore r;
+  r.lse = (m + s.log()).squeeze(1);  // [T]
+  r.loss = r.lse - zl;
+  if (!dh && !dxa) return r;
+  const at::Tensor label_slope = head.softcap != 0.0 ? softcap_slope(head, zl).unsqueeze(1) : at::ones({1, 1}, f32);
+  if (dh) r.dh = acc_h.div_(s).sub_(rows.rows(c.labels, at::kFloat).mul_(label_slope));
+  if (dxa) r.dxa = acc_xa.div_(s).sub_(l.lora_b.detach().index_select(0, c.labels).mul(label_slope));
+  return r;
+}
+
+// The gradient of the chunk's summed loss wrt B [vocab, r], before the adapter's scale: a second
+// pass over the vocabulary, since p = exp(z - lse) needs the final lse (sum_t (p_t - onehot_t) xa_t).
+void add_lora_b_grad(const OutputHead& head, const HeadRows& rows, const ChunkRows& c, const at::Tensor& lse,
+                     at::Tensor& db) {
+  const modules::LoraLinear& l = *head.proj;
+  const int64_t V = l.out_features, block = std::max<int64_t>(1, head.widen_rows);
+  const at::Tensor lb = c.labels.unsqueeze(1);
+  for (int64_t r0 = 0; r0 < V; r0 += block) {
+    const int64_t n = std::min(block, V - r0);
+    const at::Tensor z = block_logits(head, c, rows.block(r0, n, c.h.scalar_type()), r0, n);  // [T, n]
+    at::Tensor g = (z - lse.unsqueeze(1)).exp_();  // [T, n]
+    const at::Tensor in_block = (lb >= r0).logical_and_(lb < r0 + n);
+    g.scatter_add_(1, (lb - r0).clamp_(0, n - 1), at::where(in_block, -1.0, 0.0).to(at::kFloat));
+    if (head.softcap != 0.0) g.mul_(softcap_slope(head, z));
+    db.narrow(0, r0, n).addmm_(g.t(), c.xa);
+  }
+}
+
+// The loss summed over scored tokens (labels != ignore_index) and, with `grads`, the gradients of
+// that sum wrt h, lora_x and the head's adapters (undefined for those that need none). Tokens
+// without a label are dropped first: their rows cost nothing and get a zero gradient.
 struct ChunkedLoss {
   at::Tensor loss, h, x, a, b;
 };
 
-// Labels to score per chunk of `chunk` rows, on the CPU: [ceil(N / chunk)] int64.
-at::Tensor labels_per_chunk(const at::Tensor& labels, int64_t chunk) {
-  const int64_t n = labels.size(0), k = (n + chunk - 1) / chunk;
-  const at::Tensor valid = at::constant_pad_nd(labels.ne(kIgnoreIndex).to(at::kLong), {0, k * chunk - n});
-  return valid.view({k, chunk}).sum(1).cpu();
-}
-
-// Rows [s, s + n) of t as a leaf of the chunk's own graph; undefined stays undefined.
-at::Tensor chunk_leaf(const at::Tensor& t, int64_t s, int64_t n, bool grad) {
-  if (!t.defined()) return t;
-  at::Tensor c = t.narrow(0, s, n).detach();
-  return grad ? c.requires_grad_(true) : c;
-}
-
-ChunkedLoss chunk_loop(const OutputHead& head, const at::Tensor& h, const at::Tensor& lora_x, const at::Tensor& labels,
-                       int64_t chunk, bool grads) {
+ChunkedLoss chunked_loss(const OutputHead& head, const at::Tensor& h, const at::Tensor& lora_x,
+                         const at::Tensor& labels, int64_t chunk, bool grads) {
   const modules::LoraLinear& l = *head.proj;
+  at::NoGradGuard no_grad;
   ChunkedLoss out;
-  modules::LoraLinear leaf = l;  // the adapters as leaves of each chunk's graph, sharing their storage
-  OutputHead local = head;
-  local.proj = &leaf;
-  auto zeros_if = [grads](const at::Tensor& t) { return grads && wants_grad(t) ? at::zeros_like(t) : at::Tensor(); };
-  out.h = zeros_if(h);  // rows of unscored tokens keep a zero gradient
-  out.x = zeros_if(lora_x);
-  if (l.has_lora()) {
-    out.a = zeros_if(l.lora_a);
-    out.b = zeros_if(l.lora_b);
-    leaf.lora_a = l.lora_a.detach().requires_grad_(out.a.defined());
-    leaf.lora_b = l.lora_b.detach().requires_grad_(out.b.defined());
-  }
-  at::AutoGradMode mode(grads);
   out.loss = at::zeros({}, h.options().dtype(at::kFloat));
-  const at::Tensor counts = labels_per_chunk(labels, chunk);
-  const int64_t* count = counts.const_data_ptr<int64_t>();
-  for (int64_t s = 0, c = 0; s < h.size(0); s += chunk, ++c) {
-    if (count[c] == 0) continue;  // nothing to score: zero loss, zero gradient
-    const int64_t n = std::min(chunk, h.size(0) - s);
-    const at::Tensor hc = chunk_leaf(h, s, n, out.h.defined()), xc = chunk_leaf(lora_x, s, n, out.x.defined());
-    const at::Tensor loss = at::cross_entropy_loss(output_logits(local, hc, xc), labels.narrow(0, s, n), {},
-                                                   at::Reduction::Sum, kIgnoreIndex);  // logits [n, vocab]
-    out.loss.add_(loss.detach());
-    auto rows = [s, n](const at::Tensor& t) { return t.defined() ? t.narrow(0, s, n) : t; };
-    std::vector<at::Tensor> leaves, sums;  // each leaf's gradient adds into its sum
-    for (auto [leaf_t, sum] :
-         {std::pair{hc, rows(out.h)}, {xc, rows(out.x)}, {leaf.lora_a, out.a}, {leaf.lora_b, out.b}}) {
-      if (!sum.defined()) continue;
-      leaves.push_back(leaf_t);
-      sums.push_back(sum);
+  const bool lora = l.has_lora();
+  const bool want_x = grads && wants_grad(lora_x), want_a = grads && lora && wants_grad(l.lora_a);
+  const bool want_b = grads && lora && wants_grad(l.lora_b), want_h = grads && wants_grad(h);
+  if (want_h) out.h = at::zeros_like(h);
+  if (want_x) out.x = at::zeros_like(lora_x);
+  if (want_a) out.a = at::zeros_like(l.lora_a);
+  if (want_b) out.b = at::zeros_like(l.lora_b);
+  const at::Tensor scored = labels.ne(kIgnoreIndex).nonzero().squeeze(1);  // [S] row indices
+  const int64_t S = scored.size(0);
+  if (S == 0) return out;
+  const HeadRows rows(l, h.scalar_type());
+  for (int64_t s0 = 0; s0 < S; s0 += chunk) {
+    const at::Tensor idx = scored.narrow(0, s0, std::min(chunk, S - s0));
+    ChunkRows c{h.detach().index_select(0, idx), at::Tensor(), labels.index_select(0, idx)};
+    const at::Tensor xc = lora ? lora_x.detach().index_select(0, idx) : at::Tensor();  // [T, hidden] fp32
+    if (lora) c.xa = at::linear(xc, l.lora_a.detach());  // [T, r]
+    const ChunkScore r = score_chunk(head, rows, c, want_h, want_x || want_a);
+    out.loss.add_(r.loss.sum());
+    if (want_h) out.h.index_copy_(0, idx, r.dh.to(h.scalar_type()));
+    if (want_x || want_a) {
+      const at::Tensor dxa = r.dxa.mul_(l.scale);  // [T, r]
+      if (want_x) out.x.index_copy_(0, idx, at::matmul(dxa, l.lora_a.detach()));
+      if (want_a) out.a.addmm_(dxa.t(), xc);
     }
-    if (leaves.empty()) continue;
-    const variable_list g = torch::autograd::grad({loss}, leaves);
-    for (size_t i = 0; i < g.size(); ++i) sums[i].add_(g[i]);
+    if (want_b) add_lora_b_grad(head, rows, c, r.lse, out.b);
   }
+  if (want_b) out.b.mul_(l.scale);
   return out;
 }
 
 // The chunked loss as one autograd node over h, lora_x and the head's adapters; its backward
-// scales the gradients chunk_loop computed by the incoming one (the loss is a scalar).
+// scales the gradients chunked_loss computed in forward by the incoming one (the loss is a scalar).
 struct ChunkedLossFunction : public torch::autograd::Function<ChunkedLossFunction> {
-  // a, b: the head's adapters, inputs so that autograd routes their gradients; chunk_loop reads them from head.
+  // a, b: the head's adapters, inputs so that autograd routes their gradients; chunked_loss reads them from head.
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& h, const at::Tensor& lora_x,
                             const at::Tensor& /*a*/, const at::Tensor& /*b*/, const at::Tensor& labels,
                             const OutputHead& head, int64_t chunk) {
     // Without an adapter lora_x, a and b are empty placeholders (autograd takes no undefined inputs).
     const at::Tensor x = head.proj->has_lora() ? lora_x : at::Tensor();
-    ChunkedLoss r = chunk_loop(head, h, x, labels, chunk, /*grads=*/true);
+    ChunkedLoss r = chunked_loss(head, h, x, labels, chunk, /*grads=*/true);
     for (auto [name, g] : {std::pair{"h", r.h}, {"x", r.x}, {"a", r.a}, {"b", r.b}})
       if (g.defined()) ctx->saved_data[name] = g;
     return r.loss;  // []
@@ -161,6 +233,10 @@ void check_loss_args(const OutputHead& head, const at::Tensor& h, const at::Tens
   if (labels.dim() != 1 || labels.size(0) != h.size(0) || labels.scalar_type() != at::kLong)
     throw std::invalid_argument("output loss: labels must be int64 [" + std::to_string(h.size(0)) + "], got " +
                                 c10::str(labels.sizes()));
+  const at::Tensor scored = labels.masked_select(labels.ne(kIgnoreIndex));
+  if (scored.numel() > 0 && (scored.min().item<int64_t>() < 0 || scored.max().item<int64_t>() >= l.out_features))
+    throw std::invalid_argument("output loss: a label is outside [0, " + std::to_string(l.out_features) +
+                                ") and is not the ignore index -100");
   if (lora_x.defined() != l.has_lora() || (lora_x.defined() && lora_x.sizes() != h.sizes()))
     throw std::invalid_argument("output loss: the LoRA input must be given exactly when the head has an adapter, "
                                 "shaped like the hidden states");
@@ -183,8 +259,8 @@ at::Tensor output_logits(const OutputHead& head, const at::Tensor& h, const at::
   return y.to(at::kFloat);
 }
 
-int64_t default_loss_chunk_tokens(int64_t vocab) {
-  return std::max<int64_t>(1, kLossChunkBytes / (std::max<int64_t>(vocab, 1) * int64_t{4}));
+int64_t default_loss_chunk_tokens(int64_t block_rows) {
+  return std::max<int64_t>(1, kLossChunkBytes / (std::max<int64_t>(block_rows, 1) * int64_t{4}));
 }
 
 at::Tensor chunked_token_loss(const OutputHead& head, const at::Tensor& h, const at::Tensor& lora_x,
@@ -194,7 +270,7 @@ at::Tensor chunked_token_loss(const OutputHead& head, const at::Tensor& h, const
   const modules::LoraLinear& l = *head.proj;
   const bool grads = at::GradMode::is_enabled() && (wants_grad(h) || wants_grad(lora_x) ||
                                                     (l.has_lora() && (wants_grad(l.lora_a) || wants_grad(l.lora_b))));
-  if (!grads) return chunk_loop(head, h, lora_x, labels, chunk_tokens, /*grads=*/false).loss;
+  if (!grads) return chunked_loss(head, h, lora_x, labels, chunk_tokens, /*grads=*/false).loss;
   const at::Tensor none = at::empty({0}, h.options());
   return l.has_lora() ? ChunkedLossFunction::apply(h, lora_x, l.lora_a, l.lora_b, labels, head, chunk_tokens)
                       : ChunkedLossFunction::apply(h, none, none, none, labels, head, chunk_tokens);

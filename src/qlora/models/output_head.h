@@ -25,23 +25,26 @@ struct OutputHead {
 // softcap((base(h) + lora_update(lora_x)) in h's dtype), then widened to fp32.
 at::Tensor output_logits(const OutputHead& head, const at::Tensor& h, const at::Tensor& lora_x);
 
-// The byte budget of one chunk's fp32 logits; the chunk's other per-vocab temporaries (log-softmax,
-// its gradient, a widened base block) are each of that size or smaller.
-constexpr int64_t kLossChunkBytes = int64_t{64} << 20;
-// Tokens per chunk for a vocabulary: as many as keep one chunk's fp32 logits within kLossChunkBytes,
-// at least 1 (Llama-3, 128256: 130 tokens; Llama-2, 32000: 524).
-int64_t default_loss_chunk_tokens(int64_t vocab);
+// The byte budget of one [tokens, vocab block] fp32 logits block of the chunked loss; its other
+// per-block temporaries (the exponentials, a widened block of the head) are each of that size or smaller.
+constexpr int64_t kLossChunkBytes = int64_t{32} << 20;
+// Tokens per chunk for vocab blocks of `block_rows` rows (OutputHead::widen_rows, or the vocabulary
+// when smaller): as many as keep one block's fp32 logits within kLossChunkBytes, at least 1
+// (4096-row blocks: 2048 tokens).
+int64_t default_loss_chunk_tokens(int64_t block_rows);
 
 // The summed token cross-entropy sum_t CE(output_logits(h_t), labels_t) over labels_t !=
-// ignore_index (-100), `chunk_tokens` rows at a time (>= 1). h: [N, hidden]; lora_x: [N, hidden] fp32
-// or undefined; labels: [N] int64. Returns a 0-dim fp32 tensor.
-// Chunks without a label to score are skipped. Under grad mode, when h, lora_x or the head's
-// adapters require grad, each chunk's gradients (wrt h, lora_x, A and B) are computed right after
-// its loss, while its logits exist (Liger's fused linear cross-entropy): the loss is a scalar, so
-// backward only scales them by the incoming gradient, needs no weight and keeps no logits. The
-// adapters get their gradient once, from one autograd node, as from the unchunked head.
-// Per row this is the computation of output_logits + at::cross_entropy_loss; chunking only changes
-// the order of the fp32 sums over rows (the loss and the gradients of A and B).
+// ignore_index (-100), as output_logits + at::cross_entropy_loss compute it, without ever forming
+// the [tokens, vocab] logits. h: [N, hidden]; lora_x: [N, hidden] fp32 or undefined; labels: [N]
+// int64 (a scored label outside [0, vocab) is refused). Returns a 0-dim fp32 tensor.
+// Unscored tokens are dropped first (no logits are computed for a masked prompt); the scored ones go
+// `chunk_tokens` at a time (>= 1) through the vocabulary in blocks of head.widen_rows rows, with an
+// online log-sum-exp: one pass computes each token's loss and, under grad mode when h, lora_x or
+// the head's adapters require grad, the gradients wrt h, lora_x and A in the same pass (running
+// sums of exp(z - max) @ W, rescaled as the max grows), so the head's weight is read, and a bf16
+// head widened, once per chunk. B's gradient needs the final log-sum-exp: a second pass, only when
+// the head has an adapter. The loss is a scalar, so backward only scales the gradients computed in
+// forward and keeps no logits. Against the whole-logits loss only the order of fp32 sums differs.
 at::Tensor chunked_token_loss(const OutputHead& head, const at::Tensor& h, const at::Tensor& lora_x,
                               const at::Tensor& labels, int64_t chunk_tokens);
 
