@@ -166,6 +166,7 @@ struct ChunkedLoss {
 
 ChunkedLoss chunked_loss(const OutputHead& head, const at::Tensor& h, const at::Tensor& lora_x,
                          const at::Tensor& labels, int64_t chunk, bool grads) {
+  RECORD_USER_SCOPE("qlora::output_loss");  // a phase of bench_train_step's profile
   const modules::LoraLinear& l = *head.proj;
   at::NoGradGuard no_grad;
   ChunkedLoss out;

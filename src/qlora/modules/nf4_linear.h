@@ -15,6 +15,12 @@ namespace qlora::modules {
 // x: [..., in] float32/bfloat16; weight: NF4 of shape [out, in] on x's device. Returns [..., out].
 at::Tensor nf4_linear(const at::Tensor& x, const Nf4Tensor& weight);
 
+// The NF4 buffers go into ctx->saved_data as plain IValues (not saved variables): they are
+// constants of the graph, and storing them by reference-counted tensor costs no copy. For the
+// autograd functions over NF4 weights (this one, LoraLinearFunction).
+void save_nf4(torch::autograd::AutogradContext* ctx, const Nf4Tensor& w);
+Nf4Tensor load_nf4(torch::autograd::AutogradContext* ctx);
+
 // The autograd function behind nf4_linear. Saved state (ctx): the NF4 buffers (codes, scalers,
 // factors, mean) in saved_data plus its shape/layout as ints; no saved variables at all, since
 // grad_input needs only the weight and grad_output. Exposed so tests can inspect what is kept.

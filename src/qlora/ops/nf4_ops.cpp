@@ -1,6 +1,7 @@
 #include "qlora/ops/nf4_ops.h"
 
 #include <ATen/ATen.h>
+#include <ATen/record_function.h>
 
 #include <stdexcept>
 #include <string>
@@ -99,6 +100,7 @@ at::Tensor nf4_dequantize(const Nf4Tensor& t, at::ScalarType out_dtype) {
 }
 
 void nf4_dequantize_out(const Nf4Tensor& t, at::Tensor& out) {
+  RECORD_USER_SCOPE("qlora::nf4_dequantize");  // a phase of bench_train_step's profile
   t.validate("nf4 dequantize input");
   const nf4::Dtype d = t.nf4_dtype();
   const nf4::Dtype od = nf4_dtype_of(out.scalar_type(), "nf4 dequantize output");

@@ -1,6 +1,7 @@
 #include "qlora/optim/adamw.h"
 
 #include <ATen/ATen.h>
+#include <ATen/record_function.h>
 #include <c10/core/GradMode.h>
 
 #include <cmath>
@@ -29,6 +30,7 @@ AdamW::AdamW(std::vector<at::Tensor> params, AdamWOptions options)
 }
 
 void AdamW::step() {
+  RECORD_USER_SCOPE("qlora::adamw");  // a phase of bench_train_step's profile
   c10::NoGradGuard no_grad;
   const double lr = options_.lr, beta1 = options_.beta1, beta2 = options_.beta2;
   for (size_t i = 0; i < params_.size(); ++i) {
