@@ -5,8 +5,10 @@
 #include <gtest/gtest.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <array>
 #include <cmath>
 
+#include "qlora/modules/blocked_attention.h"
 #include "qlora/modules/layers.h"
 #include "qlora/modules/lora_linear.h"
 #include "qlora/modules/nf4_linear.h"
@@ -100,6 +102,36 @@ TEST(Attention, GqaShapesAndReference) {
   at::Tensor part = causal_attention(q.narrow(2, 3, 2), k, v);
   EXPECT_LT(max_abs(part - ref.narrow(2, 3, 2)), 1e-5);
   EXPECT_THROW(causal_attention(q, randn({2, 3, 5, 8}, 9), randn({2, 3, 5, 8}, 9)), std::invalid_argument);
+}
+
+// The blocked causal attention (training's fp32 CPU path) equals SDPA's causal attention in value
+// and in the gradients of q, k and v, for blocks that divide the sequence and that do not, a block
+// of one row and a block longer than the sequence; causal_attention takes it, GQA included.
+TEST(Attention, BlockedCausalMatchesSdpaWithGradients) {
+  const at::Tensor q = randn({2, 4, 37, 8}, 30), k = randn({2, 4, 37, 8}, 31), v = randn({2, 4, 37, 8}, 32);
+  const at::Tensor g = randn({2, 4, 37, 8}, 33);
+  auto run = [&](auto attention) {
+    const at::Tensor ql = q.detach().requires_grad_(), kl = k.detach().requires_grad_(), vl = v.detach().requires_grad_();
+    const at::Tensor out = attention(ql, kl, vl);
+    out.backward(g);
+    return std::array<at::Tensor, 4>{out.detach(), ql.grad(), kl.grad(), vl.grad()};
+  };
+  const auto want = run([](const at::Tensor& a, const at::Tensor& b, const at::Tensor& c) {
+    return at::scaled_dot_product_attention(a, b, c, std::nullopt, 0.0, /*is_causal=*/true, 0.3);
+  });
+  for (const int64_t block : {int64_t{1}, int64_t{5}, int64_t{16}, int64_t{37}, int64_t{64}}) {
+    const auto got = run([block](const at::Tensor& a, const at::Tensor& b, const at::Tensor& c) {
+      return blocked_causal_attention(a, b, c, 0.3, block);
+    });
+    for (size_t i = 0; i < got.size(); ++i) EXPECT_LT(max_abs(got[i] - want[i]), 1e-5) << "block " << block << " #" << i;
+  }
+  // Through causal_attention with 2 kv heads: the gradients of k and v sum over their query heads.
+  const at::Tensor k2 = k.narrow(1, 0, 2).detach().requires_grad_(), v2 = v.narrow(1, 0, 2).detach().requires_grad_();
+  const at::Tensor out = causal_attention(q, k2, v2);
+  const at::Tensor ref = at::scaled_dot_product_attention(q, k2.repeat_interleave(2, 1), v2.repeat_interleave(2, 1),
+                                                          std::nullopt, 0.0, true);
+  EXPECT_LT(max_abs(out - ref), 1e-5);
+  EXPECT_THROW(blocked_causal_attention(q, k2, v2, 0.3), std::invalid_argument);
 }
 
 TEST(Nf4Linear, ForwardBackwardMatchDequantizedLinear) {

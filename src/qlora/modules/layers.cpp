@@ -25,6 +25,8 @@
 #include <limits>
 #include <stdexcept>
 
+#include "qlora/modules/blocked_attention.h"
+
 namespace qlora::modules {
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
@@ -115,6 +117,8 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& kk, const at::Tensor& v
                   const AttentionOptions& opt) {
   const double scale = opt.scale > 0 ? opt.scale : 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
   if (opt.softcap <= 0) {
+    // fp32 on the CPU (training's case): by query blocks, skipping the masked half (blocked_attention.h).
+    if (is_causal && q.is_cpu() && q.scalar_type() == at::kFloat) return blocked_causal_attention(q, kk, vv, scale);
     const std::optional<at::Tensor> m = mask.defined() ? std::optional<at::Tensor>(mask) : std::nullopt;
     return at::scaled_dot_product_attention(q, kk, vv, m, 0.0, is_causal, scale);
   }

@@ -1,0 +1,90 @@
+#include "qlora/modules/blocked_attention.h"
+
+#include <ATen/ATen.h>
+#include <ATen/record_function.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <algorithm>
+#include <limits>
+#include <stdexcept>
+
+namespace qlora::modules {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// The scaled, causally masked scores of query rows [i0, i0 + n) against keys [0, i0 + n):
+// [bh, n, i0 + n]. q, k: [bh, seq, d] contiguous.
+at::Tensor block_scores(const at::Tensor& q, const at::Tensor& k, int64_t i0, int64_t n, double scale) {
+  const int64_t keys = i0 + n;
+  at::Tensor s = at::empty({q.size(0), n, keys}, q.options());
+  at::baddbmm_out(s, s, q.narrow(1, i0, n), k.narrow(1, 0, keys).transpose(1, 2), /*beta=*/0.0, /*alpha=*/scale);
+  // Row r (query i0 + r) sees keys <= i0 + r.
+  const at::Tensor future = at::ones({n, keys}, q.options().dtype(at::kBool)).triu_(i0 + 1);
+  return s.masked_fill_(future, -std::numeric_limits<double>::infinity());
+}
+
+struct BlockedCausalAttention : public torch::autograd::Function<BlockedCausalAttention> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            double scale, int64_t block) {
+    RECORD_USER_SCOPE("qlora::attention");  // a phase of bench_train_step's profile
+    const int64_t seq = q.size(1);
+    at::Tensor o = at::empty_like(q), lse = at::empty({q.size(0), seq}, q.options());  // [bh, seq, d], [bh, seq]
+    for (int64_t i0 = 0; i0 < seq; i0 += block) {
+      const int64_t n = std::min(block, seq - i0);
+      at::Tensor p = block_scores(q, k, i0, n, scale);  // [bh, n, i0 + n]
+      const at::Tensor m = at::amax(p, -1, /*keepdim=*/true);
+      p.sub_(m).exp_();
+      const at::Tensor l = p.sum(-1, /*keepdim=*/true);
+      p.div_(l);
+      lse.narrow(1, i0, n).copy_((m + l.log()).squeeze(-1));
+      at::Tensor o_block = o.narrow(1, i0, n);
+      at::bmm_out(o_block, p, v.narrow(1, 0, i0 + n));
+    }
+    ctx->save_for_backward({q, k, v, o, lse});
+    ctx->saved_data["scale"] = scale;
+    ctx->saved_data["block"] = block;
+    return o;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    RECORD_USER_SCOPE("qlora::attention");
+    const variable_list s = ctx->get_saved_variables();
+    const at::Tensor &q = s[0], &k = s[1], &v = s[2], &o = s[3], &lse = s[4];
+    const double scale = ctx->saved_data["scale"].toDouble();
+    const int64_t block = ctx->saved_data["block"].toInt(), seq = q.size(1);
+    const at::Tensor go = grad_outputs[0].contiguous();  // [bh, seq, d]
+    const at::Tensor delta = (go * o).sum(-1, /*keepdim=*/true);  // [bh, seq, 1]: rowsum(dO * O)
+    at::Tensor gq = at::empty_like(q), gk = at::zeros_like(k), gv = at::zeros_like(v);
+    for (int64_t i0 = 0; i0 < seq; i0 += block) {
+      const int64_t n = std::min(block, seq - i0), keys = i0 + n;
+      // p = softmax of the block's rows, recomputed from their log-sum-exp.
+      const at::Tensor p = block_scores(q, k, i0, n, scale).sub_(lse.narrow(1, i0, n).unsqueeze(-1)).exp_();
+      const at::Tensor go_b = go.narrow(1, i0, n), q_b = q.narrow(1, i0, n);
+      gv.narrow(1, 0, keys).baddbmm_(p.transpose(1, 2), go_b);
+      // dS = p * (dO v^T - delta), the scores' gradient.
+      at::Tensor ds = at::bmm(go_b, v.narrow(1, 0, keys).transpose(1, 2));  // [bh, n, keys]
+      ds.sub_(delta.narrow(1, i0, n)).mul_(p);
+      at::Tensor gq_b = gq.narrow(1, i0, n);
+      at::bmm_out(gq_b, ds, k.narrow(1, 0, keys));
+      gq_b.mul_(scale);
+      gk.narrow(1, 0, keys).baddbmm_(ds.transpose(1, 2), q_b, /*beta=*/1.0, /*alpha=*/scale);
+    }
+    return {gq, gk, gv, at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+at::Tensor blocked_causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
+                                    int64_t block) {
+  if (q.dim() != 4 || k.sizes() != q.sizes() || v.sizes() != q.sizes())
+    throw std::invalid_argument("blocked_causal_attention: q, k and v must all be [b, heads, seq, d]");
+  if (block < 1) throw std::invalid_argument("blocked_causal_attention: block must be >= 1");
+  const int64_t b = q.size(0), h = q.size(1), seq = q.size(2), d = q.size(3);
+  auto flat = [&](const at::Tensor& t) { return t.reshape({b * h, seq, d}).contiguous(); };
+  return BlockedCausalAttention::apply(flat(q), flat(k), flat(v), scale, block).view({b, h, seq, d});
+}
+
+}  // namespace qlora::modules
