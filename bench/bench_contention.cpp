@@ -1,11 +1,13 @@
 // Fair under contention, measured in one run and printed as one JSON object: the tiny default run
 // (`qlora run lora_finetune`, one epoch of --steps steps, outputs in a temporary directory) alone and
 // beside one busy competitor (`yes > /dev/null`), with qlora's default OpenMP wait policy
-// (engine/launcher.h) and with the spinning one it replaced (OMP_WAIT_POLICY=ACTIVE) as the peer.
-// Target: beside the competitor the default run takes at most 2x its time alone. With --reps N the
-// four configurations alternate N times and each reports its median.
+// (engine/launcher.h: passive) and, as the peer, the spinning one it replaced: libgomp's own default,
+// which spins 300000 times before sleeping (GOMP_SPINCOUNT=300000; --peer sets another, e.g.
+// OMP_WAIT_POLICY=ACTIVE, which spins for good). Target: beside the competitor the default run
+// takes at most 2x its time alone. With --reps N the four configurations alternate N times and
+// each reports its median.
 //
-//   build/bench_contention [--steps 40] [--reps 1] [--qlora build/qlora]
+//   build/bench_contention [--steps 40] [--reps 1] [--peer VAR=VALUE] [--qlora build/qlora]
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/prctl.h>
@@ -91,25 +93,27 @@ double run_seconds(const std::string& env, const std::string& qlora, int steps, 
 
 int main(int argc, char** argv) try {
   int steps = 40, reps = 1;
+  std::string peer = "GOMP_SPINCOUNT=300000";
   std::string qlora = (fs::read_symlink("/proc/self/exe").parent_path() / "qlora").string();
   for (int i = 1; i < argc; ++i) {
     const std::string s = argv[i];
     if (i + 1 >= argc) throw std::invalid_argument(s + " needs a value");
     if (s == "--steps") steps = std::stoi(argv[++i]);
     else if (s == "--reps") reps = std::stoi(argv[++i]);
+    else if (s == "--peer") peer = argv[++i];
     else if (s == "--qlora") qlora = argv[++i];
-    else throw std::invalid_argument("unknown argument " + s + " (--steps N --reps N --qlora PATH)");
+    else throw std::invalid_argument("unknown argument " + s + " (--steps N --reps N --peer VAR=VALUE --qlora PATH)");
   }
-  // The default: no wait-policy variable, so qlora picks its own; the peer: the old spinning one.
-  const std::vector<std::pair<std::string, std::string>> policies = {
-      {"default", "env -u OMP_WAIT_POLICY -u GOMP_SPINCOUNT"},
-      {"spinning", "env -u GOMP_SPINCOUNT OMP_WAIT_POLICY=ACTIVE"}};
+  // The default: no wait-policy variable, so qlora picks its own; the peer: a spinning one.
+  const std::string unset = "env -u OMP_WAIT_POLICY -u GOMP_SPINCOUNT";
+  const std::vector<std::pair<std::string, std::string>> policies = {{"default", unset},
+                                                                     {"spinning", unset + " " + peer}};
   const fs::path dir = fs::temp_directory_path() / ("qlora_bench_contention_" + std::to_string(::getpid()));
   json r = {{"bench", "contention"}, {"cpu", cpu_model()}, {"logical_cpus", sysconf(_SC_NPROCESSORS_ONLN)},
             {"loadavg_before", loadavg()}, {"steps", steps}, {"reps", reps},
             {"run", "qlora run lora_finetune training.epochs=1 training.max_steps_per_epoch=" + std::to_string(steps)},
             {"competitor", "yes > /dev/null"},
-            {"policies", {{"default", "none set: qlora's own (engine/launcher.h)"}, {"spinning", "OMP_WAIT_POLICY=ACTIVE"}}}};
+            {"policies", {{"default", "none set: qlora's own (engine/launcher.h)"}, {"spinning", peer}}}};
   std::map<std::string, std::vector<double>> times;
   for (int rep = 0; rep < reps; ++rep)
     for (const auto& [name, env] : policies) {
