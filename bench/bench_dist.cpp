@@ -25,6 +25,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -47,6 +48,8 @@
 using nlohmann::json;
 namespace fs = std::filesystem;
 using namespace qlora;
+
+QLORA_OMP_WAIT_POLICY_PREINIT;  // the ranks' OpenMP workers sleep instead of spinning (launcher.h)
 
 namespace {
 
@@ -212,6 +215,8 @@ int main(int argc, char** argv) try {
   }
 
   json r = {{"bench", "dist"}, {"backend", "gloo (CPU)"}, {"logical_cpus", sysconf(_SC_NPROCESSORS_ONLN)}};
+  for (const char* v : {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"})  // what the ranks inherit
+    if (const char* set = std::getenv(v)) r["omp_wait"][v] = set;
   if (!a.shape.empty()) {
     r["shape"] = {{"model", a.shape + " (random NF4, in memory)"}, {"layers", a.layers}, {"seq", a.seq}, {"steps", a.steps}};
     r["one_process"] = configuration(a, 1, true);

@@ -1,6 +1,10 @@
 // The `qlora` binary.
+#include "qlora/engine/launcher.h"
+
 namespace qlora::recipes {
 int qlora_cli(int argc, char** argv);
 }
+
+QLORA_OMP_WAIT_POLICY_PREINIT;  // OpenMP workers that sleep instead of spinning (launcher.h)
 
 int main(int argc, char** argv) { return qlora::recipes::qlora_cli(argc, argv); }

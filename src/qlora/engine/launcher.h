@@ -38,4 +38,21 @@ bool launched_as_rank();
 // returns the exit code for the launcher (0 when every rank exited 0).
 int launch(const LaunchOptions& options, const std::string& exe, const std::vector<std::string>& args);
 
+// OpenMP's wait policy. libgomp (the torch wheel's OpenMP) spins an idle worker ~300000 times
+// (GOMP_SPINCOUNT) before it sleeps; beside another busy process those spinning threads take its
+// core and a step slows several-fold. qlora's processes therefore run with kOmpWaitPolicy unless
+// the environment already sets OMP_WAIT_POLICY or GOMP_SPINCOUNT (the user's choice wins). libgomp
+// reads them once, in its own initialiser before main, so setting them needs a fresh exec:
+// QLORA_OMP_WAIT_POLICY_PREINIT, in the executable's main file, runs omp_wait_policy_preinit
+// before any library initialiser, which re-executes /proc/self/exe with the same argv and the
+// variable added (then set, so there is no second re-exec; when the exec fails the process simply
+// goes on). Ranks started by launch() inherit it with the environment.
+inline constexpr const char* kOmpWaitPolicy = "OMP_WAIT_POLICY=PASSIVE";
+void omp_wait_policy_preinit(int argc, char** argv, char** envp);
+
 }  // namespace qlora::engine
+
+// Nothing of libc or the C++ runtime is initialised when it runs: it only reads envp and execs.
+#define QLORA_OMP_WAIT_POLICY_PREINIT \
+  [[gnu::section(".preinit_array"), gnu::used]] static auto* qlora_omp_wait_policy_preinit = \
+      &qlora::engine::omp_wait_policy_preinit
