@@ -43,6 +43,7 @@
 #include "bench/shape_args.h"
 #include "bench/step_profile.h"
 #include "bench/run_json.h"
+#include "qlora/engine/launcher.h"
 #include "qlora/engine/process_group.h"
 #include "qlora/engine/sharded_model.h"
 #include "qlora/models/architecture.h"
@@ -55,6 +56,9 @@
 using nlohmann::json;
 namespace fs = std::filesystem;
 using qlora::bench::run_json;
+
+// Both sides (this program's worker and the Python peer it starts) inherit the wait policy.
+QLORA_OMP_WAIT_POLICY_PREINIT;  // OpenMP workers that sleep instead of spinning (launcher.h)
 
 namespace {
 
@@ -255,6 +259,8 @@ int main(int argc, char** argv) try {
   json r = {{"bench", "train_step"},
             {"machine", {{"cpu", cpu_model()}, {"logical_cpus", sysconf(_SC_NPROCESSORS_ONLN)},
                          {"loadavg_before", load_average()}}}};
+  for (const char* v : {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"})  // what both sides inherit
+    if (const char* set = std::getenv(v)) r["omp_wait"][v] = set;
   if (!a.shape.empty()) {
     const qlora::models::LlamaConfig c = a.shape_config();
     r["shape"] = {{"model", a.shape + " (random NF4, in memory)"}, {"model_type", c.model_type},
