@@ -34,6 +34,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/memory_account.h"
 #include "bench/random_llama.h"
 #include "bench/shape_args.h"
 #include "bench/run_json.h"
@@ -90,6 +91,8 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 // The qlora side, in its own process: load, warm-up step, timed steps, through the training
 // engine as the recipe runs it in one process (a world of one).
 json run_worker(const Args& a) {
+  qlora::bench::MemoryAccount& acct = qlora::bench::MemoryAccount::install();
+  acct.phase("load");
   const auto t0 = std::chrono::steady_clock::now();
   const auto world = qlora::engine::World::join(qlora::engine::RankEnv{}, 0, std::chrono::seconds(60), c10::kCPU);
   const auto engine = qlora::engine::ShardedLlama::begin(*world, {});
@@ -125,11 +128,15 @@ json run_worker(const Args& a) {
   const at::Tensor inp = tokens.narrow(1, 0, a.seq), labels = tokens.narrow(1, 1, a.seq);
 
   auto step = [&]() {
+    acct.phase("forward");
     const at::Tensor logits = m.forward(inp);  // [batch, seq, V] fp32
+    acct.phase("loss");
     at::Tensor loss = at::cross_entropy_loss(logits.view({-1, V}), labels.reshape({-1}), {},
                                              at::Reduction::Mean, -100);
+    acct.phase("backward");
     loss.backward();
     engine->finish_backward();
+    acct.phase("optimizer");
     opt.step();
     engine->gather_params();
     return loss.item<double>();
@@ -150,7 +157,8 @@ json run_worker(const Args& a) {
   return {{"impl", "qlora (C++)"}, {"threads", at::get_num_threads()}, {"load_s", load_s},
           {"trainable_params", trainable}, {"warmup_step", warmup}, {"step_s", times},
           {"median_step_s", med}, {"tokens_per_s", double(a.batch * a.seq) / med},
-          {"peak_rss_bytes", vm_hwm_bytes()}, {"rss_after_load_bytes", rss_after_load}, {"losses", losses}};
+          {"peak_rss_bytes", vm_hwm_bytes()}, {"rss_after_load_bytes", rss_after_load}, {"losses", losses},
+          {"memory_accounting", acct.report(qlora::bench::model_static_bytes(m))}};
 }
 
 std::string shape_flags(const Args& a) {
