@@ -40,6 +40,7 @@
 #include "bench/run_json.h"
 #include "qlora/engine/process_group.h"
 #include "qlora/engine/sharded_model.h"
+#include "qlora/io/cpu_memory.h"
 #include "qlora/models/llama.h"
 #include "qlora/modules/layers.h"
 #include "qlora/optim/adamw.h"
@@ -171,6 +172,7 @@ std::string self_exe() { return fs::read_symlink("/proc/self/exe").string(); }
 }  // namespace
 
 int main(int argc, char** argv) try {
+  qlora::io::tune_cpu_memory();
   Args a;
   for (int i = 1; i < argc; ++i) {
     if (a.parse(argc, argv, i)) continue;

@@ -13,6 +13,7 @@
 
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
+#include <malloc.h>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -25,6 +26,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "qlora/io/cpu_memory.h"
 #include "qlora/models/architecture.h"
 #include "qlora/models/llama.h"
 
@@ -72,7 +74,11 @@ class MemoryAccount final : public c10::Allocator {
     for (size_t i = 0; i < labels_.size(); ++i) {
       if (i < peak_by_phase_.size() && peak_by_phase_[i]) by_phase[labels_[i]] = peak_by_phase_[i];
       phases.push_back({{"phase", labels_[i]}, {"max_live_bytes", phases_[i].max_live},
-                        {"vm_hwm_bytes_at_end", phases_[i].hwm}, {"vm_rss_bytes_at_end", phases_[i].rss}});
+                        {"vm_hwm_bytes_at_end", phases_[i].hwm}, {"vm_rss_bytes_at_end", phases_[i].rss},
+                        {"malloc_heap_bytes_at_end", phases_[i].heap.arena},
+                        {"malloc_heap_free_bytes_at_end", phases_[i].heap.fordblks},
+                        {"malloc_mmapped_bytes_at_end", phases_[i].heap.hblkhd},
+                        {"kept_for_reuse_bytes_at_end", phases_[i].kept}});
     }
     int64_t statics = 0;
     for (const auto& [name, bytes] : static_parts) statics += bytes;
@@ -108,7 +114,8 @@ class MemoryAccount final : public c10::Allocator {
     size_t phase;
   };
   struct Phase {
-    int64_t max_live = 0, hwm = -1, rss = -1;
+    int64_t max_live = 0, hwm = -1, rss = -1, kept = 0;  // kept: freed tensors held for reuse (io/cpu_memory.h)
+    struct mallinfo2 heap {};  // glibc's view as the phase ends: its heap, what is free in it, mmapped chunks
   };
 
   explicit MemoryAccount(c10::Allocator* inner)
@@ -158,6 +165,8 @@ class MemoryAccount final : public c10::Allocator {
     if (labels_.empty()) return;
     phases_[current_].hwm = proc_status_bytes("VmHWM");
     phases_[current_].rss = proc_status_bytes("VmRSS");
+    phases_[current_].heap = mallinfo2();
+    phases_[current_].kept = static_cast<int64_t>(io::cpu_memory_kept_bytes());
   }
 
   static constexpr size_t kLargest = 12;
