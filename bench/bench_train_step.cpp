@@ -114,6 +114,7 @@ json run_worker(const Args& a) {
     m = qlora::models::load_llama(a.model, o);
   }
   engine->finish(m);
+  qlora::io::release_free_cpu_memory();  // as the recipe does after loading
   const double load_s = seconds_since(t0);
   const int64_t rss_after_load = vm_hwm_bytes();
   m.training = true;
@@ -216,7 +217,7 @@ int main(int argc, char** argv) try {
     if (q.contains("peak_rss_bytes")) {
       r["seconds_per_step"] = q["median_step_s"];
       r["peak_rss_gib"] = q["peak_rss_bytes"].get<double>() / (1024.0 * 1024 * 1024);
-      if (a.shape == "llama2-7b") r["target_peak_rss_le_6gb_met"] = q["peak_rss_bytes"].get<double>() <= 6e9;
+      if (a.shape == "llama2-7b" && a.seq == 128) r["target_peak_rss_le_4.9gb_met"] = q["peak_rss_bytes"].get<double>() <= 4.9e9;
     }
     r["machine"]["loadavg_after"] = load_average();
     std::cout << r.dump(2) << std::endl;

@@ -89,6 +89,7 @@ class MemoryAccount final : public c10::Allocator {
             {"live_peak_phase", peak_ < 0 || labels_.empty() ? "" : labels_[peak_phase_]},
             {"live_at_peak_by_phase_allocated", by_phase},
             {"largest_non_load_allocations_at_peak", peak_largest_},
+            {"kept_for_reuse_at_live_peak_bytes", peak_kept_},
             {"static_bytes", static_parts},
             {"static_total_bytes", statics},
             {"transient_at_peak_bytes", peak_ - statics},
@@ -141,6 +142,7 @@ class MemoryAccount final : public c10::Allocator {
     peak_ = live_;
     peak_phase_ = current_;
     peak_by_phase_ = live_by_phase_;
+    peak_kept_ = static_cast<int64_t>(io::cpu_memory_kept_bytes());
     // The transients are few (activations and one layer's weights): a copy per new peak is cheap.
     if (!labels_.empty() && labels_[current_] != "load") {
       peak_largest_.clear();
@@ -181,6 +183,7 @@ class MemoryAccount final : public c10::Allocator {
   std::vector<Phase> phases_;
   std::vector<int64_t> live_by_phase_, peak_by_phase_;
   std::vector<int64_t> peak_largest_;
+  int64_t peak_kept_ = 0;
 };
 
 // What a QLoRA model holds throughout a step: its frozen base (NF4 projections; dense weights:

@@ -54,6 +54,20 @@ class KeepingAllocator final : public c10::Allocator {
     std::lock_guard<std::mutex> g(mu_);
     return kept_;
   }
+  void drop_kept() {
+    std::vector<void*> blocks;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      for (auto& [n, ps] : free_)
+        for (void* p : ps) {
+          blocks.push_back(p);
+          size_of_.erase(p);
+        }
+      free_.clear();
+      kept_ = 0;
+    }
+    for (void* p : blocks) inner_free_(p);
+  }
 
  private:
   explicit KeepingAllocator(c10::Allocator* inner) : inner_(inner), inner_free_(inner->raw_deleter()) {
@@ -97,6 +111,11 @@ void tune_cpu_memory() {
     return true;
   }();
   (void)once;
+}
+
+void release_free_cpu_memory() {
+  KeepingAllocator::get().drop_kept();
+  malloc_trim(0);
 }
 
 size_t cpu_memory_kept_bytes() { return KeepingAllocator::get().kept(); }

@@ -16,6 +16,10 @@ namespace qlora::io {
 // Call once, first thing in main (the allocator serves only tensors allocated after it).
 void tune_cpu_memory();
 
+// Returns what is free to the system: the freed tensors kept for reuse, and the free pages inside
+// glibc's heap (malloc_trim). For after loading, whose temporaries no step allocates again.
+void release_free_cpu_memory();
+
 // Bytes of freed tensors kept for reuse now (0 before tune_cpu_memory()).
 size_t cpu_memory_kept_bytes();
 
