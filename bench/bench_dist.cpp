@@ -41,6 +41,7 @@
 #include "qlora/engine/process_group.h"
 #include "qlora/engine/sharded_export.h"
 #include "qlora/engine/sharded_model.h"
+#include "qlora/io/cpu_memory.h"
 #include "qlora/checkpoint/export.h"
 #include "qlora/optim/adamw.h"
 #include "qlora/train/metrics.h"
@@ -187,6 +188,7 @@ json configuration(const Args& a, int ranks, bool prefetch) {
 }  // namespace
 
 int main(int argc, char** argv) try {
+  qlora::io::tune_cpu_memory();
   Args a;
   int launch = 0;
   std::vector<std::string> worker_args(argv + 1, argv + argc);  // what a launched rank is given

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "qlora/engine/launcher.h"
+#include "qlora/io/cpu_memory.h"
 
 namespace qlora::recipes {
 int quantize_main(const std::vector<std::string>& args);
@@ -89,6 +90,7 @@ int ls_main() {
 namespace qlora::recipes {
 
 int qlora_cli(int argc, char** argv) {
+  qlora::io::tune_cpu_memory();
   std::vector<std::string> args(argv + 1, argv + argc);
   if (args.empty() || args[0] == "help" || args[0] == "--help" || args[0] == "-h") {
     std::fputs(kUsage, args.empty() ? stderr : stdout);

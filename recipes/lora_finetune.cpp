@@ -47,6 +47,7 @@
 #include "qlora/optim/adamw.h"
 #include "qlora/optim/schedule.h"
 #include "qlora/io/checkpoint_dir.h"
+#include "qlora/io/cpu_memory.h"
 #include "qlora/train/demo.h"
 #include "qlora/train/device.h"
 #include "qlora/train/evaluate.h"
@@ -194,6 +195,7 @@ Model setup_model(const RecipeConfig& cfg, const std::string& base_dir, c10::Dev
   };
   m.llama = models::load_llama(base_dir, mopts);
   m.engine->finish(m.llama);
+  io::release_free_cpu_memory();  // the load's temporaries
   m.llama.training = true;
   // Ranks finish loading at their own pace (disk, page cache): wait for the slowest here, so the
   // step collectives' timeout (dist.collective_timeout_s) only has to cover a hung peer.

@@ -150,6 +150,22 @@ TEST(Nf4Linear, ForwardBackwardMatchDequantizedLinear) {
   EXPECT_TRUE(at::equal(x.grad(), x2.grad())) << max_abs(x.grad() - x2.grad());
 }
 
+TEST(Nf4Linear, LargeWeightGoesByRowChunksAndMatches) {
+  // 1525 x 11008 is over the 16M elements that nf4_linear dequantizes at once: rows go in chunks
+  // of whole scaler groups (1472 rows, then 53 that end in the padded group).
+  Nf4Tensor q = ops::nf4_quantize(randn({1525, 11008}, 15, 0.02), "w");
+  at::Tensor wd = ops::nf4_dequantize(q, at::kFloat);
+  at::Tensor x = randn({2, 11008}, 16).requires_grad_(true);
+  at::Tensor y = nf4_linear(x, q);
+  at::Tensor x2 = x.detach().clone().requires_grad_(true);
+  at::Tensor ref = at::linear(x2, wd);
+  EXPECT_TRUE(at::allclose(y, ref, 1e-5, 1e-5)) << max_abs(y - ref);
+  at::Tensor g = randn({2, 1525}, 17);
+  y.backward(g);
+  ref.backward(g);
+  EXPECT_TRUE(at::allclose(x.grad(), x2.grad(), 1e-4, 1e-5)) << max_abs(x.grad() - x2.grad());
+}
+
 TEST(Nf4Linear, KeepsNoDequantizedWeightForBackward) {
   Nf4Tensor q = ops::nf4_quantize(randn({64, 32}, 13), "w");
   at::Tensor x = randn({2, 32}, 14).requires_grad_(true);

@@ -14,7 +14,6 @@
 #include <string>
 
 #include "qlora/modules/nf4_linear.h"
-#include "qlora/ops/nf4_ops.h"
 
 namespace qlora::modules {
 namespace {
@@ -22,11 +21,6 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// The frozen base weight [out, in] in dtype dt: a fresh dequantized copy of an NF4 base, or the
-// dense base (converted when stored in another dtype).
-at::Tensor base_weight(const at::Tensor& dense, const Nf4Tensor& nf4, at::ScalarType dt) {
-  return dense.defined() ? dense.to(dt) : ops::nf4_dequantize(nf4, dt);
-}
 
 // base(x) + scale * (x @ A^T) @ B^T as one autograd node, for an adapter without dropout: the
 // update accumulates into the base output inside the GEMM (no [tokens, out] temporaries), and
@@ -39,10 +33,9 @@ struct LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction>
     RECORD_USER_SCOPE("qlora::lora_linear");  // a phase of bench_train_step's profile
     const at::Tensor x2 = x.reshape({-1, layer->in_features});         // [T, in]
     const at::Tensor xa = at::mm(x2.to(a.scalar_type()), a.t());     // [T, r] fp32
-    at::Tensor y = [&] {
-      RECORD_USER_SCOPE("qlora::base_linear");
-      return at::linear(x2, base_weight(layer->base_dense, layer->base_nf4, x.scalar_type()), layer->bias);
-    }();  // [T, out]
+    at::Tensor y = layer->base_nf4.defined() ? nf4_times_transposed(x2, layer->base_nf4)
+                                             : at::linear(x2, layer->base_dense.to(x.scalar_type()));  // [T, out]
+    if (layer->bias.defined()) y.add_(layer->bias);
     if (y.scalar_type() == b.scalar_type()) y.addmm_(xa, b.t(), 1.0, layer->scale);
     else y = y.to(b.scalar_type()).addmm_(xa, b.t(), 1.0, layer->scale).to(x.scalar_type());
     ctx->save_for_backward({x, a, b, xa});
@@ -69,11 +62,8 @@ struct LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction>
     if (ctx->needs_input_grad(1)) ga = at::mm(gxa.t(), x2.to(a.scalar_type())).mul_(scale);  // [r, in]
     if (ctx->needs_input_grad(2)) gb = at::mm(xa.t(), gf).mul_(scale).t().contiguous();      // [out, r]
     if (ctx->needs_input_grad(0)) {
-      {
-        RECORD_USER_SCOPE("qlora::base_linear");
-        const at::Tensor dense = ctx->saved_data.count("dense") ? ctx->saved_data["dense"].toTensor() : at::Tensor();
-        gx = at::mm(g, base_weight(dense, dense.defined() ? Nf4Tensor{} : load_nf4(ctx), g.scalar_type()));
-      }
+      gx = ctx->saved_data.count("dense") ? at::mm(g, ctx->saved_data["dense"].toTensor().to(g.scalar_type()))
+                                          : grad_times_nf4(g, load_nf4(ctx));  // [T, in]
       if (gx.scalar_type() == a.scalar_type()) gx.addmm_(gxa, a, 1.0, scale);
       else gx = gx.to(a.scalar_type()).addmm_(gxa, a, 1.0, scale).to(x.scalar_type());
       gx = gx.view(x.sizes());

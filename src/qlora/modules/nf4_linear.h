@@ -15,6 +15,13 @@ namespace qlora::modules {
 // x: [..., in] float32/bfloat16; weight: NF4 of shape [out, in] on x's device. Returns [..., out].
 at::Tensor nf4_linear(const at::Tensor& x, const Nf4Tensor& weight);
 
+// The two products of an NF4 weight W [out, in] a linear layer runs, W dequantized to the other
+// operand's dtype just in time and dropped after: x @ W^T ([..., in] -> [..., out], forward) and
+// grad_y @ W ([..., out] -> [..., in], backward). A weight of more than 16M elements (a 7B's MLP)
+// goes by chunks of rows (whole scaler groups), so at most ~64 MB of it is ever dequantized at once.
+at::Tensor nf4_times_transposed(const at::Tensor& x, const Nf4Tensor& weight);
+at::Tensor grad_times_nf4(const at::Tensor& grad_y, const Nf4Tensor& weight);
+
 // The NF4 buffers go into ctx->saved_data as plain IValues (not saved variables): they are
 // constants of the graph, and storing them by reference-counted tensor costs no copy. For the
 // autograd functions over NF4 weights (this one, LoraLinearFunction).
