@@ -6,6 +6,9 @@
 //   - outside any qlora scope, by the op: GEMMs ("gemm_other": the LoRA matmuls and their
 //     gradients), attention kernels, and everything else ("elementwise_other": norms, RoPE, SwiGLU,
 //     residual adds, casts, copies, autograd's accumulations).
+// Only the thread that made the profiler is recorded (the step and its CPU backward run there): an
+// op that fans out over intra-op threads (blocked attention's heads) counts as its wall time, in
+// the phase of the scope that started it, not as the sum of its threads' times.
 // The step's wall time minus the sum of the phases is "untracked" (C++ between ops, the autograd
 // engine, allocation outside ops). Recording costs ~1 us per op, so the profiled step is a
 // separate step from the timed ones.
@@ -24,13 +27,17 @@
 #include <cstring>
 #include <map>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace qlora::bench {
 
 class StepProfile {
  public:
-  StepProfile() { handle_ = at::addGlobalCallback(at::RecordFunctionCallback(&on_start, &on_end).needsInputs(false)); }
+  StepProfile() {
+    owner() = std::this_thread::get_id();
+    handle_ = at::addGlobalCallback(at::RecordFunctionCallback(&on_start, &on_end).needsInputs(false));
+  }
   ~StepProfile() { at::removeCallback(handle_); }
   StepProfile(const StepProfile&) = delete;
   StepProfile& operator=(const StepProfile&) = delete;
@@ -60,6 +67,10 @@ class StepProfile {
     static std::map<std::string, double> t;
     return t;
   }
+  static std::thread::id& owner() {
+    static std::thread::id id;
+    return id;
+  }
   static std::vector<Frame>& stack() {
     thread_local std::vector<Frame> s;
     return s;
@@ -79,10 +90,12 @@ class StepProfile {
   }
 
   static std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
+    if (std::this_thread::get_id() != owner()) return nullptr;
     stack().push_back({fn.name(), Clock::now()});
     return nullptr;
   }
   static void on_end(const at::RecordFunction&, at::ObserverContext*) {
+    if (std::this_thread::get_id() != owner()) return;
     std::vector<Frame>& s = stack();
     if (s.empty()) return;
     const double total = std::chrono::duration<double>(Clock::now() - s.back().start).count();

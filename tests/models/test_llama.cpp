@@ -271,7 +271,8 @@ TEST(LlamaModel, SlidingWindowMasksFarKeysAlsoWithACache) {
   at::NoGradGuard ng;
   const at::Tensor t = tokens();  // [b, s], s > 3
   const at::Tensor a = full.forward(t), b = slide.forward(t);
-  EXPECT_TRUE(at::equal(a.narrow(1, 0, 3), b.narrow(1, 0, 3)));
+  // Equal up to fp32 rounding: full causal attention runs blocked_causal_attention, a window SDPA.
+  EXPECT_LT((a.narrow(1, 0, 3) - b.narrow(1, 0, 3)).abs().max().item<float>(), 1e-5);
   EXPECT_GT((a.narrow(1, 3, t.size(1) - 3) - b.narrow(1, 3, t.size(1) - 3)).abs().max().item<float>(), 1e-4);
   modules::KvCache cache;
   for (int64_t i = 0; i < t.size(1); ++i) {

@@ -1,6 +1,8 @@
 #include "qlora/modules/blocked_attention.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 #include <ATen/record_function.h>
 #include <torch/csrc/autograd/custom_function.h>
 
@@ -25,23 +27,68 @@ at::Tensor block_scores(const at::Tensor& q, const at::Tensor& k, int64_t i0, in
   return s.masked_fill_(future, -std::numeric_limits<double>::infinity());
 }
 
+// Forward over heads [h0, h1) of the flattened [bh, seq, d] tensors: o and lse of those heads.
+void forward_heads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& o, at::Tensor& lse,
+                   double scale, int64_t block) {
+  const int64_t seq = q.size(1);
+  for (int64_t i0 = 0; i0 < seq; i0 += block) {
+    const int64_t n = std::min(block, seq - i0);
+    at::Tensor p = block_scores(q, k, i0, n, scale);  // [h, n, i0 + n]
+    const at::Tensor m = at::amax(p, -1, /*keepdim=*/true);
+    p.sub_(m).exp_();
+    const at::Tensor l = p.sum(-1, /*keepdim=*/true);
+    p.div_(l);
+    lse.narrow(1, i0, n).copy_((m + l.log()).squeeze(-1));
+    at::Tensor o_block = o.narrow(1, i0, n);
+    at::bmm_out(o_block, p, v.narrow(1, 0, i0 + n));
+  }
+}
+
+// Backward over heads [h0, h1): the gradients of q, k and v of those heads.
+void backward_heads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lse,
+                    const at::Tensor& go, const at::Tensor& delta, at::Tensor& gq, at::Tensor& gk, at::Tensor& gv,
+                    double scale, int64_t block) {
+  const int64_t seq = q.size(1);
+  for (int64_t i0 = 0; i0 < seq; i0 += block) {
+    const int64_t n = std::min(block, seq - i0), keys = i0 + n;
+    // p = softmax of the block's rows, recomputed from their log-sum-exp.
+    const at::Tensor p = block_scores(q, k, i0, n, scale).sub_(lse.narrow(1, i0, n).unsqueeze(-1)).exp_();
+    const at::Tensor go_b = go.narrow(1, i0, n), q_b = q.narrow(1, i0, n);
+    gv.narrow(1, 0, keys).baddbmm_(p.transpose(1, 2), go_b);
+    // dS = p * (dO v^T - delta), the scores' gradient.
+    at::Tensor ds = at::bmm(go_b, v.narrow(1, 0, keys).transpose(1, 2));  // [h, n, keys]
+    ds.sub_(delta.narrow(1, i0, n)).mul_(p);
+    at::Tensor gq_b = gq.narrow(1, i0, n);
+    at::bmm_out(gq_b, ds, k.narrow(1, 0, keys));
+    gq_b.mul_(scale);
+    gk.narrow(1, 0, keys).baddbmm_(ds.transpose(1, 2), q_b, /*beta=*/1.0, /*alpha=*/scale);
+  }
+}
+
+// Runs fn(h0, h1) over ranges of heads on the intra-op threads: heads are independent, and one
+// thread per range of heads (its GEMMs single-threaded) beats threading each small GEMM.
+// Grad and inference mode are thread-local: the worker threads take the caller's (the autograd
+// function runs without grad; generation in inference mode).
+template <typename Fn>
+void over_heads(int64_t heads, Fn fn) {
+  const at::ThreadLocalState caller;
+  at::parallel_for(0, heads, 1, [&fn, &caller](int64_t h0, int64_t h1) {
+    const at::ThreadLocalStateGuard same(caller);
+    fn(h0, h1);
+  });
+}
+
+at::Tensor heads_of(const at::Tensor& t, int64_t h0, int64_t h1) { return t.narrow(0, h0, h1 - h0); }
+
 struct BlockedCausalAttention : public torch::autograd::Function<BlockedCausalAttention> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             double scale, int64_t block) {
     RECORD_USER_SCOPE("qlora::attention");  // a phase of bench_train_step's profile
-    const int64_t seq = q.size(1);
-    at::Tensor o = at::empty_like(q), lse = at::empty({q.size(0), seq}, q.options());  // [bh, seq, d], [bh, seq]
-    for (int64_t i0 = 0; i0 < seq; i0 += block) {
-      const int64_t n = std::min(block, seq - i0);
-      at::Tensor p = block_scores(q, k, i0, n, scale);  // [bh, n, i0 + n]
-      const at::Tensor m = at::amax(p, -1, /*keepdim=*/true);
-      p.sub_(m).exp_();
-      const at::Tensor l = p.sum(-1, /*keepdim=*/true);
-      p.div_(l);
-      lse.narrow(1, i0, n).copy_((m + l.log()).squeeze(-1));
-      at::Tensor o_block = o.narrow(1, i0, n);
-      at::bmm_out(o_block, p, v.narrow(1, 0, i0 + n));
-    }
+    at::Tensor o = at::empty_like(q), lse = at::empty({q.size(0), q.size(1)}, q.options());  // [bh, seq, d], [bh, seq]
+    over_heads(q.size(0), [&](int64_t h0, int64_t h1) {
+      at::Tensor oh = heads_of(o, h0, h1), lh = heads_of(lse, h0, h1);
+      forward_heads(heads_of(q, h0, h1), heads_of(k, h0, h1), heads_of(v, h0, h1), oh, lh, scale, block);
+    });
     ctx->save_for_backward({q, k, v, o, lse});
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["block"] = block;
@@ -53,24 +100,15 @@ struct BlockedCausalAttention : public torch::autograd::Function<BlockedCausalAt
     const variable_list s = ctx->get_saved_variables();
     const at::Tensor &q = s[0], &k = s[1], &v = s[2], &o = s[3], &lse = s[4];
     const double scale = ctx->saved_data["scale"].toDouble();
-    const int64_t block = ctx->saved_data["block"].toInt(), seq = q.size(1);
+    const int64_t block = ctx->saved_data["block"].toInt();
     const at::Tensor go = grad_outputs[0].contiguous();  // [bh, seq, d]
     const at::Tensor delta = (go * o).sum(-1, /*keepdim=*/true);  // [bh, seq, 1]: rowsum(dO * O)
     at::Tensor gq = at::empty_like(q), gk = at::zeros_like(k), gv = at::zeros_like(v);
-    for (int64_t i0 = 0; i0 < seq; i0 += block) {
-      const int64_t n = std::min(block, seq - i0), keys = i0 + n;
-      // p = softmax of the block's rows, recomputed from their log-sum-exp.
-      const at::Tensor p = block_scores(q, k, i0, n, scale).sub_(lse.narrow(1, i0, n).unsqueeze(-1)).exp_();
-      const at::Tensor go_b = go.narrow(1, i0, n), q_b = q.narrow(1, i0, n);
-      gv.narrow(1, 0, keys).baddbmm_(p.transpose(1, 2), go_b);
-      // dS = p * (dO v^T - delta), the scores' gradient.
-      at::Tensor ds = at::bmm(go_b, v.narrow(1, 0, keys).transpose(1, 2));  // [bh, n, keys]
-      ds.sub_(delta.narrow(1, i0, n)).mul_(p);
-      at::Tensor gq_b = gq.narrow(1, i0, n);
-      at::bmm_out(gq_b, ds, k.narrow(1, 0, keys));
-      gq_b.mul_(scale);
-      gk.narrow(1, 0, keys).baddbmm_(ds.transpose(1, 2), q_b, /*beta=*/1.0, /*alpha=*/scale);
-    }
+    over_heads(q.size(0), [&](int64_t h0, int64_t h1) {
+      at::Tensor gqh = heads_of(gq, h0, h1), gkh = heads_of(gk, h0, h1), gvh = heads_of(gv, h0, h1);
+      backward_heads(heads_of(q, h0, h1), heads_of(k, h0, h1), heads_of(v, h0, h1), heads_of(lse, h0, h1),
+                     heads_of(go, h0, h1), heads_of(delta, h0, h1), gqh, gkh, gvh, scale, block);
+    });
     return {gq, gk, gv, at::Tensor(), at::Tensor()};
   }
 };
