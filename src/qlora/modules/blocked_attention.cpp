@@ -17,23 +17,30 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 // The scaled, causally masked scores of query rows [i0, i0 + n) against keys [0, i0 + n):
-// [bh, n, i0 + n]. q, k: [bh, seq, d] contiguous.
-at::Tensor block_scores(const at::Tensor& q, const at::Tensor& k, int64_t i0, int64_t n, double scale) {
+// [h, n, i0 + n]. q, k: [h, seq, d] contiguous. Only the last n keys (the diagonal block) hold
+// masked entries: `future` [block, block] bool is true above its diagonal.
+at::Tensor block_scores(const at::Tensor& q, const at::Tensor& k, int64_t i0, int64_t n, double scale,
+                        const at::Tensor& future) {
   const int64_t keys = i0 + n;
   at::Tensor s = at::empty({q.size(0), n, keys}, q.options());
   at::baddbmm_out(s, s, q.narrow(1, i0, n), k.narrow(1, 0, keys).transpose(1, 2), /*beta=*/0.0, /*alpha=*/scale);
-  // Row r (query i0 + r) sees keys <= i0 + r.
-  const at::Tensor future = at::ones({n, keys}, q.options().dtype(at::kBool)).triu_(i0 + 1);
-  return s.masked_fill_(future, -std::numeric_limits<double>::infinity());
+  s.narrow(2, i0, n).masked_fill_(future.narrow(0, 0, n).narrow(1, 0, n), -std::numeric_limits<double>::infinity());
+  return s;
+}
+
+// The diagonal block's mask for blocks of `block` rows.
+at::Tensor future_mask(const at::Tensor& q, int64_t block) {
+  return at::ones({block, block}, q.options().dtype(at::kBool)).triu_(1);
 }
 
 // Forward over heads [h0, h1) of the flattened [bh, seq, d] tensors: o and lse of those heads.
 void forward_heads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& o, at::Tensor& lse,
                    double scale, int64_t block) {
   const int64_t seq = q.size(1);
+  const at::Tensor future = future_mask(q, block);
   for (int64_t i0 = 0; i0 < seq; i0 += block) {
     const int64_t n = std::min(block, seq - i0);
-    at::Tensor p = block_scores(q, k, i0, n, scale);  // [h, n, i0 + n]
+    at::Tensor p = block_scores(q, k, i0, n, scale, future);  // [h, n, i0 + n]
     const at::Tensor m = at::amax(p, -1, /*keepdim=*/true);
     p.sub_(m).exp_();
     const at::Tensor l = p.sum(-1, /*keepdim=*/true);
@@ -49,10 +56,11 @@ void backward_heads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
                     const at::Tensor& go, const at::Tensor& delta, at::Tensor& gq, at::Tensor& gk, at::Tensor& gv,
                     double scale, int64_t block) {
   const int64_t seq = q.size(1);
+  const at::Tensor future = future_mask(q, block);
   for (int64_t i0 = 0; i0 < seq; i0 += block) {
     const int64_t n = std::min(block, seq - i0), keys = i0 + n;
     // p = softmax of the block's rows, recomputed from their log-sum-exp.
-    const at::Tensor p = block_scores(q, k, i0, n, scale).sub_(lse.narrow(1, i0, n).unsqueeze(-1)).exp_();
+    const at::Tensor p = block_scores(q, k, i0, n, scale, future).sub_(lse.narrow(1, i0, n).unsqueeze(-1)).exp_();
     const at::Tensor go_b = go.narrow(1, i0, n), q_b = q.narrow(1, i0, n);
     gv.narrow(1, 0, keys).baddbmm_(p.transpose(1, 2), go_b);
     // dS = p * (dO v^T - delta), the scores' gradient.
