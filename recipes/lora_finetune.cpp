@@ -186,6 +186,18 @@ struct Model {
   std::shared_ptr<engine::ShardedLlama> engine;
 };
 
+// On the CPU a model narrower than this gains nothing from a second intra-op thread: its GEMMs and
+// elementwise ops last microseconds, and waking a sleeping (passive, engine/launcher.h) OpenMP
+// worker for each costs more than it saves. The tiny default, 40 steps on a 2-core EPYC VM: one
+// thread 2.45 s alone and 2.42 s beside a busy process; two passive threads 5.0 s alone. A set
+// OMP_NUM_THREADS wins.
+constexpr int64_t kOneThreadBelowHidden = 512;
+
+void fit_threads_to_model(const models::LlamaConfig& c, c10::Device device) {
+  if (device.is_cpu() && c.hidden_size < kOneThreadBelowHidden && !std::getenv("OMP_NUM_THREADS"))
+    at::set_num_threads(1);
+}
+
 Model setup_model(const RecipeConfig& cfg, const std::string& base_dir, c10::Device device, engine::World& world) {
   Model m{{}, engine::ShardedLlama::begin(world, config::sharding_options(cfg.dist))};
   // LoRA init draws from its own generator (training.seed): the same adapters on every rank.
@@ -194,6 +206,7 @@ Model setup_model(const RecipeConfig& cfg, const std::string& base_dir, c10::Dev
     m.engine->shard_layer(i, L, a);
   };
   m.llama = models::load_llama(base_dir, mopts);
+  fit_threads_to_model(m.llama.config, device);
   m.engine->finish(m.llama);
   io::release_free_cpu_memory();  // the load's temporaries
   m.llama.training = true;

@@ -89,7 +89,7 @@ at::Tensor block_logits(const OutputHead& head, const ChunkRows& c, const at::Te
   return y.to(at::kFloat);
 }
 
-// d softcap(y) / dy from the capped logits z: 1 - (z / cap)^2; 1 without a cap.
+// d softcap(y) / dy from the capped logits z (with a cap): 1 - (z / cap)^2.
 at::Tensor softcap_slope(const OutputHead& head, const at::Tensor& z) {
   return 1.0 - (z / head.softcap).square();
 }
