@@ -1,13 +1,13 @@
 // Fair under contention, measured in one run and printed as one JSON object: the tiny default run
 // (`qlora run lora_finetune`, one epoch of --steps steps, outputs in a temporary directory) alone and
-// beside one busy competitor (`yes > /dev/null`), with qlora's default OpenMP wait policy
-// (engine/launcher.h: passive) and, as the peer, the spinning one it replaced: libgomp's own default,
-// which spins 300000 times before sleeping (GOMP_SPINCOUNT=300000; --peer sets another, e.g.
-// OMP_WAIT_POLICY=ACTIVE, which spins for good). Target: beside the competitor the default run
+// beside one busy competitor (`yes > /dev/null`), with qlora's defaults (engine/launcher.h: passive
+// OpenMP workers; a model this narrow on one intra-op thread, recipes/lora_finetune.cpp) and, as the
+// peer, what they replaced: libgomp's own spinning default (300000 spins before sleeping) on every
+// core (--peer sets other variables, e.g. "OMP_WAIT_POLICY=ACTIVE OMP_NUM_THREADS=2"). Target: beside the competitor the default run
 // takes at most 2x its time alone. With --reps N the four configurations alternate N times and
 // each reports its median.
 //
-//   build/bench_contention [--steps 40] [--reps 1] [--peer VAR=VALUE] [--qlora build/qlora]
+//   build/bench_contention [--steps 40] [--reps 1] [--peer "VAR=VALUE ..."] [--qlora build/qlora]
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/prctl.h>
@@ -93,7 +93,7 @@ double run_seconds(const std::string& env, const std::string& qlora, int steps, 
 
 int main(int argc, char** argv) try {
   int steps = 40, reps = 1;
-  std::string peer = "GOMP_SPINCOUNT=300000";
+  std::string peer = "GOMP_SPINCOUNT=300000 OMP_NUM_THREADS=" + std::to_string(sysconf(_SC_NPROCESSORS_ONLN));
   std::string qlora = (fs::read_symlink("/proc/self/exe").parent_path() / "qlora").string();
   for (int i = 1; i < argc; ++i) {
     const std::string s = argv[i];
@@ -105,7 +105,7 @@ int main(int argc, char** argv) try {
     else throw std::invalid_argument("unknown argument " + s + " (--steps N --reps N --peer VAR=VALUE --qlora PATH)");
   }
   // The default: no wait-policy variable, so qlora picks its own; the peer: a spinning one.
-  const std::string unset = "env -u OMP_WAIT_POLICY -u GOMP_SPINCOUNT";
+  const std::string unset = "env -u OMP_WAIT_POLICY -u GOMP_SPINCOUNT -u OMP_NUM_THREADS";
   const std::vector<std::pair<std::string, std::string>> policies = {{"default", unset},
                                                                      {"spinning", unset + " " + peer}};
   const fs::path dir = fs::temp_directory_path() / ("qlora_bench_contention_" + std::to_string(::getpid()));
