@@ -73,6 +73,24 @@ TEST(Rope, Llama3ScalingHandComputed) {
   EXPECT_NEAR(f[3].item<double>(), base(3) / 8.0, base(3) / 8.0 * 1e-5);
 }
 
+// apply_rope (one autograd node) equals transformers' expression x * cos + rotate_half(x) * sin,
+// in value and in the gradient, for shared [seq, d] and per-row [b, seq, d] tables.
+TEST(Rope, FusedMatchesExpressionWithGradient) {
+  const at::Tensor inv = rope_inv_freq(8, 10000.0, std::nullopt);
+  const at::Tensor x = randn({2, 3, 5, 8}, 40), g = randn({2, 3, 5, 8}, 41);
+  for (const at::Tensor& pos : {at::arange(5, at::kLong), at::arange(10, at::kLong).view({2, 5}) * 3}) {
+    const RopeTables t = rope_tables(inv, pos, at::kFloat);
+    const at::Tensor cos = t.cos.dim() == 3 ? t.cos.unsqueeze(1) : t.cos, sin = t.sin.dim() == 3 ? t.sin.unsqueeze(1) : t.sin;
+    const at::Tensor xa = x.detach().requires_grad_(), xb = x.detach().requires_grad_();
+    const at::Tensor got = apply_rope(xa.transpose(1, 2).transpose(1, 2), t);  // a strided view, as the layer passes
+    const at::Tensor want = xb * cos + at::cat({-xb.narrow(-1, 4, 4), xb.narrow(-1, 0, 4)}, -1) * sin;
+    got.backward(g);
+    want.backward(g);
+    EXPECT_LT(max_abs(got - want), 1e-6) << pos.dim();
+    EXPECT_LT(max_abs(xa.grad() - xb.grad()), 1e-6) << pos.dim();
+  }
+}
+
 TEST(Rope, TablesAndRotation) {
   at::Tensor inv = rope_inv_freq(4, 10000.0, std::nullopt);
   RopeTables t = rope_tables(inv, at::arange(3, at::kLong), at::kFloat);

@@ -83,15 +83,43 @@ RopeTables rope_tables(const at::Tensor& inv_freq, const at::Tensor& positions, 
   return {emb.cos().to(dtype), emb.sin().to(dtype)};
 }
 
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// out = t * cos, then the rotate-half term added into each half in place: out1 += sign1 * u2 * sin1,
+// out2 += sign2 * u1 * sin2 (u = t's halves). Forward: u = x, signs (-1, +1); backward: u = grad,
+// signs (+1, -1). Three ops, no rotated copy.
+at::Tensor rotate(const at::Tensor& t, const at::Tensor& cos, const at::Tensor& sin, double sign1) {
+  const int64_t half = t.size(-1) / 2;
+  at::Tensor out = t * cos;
+  out.narrow(-1, 0, half).addcmul_(t.narrow(-1, half, half), sin.narrow(-1, 0, half), sign1);
+  out.narrow(-1, half, half).addcmul_(t.narrow(-1, 0, half), sin.narrow(-1, half, half), -sign1);
+  return out;
+}
+
+// Rotate-half RoPE as one autograd node: x * cos + rotate_half(x) * sin (transformers' expression,
+// the same products and sums), and in backward g * cos + rotate_half^T(g * sin).
+struct RopeFunction : public torch::autograd::Function<RopeFunction> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+    ctx->saved_data["cos"] = cos;  // frozen tables: constants of the graph
+    ctx->saved_data["sin"] = sin;
+    return rotate(x, cos, sin, -1.0);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    const at::Tensor cos = ctx->saved_data["cos"].toTensor(), sin = ctx->saved_data["sin"].toTensor();
+    return {rotate(grad_outputs[0], cos, sin, 1.0), at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
 at::Tensor apply_rope(const at::Tensor& x, const RopeTables& rope) {
-  const int64_t half = x.size(-1) / 2;
-  at::Tensor x1 = x.narrow(-1, 0, half);
-  at::Tensor x2 = x.narrow(-1, half, half);
-  at::Tensor rotated = at::cat({-x2, x1}, -1);  // [b, h, s, d]
   // [seq, d] tables broadcast against the last two dims of x; per-row [b, seq, d] tables need a
   // heads dim inserted to become [b, 1, seq, d].
-  if (rope.cos.dim() == 3) return x * rope.cos.unsqueeze(1) + rotated * rope.sin.unsqueeze(1);
-  return x * rope.cos + rotated * rope.sin;
+  if (rope.cos.dim() == 3) return RopeFunction::apply(x, rope.cos.unsqueeze(1), rope.sin.unsqueeze(1));
+  return RopeFunction::apply(x, rope.cos, rope.sin);
 }
 
 namespace {
