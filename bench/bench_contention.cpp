@@ -28,6 +28,8 @@
 #include <string>
 #include <vector>
 
+#include "bench/machine.h"
+
 using nlohmann::json;
 namespace fs = std::filesystem;
 
@@ -50,20 +52,6 @@ struct Competitor {
     ::waitpid(pid, nullptr, 0);
   }
 };
-
-std::string cpu_model() {
-  std::ifstream f("/proc/cpuinfo");
-  for (std::string line; std::getline(f, line);)
-    if (line.rfind("model name", 0) == 0) return line.substr(line.find(':') + 2);
-  return "unknown";
-}
-
-std::vector<double> loadavg() {
-  std::ifstream f("/proc/loadavg");
-  std::vector<double> v(3);
-  f >> v[0] >> v[1] >> v[2];
-  return v;
-}
 
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -109,8 +97,8 @@ int main(int argc, char** argv) try {
   const std::vector<std::pair<std::string, std::string>> policies = {{"default", unset},
                                                                      {"spinning", unset + " " + peer}};
   const fs::path dir = fs::temp_directory_path() / ("qlora_bench_contention_" + std::to_string(::getpid()));
-  json r = {{"bench", "contention"}, {"cpu", cpu_model()}, {"logical_cpus", sysconf(_SC_NPROCESSORS_ONLN)},
-            {"loadavg_before", loadavg()}, {"steps", steps}, {"reps", reps},
+  json r = {{"bench", "contention"}, {"cpu", qlora::bench::cpu_model()}, {"logical_cpus", sysconf(_SC_NPROCESSORS_ONLN)},
+            {"loadavg_before", qlora::bench::load_average()}, {"steps", steps}, {"reps", reps},
             {"run", "qlora run lora_finetune training.epochs=1 training.max_steps_per_epoch=" + std::to_string(steps)},
             {"competitor", "yes > /dev/null"},
             {"policies", {{"default", "none set: qlora's own (engine/launcher.h)"}, {"spinning", peer}}}};
@@ -131,7 +119,7 @@ int main(int argc, char** argv) try {
   r["default_alone_vs_spinning_alone"] = median(times["default_alone"]) / median(times["spinning_alone"]);
   r["target"] = "slowdown <= 2x beside one busy process (default policy)";
   r["target_met"] = r["slowdown_beside_busy"]["default"].get<double>() <= 2.0;
-  r["loadavg_after"] = loadavg();
+  r["loadavg_after"] = qlora::bench::load_average();
   std::cout << r.dump(2) << std::endl;
   return 0;
 } catch (const std::exception& e) {

@@ -18,6 +18,7 @@
 #include <thread>
 #include <vector>
 
+#include "bench/machine.h"
 #include "bench/run_json.h"
 #include "qlora/ops/nf4_ops.h"
 
@@ -56,13 +57,6 @@ json timed(const std::function<void()>& fn, int reps, const std::string& device)
   }
   std::sort(t.begin(), t.end());
   return {{"median_s", t[t.size() / 2]}, {"min_s", t.front()}, {"reps", reps}};
-}
-
-std::string cpu_model() {
-  std::ifstream f("/proc/cpuinfo");
-  for (std::string line; std::getline(f, line);)
-    if (line.rfind("model name", 0) == 0) return line.substr(line.find(':') + 2);
-  return "unknown";
 }
 
 json run_peer(const Args& a) {
@@ -131,7 +125,7 @@ int main(int argc, char** argv) {
                  {"dtype", "bfloat16"},
                  {"device", a.device},
                  {"machine",
-                  {{"cpu", cpu_model()},
+                  {{"cpu", qlora::bench::cpu_model()},
                    {"hardware_threads", std::thread::hardware_concurrency()},
                    {"aten_threads", at::get_num_threads()}}},
                  {"qlora", r}};

@@ -39,6 +39,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/machine.h"
 #include "bench/memory_account.h"
 #include "bench/random_llama.h"
 #include "bench/shape_args.h"
@@ -78,28 +79,6 @@ struct Args : qlora::bench::ShapeArgs {
 
 // Every decoder projection of the Llama shape (random_model adapts those of its family).
 const std::vector<std::string> kTargets = qlora::models::layer_peft_names(qlora::models::llama_architecture());
-
-int64_t vm_hwm_bytes() {
-  std::ifstream f("/proc/self/status");
-  for (std::string line; std::getline(f, line);)
-    if (line.rfind("VmHWM:", 0) == 0) return std::stoll(line.substr(6)) * 1024;
-  return -1;
-}
-
-std::string cpu_model() {
-  std::ifstream f("/proc/cpuinfo");
-  for (std::string line; std::getline(f, line);)
-    if (line.rfind("model name", 0) == 0) return line.substr(line.find(':') + 2);
-  return "unknown";
-}
-
-// /proc/loadavg's 1, 5 and 15 minute load: how busy the shared machine was around the run.
-std::string load_average() {
-  std::ifstream f("/proc/loadavg");
-  std::string one, five, fifteen;
-  f >> one >> five >> fifteen;
-  return one + " " + five + " " + fifteen;
-}
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -150,7 +129,7 @@ json run_worker(const Args& a) {
   engine->finish(m);
   qlora::io::release_free_cpu_memory();  // as the recipe does after loading
   const double load_s = seconds_since(t0);
-  const int64_t rss_after_load = vm_hwm_bytes();
+  const int64_t rss_after_load = qlora::bench::proc_status_bytes("VmHWM");
   m.training = true;
   int64_t trainable = 0;
   for (const auto& [name, t] : m.lora_parameters()) trainable += t.numel();
@@ -192,7 +171,7 @@ json run_worker(const Args& a) {
   json out = {{"impl", "qlora (C++)"}, {"threads", at::get_num_threads()}, {"load_s", load_s},
           {"trainable_params", trainable}, {"warmup_step", warmup}, {"step_s", times},
           {"median_step_s", med}, {"tokens_per_s", double(a.batch * a.seq) / med},
-          {"peak_rss_bytes", vm_hwm_bytes()}, {"rss_after_load_bytes", rss_after_load}, {"losses", losses},
+          {"peak_rss_bytes", qlora::bench::proc_status_bytes("VmHWM")}, {"rss_after_load_bytes", rss_after_load}, {"losses", losses},
           {"loss", a.full_logits ? "whole [tokens, vocab] logits" : "chunked, " + std::to_string(chunk) + " tokens"},
           {"memory_accounting", acct.report(qlora::bench::model_static_bytes(m))}};
   if (a.profile) {
@@ -266,8 +245,8 @@ int main(int argc, char** argv) try {
   }
 
   json r = {{"bench", "train_step"},
-            {"machine", {{"cpu", cpu_model()}, {"logical_cpus", sysconf(_SC_NPROCESSORS_ONLN)},
-                         {"loadavg_before", load_average()}}}};
+            {"machine", {{"cpu", qlora::bench::cpu_model()}, {"logical_cpus", sysconf(_SC_NPROCESSORS_ONLN)},
+                         {"loadavg_before", qlora::bench::load_average()}}}};
   for (const char* v : {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"})  // what both sides inherit
     if (const char* set = std::getenv(v)) r["omp_wait"][v] = set;
   if (!a.shape.empty()) {
@@ -285,7 +264,7 @@ int main(int argc, char** argv) try {
         self_exe() + " --worker --no-profile" + shape_flags(a) + (a.no_ac ? " --no-activation-checkpointing" : "");
     if (a.ce_compare) {
       r["ce_compare"] = ce_compare(worker);
-      r["machine"]["loadavg_after"] = load_average();
+      r["machine"]["loadavg_after"] = qlora::bench::load_average();
       std::cout << r.dump(2) << std::endl;
       return 0;
     }
@@ -296,7 +275,7 @@ int main(int argc, char** argv) try {
       r["peak_rss_gib"] = q["peak_rss_bytes"].get<double>() / (1024.0 * 1024 * 1024);
       if (a.shape == "llama2-7b" && a.seq == 128) r["target_peak_rss_le_4.9gb_met"] = q["peak_rss_bytes"].get<double>() <= 4.9e9;
     }
-    r["machine"]["loadavg_after"] = load_average();
+    r["machine"]["loadavg_after"] = qlora::bench::load_average();
     std::cout << r.dump(2) << std::endl;
     return 0;
   }
@@ -324,7 +303,7 @@ int main(int argc, char** argv) try {
       r["target_met"] = tps >= 1.5 && rss <= 0.8 && q.value("step_over_gemm_floor", 99.0) <= 1.3;
     }
   }
-  r["machine"]["loadavg_after"] = load_average();
+  r["machine"]["loadavg_after"] = qlora::bench::load_average();
   std::cout << r.dump(2) << std::endl;
   return 0;
 } catch (const std::exception& e) {

@@ -27,18 +27,11 @@
 #include <vector>
 
 #include "qlora/io/cpu_memory.h"
+#include "bench/machine.h"
 #include "qlora/models/architecture.h"
 #include "qlora/models/llama.h"
 
 namespace qlora::bench {
-
-// A field of /proc/self/status in bytes ("VmRSS", "VmHWM"), -1 if absent.
-inline int64_t proc_status_bytes(const std::string& field) {
-  std::ifstream f("/proc/self/status");
-  for (std::string line; std::getline(f, line);)
-    if (line.rfind(field + ":", 0) == 0) return std::stoll(line.substr(field.size() + 1)) * 1024;
-  return -1;
-}
 
 class MemoryAccount final : public c10::Allocator {
  public:

@@ -89,6 +89,16 @@ at::Tensor block_logits(const OutputHead& head, const ChunkRows& c, const at::Te
   return y.to(at::kFloat);
 }
 
+// Where each token's label falls in vocab rows [r0, r0 + n): whether it does ([T, 1] bool) and its
+// column there (clamped into the block, so usable by gather/scatter either way, [T, 1]).
+struct LabelColumn {
+  at::Tensor in_block, column;
+};
+LabelColumn label_column(const at::Tensor& labels, int64_t r0, int64_t n) {
+  const at::Tensor lb = labels.unsqueeze(1);  // [T, 1]
+  return {(lb >= r0).logical_and_(lb < r0 + n), (lb - r0).clamp_(0, n - 1)};
+}
+
 // d softcap(y) / dy from the capped logits z (with a cap): 1 - (z / cap)^2.
 at::Tensor softcap_slope(const OutputHead& head, const at::Tensor& z) {
   return 1.0 - (z / head.softcap).square();
@@ -112,13 +122,12 @@ ChunkScore score_chunk(const OutputHead& head, const HeadRows& rows, const Chunk
   at::Tensor zl = at::zeros({T}, f32);  // the label's logit
   at::Tensor acc_h = dh ? at::zeros({T, l.in_features}, f32) : at::Tensor();
   at::Tensor acc_xa = dxa ? at::zeros({T, l.r}, f32) : at::Tensor();
-  const at::Tensor lb = c.labels.unsqueeze(1);  // [T, 1]
   for (int64_t r0 = 0; r0 < V; r0 += block) {
     const int64_t n = std::min(block, V - r0);
     const at::Tensor w = rows.block(r0, n, c.h.scalar_type());  // [n, hidden]
     const at::Tensor z = block_logits(head, c, w, r0, n);  // [T, n]
-    const at::Tensor in_block = (lb >= r0).logical_and_(lb < r0 + n);  // [T, 1]
-    zl.add_(at::where(in_block, z.gather(1, (lb - r0).clamp_(0, n - 1)), 0.0).squeeze(1));
+    const LabelColumn lc = label_column(c.labels, r0, n);
+    zl.add_(at::where(lc.in_block, z.gather(1, lc.column), 0.0).squeeze(1));
     const at::Tensor m_new = at::maximum(m, at::amax(z, 1, /*keepdim=*/true));  // [T, 1]
     const at::Tensor rescale = (m - m_new).exp_();  // 0 on the first block
     at::Tensor p = (z - m_new).exp_();  // [T, n]
@@ -145,13 +154,12 @@ void add_lora_b_grad(const OutputHead& head, const HeadRows& rows, const ChunkRo
                      at::Tensor& db) {
   const modules::LoraLinear& l = *head.proj;
   const int64_t V = l.out_features, block = std::max<int64_t>(1, head.widen_rows);
-  const at::Tensor lb = c.labels.unsqueeze(1);
   for (int64_t r0 = 0; r0 < V; r0 += block) {
     const int64_t n = std::min(block, V - r0);
     const at::Tensor z = block_logits(head, c, rows.block(r0, n, c.h.scalar_type()), r0, n);  // [T, n]
     at::Tensor g = (z - lse.unsqueeze(1)).exp_();  // [T, n]
-    const at::Tensor in_block = (lb >= r0).logical_and_(lb < r0 + n);
-    g.scatter_add_(1, (lb - r0).clamp_(0, n - 1), at::where(in_block, -1.0, 0.0).to(at::kFloat));
+    const LabelColumn lc = label_column(c.labels, r0, n);
+    g.scatter_add_(1, lc.column, at::where(lc.in_block, -1.0, 0.0).to(at::kFloat));
     if (head.softcap != 0.0) g.mul_(softcap_slope(head, z));
     db.narrow(0, r0, n).addmm_(g.t(), c.xa);
   }
