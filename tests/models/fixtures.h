@@ -2,7 +2,8 @@
 // and the message parse_llama_config gives a config text.
 #pragma once
 
-#include <ATen/core/Tensor.h>
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
 
 #include <cstdlib>
 #include <stdexcept>
@@ -20,6 +21,12 @@ inline std::string tiny_llama() {
 }
 
 inline double max_abs(const at::Tensor& a) { return a.abs().max().item<double>(); }
+
+inline at::Generator seeded(uint64_t s) { return at::make_generator<at::CPUGeneratorImpl>(s); }
+// Standard normal fp32 values of `shape` from seed, times scale.
+inline at::Tensor randn(at::IntArrayRef shape, uint64_t seed, double scale = 1.0) {
+  return at::randn(shape, seeded(seed), at::TensorOptions().dtype(at::kFloat)) * scale;
+}
 
 // Unit hook calls as strings: "bf3" before_forward(3), "af3r" after_forward(3) of a replay, "bb3",
 // "ab3" for the backward ones.

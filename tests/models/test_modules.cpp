@@ -137,11 +137,15 @@ TEST(Attention, BlockedCausalMatchesSdpaWithGradients) {
   const auto want = run([](const at::Tensor& a, const at::Tensor& b, const at::Tensor& c) {
     return at::scaled_dot_product_attention(a, b, c, std::nullopt, 0.0, /*is_causal=*/true, 0.3);
   });
-  for (const int64_t block : {int64_t{1}, int64_t{5}, int64_t{16}, int64_t{37}, int64_t{64}}) {
-    const auto got = run([block](const at::Tensor& a, const at::Tensor& b, const at::Tensor& c) {
-      return blocked_causal_attention(a, b, c, 0.3, block);
-    });
-    for (size_t i = 0; i < got.size(); ++i) EXPECT_LT(max_abs(got[i] - want[i]), 1e-5) << "block " << block << " #" << i;
+  // Probabilities kept for backward or recomputed there (seq 37 <= 8 d keeps them by default).
+  for (const std::optional<bool> keep : {std::optional<bool>(), std::optional<bool>(false), std::optional<bool>(true)}) {
+    for (const int64_t block : {int64_t{1}, int64_t{5}, int64_t{16}, int64_t{37}, int64_t{64}}) {
+      const auto got = run([block, keep](const at::Tensor& a, const at::Tensor& b, const at::Tensor& c) {
+        return blocked_causal_attention(a, b, c, 0.3, block, keep);
+      });
+      for (size_t i = 0; i < got.size(); ++i)
+        EXPECT_LT(max_abs(got[i] - want[i]), 1e-5) << "block " << block << " keep " << keep.value_or(-1) << " #" << i;
+    }
   }
   // Through causal_attention with 2 kv heads: the gradients of k and v sum over their query heads.
   const at::Tensor k2 = k.narrow(1, 0, 2).detach().requires_grad_(), v2 = v.narrow(1, 0, 2).detach().requires_grad_();

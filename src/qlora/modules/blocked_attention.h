@@ -2,21 +2,25 @@
 // query rows attends only to the keys up to its last row, so the upper-right blocks of the score
 // matrix, which the causal mask would zero, are never computed (~1/2 the FLOPs of a full score
 // matrix at 64-row blocks and seq 512), and every product is one batched GEMM over heads.
-// Backward recomputes each block's probabilities from the saved row log-sum-exp (as flash
-// attention does) instead of keeping [heads, seq, seq] probabilities alive: memory is one block's
-// scores. Measured at seq 512, 12 heads, head_dim 64 (2-core EPYC, one thread): forward + backward
+// The probabilities of the computed blocks (~seq^2 / 2 per head) are kept for backward when they
+// are no larger than q, k, v and o (seq <= 8 head_dim: seq 512 at head_dim 64, 1024 at 128), which
+// saves backward one GEMM and one exp pass of the seven GEMMs; otherwise backward recomputes each
+// block's probabilities from the saved row log-sum-exp (as flash attention does) and memory is one
+// block's scores. Measured at seq 512, 12 heads, head_dim 64 (2-core EPYC, one thread): forward + backward
 // ~25% faster than at::scaled_dot_product_attention's CPU flash kernel, equal to it within fp32
 // rounding (1e-6).
 #pragma once
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <optional>
 
 namespace qlora::modules {
 
 // softmax(q k^T * scale + causal mask) v for q, k, v [b, heads, seq, d] (k and v with as many
-// heads as q), queries and keys at the same positions. Returns [b, heads, seq, d].
+// heads as q), queries and keys at the same positions. Returns [b, heads, seq, d]. keep_probs:
+// keep the probabilities for backward (nullopt: when seq <= 8 head_dim).
 at::Tensor blocked_causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
-                                    int64_t block = 64);
+                                    int64_t block = 64, std::optional<bool> keep_probs = std::nullopt);
 
 }  // namespace qlora::modules

@@ -214,8 +214,9 @@ at::Tensor gated_mlp(const DecoderLayer& layer, const LayerDims& dims, const at:
     gate = gu.narrow(-1, 0, inter);
     up = gu.narrow(-1, inter, inter);
   } else {
-    gate = lora_linear_forward(layer.gate_proj, x, training);
-    up = lora_linear_forward(layer.up_proj, x, training);
+    const std::vector<at::Tensor> gu = lora_linear_group_forward({&layer.gate_proj, &layer.up_proj}, x, training);
+    gate = gu[0];
+    up = gu[1];
   }
   gate = dims.activation == MlpActivation::kSilu ? at::silu(gate) : at::gelu(gate, "tanh");
   return lora_linear_forward(layer.down_proj, gate * up, training);  // [b, s, hidden]
@@ -235,9 +236,11 @@ std::array<at::Tensor, 3> project_qkv(const DecoderLayer& layer, const LayerDims
     k = qkv.narrow(-1, nq, nkv);
     v = qkv.narrow(-1, nq + nkv, nkv);
   } else {
-    q = lora_linear_forward(layer.q_proj, x, training);
-    k = lora_linear_forward(layer.k_proj, x, training);
-    v = lora_linear_forward(layer.v_proj, x, training);
+    const std::vector<at::Tensor> qkv = lora_linear_group_forward({&layer.q_proj, &layer.k_proj, &layer.v_proj}, x,
+                                                                  training);
+    q = qkv[0];
+    k = qkv[1];
+    v = qkv[2];
   }
   return {q.view({b, s, dims.num_heads, d}), k.view({b, s, dims.num_kv_heads, d}), v.view({b, s, dims.num_kv_heads, d})};
 }

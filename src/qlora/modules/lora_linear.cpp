@@ -6,12 +6,15 @@
 #include <ATen/ops/matmul.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/zeros.h>
+#include <ATen/ops/cat.h>
 #include <ATen/record_function.h>
+#include <c10/util/accumulate.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <cmath>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "qlora/modules/nf4_linear.h"
 
@@ -22,53 +25,191 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 
-// base(x) + scale * (x @ A^T) @ B^T as one autograd node, for an adapter without dropout: the
-// update accumulates into the base output inside the GEMM (no [tokens, out] temporaries), and
-// backward runs five GEMMs and nothing else (the base weight dequantized again, as nf4_linear's
-// backward does). Saved: x and x @ A^T [tokens, r]. In the compute dtype bf16 the update is added
-// in fp32 and the sum cast back, as lora_linear_forward does.
-struct LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
-                            const LoraLinear* layer) {
+using Members = std::vector<const LoraLinear*>;
+
+// The adapters a LoraGroupFunction saved: nothing (bases alone), or x, x @ A^T, n A's and n B's.
+int64_t adapters_saved(const variable_list& saved) {
+  return saved.empty() ? 0 : (static_cast<int64_t>(saved.size()) - 2) / 2;
+}
+
+// Where member i of a group sits: its columns [off, off + out) of the side-by-side output, and its
+// adapter's rank columns [roff, roff + r) of x @ [A_0; A_1; ...]^T (r == 0: no adapter).
+struct Span {
+  int64_t off = 0, out = 0, roff = 0, r = 0;
+  double scale = 0.0;
+};
+
+std::vector<Span> spans_of(const std::vector<int64_t>& outs, const std::vector<int64_t>& ranks,
+                           const std::vector<double>& scales) {
+  std::vector<Span> spans(outs.size());
+  int64_t off = 0, roff = 0;
+  for (size_t i = 0; i < outs.size(); ++i) {
+    spans[i] = {off, outs[i], roff, ranks[i], scales[i]};
+    off += outs[i];
+    roff += ranks[i];
+  }
+  return spans;
+}
+
+// The members' base outputs side by side, [T, sum of out] in x2's dtype, biases added: small NF4
+// weights stacked into one GEMM, others by their own (chunked) products into column slices.
+at::Tensor group_base(const at::Tensor& x2, const Members& m, const std::vector<Span>& spans) {
+  const at::ScalarType dt = x2.scalar_type();
+  at::Tensor y;
+  if (m[0]->base_nf4.defined()) {
+    std::vector<const Nf4Tensor*> ws;
+    for (const LoraLinear* l : m) ws.push_back(&l->base_nf4);
+    const at::Tensor stacked = nf4_stacked(ws, dt);  // [O, in] or undefined
+    RECORD_USER_SCOPE("qlora::base_linear");        // a phase of bench_train_step's profile
+    if (stacked.defined()) y = at::mm(x2, stacked.t());
+  }
+  if (!y.defined()) {
+    y = at::empty({x2.size(0), spans.back().off + spans.back().out}, x2.options());
+    for (size_t i = 0; i < m.size(); ++i) {
+      at::Tensor yi = y.narrow(1, spans[i].off, spans[i].out);
+      if (m[i]->base_nf4.defined()) nf4_times_transposed_out(x2, m[i]->base_nf4, yi);
+      else at::mm_out(yi, x2, m[i]->base_dense.to(dt).t());
+    }
+  }
+  for (size_t i = 0; i < m.size(); ++i)
+    if (m[i]->bias.defined()) y.narrow(1, spans[i].off, spans[i].out).add_(m[i]->bias);
+  return y;
+}
+
+// g [T, O] @ [W_0; W_1; ...] -> [T, in]: the base weights dequantized again (none was kept), the
+// small NF4 ones stacked into one GEMM, others accumulated weight by weight.
+at::Tensor group_base_grad(AutogradContext* ctx, const at::Tensor& g, const std::vector<Span>& spans, int64_t in) {
+  const bool nf4 = ctx->saved_data.count("w0.codes") > 0;
+  std::vector<Nf4Tensor> ws;
+  for (size_t i = 0; nf4 && i < spans.size(); ++i) ws.push_back(load_nf4(ctx, "w" + std::to_string(i) + "."));
+  if (nf4) {
+    std::vector<const Nf4Tensor*> ptrs;
+    for (const Nf4Tensor& w : ws) ptrs.push_back(&w);
+    const at::Tensor stacked = nf4_stacked(ptrs, g.scalar_type());
+    RECORD_USER_SCOPE("qlora::base_linear");
+    if (stacked.defined()) return at::mm(g, stacked);
+  }
+  at::Tensor gx = at::empty({g.size(0), in}, g.options());
+  for (size_t i = 0; i < spans.size(); ++i) {
+    const at::Tensor gi = g.narrow(1, spans[i].off, spans[i].out);
+    if (nf4) grad_times_nf4_out(gi, ws[i], gx, i > 0);
+    else gx.addmm_(gi, ctx->saved_data.at("dense" + std::to_string(i)).toTensor().to(g.scalar_type()), i > 0 ? 1.0 : 0.0);
+  }
+  return gx;
+}
+
+// Projections that read one input (q/k/v, gate/up, or a single one) as one autograd node, each
+// base(x) + scale * (x @ A^T) @ B^T, for adapters without dropout. Forward: the bases as one GEMM
+// (small NF4 weights stacked), x @ [A_0; A_1; ...]^T as one, each update accumulated into its
+// member's columns inside its GEMM. Backward: the members' gradients side by side, one GEMM back
+// through the stacked bases, one through the stacked A's (no per-member [T, in] sums), the B and A
+// gradients. Saved: x and x @ A^T [T, sum of r]; the bases are dequantized again. In the compute
+// dtype bf16 the updates are added in fp32 and the sums cast back, as lora_linear_forward does.
+// Outputs: one per member, [..., out_i] (views into the side-by-side output).
+struct LoraGroupFunction : public torch::autograd::Function<LoraGroupFunction> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, at::TensorList as, at::TensorList bs,
+                               const Members* members) {
     RECORD_USER_SCOPE("qlora::lora_linear");  // a phase of bench_train_step's profile
-    const at::Tensor x2 = x.reshape({-1, layer->in_features});         // [T, in]
-    const at::Tensor xa = at::mm(x2.to(a.scalar_type()), a.t());     // [T, r] fp32
-    at::Tensor y = layer->base_nf4.defined() ? nf4_times_transposed(x2, layer->base_nf4)
-                                             : at::linear(x2, layer->base_dense.to(x.scalar_type()));  // [T, out]
-    if (layer->bias.defined()) y.add_(layer->bias);
-    if (y.scalar_type() == b.scalar_type()) y.addmm_(xa, b.t(), 1.0, layer->scale);
-    else y = y.to(b.scalar_type()).addmm_(xa, b.t(), 1.0, layer->scale).to(x.scalar_type());
-    ctx->save_for_backward({x, a, b, xa});
-    if (layer->base_nf4.defined()) save_nf4(ctx, layer->base_nf4);
-    else ctx->saved_data["dense"] = layer->base_dense;
-    ctx->saved_data["scale"] = layer->scale;
-    std::vector<int64_t> sizes = x.sizes().vec();
-    sizes.back() = layer->out_features;
-    return y.view(sizes);
+    const Members& m = *members;
+    const int64_t in = m[0]->in_features;
+    std::vector<int64_t> outs, ranks;
+    std::vector<double> scales;
+    for (const LoraLinear* l : m) {
+      outs.push_back(l->out_features);
+      ranks.push_back(l->r);
+      scales.push_back(l->scale);
+    }
+    const std::vector<Span> spans = spans_of(outs, ranks, scales);
+    const at::Tensor x2 = x.reshape({-1, in});  // [T, in]
+    at::Tensor y = group_base(x2, m, spans);     // [T, O]
+    std::vector<at::Tensor> saved;
+    if (!as.empty()) {
+      const at::Tensor xa = at::mm(x2.to(as[0].scalar_type()), at::cat(as).t());  // [T, R] fp32
+      at::Tensor yf = y.to(bs[0].scalar_type());
+      for (size_t i = 0, j = 0; i < spans.size(); ++i) {
+        const Span& s = spans[i];
+        if (s.r > 0) yf.narrow(1, s.off, s.out).addmm_(xa.narrow(1, s.roff, s.r), bs[j++].t(), 1.0, s.scale);
+      }
+      y = yf.to(x.scalar_type());
+      saved = {x, xa};
+      saved.insert(saved.end(), as.begin(), as.end());
+      saved.insert(saved.end(), bs.begin(), bs.end());
+    }
+    ctx->save_for_backward(saved);
+    for (size_t i = 0; i < m.size(); ++i) {
+      if (m[i]->base_nf4.defined()) save_nf4(ctx, m[i]->base_nf4, "w" + std::to_string(i) + ".");
+      else ctx->saved_data["dense" + std::to_string(i)] = m[i]->base_dense;
+    }
+    ctx->saved_data["x_sizes"] = x.sizes().vec();
+    ctx->saved_data["outs"] = outs;
+    ctx->saved_data["ranks"] = ranks;
+    ctx->saved_data["scales"] = scales;
+    variable_list result;
+    for (const Span& s : spans) {
+      std::vector<int64_t> sizes = x.sizes().vec();
+      sizes.back() = s.out;
+      result.push_back(y.narrow(1, s.off, s.out).view(sizes));
+    }
+    return result;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
     RECORD_USER_SCOPE("qlora::lora_linear");
     const variable_list saved = ctx->get_saved_variables();
-    const at::Tensor &x = saved[0], &a = saved[1], &b = saved[2], &xa = saved[3];
-    const double scale = ctx->saved_data["scale"].toDouble();
-    const at::Tensor g = grad_outputs[0].reshape({-1, b.size(0)});  // [T, out]
-    const at::Tensor gf = g.to(b.scalar_type());
-    // The skinny GEMMs in the operand layouts MKL runs fast: g @ B with B as a transposed [r, out]
-    // copy (~2x faster than B as stored), B's gradient as (xa^T g)^T (~8x faster than g^T xa).
-    const at::Tensor gxa = at::mm(gf, b.t().contiguous().t());  // [T, r], before the scale
-    const at::Tensor x2 = x.reshape({-1, a.size(1)});
-    at::Tensor gx, ga, gb;
-    if (ctx->needs_input_grad(1)) ga = at::mm(gxa.t(), x2.to(a.scalar_type())).mul_(scale);  // [r, in]
-    if (ctx->needs_input_grad(2)) gb = at::mm(xa.t(), gf).mul_(scale).t().contiguous();      // [out, r]
-    if (ctx->needs_input_grad(0)) {
-      gx = ctx->saved_data.count("dense") ? at::mm(g, ctx->saved_data["dense"].toTensor().to(g.scalar_type()))
-                                          : grad_times_nf4(g, load_nf4(ctx));  // [T, in]
-      if (gx.scalar_type() == a.scalar_type()) gx.addmm_(gxa, a, 1.0, scale);
-      else gx = gx.to(a.scalar_type()).addmm_(gxa, a, 1.0, scale).to(x.scalar_type());
-      gx = gx.view(x.sizes());
+    const std::vector<int64_t> x_sizes = ctx->saved_data["x_sizes"].toIntVector();
+    const std::vector<Span> spans = spans_of(ctx->saved_data["outs"].toIntVector(),
+                                             ctx->saved_data["ranks"].toIntVector(),
+                                             ctx->saved_data["scales"].toDoubleVector());
+    const int64_t in = x_sizes.back(), tokens = c10::multiply_integers(x_sizes) / in, n = adapters_saved(saved);
+    at::TensorOptions opt;  // of the gradients that arrived
+    for (const at::Tensor& go : grad_outputs)
+      if (go.defined()) opt = go.options();
+    std::vector<at::Tensor> parts;  // each member's output gradient [T, out] (zeros where unused)
+    for (size_t i = 0; i < spans.size(); ++i) {
+      parts.push_back(grad_outputs[i].defined() ? grad_outputs[i].reshape({tokens, spans[i].out})
+                                                : at::zeros({tokens, spans[i].out}, opt));
     }
-    return {gx, ga, gb, at::Tensor()};
+    const at::Tensor g = parts.size() == 1 ? parts[0] : at::cat(parts, 1);  // [T, O]
+    variable_list result(static_cast<size_t>(2 + 2 * n));  // x, the A's, the B's, the members
+    at::Tensor gx = group_base_grad(ctx, g, spans, in);  // [T, in]
+    if (n > 0) adapter_grads(ctx, saved, g, spans, gx, result);
+    result[0] = gx.view(x_sizes);
+    return result;
+  }
+
+  // The adapters' gradients into result[1 .. 2n] (A's, then B's), and their part of x's gradient
+  // added to gx. saved: x, x @ A^T, the A's, the B's.
+  static void adapter_grads(AutogradContext* ctx, const variable_list& saved, const at::Tensor& g,
+                            const std::vector<Span>& spans, at::Tensor& gx, variable_list& result) {
+    const int64_t n = adapters_saved(saved);
+    const at::Tensor &x = saved[0], &xa = saved[1];
+    const at::ScalarType ft = saved[2].scalar_type();
+    const at::Tensor gf = g.to(ft), x2 = x.reshape({-1, x.size(-1)}).to(ft);
+    // g_i @ B_i for each adapter, scaled, side by side [T, R]. B as a transposed [r, out] copy: the
+    // skinny GEMM's fast layout in MKL (~2x faster than B as stored).
+    at::Tensor gxa = at::empty_like(xa);
+    std::vector<int64_t> roffs;  // adapter j's rows of the stacked A's
+    for (size_t i = 0, j = 0; i < spans.size(); ++i) {
+      const Span& s = spans[i];
+      if (s.r == 0) continue;
+      const at::Tensor& b = saved[2 + n + j];
+      roffs.push_back(s.roff);
+      at::Tensor gxa_i = gxa.narrow(1, s.roff, s.r);
+      at::mm_out(gxa_i, gf.narrow(1, s.off, s.out), b.t().contiguous().t());
+      gxa_i.mul_(s.scale);
+      // B's gradient as (xa^T g)^T: ~8x faster than g^T xa.
+      if (ctx->needs_input_grad(1 + n + j))
+        result[1 + n + j] = at::mm(xa.narrow(1, s.roff, s.r).t(), gf.narrow(1, s.off, s.out)).mul_(s.scale).t().contiguous();
+      ++j;
+    }
+    const at::Tensor ga = at::mm(gxa.t(), x2);  // [R, in]
+    for (int64_t j = 0; j < n; ++j) {
+      const at::Tensor& a = saved[2 + j];
+      if (ctx->needs_input_grad(1 + j)) result[1 + j] = ga.narrow(0, roffs[j], a.size(0)).clone();
+    }
+    const at::Tensor a_cat = at::cat(at::TensorList(saved).slice(2, n));  // [R, in]
+    if (gx.scalar_type() == ft) gx.addmm_(gxa, a_cat);
+    else gx = gx.to(ft).addmm_(gxa, a_cat).to(x.scalar_type());
   }
 };
 
@@ -124,9 +265,42 @@ at::Tensor lora_linear_base(const LoraLinear& layer, const at::Tensor& x) {
   return layer.bias.defined() ? y + layer.bias : y;
 }
 
+namespace {
+
+// Whether the members can run as one LoraGroupFunction: one kind of base over one in_features,
+// and no adapter drawing dropout (that path keeps separate nodes).
+bool groupable(const std::vector<const LoraLinear*>& m, bool training) {
+  for (const LoraLinear* l : m) {
+    if (l->in_features != m[0]->in_features || l->base_nf4.defined() != m[0]->base_nf4.defined()) return false;
+    if (l->has_lora() && training && l->dropout > 0.0) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+std::vector<at::Tensor> lora_linear_group_forward(const std::vector<const LoraLinear*>& members,
+                                                  const at::Tensor& x, bool training) {
+  if (members.empty()) throw std::invalid_argument("lora_linear_group_forward: no projections");
+  bool any_lora = false;
+  for (const LoraLinear* l : members) any_lora = any_lora || l->has_lora();
+  if (!groupable(members, training) || (members.size() == 1 && !any_lora)) {
+    std::vector<at::Tensor> ys;
+    for (const LoraLinear* l : members) ys.push_back(l->has_lora() ? lora_linear_forward(*l, x, training)
+                                                                     : lora_linear_base(*l, x));
+    return ys;
+  }
+  std::vector<at::Tensor> as, bs;
+  for (const LoraLinear* l : members) {
+    if (!l->has_lora()) continue;
+    as.push_back(l->lora_a);
+    bs.push_back(l->lora_b);
+  }
+  return LoraGroupFunction::apply(x, at::TensorList(as), at::TensorList(bs), &members);
+}
+
 at::Tensor lora_linear_forward(const LoraLinear& layer, const at::Tensor& x, bool training) {
-  if (layer.has_lora() && !(training && layer.dropout > 0.0))
-    return LoraLinearFunction::apply(x, layer.lora_a, layer.lora_b, &layer);
+  if (layer.has_lora() && !(training && layer.dropout > 0.0)) return lora_linear_group_forward({&layer}, x, training)[0];
   at::Tensor y = lora_linear_base(layer, x);  // [..., out]
   if (!layer.has_lora()) return y;
   return (y + lora_delta(layer, x, training)).to(x.scalar_type());

@@ -9,6 +9,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "quant/nf4_tensor.h"
 
@@ -50,6 +51,14 @@ void lora_linear_add_adapter(LoraLinear& layer, int64_t r, double alpha, double 
 // base output inside its GEMM; five GEMMs in backward, no elementwise passes); with dropout, the
 // base and the update are separate nodes.
 at::Tensor lora_linear_forward(const LoraLinear& layer, const at::Tensor& x, bool training);
+
+// Projections that read the same x (q/k/v, gate/up), each as lora_linear_forward, as one autograd
+// node: their bases in one GEMM (small NF4 weights dequantized one under the other), x @ A^T of
+// all adapters in one, and in backward one GEMM back to x instead of one per member plus their
+// sum. Members may lack an adapter; with mixed bases or an adapter drawing dropout they run one by
+// one. Returns [..., out_i] per member, in order.
+std::vector<at::Tensor> lora_linear_group_forward(const std::vector<const LoraLinear*>& members,
+                                                  const at::Tensor& x, bool training);
 
 // The base output alone: x @ W^T (+ bias), [..., out] in x's dtype.
 at::Tensor lora_linear_base(const LoraLinear& layer, const at::Tensor& x);

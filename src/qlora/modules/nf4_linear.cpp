@@ -1,6 +1,7 @@
 #include "qlora/modules/nf4_linear.h"
 
 #include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
 #include <ATen/ops/linear.h>
 #include <ATen/record_function.h>
 #include <ATen/ops/matmul.h>
@@ -18,29 +19,31 @@ namespace qlora::modules {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-void save_nf4(AutogradContext* ctx, const Nf4Tensor& w) {
-  ctx->saved_data["codes"] = w.codes;
-  ctx->saved_data["scalers"] = w.scalers;
-  ctx->saved_data["factors"] = w.factors;
-  ctx->saved_data["mean"] = w.mean;
-  ctx->saved_data["shape"] = c10::IValue(w.shape);
-  ctx->saved_data["numel"] = w.layout.numel;
-  ctx->saved_data["block_size"] = w.layout.block_size;
-  ctx->saved_data["scaler_block_size"] = w.layout.scaler_block_size;
-  ctx->saved_data["padded_numel"] = w.layout.padded_numel;
+void save_nf4(AutogradContext* ctx, const Nf4Tensor& w, const std::string& prefix) {
+  auto& d = ctx->saved_data;
+  d[prefix + "codes"] = w.codes;
+  d[prefix + "scalers"] = w.scalers;
+  d[prefix + "factors"] = w.factors;
+  d[prefix + "mean"] = w.mean;
+  d[prefix + "shape"] = c10::IValue(w.shape);
+  d[prefix + "numel"] = w.layout.numel;
+  d[prefix + "block_size"] = w.layout.block_size;
+  d[prefix + "scaler_block_size"] = w.layout.scaler_block_size;
+  d[prefix + "padded_numel"] = w.layout.padded_numel;
 }
 
-Nf4Tensor load_nf4(AutogradContext* ctx) {
+Nf4Tensor load_nf4(AutogradContext* ctx, const std::string& prefix) {
+  const auto& d = ctx->saved_data;
   Nf4Tensor w;
-  w.codes = ctx->saved_data["codes"].toTensor();
-  w.scalers = ctx->saved_data["scalers"].toTensor();
-  w.factors = ctx->saved_data["factors"].toTensor();
-  w.mean = ctx->saved_data["mean"].toTensor();
-  w.shape = ctx->saved_data["shape"].toIntVector();
-  w.layout.numel = ctx->saved_data["numel"].toInt();
-  w.layout.block_size = ctx->saved_data["block_size"].toInt();
-  w.layout.scaler_block_size = ctx->saved_data["scaler_block_size"].toInt();
-  w.layout.padded_numel = ctx->saved_data["padded_numel"].toInt();
+  w.codes = d.at(prefix + "codes").toTensor();
+  w.scalers = d.at(prefix + "scalers").toTensor();
+  w.factors = d.at(prefix + "factors").toTensor();
+  w.mean = d.at(prefix + "mean").toTensor();
+  w.shape = d.at(prefix + "shape").toIntVector();
+  w.layout.numel = d.at(prefix + "numel").toInt();
+  w.layout.block_size = d.at(prefix + "block_size").toInt();
+  w.layout.scaler_block_size = d.at(prefix + "scaler_block_size").toInt();
+  w.layout.padded_numel = d.at(prefix + "padded_numel").toInt();
   return w;
 }
 
@@ -76,29 +79,55 @@ at::Tensor dequantize_rows(const Nf4Tensor& w, int64_t r0, int64_t n, at::Scalar
 
 }  // namespace
 
-at::Tensor nf4_times_transposed(const at::Tensor& x, const Nf4Tensor& weight) {
+void nf4_times_transposed_out(const at::Tensor& x2, const Nf4Tensor& weight, at::Tensor y) {
   RECORD_USER_SCOPE("qlora::base_linear");  // a phase of bench_train_step's profile
   const int64_t out = weight.shape[0], chunk = chunk_rows(weight);
-  if (chunk >= out) return at::linear(x, ops::nf4_dequantize(weight, x.scalar_type()));  // [..., out]
-  std::vector<int64_t> sizes = x.sizes().vec();
-  sizes.back() = out;
-  at::Tensor y = at::empty(sizes, x.options());  // [..., out]
   for (int64_t r0 = 0; r0 < out; r0 += chunk) {
     const int64_t n = std::min(chunk, out - r0);
-    y.narrow(-1, r0, n).copy_(at::linear(x, dequantize_rows(weight, r0, n, x.scalar_type())));  // [..., n]
+    at::Tensor part = y.narrow(1, r0, n);  // [T, n]
+    at::mm_out(part, x2, dequantize_rows(weight, r0, n, x2.scalar_type()).t());
   }
+}
+
+void grad_times_nf4_out(const at::Tensor& g2, const Nf4Tensor& weight, at::Tensor& gx, bool accumulate) {
+  RECORD_USER_SCOPE("qlora::base_linear");
+  const int64_t out = weight.shape[0], chunk = chunk_rows(weight);
+  for (int64_t r0 = 0; r0 < out; r0 += chunk) {
+    const int64_t n = std::min(chunk, out - r0);
+    // beta 0 ignores gx's old contents (even NaN in fresh memory), as BLAS does.
+    gx.addmm_(g2.narrow(1, r0, n), dequantize_rows(weight, r0, n, g2.scalar_type()), accumulate || r0 > 0 ? 1.0 : 0.0);
+  }
+}
+
+at::Tensor nf4_stacked(const std::vector<const Nf4Tensor*>& weights, at::ScalarType dtype) {
+  int64_t rows = 0;
+  for (const Nf4Tensor* w : weights) rows += w->shape[0];
+  const int64_t in = weights.front()->shape[1];
+  if (rows * in > kChunkElements) return {};
+  at::Tensor stacked = at::empty({rows, in}, at::TensorOptions().dtype(dtype).device(weights.front()->device()));
+  int64_t r0 = 0;
+  for (const Nf4Tensor* w : weights) {
+    at::Tensor part = stacked.narrow(0, r0, w->shape[0]);  // whole rows: contiguous
+    ops::nf4_dequantize_out(*w, part);
+    r0 += w->shape[0];
+  }
+  return stacked;
+}
+
+at::Tensor nf4_times_transposed(const at::Tensor& x, const Nf4Tensor& weight) {
+  std::vector<int64_t> sizes = x.sizes().vec();
+  sizes.back() = weight.shape[0];
+  at::Tensor y = at::empty(sizes, x.options());  // [..., out]
+  nf4_times_transposed_out(x.reshape({-1, weight.shape[1]}), weight, y.view({-1, weight.shape[0]}));
   return y;
 }
 
 at::Tensor grad_times_nf4(const at::Tensor& grad_y, const Nf4Tensor& weight) {
-  RECORD_USER_SCOPE("qlora::base_linear");
-  const int64_t out = weight.shape[0], chunk = chunk_rows(weight);
-  at::Tensor grad_x;  // [..., in]
-  for (int64_t r0 = 0; r0 < out; r0 += chunk) {
-    const int64_t n = std::min(chunk, out - r0);
-    at::Tensor part = at::matmul(grad_y.narrow(-1, r0, n), dequantize_rows(weight, r0, n, grad_y.scalar_type()));
-    grad_x = grad_x.defined() ? grad_x.add_(part) : part;
-  }
+  std::vector<int64_t> sizes = grad_y.sizes().vec();
+  sizes.back() = weight.shape[1];
+  at::Tensor grad_x = at::empty(sizes, grad_y.options());  // [..., in]
+  at::Tensor gx2 = grad_x.view({-1, weight.shape[1]});
+  grad_times_nf4_out(grad_y.reshape({-1, weight.shape[0]}), weight, gx2, /*accumulate=*/false);
   return grad_x;
 }
 

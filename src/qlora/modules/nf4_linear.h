@@ -7,6 +7,9 @@
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <string>
+#include <vector>
+
 #include "quant/nf4_tensor.h"
 
 namespace qlora::modules {
@@ -21,12 +24,22 @@ at::Tensor nf4_linear(const at::Tensor& x, const Nf4Tensor& weight);
 // goes by chunks of rows (whole scaler groups), so at most ~64 MB of it is ever dequantized at once.
 at::Tensor nf4_times_transposed(const at::Tensor& x, const Nf4Tensor& weight);
 at::Tensor grad_times_nf4(const at::Tensor& grad_y, const Nf4Tensor& weight);
+// The same on 2-D operands into given outputs, which may be column slices of wider ones (a group
+// of projections sharing one input): y [T, out] = x2 [T, in] @ W^T; gx [T, in] = g2 [T, out] @ W,
+// added to gx's contents when `accumulate`.
+void nf4_times_transposed_out(const at::Tensor& x2, const Nf4Tensor& weight, at::Tensor y);
+void grad_times_nf4_out(const at::Tensor& g2, const Nf4Tensor& weight, at::Tensor& gx, bool accumulate);
+// Weights of one in_features dequantized one under the other, [sum of out, in] in dtype, so a group
+// of small projections runs as one GEMM; undefined when that is more than the 16M elements a
+// chunk may hold (each weight then goes by its own chunks of rows).
+at::Tensor nf4_stacked(const std::vector<const Nf4Tensor*>& weights, at::ScalarType dtype);
 
 // The NF4 buffers go into ctx->saved_data as plain IValues (not saved variables): they are
 // constants of the graph, and storing them by reference-counted tensor costs no copy. For the
 // autograd functions over NF4 weights (this one, LoraLinearFunction).
-void save_nf4(torch::autograd::AutogradContext* ctx, const Nf4Tensor& w);
-Nf4Tensor load_nf4(torch::autograd::AutogradContext* ctx);
+// `prefix` tells apart several weights saved by one node.
+void save_nf4(torch::autograd::AutogradContext* ctx, const Nf4Tensor& w, const std::string& prefix = "");
+Nf4Tensor load_nf4(torch::autograd::AutogradContext* ctx, const std::string& prefix = "");
 
 // The autograd function behind nf4_linear. Saved state (ctx): the NF4 buffers (codes, scalers,
 // factors, mean) in saved_data plus its shape/layout as ints; no saved variables at all, since
