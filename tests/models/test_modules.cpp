@@ -46,6 +46,95 @@ TEST(RmsNorm, Bf16CastsBeforeWeightMultiply) {
   EXPECT_TRUE(at::equal(y, w * normed));
 }
 
+namespace {
+// rms_norm / rms_norm_plus_one as they were before they became one autograd node (HF's LlamaRMSNorm
+// and GemmaRMSNorm op chains): the reference for the node's values and, through autograd, its gradient.
+at::Tensor rms_norm_chain(const at::Tensor& x, const at::Tensor& w, double eps, bool plus_one) {
+  at::Tensor h = x.to(at::kFloat);
+  h = h * at::rsqrt(h.pow(2).mean(-1, true) + eps);
+  if (plus_one) return (h * (w.to(at::kFloat) + 1.0)).to(x.scalar_type());
+  return w * h.to(x.scalar_type());
+}
+
+struct NormRun {
+  at::Tensor y, gx;  // the output and the gradient wrt x
+};
+
+// y = norm(x), then y.backward(g) (g = y itself when g is undefined), for the node or the chain.
+NormRun norm_backward(bool chain, const at::Tensor& x, const at::Tensor& w, const at::Tensor& g, bool plus_one) {
+  const double eps = 1e-6;
+  const at::Tensor xa = x.detach().requires_grad_();
+  const at::Tensor y = chain ? rms_norm_chain(xa, w, eps, plus_one)
+                             : (plus_one ? rms_norm_plus_one(xa, w, eps) : rms_norm(xa, w, eps));
+  y.backward(g.defined() ? g : y.detach());
+  return {y.detach(), xa.grad()};
+}
+
+// [rows, dim] rows of scales 1e-3 .. 1e3: eps (1e-6) matters in the smallest, not in the largest.
+at::Tensor rows_of_scales(int64_t rows, int64_t dim, uint64_t seed) {
+  return randn({rows, dim}, seed) * at::pow(10.0, at::linspace(-3.0, 3.0, rows)).unsqueeze(-1);
+}
+
+// Per row, max |got - want| over max |scale|; the worst row.
+double worst_row_error(const at::Tensor& got, const at::Tensor& want, const at::Tensor& scale) {
+  const at::Tensor diff = (got.to(at::kDouble) - want.to(at::kDouble)).abs().amax(-1);
+  return (diff / scale.to(at::kDouble).abs().amax(-1)).max().item<double>();
+}
+}  // namespace
+
+// The node's values are the op chain's bit for bit, and its gradient wrt x is autograd's through the
+// chain, relative to the size of the terms it sums (rstd * g * w per row), for random gradients and
+// for g = y with a unit scale: there the exact gradient of |y|^2 / 2 nearly vanishes, the mean term
+// cancelling rstd * gw, so a backward without the mean term would be off by 100%.
+TEST(RmsNorm, OneNodeMatchesTheOpChainFp32) {
+  const at::Tensor x = rows_of_scales(12, 64, 50).view({3, 4, 64});
+  for (const bool plus_one : {false, true}) {
+    const at::Tensor unit = plus_one ? at::zeros({64}) : at::ones({64});
+    for (const auto& [w, g] : {std::pair{randn({64}, 51), randn({3, 4, 64}, 52)}, std::pair{unit, at::Tensor()}}) {
+      const NormRun got = norm_backward(false, x, w, g, plus_one), want = norm_backward(true, x, w, g, plus_one);
+      EXPECT_TRUE(at::equal(got.y, want.y)) << plus_one;
+      const at::Tensor terms = (g.defined() ? g : want.y) * (plus_one ? w + 1.0 : w) *
+                               at::rsqrt(x.pow(2).mean(-1, true) + 1e-6);
+      EXPECT_LT(worst_row_error(got.gx, want.gx, terms), 1e-6) << plus_one << " " << g.defined();
+      if (!g.defined()) {  // the cancellation, in the rows of scale >= 1 (eps keeps a gradient in the small ones)
+        const at::Tensor big = at::arange(6, 12);
+        EXPECT_LT(worst_row_error(got.gx.view({12, 64}).index_select(0, big), at::zeros({6, 64}),
+                                  terms.view({12, 64}).index_select(0, big)), 1e-3);
+      }
+    }
+  }
+  // One node, straight to x's gradient accumulator.
+  const at::Tensor xa = x.detach().requires_grad_();
+  const at::Tensor y = rms_norm(xa, randn({64}, 53), 1e-6);
+  ASSERT_EQ(y.grad_fn()->next_edges().size(), 2u);  // x, and the weight's empty edge
+  EXPECT_EQ(y.grad_fn()->next_edges()[0].function.get(), torch::autograd::impl::grad_accumulator(xa).get());
+}
+
+// bf16 x and weight (the compute dtype on a GPU): values bit for bit; the gradient to bf16's precision
+// (the node forms gw in fp32 where the chain rounded grad * w to bf16 first).
+TEST(RmsNorm, OneNodeMatchesTheOpChainBf16) {
+  const at::Tensor x = rows_of_scales(12, 64, 54).to(at::kBFloat16);
+  const at::Tensor w = randn({64}, 55).to(at::kBFloat16), g = randn({12, 64}, 56).to(at::kBFloat16);
+  for (const bool plus_one : {false, true}) {
+    const NormRun got = norm_backward(false, x, w, g, plus_one), want = norm_backward(true, x, w, g, plus_one);
+    EXPECT_TRUE(at::equal(got.y, want.y)) << plus_one;
+    ASSERT_EQ(got.gx.scalar_type(), at::kBFloat16);
+    EXPECT_LT(worst_row_error(got.gx, want.gx, want.gx), 2e-2) << plus_one;
+  }
+}
+
+// A weight that requires grad (never the case in this toolkit) keeps autograd's op chain: both get gradients.
+TEST(RmsNorm, TrainableWeightStillGetsItsGradient) {
+  const at::Tensor x = randn({5, 16}, 57).requires_grad_(), x2 = x.detach().clone().requires_grad_();
+  const at::Tensor w = randn({16}, 58).requires_grad_(), w2 = w.detach().clone().requires_grad_();
+  const at::Tensor g = randn({5, 16}, 59);
+  rms_norm_plus_one(x, w, 1e-6).backward(g);
+  rms_norm_chain(x2, w2, 1e-6, true).backward(g);
+  ASSERT_TRUE(w.grad().defined() && x.grad().defined());
+  EXPECT_TRUE(at::equal(w.grad(), w2.grad()));
+  EXPECT_TRUE(at::equal(x.grad(), x2.grad()));
+}
+
 TEST(Rope, PlainInvFreqMatchesFormula) {
   at::Tensor f = rope_inv_freq(16, 10000.0, std::nullopt);
   ASSERT_EQ(f.sizes(), at::IntArrayRef({8}));

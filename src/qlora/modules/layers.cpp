@@ -29,18 +29,66 @@
 
 namespace qlora::modules {
 
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// The norm's values, HF's expression op for op (LlamaRMSNorm, or GemmaRMSNorm when plus_one) so they
+// stay bit-identical to transformers'. rstd_out (optional) gets 1 / sqrt(mean(x^2) + eps) [..., 1] fp32.
+at::Tensor rms_norm_values(const at::Tensor& x, const at::Tensor& weight, double eps, bool plus_one,
+                           at::Tensor* rstd_out) {
+  at::Tensor h = x.to(at::kFloat);                                          // [..., dim] fp32
+  const at::Tensor rstd = at::rsqrt(h.pow(2).mean(-1, /*keepdim=*/true) + eps);  // [..., 1]
+  if (rstd_out) *rstd_out = rstd;
+  h = h * rstd;
+  if (plus_one) return (h * (weight.to(at::kFloat) + 1.0)).to(x.scalar_type());
+  return weight * h.to(x.scalar_type());
+}
+
+// RMSNorm with a frozen weight as one autograd node. It keeps x and rstd (not the normed tensor), and
+// backward is the analytic gradient, per row, in fp32:
+//   gx = rstd * gw - x * rstd^3 * mean(gw * x),   gw = grad * w (or grad * (1 + w))
+// five elementwise passes (a sixth casts a bf16 result), where autograd through the chain made ~9 over six nodes.
+struct RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight, double eps,
+                            bool plus_one) {
+    at::Tensor rstd;
+    at::Tensor out = rms_norm_values(x, weight, eps, plus_one, &rstd);
+    ctx->save_for_backward({x, weight, rstd});
+    ctx->saved_data["plus_one"] = plus_one;
+    return out;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    const variable_list saved = ctx->get_saved_variables();
+    const at::Tensor &x = saved[0], &rstd = saved[2];
+    at::Tensor w = saved[1].to(at::kFloat);  // [dim]
+    if (ctx->saved_data["plus_one"].toBool()) w = w + 1.0;
+    at::Tensor gx = grad_outputs[0] * w;                             // gw [..., dim] fp32 (a bf16 grad promotes)
+    const at::Tensor c = (gx * x).mean(-1, /*keepdim=*/true) * rstd.pow(3);  // [..., 1]
+    gx.mul_(rstd).addcmul_(x, c, -1.0);
+    return {gx.to(x.scalar_type()), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+// The node only when it has a gradient to give: without grad mode or a grad-requiring x the plain ops
+// record nothing, and a trainable weight (never the case here) keeps autograd's op chain, which
+// differentiates both.
+at::Tensor rms_norm_any(const at::Tensor& x, const at::Tensor& weight, double eps, bool plus_one) {
+  if (!at::GradMode::is_enabled() || !x.requires_grad() || weight.requires_grad()) {
+    return rms_norm_values(x, weight, eps, plus_one, nullptr);
+  }
+  return RmsNormFunction::apply(x, weight, eps, plus_one);
+}
+
+}  // namespace
+
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  const at::ScalarType in_dtype = x.scalar_type();
-  at::Tensor h = x.to(at::kFloat);                        // [..., dim] fp32
-  at::Tensor variance = h.pow(2).mean(-1, /*keepdim=*/true);  // [..., 1]
-  h = h * at::rsqrt(variance + eps);
-  return weight * h.to(in_dtype);
+  return rms_norm_any(x, weight, eps, /*plus_one=*/false);
 }
 
 at::Tensor rms_norm_plus_one(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  at::Tensor h = x.to(at::kFloat);  // [..., dim] fp32
-  h = h * at::rsqrt(h.pow(2).mean(-1, /*keepdim=*/true) + eps);
-  return (h * (weight.to(at::kFloat) + 1.0)).to(x.scalar_type());
+  return rms_norm_any(x, weight, eps, /*plus_one=*/true);
 }
 
 at::Tensor layer_norm(const LayerDims& dims, const at::Tensor& x, const at::Tensor& weight) {
@@ -84,9 +132,6 @@ RopeTables rope_tables(const at::Tensor& inv_freq, const at::Tensor& positions, 
 }
 
 namespace {
-
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
 
 // out = t * cos, then the rotate-half term added into each half in place: out1 += sign1 * u2 * sin1,
 // out2 += sign2 * u1 * sin2 (u = t's halves). Forward: u = x, signs (-1, +1); backward: u = grad,
@@ -289,9 +334,6 @@ at::Tensor decoder_layer_forward(const DecoderLayer& layer, const LayerDims& dim
 }
 
 namespace {
-
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
 
 struct Recompute : torch::CustomClassHolder {
   std::function<at::Tensor(const at::Tensor&)> fn;

@@ -20,6 +20,9 @@ namespace qlora::modules {
 // HF's LlamaRMSNorm: normalise in fp32, cast back to x's dtype, then multiply by the weight
 // (weight * normed, in that order and in the promoted dtype).
 // x: [..., dim]; weight: [dim]. Returns [..., dim].
+// Both norms are one autograd node for a frozen weight (bit-identical values to HF's op chain; it
+// keeps x and the per-row rstd, and backward is the analytic gradient wrt x in fp32, cast to x's
+// dtype). A weight that requires grad gets autograd's op chain instead.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 // HF's GemmaRMSNorm: normalise and scale by (1 + weight) in fp32, then cast to x's dtype.
 at::Tensor rms_norm_plus_one(const at::Tensor& x, const at::Tensor& weight, double eps);
