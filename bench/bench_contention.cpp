@@ -1,6 +1,6 @@
 // Fair under contention, measured in one run and printed as one JSON object: the tiny default run
 // (`qlora run lora_finetune`, one epoch of --steps steps, outputs in a temporary directory) alone and
-// beside one busy competitor (`yes > /dev/null`), with qlora's defaults (engine/launcher.h: passive
+// beside one busy competitor (`yes > /dev/null`), with qlora's defaults (engine/launcher.h: a short spin
 // OpenMP workers; a model this narrow on one intra-op thread, recipes/lora_finetune.cpp) and, as the
 // peer, what they replaced: libgomp's own spinning default (300000 spins before sleeping) on every
 // core (--peer sets other variables, e.g. "OMP_WAIT_POLICY=ACTIVE OMP_NUM_THREADS=2"). Target: beside the competitor the default run

@@ -49,7 +49,7 @@ using nlohmann::json;
 namespace fs = std::filesystem;
 using namespace qlora;
 
-QLORA_OMP_WAIT_POLICY_PREINIT;  // the ranks' OpenMP workers sleep instead of spinning (launcher.h)
+QLORA_OMP_WAIT_POLICY_PREINIT;  // the ranks' OpenMP workers spin briefly, then sleep (launcher.h)
 
 namespace {
 

@@ -61,7 +61,7 @@ namespace fs = std::filesystem;
 using qlora::bench::run_json;
 
 // Both sides (this program's worker and the Python peer it starts) inherit the wait policy.
-QLORA_OMP_WAIT_POLICY_PREINIT;  // OpenMP workers that sleep instead of spinning (launcher.h)
+QLORA_OMP_WAIT_POLICY_PREINIT;  // OpenMP workers spin briefly, then sleep (launcher.h)
 
 namespace {
 

@@ -136,3 +136,23 @@ TEST(LoraGroup, DropoutFallsBackToSeparateNodes) {
   EXPECT_LE(rel_err(yt[0], lora_linear_forward(m[0], x, true)), 1e-6);
   EXPECT_GT(rel_err(yt[1], ys[1]), 1e-3);
 }
+
+TEST(LoraGroup, InputWithoutGradientStillTrainsTheAdapters) {
+  // The first layer's input comes from the frozen embedding: backward skips x's gradient (and the
+  // base GEMMs it needs) but the A and B gradients are those of a run where x wants one.
+  std::vector<LoraLinear> m = members({true, {32, 16}, {4, 4}});
+  const std::vector<const LoraLinear*> ptrs{&m[0], &m[1]};
+  auto grads = [&](bool x_grad) {
+    for (LoraLinear& l : m) {
+      l.lora_a.mutable_grad() = at::Tensor();
+      l.lora_b.mutable_grad() = at::Tensor();
+    }
+    const at::Tensor x = randn({5, 64}, 8).requires_grad_(x_grad);
+    const std::vector<at::Tensor> ys = lora_linear_group_forward(ptrs, x, true);
+    (ys[0].sum() + ys[1].pow(2).sum()).backward();
+    EXPECT_EQ(x.grad().defined(), x_grad);
+    return std::vector<at::Tensor>{m[0].lora_a.grad(), m[0].lora_b.grad(), m[1].lora_a.grad(), m[1].lora_b.grad()};
+  };
+  const std::vector<at::Tensor> with = grads(true), without = grads(false);
+  for (size_t k = 0; k < with.size(); ++k) EXPECT_TRUE(at::equal(with[k], without[k])) << k;
+}

@@ -13,17 +13,14 @@
 #include "qlora/modules/lora_linear.h"
 #include "qlora/modules/nf4_linear.h"
 #include "qlora/ops/nf4_ops.h"
+#include "fixtures.h"
 
 using namespace qlora;
 using namespace qlora::modules;
 
-namespace {
-at::Generator seeded(uint64_t s) { return at::make_generator<at::CPUGeneratorImpl>(s); }
-at::Tensor randn(at::IntArrayRef shape, uint64_t seed, double scale = 1.0) {
-  return at::randn(shape, seeded(seed), at::TensorOptions().dtype(at::kFloat)) * scale;
-}
-double max_abs(const at::Tensor& a) { return a.abs().max().item<double>(); }
-}  // namespace
+using qlora::models::test_fixtures::max_abs;
+using qlora::models::test_fixtures::randn;
+using qlora::models::test_fixtures::seeded;
 
 TEST(RmsNorm, MatchesFormulaFp32) {
   at::Tensor x = randn({3, 5, 16}, 1);

@@ -76,24 +76,24 @@ at::Tensor group_base(const at::Tensor& x2, const Members& m, const std::vector<
   return y;
 }
 
-// g [T, O] @ [W_0; W_1; ...] -> [T, in]: the base weights dequantized again (none was kept), the
-// small NF4 ones stacked into one GEMM, others accumulated weight by weight.
-at::Tensor group_base_grad(AutogradContext* ctx, const at::Tensor& g, const std::vector<Span>& spans, int64_t in) {
+// sum_i g_i @ W_i -> [T, in], g_i [T, out_i] each member's output gradient: the base weights
+// dequantized again (none was kept; the small NF4 ones stacked in one buffer), each product
+// accumulated into the sum inside its GEMM (no concatenated gradient, no separate adds).
+at::Tensor group_base_grad(AutogradContext* ctx, const std::vector<at::Tensor>& g, const std::vector<Span>& spans,
+                           int64_t in) {
   const bool nf4 = ctx->saved_data.count("w0.codes") > 0;
   std::vector<Nf4Tensor> ws;
+  std::vector<const Nf4Tensor*> ptrs;
   for (size_t i = 0; nf4 && i < spans.size(); ++i) ws.push_back(load_nf4(ctx, "w" + std::to_string(i) + "."));
-  if (nf4) {
-    std::vector<const Nf4Tensor*> ptrs;
-    for (const Nf4Tensor& w : ws) ptrs.push_back(&w);
-    const at::Tensor stacked = nf4_stacked(ptrs, g.scalar_type());
-    RECORD_USER_SCOPE("qlora::base_linear");
-    if (stacked.defined()) return at::mm(g, stacked);
-  }
-  at::Tensor gx = at::empty({g.size(0), in}, g.options());
+  for (const Nf4Tensor& w : ws) ptrs.push_back(&w);
+  const at::Tensor stacked = nf4 ? nf4_stacked(ptrs, g[0].scalar_type()) : at::Tensor();  // [O, in] or undefined
+  RECORD_USER_SCOPE("qlora::base_linear");  // a phase of bench_train_step's profile
+  at::Tensor gx = at::empty({g[0].size(0), in}, g[0].options());
   for (size_t i = 0; i < spans.size(); ++i) {
-    const at::Tensor gi = g.narrow(1, spans[i].off, spans[i].out);
-    if (nf4) grad_times_nf4_out(gi, ws[i], gx, i > 0);
-    else gx.addmm_(gi, ctx->saved_data.at("dense" + std::to_string(i)).toTensor().to(g.scalar_type()), i > 0 ? 1.0 : 0.0);
+    const double beta = i > 0 ? 1.0 : 0.0;  // 0: gx's fresh contents ignored
+    if (stacked.defined()) gx.addmm_(g[i], stacked.narrow(0, spans[i].off, spans[i].out), beta);
+    else if (nf4) grad_times_nf4_out(g[i], ws[i], gx, i > 0);
+    else gx.addmm_(g[i], ctx->saved_data.at("dense" + std::to_string(i)).toTensor().to(g[i].scalar_type()), beta);
   }
   return gx;
 }
@@ -101,9 +101,9 @@ at::Tensor group_base_grad(AutogradContext* ctx, const at::Tensor& g, const std:
 // Projections that read one input (q/k/v, gate/up, or a single one) as one autograd node, each
 // base(x) + scale * (x @ A^T) @ B^T, for adapters without dropout. Forward: the bases as one GEMM
 // (small NF4 weights stacked), x @ [A_0; A_1; ...]^T as one, each update accumulated into its
-// member's columns inside its GEMM. Backward: the members' gradients side by side, one GEMM back
-// through the stacked bases, one through the stacked A's (no per-member [T, in] sums), the B and A
-// gradients. Saved: x and x @ A^T [T, sum of r]; the bases are dequantized again. In the compute
+// member's columns inside its GEMM. Backward: x's gradient summed over the members inside the
+// GEMMs back through the bases and one GEMM through the stacked A's (no per-member [T, in] sums),
+// the B and A gradients. Saved: x and x @ A^T [T, sum of r]; the bases are dequantized again. In the compute
 // dtype bf16 the updates are added in fp32 and the sums cast back, as lora_linear_forward does.
 // Outputs: one per member, [..., out_i] (views into the side-by-side output).
 struct LoraGroupFunction : public torch::autograd::Function<LoraGroupFunction> {
@@ -169,22 +169,22 @@ struct LoraGroupFunction : public torch::autograd::Function<LoraGroupFunction> {
       parts.push_back(grad_outputs[i].defined() ? grad_outputs[i].reshape({tokens, spans[i].out})
                                                 : at::zeros({tokens, spans[i].out}, opt));
     }
-    const at::Tensor g = parts.size() == 1 ? parts[0] : at::cat(parts, 1);  // [T, O]
     variable_list result(static_cast<size_t>(2 + 2 * n));  // x, the A's, the B's, the members
-    at::Tensor gx = group_base_grad(ctx, g, spans, in);  // [T, in]
-    if (n > 0) adapter_grads(ctx, saved, g, spans, gx, result);
-    result[0] = gx.view(x_sizes);
+    // x may need no gradient (the first layer's input comes from the frozen embedding).
+    at::Tensor gx = ctx->needs_input_grad(0) ? group_base_grad(ctx, parts, spans, in) : at::Tensor();  // [T, in]
+    if (n > 0) adapter_grads(ctx, saved, parts, spans, gx, result);
+    if (gx.defined()) result[0] = gx.view(x_sizes);
     return result;
   }
 
   // The adapters' gradients into result[1 .. 2n] (A's, then B's), and their part of x's gradient
-  // added to gx. saved: x, x @ A^T, the A's, the B's.
-  static void adapter_grads(AutogradContext* ctx, const variable_list& saved, const at::Tensor& g,
+  // added to gx (when defined). saved: x, x @ A^T, the A's, the B's.
+  static void adapter_grads(AutogradContext* ctx, const variable_list& saved, const std::vector<at::Tensor>& g,
                             const std::vector<Span>& spans, at::Tensor& gx, variable_list& result) {
     const int64_t n = adapters_saved(saved);
     const at::Tensor &x = saved[0], &xa = saved[1];
     const at::ScalarType ft = saved[2].scalar_type();
-    const at::Tensor gf = g.to(ft), x2 = x.reshape({-1, x.size(-1)}).to(ft);
+    const at::Tensor x2 = x.reshape({-1, x.size(-1)}).to(ft);
     // g_i @ B_i for each adapter, scaled, side by side [T, R]. B as a transposed [r, out] copy: the
     // skinny GEMM's fast layout in MKL (~2x faster than B as stored).
     at::Tensor gxa = at::empty_like(xa);
@@ -193,13 +193,14 @@ struct LoraGroupFunction : public torch::autograd::Function<LoraGroupFunction> {
       const Span& s = spans[i];
       if (s.r == 0) continue;
       const at::Tensor& b = saved[2 + n + j];
+      const at::Tensor gf = g[i].to(ft);  // [T, out]
       roffs.push_back(s.roff);
       at::Tensor gxa_i = gxa.narrow(1, s.roff, s.r);
-      at::mm_out(gxa_i, gf.narrow(1, s.off, s.out), b.t().contiguous().t());
+      at::mm_out(gxa_i, gf, b.t().contiguous().t());
       gxa_i.mul_(s.scale);
       // B's gradient as (xa^T g)^T: ~8x faster than g^T xa.
       if (ctx->needs_input_grad(1 + n + j))
-        result[1 + n + j] = at::mm(xa.narrow(1, s.roff, s.r).t(), gf.narrow(1, s.off, s.out)).mul_(s.scale).t().contiguous();
+        result[1 + n + j] = at::mm(xa.narrow(1, s.roff, s.r).t(), gf).mul_(s.scale).t().contiguous();
       ++j;
     }
     const at::Tensor ga = at::mm(gxa.t(), x2);  // [R, in]
@@ -207,6 +208,7 @@ struct LoraGroupFunction : public torch::autograd::Function<LoraGroupFunction> {
       const at::Tensor& a = saved[2 + j];
       if (ctx->needs_input_grad(1 + j)) result[1 + j] = ga.narrow(0, roffs[j], a.size(0)).clone();
     }
+    if (!gx.defined()) return;
     const at::Tensor a_cat = at::cat(at::TensorList(saved).slice(2, n));  // [R, in]
     if (gx.scalar_type() == ft) gx.addmm_(gxa, a_cat);
     else gx = gx.to(ft).addmm_(gxa, a_cat).to(x.scalar_type());
