@@ -42,22 +42,27 @@ at::Tensor kept_probs(const std::vector<at::Tensor>& probs, size_t b, int64_t h0
   return probs.empty() ? at::Tensor() : heads_of(probs[b], h0, h1);
 }
 
-// Forward over heads [h0, h1) of the flattened [bh, seq, d] tensors: o and lse of those heads, and
-// each query block's probabilities into `probs` when it holds them ([bh, n, keys] per block).
+// Forward over heads [h0, h1) of the flattened [bh, seq, d] tensors: o of those heads, and each
+// query block's probabilities into `probs` when it holds them ([bh, n, keys] per block), else the
+// rows' log-sum-exp into lse.
 void forward_heads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& o, at::Tensor& lse,
                    double scale, int64_t block, const std::vector<at::Tensor>& probs, int64_t h0) {
   const int64_t seq = q.size(1), h = q.size(0);
   const at::Tensor future = future_mask(q, block);
   for (int64_t i0 = 0; i0 < seq; i0 += block) {
     const int64_t n = std::min(block, seq - i0);
-    at::Tensor p = kept_probs(probs, i0 / block, h0, h0 + h);
-    if (!p.defined()) p = at::empty({h, n, i0 + n}, q.options());
-    block_scores(q, k, i0, n, scale, future, p);  // [h, n, i0 + n]
-    const at::Tensor m = at::amax(p, -1, /*keepdim=*/true);
-    p.sub_(m).exp_();
-    const at::Tensor l = p.sum(-1, /*keepdim=*/true);
-    p.div_(l);
-    lse.narrow(1, i0, n).copy_((m + l.log()).squeeze(-1));
+    at::Tensor p = kept_probs(probs, i0 / block, h0, h0 + h);  // [h, n, i0 + n]
+    if (p.defined()) {
+      // Kept for backward, so no log-sum-exp is needed: ATen's softmax kernel, row by row in cache.
+      at::_softmax_out(p, block_scores(q, k, i0, n, scale, future, at::empty_like(p)), -1, false);
+    } else {
+      p = block_scores(q, k, i0, n, scale, future, at::empty({h, n, i0 + n}, q.options()));
+      const at::Tensor m = at::amax(p, -1, /*keepdim=*/true);
+      p.sub_(m).exp_();
+      const at::Tensor l = p.sum(-1, /*keepdim=*/true);
+      p.div_(l);
+      lse.narrow(1, i0, n).copy_((m + l.log()).squeeze(-1));
+    }
     at::Tensor o_block = o.narrow(1, i0, n);
     at::bmm_out(o_block, p, v.narrow(1, 0, i0 + n));
   }
@@ -83,8 +88,7 @@ void backward_heads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
     at::Tensor ds = at::bmm(go_b, v.narrow(1, 0, keys).transpose(1, 2));  // [h, n, keys]
     ds.sub_(delta.narrow(1, i0, n)).mul_(p);
     at::Tensor gq_b = gq.narrow(1, i0, n);
-    at::bmm_out(gq_b, ds, k.narrow(1, 0, keys));
-    gq_b.mul_(scale);
+    at::baddbmm_out(gq_b, gq_b, ds, k.narrow(1, 0, keys), /*beta=*/0.0, /*alpha=*/scale);
     gk.narrow(1, 0, keys).baddbmm_(ds.transpose(1, 2), q_b, /*beta=*/1.0, /*alpha=*/scale);
   }
 }
