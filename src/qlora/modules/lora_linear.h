@@ -47,9 +47,9 @@ void lora_linear_add_adapter(LoraLinear& layer, int64_t r, double alpha, double 
 
 // x: [..., in] in the compute dtype. `training` enables dropout (drawn from the default
 // generator of x's device, so activation checkpointing can replay it). Returns [..., out].
-// An adapter without dropout runs as one fused autograd node (the update accumulated into the
-// base output inside its GEMM; five GEMMs in backward, no elementwise passes); with dropout, the
-// base and the update are separate nodes.
+// An adapter without dropout runs as one fused autograd node (a group of one, below: the update
+// accumulated into the base output inside its GEMM; five GEMMs in backward, no elementwise
+// passes); with dropout, the base and the update are separate nodes.
 at::Tensor lora_linear_forward(const LoraLinear& layer, const at::Tensor& x, bool training);
 
 // Projections that read the same x (q/k/v, gate/up), each as lora_linear_forward, as one autograd

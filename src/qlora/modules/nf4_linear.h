@@ -36,7 +36,7 @@ at::Tensor nf4_stacked(const std::vector<const Nf4Tensor*>& weights, at::ScalarT
 
 // The NF4 buffers go into ctx->saved_data as plain IValues (not saved variables): they are
 // constants of the graph, and storing them by reference-counted tensor costs no copy. For the
-// autograd functions over NF4 weights (this one, LoraLinearFunction).
+// autograd functions over NF4 weights (this one, lora_linear.cpp's LoraGroupFunction).
 // `prefix` tells apart several weights saved by one node.
 void save_nf4(torch::autograd::AutogradContext* ctx, const Nf4Tensor& w, const std::string& prefix = "");
 Nf4Tensor load_nf4(torch::autograd::AutogradContext* ctx, const std::string& prefix = "");
