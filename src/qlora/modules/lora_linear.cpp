@@ -24,7 +24,6 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-
 using Members = std::vector<const LoraLinear*>;
 
 // The adapters a LoraGroupFunction saved: nothing (bases alone), or x, x @ A^T, n A's and n B's.
@@ -103,8 +102,9 @@ at::Tensor group_base_grad(AutogradContext* ctx, const std::vector<at::Tensor>& 
 // (small NF4 weights stacked), x @ [A_0; A_1; ...]^T as one, each update accumulated into its
 // member's columns inside its GEMM. Backward: x's gradient summed over the members inside the
 // GEMMs back through the bases and one GEMM through the stacked A's (no per-member [T, in] sums),
-// the B and A gradients. Saved: x and x @ A^T [T, sum of r]; the bases are dequantized again. In the compute
-// dtype bf16 the updates are added in fp32 and the sums cast back, as lora_linear_forward does.
+// the B and A gradients. Saved: x and x @ A^T [T, sum of r]; the bases are dequantized again. In
+// the compute dtype bf16 the updates are added in fp32 and the sums cast back, as
+// lora_linear_forward does.
 // Outputs: one per member, [..., out_i] (views into the side-by-side output).
 struct LoraGroupFunction : public torch::autograd::Function<LoraGroupFunction> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x, at::TensorList as, at::TensorList bs,
