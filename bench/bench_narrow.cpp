@@ -1,0 +1,102 @@
+// LoRA's narrow products (kernels/narrow_cpu.h) against ATen's GEMM (MKL) on the same operands,
+// for the shapes of one layer of the 100M bench model (hidden 768, MLP 2048, rank 8, 512 tokens;
+// q/k/v and gate/up as groups: rank 24 and 16). MKL gets each product in its faster operand
+// layout. Prints one JSON object, with the per-layer totals.
+//
+//   build/bench_narrow [--tokens T] [--reps N]
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <functional>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "bench/machine.h"
+#include "qlora/ops/narrow_ops.h"
+
+using nlohmann::json;
+namespace ops = qlora::ops;
+
+namespace {
+
+double median_s(const std::function<void()>& fn, int reps) {
+  for (int i = 0; i < 3; ++i) fn();
+  std::vector<double> t;
+  for (int i = 0; i < reps; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    fn();
+    t.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+// kind: "product" u = x [T, k] @ w [k, r]; "reduction" u^T [r, T] @ x [T, k]; "update" y [T, k] += u [T, r] @ v [r, k].
+struct Case {
+  std::string name, kind;
+  int64_t k, r;
+};
+
+json run_case(const Case& c, int64_t T, int reps) {
+  const at::Tensor x = at::randn({T, c.k}), u = at::randn({T, c.r}), w = at::randn({c.k, c.r});
+  const at::Tensor w_t = w.t().contiguous().t(), v = at::randn({c.r, c.k});
+  at::Tensor y = at::randn({T, c.k}), out = at::empty({T, c.r});
+  double ours = 0, mkl = 0;
+  if (c.kind == "product") {
+    ours = median_s([&] { ops::narrow_product_out(out, x, w); }, reps);
+    mkl = std::min(median_s([&] { at::mm_out(out, x, w); }, reps), median_s([&] { at::mm_out(out, x, w_t); }, reps));
+  } else if (c.kind == "reduction") {
+    ours = median_s([&] { ops::narrow_reduction(u, x); }, reps);
+    mkl = median_s([&] { at::mm(u.t(), x); }, reps);
+  } else {
+    ours = median_s([&] { ops::narrow_update_(y, u, v, 0.5); }, reps);
+    mkl = median_s([&] { y.addmm_(u, v, 1.0, 0.5); }, reps);
+  }
+  return {{"name", c.name}, {"kind", c.kind}, {"tokens", T}, {"k", c.k}, {"r", c.r},
+          {"qlora_us", ours * 1e6}, {"mkl_us", mkl * 1e6}, {"speedup", mkl / ours}};
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int64_t T = 512;
+  int reps = 50;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string s = argv[i];
+    if (s == "--tokens") T = std::stoll(argv[i + 1]);
+    else if (s == "--reps") reps = std::stoi(argv[i + 1]);
+    else {
+      std::cerr << "usage: bench_narrow [--tokens T] [--reps N]\n";
+      return 2;
+    }
+  }
+  const std::vector<Case> cases = {
+      {"x @ A^T, q/k/v", "product", 768, 24},  {"x @ A^T, gate/up", "product", 768, 16},
+      {"x @ A^T, o", "product", 768, 8},       {"x @ A^T, down", "product", 2048, 8},
+      {"g @ B, out 768 (x5)", "product", 768, 8}, {"g @ B, out 2048 (x2)", "product", 2048, 8},
+      {"A grad, q/k/v", "reduction", 768, 24}, {"A grad, gate/up", "reduction", 768, 16},
+      {"A grad, o", "reduction", 768, 8},      {"A grad, down", "reduction", 2048, 8},
+      {"B grad, out 768 (x5)", "reduction", 768, 8}, {"B grad, out 2048 (x2)", "reduction", 2048, 8},
+      {"y += u B^T, out 768 (x5)", "update", 768, 8}, {"y += u B^T, out 2048 (x2)", "update", 2048, 8},
+      {"x grad += g A, q/k/v", "update", 768, 24}, {"x grad += g A, gate/up", "update", 768, 16},
+      {"x grad += g A, o", "update", 768, 8},  {"x grad += g A, down", "update", 2048, 8}};
+  json rows = json::array();
+  double ours = 0, mkl = 0;
+  for (const Case& c : cases) {
+    json j = run_case(c, T, reps);
+    const double times = c.name.find("(x5)") != std::string::npos ? 5 : c.name.find("(x2)") != std::string::npos ? 2 : 1;
+    ours += times * j["qlora_us"].get<double>();
+    mkl += times * j["mkl_us"].get<double>();
+    rows.push_back(j);
+  }
+  json out = {{"bench", "narrow"},
+              {"machine", {{"cpu", qlora::bench::cpu_model()}, {"threads", at::get_num_threads()},
+                           {"loadavg", qlora::bench::load_average()}}},
+              {"cases", rows},
+              {"per_layer", {{"qlora_us", ours}, {"mkl_us", mkl}, {"speedup", mkl / ours}}}};
+  std::cout << out.dump(1) << "\n";
+}
