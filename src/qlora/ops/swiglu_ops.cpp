@@ -1,0 +1,57 @@
+#include "qlora/ops/swiglu_ops.h"
+
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <stdexcept>
+
+#include "kernels/swiglu_cpu.h"
+
+namespace qlora::ops {
+
+namespace {
+
+// t as rows of its last dim: the data pointer and the row stride, when every row starts one
+// stride after the previous (any leading dims flattened); nullopt otherwise.
+struct Rows {
+  int64_t count, ld;
+};
+std::optional<Rows> rows_of(const at::Tensor& t) {
+  if (!t.is_cpu() || t.scalar_type() != at::kFloat || t.dim() == 0 || t.stride(-1) != 1) return std::nullopt;
+  const int64_t ld = t.dim() >= 2 ? t.stride(-2) : t.size(-1);
+  for (int64_t d = t.dim() - 2; d > 0; --d)
+    if (t.size(d - 1) > 1 && t.stride(d - 1) != t.stride(d) * t.size(d)) return std::nullopt;
+  return Rows{t.numel() / std::max<int64_t>(1, t.size(-1)), ld};
+}
+
+void check_same_shape(const char* op, const at::Tensor& a, const at::Tensor& b) {
+  if (a.sizes() != b.sizes())
+    throw std::invalid_argument(std::string(op) + ": gate and up must have the same shape");
+}
+
+}  // namespace
+
+at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up) {
+  check_same_shape("swiglu", gate, up);
+  const auto g = rows_of(gate), u = rows_of(up);
+  if (!g || !u || gate.numel() == 0) return at::silu(gate) * up;
+  at::Tensor out = at::empty(gate.sizes(), gate.options());
+  kernels::swiglu_forward_cpu(g->count, gate.size(-1), gate.const_data_ptr<float>(), g->ld, up.const_data_ptr<float>(),
+                              u->ld, out.mutable_data_ptr<float>(), gate.size(-1));
+  return out;
+}
+
+std::pair<at::Tensor, at::Tensor> swiglu_backward(const at::Tensor& grad, const at::Tensor& gate, const at::Tensor& up) {
+  check_same_shape("swiglu_backward", gate, up);
+  check_same_shape("swiglu_backward", grad, gate);
+  const auto gr = rows_of(grad), g = rows_of(gate), u = rows_of(up);
+  if (!gr || !g || !u || gate.numel() == 0) return {at::silu_backward(grad * up, gate), grad * at::silu(gate)};
+  at::Tensor dg = at::empty(gate.sizes(), gate.options()), du = at::empty(gate.sizes(), gate.options());
+  const int64_t n = gate.size(-1);
+  kernels::swiglu_backward_cpu(g->count, n, grad.const_data_ptr<float>(), gr->ld, gate.const_data_ptr<float>(), g->ld,
+                               up.const_data_ptr<float>(), u->ld, dg.mutable_data_ptr<float>(), n,
+                               du.mutable_data_ptr<float>(), n);
+  return {dg, du};
+}
+
+}  // namespace qlora::ops
