@@ -26,6 +26,8 @@
 #include <stdexcept>
 
 #include "qlora/modules/blocked_attention.h"
+#include "qlora/ops/rope_ops.h"
+#include "qlora/ops/swiglu_ops.h"
 
 namespace qlora::modules {
 
@@ -133,28 +135,18 @@ RopeTables rope_tables(const at::Tensor& inv_freq, const at::Tensor& positions, 
 
 namespace {
 
-// out = t * cos, then the rotate-half term added into each half in place: out1 += sign1 * u2 * sin1,
-// out2 += sign2 * u1 * sin2 (u = t's halves). Forward: u = x, signs (-1, +1); backward: u = grad,
-// signs (+1, -1). Three ops, no rotated copy.
-at::Tensor rotate(const at::Tensor& t, const at::Tensor& cos, const at::Tensor& sin, double sign1) {
-  const int64_t half = t.size(-1) / 2;
-  at::Tensor out = t * cos;
-  out.narrow(-1, 0, half).addcmul_(t.narrow(-1, half, half), sin.narrow(-1, 0, half), sign1);
-  out.narrow(-1, half, half).addcmul_(t.narrow(-1, 0, half), sin.narrow(-1, half, half), -sign1);
-  return out;
-}
-
 // Rotate-half RoPE as one autograd node: x * cos + rotate_half(x) * sin (transformers' expression,
 // the same products and sums), and in backward g * cos + rotate_half^T(g * sin).
 struct RopeFunction : public torch::autograd::Function<RopeFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
     ctx->saved_data["cos"] = cos;  // frozen tables: constants of the graph
     ctx->saved_data["sin"] = sin;
-    return rotate(x, cos, sin, -1.0);
+    return ops::rope(x, cos, sin, -1.0, /*heads_inner=*/false);  // contiguous, as attention reads it
   }
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
     const at::Tensor cos = ctx->saved_data["cos"].toTensor(), sin = ctx->saved_data["sin"].toTensor();
-    return {rotate(grad_outputs[0], cos, sin, 1.0), at::Tensor(), at::Tensor()};
+    // Laid out as the projection's [b, s, heads, d] output, whose gradient it becomes: no copy.
+    return {ops::rope(grad_outputs[0], cos, sin, 1.0, /*heads_inner=*/true), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -251,6 +243,24 @@ std::vector<at::Tensor> DecoderLayer::trainable() const {
   return out;
 }
 
+namespace {
+
+// silu(gate) * up as one autograd node: one pass forward and one backward on the CPU
+// (ops/swiglu_ops.h). Saves gate and up (views of their projections' output), not silu(gate).
+struct SwiGluFunction : public torch::autograd::Function<SwiGluFunction> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& gate, const at::Tensor& up) {
+    ctx->save_for_backward({gate, up});
+    return ops::swiglu(gate, up);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    const variable_list saved = ctx->get_saved_variables();
+    auto [dg, du] = ops::swiglu_backward(grad_outputs[0], saved[0], saved[1]);
+    return {dg, du};
+  }
+};
+
+}  // namespace
+
 at::Tensor gated_mlp(const DecoderLayer& layer, const LayerDims& dims, const at::Tensor& x, bool training) {
   at::Tensor gate, up;  // [b, s, inter]
   if (layer.gate_up_proj.out_features > 0) {
@@ -263,8 +273,9 @@ at::Tensor gated_mlp(const DecoderLayer& layer, const LayerDims& dims, const at:
     gate = gu[0];
     up = gu[1];
   }
-  gate = dims.activation == MlpActivation::kSilu ? at::silu(gate) : at::gelu(gate, "tanh");
-  return lora_linear_forward(layer.down_proj, gate * up, training);  // [b, s, hidden]
+  const at::Tensor act = dims.activation == MlpActivation::kSilu ? SwiGluFunction::apply(gate, up)
+                                                                 : at::gelu(gate, "tanh") * up;
+  return lora_linear_forward(layer.down_proj, act, training);  // [b, s, hidden]
 }
 
 namespace {

@@ -1,0 +1,15 @@
+// Rotate-half RoPE on at::Tensors: the one-pass CPU kernel of kernels/rope_cpu.h for float32 CPU
+// operands, ATen's multiply and multiply-adds otherwise (CUDA, bf16, other table shapes).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+namespace qlora::ops {
+
+// x [B, H, S, d] (any strides), cos and sin [S, d] or [B, 1, S, d]: x * cos + sign-rotated x * sin
+// (kernels/rope_cpu.h: sign -1 rotates, +1 is the gradient). The result is [B, H, S, d]; with
+// heads_inner its memory is laid out as [B, S, H, d] (so that transposing it back to [B, S, H, d]
+// and merging the heads needs no copy) where the kernel runs, contiguous otherwise.
+at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, double sign, bool heads_inner);
+
+}  // namespace qlora::ops
