@@ -67,18 +67,26 @@ const bool kHaveAvx2Fma = __builtin_cpu_supports("avx2") && __builtin_cpu_suppor
 
 #define QLORA_AVX2 __attribute__((target("avx2,fma")))
 
+// acc[i] = sum over steps l < L of bc[i * bi + l * bl] * vec[l * vl .. + 8): M broadcast scalars
+// times one vector per step, the shape of both the product and the reduction tiles.
+template <int M>
+QLORA_AVX2 inline void broadcast_fma(int64_t L, const float* bc, int64_t bi, int64_t bl, const float* vec, int64_t vl,
+                                     __m256 (&acc)[M]) {
+#pragma GCC unroll 8
+  for (int i = 0; i < M; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t l = 0; l < L; ++l) {
+    const __m256 v = _mm256_loadu_ps(vec + l * vl);
+#pragma GCC unroll 8
+    for (int i = 0; i < M; ++i) acc[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(bc + i * bi + l * bl), v, acc[i]);
+  }
+}
+
 // MR rows of u (cols <= 8 of them written) from one [K, 8] panel.
 template <int MR>
 QLORA_AVX2 void product_tile(int64_t K, const float* x, int64_t ldx, const float* panel, float alpha, float* u,
                              int64_t ldu, int64_t cols) {
   __m256 acc[MR];
-#pragma GCC unroll 8
-  for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
-    const __m256 wv = _mm256_loadu_ps(panel + k * kLanes);
-#pragma GCC unroll 8
-    for (int i = 0; i < MR; ++i) acc[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + i * ldx + k), wv, acc[i]);
-  }
+  broadcast_fma<MR>(K, x, ldx, 1, panel, kLanes, acc);
   const __m256 a = _mm256_set1_ps(alpha);
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i) {
@@ -93,13 +101,7 @@ template <int RB>
 QLORA_AVX2 void reduction_tile(int64_t T, const float* u, int64_t ldu, const float* x, int64_t ldx, float alpha,
                                float* g, int64_t ldg) {
   __m256 acc[RB];
-#pragma GCC unroll 8
-  for (int j = 0; j < RB; ++j) acc[j] = _mm256_setzero_ps();
-  for (int64_t t = 0; t < T; ++t) {
-    const __m256 xv = _mm256_loadu_ps(x + t * ldx);
-#pragma GCC unroll 8
-    for (int j = 0; j < RB; ++j) acc[j] = _mm256_fmadd_ps(_mm256_broadcast_ss(u + t * ldu + j), xv, acc[j]);
-  }
+  broadcast_fma<RB>(T, u, 1, ldu, x, ldx, acc);
   const __m256 a = _mm256_set1_ps(alpha);
 #pragma GCC unroll 8
   for (int j = 0; j < RB; ++j) _mm256_storeu_ps(g + j * ldg, _mm256_mul_ps(a, acc[j]));
