@@ -17,6 +17,13 @@
 #endif
 #define QLORA_INLINE inline __attribute__((always_inline))
 
+// Hand-vectorized kernels: AVX2 + FMA intrinsics in functions marked QLORA_AVX2, taken when the
+// CPU has both (a scalar path otherwise).
+#if defined(__x86_64__)
+#define QLORA_AVX2 __attribute__((target("avx2,fma")))
+inline const bool kHaveAvx2Fma = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#endif
+
 namespace qlora::kernels {
 
 // Bit-level bf16 helpers without NaN handling (inputs are checked finite first), written so

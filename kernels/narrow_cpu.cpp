@@ -14,6 +14,8 @@
 #include <immintrin.h>
 #endif
 
+#include "kernels/cpu_dispatch.h"
+
 namespace qlora::kernels {
 
 namespace {
@@ -63,10 +65,6 @@ void update_rows_scalar(int64_t t0, int64_t t1, int64_t n0, int64_t R, int64_t N
 }
 
 #if defined(__x86_64__)
-const bool kHaveAvx2Fma = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-
-#define QLORA_AVX2 __attribute__((target("avx2,fma")))
-
 // acc[i] = sum over steps l < L of bc[i * bi + l * bl] * vec[l * vl .. + 8): M broadcast scalars
 // times one vector per step, the shape of both the product and the reduction tiles.
 template <int M>

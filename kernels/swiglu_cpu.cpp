@@ -12,6 +12,8 @@
 #include <immintrin.h>
 #endif
 
+#include "kernels/cpu_dispatch.h"
+
 namespace qlora::kernels {
 
 namespace {
@@ -34,10 +36,6 @@ void backward_scalar(int64_t n0, int64_t n, const float* grad, const float* g, c
 }
 
 #if defined(__x86_64__)
-const bool kHaveAvx2Fma = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-
-#define QLORA_AVX2 __attribute__((target("avx2,fma")))
-
 // exp(x) for x clamped to [-87, 88] (the results stay normal floats).
 QLORA_AVX2 inline __m256 exp8(__m256 x) {
   x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));

@@ -20,7 +20,7 @@ at::Tensor rotate_half(const at::Tensor& x) {
   return at::cat({-x.narrow(-1, h, h), x.narrow(-1, 0, h)}, -1);
 }
 
-// cos and sin tables as the model builds them: angles positions * inv_freq, both halves equal.
+// cos and sin tables of random angles, both halves equal as the model's tables are.
 std::pair<at::Tensor, at::Tensor> tables(int64_t rows, int64_t S, int64_t d, uint64_t seed) {
   const at::Tensor angles = rnd({rows, S, d / 2}, seed) * 3.0;
   const at::Tensor both = at::cat({angles, angles}, -1);  // [rows, S, d]

@@ -206,13 +206,9 @@ struct LoraGroupFunction : public torch::autograd::Function<LoraGroupFunction> {
     }
     if (!gx.defined()) return;
     const at::Tensor a_cat = at::cat(at::TensorList(saved).slice(2, n));  // [R, in]
-    if (gx.scalar_type() == ft) {
-      ops::narrow_update_(gx, gxa, a_cat);
-    } else {
-      const at::Tensor gxf = gx.to(ft);
-      ops::narrow_update_(gxf, gxa, a_cat);
-      gx = gxf.to(x.scalar_type());
-    }
+    const at::Tensor gxf = gx.to(ft);  // gx itself when it is already fp32
+    ops::narrow_update_(gxf, gxa, a_cat);
+    gx = gxf.to(x.scalar_type());
   }
 };
 
