@@ -9,13 +9,13 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
-#include <chrono>
 #include <functional>
 #include <iostream>
 #include <string>
 #include <vector>
 
 #include "bench/machine.h"
+#include "bench/timing.h"
 #include "qlora/ops/narrow_ops.h"
 
 using nlohmann::json;
@@ -23,17 +23,7 @@ namespace ops = qlora::ops;
 
 namespace {
 
-double median_s(const std::function<void()>& fn, int reps) {
-  for (int i = 0; i < 3; ++i) fn();
-  std::vector<double> t;
-  for (int i = 0; i < reps; ++i) {
-    const auto t0 = std::chrono::steady_clock::now();
-    fn();
-    t.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-  }
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
-}
+using qlora::bench::median_s;
 
 // kind: "product" u = x [T, k] @ w [k, r]; "reduction" u^T [r, T] @ x [T, k]; "update" y [T, k] += u [T, r] @ v [r, k].
 struct Case {

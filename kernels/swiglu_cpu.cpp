@@ -1,6 +1,5 @@
-// The SwiGLU passes of kernels/swiglu_cpu.h: 8 floats at a time with AVX2 and FMA (exp by range
-// reduction to [-ln2/2, ln2/2] and Cephes' degree-5 polynomial, within 2 ulp of expf), the
-// scalar tail and CPUs without AVX2 through std::exp.
+// The SwiGLU passes of kernels/swiglu_cpu.h: 8 floats at a time with AVX2 and FMA (exp8 of
+// kernels/exp_avx2.h, within 2 ulp of expf), the scalar tail and CPUs without AVX2 through std::exp.
 #include "kernels/swiglu_cpu.h"
 
 #include <ATen/Parallel.h>
@@ -8,11 +7,8 @@
 #include <algorithm>
 #include <cmath>
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
-
 #include "kernels/cpu_dispatch.h"
+#include "kernels/exp_avx2.h"
 
 namespace qlora::kernels {
 
@@ -36,24 +32,6 @@ void backward_scalar(int64_t n0, int64_t n, const float* grad, const float* g, c
 }
 
 #if defined(__x86_64__)
-// exp(x) for x clamped to [-87, 88] (the results stay normal floats).
-QLORA_AVX2 inline __m256 exp8(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
-  const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);  // x - k ln2, ln2 in two parts
-  r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));  // e^r
-  const __m256i two_k = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(two_k));
-}
-
 QLORA_AVX2 inline __m256 sigmoid8(__m256 g) {
   const __m256 one = _mm256_set1_ps(1.0f);
   return _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));

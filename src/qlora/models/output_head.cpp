@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "qlora/ops/nf4_ops.h"
+#include "qlora/ops/softmax_ops.h"
 
 namespace qlora::models {
 namespace {
@@ -128,11 +129,9 @@ ChunkScore score_chunk(const OutputHead& head, const HeadRows& rows, const Chunk
     const at::Tensor z = block_logits(head, c, w, r0, n);  // [T, n]
     const LabelColumn lc = label_column(c.labels, r0, n);
     zl.add_(at::where(lc.in_block, z.gather(1, lc.column), 0.0).squeeze(1));
-    const at::Tensor m_new = at::maximum(m, at::amax(z, 1, /*keepdim=*/true));  // [T, 1]
-    const at::Tensor rescale = (m - m_new).exp_();  // 0 on the first block
-    at::Tensor p = (z - m_new).exp_();  // [T, n]
-    s.mul_(rescale).add_(p.sum(1, /*keepdim=*/true));
-    m = m_new;
+    // p = exp(z - m) with m the new running max, in z's place unless the softcap's slope needs z.
+    at::Tensor p = head.softcap != 0.0 ? at::empty_like(z) : z;  // [T, n]
+    const at::Tensor rescale = ops::online_softmax_(z, p, m, s);  // [T, 1], 0 on the first block
     if (!dh && !dxa) continue;
     if (head.softcap != 0.0) p.mul_(softcap_slope(head, z));
     if (dh) acc_h.mul_(rescale).addmm_(p, w.scalar_type() == at::kFloat ? w : w.to(at::kFloat));

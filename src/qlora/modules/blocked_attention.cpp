@@ -12,19 +12,28 @@
 #include <stdexcept>
 #include <vector>
 
+#include "qlora/ops/softmax_ops.h"
+
 namespace qlora::modules {
 namespace {
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// The scaled, causally masked scores of query rows [i0, i0 + n) against keys [0, i0 + n), into s
-// [h, n, i0 + n]. q, k: [h, seq, d] contiguous. Only the last n keys (the diagonal block) hold
-// masked entries: `future` [block, block] bool is true above its diagonal.
+// The scaled scores of query rows [i0, i0 + n) against keys [0, i0 + n), into s [h, n, i0 + n]
+// (masked entries included). q, k: [h, seq, d] contiguous.
+const at::Tensor& scores(const at::Tensor& q, const at::Tensor& k, int64_t i0, int64_t n, double scale,
+                         const at::Tensor& s) {
+  at::Tensor out = s;
+  at::baddbmm_out(out, s, q.narrow(1, i0, n), k.narrow(1, 0, i0 + n).transpose(1, 2), /*beta=*/0.0, /*alpha=*/scale);
+  return s;
+}
+
+// The same scores causally masked: only the last n keys (the diagonal block) hold masked entries,
+// and `future` [block, block] bool is true above its diagonal.
 at::Tensor block_scores(const at::Tensor& q, const at::Tensor& k, int64_t i0, int64_t n, double scale,
                         const at::Tensor& future, at::Tensor s) {
-  const int64_t keys = i0 + n;
-  at::baddbmm_out(s, s, q.narrow(1, i0, n), k.narrow(1, 0, keys).transpose(1, 2), /*beta=*/0.0, /*alpha=*/scale);
+  scores(q, k, i0, n, scale, s);
   s.narrow(2, i0, n).masked_fill_(future.narrow(0, 0, n).narrow(1, 0, n), -std::numeric_limits<double>::infinity());
   return s;
 }
@@ -48,21 +57,13 @@ at::Tensor kept_probs(const std::vector<at::Tensor>& probs, size_t b, int64_t h0
 void forward_heads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& o, at::Tensor& lse,
                    double scale, int64_t block, const std::vector<at::Tensor>& probs, int64_t h0) {
   const int64_t seq = q.size(1), h = q.size(0);
-  const at::Tensor future = future_mask(q, block);
   for (int64_t i0 = 0; i0 < seq; i0 += block) {
     const int64_t n = std::min(block, seq - i0);
     at::Tensor p = kept_probs(probs, i0 / block, h0, h0 + h);  // [h, n, i0 + n]
-    if (p.defined()) {
-      // Kept for backward, so no log-sum-exp is needed: ATen's softmax kernel, row by row in cache.
-      at::_softmax_out(p, block_scores(q, k, i0, n, scale, future, at::empty_like(p)), -1, false);
-    } else {
-      p = block_scores(q, k, i0, n, scale, future, at::empty({h, n, i0 + n}, q.options()));
-      const at::Tensor m = at::amax(p, -1, /*keepdim=*/true);
-      p.sub_(m).exp_();
-      const at::Tensor l = p.sum(-1, /*keepdim=*/true);
-      p.div_(l);
-      lse.narrow(1, i0, n).copy_((m + l.log()).squeeze(-1));
-    }
+    // Kept for backward: no log-sum-exp is needed. Otherwise backward recomputes p from it.
+    const bool kept = p.defined();
+    if (!kept) p = at::empty({h, n, i0 + n}, q.options());
+    ops::causal_softmax_(scores(q, k, i0, n, scale, p), kept ? at::Tensor() : lse.narrow(1, i0, n));
     at::Tensor o_block = o.narrow(1, i0, n);
     at::bmm_out(o_block, p, v.narrow(1, 0, i0 + n));
   }
@@ -73,7 +74,7 @@ void backward_heads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
                     const at::Tensor& go, const at::Tensor& delta, at::Tensor& gq, at::Tensor& gk, at::Tensor& gv,
                     double scale, int64_t block, const std::vector<at::Tensor>& probs, int64_t h0) {
   const int64_t seq = q.size(1), h = q.size(0);
-  const at::Tensor future = future_mask(q, block);
+  const at::Tensor future = probs.empty() ? future_mask(q, block) : at::Tensor();  // for recomputed p
   for (int64_t i0 = 0; i0 < seq; i0 += block) {
     const int64_t n = std::min(block, seq - i0), keys = i0 + n;
     // p = softmax of the block's rows: kept from forward, or recomputed from their log-sum-exp.
@@ -86,7 +87,7 @@ void backward_heads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
     gv.narrow(1, 0, keys).baddbmm_(p.transpose(1, 2), go_b);
     // dS = p * (dO v^T - delta), the scores' gradient.
     at::Tensor ds = at::bmm(go_b, v.narrow(1, 0, keys).transpose(1, 2));  // [h, n, keys]
-    ds.sub_(delta.narrow(1, i0, n)).mul_(p);
+    ops::softmax_backward_(ds, p, delta.narrow(1, i0, n));
     at::Tensor gq_b = gq.narrow(1, i0, n);
     at::baddbmm_out(gq_b, gq_b, ds, k.narrow(1, 0, keys), /*beta=*/0.0, /*alpha=*/scale);
     gk.narrow(1, 0, keys).baddbmm_(ds.transpose(1, 2), q_b, /*beta=*/1.0, /*alpha=*/scale);

@@ -1,0 +1,24 @@
+// Timing a piece of work for the micro-benchmarks: its median wall time over repetitions.
+#pragma once
+
+#include <algorithm>
+#include <chrono>
+#include <functional>
+#include <vector>
+
+namespace qlora::bench {
+
+// fn's median wall time in seconds over `reps` runs, after `warmup` untimed ones.
+inline double median_s(const std::function<void()>& fn, int reps, int warmup = 3) {
+  for (int i = 0; i < warmup; ++i) fn();
+  std::vector<double> t;
+  for (int i = 0; i < reps; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    fn();
+    t.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+}  // namespace qlora::bench
