@@ -6,7 +6,9 @@
 //
 //   build/bench_train_step [--hidden 768 --inter 2048 --layers 12 --heads 12 --vocab 32000]
 //                          [--seq 512] [--batch 1] [--steps 3] [--r 8 --alpha 16]
-//                          [--workdir DIR] [--no-peer]
+//                          [--workdir DIR] [--no-peer] [--no-profile] [--runs N]
+//       --runs N: the whole measurement (qlora's step, its GEMM floor, the peer's step) N times in
+//       turn, each run's figures and their medians ("median_of_runs").
 //   build/bench_train_step --shape NAME [--seq 128] [--steps 1] [--layers N] [--r 8 --alpha 16]
 //                          [--no-activation-checkpointing]
 //       NAME: llama2-7b|llama3.1-8b|mistral-7b|qwen2.5-7b|qwen3-8b|gemma2-9b|gemma3-12b|phi3-mini
@@ -75,6 +77,7 @@ struct Args : qlora::bench::ShapeArgs {
   bool full_logits = false;  // worker: LlamaModel::chunked_loss = false
   bool lora_head = false;    // LoRA on the output head too
   bool profile = true;       // a profiled step (per-phase seconds) and the GEMM floor after the timed steps
+  int64_t runs = 1;          // the whole default-shape measurement this many times (--runs)
 };
 
 // Every decoder projection of the Llama shape (random_model adapts those of its family).
@@ -212,6 +215,52 @@ json ce_compare(const std::string& worker) {
   return r;
 }
 
+// One measurement of the default shape: qlora's step and its GEMM floor, then the peer's step, and
+// their ratios.
+json default_shape_run(const Args& a, const std::string& dir, const std::string& py) {
+  json r;
+  const json q = run_json(self_exe() + " --worker --model " + dir + shape_flags(a));
+  r["qlora"] = q;
+  if (q.contains("step_over_gemm_floor")) r["step_over_gemm_floor"] = q["step_over_gemm_floor"];
+  if (!a.peer) return r;
+  const json p = run_json(py + " --model " + dir + shape_flags(a));
+  r["peer"] = p;
+  if (q.contains("tokens_per_s") && p.contains("tokens_per_s")) {
+    const double tps = q["tokens_per_s"].get<double>() / p["tokens_per_s"].get<double>();
+    const double rss = q["peak_rss_bytes"].get<double>() / p["peak_rss_bytes"].get<double>();
+    r["ratio_tokens_per_s"] = tps;
+    r["ratio_peak_rss"] = rss;
+    r["target"] = "tokens/s ratio >= 1.5, peak RSS ratio <= 0.8, step <= 1.3x its GEMM floor";
+    r["target_met"] = tps >= 1.5 && rss <= 0.8 && q.value("step_over_gemm_floor", 99.0) <= 1.3;
+  }
+  return r;
+}
+
+// The median over runs of each figure (a run that lacks one is left out of its median), and each
+// run's value beside it.
+json median_of_runs(const std::vector<json>& runs) {
+  const std::vector<std::pair<std::string, json::json_pointer>> figures = {
+      {"qlora_step_s", json::json_pointer("/qlora/median_step_s")},
+      {"gemm_floor_s", json::json_pointer("/qlora/gemm_floor_s")},
+      {"peer_step_s", json::json_pointer("/peer/median_step_s")},
+      {"ratio_tokens_per_s", json::json_pointer("/ratio_tokens_per_s")},
+      {"step_over_gemm_floor", json::json_pointer("/step_over_gemm_floor")},
+      {"qlora_peak_rss_bytes", json::json_pointer("/qlora/peak_rss_bytes")},
+      {"peer_peak_rss_bytes", json::json_pointer("/peer/peak_rss_bytes")},
+      {"ratio_peak_rss", json::json_pointer("/ratio_peak_rss")}};
+  json m;
+  for (const auto& [name, at] : figures) {
+    std::vector<double> v;
+    for (const json& r : runs)
+      if (r.contains(at)) v.push_back(r.at(at).get<double>());
+    if (v.empty()) continue;
+    m["per_run"][name] = v;
+    std::sort(v.begin(), v.end());
+    m[name] = v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
+  }
+  return m;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) try {
@@ -235,10 +284,12 @@ int main(int argc, char** argv) try {
     else if (s == "--full-logits") a.full_logits = true;
     else if (s == "--lora-head") a.lora_head = true;
     else if (s == "--no-profile") a.profile = false;
+    else if (s == "--runs") a.runs = std::stoll(next());
     else { std::cerr << "bench_train_step: unknown argument " << s << "\n"; return 2; }
   }
   a.finish();
   if (a.batch < 1) throw std::invalid_argument("--batch must be >= 1");
+  if (a.runs < 1) throw std::invalid_argument("--runs must be >= 1");
   if (a.worker) {
     std::cout << run_worker(a).dump() << std::endl;
     return 0;
@@ -288,20 +339,13 @@ int main(int argc, char** argv) try {
                 {"vocab", a.vocab}, {"seq", a.seq}, {"batch", a.batch}, {"steps", a.steps}, {"lora_r", a.r},
                 {"lora_alpha", a.alpha}, {"lora_targets", kTargets}, {"base", "nf4"}, {"compute_dtype", "fp32"},
                 {"checkpoint", dir}};
-  const json q = run_json(self_exe() + " --worker --model " + dir + shape_flags(a));
-  r["qlora"] = q;
-  if (q.contains("step_over_gemm_floor")) r["step_over_gemm_floor"] = q["step_over_gemm_floor"];
-  if (a.peer) {
-    const json p = run_json(py + " --model " + dir + shape_flags(a));
-    r["peer"] = p;
-    if (q.contains("tokens_per_s") && p.contains("tokens_per_s")) {
-      const double tps = q["tokens_per_s"].get<double>() / p["tokens_per_s"].get<double>();
-      const double rss = q["peak_rss_bytes"].get<double>() / p["peak_rss_bytes"].get<double>();
-      r["ratio_tokens_per_s"] = tps;
-      r["ratio_peak_rss"] = rss;
-      r["target"] = "tokens/s ratio >= 1.5, peak RSS ratio <= 0.8, step <= 1.3x its GEMM floor";
-      r["target_met"] = tps >= 1.5 && rss <= 0.8 && q.value("step_over_gemm_floor", 99.0) <= 1.3;
-    }
+  if (a.runs == 1) {
+    r.update(default_shape_run(a, dir, py));
+  } else {  // the whole measurement (qlora, floor, peer) again per run, and the medians over runs
+    std::vector<json> runs;
+    for (int64_t i = 0; i < a.runs; ++i) runs.push_back(default_shape_run(a, dir, py));
+    r["median_of_runs"] = median_of_runs(runs);
+    r["runs"] = runs;
   }
   r["machine"]["loadavg_after"] = qlora::bench::load_average();
   std::cout << r.dump(2) << std::endl;
