@@ -184,7 +184,9 @@ int data_main(const std::vector<std::string>& args) {
   const config::RecipeConfig cfg = load_recipe_config(a.config_args);
   const std::string tokenizer_path = preview_tokenizer(cfg);
   const data::Tokenizer tok = data::Tokenizer::open(tokenizer_path);
-  const data::DatasetOptions options = config::dataset_options(cfg.data);
+  std::string note;
+  const data::DatasetOptions options = config::dataset_options(cfg.data, tok, &note);
+  if (!note.empty()) std::printf("%s\n", note.c_str());
   std::printf("data.format = \"%s\"", data::dataset_kind_name(options.kind));
   if (options.kind != data::DatasetKind::kText)
     std::printf(", data.template = \"%s\"", std::string(data::template_name(options.prompt_template)).c_str());

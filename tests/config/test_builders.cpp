@@ -4,10 +4,21 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <string>
+
+#include "qlora/data/tokenizer.h"
 
 using namespace qlora;
 using namespace qlora::config;
+
+namespace {
+// A sentencepiece model (Llama-2's rule: BOS, no EOS) with no chat template beside it.
+data::Tokenizer sp_tokenizer() {
+  const char* dir = std::getenv("QLORA_TEST_DATA");
+  return data::Tokenizer::open(std::string(dir ? dir : "tests/data") + "/tokenizer/tokenizer.model");
+}
+}  // namespace
 
 TEST(Builders, DatasetOptionsFromData) {
   DataConfig d;
@@ -15,7 +26,8 @@ TEST(Builders, DatasetOptionsFromData) {
   d.template_ = data::TemplateKind::kLlama3Chat;
   d.max_seq_len = 77;
   d.train_on_input = true;
-  const data::DatasetOptions o = dataset_options(d);
+  const data::Tokenizer tok = sp_tokenizer();
+  const data::DatasetOptions o = dataset_options(d, tok);
   EXPECT_EQ(o.kind, data::DatasetKind::kChat);
   EXPECT_EQ(o.prompt_template, data::TemplateKind::kLlama3Chat);
   EXPECT_EQ(o.max_seq_len, 77);
@@ -28,17 +40,28 @@ TEST(Builders, DatasetOptionsFromData) {
   d.messages_field = "dialog";
   d.text_field = "body";
   d.input_field = "context";
-  const data::DatasetOptions mapped = dataset_options(d);
+  const data::DatasetOptions mapped = dataset_options(d, tok);
   EXPECT_EQ(mapped.instruction_field, "prompt");
   EXPECT_EQ(mapped.input_field, "context");
   EXPECT_EQ(mapped.output_field, "response");
   EXPECT_EQ(mapped.messages_field, "dialog");
   EXPECT_EQ(mapped.text_field, "body");
-  // Not config keys: the component's defaults.
+  // "auto": the tokenizer's BOS (sentencepiece adds one), EOS after a hand-written template.
   EXPECT_TRUE(o.add_bos && o.add_eos);
+  d.add_bos = false;
+  d.add_eos = false;
+  EXPECT_FALSE(dataset_options(d, tok).add_bos || dataset_options(d, tok).add_eos);
   // template = "none" keeps the options' default template.
   d.template_ = std::nullopt;
-  EXPECT_EQ(dataset_options(d).prompt_template, data::DatasetOptions{}.prompt_template);
+  EXPECT_EQ(dataset_options(d, tok).prompt_template, data::DatasetOptions{}.prompt_template);
+  // "auto" without a template beside the tokenizer: alpaca for instruct data, an error for chat.
+  d.template_ = data::TemplateKind::kAuto;
+  d.format = data::DatasetKind::kInstruct;
+  std::string note;
+  EXPECT_EQ(dataset_options(d, tok, &note).prompt_template, data::TemplateKind::kAlpaca);
+  EXPECT_NE(note.find("ships no chat template; alpaca"), std::string::npos) << note;
+  d.format = data::DatasetKind::kChat;
+  EXPECT_THROW(dataset_options(d, tok), std::invalid_argument);
 }
 
 TEST(Builders, SamplerOptionsDrawOneGlobalBatchForAllRanks) {

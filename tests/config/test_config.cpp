@@ -131,7 +131,7 @@ TEST(Config, WrongTypeNamesKeyExpectedTypeAndLine) {
 TEST(Config, InvalidEnumListsAllowedValues) {
   const std::string e = parse_error("[data]\ntemplate = \"vicuna\"\n");
   EXPECT_CONTAINS(e, "invalid value 'vicuna' for 'data.template' (line 2)");
-  EXPECT_CONTAINS(e, "allowed: alpaca, llama2-chat, llama3-chat, llama3.1-chat, chatml, qwen2.5, qwen3, gemma, mistral-v0.3, none");
+  EXPECT_CONTAINS(e, "allowed: auto, alpaca, llama2-chat, llama3-chat, llama3.1-chat, chatml, qwen2.5, qwen3, gemma, mistral-v0.3, none");
   EXPECT_CONTAINS(parse_error("[model]\nbase = \"int8\"\n"), "allowed: nf4, bf16, fp32");
 }
 
@@ -188,6 +188,14 @@ TEST(Config, OverridesParseTomlValuesAndBareStrings) {
   apply_override(c, "checkpoint.resume=true");
   apply_override(c, "lora.targets=[\"q\",\"v\"]");
   apply_override(c, "optim.betas=[0.8, 0.9]");
+  apply_override(c, "data.template_kwargs={enable_thinking=false}");
+  apply_override(c, "data.add_bos=true");
+  apply_override(c, "data.add_eos=auto");
+  EXPECT_EQ(c.data.template_kwargs, nlohmann::ordered_json({{"enable_thinking", false}}));
+  EXPECT_EQ(c.data.add_bos, std::optional<bool>(true));
+  EXPECT_FALSE(c.data.add_eos.has_value());
+  EXPECT_CONTAINS(override_error(c, "data.add_bos=1"), "'data.add_bos' expects a boolean or \"auto\"");
+  EXPECT_CONTAINS(override_error(c, "data.template_kwargs=3"), "'data.template_kwargs' expects a table");
   EXPECT_EQ(c.optim.lr, 1e-5);
   EXPECT_EQ(c.optim.warmup_steps, 7);
   EXPECT_EQ(c.lora.alpha, 8.0);
@@ -224,6 +232,9 @@ TEST(Config, ToTomlRoundTripsExactly) {
   c.lora.targets = {"gate", "output"};
   c.training.seed = 9007199254740993;  // > 2^53: integers stay exact
   c.data.template_ = std::nullopt;  // "none"
+  c.data.template_kwargs = {{"enable_thinking", false}, {"name", "x \"y\""}, {"n", 2}, {"f", 0.5},
+                            {"list", {1, "a"}}, {"nested", {{"k", true}}}};
+  c.data.add_bos = false;  // add_eos stays "auto"
   const std::string text = to_toml(c);
   const RecipeConfig back = parse_config(text, "roundtrip");
   EXPECT_TRUE(back == c) << text;
@@ -232,6 +243,8 @@ TEST(Config, ToTomlRoundTripsExactly) {
   EXPECT_EQ(back.training.seed, c.training.seed);
   EXPECT_EQ(to_toml(back), text);
   EXPECT_CONTAINS(text, "alpha = 3.0\n");
+  EXPECT_CONTAINS(text, "add_bos = false\nadd_eos = \"auto\"\n");
+  EXPECT_EQ(back.data.template_kwargs.dump(), c.data.template_kwargs.dump());  // key order kept
   EXPECT_CONTAINS(text, "[optim]\nlr = 0.30000000000000004\n");
 }
 

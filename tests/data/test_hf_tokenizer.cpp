@@ -116,5 +116,71 @@ TEST(HfTokenizer, DirectoryPicksModelThenOriginalThenTokenizerJson) {
   EXPECT_TRUE(has(e, "tokenizer_config.json") && has(e, "<|im_end|>")) << e;
 }
 
+// BOS/EOS as transformers adds them: the post_processor decides; a null one leaves it to
+// tokenizer_config.json's add_bos_token / add_eos_token (absent: nothing); sentencepiece adds BOS.
+TEST(HfTokenizer, AddsBosEosAsThePostProcessorSays) {
+  const fs::path dir = fs::path(testing::TempDir()) / "qlora_hf_post";
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  const std::string file = (dir / "tokenizer.json").string();
+  const auto open_with = [&](const json& post, const json& config) {
+    json j = spm_style();
+    j["post_processor"] = post;
+    std::ofstream(file) << j.dump();
+    fs::remove(dir / "tokenizer_config.json");
+    if (!config.is_null()) std::ofstream(dir / "tokenizer_config.json") << config.dump();
+    return Tokenizer::open(file);
+  };
+  const json seq_a = {{"Sequence", {{"id", "A"}, {"type_id", 0}}}};
+  const json bos = {{"SpecialToken", {{"id", "<s>"}, {"type_id", 0}}}};
+  const json eos = {{"SpecialToken", {{"id", "</s>"}, {"type_id", 0}}}};
+  const json specials = {{"<s>", {{"id", "<s>"}, {"ids", {1}}, {"tokens", {"<s>"}}}},
+                         {"</s>", {{"id", "</s>"}, {"ids", {2}}, {"tokens", {"</s>"}}}}};
+  const auto templ = [&](json single) {
+    return json{{"type", "TemplateProcessing"}, {"single", single}, {"pair", json::array()}, {"special_tokens", specials}};
+  };
+  // SmolLM2's: a bare $A adds nothing, whatever tokenizer_config.json names as bos_token.
+  auto t = open_with(templ({seq_a}), {{"bos_token", "<s>"}});
+  EXPECT_FALSE(t.adds_bos() || t.adds_eos());
+  t = open_with(templ({bos, seq_a}), nullptr);  // Llama-2/Mistral HF files
+  EXPECT_TRUE(t.adds_bos());
+  EXPECT_FALSE(t.adds_eos());
+  // Llama-3's: ByteLevel then TemplateProcessing; config flags do not override a post_processor.
+  t = open_with({{"type", "Sequence"}, {"processors", {{{"type", "ByteLevel"}}, templ({bos, seq_a, eos})}}},
+                {{"add_bos_token", false}});
+  EXPECT_TRUE(t.adds_bos() && t.adds_eos());
+  t = open_with({{"type", "ByteLevel"}}, nullptr);  // Qwen's
+  EXPECT_FALSE(t.adds_bos() || t.adds_eos());
+  t = open_with(nullptr, {{"add_bos_token", true}});
+  EXPECT_TRUE(t.adds_bos());
+  EXPECT_FALSE(t.adds_eos());
+  t = open_with(nullptr, nullptr);
+  EXPECT_FALSE(t.adds_bos() || t.adds_eos());
+  // What qlora cannot describe is refused by name.
+  std::string e;
+  try {
+    open_with({{"type", "Unknown"}}, nullptr);
+  } catch (const std::runtime_error& x) {
+    e = x.what();
+  }
+  EXPECT_TRUE(has(e, file) && has(e, "post_processor: unsupported type 'Unknown'")) << e;
+  e.clear();
+  try {
+    open_with(templ({eos, seq_a}), nullptr);  // EOS where BOS goes
+  } catch (const std::runtime_error& x) {
+    e = x.what();
+  }
+  EXPECT_TRUE(has(e, "post_processor adds [2] before the text")) << e;
+  // sentencepiece: BOS and no EOS, unless tokenizer_config.json beside it says otherwise.
+  const std::string spm = data_dir() + "/tokenizer/tokenizer.model";
+  EXPECT_TRUE(Tokenizer::open(spm).adds_bos());
+  EXPECT_FALSE(Tokenizer::open(spm).adds_eos());
+  fs::copy_file(spm, dir / "tokenizer.model");
+  std::ofstream(dir / "tokenizer_config.json") << json{{"add_bos_token", false}, {"add_eos_token", true}}.dump();
+  t = Tokenizer::open((dir / "tokenizer.model").string());
+  EXPECT_FALSE(t.adds_bos());
+  EXPECT_TRUE(t.adds_eos());
+}
+
 }  // namespace
 }  // namespace qlora::data

@@ -7,8 +7,10 @@
 //            "llama3_chat": [[{"role", "content"}, ...], ...],
 //            "chat": [{"template": NAME, "messages": [{"role", "content"}, ...]}
 //                     or {"template": NAME, "instruct": {"instruction", "input", "output"}}, ...]}
-//           (every key optional)
-// ANSWERS:  {"vocab_size", "bos_id", "eos_id", "pad_id", "eot_id", "encode": [[id, ...], ...],
+//           (every key optional). NAME "auto": the model's own chat template beside MODEL, or
+//           the request's "chat_template" text; "template_kwargs" are its keyword arguments.
+// ANSWERS:  {"vocab_size", "bos_id", "eos_id", "pad_id", "eot_id", "adds_bos", "adds_eos",
+//            "encode": [[id, ...], ...],
 //            "decode": [text, ...], "llama3_chat": [SAMPLE, ...], "chat": [SAMPLE, ...],
 //            "encode_seconds", "encode_bytes"}
 // SAMPLE:   {"segments": [{"text", "prompt", "bos_before", "eos_after"}, ...], "tokens", "labels"},
@@ -25,6 +27,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "qlora/data/chat_template.h"
 #include "qlora/data/dataset.h"
 #include "qlora/data/templates.h"
 #include "qlora/data/tokenizer.h"
@@ -34,21 +37,43 @@ namespace {
 using nlohmann::json;
 namespace data = qlora::data;
 
+// The options for the request's template: a hand-written kind with BOS and EOS (what the
+// conformance of those kinds pins), "auto" as a run resolves it for this tokenizer.
+data::DatasetOptions request_options(const data::Tokenizer& tok, const json& request) {
+  data::DatasetOptions options;
+  options.max_seq_len = 0;
+  options.kind = data::DatasetKind::kChat;
+  options.prompt_template = data::template_kind_from_name(request.at("template").get<std::string>());
+  if (options.prompt_template != data::TemplateKind::kAuto) return options;
+  const auto kwargs = nlohmann::ordered_json::parse(request.value("template_kwargs", json::object()).dump());
+  if (!request.contains("chat_template")) data::resolve_dataset_options(options, tok, std::nullopt, std::nullopt, kwargs);
+  if (request.contains("chat_template")) {
+    options.chat_template = std::make_shared<const data::ChatTemplate>(data::ChatTemplate::from_source(
+        request["chat_template"].get<std::string>(), "request", tok, kwargs));
+    options.add_bos = options.add_eos = false;
+  }
+  return options;
+}
+
 // One chat request rendered and tokenized (see SAMPLE above).
 json render_sample(const data::Tokenizer& tok, const json& request) {
   std::vector<data::Segment> segments;
+  data::DatasetOptions options;
   try {
-    const auto kind = data::template_kind_from_name(request.at("template").get<std::string>());
+    options = request_options(tok, request);
+    std::vector<data::Message> messages;
     if (request.contains("instruct")) {
       const auto& r = request["instruct"];
-      segments = data::render_instruct(kind, {r.at("instruction").get<std::string>(),
-                                              r.value("input", std::string()), r.at("output").get<std::string>()});
+      const data::InstructRecord record{r.at("instruction").get<std::string>(), r.value("input", std::string()),
+                                        r.at("output").get<std::string>()};
+      if (options.chat_template) segments = options.chat_template->render_training(data::instruct_messages(record));
+      else segments = data::render_instruct(options.prompt_template, record);
     } else {
-      std::vector<data::Message> messages;
       for (const auto& m : request.at("messages")) {
         messages.push_back({m.at("role").get<std::string>(), m.at("content").get<std::string>()});
       }
-      segments = data::render_chat(kind, messages);
+      if (options.chat_template) segments = options.chat_template->render_training(messages);
+      else segments = data::render_chat(options.prompt_template, messages);
     }
   } catch (const std::invalid_argument& e) {
     return {{"error", e.what()}};
@@ -57,8 +82,6 @@ json render_sample(const data::Tokenizer& tok, const json& request) {
   for (const auto& s : segments) {
     segs.push_back({{"text", s.text}, {"prompt", s.is_prompt}, {"bos_before", s.bos_before}, {"eos_after", s.eos_after}});
   }
-  data::DatasetOptions options;
-  options.max_seq_len = 0;
   const auto sample = data::tokenize_segments(segments, tok, options);
   return {{"segments", segs}, {"tokens", sample.tokens}, {"labels", sample.labels}};
 }
@@ -75,7 +98,8 @@ int main(int argc, char** argv) {
     std::ifstream in(argv[2]);
     const json req = json::parse(in);
     json out = {{"vocab_size", tok.vocab_size()}, {"bos_id", tok.bos_id()}, {"eos_id", tok.eos_id()},
-                {"pad_id", tok.pad_id()},         {"eot_id", tok.eot_id()}};
+                {"pad_id", tok.pad_id()},         {"eot_id", tok.eot_id()},
+                {"adds_bos", tok.adds_bos()},     {"adds_eos", tok.adds_eos()}};
 
     std::vector<std::string> texts = req.value("encode", std::vector<std::string>{});
     std::vector<std::vector<int64_t>> ids(texts.size());

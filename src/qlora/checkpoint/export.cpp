@@ -88,14 +88,18 @@ constexpr const char* kPromptFormatFile = "qlora.json";
 constexpr const char* kPromptFormatVersion = "qlora-export-v1";
 
 void write_prompt_format(const std::string& dir, const PromptFormat& p) {
-  const nlohmann::json j = {
-      {"format", kPromptFormatVersion},
-      {"prompt",
-       {{"format", p.format},
-        {"template", p.template_name.empty() ? nlohmann::json(nullptr) : nlohmann::json(p.template_name)},
-        {"train_on_input", p.train_on_input},
-        {"add_bos", p.add_bos},
-        {"add_eos", p.add_eos}}}};
+  nlohmann::ordered_json prompt = {
+      {"format", p.format},
+      {"template", p.template_name.empty() ? nlohmann::ordered_json(nullptr) : nlohmann::ordered_json(p.template_name)},
+      {"train_on_input", p.train_on_input},
+      {"add_bos", p.add_bos},
+      {"add_eos", p.add_eos}};
+  if (!p.chat_template.empty()) {
+    prompt["chat_template"] = p.chat_template;
+    prompt["chat_template_origin"] = p.chat_template_origin;
+    prompt["template_kwargs"] = p.template_kwargs;
+  }
+  const nlohmann::ordered_json j = {{"format", kPromptFormatVersion}, {"prompt", std::move(prompt)}};
   io::write_file_atomic((fs::path(dir) / kPromptFormatFile).string(), j.dump(2) + "\n");
 }
 
@@ -121,6 +125,14 @@ std::optional<PromptFormat> read_prompt_format(const std::string& dir) {
   p.train_on_input = need("train_on_input", &nlohmann::json::is_boolean).get<bool>();
   p.add_bos = need("add_bos", &nlohmann::json::is_boolean).get<bool>();
   p.add_eos = need("add_eos", &nlohmann::json::is_boolean).get<bool>();
+  if (q.contains("chat_template")) {
+    p.chat_template = need("chat_template", &nlohmann::json::is_string).get<std::string>();
+    if (q.contains("chat_template_origin"))
+      p.chat_template_origin = need("chat_template_origin", &nlohmann::json::is_string).get<std::string>();
+    if (q.contains("template_kwargs"))
+      p.template_kwargs = nlohmann::ordered_json::parse(need("template_kwargs", &nlohmann::json::is_object).dump());
+  }
+  if (p.template_name == "auto" && p.chat_template.empty()) throw bad("prompt.template is \"auto\" but prompt.chat_template is missing");
   return p;
 }
 

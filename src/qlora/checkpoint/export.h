@@ -9,6 +9,8 @@
 #include <functional>
 #include <memory>
 #include <optional>
+
+#include <nlohmann/json.hpp>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -29,6 +31,10 @@ struct PromptFormat {
   bool train_on_input = false;
   bool add_bos = true;  // the tokenizer's BOS starts every sample
   bool add_eos = true;  // EOS ends every sample
+  // template "auto": the model's chat template the run rendered with (its Jinja text, the file it
+  // came from) and the keyword arguments it was given (data.template_kwargs).
+  std::string chat_template, chat_template_origin;
+  nlohmann::ordered_json template_kwargs = nlohmann::ordered_json::object();
 };
 
 struct AdapterInfo {
@@ -45,7 +51,8 @@ struct AdapterInfo {
 };
 
 // <dir>/qlora.json, atomically: {"format": "qlora-export-v1", "prompt": {"format", "template"
-// (null for none), "train_on_input", "add_bos", "add_eos"}}.
+// (null for none), "train_on_input", "add_bos", "add_eos"; for template "auto" also
+// "chat_template", "chat_template_origin", "template_kwargs"}}.
 void write_prompt_format(const std::string& dir, const PromptFormat& prompt);
 // What <dir>/qlora.json records; nullopt when the directory has none (an export of a release
 // before it). A malformed file throws ExportError naming it and the key.

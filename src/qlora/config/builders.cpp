@@ -1,8 +1,10 @@
 #include "qlora/config/builders.h"
 
+#include "qlora/data/chat_template.h"
+
 namespace qlora::config {
 
-data::DatasetOptions dataset_options(const DataConfig& data_cfg) {
+data::DatasetOptions dataset_options(const DataConfig& data_cfg, const data::Tokenizer& tokenizer, std::string* note) {
   data::DatasetOptions o;
   o.kind = data_cfg.format;
   if (data_cfg.template_) o.prompt_template = *data_cfg.template_;
@@ -17,7 +19,22 @@ data::DatasetOptions dataset_options(const DataConfig& data_cfg) {
   set(o.output_field, data_cfg.output_field);
   set(o.messages_field, data_cfg.messages_field);
   set(o.text_field, data_cfg.text_field);
+  std::string chosen = data::resolve_dataset_options(o, tokenizer, data_cfg.add_bos, data_cfg.add_eos,
+                                                     data_cfg.template_kwargs);
+  if (note) *note = std::move(chosen);
   return o;
+}
+
+checkpoint::PromptFormat prompt_format(const data::DatasetOptions& o) {
+  checkpoint::PromptFormat p{data::dataset_kind_name(o.kind),
+                             o.kind == data::DatasetKind::kText ? "" : std::string(data::template_name(o.prompt_template)),
+                             o.train_on_input, o.add_bos, o.add_eos};
+  if (o.chat_template) {
+    p.chat_template = o.chat_template->source();
+    p.chat_template_origin = o.chat_template->origin();
+    p.template_kwargs = o.chat_template->kwargs();
+  }
+  return p;
 }
 
 data::SamplerOptions sampler_options(const DataConfig& data_cfg, const TrainingConfig& training,

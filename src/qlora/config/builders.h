@@ -22,9 +22,13 @@
 namespace qlora::config {
 
 // kind, prompt template (data.template = "none" keeps the options' default), max_seq_len,
-// train_on_input, the field names (an empty key keeps the format's usual name); BOS/EOS keep
-// data::DatasetOptions' defaults.
-data::DatasetOptions dataset_options(const DataConfig& data_cfg);
+// train_on_input, the field names (an empty key keeps the format's usual name), then "auto" (the
+// template, BOS, EOS) resolved for `tokenizer` (data::resolve_dataset_options); `note`, when
+// given, receives the line saying what "auto" chose.
+data::DatasetOptions dataset_options(const DataConfig& data_cfg, const data::Tokenizer& tokenizer,
+                                     std::string* note = nullptr);
+// What qlora.json records of resolved options.
+checkpoint::PromptFormat prompt_format(const data::DatasetOptions& options);
 
 // Every rank draws the same global batch of batch_size x ranks rows per micro-step and trains on
 // its own batch_size of them, so the sampler itself is unsharded (world_size 1, rank 0); drop_last

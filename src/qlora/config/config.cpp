@@ -116,6 +116,9 @@ void visit_fields(Cfg& c, V&& v) {
   v("data", "val_fraction", c.data.val_fraction, true);  // what it holds out is not trained on
   v("data", "format", c.data.format, true);
   v("data", "template", c.data.template_, true);
+  v("data", "template_kwargs", c.data.template_kwargs, true);
+  v("data", "add_bos", c.data.add_bos, true);
+  v("data", "add_eos", c.data.add_eos, true);
   v("data", "max_seq_len", c.data.max_seq_len, true);
   v("data", "train_on_input", c.data.train_on_input, true);
   v("data", "packing", c.data.packing, true);
@@ -165,6 +168,8 @@ constexpr bool is_string_like = std::is_same_v<T, std::string> || is_named<T>;
 template <class T>
 std::string type_name() {
   if constexpr (std::is_same_v<T, bool>) return "a boolean";
+  else if constexpr (std::is_same_v<T, std::optional<bool>>) return "a boolean or \"auto\"";
+  else if constexpr (std::is_same_v<T, nlohmann::ordered_json>) return "a table of keyword arguments";
   else if constexpr (std::is_same_v<T, int64_t>) return "an integer";
   else if constexpr (std::is_same_v<T, double>) return "a number";
   else if constexpr (std::is_same_v<T, std::string>) return "a string";
@@ -206,6 +211,25 @@ bool read_number(const toml::node& n, double& out) {
   return false;
 }
 
+// A TOML value as JSON, for template keyword arguments (dates are refused).
+nlohmann::ordered_json toml_to_json(const toml::node& n, const Origin& o, const std::string& key) {
+  if (auto t = n.as_table()) {
+    nlohmann::ordered_json j = nlohmann::ordered_json::object();
+    for (auto&& [k, v] : *t) j[std::string(k.str())] = toml_to_json(v, o, key + "." + std::string(k.str()));
+    return j;
+  }
+  if (auto a = n.as_array()) {
+    nlohmann::ordered_json j = nlohmann::ordered_json::array();
+    for (const toml::node& e : *a) j.push_back(toml_to_json(e, o, key));
+    return j;
+  }
+  if (auto b = n.as_boolean()) return b->get();
+  if (auto i = n.as_integer()) return i->get();
+  if (auto f = n.as_floating_point()) return f->get();
+  if (auto s = n.as_string()) return s->get();
+  fail(o, "key '" + key + "'" + at_line(o, n) + ": a date/time cannot be a template argument");
+}
+
 template <class T>
 void read_field(const toml::node& n, T& out, const Origin& o, const std::string& key) {
   auto wrong_type = [&]() {
@@ -216,6 +240,14 @@ void read_field(const toml::node& n, T& out, const Origin& o, const std::string&
     auto b = n.as_boolean();
     if (!b) wrong_type();
     out = b->get();
+  } else if constexpr (std::is_same_v<T, std::optional<bool>>) {
+    if (auto b = n.as_boolean()) out = b->get();
+    else if (auto s = n.as_string(); s && s->get() == "auto") out.reset();
+    else wrong_type();
+  } else if constexpr (std::is_same_v<T, nlohmann::ordered_json>) {
+    auto t = n.as_table();
+    if (!t) wrong_type();
+    out = toml_to_json(*t, o, key);
   } else if constexpr (std::is_same_v<T, int64_t>) {
     auto i = n.as_integer();
     if (!i) wrong_type();
@@ -289,9 +321,27 @@ std::string quote(const std::string& s) {
   return out + "\"";
 }
 
+// JSON as a TOML inline value (the canonical text of template_kwargs).
+std::string json_to_toml(const nlohmann::ordered_json& j) {
+  std::string out;
+  if (j.is_object()) {
+    for (const auto& [k, v] : j.items()) out += (out.empty() ? "" : ", ") + quote(k) + " = " + json_to_toml(v);
+    return "{" + (out.empty() ? "" : " " + out + " ") + "}";
+  }
+  if (j.is_array()) {
+    for (const auto& v : j) out += (out.empty() ? "" : ", ") + json_to_toml(v);
+    return "[" + out + "]";
+  }
+  if (j.is_string()) return quote(j.get<std::string>());
+  if (j.is_number_float()) return format_double(j.get<double>());
+  return j.dump();  // booleans, integers
+}
+
 template <class T>
 std::string value_text(const T& v) {
   if constexpr (std::is_same_v<T, bool>) return v ? "true" : "false";
+  else if constexpr (std::is_same_v<T, std::optional<bool>>) return v ? (*v ? "true" : "false") : "\"auto\"";
+  else if constexpr (std::is_same_v<T, nlohmann::ordered_json>) return json_to_toml(v);
   else if constexpr (std::is_same_v<T, int64_t>) return std::to_string(v);
   else if constexpr (std::is_same_v<T, double>) return format_double(v);
   else if constexpr (std::is_same_v<T, std::string>) return quote(v);

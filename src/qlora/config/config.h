@@ -15,6 +15,8 @@
 #include <string_view>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "qlora/checkpoint/export.h"
 #include "qlora/data/dataset.h"
 #include "qlora/optim/schedule.h"
@@ -63,9 +65,20 @@ struct DataConfig {
   std::string val_path;
   double val_fraction = 0.0;
   data::DatasetKind format = data::DatasetKind::kInstruct;
-  // TOML key "template". "none" (nullopt): no template chosen, for format "text", which renders
-  // without one; the other formats then get data::DatasetOptions' default (alpaca).
-  std::optional<data::TemplateKind> template_ = data::TemplateKind::kAlpaca;
+  // TOML key "template". "auto": the model's own chat template (tokenizer_config.json or
+  // chat_template.jinja), rendered as transformers' apply_chat_template does; a model without one
+  // gets alpaca for instruct data and an error for chat data. "none" (nullopt): no template
+  // chosen, for format "text", which renders without one; the other formats then get alpaca.
+  std::optional<data::TemplateKind> template_ = data::TemplateKind::kAuto;
+  // Keyword arguments of the model's own template (Qwen3's enable_thinking), a TOML table.
+  nlohmann::ordered_json template_kwargs = nlohmann::ordered_json::object();
+  // BOS before / EOS after each sample. "auto" (nullopt): BOS as the tokenizer adds it (none with
+  // the model's own template, which spells its own); EOS after every sample of a hand-written
+  // template or plain text (so the model learns to stop), none after the model's own template's
+  // text (its end-of-turn marker ends each answer). true/false force it; a BOS already there is
+  // never doubled.
+  std::optional<bool> add_bos;
+  std::optional<bool> add_eos;
   int64_t max_seq_len = 512;
   bool train_on_input = false;
   bool packing = false;

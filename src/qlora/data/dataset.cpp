@@ -1,4 +1,5 @@
 #include "qlora/data/dataset.h"
+#include "qlora/data/chat_template.h"
 #include "qlora/data/record_formats.h"
 #include "qlora/io/read_file.h"
 
@@ -121,17 +122,55 @@ std::vector<RenderedRecord> read_records(const std::string& path, const DatasetO
   return out;
 }
 
-Sample tokenize_segments(const std::vector<Segment>& segments, const Tokenizer& tokenizer,
-                         const DatasetOptions& o) {
+std::string resolve_dataset_options(DatasetOptions& o, const Tokenizer& tokenizer, std::optional<bool> add_bos,
+                                    std::optional<bool> add_eos, const nlohmann::ordered_json& template_kwargs) {
+  std::string note;
+  o.chat_template.reset();
+  if (o.kind != DatasetKind::kText && o.prompt_template == TemplateKind::kAuto) {
+    if (auto t = ChatTemplate::find(tokenizer, template_kwargs)) {
+      note = "data.template = \"auto\": the model's own chat template, " + t->origin();
+      o.chat_template = std::make_shared<const ChatTemplate>(std::move(*t));
+    } else if (o.kind == DatasetKind::kInstruct) {
+      o.prompt_template = TemplateKind::kAlpaca;
+      note = "data.template = \"auto\": " + tokenizer.path() + " ships no chat template; alpaca";
+    } else {
+      throw std::invalid_argument("data.template = \"auto\" but the tokenizer " + tokenizer.path() +
+                                  " ships no chat template (no chat_template.jinja, no chat_template in "
+                                  "tokenizer_config.json): set data.template to one of " +
+                                  io::enum_names(kTemplateKindNames));
+    }
+  }
+  o.add_bos = add_bos.value_or(!o.chat_template && tokenizer.adds_bos());
+  o.add_eos = add_eos.value_or(!o.chat_template);
+  return note;
+}
+
+namespace {
+
+void push_ids(Sample& s, const std::vector<int64_t>& ids, bool masked) {
+  s.tokens.insert(s.tokens.end(), ids.begin(), ids.end());
+  for (const auto id : ids) s.labels.push_back(masked ? kIgnoreIndex : id);
+}
+
+// The model's own template: its text tokenized whole; BOS only where asked and not there yet.
+Sample tokenize_template_text(const std::vector<Segment>& segments, const Tokenizer& tokenizer,
+                              const DatasetOptions& o) {
+  const auto [ids, trained] = tokenize_exact(segments, tokenizer);
   Sample s;
-  const auto push = [&](const std::vector<int64_t>& ids, bool masked) {
-    s.tokens.insert(s.tokens.end(), ids.begin(), ids.end());
-    for (const auto id : ids) s.labels.push_back(masked ? kIgnoreIndex : id);
-  };
+  const int64_t bos = tokenizer.bos_id();
+  if (o.add_bos && bos >= 0 && (ids.empty() || ids.front() != bos)) push_ids(s, {bos}, !o.train_on_input);
+  for (size_t k = 0; k < ids.size(); ++k) push_ids(s, {ids[k]}, !trained[k] && !o.train_on_input);
+  return s;
+}
+
+// A hand-written template's segments, one by one.
+Sample tokenize_kind_segments(const std::vector<Segment>& segments, const Tokenizer& tokenizer,
+                              const DatasetOptions& o) {
+  Sample s;
   // BOS is never a target after the shift; it counts as prompt for train_on_input=false. A
   // tokenizer without one (Qwen's) gets none, as its chat template writes none.
   const int64_t bos = tokenizer.bos_id(), eos = tokenizer.eos_id();
-  if (o.add_bos && bos >= 0) push({bos}, !o.train_on_input);
+  if (o.add_bos && bos >= 0) push_ids(s, {bos}, !o.train_on_input);
   // Sentencepiece's dummy prefix belongs to the start of a text, i.e. the first segment and the
   // first after an inner BOS (Meta encodes each Llama-2 turn separately). Later segments are
   // continuations so that tokens(segments) ≈ tokens(joined text).
@@ -139,16 +178,26 @@ Sample tokenize_segments(const std::vector<Segment>& segments, const Tokenizer& 
   for (const auto& seg : segments) {
     const bool masked = seg.is_prompt && !o.train_on_input;
     if (seg.bos_before && bos >= 0) {
-      push({bos}, !o.train_on_input);
+      push_ids(s, {bos}, !o.train_on_input);
       at_text_start = true;
     }
     if (!seg.text.empty()) {
-      push(at_text_start ? tokenizer.encode(seg.text) : tokenizer.encode_continuation(seg.text),
-           masked);
+      push_ids(s, at_text_start ? tokenizer.encode(seg.text) : tokenizer.encode_continuation(seg.text), masked);
       at_text_start = false;
     }
-    if (seg.eos_after && eos >= 0) push({eos}, masked);
+    if (seg.eos_after && eos >= 0) push_ids(s, {eos}, masked);
   }
+  return s;
+}
+
+}  // namespace
+
+Sample tokenize_segments(const std::vector<Segment>& segments, const Tokenizer& tokenizer,
+                         const DatasetOptions& o) {
+  Sample s = o.chat_template ? tokenize_template_text(segments, tokenizer, o)
+                             : tokenize_kind_segments(segments, tokenizer, o);
+  const int64_t eos = tokenizer.eos_id();
+  const auto push = [&](const std::vector<int64_t>& ids, bool masked) { push_ids(s, ids, masked); };
   // EOS is trained: it is how the model learns to stop answering. Once: a template whose text
   // already ends with it (Mistral's answers, Llama-3.1's <|eot_id|> where that is the EOS) gets
   // no second one, so the ids are apply_chat_template's.

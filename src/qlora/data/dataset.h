@@ -2,15 +2,21 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include "qlora/data/templates.h"
 #include "qlora/data/tokenizer.h"
 #include "qlora/io/enum_names.h"
 
 namespace qlora::data {
+
+class ChatTemplate;
 
 // Label value the loss ignores (PyTorch cross_entropy's default ignore_index).
 constexpr int64_t kIgnoreIndex = -100;
@@ -36,9 +42,22 @@ struct DatasetOptions {
   std::string text_field = "text";
   int64_t max_seq_len = 512;    // <= 0: no truncation
   bool train_on_input = false;  // true: prompt tokens are trained too
-  bool add_bos = true;          // Llama family: BOS starts every sequence
-  bool add_eos = true;          // EOS ends every sample so the model learns to stop
+  // Resolved for a tokenizer by resolve_dataset_options (config::dataset_options does it).
+  bool add_bos = true;          // BOS starts every sample (never twice)
+  bool add_eos = true;          // EOS ends every sample so the model learns to stop (never twice)
+  // prompt_template kAuto: the model's own template. Its text is tokenized whole, so the ids are
+  // apply_chat_template's (tokenize_exact).
+  std::shared_ptr<const ChatTemplate> chat_template;
 };
+
+// What "auto" means for `tokenizer`: data.template = auto takes the chat template beside the
+// tokenizer, else alpaca for instruct data (chat data without one is an error naming the
+// tokenizer's directory); add_bos / add_eos unset become the tokenizer's BOS rule and EOS for
+// hand-written templates and text (none for the model's own template, which writes its
+// end-of-turn). Returns one line saying what was chosen, for the log.
+std::string resolve_dataset_options(DatasetOptions& options, const Tokenizer& tokenizer,
+                                    std::optional<bool> add_bos, std::optional<bool> add_eos,
+                                    const nlohmann::ordered_json& template_kwargs);
 
 // tokens and labels have equal length; labels[i] is tokens[i] or kIgnoreIndex (not shifted:
 // collate() shifts per sample, so no target crosses a packed boundary).

@@ -73,11 +73,15 @@ struct HfTokenizer::Impl {
   std::unordered_map<std::string, int64_t> added_ids;
   Matcher raw_matcher, normalized_matcher;
   bool adds_prefix = false;
+  bool has_post = false;
+  std::vector<int64_t> prefix, suffix;  // what the post_processor adds around a single sequence
 
   [[noreturn]] void fail(const std::string& what) const { throw std::runtime_error(path + ": " + what); }
   void load_model(const json& m);
   void load_merges(const json& merges);
   void load_added(const json& list);
+  void load_post_processor(const json& p);
+  int64_t post_token_id(const json& special_tokens, const std::string& name) const;
   void set_token(int64_t id, const std::string& t);
   template <class Gap>
   void split_added(const std::string& text, const Matcher& m, const Gap& gap, std::vector<int64_t>& out) const;
@@ -207,10 +211,67 @@ std::shared_ptr<const HfTokenizer> HfTokenizer::load(const std::string& path) {
   im.decode = hf::make_decoder(j.value("decoder", json()), path + ": decoder");
   im.load_model(j["model"]);
   im.load_added(j.value("added_tokens", json()));
+  im.has_post = j.contains("post_processor") && !j["post_processor"].is_null();
+  if (im.has_post) im.load_post_processor(j["post_processor"]);
   std::vector<hf::Piece> probe = {{im.normalize("x"), true}};
   im.pre_tokenize(probe);
   im.adds_prefix = probe.size() != 1 || probe[0].text != "x";
   return t;
+}
+
+// The id of TemplateProcessing's special token `name`: its "ids" entry in special_tokens (one id;
+// a multi-id special token is refused), else the token of that name.
+int64_t HfTokenizer::Impl::post_token_id(const json& special_tokens, const std::string& name) const {
+  if (special_tokens.is_object() && special_tokens.contains(name)) {
+    const json& ids = special_tokens[name].value("ids", json());
+    if (!ids.is_array() || ids.size() != 1 || !ids[0].is_number_integer())
+      fail("post_processor: special token '" + name + "' must have exactly one id, has " + ids.dump());
+    return ids[0].get<int64_t>();
+  }
+  if (const auto it = added_ids.find(name); it != added_ids.end()) return it->second;
+  if (const auto it = vocab.find(name); it != vocab.end()) return it->second;
+  fail("post_processor: special token '" + name + "' is not a token");
+}
+
+// What encode(text, add_special_tokens=True) puts around the ids, for the processors the
+// tokenizer.json files of LLMs use. Another kind is refused: BOS/EOS would otherwise be guessed.
+void HfTokenizer::Impl::load_post_processor(const json& p) {
+  const std::string type = p.is_object() ? p.value("type", "") : "";
+  if (type == "ByteLevel") return;  // offsets only
+  if (type == "Sequence") {
+    for (const json& q : p.value("processors", json::array())) load_post_processor(q);
+    return;
+  }
+  if (type == "BertProcessing" || type == "RobertaProcessing") {
+    const auto id_of = [&](const char* key) {
+      const json& pair = p.value(key, json());  // ["[CLS]", 101]
+      if (!pair.is_array() || pair.size() != 2 || !pair[1].is_number_integer())
+        fail("post_processor: " + type + "." + key + " must be [token, id]");
+      return pair[1].get<int64_t>();
+    };
+    // A later processor of a Sequence wraps what the earlier ones made.
+    prefix.insert(prefix.begin(), id_of("cls"));
+    suffix.push_back(id_of("sep"));
+    return;
+  }
+  if (type != "TemplateProcessing")
+    fail("post_processor: unsupported type '" + type + "' (qlora reads TemplateProcessing, ByteLevel, Bert/RobertaProcessing and Sequence)");
+  bool after = false;
+  std::vector<int64_t> before_ids, after_ids;
+  for (const json& item : p.value("single", json::array())) {
+    if (item.contains("Sequence")) {
+      if (after) fail("post_processor: TemplateProcessing.single names the sequence twice");
+      after = true;
+    } else if (item.contains("SpecialToken")) {
+      const int64_t id = post_token_id(p.value("special_tokens", json()), item["SpecialToken"].value("id", ""));
+      (after ? after_ids : before_ids).push_back(id);
+    } else {
+      fail("post_processor: unexpected TemplateProcessing.single item " + item.dump());
+    }
+  }
+  if (!after) fail("post_processor: TemplateProcessing.single has no $A");
+  prefix.insert(prefix.begin(), before_ids.begin(), before_ids.end());
+  suffix.insert(suffix.end(), after_ids.begin(), after_ids.end());
 }
 
 // Cuts `text` at the added tokens `m` finds: each token's id goes to `out`, and the text before
@@ -341,6 +402,9 @@ std::string HfTokenizer::token(int64_t id) const {
 }
 
 bool HfTokenizer::adds_prefix() const { return impl_->adds_prefix; }
+const std::vector<int64_t>& HfTokenizer::special_prefix() const { return impl_->prefix; }
+const std::vector<int64_t>& HfTokenizer::special_suffix() const { return impl_->suffix; }
+bool HfTokenizer::has_post_processor() const { return impl_->has_post; }
 const std::string& HfTokenizer::path() const { return impl_->path; }
 
 }  // namespace qlora::data

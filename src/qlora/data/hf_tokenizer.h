@@ -5,8 +5,8 @@
 // Supported: model "BPE" (merges as "a b" strings or [a, b] lists, byte_fallback, unk_token,
 // fuse_unk, ignore_merges); added_tokens (special or not, normalized or not, lstrip/rstrip),
 // matched in the text before the model runs, leftmost-longest; the normalizers, pre-tokenizers
-// and decoders of hf_pipeline.h. The post_processor (BOS/EOS around encode) is not applied:
-// Tokenizer::encode_with_special adds those. Anything else (another model type, an unknown
+// and decoders of hf_pipeline.h. The post_processor (BOS/EOS around encode) is read, not applied:
+// special_prefix()/special_suffix() say what it adds, and Tokenizer::encode_with_special adds it. Anything else (another model type, an unknown
 // component or option, truncation) is refused with an error naming the file and the component.
 #pragma once
 
@@ -41,6 +41,12 @@ class HfTokenizer {
   // True when encode puts something in front of the text (a Prepend normalizer, Metaspace that
   // prepends, ByteLevel's add_prefix_space): continuations then need the prefix trick.
   bool adds_prefix() const;
+  // The ids the post_processor puts before / after a single sequence (encode(text,
+  // add_special_tokens=True)): TemplateProcessing's "single", Bert/Roberta's cls and sep, ByteLevel
+  // nothing, Sequence the concatenation. has_post_processor() is false for a null one.
+  const std::vector<int64_t>& special_prefix() const;
+  const std::vector<int64_t>& special_suffix() const;
+  bool has_post_processor() const;
   const std::string& path() const;
 
  private:

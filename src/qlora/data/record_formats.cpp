@@ -1,4 +1,5 @@
 #include "qlora/data/record_formats.h"
+#include "qlora/data/chat_template.h"
 
 #include <nlohmann/json.hpp>
 
@@ -144,9 +145,11 @@ std::vector<Segment> render_record(const json& j, const DatasetOptions& o) {
       r.instruction = required_field(j, o.kind, o.instruction_field, "data.instruction_field");
       r.input = optional_field(j, o.input_field);
       r.output = required_field(j, o.kind, o.output_field, "data.output_field");
+      if (o.chat_template) return o.chat_template->render_training(instruct_messages(r));
       return render_instruct(o.prompt_template, r);
     }
     case DatasetKind::kChat:
+      if (o.chat_template) return o.chat_template->render_training(chat_messages(j, o));
       return render_chat(o.prompt_template, chat_messages(j, o));
     case DatasetKind::kText:
       return {Segment{required_field(j, o.kind, o.text_field, "data.text_field"), false}};

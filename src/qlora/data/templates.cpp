@@ -267,15 +267,21 @@ void validate_messages(const std::vector<Message>& m) {
   }
 }
 
+std::vector<Message> instruct_messages(const InstructRecord& r) {
+  std::string user = r.input.empty() ? r.instruction : r.instruction + "\n\n" + r.input;
+  return {Message{"user", std::move(user)}, Message{"assistant", r.output}};
+}
+
 std::vector<Segment> render_instruct(TemplateKind kind, const InstructRecord& r) {
   if (kind == TemplateKind::kAlpaca) return alpaca(r);
-  std::string user = r.input.empty() ? r.instruction : r.instruction + "\n\n" + r.input;
-  return render_chat(kind, {Message{"user", std::move(user)}, Message{"assistant", r.output}});
+  return render_chat(kind, instruct_messages(r));
 }
 
 std::vector<Segment> render_chat(TemplateKind kind, const std::vector<Message>& m) {
   validate_messages(m);
   switch (kind) {
+    case TemplateKind::kAuto:
+      throw std::logic_error("render_chat: template 'auto' renders through the model's ChatTemplate");
     case TemplateKind::kAlpaca:
       if (m.size() != 2) {
         throw std::invalid_argument(

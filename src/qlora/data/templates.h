@@ -26,11 +26,14 @@ namespace qlora::data {
 //   mistral-v0.3   Mistral-7B-Instruct-v0.3: "[INST] user[/INST]", " answer" + EOS; its template
 //                  puts the system message only into a conversation's last message when that is a
 //                  user message, so a training conversation (ending with an answer) renders without it
+//   auto           the model's own chat template (chat_template.h); resolved against the
+//                  tokenizer before rendering (DatasetOptions::chat_template)
 enum class TemplateKind {
-  kAlpaca, kLlama2Chat, kLlama3Chat, kLlama31Chat, kChatML, kQwen25, kQwen3, kGemma, kMistralV03
+  kAuto, kAlpaca, kLlama2Chat, kLlama3Chat, kLlama31Chat, kChatML, kQwen25, kQwen3, kGemma, kMistralV03
 };
 
 inline constexpr io::EnumName<TemplateKind> kTemplateKindNames[] = {
+    {TemplateKind::kAuto, "auto"},
     {TemplateKind::kAlpaca, "alpaca"},
     {TemplateKind::kLlama2Chat, "llama2-chat"},
     {TemplateKind::kLlama3Chat, "llama3-chat"},
@@ -72,6 +75,9 @@ struct Segment {
 // wrong; callers prefix the file and line.
 void validate_messages(const std::vector<Message>& messages);
 
+// An instruct record as the conversation chat templates see: [user: instruction ("\n\n" input),
+// assistant: output].
+std::vector<Message> instruct_messages(const InstructRecord& record);
 // An instruct record as segments. Chat templates see it as [user: instruction ("\n\n" input),
 // assistant: output].
 std::vector<Segment> render_instruct(TemplateKind kind, const InstructRecord& record);

@@ -87,6 +87,8 @@ Tokenizer Tokenizer::open(const std::string& path_or_dir) {
   const int64_t pad = t.sp_->pad_id();
   t.pad_id_ = pad >= 0 ? pad : (t.eos_id_ >= 0 ? t.eos_id_ : 0);
   t.prefix_ids_ = t.encode(kContinuationPrefix);
+  t.read_config();
+  t.apply_config_flags(true, false);
   return t;
 }
 
@@ -98,24 +100,50 @@ void Tokenizer::open_tiktoken() {
   eot_id_ = bpe_->special_id("<|eot_id|>");
   const int64_t pad = bpe_->special_id("<|finetune_right_pad_id|>");
   pad_id_ = pad >= 0 ? pad : eos_id_;
+  read_config();
+  apply_config_flags(true, false);
+}
+
+void Tokenizer::read_config() {
+  const auto dir = std::filesystem::path(path_).parent_path();
+  // Meta's original/tokenizer.model: the HF files sit one level up.
+  for (const auto& d : {dir, dir.filename() == "original" ? dir.parent_path() : dir}) {
+    const auto file = (d / "tokenizer_config.json").string();
+    const auto text = io::read_file(file);
+    if (!text) continue;
+    try {
+      config_ = std::make_shared<const nlohmann::json>(nlohmann::json::parse(*text));
+    } catch (const nlohmann::json::parse_error& e) {
+      throw std::runtime_error(file + ": not valid JSON: " + e.what());
+    }
+    if (!config_->is_object()) throw std::runtime_error(file + ": expected a JSON object");
+    return;
+  }
+}
+
+// tokenizer_config.json's add_bos_token / add_eos_token over the given defaults; only a token the
+// tokenizer has can be added.
+void Tokenizer::apply_config_flags(bool default_bos, bool default_eos) {
+  const auto flag = [&](const char* key, bool fallback) {
+    if (!config_ || !config_->contains(key) || (*config_)[key].is_null()) return fallback;
+    if (!(*config_)[key].is_boolean())
+      throw std::runtime_error("tokenizer_config.json beside " + path_ + ": " + key + " must be true or false");
+    return (*config_)[key].get<bool>();
+  };
+  adds_bos_ = flag("add_bos_token", default_bos) && bos_id_ >= 0;
+  adds_eos_ = flag("add_eos_token", default_eos) && eos_id_ >= 0;
 }
 
 void Tokenizer::open_hf() {
   hf_ = HfTokenizer::load(path_);
   vocab_size_ = hf_->vocab_size();
-  nlohmann::json config;
-  const auto config_path = std::filesystem::path(path_).parent_path() / "tokenizer_config.json";
-  if (const auto text = io::read_file(config_path.string())) {
-    try {
-      config = nlohmann::json::parse(*text);
-    } catch (const nlohmann::json::parse_error& e) {
-      throw std::runtime_error(config_path.string() + ": not valid JSON: " + e.what());
-    }
-  }
+  read_config();
+  const nlohmann::json config = config_ ? *config_ : nlohmann::json();
+  const std::string config_path = (std::filesystem::path(path_).parent_path() / "tokenizer_config.json").string();
   // The named token's id; a name the config gives must be a token.
   const auto id_of = [&](const std::string& name, const char* key) {
     const int64_t id = hf_->token_id(name);
-    if (id < 0) throw std::runtime_error(config_path.string() + ": " + key + " '" + name + "' is not a token of " + path_);
+    if (id < 0) throw std::runtime_error(config_path + ": " + key + " '" + name + "' is not a token of " + path_);
     return id;
   };
   // The first of `names` that is a token, -1 if none.
@@ -139,6 +167,19 @@ void Tokenizer::open_hf() {
   pad_id_ = pad >= 0 ? pad : (eos_id_ >= 0 ? eos_id_ : 0);
   eot_id_ = first_of({"<|eot_id|>", "<|im_end|>"});
   if (hf_->adds_prefix()) prefix_ids_ = encode(kContinuationPrefix);
+  if (!hf_->has_post_processor()) return apply_config_flags(false, false);
+  const auto& pre = hf_->special_prefix();
+  const auto& post = hf_->special_suffix();
+  const auto only = [&](const std::vector<int64_t>& ids, int64_t want, const char* what) {
+    if (ids.empty()) return false;
+    if (ids.size() != 1 || ids[0] != want)
+      throw std::runtime_error(path_ + ": post_processor adds " + nlohmann::json(ids).dump() + " " + what +
+                               " the text, but the tokenizer's " + (want == bos_id_ ? "BOS" : "EOS") + " is " +
+                               std::to_string(want) + "; qlora adds exactly BOS before and EOS after");
+    return true;
+  };
+  adds_bos_ = only(pre, bos_id_, "before");
+  adds_eos_ = only(post, eos_id_, "after");
 }
 
 std::vector<int64_t> Tokenizer::encode(std::string_view text) const {

