@@ -364,6 +364,13 @@ std::string emit(const RecipeConfig& cfg, Keep keep) {
   std::string current;
   visit_fields(cfg, [&](const char* section, const char* key, const auto& member, bool exact) {
     if (!keep(exact)) return;
+    // Keys added after checkpoints existed are written only when set, so that the canonical text
+    // (and the resume hash) of every earlier config stays what it was.
+    if constexpr (std::is_same_v<std::decay_t<decltype(member)>, std::optional<bool>>) {
+      if (!member) return;
+    } else if constexpr (std::is_same_v<std::decay_t<decltype(member)>, nlohmann::ordered_json>) {
+      if (member.empty()) return;
+    }
     if (current != section) {
       out += (out.empty() ? "[" : "\n[") + std::string(section) + "]\n";
       current = section;
