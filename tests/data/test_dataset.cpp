@@ -94,7 +94,7 @@ TEST(Templates, NamesAndBadRoles) {
   EXPECT_EQ(template_name(TemplateKind::kChatML), "chatml");
   EXPECT_TRUE(contains(error_of([] { template_kind_from_name("vicuna"); }), "vicuna"));
   EXPECT_TRUE(contains(error_of([] { template_kind_from_name("vicuna"); }),
-                       "expected one of alpaca, llama2-chat, llama3-chat, llama3.1-chat, chatml, qwen2.5, "
+                       "expected one of auto, alpaca, llama2-chat, llama3-chat, llama3.1-chat, chatml, qwen2.5, "
                        "qwen3, gemma, mistral-v0.3"));
   EXPECT_TRUE(contains(error_of([] { validate_messages({{"user", "a"}, {"bot", "b"}}); }),
                        "role 'bot'"));
