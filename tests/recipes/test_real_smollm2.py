@@ -159,13 +159,15 @@ def check_exports(smol, epoch, checks):
 
 
 def main():
-    a = recipe_args()
+    a = recipe_args(("--parts", {"default": "inference,training", "help": "comma-separated: inference, training"}))
     checks = Checks()
     smol = smollm2_dir()
     tok = AutoTokenizer.from_pretrained(smol)
     model = AutoModelForCausalLM.from_pretrained(smol, dtype=torch.float32)
-    check_inference(a.qlora, smol, tok, model, checks)
-    check_training(a, smol, tok, checks)
+    if "inference" in a.parts:
+        check_inference(a.qlora, smol, tok, model, checks)
+    if "training" in a.parts:
+        check_training(a, smol, tok, checks)
     return checks.summary()
 
 
