@@ -15,6 +15,26 @@ Value Args::get(size_t index, const char* name) const {
   return Value();
 }
 
+List iterate(const Value& v, const std::string& where) {
+  if (v.is_list()) return v.list();
+  if (v.is_dict()) {
+    List keys;
+    for (const auto& [k, _] : v.dict().items) keys.push_back(Value(k));
+    return keys;
+  }
+  if (v.is_string()) {  // characters, as Python iterates a str: whole UTF-8 sequences
+    List chars;
+    for (size_t i = 0, n; i < v.str().size(); i += n) {
+      const unsigned char c = static_cast<unsigned char>(v.str()[i]);
+      n = c < 0x80 ? 1 : c < 0xE0 ? 2 : c < 0xF0 ? 3 : 4;
+      chars.push_back(Value(v.str().substr(i, n)));
+    }
+    return chars;
+  }
+  if (v.is_undefined()) return {};  // jinja2 walks an undefined as nothing
+  throw TemplateError(where + ": '" + v.type_name() + "' object is not iterable");
+}
+
 bool less_than(const Value& a, const Value& b, const std::string& where) {
   if (a.is_number() && b.is_number()) return a.as_float() < b.as_float();
   if (a.is_string() && b.is_string()) return a.str() < b.str();
@@ -212,21 +232,7 @@ Value attr_path(const Value& v, const std::string& path) {
   return cur;
 }
 
-List as_list(const Value& v, const Args& a) {
-  if (v.is_list()) return v.list();
-  if (v.is_dict()) {
-    List keys;
-    for (const auto& [k, _] : v.dict().items) keys.push_back(Value(k));
-    return keys;
-  }
-  if (v.is_string()) {
-    List chars;
-    for (char c : v.str()) chars.push_back(Value(std::string(1, c)));
-    return chars;
-  }
-  if (v.is_undefined()) return {};
-  a.fail(std::string("'") + v.type_name() + "' object is not iterable");
-}
+List as_list(const Value& v, const Args& a) { return iterate(v, a.where); }
 
 // selectattr/rejectattr/select/reject: items whose attribute (or the item) passes the test.
 Value select(const Value& v, Args& a, bool by_attr, bool keep) {

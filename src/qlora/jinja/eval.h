@@ -28,6 +28,10 @@ bool apply_test(const std::string& name, const Value& value, Args& args);
 // Method `name` of a string, list or dict bound to `self`; undefined when there is none.
 Value bound_method(const Value& self, const std::string& name);
 
+// What a for loop or a filter walks: a list, a dict's keys, a string's characters; undefined is
+// empty. Throws TemplateError naming `where` for anything else.
+List iterate(const Value& v, const std::string& where);
+
 // Python's `a < b` for numbers and strings; throws for other kinds.
 bool less_than(const Value& a, const Value& b, const std::string& where);
 

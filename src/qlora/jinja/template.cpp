@@ -85,32 +85,11 @@ void Renderer::exec(const Stmt& s) {
   }
 }
 
-// Items a for loop walks: a list, a dict's keys, a string's characters.
-List iterable(const Value& v, const std::string& where) {
-  if (v.is_list()) return v.list();
-  if (v.is_dict()) {
-    List keys;
-    for (const auto& [k, _] : v.dict().items) keys.push_back(Value(k));
-    return keys;
-  }
-  if (v.is_string()) {
-    List chars;
-    for (size_t i = 0, n; i < v.str().size(); i += n) {
-      const unsigned char c = static_cast<unsigned char>(v.str()[i]);
-      n = c < 0x80 ? 1 : c < 0xE0 ? 2 : c < 0xF0 ? 3 : 4;
-      chars.push_back(Value(v.str().substr(i, n)));
-    }
-    return chars;
-  }
-  if (v.is_undefined()) return {};  // jinja2 iterates an undefined as empty
-  throw TemplateError(where + ": '" + v.type_name() + "' object is not iterable");
-}
-
 void Renderer::exec_for(const Stmt& s) {
-  List items = iterable(eval(*s.expr), at(s.where));
+  List items = iterate(eval(*s.expr), at(s.where));
   const auto bind = [&](Dict& scope, const Value& item) {
     if (s.targets.size() == 1) return scope.set(s.targets[0], item);
-    const List parts = iterable(item, at(s.where));
+    const List parts = iterate(item, at(s.where));
     if (parts.size() != s.targets.size()) fail(s.where, "cannot unpack " + std::to_string(parts.size()) + " values into " +
                                                          std::to_string(s.targets.size()) + " loop variables");
     for (size_t k = 0; k < parts.size(); ++k) scope.set(s.targets[k], parts[k]);
@@ -174,7 +153,7 @@ void Renderer::exec_set(const Stmt& s) {
     return;
   }
   if (s.targets.size() == 1) return scopes.back().set(s.targets[0], std::move(v));
-  const List parts = iterable(v, at(s.where));
+  const List parts = iterate(v, at(s.where));
   if (parts.size() != s.targets.size()) fail(s.where, "cannot unpack " + std::to_string(parts.size()) + " values");
   for (size_t k = 0; k < parts.size(); ++k) scopes.back().set(s.targets[k], parts[k]);
 }

@@ -1,6 +1,7 @@
 #include "qlora/jinja/value.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -64,19 +65,31 @@ bool Value::truthy() const {
 std::string python_float(double d) {
   if (std::isnan(d)) return "nan";
   if (std::isinf(d)) return d > 0 ? "inf" : "-inf";
-  char buf[40];
-  for (int digits = 1; digits <= 17; ++digits) {
-    std::snprintf(buf, sizeof buf, "%.*g", digits, d);
+  if (d == 0) return std::signbit(d) ? "-0.0" : "0.0";
+  // Python's repr: the shortest digits that read back, positional for exponents -4..15, else
+  // d.ddde+XX.
+  char buf[48];
+  for (int p = 0; p <= 16; ++p) {
+    std::snprintf(buf, sizeof buf, "%.*e", p, d);
     if (std::strtod(buf, nullptr) == d) break;
   }
-  std::string s = buf;
-  // Python writes exponents as e-05 -> 1e-05 (two digits at least, as %g does), and keeps ".0"
-  // on integral values below 1e16.
-  if (s.find_first_of(".en") == std::string::npos) s += ".0";
-  if (const auto e = s.find('e'); e != std::string::npos && s.find('.') == std::string::npos && std::abs(d) < 1e16 &&
-                                  std::abs(d) >= 1e-4)
-    s = std::to_string(static_cast<long long>(d)) + ".0";
-  return s;
+  std::string text = buf;
+  const size_t e = text.find('e');
+  const int exp = std::atoi(text.c_str() + e + 1);
+  std::string digits;
+  for (size_t i = 0; i < e; ++i)
+    if (std::isdigit(static_cast<unsigned char>(text[i]))) digits += text[i];
+  const std::string sign = d < 0 ? "-" : "";
+  if (exp < -4 || exp >= 16) {
+    std::string m = digits.substr(0, 1) + (digits.size() > 1 ? "." + digits.substr(1) : "");
+    char ex[8];
+    std::snprintf(ex, sizeof ex, "e%c%02d", exp < 0 ? '-' : '+', std::abs(exp));
+    return sign + m + ex;
+  }
+  if (exp < 0) return sign + "0." + std::string(static_cast<size_t>(-exp - 1), '0') + digits;
+  const size_t point = static_cast<size_t>(exp) + 1;
+  if (digits.size() <= point) return sign + digits + std::string(point - digits.size(), '0') + ".0";
+  return sign + digits.substr(0, point) + "." + digits.substr(point);
 }
 
 namespace {
