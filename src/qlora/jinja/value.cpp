@@ -82,7 +82,7 @@ std::string python_float(double d) {
   const std::string sign = d < 0 ? "-" : "";
   if (exp < -4 || exp >= 16) {
     std::string m = digits.substr(0, 1) + (digits.size() > 1 ? "." + digits.substr(1) : "");
-    char ex[8];
+    char ex[16];
     std::snprintf(ex, sizeof ex, "e%c%02d", exp < 0 ? '-' : '+', std::abs(exp));
     return sign + m + ex;
   }
