@@ -42,6 +42,10 @@ struct AdapterInfo {
   std::string base_model_name_or_path;
   // Written to <epoch dir>/qlora.json when given (see write_prompt_format).
   std::optional<PromptFormat> prompt;
+  // When set, target_modules is written as this regular expression instead of the list (PEFT
+  // fullmatches it against module names): export_epoch sets it for a multimodal model, whose vision
+  // tower has q/k/v projections that a list of names would match too.
+  std::string target_pattern;
 };
 
 // <dir>/qlora.json, atomically: {"format": "qlora-export-v1", "prompt": {"format", "template"
