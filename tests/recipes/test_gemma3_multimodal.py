@@ -16,6 +16,7 @@ Checks:
    untied head), copies every vision tower and projector tensor byte for byte, and
    Gemma3ForConditionalGeneration.from_pretrained loads it (nothing missing or unexpected) with the text
    logits of peft's adapter on the base (and of peft's merge_and_unload where the head stays tied);
+   2 ranks train and export the same (within RANKS_TOL); `qlora generate` runs on the merged export;
 6. the same on B (head tied, not targeted): the export is in B's layout and loads;
 7. bad input: a gemma3 config.json without text_config, and a checkpoint whose language-model keys are
    absent, are refused naming the file and the key.
@@ -37,7 +38,7 @@ from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dic
 from safetensors.torch import load_file, save_file
 from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
-from recipe_common import Checks, losses, recipe_args, run_recipe
+from recipe_common import RANKS_TOL, Checks, adapter, losses, max_diff, max_tensor_diff, recipe_args, run_recipe
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "conformance"))
@@ -177,6 +178,25 @@ def check_adapter_and_merge(check, a, tag, base_dir, run_dir, pattern, tokens, u
                                f"{' with tie_word_embeddings false' if untied else ''}")
 
 
+def check_ranks_and_generate(check, a, base_a, run_a, targets):
+    """2 ranks (the same global batch) train and export as one process does; `qlora generate` runs on
+    the export (the merged multimodal checkpoint loads as a base again)."""
+    run2 = os.path.join(a.workdir, "run_a_ranks2")
+    r = run_recipe(a.qlora, run2, *RUN, f"model.checkpoint_dir={base_a}", targets, "training.batch_size=2", nproc=2)
+    if check(r.returncode == 0, "A: 2 ranks train"):
+        dl, da = max_diff(losses(run2), losses(run_a)), max_tensor_diff(adapter(run2), adapter(run_a))
+        one, two = safetensors_of(os.path.join(run_a, "epoch_0")), safetensors_of(os.path.join(run2, "epoch_0"))
+        vision = [k for k in one if not k.startswith("language_model.")]
+        check(dl < RANKS_TOL and da < RANKS_TOL and one.keys() == two.keys() and
+              all(torch.equal(one[k], two[k]) for k in vision),
+              f"A: 2 ranks give one process's losses and adapter within {RANKS_TOL} ({dl:.1e}, {da:.1e}) and the "
+              f"same export keys, the vision tower copied by the rank that writes it")
+    r = subprocess.run([a.qlora, "generate", "--checkpoint", os.path.join(run_a, "epoch_0"), "--prompt", "Reverse",
+                        "--max-new-tokens", "4", "--device", "cpu"], capture_output=True, text=True)
+    check(r.returncode == 0 and re.search(r"\d+ new tokens", r.stderr),
+          f"A: qlora generate runs on the merged multimodal export ({r.stderr.strip()[-200:]!r})")
+
+
 def check_bad_input(check, a, work, base_a):
     def refused(tag, base, *needles):
         r = subprocess.run([a.qlora, "run", "lora_finetune", f"checkpoint.output_dir={os.path.join(work, tag)}",
@@ -254,6 +274,7 @@ def main():
         check(any("vision_tower" in n for n in wrapped),
               f"peft's list target_modules would wrap the vision tower too ({[n for n in wrapped if 'vision' in n][:2]})")
         check_adapter_and_merge(check, a, "A", base_a, run_a, PATTERN_A, tokens, untied=True)
+        check_ranks_and_generate(check, a, base_a, run_a, targets)
 
     # 6. layout B, the head tied and untouched
     run_b = os.path.join(work, "run_b")
