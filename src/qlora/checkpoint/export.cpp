@@ -383,7 +383,8 @@ void MergedModelWriter::write_extras(const std::string& tokenizer_path) const {
     nlohmann::json cfg = nlohmann::json::parse(read_file(cfg_path));
     cfg["tie_word_embeddings"] = false;
     // A multimodal config's language model says it too (transformers reads the top-level key).
-    if (cfg.contains("text_config") && cfg["text_config"].is_object()) cfg["text_config"]["tie_word_embeddings"] = false;
+    if (cfg.contains("text_config") && cfg["text_config"].is_object())
+      cfg["text_config"]["tie_word_embeddings"] = false;
     io::write_file_atomic(cfg_path.string(), cfg.dump(2) + "\n");
   }
 }

@@ -36,7 +36,8 @@ KeyLayout peft_layout(const LlamaConfig& config) {
   return config.multimodal ? KeyLayout::kModelLanguage : KeyLayout::kText;
 }
 
-std::string peft_target_pattern(const Architecture& arch, KeyLayout layout, const std::vector<std::string>& peft_names) {
+std::string peft_target_pattern(const Architecture& arch, KeyLayout layout,
+                                const std::vector<std::string>& peft_names) {
   std::string out;
   for (const ProjectionRow& row : arch.projections) {
     if (std::find(peft_names.begin(), peft_names.end(), row.peft_name) == peft_names.end()) continue;

@@ -311,7 +311,8 @@ json gemma3_text_defaults() {
 // A gemma3 (Gemma3ForConditionalGeneration) config.json: the language model is text_config; the
 // vision tower's settings are nobody's business here (its weights are copied, never computed).
 LlamaConfig parse_gemma3_multimodal(const json& j, const std::string& where) {
-  if (!present(j, "text_config")) fail(where, "text_config", "missing (a gemma3 config keeps its language model's settings there)");
+  if (!present(j, "text_config"))
+    fail(where, "text_config", "missing (a gemma3 config keeps its language model's settings there)");
   const json& t = j.at("text_config");
   if (!t.is_object()) fail(where, "text_config", "expected an object, got " + t.dump());
   json text = gemma3_text_defaults();
@@ -320,9 +321,10 @@ LlamaConfig parse_gemma3_multimodal(const json& j, const std::string& where) {
   // its generation stops at the top-level eos_token_id (the Hub's lists <end_of_turn> too).
   text["tie_word_embeddings"] = get_bool(j, "tie_word_embeddings", where, true);
   if (present(j, "eos_token_id")) text["eos_token_id"] = j.at("eos_token_id");
-  if (text.value("model_type", "") != "gemma3_text")
-    fail(where, "text_config.model_type", "expected \"gemma3_text\", got " + text.at("model_type").dump());
-  LlamaConfig c = parse_text_config(text, where + " (text_config)");
+  const std::string text_where = where + " (text_config)";
+  if (get_str(text, "model_type", text_where) != "gemma3_text")
+    fail(text_where, "model_type", "expected \"gemma3_text\", got " + text.at("model_type").dump());
+  LlamaConfig c = parse_text_config(text, text_where);
   c.model_type = kGemma3Multimodal;
   c.multimodal = true;
   return c;
