@@ -66,7 +66,8 @@ using config::RecipeConfig;
 // model that is 0.5 GB less resident memory for nothing.
 at::ScalarType frozen_storage_dtype(const std::string& base_dir, at::ScalarType compute) {
   const auto ckpt = io::CheckpointDir::open(base_dir);
-  const char* key = "model.embed_tokens.weight";
+  const std::string key = models::layout_key(models::key_layout_of(ckpt, models::load_llama_config(base_dir)),
+                                             "model.embed_tokens.weight");
   if (compute == at::kFloat && ckpt.contains(key) && ckpt.file_of(key).info(key).dtype == io::Dtype::BF16)
     return at::kBFloat16;
   return compute;
@@ -513,6 +514,8 @@ int run_recipe(const RecipeConfig& cfg, c10::Device device, engine::World& world
                 base_dir.c_str(), device.str().c_str(), (long long)ranks, (long long)m.llama.config.num_hidden_layers,
                 (long long)[&] { int64_t n = 0; for (auto& [k, t] : m.llama.lora_parameters()) n += t.numel(); return n; }(),
                 d.samples.size(), (long long)o.steps_per_epoch, (long long)cfg.training.epochs);
+  if (lead && m.llama.skipped_weights.tensors > 0)
+    std::printf("%s\n", models::skipped_weights_note(m.llama.skipped_weights).c_str());
 
   // ---------------------------------------------------------------- train
   const train::FaultPlan& faults = train::fault_plan();  // empty unless a test installed one

@@ -6,7 +6,9 @@
 
 #include <nlohmann/json.hpp>
 
+#include "qlora/data/chat_template.h"
 #include "qlora/data/dataset.h"
+#include "qlora/io/read_file.h"
 #include "qlora/data/record_formats.h"
 
 #include "fixtures.h"
@@ -14,7 +16,9 @@
 namespace qlora::data {
 namespace {
 
+using test_fixtures::data_dir;
 using test_fixtures::error_of;
+using test_fixtures::fixture_tokenizer;
 
 // In the test's temporary directory, apart from the other data tests' files.
 std::string write_temp(const std::string& name, const std::string& text) {
@@ -169,6 +173,33 @@ TEST(RecordFormats, FileOfAnotherFormatSaysWhichAndTheKeyToSet) {
     const auto path = write_temp("mismatch.jsonl", std::string("\n") + c.record + "\n");
     const auto msg = error_of([&] { read_records(path, o); });
     EXPECT_TRUE(contains(msg, path + ": line 2: " + c.want)) << dataset_kind_name(c.configured) << ": " << msg;
+  }
+}
+
+// An assistant turn's reasoning is read under the names transformers reads it by, rendered by a
+// model's own template as apply_chat_template renders it, and refused by a hand-written kind.
+TEST(RecordFormats, ReasoningReachesTheModelsTemplateOnly) {
+  const auto record = [](const std::string& field) {
+    return nlohmann::json::parse(R"({"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant",
+        "content": "4", )" + field + "}]}");
+  };
+  for (const std::string field : {R"("reasoning_content": "Two and two make four.")",
+                                  R"("reasoning_content": null, "thinking": "Two and two make four.")",
+                                  R"("reasoning": "Two and two make four.")"}) {
+    const auto m = chat_messages(record(field), chat_options());
+    ASSERT_EQ(m.size(), 2u);
+    EXPECT_FALSE(m[0].reasoning);
+    EXPECT_EQ(m[1].reasoning.value_or("-"), "Two and two make four.") << field;
+    // Qwen3's own template; the text is transformers 5.23's render_jinja_template of the same messages.
+    const std::string qwen3 = data_dir() + "/chat_templates/Qwen3-0.6B.jinja";
+    const auto t = ChatTemplate::from_source(*io::read_file(qwen3), qwen3, fixture_tokenizer(), nlohmann::ordered_json::object());
+    EXPECT_EQ(t.render(messages_json(m), false),
+              "<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n<think>\nTwo and two make four.\n</think>\n\n"
+              "4<|im_end|>\n");
+    const std::string e = error_of([&] { render_chat(TemplateKind::kQwen3, m); });
+    EXPECT_TRUE(contains(e, "message 1 has reasoning") && contains(e, "data.template = \"qwen3\"") &&
+                contains(e, "\"auto\""))
+        << e;
   }
 }
 

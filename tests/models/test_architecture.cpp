@@ -1,5 +1,6 @@
 // Tests for models/architecture: the Llama table's names, HF keys and layer members, the two
-// target spellings, and the refusal of unknown targets.
+// target spellings, and the refusal of unknown targets; models/key_layout: a multimodal
+// checkpoint's language-model keys and the PEFT target pattern that matches only them.
 #include <gtest/gtest.h>
 
 #include <iterator>
@@ -8,6 +9,7 @@
 #include <vector>
 
 #include "qlora/models/architecture.h"
+#include "qlora/models/key_layout.h"
 
 using namespace qlora::models;
 using qlora::modules::DecoderLayer;
@@ -114,4 +116,28 @@ TEST(Architecture, UnknownTargetIsRefusedNamingTheAllowedOnes) {
           << msg;
     }
   }
+}
+
+TEST(KeyLayout, TextKeysInEachLayout) {
+  const std::string q = "model.layers.3.self_attn.q_proj.weight";
+  EXPECT_EQ(layout_key(KeyLayout::kText, q), q);
+  EXPECT_EQ(layout_key(KeyLayout::kLanguageModel, q), "language_model.model.layers.3.self_attn.q_proj.weight");
+  EXPECT_EQ(layout_key(KeyLayout::kModelLanguage, q), "model.language_model.layers.3.self_attn.q_proj.weight");
+  EXPECT_EQ(layout_key(KeyLayout::kLanguageModel, "lm_head.weight"), "language_model.lm_head.weight");
+  EXPECT_EQ(layout_key(KeyLayout::kModelLanguage, "lm_head.weight"), "lm_head.weight");
+  EXPECT_TRUE(is_language_model_key(KeyLayout::kLanguageModel, "language_model.model.norm.weight"));
+  EXPECT_TRUE(is_language_model_key(KeyLayout::kLanguageModel, "language_model.lm_head.weight"));
+  EXPECT_FALSE(is_language_model_key(KeyLayout::kLanguageModel, "vision_tower.encoder.layers.0.self_attn.q_proj.weight"));
+  EXPECT_FALSE(is_language_model_key(KeyLayout::kModelLanguage, "model.vision_tower.encoder.layers.0.self_attn.q_proj.weight"));
+  EXPECT_FALSE(is_language_model_key(KeyLayout::kModelLanguage, "model.multi_modal_projector.mm_soft_emb_norm.weight"));
+  EXPECT_TRUE(is_language_model_key(KeyLayout::kModelLanguage, "lm_head.weight"));
+}
+
+TEST(KeyLayout, PeftTargetPatternNamesOnlyTheLanguageModelsModules) {
+  const Architecture& arch = llama_architecture();
+  EXPECT_EQ(peft_target_pattern(arch, KeyLayout::kModelLanguage, {"v_proj", "q_proj", "lm_head"}),
+            "model\\.language_model\\.layers\\.\\d+\\.self_attn\\.q_proj|"
+            "model\\.language_model\\.layers\\.\\d+\\.self_attn\\.v_proj|lm_head");
+  EXPECT_EQ(peft_target_pattern(arch, KeyLayout::kModelLanguage, {"down_proj"}),
+            "model\\.language_model\\.layers\\.\\d+\\.mlp\\.down_proj");
 }

@@ -128,6 +128,50 @@ TEST(FamilyConfig, Gemma3PatternAndLocalRope) {
   EXPECT_EQ(e.activation, MlpActivation::kGeluTanh);
 }
 
+// The Hub's gemma-3-12b-pt config.json in its form (sizes as bench/model_shapes.h names them): the
+// text_config lists only what differs from Gemma3TextConfig's defaults.
+const char* kGemma3Multimodal12b = R"({"architectures":["Gemma3ForConditionalGeneration"],"boi_token_index":255999,
+  "eoi_token_index":256000,"eos_token_id":[1,106],"image_token_index":262144,"initializer_range":0.02,
+  "mm_tokens_per_image":256,"model_type":"gemma3","text_config":{"hidden_size":3840,"intermediate_size":15360,
+  "model_type":"gemma3_text","num_attention_heads":16,"num_hidden_layers":48,"num_key_value_heads":8,
+  "rope_scaling":{"factor":8.0,"rope_type":"linear"},"sliding_window":1024},"torch_dtype":"bfloat16",
+  "vision_config":{"hidden_size":1152,"image_size":896,"intermediate_size":4304,"model_type":"siglip_vision_model",
+  "num_attention_heads":16,"num_hidden_layers":27,"patch_size":14,"vision_use_head":false}})";
+
+TEST(FamilyConfig, Gemma3MultimodalIsItsTextConfigWithGemma3TextDefaults) {
+  const LlamaConfig c = parse_llama_config(kGemma3Multimodal12b, "config.json");
+  EXPECT_EQ(c.model_type, "gemma3");
+  EXPECT_TRUE(c.multimodal);
+  EXPECT_EQ(c.family, Family::kGemma3);
+  EXPECT_EQ(c.hidden_size, 3840);
+  EXPECT_EQ(c.num_hidden_layers, 48);
+  EXPECT_EQ(c.vocab_size, 262208);  // Gemma3TextConfig's defaults, absent from the file
+  EXPECT_EQ(c.head_dim, 256);
+  EXPECT_EQ(c.sliding_window, 1024);
+  for (int64_t i = 0; i < 12; ++i) EXPECT_EQ(c.is_sliding(i), (i + 1) % 6 != 0) << i;
+  EXPECT_DOUBLE_EQ(c.rope_linear_factor, 8.0);
+  EXPECT_DOUBLE_EQ(c.local_rope->theta, 10000.0);
+  EXPECT_TRUE(c.tie_word_embeddings);
+  EXPECT_EQ(c.eos_token_ids, (std::vector<int64_t>{1, 106}));  // the top level's, with <end_of_turn>
+  EXPECT_EQ(c.bos_token_id, 2);
+  // Sizes given in text_config override the defaults; the top level's tie_word_embeddings decides.
+  EXPECT_FALSE(parse_llama_config(R"({"model_type":"gemma3","tie_word_embeddings":false,"text_config":{}})", "c")
+                   .tie_word_embeddings);
+  EXPECT_FALSE(parse_llama_config(kGemma3, "cfg.json").multimodal);
+}
+
+TEST(FamilyConfig, Gemma3MultimodalWithoutTextConfigIsRefusedNamingFileAndKey) {
+  const std::string e = error_of(R"({"model_type":"gemma3","vision_config":{"model_type":"siglip_vision_model"}})");
+  EXPECT_NE(e.find("config key 'text_config': missing"), std::string::npos) << e;
+  const std::string e2 = error_of(R"({"model_type":"gemma3","text_config":[1]})");
+  EXPECT_NE(e2.find("'text_config': expected an object"), std::string::npos) << e2;
+  // An error inside text_config says so.
+  const std::string e3 = error_of(R"({"model_type":"gemma3","text_config":{"hidden_size":"big"}})");
+  EXPECT_NE(e3.find("(text_config): config key 'hidden_size'"), std::string::npos) << e3;
+  const std::string e4 = error_of(R"({"model_type":"gemma3","text_config":{"model_type":"llama"}})");
+  EXPECT_NE(e4.find("(text_config): config key 'model_type': expected \"gemma3_text\""), std::string::npos) << e4;
+}
+
 TEST(FamilyConfig, Phi3SlidesEveryLayerAndFusesTargets) {
   const LlamaConfig c = parse_llama_config(kPhi3, "cfg.json");
   EXPECT_EQ(c.family, Family::kPhi3);
@@ -149,7 +193,7 @@ TEST(FamilyConfig, Phi3SlidesEveryLayerAndFusesTargets) {
 }
 
 TEST(FamilyConfig, UnsupportedModelsAreRefusedByName) {
-  const std::string e1 = error_of(R"({"model_type":"gemma3","text_config":{},"vision_config":{"model_type":"siglip"}})");
+  const std::string e1 = error_of(R"({"model_type":"llava","text_config":{},"vision_config":{"model_type":"siglip"}})");
   EXPECT_NE(e1.find("multimodal"), std::string::npos) << e1;
   EXPECT_NE(e1.find("vision_config"), std::string::npos) << e1;
   const std::string e2 = error_of(R"({"model_type":"mllama"})");

@@ -19,6 +19,7 @@
 #include "qlora/io/checkpoint_dir.h"
 #include "qlora/io/safetensors.h"
 #include "qlora/models/architecture.h"
+#include "qlora/models/key_layout.h"
 #include "qlora/ops/nf4_ops.h"
 
 namespace fs = std::filesystem;
@@ -170,7 +171,7 @@ void write_peft_adapter(const std::string& dir, const std::vector<std::pair<std:
       {"r", info.r},
       {"lora_alpha", number(info.alpha)},
       {"lora_dropout", info.dropout},
-      {"target_modules", targets},
+      {"target_modules", info.target_pattern.empty() ? nlohmann::json(targets) : nlohmann::json(info.target_pattern)},
       {"bias", "none"},
       {"fan_in_fan_out", false},
       {"inference_mode", true},
@@ -259,25 +260,27 @@ MergedModelWriter::MergedModelWriter(const std::string& dir, const models::Llama
 
   const models::LlamaConfig& c = model.config;
   const models::Architecture& arch = model.architecture();
-  plain(arch.embed_key, model.embed_tokens);
+  // The table's text keys in the layout of the input files (key_layout.h).
+  const auto key = [&model](const std::string& text_key) { return models::layout_key(model.key_layout, text_key); };
+  plain(key(arch.embed_key), model.embed_tokens);
   for (size_t i = 0; i < model.layers.size(); ++i) {
     current_unit = static_cast<int64_t>(i);
     const modules::DecoderLayer& L = model.layers[i];
-    for (const models::NormRow& n : arch.layer_norms) plain(models::hf_key(n, current_unit), L.*n.member);
+    for (const models::NormRow& n : arch.layer_norms) plain(key(models::hf_key(n, current_unit)), L.*n.member);
     for (const models::ProjectionRow& row : arch.projections) {
       if (!row.member) continue;
-      projection(models::hf_key(row, current_unit), L.*row.member);
-      if ((L.*row.member).bias.defined()) plain(models::hf_bias_key(row, current_unit), (L.*row.member).bias);
+      projection(key(models::hf_key(row, current_unit)), L.*row.member);
+      if ((L.*row.member).bias.defined()) plain(key(models::hf_bias_key(row, current_unit)), (L.*row.member).bias);
     }
   }
   current_unit = static_cast<int64_t>(model.layers.size());
-  plain(arch.final_norm_key, model.norm);
-  const std::string head_key = models::hf_key(models::output_projection(arch), 0);
+  plain(key(arch.final_norm_key), model.norm);
+  const std::string head_key = key(models::hf_key(models::output_projection(arch), 0));
   const bool untie = c.tie_word_embeddings && model.lm_head.has_lora();
   if (!c.tie_word_embeddings || untie) {
     if (untie && !orig.contains(head_key)) {
       // Tied: the original has no lm_head.weight; the merged head starts from the embedding.
-      const std::string embed = arch.embed_key;
+      const std::string embed = key(arch.embed_key);
       const at::ScalarType out = io::to_scalar_type(orig.file_of(embed).info(embed).dtype);
       const modules::LoraLinear& l = model.lm_head;
       push({head_key, out, {l.out_features, l.in_features}, [&l, &orig, embed, out, source]() {
@@ -291,6 +294,14 @@ MergedModelWriter::MergedModelWriter(const std::string& dir, const models::Llama
   }
 
   impl_->untie = untie;
+  // A multimodal checkpoint's vision tower and projector: copied as they are (no LoRA reaches them).
+  if (model.key_layout != models::KeyLayout::kText) {
+    for (const std::string& k : orig.tensor_names()) {
+      if (models::is_language_model_key(model.key_layout, k)) continue;
+      const io::TensorInfo& ti = orig.file_of(k).info(k);
+      push({k, io::to_scalar_type(ti.dtype), ti.shape, from_orig(k)});
+    }
+  }
 
   // Greedy sharding in checkpoint order, as transformers' split_torch_state_dict_into_shards.
   std::vector<std::vector<size_t>> shards(1);
@@ -383,12 +394,26 @@ void MergedModelWriter::write_extras(const std::string& tokenizer_path) const {
     const fs::path cfg_path = fs::path(dir) / "config.json";
     nlohmann::json cfg = nlohmann::json::parse(read_file(cfg_path));
     cfg["tie_word_embeddings"] = false;
+    // A multimodal config's language model says it too (transformers reads the top-level key).
+    if (cfg.contains("text_config") && cfg["text_config"].is_object())
+      cfg["text_config"]["tie_word_embeddings"] = false;
     io::write_file_atomic(cfg_path.string(), cfg.dump(2) + "\n");
   }
 }
 
 
 namespace {
+
+// A multimodal model's adapter names its targets by a pattern that only the language model's modules
+// match (models::peft_target_pattern); a list of short names would also wrap the vision tower's.
+AdapterInfo adapter_info_for(const models::LlamaModel& model, AdapterInfo info) {
+  if (!model.config.multimodal) return info;
+  std::vector<std::string> names = info.target_modules;
+  if (names.empty())
+    for (const auto& [name, t] : model.lora_parameters()) names.push_back(module_of(name));
+  info.target_pattern = models::peft_target_pattern(model.architecture(), models::peft_layout(model.config), names);
+  return info;
+}
 
 void call(const std::function<void()>& f) {
   if (f) f();
@@ -436,7 +461,7 @@ void export_epoch(const std::string& output_dir, int64_t epoch, const models::Ll
     fs::create_directories(output_dir);
     fs::remove_all(tmp);  // an export that crashed: incomplete by construction
     fs::create_directories(tmp);
-    write_peft_adapter((tmp / "adapter").string(), model.lora_parameters(), info);
+    write_peft_adapter((tmp / "adapter").string(), model.lora_parameters(), adapter_info_for(model, info));
     if (info.prompt) write_prompt_format(tmp.string(), *info.prompt);
   }
   call(ranks.barrier);

@@ -48,6 +48,10 @@ struct AdapterInfo {
   std::string base_model_name_or_path;
   // Written to <epoch dir>/qlora.json when given (see write_prompt_format).
   std::optional<PromptFormat> prompt;
+  // When set, target_modules is written as this regular expression instead of the list (PEFT
+  // fullmatches it against module names): export_epoch sets it for a multimodal model, whose vision
+  // tower has q/k/v projections that a list of names would match too.
+  std::string target_pattern;
 };
 
 // <dir>/qlora.json, atomically: {"format": "qlora-export-v1", "prompt": {"format", "template"
@@ -95,7 +99,9 @@ const char* merge_source_name(MergeSource source);
 // generation_config.json) are copied from base_checkpoint_dir, then from tokenizer_path (a file,
 // copied under its own name, or a directory) if given. Streams: one merged tensor in memory at
 // a time. A LoRA on a tied lm_head unties it: lm_head.weight is written and config.json gets
-// tie_word_embeddings=false.
+// tie_word_embeddings=false. A multimodal base (gemma3) is written back as the same class: its
+// language model's keys in the base's layout (models/key_layout.h), its vision tower and projector
+// tensors copied as they are.
 void write_merged_model(const std::string& dir, const models::LlamaModel& model, const std::string& base_checkpoint_dir,
                         MergeSource source, int64_t max_shard_bytes = 5LL << 30, const std::string& tokenizer_path = "");
 

@@ -70,7 +70,16 @@ struct ChatTemplate::Rendered {
 
 ojson messages_json(const std::vector<Message>& messages) {
   ojson out = ojson::array();
-  for (const auto& m : messages) out.push_back(ojson{{"role", m.role}, {"content", m.content}});
+  for (const auto& m : messages) {
+    if (!m.reasoning) {
+      out.push_back(ojson{{"role", m.role}, {"content", m.content}});
+      continue;
+    }
+    // transformers passes a message's reasoning under both names templates read: "reasoning_content"
+    // (Qwen3, DeepSeek-R1) and "thinking" (gpt-oss), in this key order.
+    out.push_back(ojson{{"thinking", *m.reasoning}, {"role", m.role}, {"content", m.content},
+                        {"reasoning_content", *m.reasoning}});
+  }
   return out;
 }
 

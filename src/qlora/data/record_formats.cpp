@@ -94,8 +94,15 @@ Message turn_message(const json& turn) {
     if (!turn.contains(key)) throw std::invalid_argument(std::string("missing field \"") + key + "\"");
     return string_field(turn, key);
   };
-  if (turn.contains("role")) return Message{text("role"), text("content")};
-  return Message{sharegpt_role(text("from")), text("value")};
+  Message m = turn.contains("role") ? Message{text("role"), text("content")}
+                                    : Message{sharegpt_role(text("from")), text("value")};
+  for (const char* key : {"reasoning_content", "thinking", "reasoning"}) {
+    if (const auto it = turn.find(key); it != turn.end() && !it->is_null()) {
+      m.reasoning = string_field(turn, key);
+      break;
+    }
+  }
+  return m;
 }
 
 }  // namespace

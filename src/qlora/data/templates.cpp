@@ -279,6 +279,13 @@ std::vector<Segment> render_instruct(TemplateKind kind, const InstructRecord& r)
 
 std::vector<Segment> render_chat(TemplateKind kind, const std::vector<Message>& m) {
   validate_messages(m);
+  for (size_t k = 0; k < m.size(); ++k) {
+    if (m[k].reasoning) {
+      throw std::invalid_argument("message " + std::to_string(k) + " has reasoning (reasoning_content, thinking or " +
+                                  "reasoning), which data.template = \"" + std::string(template_name(kind)) +
+                                  "\" does not render; data.template = \"auto\" renders it with the model's own template");
+    }
+  }
   switch (kind) {
     case TemplateKind::kAuto:
       throw std::logic_error("render_chat: template 'auto' renders through the model's ChatTemplate");

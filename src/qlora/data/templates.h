@@ -2,6 +2,7 @@
 // train_on_input) or response (loss).
 #pragma once
 
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -50,6 +51,10 @@ std::string_view template_name(TemplateKind kind);
 struct Message {
   std::string role;  // "system", "user" or "assistant"
   std::string content;
+  // An assistant turn's reasoning, from the record's "reasoning_content", "thinking" or "reasoning"
+  // (the first that is not null, as transformers reads them). Only a model's own template renders
+  // it (chat_template.h); the hand-written kinds refuse a message that has one.
+  std::optional<std::string> reasoning = std::nullopt;
 };
 
 struct InstructRecord {

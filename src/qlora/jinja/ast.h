@@ -1,77 +1,76 @@
-// The parsed template: expressions and statements, each with the line and column it starts at
-// (errors name them). parse.cpp builds it, template.cpp runs it.
+// The parsed template: statements and expressions, each with the line and column it came from so
+// that evaluation errors name them.
 #pragma once
 
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "qlora/jinja/lexer.h"
 #include "qlora/jinja/value.h"
 
 namespace qlora::jinja {
 
-struct Where {
-  int line = 1, column = 1;
+enum class ExprKind {
+  kLiteral, kName, kList, kTuple, kDict, kAttr, kItem, kSlice, kCall, kFilter, kTest,
+  kNeg, kPos, kNot, kBinary, kCompare, kAnd, kOr, kCond
 };
 
 struct Expr;
-using ExprPtr = std::shared_ptr<const Expr>;
+using ExprPtr = std::unique_ptr<Expr>;
+using Kwargs = std::vector<std::pair<std::string, ExprPtr>>;
 
 struct Expr {
-  enum class Op {
-    kLiteral,    // value
-    kName,       // name
-    kList,       // args (also tuples)
-    kDict,       // args: key, value, key, value, ...
-    kAttr,       // args[0].name
-    kIndex,      // args[0][args[1]]
-    kSlice,      // args[0][args[1]:args[2]:args[3]] (null parts absent)
-    kCall,       // args[0](args[1..]) with kwarg_names for the trailing keyword ones
-    kFilter,     // name applied to args[0] with args[1..]
-    kTest,       // args[0] is [not] name(args[1..]); negate
-    kUnary,      // name ("not", "-", "+") args[0]
-    kBinary,     // name (operator) args[0], args[1]
-    kCondition,  // args[1] if args[0] else args[2] (absent: undefined)
-  };
-  Op op = Op::kLiteral;
-  Where where;
-  Value value;
-  std::string name;
-  std::vector<ExprPtr> args;
-  std::vector<std::string> kwarg_names;  // kCall/kFilter/kTest: names of the last args
-  bool negate = false;
+  ExprKind kind;
+  int line = 1, col = 1;
+  Value literal;                 // kLiteral
+  std::string name;              // kName; kAttr: attribute; kFilter/kTest: name; kBinary: operator
+  // kList/kTuple: items; kDict: key, value, key, value...; kAttr/kItem: object (and key);
+  // kSlice: object, start, stop, step (null when absent); kCall: callee, positional args;
+  // kFilter/kTest: the operand (null in a {% filter %} block), positional args;
+  // kNeg/kPos/kNot: operand; kBinary/kAnd/kOr: left, right; kCompare: operands;
+  // kCond: then, condition, else (null when absent: undefined).
+  std::vector<ExprPtr> children;
+  Kwargs kwargs;                 // kCall, kFilter, kTest
+  std::vector<std::string> ops;  // kCompare: ==, !=, <, <=, >, >=, in, notin between operands
+  bool negated = false;          // kTest: `is not`
+};
+
+enum class StmtKind {
+  kText, kOutput, kIf, kFor, kSet, kSetBlock, kMacro, kCallBlock, kFilterBlock, kBreak, kContinue, kGeneration
 };
 
 struct Stmt;
-using StmtPtr = std::shared_ptr<const Stmt>;
+using StmtPtr = std::unique_ptr<Stmt>;
 using Body = std::vector<StmtPtr>;
 
-struct Stmt {
-  enum class Kind {
-    kText,        // text
-    kOutput,      // {{ expr }}
-    kIf,          // branches: (cond, body) ..., else_body
-    kFor,         // targets in expr [if filter]: body [else else_body]
-    kSet,         // targets (or attr target) = expr, or block set: body
-    kMacro,       // name(params = defaults): body
-    kBreak,
-    kContinue,
-    kGeneration,  // {% generation %}: body, its output span recorded
-    kFilterBlock, // {% filter name(args) %}: body's output through expr (a kFilter, args[0] unused)
-  };
-  Kind kind = Kind::kText;
-  Where where;
-  std::string text;
-  ExprPtr expr, filter;
-  std::vector<std::string> targets;
-  std::string attr;  // kSet: targets[0].attr = expr
-  std::vector<std::pair<ExprPtr, Body>> branches;
-  Body body, else_body;
-  std::vector<std::string> params;
-  std::vector<ExprPtr> defaults;  // per param; null when none
+struct Param {
+  std::string name;
+  ExprPtr default_value;  // null: none given
 };
 
-// Throws TemplateError (template.h) naming origin, line and column.
-Body parse_template(const std::string& source, const std::string& origin);
+struct Stmt {
+  StmtKind kind;
+  int line = 1, col = 1;
+  std::string text;                  // kText
+  ExprPtr expr;                      // kOutput/kSet: the value; kFor: the iterable; kCallBlock: the call;
+                                     // kFilterBlock: the filter chain (innermost operand null)
+  std::vector<std::pair<ExprPtr, Body>> branches;  // kIf: (condition or null for else, body)
+  std::vector<std::string> targets;  // kFor loop variables; kSet/kSetBlock names
+  std::string attribute;             // kSet/kSetBlock on `ns.attr`: targets[0] is ns
+  ExprPtr condition;                 // kFor: the `if` filter
+  Body body, else_body;              // kFor else; kMacro/kCallBlock/kFilterBlock/kSetBlock/kGeneration body
+  std::string name;                  // kMacro
+  std::vector<Param> params;         // kMacro; kCallBlock: caller's parameters
+};
+
+struct Program {
+  Body body;
+  std::string origin;
+};
+
+// Throws TemplateError naming origin, line and column.
+Program parse_program(const std::vector<Token>& tokens, const std::string& origin);
 
 }  // namespace qlora::jinja

@@ -1,455 +1,496 @@
-// Filters, tests and the str/list/dict methods HF chat templates call, as jinja2 and Python define
-// them. An unknown name is an error, never a silent no-op.
-#include <algorithm>
-#include <cctype>
-#include <cmath>
+// jinja2's filters and tests (jinja2/filters.py, jinja2/tests.py semantics) for chat templates.
+#include "qlora/jinja/builtins.h"
 
-#include "qlora/jinja/eval.h"
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+
+#include "qlora/jinja/strings.h"
 
 namespace qlora::jinja {
 
-Value Args::get(size_t index, const char* name) const {
-  if (index < positional.size()) return positional[index];
-  for (const auto& [k, v] : keyword)
-    if (k == name) return v;
-  return Value();
-}
-
-List iterate(const Value& v, const std::string& where) {
-  if (v.is_list()) return v.list();
-  if (v.is_dict()) {
-    List keys;
-    for (const auto& [k, _] : v.dict().items) keys.push_back(Value(k));
-    return keys;
-  }
-  if (v.is_string()) {  // characters, as Python iterates a str: whole UTF-8 sequences
-    List chars;
-    for (size_t i = 0, n; i < v.str().size(); i += n) {
-      const unsigned char c = static_cast<unsigned char>(v.str()[i]);
-      n = c < 0x80 ? 1 : c < 0xE0 ? 2 : c < 0xF0 ? 3 : 4;
-      chars.push_back(Value(v.str().substr(i, n)));
-    }
-    return chars;
-  }
-  if (v.is_undefined()) return {};  // jinja2 walks an undefined as nothing
-  throw TemplateError(where + ": '" + v.type_name() + "' object is not iterable");
-}
-
-bool less_than(const Value& a, const Value& b, const std::string& where) {
-  if (a.is_number() && b.is_number()) return a.as_float() < b.as_float();
-  if (a.is_string() && b.is_string()) return a.str() < b.str();
-  throw TemplateError(where + ": '<' not supported between '" + a.type_name() + "' and '" + b.type_name() + "'");
+[[noreturn]] void undefined_error(const Value& v) {
+  throw std::runtime_error(v.s.empty() ? std::string("value is undefined") : v.s);
 }
 
 namespace {
 
-const char* const kSpace = " \t\n\r\f\v";
+using FilterFn = Value (*)(const Value&, Args&);
+using TestFn = bool (*)(const Value&, Args&);
 
-std::string strip(const std::string& s, const std::string& chars, bool left, bool right) {
-  size_t b = 0, e = s.size();
-  if (left) b = s.find_first_not_of(chars);
-  if (b == std::string::npos) return "";
-  if (right) e = s.find_last_not_of(chars) + 1;
-  return s.substr(b, e - b);
-}
-
-std::string chars_arg(const Args& a) {
-  const Value v = a.get(0, "chars");
-  return v.is_string() ? v.str() : kSpace;
-}
-
-std::string map_chars(std::string s, int (*f)(int)) {
-  for (char& c : s) c = static_cast<char>(f(static_cast<unsigned char>(c)));
-  return s;
-}
-
-std::string title_case(const std::string& s) {
-  std::string out = s;
-  bool start = true;
-  for (char& c : out) {
-    const bool alpha = std::isalpha(static_cast<unsigned char>(c));
-    c = static_cast<char>(start && alpha ? std::toupper(c) : std::tolower(c));
-    start = !alpha;
+// Python-style binding of call arguments to named parameters; absent ones are nullopt.
+std::vector<std::optional<Value>> bind(Args& args, std::initializer_list<const char*> names, const char* fn) {
+  std::vector<std::string> params(names.begin(), names.end());
+  if (args.positional.size() > params.size()) throw std::runtime_error(std::string(fn) + "() takes too many arguments");
+  std::vector<std::optional<Value>> out(params.size());
+  for (size_t k = 0; k < args.positional.size(); ++k) out[k] = args.positional[k];
+  for (auto& [key, value] : args.keyword) {
+    auto it = std::find(params.begin(), params.end(), key);
+    if (it == params.end()) throw std::runtime_error(std::string(fn) + "() got an unexpected keyword argument '" + key + "'");
+    out[it - params.begin()] = value;
   }
   return out;
 }
 
-std::string replace_all(const std::string& s, const std::string& from, const std::string& to, int64_t count) {
-  if (from.empty()) return s;
-  std::string out;
-  size_t pos = 0;
-  for (int64_t n = 0; count < 0 || n < count; ++n) {
-    const size_t hit = s.find(from, pos);
-    if (hit == std::string::npos) break;
-    out += s.substr(pos, hit - pos) + to;
-    pos = hit + from.size();
-  }
-  return out + s.substr(pos);
+Value arg_or(const std::optional<Value>& a, Value fallback) { return a ? *a : std::move(fallback); }
+std::optional<std::string> opt_str(const std::optional<Value>& a) {
+  if (!a || a->is_none()) return std::nullopt;
+  return to_str(*a);
+}
+int64_t int_arg(const std::optional<Value>& a, int64_t fallback) {
+  if (!a || a->is_none()) return fallback;
+  if (a->kind != Kind::kInt && a->kind != Kind::kBool) throw std::runtime_error("expected an integer argument");
+  return a->kind == Kind::kInt ? a->i : a->b;
 }
 
-List split(const std::string& s, const Value& sep, int64_t maxsplit) {
-  List out;
-  if (!sep.is_string() || sep.is_none()) {  // whitespace runs, no empty parts
-    size_t i = s.find_first_not_of(kSpace);
-    while (i != std::string::npos) {
-      if (maxsplit >= 0 && static_cast<int64_t>(out.size()) == maxsplit) {
-        out.push_back(Value(strip(s.substr(i), kSpace, false, true)));
-        break;
-      }
-      const size_t e = s.find_first_of(kSpace, i);
-      out.push_back(Value(s.substr(i, e == std::string::npos ? std::string::npos : e - i)));
-      i = e == std::string::npos ? e : s.find_first_not_of(kSpace, e);
-    }
-    return out;
-  }
-  const std::string& d = sep.str();
-  if (d.empty()) throw TemplateError("split: empty separator");
-  size_t pos = 0;
-  for (size_t hit; (maxsplit < 0 || static_cast<int64_t>(out.size()) < maxsplit) &&
-                   (hit = s.find(d, pos)) != std::string::npos;
-       pos = hit + d.size())
-    out.push_back(Value(s.substr(pos, hit - pos)));
-  out.push_back(Value(s.substr(pos)));
-  return out;
+Value list_of(List items, bool generator = false) {
+  Value v = Value::make_list(std::move(items));
+  v.generator = generator;
+  return v;
 }
 
-Value string_method(const std::string& s, const std::string& name, Args& a) {
-  if (name == "strip") return Value(strip(s, chars_arg(a), true, true));
-  if (name == "lstrip") return Value(strip(s, chars_arg(a), true, false));
-  if (name == "rstrip") return Value(strip(s, chars_arg(a), false, true));
-  if (name == "upper") return Value(map_chars(s, ::toupper));
-  if (name == "lower") return Value(map_chars(s, ::tolower));
-  if (name == "title") return Value(title_case(s));
-  if (name == "capitalize") return Value(s.empty() ? s : std::string(1, static_cast<char>(std::toupper(s[0]))) + map_chars(s.substr(1), ::tolower));
-  if (name == "startswith" || name == "endswith") {
-    const Value p = a.get(0, "prefix");
-    List options = p.is_list() ? p.list() : List{p};
-    for (const auto& o : options) {
-      if (!o.is_string()) a.fail(name + " expects a string");
-      const std::string& x = o.str();
-      const bool hit = x.size() <= s.size() &&
-                       (name == "startswith" ? s.compare(0, x.size(), x) == 0 : s.compare(s.size() - x.size(), x.size(), x) == 0);
-      if (hit) return Value(true);
-    }
-    return Value(false);
-  }
-  if (name == "split") {
-    const Value m = a.get(1, "maxsplit");
-    return Value(split(s, a.get(0, "sep"), m.is_int() ? m.as_int() : -1));
-  }
-  if (name == "replace") {
-    const Value c = a.get(2, "count");
-    return Value(replace_all(s, a.get(0, "old").to_str(), a.get(1, "new").to_str(), c.is_int() ? c.as_int() : -1));
-  }
-  if (name == "find") {
-    const size_t at = s.find(a.get(0, "sub").to_str());
-    return Value(at == std::string::npos ? int64_t{-1} : static_cast<int64_t>(at));
-  }
-  if (name == "count") {
-    const std::string sub = a.get(0, "sub").to_str();
-    int64_t n = 0;
-    for (size_t p = s.find(sub); !sub.empty() && p != std::string::npos; p = s.find(sub, p + sub.size())) ++n;
-    return Value(n);
-  }
-  if (name == "join") {
-    const Value items = a.get(0, "iterable");
-    std::string out;
-    if (items.is_list())
-      for (size_t k = 0; k < items.list().size(); ++k) out += (k ? s : "") + items.list()[k].to_str();
-    return Value(out);
-  }
-  if (name == "isdigit" || name == "isalpha" || name == "isspace") {
-    const auto pred = name == "isdigit" ? ::isdigit : name == "isalpha" ? ::isalpha : ::isspace;
-    return Value(!s.empty() && std::all_of(s.begin(), s.end(), [&](char c) { return pred(static_cast<unsigned char>(c)) != 0; }));
-  }
-  a.fail("str has no method '" + name + "' in qlora's chat-template interpreter");
-}
-
-Value list_method(const Value& self, const std::string& name, Args& a) {
-  List& l = self.list();
-  if (name == "append") {
-    l.push_back(a.get(0, "object"));
-    return Value::none();
-  }
-  if (name == "pop") {
-    if (l.empty()) a.fail("pop from an empty list");
-    const Value i = a.get(0, "index");
-    int64_t k = i.is_int() ? i.as_int() : static_cast<int64_t>(l.size()) - 1;
-    if (k < 0) k += static_cast<int64_t>(l.size());
-    if (k < 0 || k >= static_cast<int64_t>(l.size())) a.fail("pop index out of range");
-    Value v = l[static_cast<size_t>(k)];
-    l.erase(l.begin() + k);
-    return v;
-  }
-  if (name == "index") {
-    const auto it = std::find(l.begin(), l.end(), a.get(0, "value"));
-    if (it == l.end()) a.fail("value is not in the list");
-    return Value(static_cast<int64_t>(it - l.begin()));
-  }
-  if (name == "count") return Value(static_cast<int64_t>(std::count(l.begin(), l.end(), a.get(0, "value"))));
-  a.fail("list has no method '" + name + "' in qlora's chat-template interpreter");
-}
-
-Value dict_method(const Value& self, const std::string& name, Args& a) {
-  const Dict& d = self.dict();
-  if (name == "get") {
-    const Value k = a.get(0, "key");
-    const Value* v = k.is_string() ? d.find(k.str()) : nullptr;
-    if (v) return *v;
-    const Value dflt = a.get(1, "default");
-    return dflt.is_undefined() ? Value::none() : dflt;
-  }
-  if (name == "items" || name == "keys" || name == "values") {
-    List out;
-    for (const auto& [k, v] : d.items) {
-      if (name == "items") out.push_back(Value(List{Value(k), v}));
-      else out.push_back(name == "keys" ? Value(k) : v);
-    }
-    return Value(std::move(out));
-  }
-  a.fail("dict has no method '" + name + "' in qlora's chat-template interpreter");
-}
-
-// A value's attribute for sort/selectattr/map: dotted paths, integer parts as indices.
-Value attr_path(const Value& v, const std::string& path) {
-  Value cur = v;
-  size_t pos = 0;
-  while (pos <= path.size()) {
-    const size_t dot = path.find('.', pos);
-    const std::string part = path.substr(pos, dot == std::string::npos ? std::string::npos : dot - pos);
-    if (cur.is_dict()) {
-      const Value* next = cur.dict().find(part);
-      cur = next ? *next : Value();
-    } else if (cur.is_list() && !part.empty() && std::all_of(part.begin(), part.end(), ::isdigit)) {
-      const size_t i = std::stoul(part);
-      cur = i < cur.list().size() ? cur.list()[i] : Value();
+// jinja2's attribute getter ("a.b.0"): each part looks up an item, a number part indexes.
+Value get_path(const Value& obj, const std::string& path) {
+  Value cur = obj;
+  size_t start = 0;
+  while (true) {
+    size_t dot = path.find('.', start);
+    std::string part = path.substr(start, dot == std::string::npos ? std::string::npos : dot - start);
+    if (cur.is_mapping() || cur.kind == Kind::kNamespace) {
+      const Value* found = cur.dict->find(part);
+      cur = found ? *found : Value::undefined("'dict object' has no attribute '" + part + "'");
+    } else if (cur.is_sequence() && !part.empty() && std::all_of(part.begin(), part.end(), ::isdigit)) {
+      size_t k = std::stoul(part);
+      cur = k < cur.list->size() ? (*cur.list)[k] : Value::undefined("list index out of range");
+    } else if (cur.is_undefined()) {
+      undefined_error(cur);
     } else {
-      return Value();
+      cur = Value::undefined(std::string("'") + type_name(cur) + " object' has no attribute '" + part + "'");
     }
-    if (dot == std::string::npos) break;
-    pos = dot + 1;
+    if (dot == std::string::npos) return cur;
+    start = dot + 1;
   }
-  return cur;
 }
 
-List as_list(const Value& v, const Args& a) { return iterate(v, a.where); }
+// Sort and unique compare strings case-insensitively unless told otherwise.
+Value sort_key(const Value& v, bool case_sensitive) {
+  return v.is_string() && !case_sensitive ? Value::string(py_lower(v.s)) : v;
+}
 
-// selectattr/rejectattr/select/reject: items whose attribute (or the item) passes the test.
-Value select(const Value& v, Args& a, bool by_attr, bool keep) {
+Value f_trim(const Value& v, Args& a) {
+  auto p = bind(a, {"chars"}, "trim");
+  return Value::string(py_strip(to_str(v), opt_str(p[0]), true, true));
+}
+
+Value f_tojson(const Value& v, Args& a) {
+  auto p = bind(a, {"ensure_ascii", "indent", "separators", "sort_keys"}, "tojson");
+  // transformers' tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False),
+  // where a template usually writes the indent positionally: tojson(4) binds ensure_ascii. Jinja
+  // passes positional arguments in order, so keep that binding.
+  JsonOptions o;
+  o.ensure_ascii = p[0] && truthy(*p[0]);
+  if (p[1] && !p[1]->is_none()) {
+    o.indent = static_cast<int>(int_arg(p[1], 0));
+    o.item_separator = ",";
+  }
+  if (p[2] && !p[2]->is_none()) {
+    List seps = iterate(*p[2]);
+    if (seps.size() != 2) throw std::runtime_error("tojson separators must be a pair");
+    o.item_separator = to_str(seps[0]);
+    o.key_separator = to_str(seps[1]);
+  }
+  o.sort_keys = p[3] && truthy(*p[3]);
+  return Value::string(to_json_text(v, o));
+}
+
+Value f_length(const Value& v, Args&) { return Value::integer(length(v)); }
+
+Value f_items(const Value& v, Args&) {
+  if (v.is_undefined()) return list_of({}, true);
+  if (!v.is_mapping()) throw std::runtime_error("Can only get item pairs from a mapping.");
   List out;
-  const std::string attr = by_attr ? a.get(0, "attribute").to_str() : "";
-  const size_t test_at = by_attr ? 1 : 0;
-  const Value test = a.get(test_at, "test");
-  Args test_args;
-  test_args.where = a.where;
-  for (size_t k = test_at + 1; k < a.positional.size(); ++k) test_args.positional.push_back(a.positional[k]);
-  // jinja2 walks a falsy value (None) as nothing here.
-  for (const auto& item : v.truthy() ? as_list(v, a) : List{}) {
-    const Value x = by_attr ? attr_path(item, attr) : item;
-    const bool pass = test.is_undefined() ? x.truthy() : apply_test(test.str(), x, test_args);
-    if (pass == keep) out.push_back(item);
-  }
-  return Value(std::move(out));
+  for (const auto& [k, e] : v.dict->items) out.push_back(Value::make_tuple({Value::string(k), e}));
+  return list_of(std::move(out), true);
 }
 
-int64_t length_of(const Value& v, const Args& a) {
-  if (v.is_string()) {  // characters, not bytes
-    return std::count_if(v.str().begin(), v.str().end(), [](char c) { return (static_cast<unsigned char>(c) & 0xC0) != 0x80; });
+Value f_join(const Value& v, Args& a) {
+  auto p = bind(a, {"d", "attribute"}, "join");
+  std::string sep = p[0] ? to_str(*p[0]) : "", out;
+  bool first = true;
+  for (const Value& e : iterate(v)) {
+    if (!first) out += sep;
+    first = false;
+    out += to_str(p[1] && !p[1]->is_none() ? get_path(e, to_str(*p[1])) : e);
   }
-  if (v.is_list()) return static_cast<int64_t>(v.list().size());
-  if (v.is_dict()) return static_cast<int64_t>(v.dict().items.size());
-  if (v.is_undefined()) return 0;
-  a.fail(std::string("object of type '") + v.type_name() + "' has no len()");
+  return Value::string(out);
+}
+
+Value f_upper(const Value& v, Args&) { return Value::string(py_upper(to_str(v))); }
+Value f_lower(const Value& v, Args&) { return Value::string(py_lower(to_str(v))); }
+Value f_capitalize(const Value& v, Args&) { return Value::string(py_capitalize(to_str(v))); }
+Value f_title(const Value& v, Args&) { return Value::string(jinja_title(to_str(v))); }
+
+Value f_replace(const Value& v, Args& a) {
+  auto p = bind(a, {"old", "new", "count"}, "replace");
+  if (!p[0] || !p[1]) throw std::runtime_error("replace() needs old and new");
+  return Value::string(py_replace(to_str(v), to_str(*p[0]), to_str(*p[1]), int_arg(p[2], -1)));
+}
+
+// jinja2's select/reject/map guard their loop with `if seq:`, so none and other falsy values
+// give an empty sequence (functionary's template filters a `tools` that is none).
+List iterate_truthy(const Value& v) { return truthy(v) ? iterate(v) : List{}; }
+
+// select/reject(seq, test, *args) and selectattr/rejectattr(seq, attr, test, *args).
+Value select_impl(const Value& v, Args& a, bool by_attribute, bool keep) {
+  std::vector<Value> rest = a.positional;
+  std::string attribute;
+  if (by_attribute) {
+    if (rest.empty()) throw std::runtime_error("selectattr/rejectattr need an attribute");
+    attribute = to_str(rest.front());
+    rest.erase(rest.begin());
+  }
+  std::string test;
+  if (!rest.empty()) {
+    test = to_str(rest.front());
+    rest.erase(rest.begin());
+    if (!has_test(test)) throw std::runtime_error("no test named '" + test + "'");
+  }
+  List out;
+  for (const Value& e : iterate_truthy(v)) {
+    Value item = by_attribute ? get_path(e, attribute) : e;
+    Args test_args{rest, {}};
+    bool passed = test.empty() ? truthy(item) : apply_test(test, item, test_args);
+    if (passed == keep) out.push_back(e);
+  }
+  return list_of(std::move(out), true);
+}
+Value f_select(const Value& v, Args& a) { return select_impl(v, a, false, true); }
+Value f_reject(const Value& v, Args& a) { return select_impl(v, a, false, false); }
+Value f_selectattr(const Value& v, Args& a) { return select_impl(v, a, true, true); }
+Value f_rejectattr(const Value& v, Args& a) { return select_impl(v, a, true, false); }
+
+// map(attribute='x', default=d) or map('filter', *args, **kwargs).
+Value f_map(const Value& v, Args& a) {
+  List out;
+  if (a.positional.empty()) {
+    auto p = bind(a, {"attribute", "default"}, "map");
+    if (!p[0]) throw std::runtime_error("map() needs a filter name or attribute=");
+    for (const Value& e : iterate_truthy(v)) {
+      Value item = get_path(e, to_str(*p[0]));
+      out.push_back(item.is_undefined() && p[1] ? *p[1] : item);
+    }
+    return list_of(std::move(out), true);
+  }
+  std::string filter = to_str(a.positional.front());
+  if (!has_filter(filter)) throw std::runtime_error("no filter named '" + filter + "'");
+  for (const Value& e : iterate_truthy(v)) {
+    Args rest{std::vector<Value>(a.positional.begin() + 1, a.positional.end()), a.keyword};
+    out.push_back(apply_filter(filter, e, rest));
+  }
+  return list_of(std::move(out), true);
+}
+
+Value f_list(const Value& v, Args&) { return list_of(iterate(v)); }
+Value f_first(const Value& v, Args&) {
+  List items = iterate(v);
+  return items.empty() ? Value::undefined("No first item, sequence was empty.") : items.front();
+}
+Value f_last(const Value& v, Args&) {
+  List items = iterate(v);
+  return items.empty() ? Value::undefined("No last item, sequence was empty.") : items.back();
+}
+
+Value f_default(const Value& v, Args& a) {
+  auto p = bind(a, {"default_value", "boolean"}, "default");
+  bool use_default = v.is_undefined() || (p[1] && truthy(*p[1]) && !truthy(v));
+  return use_default ? arg_or(p[0], Value::string("")) : v;
+}
+
+Value f_string(const Value& v, Args&) { return Value::string(to_str(v)); }
+
+// Python's int(str): optional sign, digits with single underscores, surrounding whitespace.
+std::optional<int64_t> parse_int(const std::string& text, int base) {
+  std::string s = py_strip(text, std::nullopt, true, true), digits;
+  for (char c : s) {
+    if (c != '_') digits += c;
+  }
+  if (digits.empty()) return std::nullopt;
+  char* end = nullptr;
+  long long n = std::strtoll(digits.c_str(), &end, base);
+  if (*end != '\0' || std::isspace(static_cast<unsigned char>(digits[0]))) return std::nullopt;
+  return n;
+}
+std::optional<double> parse_float(const std::string& text) {
+  std::string s = py_strip(text, std::nullopt, true, true);
+  if (s.empty()) return std::nullopt;
+  char* end = nullptr;
+  double d = std::strtod(s.c_str(), &end);
+  if (*end != '\0') return std::nullopt;
+  return d;
+}
+
+Value f_int(const Value& v, Args& a) {
+  auto p = bind(a, {"default", "base"}, "int");
+  Value fallback = arg_or(p[0], Value::integer(0));
+  if (v.kind == Kind::kInt || v.kind == Kind::kBool) return Value::integer(v.kind == Kind::kInt ? v.i : v.b);
+  if (v.kind == Kind::kFloat) return std::isfinite(v.f) ? Value::integer(static_cast<int64_t>(v.f)) : fallback;
+  if (v.is_string()) {
+    if (auto n = parse_int(v.s, static_cast<int>(int_arg(p[1], 10)))) return Value::integer(*n);
+    if (auto d = parse_float(v.s); d && std::isfinite(*d)) return Value::integer(static_cast<int64_t>(*d));
+  }
+  return fallback;
+}
+
+Value f_float(const Value& v, Args& a) {
+  auto p = bind(a, {"default"}, "float");
+  if (v.is_number()) return Value::real(as_double(v));
+  if (v.is_string()) {
+    if (auto d = parse_float(v.s)) return Value::real(*d);
+  }
+  return arg_or(p[0], Value::real(0.0));
+}
+
+Value f_abs(const Value& v, Args&) {
+  if (v.kind == Kind::kFloat) return Value::real(std::fabs(v.f));
+  if (v.kind == Kind::kInt || v.kind == Kind::kBool) return Value::integer(std::llabs(v.kind == Kind::kInt ? v.i : v.b));
+  throw std::runtime_error(std::string("bad operand type for abs(): '") + type_name(v) + "'");
+}
+
+// round(value, precision=0, method='common'): 'common' is Python's round() (correctly rounded,
+// ties to even, an int stays an int); 'floor' and 'ceil' give floats.
+Value f_round(const Value& v, Args& a) {
+  auto p = bind(a, {"precision", "method"}, "round");
+  int64_t precision = int_arg(p[0], 0);
+  std::string method = p[1] ? to_str(*p[1]) : "common";
+  if (!v.is_number()) throw std::runtime_error(std::string("type ") + type_name(v) + " doesn't define __round__");
+  if (method == "common") {
+    if (v.kind != Kind::kFloat) return Value::integer(v.kind == Kind::kInt ? v.i : v.b);
+    char buf[512];
+    std::snprintf(buf, sizeof buf, "%.*f", static_cast<int>(std::clamp<int64_t>(precision, 0, 300)), v.f);
+    return Value::real(std::strtod(buf, nullptr));
+  }
+  if (method != "floor" && method != "ceil") throw std::runtime_error("method must be common, ceil or floor");
+  double scale = std::pow(10.0, static_cast<double>(precision));
+  double x = as_double(v) * scale;
+  return Value::real((method == "floor" ? std::floor(x) : std::ceil(x)) / scale);
+}
+
+// jinja2's |safe makes a Markup string, and Markup + str HTML-escapes the str (functionary v3.1
+// builds its tool list that way): refused by name rather than rendered without the escaping.
+Value f_safe(const Value&, Args&) {
+  throw std::runtime_error("the 'safe' filter (HTML Markup) is not supported by qlora's chat-template interpreter");
+}
+
+Value f_unique(const Value& v, Args& a) {
+  auto p = bind(a, {"case_sensitive", "attribute"}, "unique");
+  bool case_sensitive = p[0] && truthy(*p[0]);
+  List out, seen;
+  for (const Value& e : iterate(v)) {
+    Value key = sort_key(p[1] && !p[1]->is_none() ? get_path(e, to_str(*p[1])) : e, case_sensitive);
+    bool dup = std::any_of(seen.begin(), seen.end(), [&](const Value& s) { return equal(s, key); });
+    if (!dup) {
+      seen.push_back(key);
+      out.push_back(e);
+    }
+  }
+  return list_of(std::move(out), true);
+}
+
+Value f_reverse(const Value& v, Args&) {
+  List items = iterate(v);
+  std::reverse(items.begin(), items.end());
+  if (!v.is_string()) return list_of(std::move(items), true);
+  std::string out;
+  for (const Value& c : items) out += c.s;
+  return Value::string(out);
+}
+
+Value f_sort(const Value& v, Args& a) {
+  auto p = bind(a, {"reverse", "case_sensitive", "attribute"}, "sort");
+  bool reverse = p[0] && truthy(*p[0]), case_sensitive = p[1] && truthy(*p[1]);
+  List items = iterate(v);
+  auto key = [&](const Value& e) {
+    return sort_key(p[2] && !p[2]->is_none() ? get_path(e, to_str(*p[2])) : e, case_sensitive);
+  };
+  std::stable_sort(items.begin(), items.end(), [&](const Value& x, const Value& y) {
+    return reverse ? compare(key(y), key(x)) < 0 : compare(key(x), key(y)) < 0;
+  });
+  return list_of(std::move(items));
+}
+
+Value f_dictsort(const Value& v, Args& a) {
+  auto p = bind(a, {"case_sensitive", "by", "reverse"}, "dictsort");
+  if (!v.is_mapping()) throw std::runtime_error("dictsort needs a mapping");
+  bool case_sensitive = p[0] && truthy(*p[0]), reverse = p[2] && truthy(*p[2]);
+  int index = p[1] && to_str(*p[1]) == "value" ? 1 : 0;
+  List items;
+  for (const auto& [k, e] : v.dict->items) items.push_back(Value::make_tuple({Value::string(k), e}));
+  std::stable_sort(items.begin(), items.end(), [&](const Value& x, const Value& y) {
+    Value kx = sort_key((*x.list)[index], case_sensitive), ky = sort_key((*y.list)[index], case_sensitive);
+    return reverse ? compare(ky, kx) < 0 : compare(kx, ky) < 0;
+  });
+  return list_of(std::move(items));
+}
+
+// jinja2's indent(s, width=4, first=False, blank=False): lines after the first get the
+// indentation, blank lines only with blank=True.
+Value f_indent(const Value& v, Args& a) {
+  auto p = bind(a, {"width", "first", "blank"}, "indent");
+  std::string indentation = p[0] && p[0]->is_string() ? p[0]->s : std::string(int_arg(p[0], 4), ' ');
+  std::vector<std::string> lines = py_splitlines(to_str(v) + "\n");
+  std::string out;
+  for (size_t k = 0; k < lines.size(); ++k) {
+    if (k) out += "\n";
+    bool indent = k > 0 && (!lines[k].empty() || (p[2] && truthy(*p[2])));
+    out += (indent ? indentation : "") + lines[k];
+  }
+  if (p[1] && truthy(*p[1])) out = indentation + out;
+  return Value::string(out);
+}
+
+Value f_wordcount(const Value& v, Args&) {
+  int64_t n = 0;
+  bool in_word = false;
+  for (unsigned char c : to_str(v)) {
+    bool word = std::isalnum(c) || c == '_' || c >= 0x80;
+    n += word && !in_word;
+    in_word = word;
+  }
+  return Value::integer(n);
+}
+
+Value min_max(const Value& v, Args& a, bool want_max) {
+  auto p = bind(a, {"case_sensitive", "attribute"}, want_max ? "max" : "min");
+  bool case_sensitive = p[0] && truthy(*p[0]);
+  List items = iterate(v);
+  if (items.empty()) return Value::undefined("No aggregated item, sequence was empty.");
+  auto key = [&](const Value& e) {
+    return sort_key(p[1] && !p[1]->is_none() ? get_path(e, to_str(*p[1])) : e, case_sensitive);
+  };
+  Value best = items.front();
+  for (const Value& e : items) {
+    int c = compare(key(e), key(best));
+    if (want_max ? c > 0 : c < 0) best = e;
+  }
+  return best;
+}
+Value f_min(const Value& v, Args& a) { return min_max(v, a, false); }
+Value f_max(const Value& v, Args& a) { return min_max(v, a, true); }
+
+Value f_sum(const Value& v, Args& a) {
+  auto p = bind(a, {"attribute", "start"}, "sum");
+  Value total = arg_or(p[1], Value::integer(0));
+  for (const Value& e : iterate(v)) {
+    Value item = p[0] && !p[0]->is_none() ? get_path(e, to_str(*p[0])) : e;
+    if (!item.is_number() || !total.is_number()) throw std::runtime_error("sum() needs numbers");
+    total = total.kind == Kind::kFloat || item.kind == Kind::kFloat
+                ? Value::real(as_double(total) + as_double(item))
+                : Value::integer(static_cast<int64_t>(as_double(total)) + (item.kind == Kind::kInt ? item.i : item.b));
+  }
+  return total;
+}
+
+const std::map<std::string, FilterFn>& filters() {
+  static const std::map<std::string, FilterFn> table = {
+      {"trim", f_trim}, {"tojson", f_tojson}, {"length", f_length}, {"count", f_length}, {"items", f_items},
+      {"join", f_join}, {"upper", f_upper}, {"lower", f_lower}, {"capitalize", f_capitalize}, {"title", f_title},
+      {"replace", f_replace}, {"select", f_select}, {"reject", f_reject}, {"selectattr", f_selectattr},
+      {"rejectattr", f_rejectattr}, {"map", f_map}, {"list", f_list}, {"first", f_first}, {"last", f_last},
+      {"default", f_default}, {"d", f_default}, {"string", f_string}, {"int", f_int}, {"float", f_float},
+      {"abs", f_abs}, {"round", f_round}, {"safe", f_safe}, {"unique", f_unique}, {"reverse", f_reverse},
+      {"sort", f_sort}, {"dictsort", f_dictsort}, {"indent", f_indent}, {"wordcount", f_wordcount},
+      {"min", f_min}, {"max", f_max}, {"sum", f_sum}};
+  return table;
+}
+
+// --- tests -------------------------------------------------------------------------------------
+Value one_arg(Args& a, const char* test) {
+  if (a.positional.size() != 1 || !a.keyword.empty()) throw std::runtime_error(std::string(test) + " takes one argument");
+  return a.positional[0];
+}
+bool is_int(const Value& v) { return v.kind == Kind::kInt; }
+
+bool t_defined(const Value& v, Args&) { return !v.is_undefined(); }
+bool t_undefined(const Value& v, Args&) { return v.is_undefined(); }
+bool t_none(const Value& v, Args&) { return v.is_none(); }
+bool t_string(const Value& v, Args&) { return v.is_string(); }
+bool t_mapping(const Value& v, Args&) { return v.is_mapping(); }
+bool t_iterable(const Value& v, Args&) {
+  return v.is_string() || v.is_sequence() || v.is_mapping() || v.is_undefined();
+}
+bool t_sequence(const Value& v, Args&) { return v.is_string() || (v.is_sequence() && !v.generator) || v.is_mapping(); }
+bool t_number(const Value& v, Args&) { return v.is_number(); }
+bool t_integer(const Value& v, Args&) { return is_int(v); }
+bool t_float(const Value& v, Args&) { return v.kind == Kind::kFloat; }
+bool t_boolean(const Value& v, Args&) { return v.kind == Kind::kBool; }
+bool t_true(const Value& v, Args&) { return v.kind == Kind::kBool && v.b; }
+bool t_false(const Value& v, Args&) { return v.kind == Kind::kBool && !v.b; }
+int64_t int_value(const Value& v, const char* test) {
+  if (v.kind == Kind::kInt) return v.i;
+  if (v.kind == Kind::kBool) return v.b;
+  throw std::runtime_error(std::string(test) + " needs an integer");
+}
+bool t_even(const Value& v, Args&) { return int_value(v, "even") % 2 == 0; }
+bool t_odd(const Value& v, Args&) { return int_value(v, "odd") % 2 != 0; }
+bool t_divisibleby(const Value& v, Args& a) {
+  int64_t d = int_value(one_arg(a, "divisibleby"), "divisibleby");
+  if (d == 0) throw std::runtime_error("integer division or modulo by zero");
+  return int_value(v, "divisibleby") % d == 0;
+}
+bool t_eq(const Value& v, Args& a) { return equal(v, one_arg(a, "eq")); }
+bool t_ne(const Value& v, Args& a) { return !equal(v, one_arg(a, "ne")); }
+bool t_lt(const Value& v, Args& a) { return compare(v, one_arg(a, "lt")) < 0; }
+bool t_le(const Value& v, Args& a) { return compare(v, one_arg(a, "le")) <= 0; }
+bool t_gt(const Value& v, Args& a) { return compare(v, one_arg(a, "gt")) > 0; }
+bool t_ge(const Value& v, Args& a) { return compare(v, one_arg(a, "ge")) >= 0; }
+bool t_in(const Value& v, Args& a) {
+  Value container = one_arg(a, "in");
+  if (container.is_string()) return v.is_string() && container.s.find(v.s) != std::string::npos;
+  List items = iterate(container);
+  return std::any_of(items.begin(), items.end(), [&](const Value& e) { return equal(e, v); });
+}
+bool t_callable(const Value& v, Args&) { return v.kind == Kind::kFunction; }
+bool t_lower(const Value& v, Args&) { return v.is_string() && py_lower(v.s) == v.s && py_upper(v.s) != v.s; }
+bool t_upper(const Value& v, Args&) { return v.is_string() && py_upper(v.s) == v.s && py_lower(v.s) != v.s; }
+bool t_sameas(const Value& v, Args& a) {
+  Value other = one_arg(a, "sameas");
+  if (v.kind != other.kind) return false;
+  if (v.kind == Kind::kNone || v.kind == Kind::kUndefined) return true;
+  if (v.kind == Kind::kBool) return v.b == other.b;
+  return v.list == other.list && v.dict == other.dict && v.fn == other.fn && v.is_sequence() + v.is_mapping() > 0;
+}
+
+const std::map<std::string, TestFn>& tests() {
+  static const std::map<std::string, TestFn> table = {
+      {"defined", t_defined}, {"undefined", t_undefined}, {"none", t_none}, {"string", t_string},
+      {"mapping", t_mapping}, {"iterable", t_iterable}, {"sequence", t_sequence}, {"number", t_number},
+      {"integer", t_integer}, {"float", t_float}, {"boolean", t_boolean}, {"true", t_true}, {"false", t_false},
+      {"even", t_even}, {"odd", t_odd}, {"divisibleby", t_divisibleby}, {"equalto", t_eq}, {"eq", t_eq},
+      {"==", t_eq}, {"ne", t_ne}, {"!=", t_ne}, {"lt", t_lt}, {"lessthan", t_lt}, {"<", t_lt}, {"le", t_le},
+      {"<=", t_le}, {"gt", t_gt}, {"greaterthan", t_gt}, {">", t_gt}, {"ge", t_ge}, {">=", t_ge},
+      {"in", t_in}, {"callable", t_callable}, {"lower", t_lower}, {"upper", t_upper}, {"sameas", t_sameas}};
+  return table;
 }
 
 }  // namespace
 
-Value bound_method(const Value& self, const std::string& name) {
-  static const char* const kString[] = {"strip", "lstrip", "rstrip", "upper", "lower", "title", "capitalize",
-                                        "startswith", "endswith", "split", "replace", "find", "count", "join",
-                                        "isdigit", "isalpha", "isspace"};
-  static const char* const kList[] = {"append", "pop", "index", "count"};
-  static const char* const kDict[] = {"get", "items", "keys", "values"};
-  const auto known = [&](const auto& names) {
-    return std::find(std::begin(names), std::end(names), name) != std::end(names);
-  };
-  // An unknown name is no method: on a dict it is a missing key, i.e. undefined, as in jinja2.
-  if (!(self.is_string() && known(kString)) && !(self.is_list() && known(kList)) && !(self.is_dict() && known(kDict)))
-    return Value();
-  return Value(Callable([self, name](Args& a) -> Value {
-    if (self.is_string()) return string_method(self.str(), name, a);
-    if (self.is_list()) return list_method(self, name, a);
-    return dict_method(self, name, a);
-  }));
+bool has_filter(const std::string& name) { return filters().count(name) > 0; }
+bool has_test(const std::string& name) { return tests().count(name) > 0; }
+
+Value apply_filter(const std::string& name, const Value& value, Args& args) {
+  auto it = filters().find(name);
+  if (it == filters().end()) throw std::runtime_error("no filter named '" + name + "'");
+  // jinja2's filters read an undefined operand as empty (length 0, "" for text); |default and
+  // |tojson see it as it is (tojson then fails, as json.dumps does).
+  return it->second(value, args);
 }
 
-Value apply_filter(const std::string& name, const Value& v, Args& a) {
-  if (name == "trim") return Value(strip(v.to_str(), chars_arg(a), true, true));
-  if (name == "upper" || name == "lower" || name == "title" || name == "capitalize")
-    return string_method(v.to_str(), name, a);
-  if (name == "length" || name == "count") return Value(length_of(v, a));
-  if (name == "string") return Value(v.to_str());
-  if (name == "safe" || name == "e" || name == "escape")  // Markup: its + escapes HTML in the other operand
-    a.fail("the '" + name + "' filter (HTML Markup) is not supported by qlora's chat-template interpreter");
-  if (name == "tojson") {
-    const Value indent = a.get(0, "indent"), sort = a.get(1, "sort_keys");
-    for (const auto& [k, _] : a.keyword)
-      if (k != "indent" && k != "sort_keys" && k != "ensure_ascii") a.fail("tojson: unsupported argument '" + k + "'");
-    return Value(v.to_json(indent.is_int() ? static_cast<int>(indent.as_int()) : -1, sort.truthy()));
-  }
-  if (name == "default" || name == "d") {
-    const bool boolean = a.get(1, "boolean").truthy();
-    const bool use = v.is_undefined() || (boolean && !v.truthy());
-    return use ? a.get(0, "default_value") : v;
-  }
-  if (name == "join") {
-    const std::string sep = a.get(0, "d").is_undefined() ? "" : a.get(0, "d").to_str();
-    const Value attr = a.get(1, "attribute");
-    std::string out;
-    const List items = as_list(v, a);
-    for (size_t k = 0; k < items.size(); ++k)
-      out += (k ? sep : "") + (attr.is_string() ? attr_path(items[k], attr.str()) : items[k]).to_str();
-    return Value(out);
-  }
-  if (name == "replace") return string_method(v.to_str(), "replace", a);
-  if (name == "items") {
-    if (!v.is_dict()) a.fail("items: expected a dict");
-    return dict_method(v, "items", a);
-  }
-  if (name == "list") return Value(as_list(v, a));
-  if (name == "first" || name == "last") {
-    const List l = as_list(v, a);
-    if (l.empty()) return Value();
-    return name == "first" ? l.front() : l.back();
-  }
-  if (name == "reverse") {
-    if (v.is_string()) return Value(std::string(v.str().rbegin(), v.str().rend()));
-    List l = as_list(v, a);
-    std::reverse(l.begin(), l.end());
-    return Value(std::move(l));
-  }
-  if (name == "unique") {
-    List out;
-    for (const auto& x : as_list(v, a))
-      if (std::find(out.begin(), out.end(), x) == out.end()) out.push_back(x);
-    return Value(std::move(out));
-  }
-  if (name == "sort" || name == "dictsort") {
-    List l = name == "dictsort" ? dict_method(v, "items", a).list() : as_list(v, a);
-    const Value attr = a.get(name == "sort" ? 2 : 99, "attribute");
-    const bool reverse = a.get(name == "sort" ? 0 : 99, "reverse").truthy();
-    const auto key = [&](const Value& x) {
-      if (name == "dictsort") return x.list()[0];
-      return attr.is_string() ? attr_path(x, attr.str()) : x;
-    };
-    std::stable_sort(l.begin(), l.end(), [&](const Value& x, const Value& y) {
-      return reverse ? less_than(key(y), key(x), a.where) : less_than(key(x), key(y), a.where);
-    });
-    return Value(std::move(l));
-  }
-  if (name == "selectattr" || name == "rejectattr") return select(v, a, true, name == "selectattr");
-  if (name == "select" || name == "reject") return select(v, a, false, name == "select");
-  if (name == "map") {
-    const Value attr = a.get(99, "attribute");
-    List out;
-    if (!v.truthy()) return Value(std::move(out));
-    if (attr.is_string()) {
-      for (const auto& x : as_list(v, a)) out.push_back(attr_path(x, attr.str()));
-      return Value(std::move(out));
-    }
-    const Value filter = a.get(0, "filter");
-    if (!filter.is_string()) a.fail("map: give a filter name or attribute=");
-    Args rest;
-    rest.where = a.where;
-    rest.positional.assign(a.positional.begin() + 1, a.positional.end());
-    for (const auto& x : as_list(v, a)) out.push_back(apply_filter(filter.str(), x, rest));
-    return Value(std::move(out));
-  }
-  if (name == "int") {
-    if (v.is_number()) return Value(v.as_int());
-    try {
-      return Value(static_cast<int64_t>(std::stoll(strip(v.to_str(), kSpace, true, true))));
-    } catch (const std::exception&) {
-      return a.get(0, "default").is_undefined() ? Value(int64_t{0}) : a.get(0, "default");
-    }
-  }
-  if (name == "float") {
-    if (v.is_number()) return Value(v.as_float());
-    try {
-      return Value(std::stod(v.to_str()));
-    } catch (const std::exception&) {
-      return Value(0.0);
-    }
-  }
-  if (name == "abs") {
-    if (!v.is_number()) a.fail("abs: expected a number");
-    return v.kind() == Value::Kind::kFloat ? Value(std::fabs(v.as_float())) : Value(static_cast<int64_t>(std::llabs(v.as_int())));
-  }
-  if (name == "round") {
-    const Value p = a.get(0, "precision");
-    const double scale = std::pow(10.0, p.is_int() ? static_cast<double>(p.as_int()) : 0.0);
-    return Value(std::nearbyint(v.as_float() * scale) / scale);
-  }
-  if (name == "indent") {
-    const Value w = a.get(0, "width");
-    const std::string pad = w.is_string() ? w.str() : std::string(w.is_int() ? static_cast<size_t>(w.as_int()) : 4, ' ');
-    const bool first = a.get(1, "first").truthy(), blank = a.get(2, "blank").truthy();
-    std::string out;
-    const std::string s = v.to_str();
-    size_t pos = 0;
-    for (bool is_first = true; pos <= s.size(); is_first = false) {
-      const size_t nl = s.find('\n', pos);
-      const std::string line = s.substr(pos, nl == std::string::npos ? std::string::npos : nl - pos);
-      if ((!is_first || first) && (blank || !line.empty())) out += pad;
-      out += line;
-      if (nl == std::string::npos) break;
-      out += '\n';
-      pos = nl + 1;
-    }
-    return Value(out);
-  }
-  if (name == "wordcount") return Value(static_cast<int64_t>(split(v.to_str(), Value(), -1).size()));
-  a.fail("filter '" + name + "' is not supported by qlora's chat-template interpreter");
-}
-
-bool apply_test(const std::string& name, const Value& v, Args& a) {
-  if (name == "defined") return !v.is_undefined();
-  if (name == "undefined") return v.is_undefined();
-  if (name == "none") return v.is_none();
-  if (name == "string") return v.is_string();
-  if (name == "mapping") return v.is_dict();
-  if (name == "sequence") return v.is_list() || v.is_string() || v.is_dict();
-  if (name == "iterable") return v.is_list() || v.is_string() || v.is_dict();
-  if (name == "number") return v.is_number();
-  if (name == "integer") return v.kind() == Value::Kind::kInt;
-  if (name == "float") return v.kind() == Value::Kind::kFloat;
-  if (name == "boolean") return v.is_bool();
-  if (name == "true") return v.is_bool() && v.as_bool();
-  if (name == "false") return v.is_bool() && !v.as_bool();
-  if (name == "callable") return v.is_callable();
-  if (name == "lower" || name == "upper") {
-    const std::string s = v.to_str();
-    return s == string_method(s, name, a).str();
-  }
-  if (name == "even" || name == "odd") {
-    if (!v.is_int()) a.fail(name + ": expected an integer");
-    return (v.as_int() % 2 == 0) == (name == "even");
-  }
-  if (name == "divisibleby") {
-    const Value d = a.get(0, "num");
-    if (!v.is_int() || !d.is_int() || d.as_int() == 0) a.fail("divisibleby: expected integers");
-    return v.as_int() % d.as_int() == 0;
-  }
-  if (name == "equalto" || name == "eq" || name == "==") return v == a.get(0, "other");
-  if (name == "ne" || name == "!=") return !(v == a.get(0, "other"));
-  if (name == "in") {
-    const Value c = a.get(0, "seq");
-    if (c.is_string()) return v.is_string() && c.str().find(v.str()) != std::string::npos;
-    if (c.is_list()) return std::find(c.list().begin(), c.list().end(), v) != c.list().end();
-    if (c.is_dict()) return v.is_string() && c.dict().find(v.str()) != nullptr;
-    a.fail("in: expected a container");
-  }
-  a.fail("test '" + name + "' is not supported by qlora's chat-template interpreter");
+bool apply_test(const std::string& name, const Value& value, Args& args) {
+  auto it = tests().find(name);
+  if (it == tests().end()) throw std::runtime_error("no test named '" + name + "'");
+  return it->second(value, args);
 }
 
 }  // namespace qlora::jinja

@@ -1,14 +1,23 @@
-// A Jinja interpreter scoped to Hugging Face chat templates: it renders what transformers'
-// apply_chat_template renders (jinja2's ImmutableSandboxedEnvironment with trim_blocks,
-// lstrip_blocks, loop controls and the {% generation %} tracker; the globals raise_exception and
-// strftime_now; tojson as json.dumps with ensure_ascii=False).
+// A Jinja interpreter for Hugging Face chat templates: renders what transformers'
+// apply_chat_template renders (jinja2 ImmutableSandboxedEnvironment with trim_blocks,
+// lstrip_blocks, loopcontrols and the {% generation %} tag; globals raise_exception,
+// strftime_now, namespace, dict, range; the tojson filter is json.dumps(ensure_ascii=False)).
 //
-// Supported: for (tuple targets, `if` filter, else, loop.*), if/elif/else, set (names, tuples,
-// ns.attr, block set), macro with defaults, break/continue, generation, raw, comments,
-// whitespace control; literals, list/dict/tuple, attribute/subscript/slice, calls, filters, tests,
-// arithmetic, comparison, `in`, `~`, `and`/`or`/`not`, conditional expressions; namespace(),
-// range(), dict(); the string, list and dict methods templates call. Anything else is a
-// TemplateError naming the origin, line and column: never output that might be wrong.
+//   auto t = qlora::jinja::Template::parse(text, "tokenizer_config.json:chat_template");
+//   nlohmann::ordered_json ctx = {{"messages", msgs}, {"add_generation_prompt", true},
+//                                 {"bos_token", "<s>"}, {"eos_token", "</s>"}, {"tools", nullptr}};
+//   qlora::jinja::Rendered r = t.render(ctx);   // r.text, r.generation_spans
+//
+// The context is what transformers passes: messages, tools, documents (null when absent),
+// add_generation_prompt, the tokenizer's special tokens (bos_token, eos_token, ...) and any
+// template kwargs (enable_thinking, ...). JSON objects keep their key order (tojson prints it).
+//
+// The subset: statements for (else, if filter, tuple targets), if/elif/else, set (also block set
+// and ns.attr), macro, call, filter, raw, break, continue, generation; expressions as Python's
+// with jinja2's filters and tests that templates use. Anything else is a TemplateError naming the
+// origin, line and column, never silently different output. Differences from jinja2 that stay:
+// Python's str() of a float is reproduced, but Unicode-aware case mapping and str.isprintable()
+// cover ASCII (and a few separators) only.
 #pragma once
 
 #include <cstdint>
@@ -24,12 +33,14 @@
 
 namespace qlora::jinja {
 
+// A syntax or evaluation error: "<origin>:<line>:<col>: <what>".
 class TemplateError : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;
 };
 
-// raise_exception(message) in the template; message() is the template's own text.
+// The template called raise_exception(message): `message` is the template's own text (what
+// transformers' jinja2.TemplateError carries); what() also names the location.
 class RaisedError : public TemplateError {
  public:
   RaisedError(const std::string& where, std::string message)
@@ -41,29 +52,31 @@ class RaisedError : public TemplateError {
 };
 
 struct RenderOptions {
-  // strftime_now's clock in seconds since the epoch (local time, as Python's datetime.now());
-  // nullopt: the real clock. Tests fix it.
+  // strftime_now's clock: seconds since the epoch, formatted in local time as Python's
+  // datetime.fromtimestamp does; nullopt: the real clock (datetime.now()).
   std::optional<int64_t> now_unix_seconds;
 };
 
 struct Rendered {
   std::string text;
-  // [begin, end) byte offsets of each {% generation %} block's output.
+  // [start, end) byte offsets in text of each {% generation %} block's output, in render order
+  // (transformers reports the same spans in characters as its generation indices).
   std::vector<std::pair<size_t, size_t>> generation_spans;
 };
 
-struct Stmt;
+struct Program;  // the parsed template (ast.h)
 
 class Template {
  public:
+  // Throws TemplateError for a syntax error or a construct outside the subset.
   static Template parse(std::string_view source, std::string origin);
-  // `context`: the template's variables (messages, add_generation_prompt, bos_token, ...).
+  // Throws RaisedError for raise_exception, TemplateError for any other error.
   Rendered render(const nlohmann::ordered_json& context, const RenderOptions& options = {}) const;
   const std::string& origin() const { return origin_; }
 
  private:
+  std::shared_ptr<const Program> program_;
   std::string origin_;
-  std::shared_ptr<const std::vector<std::shared_ptr<const Stmt>>> body_;
 };
 
 }  // namespace qlora::jinja

@@ -1,121 +1,372 @@
 #include "qlora/jinja/value.h"
 
 #include <algorithm>
-#include <cctype>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <stdexcept>
 
 namespace qlora::jinja {
 
-const Value* Dict::find(const std::string& key) const {
-  for (const auto& [k, v] : items)
+const Value* Dict::find(std::string_view key) const {
+  for (const auto& [k, v] : items) {
     if (k == key) return &v;
-  return nullptr;
-}
-
-Value* Dict::find(const std::string& key) {
-  for (auto& [k, v] : items)
-    if (k == key) return &v;
-  return nullptr;
-}
-
-void Dict::set(const std::string& key, Value v) {
-  if (Value* old = find(key)) *old = std::move(v);
-  else items.emplace_back(key, std::move(v));
-}
-
-Value Value::from_json(const nlohmann::ordered_json& j) {
-  switch (j.type()) {
-    case nlohmann::json::value_t::null: return none();
-    case nlohmann::json::value_t::boolean: return Value(j.get<bool>());
-    case nlohmann::json::value_t::number_integer:
-    case nlohmann::json::value_t::number_unsigned: return Value(j.get<int64_t>());
-    case nlohmann::json::value_t::number_float: return Value(j.get<double>());
-    case nlohmann::json::value_t::string: return Value(j.get<std::string>());
-    case nlohmann::json::value_t::array: {
-      List l;
-      for (const auto& e : j) l.push_back(from_json(e));
-      return Value(std::move(l));
-    }
-    case nlohmann::json::value_t::object: {
-      Dict d;
-      for (const auto& [k, v] : j.items()) d.items.emplace_back(k, from_json(v));
-      return Value(std::move(d));
-    }
-    default: return Value();
   }
+  return nullptr;
 }
 
-bool Value::truthy() const {
-  switch (kind_) {
+void Dict::set(const std::string& key, Value value) {
+  for (auto& [k, v] : items) {
+    if (k == key) {
+      v = std::move(value);
+      return;
+    }
+  }
+  items.emplace_back(key, std::move(value));
+}
+
+Value Value::undefined(std::string name) {
+  Value v;
+  v.s = std::move(name);
+  return v;
+}
+Value Value::none() {
+  Value v;
+  v.kind = Kind::kNone;
+  return v;
+}
+Value Value::boolean(bool b) {
+  Value v;
+  v.kind = Kind::kBool;
+  v.b = b;
+  return v;
+}
+Value Value::integer(int64_t i) {
+  Value v;
+  v.kind = Kind::kInt;
+  v.i = i;
+  return v;
+}
+Value Value::real(double f) {
+  Value v;
+  v.kind = Kind::kFloat;
+  v.f = f;
+  return v;
+}
+Value Value::string(std::string s) {
+  Value v;
+  v.kind = Kind::kString;
+  v.s = std::move(s);
+  return v;
+}
+Value Value::make_list(List items) {
+  Value v;
+  v.kind = Kind::kList;
+  v.list = std::make_shared<List>(std::move(items));
+  return v;
+}
+Value Value::make_tuple(List items) {
+  Value v = make_list(std::move(items));
+  v.kind = Kind::kTuple;
+  return v;
+}
+Value Value::make_dict() {
+  Value v;
+  v.kind = Kind::kDict;
+  v.dict = std::make_shared<Dict>();
+  return v;
+}
+Value Value::make_namespace() {
+  Value v = make_dict();
+  v.kind = Kind::kNamespace;
+  return v;
+}
+Value Value::function(std::string name, std::function<Value(Args&)> call) {
+  Value v;
+  v.kind = Kind::kFunction;
+  v.fn = std::make_shared<Function>(Function{std::move(name), std::move(call)});
+  return v;
+}
+
+const char* type_name(const Value& v) {
+  switch (v.kind) {
+    case Kind::kUndefined: return "Undefined";
+    case Kind::kNone: return "NoneType";
+    case Kind::kBool: return "bool";
+    case Kind::kInt: return "int";
+    case Kind::kFloat: return "float";
+    case Kind::kString: return "str";
+    case Kind::kList: return "list";
+    case Kind::kTuple: return "tuple";
+    case Kind::kDict: return "dict";
+    case Kind::kNamespace: return "Namespace";
+    case Kind::kFunction: return "function";
+  }
+  return "?";
+}
+
+bool truthy(const Value& v) {
+  switch (v.kind) {
     case Kind::kUndefined:
     case Kind::kNone: return false;
-    case Kind::kBool:
-    case Kind::kInt: return int_ != 0;
-    case Kind::kFloat: return float_ != 0;
-    case Kind::kString: return !str_->empty();
-    case Kind::kList: return !list_->empty();
-    case Kind::kDict: return namespace_ || !dict_->items.empty();
-    case Kind::kCallable: return true;
+    case Kind::kBool: return v.b;
+    case Kind::kInt: return v.i != 0;
+    case Kind::kFloat: return v.f != 0.0;
+    case Kind::kString: return !v.s.empty();
+    case Kind::kList:
+    case Kind::kTuple: return v.generator || !v.list->empty();
+    case Kind::kDict: return !v.dict->items.empty();
+    case Kind::kNamespace:
+    case Kind::kFunction: return true;
   }
   return false;
 }
 
-std::string python_float(double d) {
-  if (std::isnan(d)) return "nan";
-  if (std::isinf(d)) return d > 0 ? "inf" : "-inf";
-  if (d == 0) return std::signbit(d) ? "-0.0" : "0.0";
-  // Python's repr: the shortest digits that read back, positional for exponents -4..15, else
-  // d.ddde+XX.
-  char buf[48];
-  for (int p = 0; p <= 16; ++p) {
-    std::snprintf(buf, sizeof buf, "%.*e", p, d);
-    if (std::strtod(buf, nullptr) == d) break;
+double as_double(const Value& v) {
+  if (v.kind == Kind::kFloat) return v.f;
+  if (v.kind == Kind::kInt) return static_cast<double>(v.i);
+  if (v.kind == Kind::kBool) return v.b ? 1.0 : 0.0;
+  throw std::runtime_error(std::string("expected a number, got ") + type_name(v));
+}
+
+bool equal(const Value& a, const Value& b) {
+  if (a.is_number() && b.is_number()) {
+    if (a.kind != Kind::kFloat && b.kind != Kind::kFloat) return compare(a, b) == 0;  // exact for ints
+    return as_double(a) == as_double(b);
   }
-  std::string text = buf;
-  const size_t e = text.find('e');
-  const int exp = std::atoi(text.c_str() + e + 1);
+  if (a.is_sequence() && b.is_sequence()) {
+    if (a.kind != b.kind || a.list->size() != b.list->size()) return false;
+    for (size_t k = 0; k < a.list->size(); ++k) {
+      if (!equal((*a.list)[k], (*b.list)[k])) return false;
+    }
+    return true;
+  }
+  if (a.kind != b.kind) return false;
+  switch (a.kind) {
+    case Kind::kUndefined:
+    case Kind::kNone: return true;
+    case Kind::kString: return a.s == b.s;
+    case Kind::kDict: {
+      if (a.dict->items.size() != b.dict->items.size()) return false;
+      for (const auto& [k, v] : a.dict->items) {
+        const Value* other = b.dict->find(k);
+        if (!other || !equal(v, *other)) return false;
+      }
+      return true;
+    }
+    default: return a.dict == b.dict && a.fn == b.fn;  // identity
+  }
+}
+
+int compare(const Value& a, const Value& b) {
+  if (a.is_number() && b.is_number()) {
+    if (a.kind != Kind::kFloat && b.kind != Kind::kFloat) {
+      int64_t x = a.kind == Kind::kInt ? a.i : a.b, y = b.kind == Kind::kInt ? b.i : b.b;
+      return x < y ? -1 : x > y ? 1 : 0;
+    }
+    double x = as_double(a), y = as_double(b);
+    return x < y ? -1 : x > y ? 1 : 0;
+  }
+  if (a.is_string() && b.is_string()) {
+    int c = a.s.compare(b.s);  // UTF-8 byte order is code point order
+    return c < 0 ? -1 : c > 0 ? 1 : 0;
+  }
+  if (a.is_sequence() && a.kind == b.kind) {
+    size_t n = std::min(a.list->size(), b.list->size());
+    for (size_t k = 0; k < n; ++k) {
+      if (!equal((*a.list)[k], (*b.list)[k])) return compare((*a.list)[k], (*b.list)[k]);
+    }
+    return a.list->size() < b.list->size() ? -1 : a.list->size() > b.list->size() ? 1 : 0;
+  }
+  throw std::runtime_error(std::string("'<' not supported between instances of '") + type_name(a) +
+                           "' and '" + type_name(b) + "'");
+}
+
+std::string float_repr(double v) {
+  if (std::isnan(v)) return "nan";
+  if (std::isinf(v)) return v < 0 ? "-inf" : "inf";
+  // Python's repr: the shortest digits that read back as the same double.
+  char buf[64];
+  for (int precision = 1; precision <= 17; ++precision) {
+    std::snprintf(buf, sizeof buf, "%.*e", precision - 1, v);
+    if (std::strtod(buf, nullptr) == v) break;
+  }
+  std::string text(buf);
+  size_t e = text.find('e');
+  int exponent = std::atoi(text.c_str() + e + 1);
   std::string digits;
-  for (size_t i = 0; i < e; ++i)
-    if (std::isdigit(static_cast<unsigned char>(text[i]))) digits += text[i];
-  const std::string sign = d < 0 ? "-" : "";
-  if (exp < -4 || exp >= 16) {
-    std::string m = digits.substr(0, 1) + (digits.size() > 1 ? "." + digits.substr(1) : "");
-    char ex[16];
-    std::snprintf(ex, sizeof ex, "e%c%02d", exp < 0 ? '-' : '+', std::abs(exp));
-    return sign + m + ex;
+  bool negative = text[0] == '-';
+  for (size_t k = negative ? 1 : 0; k < e; ++k) {
+    if (text[k] != '.') digits += text[k];
   }
-  if (exp < 0) return sign + "0." + std::string(static_cast<size_t>(-exp - 1), '0') + digits;
-  const size_t point = static_cast<size_t>(exp) + 1;
-  if (digits.size() <= point) return sign + digits + std::string(point - digits.size(), '0') + ".0";
-  return sign + digits.substr(0, point) + "." + digits.substr(point);
+  while (digits.size() > 1 && digits.back() == '0') digits.pop_back();
+  std::string out = negative ? "-" : "";
+  if (exponent >= 16 || exponent < -4) {  // repr switches to scientific notation here
+    out += digits.substr(0, 1);
+    if (digits.size() > 1) out += "." + digits.substr(1);
+    std::snprintf(buf, sizeof buf, "e%c%02d", exponent < 0 ? '-' : '+', std::abs(exponent));
+    return out + buf;
+  }
+  if (exponent < 0) return out + "0." + std::string(-exponent - 1, '0') + digits;
+  if (static_cast<int>(digits.size()) <= exponent + 1) {
+    return out + digits + std::string(exponent + 1 - digits.size(), '0') + ".0";
+  }
+  return out + digits.substr(0, exponent + 1) + "." + digits.substr(exponent + 1);
 }
 
 namespace {
 
-std::string python_quote(const std::string& s) {
-  const bool has_single = s.find('\'') != std::string::npos, has_double = s.find('"') != std::string::npos;
-  const char q = has_single && !has_double ? '"' : '\'';
-  std::string out(1, q);
-  for (unsigned char c : s) {
-    if (c == static_cast<unsigned char>(q) || c == '\\') out += '\\', out += static_cast<char>(c);
-    else if (c == '\n') out += "\\n";
-    else if (c == '\r') out += "\\r";
-    else if (c == '\t') out += "\\t";
-    else if (c < 0x20 || c == 0x7f) {
-      char buf[8];
-      std::snprintf(buf, sizeof buf, "\\x%02x", c);
-      out += buf;
-    } else out += static_cast<char>(c);
-  }
-  return out + q;
+uint32_t decode_at(std::string_view s, size_t& pos) {
+  unsigned char c = s[pos];
+  int extra = c < 0x80 ? 0 : c < 0xE0 ? 1 : c < 0xF0 ? 2 : 3;
+  uint32_t cp = extra == 0 ? c : extra == 1 ? (c & 0x1F) : extra == 2 ? (c & 0x0F) : (c & 0x07);
+  ++pos;
+  for (int k = 0; k < extra && pos < s.size(); ++k, ++pos) cp = (cp << 6) | (s[pos] & 0x3F);
+  return cp;
 }
 
-std::string json_quote(const std::string& s) {
-  std::string out = "\"";
-  for (unsigned char c : s) {
-    switch (c) {
+// Python's str.isprintable() for the code points a repr escapes (controls, and the separators and
+// format characters chat text plausibly holds).
+bool printable(uint32_t cp) {
+  if (cp < 0x20 || (cp >= 0x7F && cp <= 0xA0) || cp == 0xAD) return false;
+  if ((cp >= 0x2000 && cp <= 0x200F) || (cp >= 0x2028 && cp <= 0x202F) || cp == 0xFEFF) return false;
+  if (cp >= 0x205F && cp <= 0x206F) return false;
+  return cp != 0x3000;
+}
+
+std::string string_repr(const std::string& s) {
+  bool has_single = s.find('\'') != std::string::npos, has_double = s.find('"') != std::string::npos;
+  char quote = has_single && !has_double ? '"' : '\'';
+  std::string out(1, quote);
+  for (size_t pos = 0; pos < s.size();) {
+    size_t start = pos;
+    uint32_t cp = decode_at(s, pos);
+    char buf[16];
+    if (cp == '\\' || cp == static_cast<uint32_t>(quote)) {
+      out += '\\';
+      out += static_cast<char>(cp);
+    } else if (cp == '\n') {
+      out += "\\n";
+    } else if (cp == '\r') {
+      out += "\\r";
+    } else if (cp == '\t') {
+      out += "\\t";
+    } else if (!printable(cp)) {
+      std::snprintf(buf, sizeof buf, cp < 0x100 ? "\\x%02x" : "\\u%04x", cp);
+      out += buf;
+    } else {
+      out.append(s, start, pos - start);
+    }
+  }
+  return out + quote;
+}
+
+}  // namespace
+
+std::string to_repr(const Value& v) {
+  switch (v.kind) {
+    case Kind::kString: return string_repr(v.s);
+    case Kind::kList:
+    case Kind::kTuple: {
+      bool tuple = v.kind == Kind::kTuple;
+      std::string out = tuple ? "(" : "[";
+      for (size_t k = 0; k < v.list->size(); ++k) {
+        if (k) out += ", ";
+        out += to_repr((*v.list)[k]);
+      }
+      if (tuple && v.list->size() == 1) out += ",";
+      return out + (tuple ? ")" : "]");
+    }
+    case Kind::kDict:
+    case Kind::kNamespace: {
+      std::string out = v.kind == Kind::kNamespace ? "<Namespace {" : "{";
+      for (size_t k = 0; k < v.dict->items.size(); ++k) {
+        if (k) out += ", ";
+        out += string_repr(v.dict->items[k].first) + ": " + to_repr(v.dict->items[k].second);
+      }
+      return out + (v.kind == Kind::kNamespace ? "}>" : "}");
+    }
+    default: return to_str(v);
+  }
+}
+
+std::string to_str(const Value& v) {
+  switch (v.kind) {
+    case Kind::kUndefined: return "";
+    case Kind::kNone: return "None";
+    case Kind::kBool: return v.b ? "True" : "False";
+    case Kind::kInt: return std::to_string(v.i);
+    case Kind::kFloat: return float_repr(v.f);
+    case Kind::kString: return v.s;
+    case Kind::kFunction: return "<function " + v.fn->name + ">";
+    default: return to_repr(v);
+  }
+}
+
+List iterate(const Value& v) {
+  switch (v.kind) {
+    case Kind::kUndefined: return {};
+    case Kind::kList:
+    case Kind::kTuple: return *v.list;
+    case Kind::kDict: {
+      List keys;
+      for (const auto& item : v.dict->items) keys.push_back(Value::string(item.first));
+      return keys;
+    }
+    case Kind::kString: {
+      List chars;
+      for (auto& c : utf8_chars(v.s)) chars.push_back(Value::string(std::move(c)));
+      return chars;
+    }
+    default: throw std::runtime_error(std::string("'") + type_name(v) + "' object is not iterable");
+  }
+}
+
+int64_t length(const Value& v) {
+  switch (v.kind) {
+    case Kind::kUndefined: return 0;
+    case Kind::kString: return utf8_length(v.s);
+    case Kind::kList:
+    case Kind::kTuple:
+      if (v.generator) throw std::runtime_error("object of type 'generator' has no len()");
+      return static_cast<int64_t>(v.list->size());
+    case Kind::kDict: return static_cast<int64_t>(v.dict->items.size());
+    default: throw std::runtime_error(std::string("object of type '") + type_name(v) + "' has no len()");
+  }
+}
+
+Value from_json(const nlohmann::ordered_json& j) {
+  switch (j.type()) {
+    case nlohmann::ordered_json::value_t::null: return Value::none();
+    case nlohmann::ordered_json::value_t::boolean: return Value::boolean(j.get<bool>());
+    case nlohmann::ordered_json::value_t::number_integer: return Value::integer(j.get<int64_t>());
+    case nlohmann::ordered_json::value_t::number_unsigned:
+      return Value::integer(static_cast<int64_t>(j.get<uint64_t>()));
+    case nlohmann::ordered_json::value_t::number_float: return Value::real(j.get<double>());
+    case nlohmann::ordered_json::value_t::string: return Value::string(j.get<std::string>());
+    case nlohmann::ordered_json::value_t::array: {
+      List items;
+      for (const auto& e : j) items.push_back(from_json(e));
+      return Value::make_list(std::move(items));
+    }
+    case nlohmann::ordered_json::value_t::object: {
+      Value d = Value::make_dict();
+      for (const auto& [k, e] : j.items()) d.dict->items.emplace_back(k, from_json(e));
+      return d;
+    }
+    default: throw std::runtime_error("unsupported JSON value in the template context");
+  }
+}
+
+namespace {
+
+void json_string(std::string& out, const std::string& s, bool ensure_ascii) {
+  out += '"';
+  for (size_t pos = 0; pos < s.size();) {
+    size_t start = pos;
+    uint32_t cp = decode_at(s, pos);
+    char buf[16];
+    switch (cp) {
       case '"': out += "\\\""; break;
       case '\\': out += "\\\\"; break;
       case '\n': out += "\\n"; break;
@@ -124,139 +375,117 @@ std::string json_quote(const std::string& s) {
       case '\b': out += "\\b"; break;
       case '\f': out += "\\f"; break;
       default:
-        if (c < 0x20 || c == 0x7f) {
-          char buf[8];
-          std::snprintf(buf, sizeof buf, "\\u%04x", c);
+        if (cp < 0x20 || (ensure_ascii && cp >= 0x7F)) {
+          if (cp >= 0x10000) {  // a surrogate pair, as json.dumps writes it
+            uint32_t u = cp - 0x10000;
+            std::snprintf(buf, sizeof buf, "\\u%04x\\u%04x", 0xD800 + (u >> 10), 0xDC00 + (u & 0x3FF));
+          } else {
+            std::snprintf(buf, sizeof buf, "\\u%04x", cp);
+          }
           out += buf;
         } else {
-          out += static_cast<char>(c);
+          out.append(s, start, pos - start);
         }
     }
   }
-  return out + "\"";
+  out += '"';
 }
 
-void dump_json(const Value& v, int indent, bool sort_keys, int depth, std::string& out) {
-  const std::string item_sep = indent >= 0 ? "," : ", ";
-  const auto newline = [&](int d) {
-    if (indent >= 0) out += "\n" + std::string(static_cast<size_t>(indent * d), ' ');
+void json_value(std::string& out, const Value& v, const JsonOptions& o, int depth) {
+  auto newline = [&](int level) {
+    if (o.indent < 0) return;
+    out += '\n';
+    out.append(static_cast<size_t>(o.indent) * level, ' ');
   };
-  switch (v.kind()) {
-    case Value::Kind::kUndefined:
-    case Value::Kind::kNone: out += "null"; return;
-    case Value::Kind::kBool: out += v.as_bool() ? "true" : "false"; return;
-    case Value::Kind::kInt: out += std::to_string(v.as_int()); return;
-    case Value::Kind::kFloat: {
-      const double d = v.as_float();
-      out += std::isnan(d) ? "NaN" : std::isinf(d) ? (d > 0 ? "Infinity" : "-Infinity") : python_float(d);
+  switch (v.kind) {
+    case Kind::kNone: out += "null"; return;
+    case Kind::kBool: out += v.b ? "true" : "false"; return;
+    case Kind::kInt: out += std::to_string(v.i); return;
+    case Kind::kFloat:
+      out += std::isnan(v.f) ? "NaN" : std::isinf(v.f) ? (v.f < 0 ? "-Infinity" : "Infinity") : float_repr(v.f);
       return;
-    }
-    case Value::Kind::kString: out += json_quote(v.str()); return;
-    case Value::Kind::kList: {
-      if (v.list().empty()) return void(out += "[]");
-      out += "[";
-      for (size_t k = 0; k < v.list().size(); ++k) {
-        if (k) out += item_sep;
+    case Kind::kString: json_string(out, v.s, o.ensure_ascii); return;
+    case Kind::kList:
+    case Kind::kTuple: {
+      if (v.list->empty()) {
+        out += "[]";
+        return;
+      }
+      out += '[';
+      for (size_t k = 0; k < v.list->size(); ++k) {
+        if (k) out += o.item_separator;
         newline(depth + 1);
-        dump_json(v.list()[k], indent, sort_keys, depth + 1, out);
+        json_value(out, (*v.list)[k], o, depth + 1);
       }
       newline(depth);
-      out += "]";
+      out += ']';
       return;
     }
-    case Value::Kind::kDict: {
-      if (v.dict().items.empty()) return void(out += "{}");
-      auto items = v.dict().items;
-      if (sort_keys) std::stable_sort(items.begin(), items.end(), [](auto& a, auto& b) { return a.first < b.first; });
-      out += "{";
+    case Kind::kDict: {
+      if (v.dict->items.empty()) {
+        out += "{}";
+        return;
+      }
+      auto items = v.dict->items;
+      if (o.sort_keys) {
+        std::stable_sort(items.begin(), items.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+      }
+      out += '{';
       for (size_t k = 0; k < items.size(); ++k) {
-        if (k) out += item_sep;
+        if (k) out += o.item_separator;
         newline(depth + 1);
-        out += json_quote(items[k].first) + ": ";
-        dump_json(items[k].second, indent, sort_keys, depth + 1, out);
+        json_string(out, items[k].first, o.ensure_ascii);
+        out += o.key_separator;
+        json_value(out, items[k].second, o, depth + 1);
       }
       newline(depth);
-      out += "}";
+      out += '}';
       return;
     }
-    case Value::Kind::kCallable: throw std::runtime_error("Object of type function is not JSON serializable");
+    default:
+      throw std::runtime_error(std::string("Object of type ") + type_name(v) + " is not JSON serializable");
   }
 }
 
 }  // namespace
 
-std::string Value::to_json(int indent, bool sort_keys) const {
+std::string to_json_text(const Value& v, const JsonOptions& options) {
   std::string out;
-  dump_json(*this, indent, sort_keys, 0, out);
+  json_value(out, v, options, 0);
   return out;
 }
 
-std::string Value::to_str() const {
-  switch (kind_) {
-    case Kind::kUndefined: return "";
-    case Kind::kString: return *str_;
-    default: return repr();
+std::vector<std::string> utf8_chars(std::string_view s) {
+  std::vector<std::string> chars;
+  for (size_t pos = 0; pos < s.size();) {
+    size_t start = pos;
+    decode_at(s, pos);
+    chars.emplace_back(s.substr(start, std::min(pos, s.size()) - start));
   }
+  return chars;
 }
 
-std::string Value::repr() const {
-  switch (kind_) {
-    case Kind::kUndefined: return "";
-    case Kind::kNone: return "None";
-    case Kind::kBool: return int_ ? "True" : "False";
-    case Kind::kInt: return std::to_string(int_);
-    case Kind::kFloat: return python_float(float_);
-    case Kind::kString: return python_quote(*str_);
-    case Kind::kList: {
-      std::string out = "[";
-      for (size_t k = 0; k < list_->size(); ++k) out += (k ? ", " : "") + (*list_)[k].repr();
-      return out + "]";
-    }
-    case Kind::kDict: {
-      if (namespace_) return "<Namespace>";
-      std::string out = "{";
-      for (size_t k = 0; k < dict_->items.size(); ++k)
-        out += (k ? ", " : "") + python_quote(dict_->items[k].first) + ": " + dict_->items[k].second.repr();
-      return out + "}";
-    }
-    case Kind::kCallable: return "<function>";
-  }
-  return "";
+int64_t utf8_length(std::string_view s) {
+  int64_t n = 0;
+  for (unsigned char c : s) n += (c & 0xC0) != 0x80;
+  return n;
 }
 
-const char* Value::type_name() const {
-  switch (kind_) {
-    case Kind::kUndefined: return "undefined";
-    case Kind::kNone: return "NoneType";
-    case Kind::kBool: return "bool";
-    case Kind::kInt: return "int";
-    case Kind::kFloat: return "float";
-    case Kind::kString: return "str";
-    case Kind::kList: return "list";
-    case Kind::kDict: return namespace_ ? "Namespace" : "dict";
-    case Kind::kCallable: return "function";
-  }
-  return "?";
-}
-
-bool operator==(const Value& a, const Value& b) {
-  if (a.is_number() && b.is_number()) {
-    if (a.kind() == Value::Kind::kFloat || b.kind() == Value::Kind::kFloat) return a.as_float() == b.as_float();
-    return a.as_int() == b.as_int();
-  }
-  if (a.kind() != b.kind()) return false;
-  switch (a.kind()) {
-    case Value::Kind::kUndefined:
-    case Value::Kind::kNone: return true;
-    case Value::Kind::kString: return a.str() == b.str();
-    case Value::Kind::kList: return a.list() == b.list();
-    case Value::Kind::kDict:
-      return a.dict().items.size() == b.dict().items.size() &&
-             std::all_of(a.dict().items.begin(), a.dict().items.end(), [&](const auto& kv) {
-               const Value* o = b.dict().find(kv.first);
-               return o && *o == kv.second;
-             });
-    default: return a.fn_ == b.fn_;
+void utf8_append(std::string& out, uint32_t cp) {
+  if (cp < 0x80) {
+    out += static_cast<char>(cp);
+  } else if (cp < 0x800) {
+    out += static_cast<char>(0xC0 | (cp >> 6));
+    out += static_cast<char>(0x80 | (cp & 0x3F));
+  } else if (cp < 0x10000) {
+    out += static_cast<char>(0xE0 | (cp >> 12));
+    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+    out += static_cast<char>(0x80 | (cp & 0x3F));
+  } else {
+    out += static_cast<char>(0xF0 | (cp >> 18));
+    out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
+    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+    out += static_cast<char>(0x80 | (cp & 0x3F));
   }
 }
 

@@ -1,11 +1,13 @@
-// The values a chat template computes with, as Python/Jinja2 sees them: undefined, None, bool,
-// int, float, str, list, dict (insertion-ordered, string keys), namespace and callables.
+// The interpreter's value: the Python objects a chat template sees (None, bool, int, float, str,
+// list, tuple, insertion-ordered dict, jinja2's namespace and Undefined, callables), with Python's
+// truthiness, equality, ordering and str()/repr() text, since templates print them.
 #pragma once
 
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -13,82 +15,101 @@
 
 namespace qlora::jinja {
 
-class Value;
+struct Value;
 using List = std::vector<Value>;
 
-// Insertion-ordered string-keyed map (Python's dict as templates use it).
+// Python dicts keep insertion order, and tojson prints in that order: a vector, looked up linearly
+// (chat-template dicts have a handful of keys). Keys are strings: JSON contexts only have those.
 struct Dict {
   std::vector<std::pair<std::string, Value>> items;
-  const Value* find(const std::string& key) const;
-  Value* find(const std::string& key);
-  void set(const std::string& key, Value v);
+  const Value* find(std::string_view key) const;
+  void set(const std::string& key, Value value);
 };
 
-struct Args;  // positional and keyword arguments of a call (template.cpp)
-using Callable = std::function<Value(Args&)>;
-
-class Value {
- public:
-  enum class Kind { kUndefined, kNone, kBool, kInt, kFloat, kString, kList, kDict, kCallable };
-
-  Value() = default;  // undefined
-  static Value none() { Value v; v.kind_ = Kind::kNone; return v; }
-  Value(bool b) : kind_(Kind::kBool), int_(b) {}
-  Value(int64_t i) : kind_(Kind::kInt), int_(i) {}
-  Value(int i) : kind_(Kind::kInt), int_(i) {}
-  Value(double d) : kind_(Kind::kFloat), float_(d) {}
-  Value(std::string s) : kind_(Kind::kString), str_(std::make_shared<std::string>(std::move(s))) {}
-  Value(const char* s) : Value(std::string(s)) {}
-  Value(List l) : kind_(Kind::kList), list_(std::make_shared<List>(std::move(l))) {}
-  Value(Dict d, bool is_namespace = false)
-      : kind_(Kind::kDict), dict_(std::make_shared<Dict>(std::move(d))), namespace_(is_namespace) {}
-  Value(Callable f) : kind_(Kind::kCallable), fn_(std::make_shared<Callable>(std::move(f))) {}
-  static Value from_json(const nlohmann::ordered_json& j);
-
-  Kind kind() const { return kind_; }
-  bool is_undefined() const { return kind_ == Kind::kUndefined; }
-  bool is_none() const { return kind_ == Kind::kNone; }
-  bool is_bool() const { return kind_ == Kind::kBool; }
-  bool is_int() const { return kind_ == Kind::kInt || kind_ == Kind::kBool; }  // Python: bool is an int
-  bool is_number() const { return is_int() || kind_ == Kind::kFloat; }
-  bool is_string() const { return kind_ == Kind::kString; }
-  bool is_list() const { return kind_ == Kind::kList; }
-  bool is_dict() const { return kind_ == Kind::kDict; }
-  bool is_namespace() const { return namespace_; }
-  bool is_callable() const { return kind_ == Kind::kCallable; }
-
-  bool as_bool() const { return int_ != 0; }
-  int64_t as_int() const { return kind_ == Kind::kFloat ? static_cast<int64_t>(float_) : int_; }
-  double as_float() const { return kind_ == Kind::kFloat ? float_ : static_cast<double>(int_); }
-  const std::string& str() const { return *str_; }
-  List& list() const { return *list_; }
-  Dict& dict() const { return *dict_; }
-  const Callable& fn() const { return *fn_; }
-
-  bool truthy() const;
-  // Python's str(): what {{ value }} prints ("True", "None", "['a', 1]"); undefined prints "".
-  std::string to_str() const;
-  // Python's repr() (strings quoted as Python quotes them).
-  std::string repr() const;
-  // json.dumps(value, ensure_ascii=False, indent=indent (< 0: None), separators=None, sort_keys).
-  std::string to_json(int indent, bool sort_keys) const;
-  // The type's name in errors ("str", "list", "undefined").
-  const char* type_name() const;
-
-  friend bool operator==(const Value& a, const Value& b);
-
- private:
-  Kind kind_ = Kind::kUndefined;
-  int64_t int_ = 0;
-  double float_ = 0;
-  std::shared_ptr<std::string> str_;
-  std::shared_ptr<List> list_;
-  std::shared_ptr<Dict> dict_;
-  std::shared_ptr<Callable> fn_;
-  bool namespace_ = false;
+// Arguments of a call: positional then keyword, as written.
+struct Args {
+  std::vector<Value> positional;
+  std::vector<std::pair<std::string, Value>> keyword;
 };
 
-// Python's float repr: the shortest text that reads back ("0.5", "1.0", "1e-05").
-std::string python_float(double d);
+// A builtin, a bound method or a macro. Errors it throws as std::runtime_error get the call's
+// location attached by the evaluator.
+struct Function {
+  std::string name;
+  std::function<Value(Args&)> call;
+};
+
+enum class Kind { kUndefined, kNone, kBool, kInt, kFloat, kString, kList, kTuple, kDict, kNamespace, kFunction };
+
+struct Value {
+  Kind kind = Kind::kUndefined;
+  bool b = false;
+  int64_t i = 0;
+  double f = 0.0;
+  std::string s;                    // kString; kUndefined: the name that was missing (for errors)
+  std::shared_ptr<List> list;       // kList, kTuple (lists are shared, as Python's are)
+  std::shared_ptr<Dict> dict;       // kDict, kNamespace
+  std::shared_ptr<Function> fn;     // kFunction
+  // A kList that jinja2 would hand out as a generator (map, select, selectattr, items...): always
+  // truthy, no len(); templates pass it on to |list, |first, |join or a for loop.
+  bool generator = false;
+
+  static Value undefined(std::string name = {});
+  static Value none();
+  static Value boolean(bool v);
+  static Value integer(int64_t v);
+  static Value real(double v);
+  static Value string(std::string v);
+  static Value make_list(List items = {});
+  static Value make_tuple(List items);
+  static Value make_dict();
+  static Value make_namespace();
+  static Value function(std::string name, std::function<Value(Args&)> call);
+
+  bool is_undefined() const { return kind == Kind::kUndefined; }
+  bool is_none() const { return kind == Kind::kNone; }
+  bool is_string() const { return kind == Kind::kString; }
+  bool is_number() const { return kind == Kind::kInt || kind == Kind::kFloat || kind == Kind::kBool; }
+  bool is_sequence() const { return kind == Kind::kList || kind == Kind::kTuple; }
+  bool is_mapping() const { return kind == Kind::kDict; }
+};
+
+// Python's type name (for error messages as Python words them).
+const char* type_name(const Value& v);
+bool truthy(const Value& v);
+// Python ==.
+bool equal(const Value& a, const Value& b);
+// Python's <: -1, 0, 1; throws std::runtime_error for types Python cannot order.
+int compare(const Value& a, const Value& b);
+// Python str() and repr().
+std::string to_str(const Value& v);
+std::string to_repr(const Value& v);
+std::string float_repr(double v);
+// Python's float of an int, bool, or float (numbers only).
+double as_double(const Value& v);
+
+// The elements `for x in v` visits: lists and tuples, a dict's keys, a string's characters,
+// nothing for undefined; anything else throws.
+List iterate(const Value& v);
+// Python len(); throws for values without one.
+int64_t length(const Value& v);
+
+// nlohmann ordered_json <-> Value (JSON objects keep their key order).
+Value from_json(const nlohmann::ordered_json& j);
+
+struct JsonOptions {
+  int indent = -1;                  // json.dumps indent=None
+  std::string item_separator = ", ";  // json.dumps' defaults for indent=None; ',' with an indent
+  std::string key_separator = ": ";
+  bool sort_keys = false;
+  bool ensure_ascii = false;
+};
+// json.dumps(v, ...) as transformers' tojson filter calls it; throws for undefined and functions.
+std::string to_json_text(const Value& v, const JsonOptions& options);
+
+// UTF-8: Python indexes strings by code point.
+std::vector<std::string> utf8_chars(std::string_view s);
+int64_t utf8_length(std::string_view s);
+void utf8_append(std::string& out, uint32_t code_point);
 
 }  // namespace qlora::jinja

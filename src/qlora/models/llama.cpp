@@ -34,6 +34,7 @@ using modules::LoraLinear;
 struct Loader {
   const io::CheckpointDir& ckpt;
   const LlamaLoadOptions& opt;
+  KeyLayout layout;  // the table's text keys -> this checkpoint's (key_layout.h)
 
   void check_shape(const std::string& key, at::IntArrayRef got, const std::vector<int64_t>& want) const {
     if (got.vec() != want) {
@@ -42,7 +43,8 @@ struct Loader {
     }
   }
   // dtype: the storage dtype (compute dtype, or frozen_dtype for embed_tokens / lm_head).
-  at::Tensor dense(const std::string& key, const std::vector<int64_t>& shape, at::ScalarType dtype) const {
+  at::Tensor dense(const std::string& text_key, const std::vector<int64_t>& shape, at::ScalarType dtype) const {
+    const std::string key = layout_key(layout, text_key);
     // A checkpoint written by `qlora quantize` stores projections as NF4 entries only;
     // load_nf4 reads those (and names the checkpoint and key when neither form exists).
     at::Tensor t = ckpt.contains(key) ? ckpt.tensor(key)
@@ -54,8 +56,9 @@ struct Loader {
   at::Tensor dense(const std::string& key, const std::vector<int64_t>& shape) const {
     return dense(key, shape, opt.compute_dtype);
   }
-  LoraLinear projection(const std::string& key, const std::vector<int64_t>& shape) const {
-    if (!opt.base_in_nf4) return modules::lora_linear_dense(dense(key, shape));
+  LoraLinear projection(const std::string& text_key, const std::vector<int64_t>& shape) const {
+    if (!opt.base_in_nf4) return modules::lora_linear_dense(dense(text_key, shape));
+    const std::string key = layout_key(layout, text_key);
     Nf4Tensor w = io::load_nf4(ckpt, key);  // errors name the checkpoint and key
     // Drop the float tensor's resident pages once quantized, so loading a 7B base keeps RSS
     // near the NF4 size instead of accumulating the mapped fp16/bf16 file.
@@ -127,7 +130,9 @@ LlamaModel load_llama(const std::string& checkpoint_dir, const LlamaLoadOptions&
   m.activation_checkpointing = opt.activation_checkpointing;
   const LlamaConfig& c = m.config;
   const auto ckpt = io::CheckpointDir::open(checkpoint_dir);
-  const Loader ld{ckpt, opt};
+  m.key_layout = key_layout_of(ckpt, c);
+  m.skipped_weights = skipped_weights(ckpt, m.key_layout);
+  const Loader ld{ckpt, opt, m.key_layout};
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(opt.seed);
 
   const int64_t h = c.hidden_size;
@@ -350,11 +355,12 @@ std::vector<std::pair<std::string, at::Tensor>> LlamaModel::lora_parameters() co
     out.emplace_back("base_model.model." + stem + ".lora_B.weight", l.lora_b);
   };
   const Architecture& arch = architecture();
+  const KeyLayout names = peft_layout(config);
   for (size_t i = 0; i < layers.size(); ++i) {
     for (const ProjectionRow& row : arch.projections)
-      if (row.member) add(hf_module(row.hf_module, static_cast<int64_t>(i)), layers[i].*row.member);
+      if (row.member) add(layout_key(names, hf_module(row.hf_module, static_cast<int64_t>(i))), layers[i].*row.member);
   }
-  add(output_projection(arch).hf_module, lm_head);
+  add(layout_key(names, output_projection(arch).hf_module), lm_head);
   return out;
 }
 

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "qlora/models/architecture.h"
+#include "qlora/models/key_layout.h"
 #include "qlora/models/llama_config.h"
 #include "qlora/modules/layers.h"
 #include "qlora/modules/lora_linear.h"
@@ -67,6 +68,11 @@ struct UnitHooks {
 
 struct LlamaModel {
   LlamaConfig config;
+  // Where the checkpoint it was loaded from keeps the language model's weights; a merged export
+  // writes the same layout.
+  KeyLayout key_layout = KeyLayout::kText;
+  // What of that checkpoint no computation reads (a multimodal one's vision tower and projector).
+  SkippedWeights skipped_weights;
   at::ScalarType compute_dtype = at::kFloat;
   // Storage dtype of embed_tokens and the dense lm_head base (LlamaLoadOptions::frozen_dtype):
   // compute_dtype, or kBFloat16 under fp32 compute. forward() follows the tensors' own dtypes;
@@ -116,7 +122,8 @@ struct LlamaModel {
                   const at::Tensor& labels) const;
 
   // Trainable tensors with PEFT names, e.g.
-  // base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight ([r, in]) / .lora_B.weight.
+  // base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight ([r, in]) / .lora_B.weight
+  // (a multimodal gemma3: base_model.model.model.language_model.layers.0...; key_layout.h).
   std::vector<std::pair<std::string, at::Tensor>> lora_parameters() const;
   // Layer i's forward options (its window, the family's norm and attention numerics).
   modules::LayerDims dims(int64_t layer) const;

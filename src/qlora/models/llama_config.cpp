@@ -143,12 +143,12 @@ constexpr FamilyName kFamilies[] = {{"llama", Family::kLlama},   {"mistral", Fam
                                     {"gemma2", Family::kGemma2}, {"gemma3_text", Family::kGemma3},
                                     {"phi3", Family::kPhi3}};
 
-// model_type -> family; a multimodal checkpoint or another family is refused by name.
+// model_type -> family; another multimodal checkpoint or another family is refused by name.
 Family parse_family(const json& j, const std::string& where, const std::string& type) {
   if (present(j, "vision_config") || present(j, "text_config")) {
     fail(where, present(j, "vision_config") ? "vision_config" : "text_config",
-         "'" + type + "' is a multimodal checkpoint (a vision tower beside the language model); only text-only "
-         "decoders are supported (" + supported_model_types() + ")");
+         "'" + type + "' is a multimodal checkpoint (a vision tower beside the language model); of those only "
+         "gemma3's language model is supported, otherwise text-only decoders (" + supported_model_types() + ")");
   }
   for (const FamilyName& f : kFamilies)
     if (type == f.model_type) return f.family;
@@ -264,14 +264,10 @@ void LlamaConfig::validate(const std::string& where) const {
     fail(where, "layer_types", "needs one entry per layer");
 }
 
-LlamaConfig parse_llama_config(const std::string& json_text, const std::string& where) {
-  json j;
-  try {
-    j = json::parse(json_text);
-  } catch (const json::parse_error& e) {
-    throw std::invalid_argument(where + ": not valid JSON: " + e.what());
-  }
-  if (!j.is_object()) throw std::invalid_argument(where + ": expected a JSON object");
+namespace {
+
+// A text-only decoder's config.json, or a multimodal one's text_config (defaults filled in).
+LlamaConfig parse_text_config(const json& j, const std::string& where) {
   LlamaConfig c;
   c.model_type = get_str(j, "model_type", where);
   c.family = parse_family(j, where, c.model_type);
@@ -300,6 +296,54 @@ LlamaConfig parse_llama_config(const std::string& json_text, const std::string& 
   return c;
 }
 
+// Gemma3Config's text_config (transformers' Gemma3TextConfig): a config.json may list only the
+// keys that differ from the class's defaults (the Hub's gemma-3-4b/12b/27b do: no vocab_size,
+// num_attention_heads, ...), so the defaults our parser does not share are filled in first.
+// Defaults it shares (head_dim 256, RoPE bases 1e6 / 1e4, window 4096, gelu_pytorch_tanh,
+// query_pre_attn_scalar 256, no soft-capping) are the parser's own for gemma3_text.
+json gemma3_text_defaults() {
+  return {{"model_type", "gemma3_text"}, {"vocab_size", 262208},      {"hidden_size", 2304},
+          {"intermediate_size", 9216},   {"num_hidden_layers", 26},   {"num_attention_heads", 8},
+          {"num_key_value_heads", 4},    {"max_position_embeddings", 131072},
+          {"bos_token_id", 2},           {"eos_token_id", 1}};
+}
+
+// A gemma3 (Gemma3ForConditionalGeneration) config.json: the language model is text_config; the
+// vision tower's settings are nobody's business here (its weights are copied, never computed).
+LlamaConfig parse_gemma3_multimodal(const json& j, const std::string& where) {
+  if (!present(j, "text_config"))
+    fail(where, "text_config", "missing (a gemma3 config keeps its language model's settings there)");
+  const json& t = j.at("text_config");
+  if (!t.is_object()) fail(where, "text_config", "expected an object, got " + t.dump());
+  json text = gemma3_text_defaults();
+  text.update(t);
+  // The model class ties its head by the top-level key (Gemma3Config.tie_word_embeddings), and
+  // its generation stops at the top-level eos_token_id (the Hub's lists <end_of_turn> too).
+  text["tie_word_embeddings"] = get_bool(j, "tie_word_embeddings", where, true);
+  if (present(j, "eos_token_id")) text["eos_token_id"] = j.at("eos_token_id");
+  const std::string text_where = where + " (text_config)";
+  if (get_str(text, "model_type", text_where) != "gemma3_text")
+    fail(text_where, "model_type", "expected \"gemma3_text\", got " + text.at("model_type").dump());
+  LlamaConfig c = parse_text_config(text, text_where);
+  c.model_type = kGemma3Multimodal;
+  c.multimodal = true;
+  return c;
+}
+
+}  // namespace
+
+LlamaConfig parse_llama_config(const std::string& json_text, const std::string& where) {
+  json j;
+  try {
+    j = json::parse(json_text);
+  } catch (const json::parse_error& e) {
+    throw std::invalid_argument(where + ": not valid JSON: " + e.what());
+  }
+  if (!j.is_object()) throw std::invalid_argument(where + ": expected a JSON object");
+  if (get_str(j, "model_type", where) == kGemma3Multimodal) return parse_gemma3_multimodal(j, where);
+  return parse_text_config(j, where);
+}
+
 std::vector<int64_t> load_generation_eos_ids(const std::string& dir) {
   const std::string path = (std::filesystem::path(dir) / "generation_config.json").string();
   const auto text = io::read_file(path);
@@ -317,7 +361,7 @@ std::vector<int64_t> load_generation_eos_ids(const std::string& dir) {
 std::string supported_model_types() {
   std::string out;
   for (const FamilyName& f : kFamilies) out += (out.empty() ? "" : ", ") + std::string(f.model_type);
-  return out;
+  return out + ", " + kGemma3Multimodal;
 }
 
 LlamaConfig load_llama_config(const std::string& path) {

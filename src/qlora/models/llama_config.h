@@ -9,6 +9,9 @@
 //                   query_pre_attn_scalar, sliding window on alternate layers, GeGLU (gelu tanh)
 //   gemma3_text     Gemma 2's norms plus q/k norms, local:global layers with their own RoPE
 //   phi3            fused qkv_proj and gate_up_proj
+//   gemma3          the Hub's Gemma 3 4B/12B/27B (Gemma3ForConditionalGeneration): the gemma3_text
+//                   language model of its text_config; the vision tower is never computed (its
+//                   weights are copied into merged exports), its weights' prefixes: key_layout.h
 // Keys we do not model are ignored (HF configs carry many training/generation keys); keys we
 // model but whose value we cannot honour (another rope type, MLP biases, another activation, a
 // vision tower) are errors naming the key, because a silently different model is worse than none.
@@ -25,11 +28,16 @@ namespace qlora::models {
 using modules::Llama3RopeScaling;
 
 enum class Family { kLlama, kQwen2, kQwen3, kGemma2, kGemma3, kPhi3 };
+// The multimodal Gemma 3's model_type; its language model is Family::kGemma3.
+inline constexpr const char* kGemma3Multimodal = "gemma3";
 using modules::MlpActivation;
 
 struct LlamaConfig {
   std::string model_type;  // as config.json spells it: "llama", "mistral", "qwen2", ...
   Family family = Family::kLlama;
+  // The language model of a multimodal checkpoint (gemma3): these settings are its text_config's,
+  // and its weights sit under a language-model prefix beside a vision tower (key_layout.h).
+  bool multimodal = false;
   int64_t hidden_size = 0;
   int64_t intermediate_size = 0;
   int64_t num_hidden_layers = 0;
@@ -78,7 +86,7 @@ LlamaConfig load_llama_config(const std::string& path);
 // The eos_token_id(s) of `dir`/generation_config.json (what transformers' generate stops at; an
 // instruct model lists its end-of-turn there, e.g. Gemma's <end_of_turn>); none without the file.
 std::vector<int64_t> load_generation_eos_ids(const std::string& dir);
-// "llama, mistral, qwen2, qwen3, gemma2, gemma3_text, phi3", for messages.
+// "llama, mistral, qwen2, qwen3, gemma2, gemma3_text, phi3, gemma3", for messages.
 std::string supported_model_types();
 
 }  // namespace qlora::models

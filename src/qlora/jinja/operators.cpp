@@ -1,0 +1,171 @@
+// Python's operators on template values: arithmetic (int stays int, / is true division, // and %
+// floor), ~ concatenation, subscripts and slices, `in`, and jinja2's attribute lookup (an
+// attribute of a dict is its key, unless it names a dict method, as Python's getattr finds first).
+#include <cmath>
+
+#include "qlora/jinja/operators.h"
+
+#include "qlora/jinja/builtins.h"
+
+namespace qlora::jinja {
+namespace {
+
+int64_t as_int(const Value& v) { return v.kind == Kind::kInt ? v.i : v.b; }
+bool both_int(const Value& a, const Value& b) { return a.kind != Kind::kFloat && b.kind != Kind::kFloat; }
+
+[[noreturn]] void unsupported(const std::string& op, const Value& a, const Value& b) {
+  throw std::runtime_error("unsupported operand type(s) for " + op + ": '" + type_name(a) + "' and '" + type_name(b) + "'");
+}
+
+Value repeat(const Value& seq, int64_t n) {
+  if (seq.is_string()) {
+    std::string out;
+    for (int64_t k = 0; k < n; ++k) out += seq.s;
+    return Value::string(out);
+  }
+  List out;
+  for (int64_t k = 0; k < n; ++k) out.insert(out.end(), seq.list->begin(), seq.list->end());
+  return seq.kind == Kind::kTuple ? Value::make_tuple(std::move(out)) : Value::make_list(std::move(out));
+}
+
+int64_t floor_div(int64_t a, int64_t b) {
+  int64_t q = a / b;
+  return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;
+}
+
+Value numeric(const std::string& op, const Value& a, const Value& b) {
+  if (!a.is_number() || !b.is_number()) unsupported(op, a, b);
+  if (op == "/") {
+    if (as_double(b) == 0.0) throw std::runtime_error("division by zero");
+    return Value::real(as_double(a) / as_double(b));
+  }
+  if (both_int(a, b)) {
+    int64_t x = as_int(a), y = as_int(b);
+    if (op == "+") return Value::integer(x + y);
+    if (op == "-") return Value::integer(x - y);
+    if (op == "*") return Value::integer(x * y);
+    if (op == "//" || op == "%") {
+      if (y == 0) throw std::runtime_error("integer division or modulo by zero");
+      int64_t q = floor_div(x, y);
+      return Value::integer(op == "//" ? q : x - q * y);
+    }
+    if (op == "**") {
+      if (y < 0) return Value::real(std::pow(static_cast<double>(x), static_cast<double>(y)));
+      int64_t r = 1;
+      for (int64_t k = 0; k < y; ++k) r *= x;
+      return Value::integer(r);
+    }
+  }
+  double x = as_double(a), y = as_double(b);
+  if (op == "+") return Value::real(x + y);
+  if (op == "-") return Value::real(x - y);
+  if (op == "*") return Value::real(x * y);
+  if (op == "**") return Value::real(std::pow(x, y));
+  if (y == 0.0) throw std::runtime_error("float floor division by zero");
+  double q = std::floor(x / y);
+  if (op == "//") return Value::real(q);
+  double m = std::fmod(x, y);
+  if (m != 0.0 && ((m < 0) != (y < 0))) m += y;
+  return Value::real(m);
+}
+
+// Python's slice.indices(length).
+void slice_indices(int64_t n, const Value& start, const Value& stop, const Value& step, int64_t& b, int64_t& e, int64_t& s) {
+  auto as_index = [](const Value& v) {
+    if (v.kind != Kind::kInt && v.kind != Kind::kBool) throw std::runtime_error("slice indices must be integers or None");
+    return as_int(v);
+  };
+  s = step.is_none() ? 1 : as_index(step);
+  if (s == 0) throw std::runtime_error("slice step cannot be zero");
+  auto clamp = [&](const Value& v, int64_t fallback) {
+    if (v.is_none()) return fallback;
+    int64_t k = as_index(v);
+    if (k < 0) k += n;
+    if (s > 0) return std::min(std::max<int64_t>(k, 0), n);
+    return std::min(std::max<int64_t>(k, -1), n - 1);
+  };
+  b = clamp(start, s > 0 ? 0 : n - 1);
+  e = clamp(stop, s > 0 ? n : -1);
+}
+
+}  // namespace
+
+Value binary_op(const std::string& op, const Value& a, const Value& b) {
+  if (op == "~") return Value::string(to_str(a) + to_str(b));
+  if (a.is_undefined()) undefined_error(a);
+  if (b.is_undefined()) undefined_error(b);
+  if (op == "+") {
+    if (a.is_string() && b.is_string()) return Value::string(a.s + b.s);
+    if (a.is_sequence() && a.kind == b.kind) {
+      List out = *a.list;
+      out.insert(out.end(), b.list->begin(), b.list->end());
+      return a.kind == Kind::kTuple ? Value::make_tuple(std::move(out)) : Value::make_list(std::move(out));
+    }
+  }
+  if (op == "*") {
+    if ((a.is_string() || a.is_sequence()) && (b.kind == Kind::kInt || b.kind == Kind::kBool)) return repeat(a, as_int(b));
+    if ((b.is_string() || b.is_sequence()) && (a.kind == Kind::kInt || a.kind == Kind::kBool)) return repeat(b, as_int(a));
+  }
+  if (op == "%" && a.is_string()) throw std::runtime_error("printf-style string formatting is outside the subset");
+  return numeric(op, a, b);
+}
+
+Value slice_of(const Value& v, const Value& start, const Value& stop, const Value& step) {
+  if (v.is_undefined()) undefined_error(v);
+  if (!v.is_string() && !v.is_sequence()) throw std::runtime_error(std::string("'") + type_name(v) + "' object is not subscriptable");
+  List items = iterate(v);
+  int64_t b, e, s;
+  slice_indices(static_cast<int64_t>(items.size()), start, stop, step, b, e, s);
+  List out;
+  for (int64_t k = b; s > 0 ? k < e : k > e; k += s) out.push_back(items[k]);
+  if (v.is_string()) {
+    std::string text;
+    for (const Value& c : out) text += c.s;
+    return Value::string(text);
+  }
+  return v.kind == Kind::kTuple ? Value::make_tuple(std::move(out)) : Value::make_list(std::move(out));
+}
+
+Value get_item(const Value& obj, const Value& key) {
+  if (obj.is_undefined()) undefined_error(obj);
+  if (obj.is_mapping() || obj.kind == Kind::kNamespace) {
+    const Value* found = key.is_string() ? obj.dict->find(key.s) : nullptr;
+    if (found) return *found;
+    return Value::undefined("'dict object' has no attribute " + to_repr(key));
+  }
+  if ((obj.is_sequence() || obj.is_string()) && (key.kind == Kind::kInt || key.kind == Kind::kBool)) {
+    List items = obj.is_string() ? iterate(obj) : *obj.list;
+    int64_t n = static_cast<int64_t>(items.size()), k = as_int(key);
+    if (k < 0) k += n;
+    if (k < 0 || k >= n) return Value::undefined(std::string("'") + type_name(obj) + " object' has no element " + to_str(key));
+    return items[k];
+  }
+  if (key.is_string()) return get_attr(obj, key.s);
+  return Value::undefined(std::string("'") + type_name(obj) + " object' has no element " + to_repr(key));
+}
+
+Value get_attr(const Value& obj, const std::string& name) {
+  if (obj.is_undefined()) undefined_error(obj);
+  if (obj.kind == Kind::kNamespace) {
+    const Value* found = obj.dict->find(name);
+    return found ? *found : Value::undefined("'Namespace object' has no attribute '" + name + "'");
+  }
+  Value m = method(obj, name);
+  if (!m.is_undefined() || !obj.is_mapping()) return m;
+  const Value* found = obj.dict->find(name);
+  return found ? *found : Value::undefined("'dict object' has no attribute '" + name + "'");
+}
+
+bool contains(const Value& container, const Value& item) {
+  if (container.is_string()) {
+    if (!item.is_string()) throw std::runtime_error(std::string("'in <string>' requires string as left operand, not ") + type_name(item));
+    return container.s.find(item.s) != std::string::npos;
+  }
+  if (container.is_mapping()) return item.is_string() && container.dict->find(item.s) != nullptr;
+  for (const Value& e : iterate(container)) {
+    if (equal(e, item)) return true;
+  }
+  return false;
+}
+
+}  // namespace qlora::jinja

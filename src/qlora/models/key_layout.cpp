@@ -1,0 +1,91 @@
+#include "qlora/models/key_layout.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <stdexcept>
+
+namespace qlora::models {
+namespace {
+
+bool starts_with(const std::string& s, const char* prefix) { return s.rfind(prefix, 0) == 0; }
+
+// What replaces a text key's "model." and what precedes its other keys (lm_head).
+struct Prefixes {
+  const char* body;
+  const char* head;
+};
+
+Prefixes prefixes(KeyLayout layout) {
+  switch (layout) {
+    case KeyLayout::kText: return {"model.", ""};
+    case KeyLayout::kLanguageModel: return {"language_model.model.", "language_model."};
+    case KeyLayout::kModelLanguage: return {"model.language_model.", ""};
+  }
+  throw std::logic_error("prefixes: unknown KeyLayout");
+}
+
+}  // namespace
+
+std::string layout_key(KeyLayout layout, const std::string& text_key) {
+  const Prefixes p = prefixes(layout);
+  if (starts_with(text_key, "model.")) return p.body + text_key.substr(6);
+  return p.head + text_key;
+}
+
+KeyLayout peft_layout(const LlamaConfig& config) {
+  return config.multimodal ? KeyLayout::kModelLanguage : KeyLayout::kText;
+}
+
+std::string peft_target_pattern(const Architecture& arch, KeyLayout layout,
+                                const std::vector<std::string>& peft_names) {
+  std::string out;
+  for (const ProjectionRow& row : arch.projections) {
+    if (std::find(peft_names.begin(), peft_names.end(), row.peft_name) == peft_names.end()) continue;
+    std::string alt;
+    for (char ch : layout_key(layout, row.hf_module)) alt += ch == '.' ? std::string("\\.") : std::string(1, ch);
+    const auto at = alt.find("{i}");
+    if (at != std::string::npos) alt.replace(at, 3, "\\d+");
+    out += (out.empty() ? "" : "|") + alt;
+  }
+  return out;
+}
+
+KeyLayout key_layout_of(const io::CheckpointDir& ckpt, const LlamaConfig& config) {
+  if (!config.multimodal) return KeyLayout::kText;
+  const std::string embed = "model.embed_tokens.weight";
+  for (KeyLayout l : {KeyLayout::kLanguageModel, KeyLayout::kModelLanguage})
+    if (ckpt.contains(layout_key(l, embed))) return l;
+  throw std::invalid_argument("checkpoint '" + ckpt.path() + "': no language model weights: neither '" +
+                              layout_key(KeyLayout::kLanguageModel, embed) + "' nor '" +
+                              layout_key(KeyLayout::kModelLanguage, embed) + "' is present (config.json says " +
+                              config.model_type + ", whose language model is under one of these prefixes)");
+}
+
+bool is_language_model_key(KeyLayout layout, const std::string& key) {
+  const Prefixes p = prefixes(layout);
+  return starts_with(key, p.body) || key == layout_key(layout, "lm_head.weight");
+}
+
+SkippedWeights skipped_weights(const io::CheckpointDir& ckpt, KeyLayout layout) {
+  SkippedWeights s;
+  if (layout == KeyLayout::kText) return s;
+  for (const std::string& key : ckpt.tensor_names()) {
+    if (is_language_model_key(layout, key)) continue;
+    if (s.first.empty()) s.first = key;
+    ++s.tensors;
+    const io::TensorInfo& t = ckpt.file_of(key).info(key);
+    s.bytes += static_cast<int64_t>(t.end - t.begin);
+  }
+  return s;
+}
+
+std::string skipped_weights_note(const SkippedWeights& s) {
+  if (s.tensors == 0) return "";
+  char size[32];
+  std::snprintf(size, sizeof size, "%.3g MB", static_cast<double>(s.bytes) / 1e6);
+  return "skipped " + std::to_string(s.tensors) + " tensors (" + size + ", " + std::to_string(s.bytes) +
+         " bytes) outside the language model (the vision tower and multi-modal projector, e.g. '" + s.first +
+         "'): not computed, copied unchanged into merged exports";
+}
+
+}  // namespace qlora::models
