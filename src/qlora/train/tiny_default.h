@@ -36,7 +36,8 @@ void write_random_tiny_base(const std::string& dir, const std::string& tokenizer
 // Writes <dir> (config.json, model.safetensors, tokenizer.model) unless it already holds a
 // complete checkpoint (a resumed run keeps the base it started with): a copy of the cached
 // pre-trained base, pre-training it first when the cache has none (a few minutes; concurrent
-// processes wait for one another through a lock file). Deterministic: one thread, fixed seeds.
+// processes wait for one another through a lock file). Deterministic on one machine: one thread,
+// fixed seeds (another CPU's kernels give other bits).
 // Committed atomically. Returns dir.
 std::string ensure_tiny_base(const std::string& dir);
 
