@@ -17,6 +17,11 @@ PreTrainedTokenizerFast(...).apply_chat_template with the model's template. Chec
      Conversations where a reference token straddles a prompt/answer boundary (an untrimmed answer
      starting with whitespace after ChatML's "\\n") cannot tokenize segment by segment to the same
      ids; they are counted and skipped for this check only.
+  Every template is also rendered by qlora itself (data.template = "auto", src/qlora/jinja/), the 8
+  above and 8 models qlora has no kind for (Llama-3.2, Phi-3.5, Phi-4, SmolLM2, DeepSeek-R1-Distill,
+  Mistral-Nemo, QwQ, Granite 3.3): the same checks 1-3, with nothing added (the template writes its
+  own BOS/EOS) and the last answer trained through the end of the text, from where the generation
+  prompt ends when the text starts with it (TRL's completion mask).
   4. what the kinds deliberately do: Gemma 2's template refuses a system message (gemma folds it as
      Gemma 3 does); Mistral v0.3's drops it from a conversation ending with an answer; llama3-chat
      is Llama-3's template, not Llama-3.1's.
@@ -45,7 +50,7 @@ TEMPLATES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data
 
 @dataclass
 class Family:
-    kind: str            # qlora's data.template
+    kind: Optional[str]  # qlora's data.template; None: no hand-written kind (data.template = "auto" only)
     template: str        # the model's template, a file in TEMPLATES
     bos: Optional[str]   # the model's bos_token / eos_token (tokenizer_config.json)
     eos: str
@@ -64,11 +69,30 @@ FAMILIES = [
     Family("gemma", "gemma-3-1b-it.jinja", "<bos>", "<eos>", "<start_of_turn>model\n", "<end_of_turn>\n"),
     Family("gemma", "gemma-2-2b-it.jinja", "<bos>", "<eos>", "<start_of_turn>model\n", "<end_of_turn>\n", system=False),
     Family("mistral-v0.3", "Mistral-7B-Instruct-v0.3.jinja", "<s>", "</s>", "[/INST]", "</s>"),
+    # Models qlora has no kind for: only their own templates (data.template = "auto").
+    Family(None, "meta-llama-Llama-3.2-3B-Instruct.jinja", "<|begin_of_text|>", "<|eot_id|>", LLAMA3_HEADER, "<|eot_id|>"),
+    Family(None, "microsoft-Phi-3.5-mini-instruct.jinja", "<s>", "<|endoftext|>", "<|assistant|>\n", "<|end|>\n"),
+    Family(None, "Phi-4.jinja", "<|endoftext|>", "<|im_end|>", "<|im_start|>assistant<|im_sep|>", "<|im_end|>"),
+    Family(None, "SmolLM2-135M-Instruct.jinja", "<|im_start|>", "<|im_end|>", "<|im_start|>assistant\n", "<|im_end|>\n"),
+    Family(None, "deepseek-ai-DeepSeek-R1-Distill-Llama-8B.jinja", "<｜begin▁of▁sentence｜>",
+           "<｜end▁of▁sentence｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>"),
+    Family(None, "mistralai-Mistral-Nemo-Instruct-2407.jinja", "<s>", "</s>", "[/INST]", "</s>"),
+    Family(None, "QwQ-32B.jinja", None, "<|im_end|>", "<|im_start|>assistant\n", "<|im_end|>\n"),
+    Family(None, "granite-3.3-2b-instruct.jinja", "<|end_of_text|>", "<|end_of_text|>",
+           "<|start_of_role|>assistant<|end_of_role|>", "<|end_of_text|>\n"),
 ]
 SPECIALS = ["<s>", "</s>", "<bos>", "<eos>", "<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
             "<|end_header_id|>", "<|eot_id|>", "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<start_of_turn>",
-            "<end_of_turn>", "[INST]", "[/INST]"]
+            "<end_of_turn>", "[INST]", "[/INST]", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>", "<|im_sep|>",
+            "<｜User｜>", "<｜Assistant｜>", "<｜begin▁of▁sentence｜>",
+            "<｜end▁of▁sentence｜>", "<|start_of_role|>", "<|end_of_role|>"]
 ADDED = ["<think>", "</think>"]  # Qwen3's, not special
+
+
+# Known limit of data.template = "auto": where the generation prompt is no prefix of the rendered
+# conversation (it ends "<think>\n"), a conversation whose every content is empty gets nothing
+# trained instead of its end-of-turn marker.
+EMPTY_UNTRAINED = {"deepseek-ai-DeepSeek-R1-Distill-Llama-8B.jinja", "QwQ-32B.jinja"}
 
 
 def chat(*pairs, system=None):
@@ -133,17 +157,21 @@ def family_dir(workdir, tokenizer_json, f: Family):
     return d, ref
 
 
-def answer_spans(f: Family, text, messages, ref, counts):
-    """(start, end) of each answer in the reference text: after its header, through its end marker.
-    Where the text up to the answer is what add_generation_prompt renders, the start must be its end."""
+def answer_spans(f: Family, text, messages, ref, counts, auto=False):
+    """(start, end) of each answer in the reference text: after its header, through its end marker;
+    auto: the last answer through the end of the text, as TRL's completion mask trains a prompt's
+    completion (Phi-3.5 writes EOS after it). Where the text up to the answer is what
+    add_generation_prompt renders, the start must be its end."""
     spans, at = [], 0
     for k, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
         start = text.index(f.header, at) + len(f.header)
-        end = text.index(f.end, start) + len(f.end)
+        end = len(text) if auto and k == len(messages) - 1 else text.index(f.end, start) + len(f.end)
         prompt = ref.apply_chat_template(messages[:k], tokenize=False, add_generation_prompt=True)
-        if text.startswith(prompt):
+        if text.startswith(prompt) and auto:
+            start = len(prompt)  # TRL's completion: QwQ's generation prompt ends inside the answer ("<think>\n")
+        elif text.startswith(prompt):
             counts["generation_prompt"] += 1
             assert start == len(prompt), f"{f.template}: answer {k} starts at {start}, generation prompt ends at {len(prompt)}"
         spans.append((start, end))
@@ -151,26 +179,28 @@ def answer_spans(f: Family, text, messages, ref, counts):
     return spans
 
 
-def check_text_and_mask(f: Family, ref, messages, got, failures):
-    """Checks 1 and 2; returns the reference text and answer spans (None when it refused)."""
+def check_text_and_mask(f: Family, ref, messages, got, failures, auto=False):
+    """Checks 1 and 2; returns the reference text and answer spans (None when it refused). auto: qlora
+    rendered with the model's own template (data.template = "auto"), which adds no BOS or EOS."""
     text = ref.apply_chat_template(messages, tokenize=False)
     segs = got["segments"]
     ours = "".join((f.bos if s["bos_before"] else "") + s["text"] + (f.eos if s["eos_after"] else "") for s in segs)
-    framed = (f.bos or "") + ours  # the dataset's add_bos
-    want = text if not f.bos or text.startswith(f.bos) else f.bos + text  # a template writing no BOS gets add_bos's
+    framed = ours if auto else (f.bos or "") + ours  # the dataset's add_bos
+    want = text if auto or not f.bos or text.startswith(f.bos) else f.bos + text  # a template writing no BOS gets add_bos's
+    kind = "auto" if auto else f.kind
     if framed != want:
-        failures.append(f"{f.kind} vs {f.template} text of {messages!r}:\n  qlora {framed!r}\n  ref   {want!r}")
+        failures.append(f"{kind} vs {f.template} text of {messages!r}:\n  qlora {framed!r}\n  ref   {want!r}")
         return None
-    spans = answer_spans(f, text, messages, ref, COUNTS)
+    spans = answer_spans(f, text, messages, ref, COUNTS, auto)
     trained = [s["text"] + (f.eos if s["eos_after"] else "") for s in segs if not s["prompt"]]
     if trained != [text[a:b] for a, b in spans]:
-        failures.append(f"{f.kind} vs {f.template} mask of {messages!r}: trained {trained!r}, "
+        failures.append(f"{kind} vs {f.template} mask of {messages!r}: trained {trained!r}, "
                         f"answers {[text[a:b] for a, b in spans]!r}")
     return text, spans
 
 
-def check_ids(f: Family, ref, messages, text, spans, got, failures):
-    """Check 3."""
+def check_ids(f: Family, ref, messages, text, spans, got, failures, auto=False):
+    """Check 3 (auto: the ids exactly apply_chat_template's, nothing added)."""
     enc = ref(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = ref.apply_chat_template(messages, tokenize=True)["input_ids"]
     assert ids == enc["input_ids"], "apply_chat_template(tokenize=True) is not the text's ids"
@@ -179,32 +209,36 @@ def check_ids(f: Family, ref, messages, text, spans, got, failures):
         COUNTS["ids_boundary_skipped"] += 1
         return
     trained = [any(sa <= a and b <= sb for sa, sb in spans) for a, b in offsets]
-    if f.bos and ids[:1] != [ref.bos_token_id]:
+    if not auto and f.bos and ids[:1] != [ref.bos_token_id]:
         ids, trained = [ref.bos_token_id] + ids, [False] + trained  # the dataset's add_bos
-    if ids[-1:] != [ref.eos_token_id]:
+    if not auto and ids[-1:] != [ref.eos_token_id]:
         ids, trained = ids + [ref.eos_token_id], trained + [True]  # add_eos, trained
     labels = [i if t else -100 for i, t in zip(ids, trained)]
     COUNTS["ids_compared"] += 1
     if got["tokens"] != ids or got["labels"] != labels:
-        failures.append(f"{f.kind} vs {f.template} ids of {messages!r}:\n  qlora {got['tokens']} {got['labels']}\n"
+        failures.append(f"{'auto' if auto else f.kind} vs {f.template} ids of {messages!r}:\n  qlora {got['tokens']} {got['labels']}\n"
                         f"  ref   {ids} {labels}")
 
 
-def check_family(f: Family, tool, workdir, tokenizer_json, failures):
+def check_family(f: Family, tool, workdir, tokenizer_json, failures, auto=False):
+    """The family's kind, or (auto) the model's own template interpreted by qlora, against transformers."""
     d, ref = family_dir(workdir, tokenizer_json, f)
     cases = [{"messages": m} for m in CONVERSATIONS] + [{"instruct": r} for r in RECORDS]
     cases = [c for c in cases if f.system or c.get("messages", [{}])[0].get("role") != "system"]
-    requests = {"chat": [dict(c, template=f.kind) for c in cases]}
+    if auto and f.template in EMPTY_UNTRAINED:
+        cases = [c for c in cases if any(m["content"] for m in c.get("messages", [{"content": "x"}]))]
+    own = {"template": "auto", "chat_template": template_text(f)}
+    requests = {"chat": [dict(c, **own) if auto else dict(c, template=f.kind) for c in cases]}
     got = run_tool(tool, d, requests, workdir, f.template.replace(".jinja", ""))["chat"]
     for case, sample in zip(cases, got):
         messages = case.get("messages") or record_messages(case["instruct"])
         if "error" in sample:
             failures.append(f"{f.kind} refused {messages!r}: {sample['error']}")
             continue
-        COUNTS["rendered"] += 1
-        checked = check_text_and_mask(f, ref, messages, sample, failures)
+        COUNTS["rendered_auto" if auto else "rendered"] += 1
+        checked = check_text_and_mask(f, ref, messages, sample, failures, auto)
         if checked:
-            check_ids(f, ref, messages, *checked, sample, failures)
+            check_ids(f, ref, messages, *checked, sample, failures, auto)
 
 
 def check_deliberate(workdir, tokenizer_json, failures):
@@ -227,7 +261,7 @@ def check_deliberate(workdir, tokenizer_json, failures):
     COUNTS["deliberate"] += 1
 
 
-COUNTS = {"rendered": 0, "generation_prompt": 0, "ids_compared": 0, "ids_boundary_skipped": 0, "deliberate": 0}
+COUNTS = {"rendered": 0, "rendered_auto": 0, "generation_prompt": 0, "ids_compared": 0, "ids_boundary_skipped": 0, "deliberate": 0}
 
 
 def main() -> int:
@@ -242,7 +276,9 @@ def main() -> int:
                                      specials=SPECIALS, added=added, vocab_size=3000)
     failures = []
     for f in FAMILIES:
-        check_family(f, args.tool, args.workdir, tokenizer_json, failures)
+        if f.kind:
+            check_family(f, args.tool, args.workdir, tokenizer_json, failures)
+        check_family(f, args.tool, args.workdir, tokenizer_json, failures, auto=True)
     check_deliberate(args.workdir, tokenizer_json, failures)
     print(json.dumps(COUNTS))
     for line in failures[:20]:
@@ -251,7 +287,8 @@ def main() -> int:
         kinds = collections.Counter(" ".join(line.split()[:4]) for line in failures)
         print(f"{len(failures)} failures: " + "; ".join(f"{k} x{n}" for k, n in kinds.items()))
         return 1
-    print(f"chat templates: {len(FAMILIES)} model templates, {COUNTS['rendered']} renderings equal to transformers")
+    print(f"chat templates: {len(FAMILIES)} model templates, {COUNTS['rendered']} renderings of qlora's kinds and "
+          f"{COUNTS['rendered_auto']} of the templates themselves (data.template = auto) equal to transformers")
     return 0
 
 

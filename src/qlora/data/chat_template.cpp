@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <stdexcept>
+#include <string_view>
 
 #include "qlora/io/read_file.h"
 #include "qlora/jinja/template.h"
@@ -59,6 +60,66 @@ bool starts_with(const std::string& s, const std::string& prefix) {
 std::string trim_ws(const std::string& s) {
   const auto b = s.find_first_not_of(" \t\r\n"), e = s.find_last_not_of(" \t\r\n");
   return b == std::string::npos ? "" : s.substr(b, e - b + 1);
+}
+
+// The end of the last occurrence, within text[from, to), of the longest tail of `head` that occurs
+// there; npos when not even its last character does. (A tail that occurs has every shorter one
+// occur at the same end, so the longest is found by bisection.)
+size_t after_longest_tail(const std::string& text, size_t from, size_t to, const std::string& head) {
+  const std::string_view window = std::string_view(text).substr(from, to - from);
+  const auto find = [&](size_t n) { return window.rfind(std::string_view(head).substr(head.size() - n)); };
+  size_t lo = 0, hi = std::min(head.size(), window.size());
+  while (lo < hi) {
+    const size_t mid = (lo + hi + 1) / 2;
+    if (find(mid) != std::string_view::npos) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo == 0 ? std::string::npos : from + find(lo) + lo;
+}
+
+// Where an answer starts in `full` when `head`, the prompt before it rendered with the generation
+// prompt, is no prefix of `full` (the prompt renders differently once an answer follows).
+// - Where `head` and `full` part, if the content follows there or the template rewrote it
+//   (DeepSeek-R1's prompt ends "<｜Assistant｜><think>\n", its answers "<｜Assistant｜>" + the
+//   content after its </think>).
+// - Else after the longest tail of `head` found before the content (Mistral v0.3 moves the system
+//   message into the last user turn: "...[/INST]").
+size_t answer_start_in(const std::string& full, const std::string& head, const std::string& content, size_t cursor,
+                       bool last, const std::string& where) {
+  const size_t at = content.empty() ? (last ? full.size() : std::string::npos) : full.find(content, cursor);
+  size_t common = 0;
+  while (common < head.size() && common < full.size() && head[common] == full[common]) ++common;
+  const size_t text_at = full.find_first_not_of(" \t\r\n", common);
+  const bool follows = text_at != std::string::npos && full.compare(text_at, content.size(), content) == 0;
+  if (!content.empty() && common >= cursor && (follows || at == std::string::npos)) return common;
+  if (at == std::string::npos) throw std::invalid_argument("cannot locate " + where + " in the rendered text");
+  return std::min(at, after_longest_tail(full, cursor, at, head));
+}
+
+// Where an answer that starts at `start` of `full` ends, when a later turn re-renders it (`with`:
+// the conversation up to it, rendered alone, is no prefix of `full`): after its content and the
+// end-of-turn marker that follows the content in `with`. Where the template rewrote the content
+// (Qwen3 drops an earlier answer's <think> block), the first such marker after `start`.
+size_t answer_end_in(const std::string& full, const std::string& with, const std::string& head,
+                     const std::string& content, size_t start, const std::string& where) {
+  const size_t tail = content.empty() ? after_longest_tail(with, 0, with.size(), head) : with.rfind(content);
+  if (tail == std::string::npos) throw std::invalid_argument("cannot locate " + where + " in the rendered text");
+  const std::string marker = with.substr(tail + content.size());
+  const size_t at = full.find(content, start);
+  if (at != std::string::npos) {
+    // The marker as far as the full text repeats it: Phi-3.5 ends a last answer with
+    // "<|end|>\n" + EOS, an earlier one with "<|end|>\n" before the next turn.
+    size_t n = 0;
+    const size_t after = at + content.size();
+    while (n < marker.size() && after + n < full.size() && full[after + n] == marker[n]) ++n;
+    // A partial match ends at a line or a tag, never inside the next turn's "<|user|>".
+    while (n > 0 && n < marker.size() && marker[n - 1] != '\n' && marker[n - 1] != '>' && marker[n - 1] != ']') --n;
+    if (n > 0 || marker.empty()) return after + n;
+  }
+  const size_t next = marker.empty() ? std::string::npos : full.find(marker, start);
+  if (next == std::string::npos)
+    throw std::invalid_argument("cannot find the end of " + where + " ('" + marker + "') in the rendered text");
+  return next + marker.size();
 }
 
 }  // namespace
@@ -144,28 +205,13 @@ std::vector<Segment> ChatTemplate::render_training(const std::vector<Message>& m
       const std::string head = render_spans(before, true).text;
       const std::string with = render_spans(ojson(all.begin(), all.begin() + static_cast<std::ptrdiff_t>(i + 1)), false).text;
       const std::string where = "assistant message " + std::to_string(i + 1) + " (" + origin_ + ")";
-      size_t start = head.size(), end = std::string::npos;
+      size_t start = head.size();
       const std::string content = trim_ws(messages[i].content);
-      if (!starts_with(full.text, head)) {
-        // The prompt renders differently once an answer follows (Mistral v0.3 moves the system
-        // message): the answer starts where its content does.
-        start = content.empty() ? std::string::npos : full.text.find(content, cursor);
-        if (start == std::string::npos) throw std::invalid_argument("cannot locate " + where + " in the rendered text");
-      }
-      if (starts_with(full.text, with) && with.size() >= start) {
-        end = with.size();
-      } else {
-        // A later turn re-renders this one (Qwen3 drops old <think> blocks): the content, then
-        // the end-of-turn marker that follows it when it is the last message.
-        const size_t at = content.empty() ? start : full.text.find(content, start);
-        const size_t tail = content.empty() ? std::string::npos : with.rfind(content);
-        if (at == std::string::npos || tail == std::string::npos)
-          throw std::invalid_argument("cannot locate " + where + " in the rendered text");
-        const std::string marker = with.substr(tail + content.size());
-        if (full.text.compare(at + content.size(), marker.size(), marker) != 0)
-          throw std::invalid_argument("cannot find the end of " + where + " ('" + marker + "') in the rendered text");
-        end = at + content.size() + marker.size();
-      }
+      if (!starts_with(full.text, head))
+        start = answer_start_in(full.text, head, content, cursor, i + 1 == messages.size(), where);
+      const size_t end = starts_with(full.text, with) && with.size() >= start
+                             ? with.size()
+                             : answer_end_in(full.text, with, head, content, start, where);
       if (start < cursor || end < start) throw std::invalid_argument("cannot locate " + where + " in the rendered text");
       spans.emplace_back(start, end);
       cursor = end;
