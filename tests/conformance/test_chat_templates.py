@@ -19,7 +19,8 @@ PreTrainedTokenizerFast(...).apply_chat_template with the model's template. Chec
      ids; they are counted and skipped for this check only.
   Every template is also rendered by qlora itself (data.template = "auto", src/qlora/jinja/), the 8
   above and 8 models qlora has no kind for (Llama-3.2, Phi-3.5, Phi-4, SmolLM2, DeepSeek-R1-Distill,
-  Mistral-Nemo, QwQ, Granite 3.3): the same checks 1-3, with nothing added (the template writes its
+  Mistral-Nemo, QwQ, Granite 3.3) and Qwen3 with enable_thinking=false (on data without <think>
+  blocks): the same checks 1-3, with nothing added (the template writes its
   own BOS/EOS) and the last answer trained through the end of the text, from where the generation
   prompt ends when the text starts with it (TRL's completion mask).
   4. what the kinds deliberately do: Gemma 2's template refuses a system message (gemma folds it as
@@ -31,6 +32,7 @@ PreTrainedTokenizerFast(...).apply_chat_template with the model's template. Chec
 """
 import argparse
 import collections
+import functools
 import json
 import os
 import sys
@@ -57,6 +59,7 @@ class Family:
     header: str          # what the template writes before each answer
     end: str             # what ends an answer (trained with it)
     system: bool = True  # False: the template refuses a system message
+    kwargs: Optional[dict] = None  # template keyword arguments (data.template_kwargs), auto only
 
 
 LLAMA3_HEADER = "<|start_header_id|>assistant<|end_header_id|>\n\n"
@@ -77,6 +80,8 @@ FAMILIES = [
     Family(None, "deepseek-ai-DeepSeek-R1-Distill-Llama-8B.jinja", "<｜begin▁of▁sentence｜>",
            "<｜end▁of▁sentence｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>"),
     Family(None, "mistralai-Mistral-Nemo-Instruct-2407.jinja", "<s>", "</s>", "[/INST]", "</s>"),
+    Family(None, "Qwen3-0.6B.jinja", None, "<|im_end|>", "<|im_start|>assistant\n", "<|im_end|>\n",
+           kwargs={"enable_thinking": False}),
     Family(None, "QwQ-32B.jinja", None, "<|im_end|>", "<|im_start|>assistant\n", "<|im_end|>\n"),
     Family(None, "granite-3.3-2b-instruct.jinja", "<|end_of_text|>", "<|end_of_text|>",
            "<|start_of_role|>assistant<|end_of_role|>", "<|end_of_text|>\n"),
@@ -87,12 +92,6 @@ SPECIALS = ["<s>", "</s>", "<bos>", "<eos>", "<|begin_of_text|>", "<|end_of_text
             "<｜User｜>", "<｜Assistant｜>", "<｜begin▁of▁sentence｜>",
             "<｜end▁of▁sentence｜>", "<|start_of_role|>", "<|end_of_role|>"]
 ADDED = ["<think>", "</think>"]  # Qwen3's, not special
-
-
-# Known limit of data.template = "auto": where the generation prompt is no prefix of the rendered
-# conversation (it ends "<think>\n"), a conversation whose every content is empty gets nothing
-# trained instead of its end-of-turn marker.
-EMPTY_UNTRAINED = {"deepseek-ai-DeepSeek-R1-Distill-Llama-8B.jinja", "QwQ-32B.jinja"}
 
 
 def chat(*pairs, system=None):
@@ -154,6 +153,8 @@ def family_dir(workdir, tokenizer_json, f: Family):
         json.dump({"bos_token": f.bos, "eos_token": f.eos}, out)
     ref = PreTrainedTokenizerFast(tokenizer_file=tokenizer_json, bos_token=f.bos, eos_token=f.eos)
     ref.chat_template = template_text(f)
+    if f.kwargs:
+        ref.apply_chat_template = functools.partial(ref.apply_chat_template, **f.kwargs)
     return d, ref
 
 
@@ -225,9 +226,9 @@ def check_family(f: Family, tool, workdir, tokenizer_json, failures, auto=False)
     d, ref = family_dir(workdir, tokenizer_json, f)
     cases = [{"messages": m} for m in CONVERSATIONS] + [{"instruct": r} for r in RECORDS]
     cases = [c for c in cases if f.system or c.get("messages", [{}])[0].get("role") != "system"]
-    if auto and f.template in EMPTY_UNTRAINED:
-        cases = [c for c in cases if any(m["content"] for m in c.get("messages", [{"content": "x"}]))]
-    own = {"template": "auto", "chat_template": template_text(f)}
+    if f.kwargs and f.kwargs.get("enable_thinking") is False:  # data for a non-thinking run has no <think> blocks
+        cases = [c for c in cases if "<think>" not in json.dumps(c)]
+    own = {"template": "auto", "chat_template": template_text(f), "template_kwargs": f.kwargs or {}}
     requests = {"chat": [dict(c, **own) if auto else dict(c, template=f.kind) for c in cases]}
     got = run_tool(tool, d, requests, workdir, f.template.replace(".jinja", ""))["chat"]
     for case, sample in zip(cases, got):
@@ -243,7 +244,7 @@ def check_family(f: Family, tool, workdir, tokenizer_json, failures, auto=False)
 
 def check_deliberate(workdir, tokenizer_json, failures):
     """Check 4: what the kinds do where a model's template refuses, drops or differs."""
-    refs = {f.template: family_dir(workdir, tokenizer_json, f)[1] for f in FAMILIES}
+    refs = {f.template: family_dir(workdir, tokenizer_json, f)[1] for f in FAMILIES if not f.kwargs}
     with_system = CONVERSATIONS[1]
     try:
         refs["gemma-2-2b-it.jinja"].apply_chat_template(with_system, tokenize=False)

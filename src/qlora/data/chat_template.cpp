@@ -78,20 +78,24 @@ size_t after_longest_tail(const std::string& text, size_t from, size_t to, const
 }
 
 // Where an answer starts in `full` when `head`, the prompt before it rendered with the generation
-// prompt, is no prefix of `full` (the prompt renders differently once an answer follows).
-// - Where `head` and `full` part, if the content follows there or the template rewrote it
-//   (DeepSeek-R1's prompt ends "<｜Assistant｜><think>\n", its answers "<｜Assistant｜>" + the
-//   content after its </think>).
+// prompt, is no prefix of `full` (the prompt renders differently once an answer follows); `at`:
+// where its content renders (npos: nowhere, the template rewrote it).
+// - Where `head` and `full` part, if the content follows there or was rewritten (DeepSeek-R1's
+//   prompt ends "<｜Assistant｜><think>\n", its answers "<｜Assistant｜>" + the content after its
+//   </think>).
 // - Else after the longest tail of `head` found before the content (Mistral v0.3 moves the system
-//   message into the last user turn: "...[/INST]").
-size_t answer_start_in(const std::string& full, const std::string& head, const std::string& content, size_t cursor,
-                       bool last, const std::string& where) {
-  const size_t at = content.empty() ? (last ? full.size() : std::string::npos) : full.find(content, cursor);
+//   message into the last user turn: "...[/INST]", then " " + the answer).
+size_t answer_start_in(const std::string& full, const std::string& head, const std::string& content, size_t at,
+                       size_t cursor, const std::string& where) {
   size_t common = 0;
   while (common < head.size() && common < full.size() && head[common] == full[common]) ++common;
-  const size_t text_at = full.find_first_not_of(" \t\r\n", common);
-  const bool follows = text_at != std::string::npos && full.compare(text_at, content.size(), content) == 0;
-  if (!content.empty() && common >= cursor && (follows || at == std::string::npos)) return common;
+  // ...at the end of a tag, line or word ("<think>" and "<｜end▁of▁sentence｜>" share their "<").
+  while (common > 0 && common < head.size() && std::string_view(">] \n").find(head[common - 1]) == std::string::npos)
+    --common;
+  const size_t text_at = std::min(full.find_first_not_of(" \t\r\n", common), full.size());
+  const bool follows = content.empty() ? at != std::string::npos && text_at >= at
+                                       : full.compare(text_at, content.size(), content) == 0;
+  if (common >= cursor && (follows || at == std::string::npos)) return common;
   if (at == std::string::npos) throw std::invalid_argument("cannot locate " + where + " in the rendered text");
   return std::min(at, after_longest_tail(full, cursor, at, head));
 }
@@ -207,8 +211,17 @@ std::vector<Segment> ChatTemplate::render_training(const std::vector<Message>& m
       const std::string where = "assistant message " + std::to_string(i + 1) + " (" + origin_ + ")";
       size_t start = head.size();
       const std::string content = trim_ws(messages[i].content);
-      if (!starts_with(full.text, head))
-        start = answer_start_in(full.text, head, content, cursor, i + 1 == messages.size(), where);
+      if (!starts_with(full.text, head)) {
+        size_t at = full.text.find(content, cursor);
+        if (content.empty()) {  // an empty answer: where a stand-in content renders, the text before it the same
+          ojson probe = all;
+          probe[i]["content"] = "qlora-empty-answer";
+          const std::string text = render_spans(probe, false).text;
+          at = text.find("qlora-empty-answer");
+          if (at != std::string::npos && full.text.compare(0, at, text, 0, at) != 0) at = std::string::npos;
+        }
+        start = answer_start_in(full.text, head, content, at, cursor, where);
+      }
       const size_t end = starts_with(full.text, with) && with.size() >= start
                              ? with.size()
                              : answer_end_in(full.text, with, head, content, start, where);
