@@ -19,6 +19,7 @@ int generate_main(const std::vector<std::string>& args);
 int tokenize_main(const std::vector<std::string>& args);
 int plot_main(const std::vector<std::string>& args);
 int data_main(const std::vector<std::string>& args);
+int gguf_main(const std::vector<std::string>& args);
 int qlora_cli(int argc, char** argv);
 }  // namespace qlora::recipes
 
@@ -54,6 +55,9 @@ constexpr const char* kUsage =
     "                          copied; no arguments: the bundled tiny example\n"
     "  dequantize IN OUT [--dtype bf16|fp16|fp32]\n"
     "                          the inverse: NF4 tensors back to plain tensors\n"
+    "  gguf DIR [--type f32|f16|bf16|q8_0|q4_0] [-o FILE] [--name NAME]\n"
+    "                          an HF checkpoint directory (an exported epoch) as one GGUF file\n"
+    "                          for llama.cpp / Ollama (default DIR/<dir name>-<type>.gguf)\n"
     "  help                    this text\n";
 
 int run_main(std::vector<std::string> args) {
@@ -107,6 +111,7 @@ int qlora_cli(int argc, char** argv) {
     if (cmd == "tokenize") return qlora::recipes::tokenize_main(args);
     if (cmd == "plot") return qlora::recipes::plot_main(args);
     if (cmd == "data") return qlora::recipes::data_main(args);
+    if (cmd == "gguf") return qlora::recipes::gguf_main(args);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "qlora %s: error: %s\n", cmd.c_str(), e.what());
     return 1;

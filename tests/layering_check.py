@@ -7,7 +7,7 @@ import os
 import re
 import sys
 
-ORDER = ["quant", "kernels", "ops", "io", "jinja", "data", "modules", "models", "optim", "checkpoint", "engine",
+ORDER = ["quant", "kernels", "ops", "io", "jinja", "data", "modules", "models", "optim", "checkpoint", "gguf", "engine",
          "train", "config", "recipes"]
 INCLUDE = re.compile(r'^\s*#\s*include\s+"(?:qlora/)?([a-z_]+)/')
 

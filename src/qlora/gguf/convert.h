@@ -1,0 +1,30 @@
+// An HF checkpoint directory (a merged export, or any model of a family qlora writes) as one GGUF
+// file that llama.cpp, Ollama and LM Studio load: the architecture's metadata and tensor names as
+// llama.cpp's loader reads them, the tokenizer (tokenizer_meta.h), and every weight in the chosen
+// type, streamed one tensor at a time (peak memory: the largest tensor in fp32, plus its encoding).
+//
+// Written so far: the llama architecture (model_type llama or mistral, default RoPE, no biases),
+// with the Q/K row order llama.cpp's converter gives it (the HF rotate-half layout undone per head).
+// Types: f32, f16, bf16 (1-D tensors stay f32, as llama.cpp's converter keeps them), q8_0, q4_0
+// (a matrix whose rows are not whole blocks of 32 falls back to f16, as the converter does; q4_0
+// stores every matrix in q4_0, as llama-quantize --pure does, where its default mix keeps the
+// output head in q6_K).
+// Anything else (another family, RoPE scaling, biases, a tensor without a GGUF name) is refused by
+// name before the file is opened.
+#pragma once
+
+#include <string>
+
+#include "qlora/gguf/ggml_types.h"
+
+namespace qlora::gguf {
+
+struct ConvertOptions {
+  GgmlType type = GgmlType::F16;
+  std::string name;  // general.name; empty: the directory's name
+};
+
+// Writes `out_path` atomically from checkpoint directory `dir`; returns the number of tensors.
+size_t write_gguf(const std::string& dir, const std::string& out_path, const ConvertOptions& options);
+
+}  // namespace qlora::gguf

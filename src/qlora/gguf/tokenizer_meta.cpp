@@ -1,0 +1,133 @@
+#include "qlora/gguf/tokenizer_meta.h"
+
+#include <map>
+#include <stdexcept>
+
+#include "qlora/data/chat_template.h"
+#include "qlora/data/tokenizer.h"
+#include "qlora/io/read_file.h"
+
+namespace qlora::gguf {
+namespace {
+
+using json = nlohmann::json;
+
+// llama.cpp's token types (llama_token_type).
+constexpr int32_t kNormal = 1, kControl = 3, kUserDefined = 4, kUnused = 5;
+
+// The regexes of tokenizer.json's Split pre-tokenizers that llama.cpp names (its llama-vocab.cpp
+// keeps them as "original regex from tokenizer.json").
+constexpr const char* kLlama3Regex =
+    "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|"
+    "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
+constexpr const char* kQwen2Regex =
+    "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|"
+    "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
+
+bool is_byte_level(const json& p, bool use_regex) {
+  return p.is_object() && p.value("type", "") == "ByteLevel" && !p.value("add_prefix_space", false) &&
+         p.value("use_regex", true) == use_regex;
+}
+
+// Split(pattern regex, Isolated, not inverted): its regex, else "".
+std::string split_regex(const json& p) {
+  if (!p.is_object() || p.value("type", "") != "Split" || p.value("behavior", "") != "Isolated" ||
+      p.value("invert", false) || !p.contains("pattern") || !p["pattern"].contains("Regex"))
+    return "";
+  return p["pattern"]["Regex"].get<std::string>();
+}
+
+// A token llama.cpp's converter treats as a control token even when not marked special.
+bool looks_special(const std::string& t) {
+  const auto wrapped = [&](const std::string& a, const std::string& b) {
+    return t.size() >= a.size() + b.size() && t.compare(0, a.size(), a) == 0 &&
+           t.compare(t.size() - b.size(), b.size(), b) == 0;
+  };
+  return t == "<pad>" || t == "<mask>" || wrapped("<|", "|>") || wrapped("<\xef\xbd\x9c", "\xef\xbd\x9c>") ||
+         wrapped("<unused", ">");
+}
+
+}  // namespace
+
+std::string pre_tokenizer_name(const json& tj, const std::string& where) {
+  const json& norm = tj.contains("normalizer") ? tj["normalizer"] : json();
+  const json& pre = tj.contains("pre_tokenizer") ? tj["pre_tokenizer"] : json();
+  const bool nfc = norm.is_object() && norm.value("type", "") == "NFC";
+  std::string name;
+  if (norm.is_null() && is_byte_level(pre, true)) name = "gpt-2";
+  if (pre.is_object() && pre.value("type", "") == "Sequence" && pre.contains("pretokenizers") &&
+      pre["pretokenizers"].size() == 2) {
+    const json& a = pre["pretokenizers"][0];
+    const json& b = pre["pretokenizers"][1];
+    if (norm.is_null() && a.value("type", "") == "Digits" && a.value("individual_digits", false) &&
+        is_byte_level(b, true))
+      name = "smollm";
+    if (norm.is_null() && split_regex(a) == kLlama3Regex && is_byte_level(b, false)) name = "llama-bpe";
+    // llama.cpp does not apply Qwen's NFC normalizer: text already in NFC (nearly all) tokenizes alike.
+    if ((norm.is_null() || nfc) && split_regex(a) == kQwen2Regex && is_byte_level(b, false)) name = "qwen2";
+  }
+  if (name.empty()) {
+    throw std::invalid_argument(where + ": the pre-tokenizer " + pre.dump() + " (normalizer " + norm.dump() +
+                                ") is not one llama.cpp splits the same way under a name qlora knows "
+                                "(gpt-2, smollm, llama-bpe, qwen2); no GGUF is written");
+  }
+  return name;
+}
+
+void add_tokenizer_metadata(const std::string& dir, int64_t vocab_size,
+                            std::vector<std::pair<std::string, Value>>& metadata) {
+  const std::string file = data::Tokenizer::find_file(dir);
+  if (file.size() < 14 || file.compare(file.size() - 14, 14, "tokenizer.json") != 0)
+    throw std::invalid_argument(file + ": GGUF export reads tokenizer.json (byte-level BPE); a sentencepiece "
+                                "or tiktoken vocabulary is not written yet");
+  const auto text = io::read_file(file);
+  if (!text) throw std::invalid_argument(file + ": cannot read");
+  const json tj = json::parse(*text);
+  const json& model = tj.at("model");
+  if (model.value("type", "") != "BPE" || !tj.contains("decoder") || tj["decoder"].value("type", "") != "ByteLevel")
+    throw std::invalid_argument(file + ": GGUF export writes byte-level BPE tokenizers (model BPE, decoder ByteLevel)");
+  const std::string pre = pre_tokenizer_name(tj, file);
+
+  std::map<int64_t, std::string> by_id;
+  for (const auto& [token, id] : model.at("vocab").items()) by_id[id.get<int64_t>()] = token;
+  std::map<int64_t, std::pair<std::string, bool>> added;  // id -> (content, special)
+  for (const auto& t : tj.value("added_tokens", json::array()))
+    added[t.at("id").get<int64_t>()] = {t.at("content").get<std::string>(), t.value("special", false)};
+  std::vector<std::string> tokens;
+  std::vector<int32_t> types;
+  for (int64_t i = 0; i < vocab_size; ++i) {
+    if (const auto a = added.find(i); a != added.end()) {
+      tokens.push_back(a->second.first);
+      types.push_back(a->second.second || looks_special(a->second.first) ? kControl : kUserDefined);
+    } else if (const auto v = by_id.find(i); v != by_id.end()) {
+      tokens.push_back(v->second);
+      types.push_back(kNormal);
+    } else {
+      tokens.push_back("[PAD" + std::to_string(i) + "]");
+      types.push_back(kUnused);
+    }
+  }
+  std::vector<std::string> merges;
+  for (const auto& m : model.value("merges", json::array()))
+    merges.push_back(m.is_string() ? m.get<std::string>() : m.at(0).get<std::string>() + " " + m.at(1).get<std::string>());
+
+  const data::Tokenizer tok = data::Tokenizer::open(file);
+  metadata.emplace_back("tokenizer.ggml.model", Value::string("gpt2"));
+  metadata.emplace_back("tokenizer.ggml.pre", Value::string(pre));
+  metadata.emplace_back("tokenizer.ggml.tokens", Value::strings_array(std::move(tokens)));
+  metadata.emplace_back("tokenizer.ggml.token_type", Value::i32_array(types));
+  metadata.emplace_back("tokenizer.ggml.merges", Value::strings_array(std::move(merges)));
+  const auto id = [&](const char* key, int64_t v) {
+    if (v >= 0) metadata.emplace_back(key, Value::u32(static_cast<uint32_t>(v)));
+  };
+  id("tokenizer.ggml.bos_token_id", tok.bos_id());
+  id("tokenizer.ggml.eos_token_id", tok.eos_id());
+  id("tokenizer.ggml.unknown_token_id", tok.unk_id());
+  id("tokenizer.ggml.padding_token_id", tok.pad_id());
+  metadata.emplace_back("tokenizer.ggml.add_bos_token", Value::boolean(tok.adds_bos()));
+  metadata.emplace_back("tokenizer.ggml.add_eos_token", Value::boolean(tok.adds_eos()));
+  if (const auto t = data::ChatTemplate::find(tok, nlohmann::ordered_json::object()))
+    metadata.emplace_back("tokenizer.chat_template", Value::string(t->source()));
+}
+
+}  // namespace qlora::gguf
