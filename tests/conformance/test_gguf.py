@@ -9,7 +9,10 @@ what we did not write:
    as its converter does) in that type; q8_0 and q4_0 bytes equal the `gguf` package's quantizer
    (llama.cpp's reference, bit for bit) on the same rows;
 3. transformers' own GGUF loader reads our f16 and q8_0 files: logits equal the HF model's within
-   the type's rounding, and its tokenizer from our file encodes a varied corpus as the HF one does.
+   the type's rounding, and its tokenizer from our file encodes a varied corpus as the HF one does;
+4. llama.cpp itself (llama-cpp-python): with our f16 file it tokenizes the corpus as the HF
+   tokenizer, its logits equal transformers' within f16 rounding and its greedy text is the same for
+   24 tokens; its quantizer (pure) turns our f32 file into our q8_0 and q4_0 files, byte for byte.
 
     python tests/conformance/test_gguf.py --tool build/qlora --workdir build/conformance_gguf
 """
@@ -129,6 +132,41 @@ def check_transformers(path, smol, model, tok, tol):
     check(not bad, f"{os.path.basename(path)}: transformers' tokenizer from it encodes {len(CORPUS)} texts as the HF one ({bad[:2]})")
 
 
+def check_llama_cpp(paths, model, tok):
+    """llama.cpp itself (llama-cpp-python): tokenization, logits and greedy text on our f16 file, and its
+    quantizer (pure: every matrix in the one type) on our f32 file against our q8_0/q4_0 files."""
+    import ctypes
+
+    import llama_cpp
+    llm = llama_cpp.Llama(model_path=paths["f16"], logits_all=True, verbose=False, n_ctx=256)
+    bad = [t for t in CORPUS if llm.tokenize(t.encode(), add_bos=False, special=True) != tok.encode(t, add_special_tokens=False)]
+    check(not bad, f"llama.cpp tokenizes {len(CORPUS)} texts with our file as the HF tokenizer does ({bad[:2]})")
+    prompt = "The history of the Roman Empire"
+    ids = tok.encode(prompt)
+    llm.eval(ids)
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0].numpy()
+    # f16 weights, llama.cpp's own kernels and summation order: ~1e-2 on logits of magnitude ~30.
+    diff = float(np.abs(np.array(llm.scores[:len(ids)]) - ref).max())
+    check(diff < 0.05, f"llama.cpp's logits on our f16 file equal transformers' (max diff {diff:.2e} < 0.05)")
+    text = llm.create_completion(prompt, max_tokens=24, temperature=0.0, top_k=1)["choices"][0]["text"]
+    with torch.no_grad():
+        g = model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)
+    want = tok.decode(g[0][len(ids):])
+    check(text == want, f"llama.cpp's greedy 24 tokens equal transformers': {text!r}")
+    for t, ftype in (("q8_0", llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0), ("q4_0", llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0)):
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype, params.pure, params.nthread = ftype, True, 2
+        out = os.path.join(os.path.dirname(paths[t]), f"llama-quantize-{t}.gguf")
+        rc = llama_cpp.llama_model_quantize(paths["f32"].encode(), out.encode(), ctypes.byref(params))
+        theirs = {x.name: x for x in GGUFReader(out).tensors}
+        ours = {x.name: x for x in GGUFReader(paths[t]).tensors}
+        differ = [n for n in ours if n not in theirs or theirs[n].tensor_type != ours[n].tensor_type or
+                  not np.array_equal(np.asarray(theirs[n].data).view(np.uint8), np.asarray(ours[n].data).view(np.uint8))]
+        check(rc == 0 and len(theirs) == len(ours) and not differ,
+              f"{t}: llama.cpp's quantizer on our f32 file gives our {len(ours)} tensors byte for byte ({differ[:3]})")
+
+
 def main():
     a = parse_tool_args()  # --tool: the qlora binary
     shutil.rmtree(a.workdir, ignore_errors=True)
@@ -153,6 +191,7 @@ def main():
     # f16 rounding of 135M weights moves logits by ~1e-2; q8_0's 8-bit blocks by ~1.
     check_transformers(paths["f16"], smol, model, tok, 0.1)
     check_transformers(paths["q8_0"], smol, model, tok, 2.0)
+    check_llama_cpp(paths, model, tok)
     r = subprocess.run([a.tool, "gguf", smol, "--type", "q5_k"], capture_output=True, text=True)
     check(r.returncode == 1 and "q5_k" in r.stderr and "q8_0" in r.stderr, f"an unknown type is refused by name: {r.stderr.strip()}")
     return CHECKS.summary()
