@@ -129,6 +129,8 @@ size_t write_gguf(const std::string& dir, const std::string& out_path, const Con
     at::Tensor t = ckpt.tensor(plan[i].first);
     if (plan[i].second.permute_heads > 0) t = unrotate(t, plan[i].second.permute_heads);
     write_tensor(out, t, specs[i].type);
+    t = at::Tensor();
+    ckpt.file_of(plan[i].first).release(plan[i].first);  // its mapped pages leave the resident set
   }
   out.commit();
   return specs.size();
