@@ -12,9 +12,12 @@ what we did not write:
    the type's rounding, and its tokenizer from our file encodes a varied corpus as the HF one does;
 4. llama.cpp itself (llama-cpp-python): with our f16 file it tokenizes the corpus as the HF
    tokenizer, its logits equal transformers' within f16 rounding and its greedy text is the same for
-   24 tokens; its quantizer (pure) turns our f32 file into our q8_0 and q4_0 files, byte for byte.
+   24 tokens; its quantizer (pure) turns our f32 file into our q8_0 and q4_0 files, byte for byte;
+5. sentencepiece vocabularies (the embedded default's, a Llama-2-like one) on random tiny Llamas:
+   llama.cpp tokenizes as sentencepiece does and gives transformers' logits.
 
-    python tests/conformance/test_gguf.py --tool build/qlora --workdir build/conformance_gguf
+    python tests/conformance/test_gguf.py --tool build/qlora --tiny-base-tool build/tiny_base_tool \\
+        --workdir build/conformance_gguf
 """
 import os
 import shutil
@@ -39,7 +42,7 @@ CHECKS = Checks()
 
 
 def check(ok, what):
-    CHECKS.check(what, ok, "ok" if ok else "differs")
+    return CHECKS.check(what, ok, "ok" if ok else "differs")
 
 
 def fields(reader):
@@ -167,8 +170,38 @@ def check_llama_cpp(paths, model, tok):
               f"{t}: llama.cpp's quantizer on our f32 file gives our {len(ours)} tensors byte for byte ({differ[:3]})")
 
 
+SPM_CORPUS = CORPUS + ["Below is an instruction that describes a task, paired with an input that provides further "
+                       "context. Write a response that appropriately completes the request.\n\n### Instruction:\n"
+                       "Add the numbers.\n\n### Input:\n35 + 4\n\n### Response:\n", "Reverse the word.\nkite"]
+
+
+def check_sentencepiece(tool, base_tool, workdir, tokenizer):
+    """A sentencepiece vocabulary ("llama" in GGUF) on a random tiny Llama that carries it: llama.cpp
+    tokenizes as sentencepiece does (user-defined pieces included) and gives transformers' logits."""
+    import llama_cpp
+    import sentencepiece as spm
+    from transformers import LlamaForCausalLM
+    name = os.path.basename(os.path.dirname(tokenizer))
+    d = os.path.join(workdir, name)
+    sp = spm.SentencePieceProcessor(model_file=tokenizer)
+    subprocess.run([base_tool, d, tokenizer, str(sp.get_piece_size())], check=True)
+    out = os.path.join(d, "tiny-f32.gguf")
+    r = subprocess.run([tool, "gguf", d, "--type", "f32", "-o", out], capture_output=True, text=True)
+    if not check(r.returncode == 0, f"{name}: qlora gguf on a sentencepiece model: {r.stdout.strip() or r.stderr.strip()}"):
+        return
+    llm = llama_cpp.Llama(model_path=out, logits_all=True, verbose=False, n_ctx=512)
+    bad = [t for t in SPM_CORPUS if llm.tokenize(t.encode(), add_bos=False, special=False) != sp.encode(t)]
+    check(not bad, f"{name}: llama.cpp tokenizes {len(SPM_CORPUS)} texts as sentencepiece does ({bad[:2]})")
+    ids = [sp.bos_id()] + sp.encode(SPM_CORPUS[-2])
+    llm.eval(ids)
+    with torch.no_grad():
+        ref = LlamaForCausalLM.from_pretrained(d, dtype=torch.float32).eval()(torch.tensor([ids])).logits[0].numpy()
+    diff = float(np.abs(np.array(llm.scores[:len(ids)]) - ref).max())
+    check(diff < 1e-3, f"{name}: llama.cpp's logits on the f32 file equal transformers' (max diff {diff:.1e} < 1e-3)")
+
+
 def main():
-    a = parse_tool_args()  # --tool: the qlora binary
+    a = parse_tool_args(lambda ap: ap.add_argument("--tiny-base-tool", required=True))  # --tool: the qlora binary
     shutil.rmtree(a.workdir, ignore_errors=True)
     os.makedirs(a.workdir)
     smol = smollm2_dir()
@@ -192,6 +225,9 @@ def main():
     check_transformers(paths["f16"], smol, model, tok, 0.1)
     check_transformers(paths["q8_0"], smol, model, tok, 2.0)
     check_llama_cpp(paths, model, tok)
+    data = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data")
+    for t in ("tokenizer_chars", "tokenizer"):  # the embedded default's; a Llama-2-like one (dummy prefix, bytes)
+        check_sentencepiece(a.tool, a.tiny_base_tool, a.workdir, os.path.join(data, t, "tokenizer.model"))
     r = subprocess.run([a.tool, "gguf", smol, "--type", "q5_k"], capture_output=True, text=True)
     check(r.returncode == 1 and "q5_k" in r.stderr and "q8_0" in r.stderr, f"an unknown type is refused by name: {r.stderr.strip()}")
     return CHECKS.summary()

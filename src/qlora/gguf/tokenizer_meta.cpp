@@ -5,12 +5,14 @@
 
 #include "qlora/data/chat_template.h"
 #include "qlora/data/tokenizer.h"
+#include "qlora/gguf/sentencepiece_model.h"
 #include "qlora/io/read_file.h"
 
 namespace qlora::gguf {
 namespace {
 
 using json = nlohmann::json;
+using Metadata = std::vector<std::pair<std::string, Value>>;
 
 // llama.cpp's token types (llama_token_type).
 constexpr int32_t kNormal = 1, kControl = 3, kUserDefined = 4, kUnused = 5;
@@ -74,12 +76,10 @@ std::string pre_tokenizer_name(const json& tj, const std::string& where) {
   return name;
 }
 
-void add_tokenizer_metadata(const std::string& dir, int64_t vocab_size,
-                            std::vector<std::pair<std::string, Value>>& metadata) {
-  const std::string file = data::Tokenizer::find_file(dir);
-  if (file.size() < 14 || file.compare(file.size() - 14, 14, "tokenizer.json") != 0)
-    throw std::invalid_argument(file + ": GGUF export reads tokenizer.json (byte-level BPE); a sentencepiece "
-                                "or tiktoken vocabulary is not written yet");
+namespace {
+
+// tokenizer.ggml.* of a byte-level BPE tokenizer.json.
+void add_bpe_vocab(const std::string& file, int64_t vocab_size, Metadata& metadata) {
   const auto text = io::read_file(file);
   if (!text) throw std::invalid_argument(file + ": cannot read");
   const json tj = json::parse(*text);
@@ -110,20 +110,62 @@ void add_tokenizer_metadata(const std::string& dir, int64_t vocab_size,
   std::vector<std::string> merges;
   for (const auto& m : model.value("merges", json::array()))
     merges.push_back(m.is_string() ? m.get<std::string>() : m.at(0).get<std::string>() + " " + m.at(1).get<std::string>());
-
-  const data::Tokenizer tok = data::Tokenizer::open(file);
   metadata.emplace_back("tokenizer.ggml.model", Value::string("gpt2"));
   metadata.emplace_back("tokenizer.ggml.pre", Value::string(pre));
   metadata.emplace_back("tokenizer.ggml.tokens", Value::strings_array(std::move(tokens)));
   metadata.emplace_back("tokenizer.ggml.token_type", Value::i32_array(types));
   metadata.emplace_back("tokenizer.ggml.merges", Value::strings_array(std::move(merges)));
+}
+
+// tokenizer.ggml.* of a sentencepiece model: pieces, scores and their types (sentencepiece's type
+// numbers are llama.cpp's), the dummy-prefix flag; ids past the model's pieces are [PAD<i>].
+void add_sentencepiece_vocab(const std::string& file, int64_t vocab_size, Metadata& metadata) {
+  const SentencePieceModel sp = read_sentencepiece_model(file);
+  std::vector<std::string> tokens;
+  std::vector<float> scores;
+  std::vector<int32_t> types;
+  for (int64_t i = 0; i < vocab_size; ++i) {
+    const bool have = i < static_cast<int64_t>(sp.pieces.size());
+    std::string piece = have ? sp.pieces[i].piece : "[PAD" + std::to_string(i) + "]";
+    // llama.cpp matches user-defined pieces in the raw text before it escapes spaces to "▁", so
+    // they are stored with plain spaces (as its converter stores HF's added tokens).
+    if (have && sp.pieces[i].type == kUserDefined)
+      for (size_t at = piece.find("\xe2\x96\x81"); at != std::string::npos; at = piece.find("\xe2\x96\x81", at + 1))
+        piece.replace(at, 3, " ");
+    tokens.push_back(std::move(piece));
+    scores.push_back(have ? sp.pieces[i].score : -1000.0f);
+    types.push_back(have ? sp.pieces[i].type : kUnused);
+  }
+  metadata.emplace_back("tokenizer.ggml.model", Value::string("llama"));
+  metadata.emplace_back("tokenizer.ggml.tokens", Value::strings_array(std::move(tokens)));
+  metadata.emplace_back("tokenizer.ggml.scores", Value::f32_array(scores));
+  metadata.emplace_back("tokenizer.ggml.token_type", Value::i32_array(types));
+  metadata.emplace_back("tokenizer.ggml.add_space_prefix", Value::boolean(sp.add_dummy_prefix));
+}
+
+bool ends_with(const std::string& s, const std::string& tail) {
+  return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
+}
+
+}  // namespace
+
+void add_tokenizer_metadata(const std::string& dir, int64_t vocab_size, Metadata& metadata) {
+  const std::string file = data::Tokenizer::find_file(dir);
+  const data::Tokenizer tok = data::Tokenizer::open(file);
+  if (ends_with(file, "tokenizer.json")) add_bpe_vocab(file, vocab_size, metadata);
+  else if (ends_with(file, ".model") && !ends_with(file, "original/tokenizer.model")) add_sentencepiece_vocab(file, vocab_size, metadata);
+  else throw std::invalid_argument(file + ": GGUF export writes tokenizer.json (byte-level BPE) and sentencepiece "
+                                   "vocabularies; Meta's tiktoken file is not written yet");
   const auto id = [&](const char* key, int64_t v) {
     if (v >= 0) metadata.emplace_back(key, Value::u32(static_cast<uint32_t>(v)));
   };
   id("tokenizer.ggml.bos_token_id", tok.bos_id());
   id("tokenizer.ggml.eos_token_id", tok.eos_id());
   id("tokenizer.ggml.unknown_token_id", tok.unk_id());
-  id("tokenizer.ggml.padding_token_id", tok.pad_id());
+  // A padding id only where the tokenizer has one of its own (tokenizer.json's, or a pad_token in
+  // tokenizer_config.json), not the stand-in qlora pads batches with.
+  const bool named_pad = tok.config() && tok.config()->contains("pad_token") && !(*tok.config())["pad_token"].is_null();
+  if (ends_with(file, "tokenizer.json") || named_pad) id("tokenizer.ggml.padding_token_id", tok.pad_id());
   metadata.emplace_back("tokenizer.ggml.add_bos_token", Value::boolean(tok.adds_bos()));
   metadata.emplace_back("tokenizer.ggml.add_eos_token", Value::boolean(tok.adds_eos()));
   if (const auto t = data::ChatTemplate::find(tok, nlohmann::ordered_json::object()))

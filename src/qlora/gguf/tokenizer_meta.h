@@ -1,11 +1,12 @@
 // The tokenizer.* metadata of a GGUF, as llama.cpp's loader reads it, from an HF tokenizer:
-// tokenizer.ggml.model "gpt2" (byte-level BPE from tokenizer.json): tokens in id order, token types,
-// merges, the pre-tokenizer by the name llama.cpp knows it under, BOS/EOS/unknown/padding ids,
-// whether BOS/EOS are added, and the chat template.
+// tokenizer.ggml.model "gpt2" (byte-level BPE from tokenizer.json: tokens in id order, token types,
+// merges, the pre-tokenizer by the name llama.cpp knows it under) or "llama" (sentencepiece); the
+// BOS/EOS/unknown/padding ids, whether BOS/EOS are added, and the chat template.
 //
 // A tokenizer llama.cpp would split differently is refused by name, never written: the
 // pre-tokenizer must be one of those llama.cpp names (gpt-2, smollm, llama-bpe, qwen2) exactly,
-// with no normalizer. A sentencepiece tokenizer.model ("llama" vocab) is not written yet.
+// with no normalizer. A sentencepiece tokenizer.model becomes llama.cpp's "llama" vocabulary
+// (pieces, scores, types, add_space_prefix); Meta's tiktoken file is not written yet.
 #pragma once
 
 #include <cstdint>
