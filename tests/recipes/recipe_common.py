@@ -87,6 +87,16 @@ def adapter(out, epoch=0):
     return load_file(os.path.join(out, f"epoch_{epoch}", "adapter", "adapter_model.safetensors"))
 
 
+def safetensors_of(model_dir):
+    """Every tensor of a checkpoint directory's .safetensors files, as torch tensors."""
+    from safetensors.torch import load_file as load_torch  # torch only where a test needs it
+    tensors = {}
+    for f in sorted(os.listdir(model_dir)):
+        if f.endswith(".safetensors"):
+            tensors.update(load_torch(os.path.join(model_dir, f)))
+    return tensors
+
+
 def max_diff(a, b):
     """Largest |a[i] - b[i]| of two lists of numbers; inf when their lengths differ."""
     return max((abs(x - y) for x, y in zip(a, b)), default=0.0) if len(a) == len(b) else float("inf")

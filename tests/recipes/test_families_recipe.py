@@ -41,11 +41,11 @@ import sentencepiece
 import torch
 import transformers
 from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
-from safetensors.torch import load_file
 from tokenizers import Tokenizer
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from recipe_common import Checks, RANKS_TOL, adapter, losses, max_diff, max_tensor_diff, recipe_args, step_rows, run_recipe
+from recipe_common import (Checks, RANKS_TOL, adapter, losses, max_diff, max_tensor_diff, recipe_args, step_rows, run_recipe,
+                           safetensors_of)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "conformance"))
@@ -156,14 +156,6 @@ def build_checkpoint(family, tok, out):
 def adapter_bytes(run_dir):
     with open(os.path.join(run_dir, "epoch_0", "adapter", "adapter_model.safetensors"), "rb") as f:
         return f.read()
-
-
-def safetensors_of(model_dir):
-    tensors = {}
-    for f in sorted(os.listdir(model_dir)):
-        if f.endswith(".safetensors"):
-            tensors.update(load_file(os.path.join(model_dir, f)))
-    return tensors
 
 
 def check_export(check, name, family, base_dir, run_dir):

@@ -38,7 +38,8 @@ from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dic
 from safetensors.torch import load_file, save_file
 from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
-from recipe_common import RANKS_TOL, Checks, adapter, losses, max_diff, max_tensor_diff, recipe_args, run_recipe
+from recipe_common import (RANKS_TOL, Checks, adapter, losses, max_diff, max_tensor_diff, recipe_args, run_recipe,
+                           safetensors_of)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "conformance"))
@@ -85,14 +86,6 @@ def text_logits(model, tokens):
 def load_mm(path):
     return Gemma3ForConditionalGeneration.from_pretrained(path, dtype=torch.float32, attn_implementation="eager",
                                                           output_loading_info=True)
-
-
-def safetensors_of(model_dir):
-    tensors = {}
-    for f in sorted(os.listdir(model_dir)):
-        if f.endswith(".safetensors"):
-            tensors.update(load_file(os.path.join(model_dir, f)))
-    return tensors
 
 
 def build(work):
