@@ -85,14 +85,19 @@ def dir_bytes(path):
     return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
 
 
-def main():
+def bench_args():
+    """The arguments of the benchmarks on a 7B-shaped checkpoint (this one and bench_gguf.py)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--qlora", required=True)
     ap.add_argument("--workdir", required=True)
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--keep", action="store_true")
-    a = ap.parse_args()
+    return ap
+
+
+def main():
+    a = bench_args().parse_args()
     src, out, peer_out = (os.path.join(a.workdir, n) for n in ("bf16", "qlora_nf4", "torchao_nf4"))
     if not os.path.exists(os.path.join(src, "model.safetensors.index.json")):
         shutil.rmtree(a.workdir, ignore_errors=True)

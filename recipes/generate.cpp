@@ -29,6 +29,7 @@
 #include <nlohmann/json.hpp>
 
 #include "qlora/checkpoint/export.h"
+#include "qlora/checkpoint/serving.h"
 #include "qlora/data/chat_template.h"
 #include "qlora/data/dataset.h"
 #include "qlora/data/templates.h"
@@ -287,17 +288,8 @@ int generate_main(const std::vector<std::string>& args) {
   }
 
   const std::vector<int64_t>& ids = prompt.ids;
-  // Stop at the tokenizer's EOS, at any config.json or generation_config.json lists (Llama-3 has
-  // several; instruct models list their end of turn), at the end of a Llama-3 chat turn, and at
-  // the template's end of turn where that is one token (<|im_end|>, <end_of_turn>).
-  if (tok.eos_id() >= 0) opt.stop_ids.push_back(tok.eos_id());
-  if (tok.eot_id() >= 0) opt.stop_ids.push_back(tok.eot_id());
-  for (const int64_t e : model.config.eos_token_ids) opt.stop_ids.push_back(e);
-  for (const int64_t e : models::load_generation_eos_ids(dir)) opt.stop_ids.push_back(e);
-  if (!prompt.end_of_turn.empty()) {
-    const auto eot = tok.encode(prompt.end_of_turn);
-    if (eot.size() == 1) opt.stop_ids.push_back(eot[0]);
-  }
+  // Stop where the export's GGUF and Modelfile stop too (checkpoint/serving.h).
+  opt.stop_ids = checkpoint::stop_ids(dir, tok, prompt.end_of_turn);
 
   const auto t1 = std::chrono::steady_clock::now();
   std::vector<int64_t> out = models::generate(model, ids, opt);

@@ -1,6 +1,8 @@
 // `qlora gguf DIR --type TYPE [-o FILE] [--name NAME]`: an HF checkpoint directory (an exported
 // epoch, or a model of a family qlora writes) as one GGUF file for llama.cpp / Ollama
-// (src/qlora/gguf/convert.h). Default output: DIR/<name>-<type>.gguf.
+// (src/qlora/gguf/convert.h), and an Ollama Modelfile beside it (gguf/modelfile.h). Default
+// output: DIR/<name>-<type>.gguf and DIR/<name>-<type>.Modelfile.
+#include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <stdexcept>
@@ -8,6 +10,8 @@
 #include <vector>
 
 #include "qlora/gguf/convert.h"
+#include "qlora/gguf/modelfile.h"
+#include "qlora/io/cpu_memory.h"
 
 namespace qlora::recipes {
 
@@ -33,9 +37,13 @@ int gguf_main(const std::vector<std::string>& args) {
     const std::string base = std::filesystem::path(dir).lexically_normal().filename().string();
     out = (std::filesystem::path(dir) / ((base.empty() ? std::string("model") : base) + "-" + type + ".gguf")).string();
   }
+  const auto t0 = std::chrono::steady_clock::now();
   const size_t n = gguf::write_gguf(dir, out, o);
-  std::printf("%s: %zu tensors, %s, %.1f MB\n", out.c_str(), n, type.c_str(),
-              static_cast<double>(std::filesystem::file_size(out)) / 1e6);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::printf("%s: %zu tensors, %s, %.1f MB; %.2f s; peak RSS %.0f MiB\n", out.c_str(), n, type.c_str(),
+              static_cast<double>(std::filesystem::file_size(out)) / 1e6, seconds, io::peak_rss_mib());
+  const std::string modelfile = gguf::write_modelfile(dir, out);
+  std::printf("%s: for Ollama, ollama create NAME -f %s\n", modelfile.c_str(), modelfile.c_str());
   return 0;
 }
 

@@ -20,6 +20,7 @@
 #include <cstdlib>
 #include <cstdio>
 #include <filesystem>
+#include <functional>
 #include <optional>
 #include <thread>
 #include <memory>
@@ -42,6 +43,8 @@
 #include "qlora/engine/sharded_export.h"
 #include "qlora/engine/sharded_model.h"
 #include "qlora/engine/sharded_state.h"
+#include "qlora/gguf/convert.h"
+#include "qlora/gguf/modelfile.h"
 #include "qlora/train/faults.h"
 #include "qlora/models/llama.h"
 #include "qlora/optim/adamw.h"
@@ -463,6 +466,27 @@ void validate(const RecipeConfig& cfg, engine::World& world, Model& m, const Dat
   progress.validation(v);
 }
 
+// checkpoint.gguf: what rank 0 adds to each epoch's export before committing it (the GGUF files and
+// their Modelfiles). Checked now, before training, so that no epoch's export fails for the model
+// or its tokenizer. The files are named after model.name (a hub id), else the base's directory.
+std::function<void(const std::string&)> gguf_files(const RecipeConfig& cfg, const std::string& base_dir) {
+  if (cfg.checkpoint.gguf.empty()) return {};
+  try {
+    gguf::check_convertible(base_dir);
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument(std::string("checkpoint.gguf: ") + e.what());
+  }
+  std::vector<gguf::GgmlType> types;
+  for (const std::string& t : cfg.checkpoint.gguf) types.push_back(gguf::type_from_name(t));
+  std::string name = fs::path(cfg.model.name.empty() ? base_dir : cfg.model.name).lexically_normal().filename().string();
+  if (name.empty() || name == "." || name == "..") name = "model";
+  return [types, name](const std::string& dir) {
+    for (const std::string& path : gguf::write_gguf_files(dir, types, name))
+      std::printf("  %s (%.1f MB, Modelfile beside it)\n", fs::path(path).filename().c_str(),
+                  static_cast<double>(fs::file_size(path)) / 1e6);
+  };
+}
+
 // The recipe proper, the same on 1..N ranks: rank 0 (`lead`) prints, logs metrics and commits
 // checkpoints and exports; every step's collectives go through `world` (none for one process).
 int run_recipe(const RecipeConfig& cfg, c10::Device device, engine::World& world) {
@@ -480,6 +504,7 @@ int run_recipe(const RecipeConfig& cfg, c10::Device device, engine::World& world
   const std::string base_dir = base_model_dir(cfg);
 
   Data d = setup_data(cfg, base_dir, ranks);
+  const auto add_gguf = gguf_files(cfg, base_dir);
   Model m = setup_model(cfg, base_dir, device, world);
   // Dropout draws from the default generator, seeded apart per rank so masks differ between ranks
   // (LoRA init drew from its own, identical everywhere). Seeds CUDA too, now that it is up.
@@ -556,7 +581,7 @@ int run_recipe(const RecipeConfig& cfg, c10::Device device, engine::World& world
     // Every rank writes the layers it owns into the same files: the same bytes as one process.
     require_finite_adapters(m, "export of epoch " + std::to_string(p.epoch + 1));
     engine::export_epoch(out_dir, p.epoch, m.llama, *m.engine, world, adapter_info, cfg.checkpoint.adapter_only, base_dir,
-                         cfg.checkpoint.merge_from, d.tokenizer_path);
+                         cfg.checkpoint.merge_from, d.tokenizer_path, add_gguf);
     if (lead) std::printf("epoch %lld exported to %s/epoch_%lld\n", (long long)p.epoch + 1, out_dir.c_str(), (long long)p.epoch);
     save_checkpoint(cfg, world, m, o, d, {p.epoch + 1, 0, p.global_step}, device, inputs);
   }

@@ -1,16 +1,15 @@
 // `qlora quantize` and `qlora dequantize`: argument handling, the bundled default, and a
 // report of what was done. The work is in src/qlora/checkpoint/quantize_checkpoint.cpp.
-#include <sys/resource.h>
 
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <fstream>
 #include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
+#include "qlora/io/cpu_memory.h"
 #include "qlora/io/quantize_checkpoint.h"
 
 namespace qlora::recipes {
@@ -23,20 +22,10 @@ std::string data_dir() {
   return QLORA_SOURCE_DIR "/tests/data";
 }
 
-// VmHWM, not getrusage: ru_maxrss survives execve, so it would report the parent's peak.
-double peak_rss_mib() {
-  std::ifstream f("/proc/self/status");
-  for (std::string line; std::getline(f, line);)
-    if (line.rfind("VmHWM:", 0) == 0) return std::stod(line.substr(6)) / 1024.0;  // kB
-  rusage ru{};
-  getrusage(RUSAGE_SELF, &ru);
-  return ru.ru_maxrss / 1024.0;
-}
-
 void print_report(const char* verb, const io::ConvertReport& r, double seconds) {
   std::printf("%s %lld tensors, copied %lld; tensor data %.1f MiB -> %.1f MiB; %.2f s; peak RSS %.0f MiB\n",
               verb, static_cast<long long>(r.converted), static_cast<long long>(r.copied),
-              r.bytes_in / 1048576.0, r.bytes_out / 1048576.0, seconds, peak_rss_mib());
+              r.bytes_in / 1048576.0, r.bytes_out / 1048576.0, seconds, io::peak_rss_mib());
 }
 
 void log_line(const std::string& line) { std::printf("%s\n", line.c_str()); std::fflush(stdout); }

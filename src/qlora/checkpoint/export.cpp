@@ -469,6 +469,7 @@ void export_epoch(const std::string& output_dir, int64_t epoch, const models::Ll
     write_merged(tmp.string(), model, base_checkpoint_dir, source, 5LL << 30, tokenizer_path, ranks);
   call(ranks.barrier);
   if (ranks.lead) {
+    if (ranks.before_commit) ranks.before_commit(tmp.string());
     io::fsync_path(tmp.string());
     commit_directory(tmp.string(), final_dir.string());
   }

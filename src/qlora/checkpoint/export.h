@@ -138,6 +138,9 @@ struct ExportRanks {
   // Calls write(u) for each unit of `units` that this writer owns, with the unit's weights
   // present while it runs (the engine gathers them to their owner, one unit per writer at a time).
   std::function<void(const std::vector<int64_t>& units, const std::function<void(int64_t)>& write)> for_my_units;
+  // Run by the lead once the adapter and the model are in the directory, before it is committed
+  // (e.g. the GGUF files of checkpoint.gguf): the epoch's export appears whole or not at all.
+  std::function<void(const std::string& dir)> before_commit;
 };
 
 // <output_dir>/epoch_<epoch>/: the merged model at the top level (so the directory is a plain HF

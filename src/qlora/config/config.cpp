@@ -2,6 +2,7 @@
 // member and whether it affects exactness; parsing, overrides, emitting, equality, hashing and the
 // resume check are all driven by it, so adding a key is one line and cannot be half-wired.
 #include "qlora/config/config.h"
+#include "qlora/gguf/ggml_types.h"
 #include "qlora/io/enum_names.h"
 #include "qlora/io/read_file.h"
 #include "qlora/models/architecture.h"
@@ -152,6 +153,7 @@ void visit_fields(Cfg& c, V&& v) {
   v("checkpoint", "adapter_only", c.checkpoint.adapter_only, false);
   v("checkpoint", "merge_from", c.checkpoint.merge_from, false);  // export only, not training
   v("checkpoint", "resume", c.checkpoint.resume, false);
+  v("checkpoint", "gguf", c.checkpoint.gguf, false);  // export only
   v("logging", "log_every_steps", c.logging.log_every_steps, false);
   v("logging", "progress", c.logging.progress, false);
   v("dist", "shard_size", c.dist.shard_size, true);
@@ -435,6 +437,15 @@ bool is_device_name(const std::string& d) {
   return true;
 }
 
+bool is_gguf_type(const std::string& name) {
+  try {
+    gguf::type_from_name(name);
+    return true;
+  } catch (const std::invalid_argument&) {
+    return false;
+  }
+}
+
 void validate(const RecipeConfig& c, const Origin& o, const LineMap& lines) {
   auto check = [&](bool ok, const std::string& key, const std::string& rule,
                    const std::string& got) {
@@ -488,6 +499,13 @@ void validate(const RecipeConfig& c, const Origin& o, const LineMap& lines) {
   check(c.checkpoint.save_every_steps >= 0, "checkpoint.save_every_steps", ">= 0 (0 = per epoch)",
         i(c.checkpoint.save_every_steps));
   check(c.checkpoint.keep_last_n >= 1, "checkpoint.keep_last_n", ">= 1", i(c.checkpoint.keep_last_n));
+  std::set<std::string> gguf_seen;
+  for (const std::string& t : c.checkpoint.gguf) {
+    check(is_gguf_type(t), "checkpoint.gguf", "a list of " + gguf::type_names(), "'" + t + "'");
+    check(gguf_seen.insert(t).second, "checkpoint.gguf", "free of duplicates", "'" + t + "' twice");
+  }
+  check(c.checkpoint.gguf.empty() || !c.checkpoint.adapter_only, "checkpoint.gguf",
+        "empty when checkpoint.adapter_only = true (a GGUF is written from the merged model)", "a type list");
   check(c.logging.log_every_steps >= 1, "logging.log_every_steps", ">= 1", i(c.logging.log_every_steps));
   check(c.dist.shard_size >= 0, "dist.shard_size", ">= 0 (0 = world size)", i(c.dist.shard_size));
   check(c.dist.collective_timeout_s >= 1, "dist.collective_timeout_s", ">= 1",

@@ -126,6 +126,9 @@ struct CheckpointConfig {
   bool adapter_only = false;
   checkpoint::MergeSource merge_from = checkpoint::MergeSource::Nf4;
   bool resume = false;
+  // GGUF types written into each epoch's export beside the merged model, with an Ollama Modelfile
+  // each (gguf/modelfile.h): e.g. ["q8_0", "q4_k_m"]. Empty: none.
+  std::vector<std::string> gguf;
 };
 
 struct LoggingConfig {

@@ -10,7 +10,7 @@ namespace qlora::engine {
 void export_epoch(const std::string& output_dir, int64_t epoch, const models::LlamaModel& model, ShardedLlama& engine,
                   World& world, const checkpoint::AdapterInfo& info, bool adapter_only,
                   const std::string& base_checkpoint_dir, checkpoint::MergeSource source,
-                  const std::string& tokenizer_path) {
+                  const std::string& tokenizer_path, std::function<void(const std::string& dir)> before_commit) {
   // Writing may outlast any collective timeout; liveness is the heartbeat's job.
   const auto patient = std::chrono::hours(24);
   Comm& c = world.shard();
@@ -20,6 +20,7 @@ void export_epoch(const std::string& output_dir, int64_t epoch, const models::Ll
   ranks.writer = c.rank();
   ranks.barrier = [&] { world.world().barrier(patient); };
   ranks.writers_barrier = [&] { c.barrier(patient); };
+  ranks.before_commit = std::move(before_commit);
   // Rounds of one unit per rank: every rank merges and writes its own at the same time.
   ranks.for_my_units = [&](const std::vector<int64_t>& units, const std::function<void(int64_t)>& write) {
     const size_t n = static_cast<size_t>(c.size());

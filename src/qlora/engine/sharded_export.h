@@ -3,10 +3,11 @@
 // (embedding, layer, head) has an owner rank; its NF4 group is gathered to the owner only, which
 // merges that unit's tensors and writes them in place into the shard files writer 0 created; rank
 // 0 writes the adapter and commits the directory once every rank's part is durable. The files are
-// byte-identical to one process's.
+// byte-identical to one process's. before_commit: see checkpoint::ExportRanks (rank 0 runs it).
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 
 #include "qlora/checkpoint/export.h"
@@ -18,6 +19,7 @@ namespace qlora::engine {
 void export_epoch(const std::string& output_dir, int64_t epoch, const models::LlamaModel& model, ShardedLlama& engine,
                   World& world, const checkpoint::AdapterInfo& info, bool adapter_only,
                   const std::string& base_checkpoint_dir, checkpoint::MergeSource source,
-                  const std::string& tokenizer_path);
+                  const std::string& tokenizer_path,
+                  std::function<void(const std::string& dir)> before_commit = {});
 
 }  // namespace qlora::engine

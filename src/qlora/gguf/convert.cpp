@@ -136,4 +136,11 @@ size_t write_gguf(const std::string& dir, const std::string& out_path, const Con
   return specs.size();
 }
 
+void check_convertible(const std::string& dir) {
+  const models::LlamaConfig c = models::load_llama_config(dir);
+  check_supported(c, dir + "/config.json");
+  Metadata metadata;
+  add_tokenizer_metadata(dir, c.vocab_size, metadata);
+}
+
 }  // namespace qlora::gguf

@@ -27,4 +27,8 @@ struct ConvertOptions {
 // Writes `out_path` atomically from checkpoint directory `dir`; returns the number of tensors.
 size_t write_gguf(const std::string& dir, const std::string& out_path, const ConvertOptions& options);
 
+// Checks, before a run trains, that checkpoint directory `dir`'s model and tokenizer can be written
+// as GGUF, so that no epoch's export fails for them; throws std::invalid_argument saying why not.
+void check_convertible(const std::string& dir);
+
 }  // namespace qlora::gguf

@@ -3,6 +3,7 @@
 #include <map>
 #include <stdexcept>
 
+#include "qlora/checkpoint/serving.h"
 #include "qlora/data/chat_template.h"
 #include "qlora/data/tokenizer.h"
 #include "qlora/gguf/sentencepiece_model.h"
@@ -166,10 +167,11 @@ void add_tokenizer_metadata(const std::string& dir, int64_t vocab_size, Metadata
   // tokenizer_config.json), not the stand-in qlora pads batches with.
   const bool named_pad = tok.config() && tok.config()->contains("pad_token") && !(*tok.config())["pad_token"].is_null();
   if (ends_with(file, "tokenizer.json") || named_pad) id("tokenizer.ggml.padding_token_id", tok.pad_id());
-  metadata.emplace_back("tokenizer.ggml.add_bos_token", Value::boolean(tok.adds_bos()));
+  // Served as qlora serves it: a run's BOS rule (data.add_bos) and template (checkpoint/serving.h).
+  const checkpoint::Serving serving = checkpoint::serving_format(dir, tok);
+  metadata.emplace_back("tokenizer.ggml.add_bos_token", Value::boolean(serving.add_bos));
   metadata.emplace_back("tokenizer.ggml.add_eos_token", Value::boolean(tok.adds_eos()));
-  if (const auto t = data::ChatTemplate::find(tok, nlohmann::ordered_json::object()))
-    metadata.emplace_back("tokenizer.chat_template", Value::string(t->source()));
+  if (serving.chat_template) metadata.emplace_back("tokenizer.chat_template", Value::string(serving.chat_template->source()));
 }
 
 }  // namespace qlora::gguf

@@ -4,6 +4,10 @@
 #include <c10/core/CPUAllocator.h>
 #include <c10/util/Exception.h>
 #include <malloc.h>
+#include <sys/resource.h>
+
+#include <fstream>
+#include <string>
 
 #include <mutex>
 #include <unordered_map>
@@ -119,5 +123,14 @@ void release_free_cpu_memory() {
 }
 
 size_t cpu_memory_kept_bytes() { return KeepingAllocator::get().kept(); }
+
+double peak_rss_mib() {
+  std::ifstream f("/proc/self/status");
+  for (std::string line; std::getline(f, line);)
+    if (line.rfind("VmHWM:", 0) == 0) return std::stod(line.substr(6)) / 1024.0;  // kB
+  rusage ru{};
+  getrusage(RUSAGE_SELF, &ru);
+  return ru.ru_maxrss / 1024.0;
+}
 
 }  // namespace qlora::io

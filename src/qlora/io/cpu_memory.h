@@ -23,4 +23,8 @@ void release_free_cpu_memory();
 // Bytes of freed tensors kept for reuse now (0 before tune_cpu_memory()).
 size_t cpu_memory_kept_bytes();
 
+// The process's peak resident set so far, in MiB: /proc/self/status VmHWM, which starts again at
+// exec (getrusage's ru_maxrss would report a large parent's peak for a child it started).
+double peak_rss_mib();
+
 }  // namespace qlora::io
