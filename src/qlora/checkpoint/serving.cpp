@@ -1,23 +1,11 @@
 #include "qlora/checkpoint/serving.h"
 
 #include <algorithm>
-#include <stdexcept>
 
 #include "qlora/checkpoint/export.h"
 #include "qlora/models/llama_config.h"
 
 namespace qlora::checkpoint {
-
-std::string end_of_turn(data::TemplateKind kind) {
-  const std::string stand_in = "qlora-answer";
-  const auto all = data::render_chat(kind, {{"user", "qlora-question"}, {"assistant", stand_in}});
-  const auto answer = std::find_if(all.rbegin(), all.rend(), [](const data::Segment& s) { return !s.is_prompt; });
-  if (answer == all.rend() || answer->text.find(stand_in) == std::string::npos)
-    throw std::logic_error("end_of_turn: the template rendered no answer segment");
-  const std::string after = answer->text.substr(answer->text.rfind(stand_in) + stand_in.size());
-  const auto b = after.find_first_not_of(" \t\r\n"), e = after.find_last_not_of(" \t\r\n");
-  return b == std::string::npos ? "" : after.substr(b, e - b + 1);
-}
 
 std::vector<int64_t> stop_ids(const std::string& dir, const data::Tokenizer& tok, const std::string& end_of_turn) {
   std::vector<int64_t> ids;
@@ -42,17 +30,17 @@ Serving serving_format(const std::string& dir, const data::Tokenizer& tok) {
   // and then tokenized as transformers does it, with the tokenizer's rule (or a forced BOS).
   const bool own_template = !pf || !pf->chat_template.empty();
   s.add_bos = own_template ? tok.adds_bos() || (pf && pf->add_bos) : pf->add_bos;
-  if (pf && !pf->chat_template.empty())
+  if (pf && !pf->chat_template.empty()) {
     s.chat_template = data::ChatTemplate::from_source(pf->chat_template, dir + "/qlora.json (prompt.chat_template)", tok,
                                                       pf->template_kwargs);
-  else
-    s.chat_template = data::ChatTemplate::find(tok);
-  if (pf && !pf->template_name.empty() && pf->template_name != "auto") {
+  } else if (pf && !pf->template_name.empty() && pf->template_name != "auto") {
     s.trained_kind = pf->template_name;
-    s.end_of_turn = end_of_turn(data::template_kind_from_name(pf->template_name));
-  } else if (s.chat_template) {
-    s.end_of_turn = s.chat_template->end_of_turn();
+    s.chat_template = data::ChatTemplate::from_source(data::template_jinja(data::template_kind_from_name(s.trained_kind)),
+                                                      dir + "/qlora.json (template " + s.trained_kind + ")", tok);
+  } else {
+    s.chat_template = data::ChatTemplate::find(tok);
   }
+  if (s.chat_template) s.end_of_turn = s.chat_template->end_of_turn();
   s.stop_ids = stop_ids(dir, tok, s.end_of_turn);
   return s;
 }

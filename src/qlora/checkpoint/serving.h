@@ -15,12 +15,12 @@
 namespace qlora::checkpoint {
 
 struct Serving {
-  // The run's template (qlora.json's prompt.chat_template for data.template = "auto"), else the
-  // directory's own (a model never fine-tuned by qlora, or a run on a hand-written template kind,
-  // whose name is in `trained_kind`); nullopt when there is none.
+  // The run's template: the model's own it recorded (data.template = "auto": qlora.json's
+  // prompt.chat_template), or its hand-written kind as Jinja (data::template_jinja); else, for a
+  // model qlora never trained or a plain-text run, the directory's own. nullopt when there is none.
   std::optional<data::ChatTemplate> chat_template;
   std::string trained_kind;  // the hand-written data.template the run recorded; "" otherwise
-  // The end of an answer, trimmed ("<|im_end|>", "<|eot_id|>"; "" where EOS ends it).
+  // The end of an answer, trimmed ("<|im_end|>", "<|eot_id|>", "</s>").
   std::string end_of_turn;
   // Whether a prompt's ids start with BOS: a hand-written template's run's data.add_bos (qlora.json),
   // else the tokenizer's own rule (or true where the run forced BOS).
@@ -35,9 +35,5 @@ Serving serving_format(const std::string& dir, const data::Tokenizer& tok);
 // (Llama-3's <|eot_id|>), the eos_token_id(s) of config.json and generation_config.json (Llama-3
 // lists several; instruct models list their end of turn), and `end_of_turn` where it is one token.
 std::vector<int64_t> stop_ids(const std::string& dir, const data::Tokenizer& tok, const std::string& end_of_turn);
-
-// The end of an answer in a hand-written template kind, trimmed ("" for alpaca, llama2-chat and
-// mistral-v0.3, whose answers end with EOS).
-std::string end_of_turn(data::TemplateKind kind);
 
 }  // namespace qlora::checkpoint

@@ -90,6 +90,12 @@ std::vector<Segment> render_instruct(TemplateKind kind, const InstructRecord& re
 // [system?, user, assistant], the user content being the instruction (system is refused).
 std::vector<Segment> render_chat(TemplateKind kind, const std::vector<Message>& messages);
 
+// `kind` as a Jinja chat template (data/template_jinja.cpp; not kAuto): rendered with the model's
+// bos_token / eos_token it gives render_chat's text, the segments' BOS/EOS ids spelled, and EOS after
+// the last answer for alpaca and llama2-chat (whose answers end with add_eos' EOS). What serves a
+// model trained on `kind` writes it (the GGUF export's tokenizer.chat_template).
+std::string template_jinja(TemplateKind kind);
+
 // All segment texts joined, e.g. to show a rendered prompt.
 std::string join_segments(const std::vector<Segment>& segments);
 
