@@ -2,81 +2,43 @@
 
 #include <ATen/ATen.h>
 
+#include <cstdio>
 #include <filesystem>
-#include <optional>
-#include <regex>
 #include <stdexcept>
 
+#include "qlora/gguf/arch.h"
 #include "qlora/gguf/tokenizer_meta.h"
 #include "qlora/gguf/writer.h"
 #include "qlora/io/checkpoint_dir.h"
+#include "qlora/models/key_layout.h"
 #include "qlora/models/llama_config.h"
 
 namespace qlora::gguf {
 namespace {
 
-using Metadata = std::vector<std::pair<std::string, Value>>;
-
-// An HF tensor's GGUF name and whether its rows need llama.cpp's Q/K order (the head count to undo
-// the rotate-half layout over; 0: none).
-struct Mapped {
-  std::string name;
-  int64_t permute_heads = 0;
+// The checkpoint's language-model tensors in file order, each with its text-only key (a
+// multimodal Gemma 3's "language_model.model.X" read as "model.X"); the rest are counted.
+struct Source {
+  std::string key;   // in the checkpoint
+  std::string text;  // text-only spelling, what gguf_tensor names
 };
 
-std::optional<Mapped> gguf_name(const std::string& hf, const models::LlamaConfig& c) {
-  if (hf == "model.embed_tokens.weight") return Mapped{"token_embd.weight"};
-  if (hf == "model.norm.weight") return Mapped{"output_norm.weight"};
-  if (hf == "lm_head.weight") return Mapped{"output.weight"};
-  static const std::regex layer(R"(model\.layers\.(\d+)\.(.+)\.weight)");
-  std::smatch m;
-  if (!std::regex_match(hf, m, layer)) return std::nullopt;
-  static const std::pair<const char*, const char*> kParts[] = {
-      {"self_attn.q_proj", "attn_q"},      {"self_attn.k_proj", "attn_k"}, {"self_attn.v_proj", "attn_v"},
-      {"self_attn.o_proj", "attn_output"}, {"mlp.gate_proj", "ffn_gate"},  {"mlp.up_proj", "ffn_up"},
-      {"mlp.down_proj", "ffn_down"},       {"input_layernorm", "attn_norm"}, {"post_attention_layernorm", "ffn_norm"}};
-  for (const auto& [part, name] : kParts) {
-    if (m[2] != part) continue;
-    Mapped out{"blk." + m[1].str() + "." + name + ".weight"};
-    if (std::string(name) == "attn_q") out.permute_heads = c.num_attention_heads;
-    if (std::string(name) == "attn_k") out.permute_heads = c.num_key_value_heads;
-    return out;
-  }
-  return std::nullopt;
+std::vector<Source> language_model_keys(const io::CheckpointDir& ckpt, models::KeyLayout layout) {
+  std::vector<Source> out;
+  for (const std::string& key : ckpt.tensor_names())
+    if (models::is_language_model_key(layout, key)) out.push_back({key, models::text_key(layout, key)});
+  return out;
 }
 
-void check_supported(const models::LlamaConfig& c, const std::string& where) {
-  const auto refuse = [&](const std::string& what) {
-    throw std::invalid_argument(where + ": " + what + "; GGUF export writes the llama architecture with default "
-                                "RoPE and no biases so far");
-  };
-  if (c.model_type != "llama" && c.model_type != "mistral") refuse("model_type '" + c.model_type + "'");
-  if (c.rope_scaling || c.rope_linear_factor != 1.0) refuse("rope_scaling is set");
-  if (c.attention_bias) refuse("attention_bias is true");
-  if (c.sliding_window) refuse("sliding_window is set");
-  if (c.head_dim * c.num_attention_heads != c.hidden_size) refuse("head_dim x heads differs from hidden_size");
-}
-
-Metadata model_metadata(const models::LlamaConfig& c, const ConvertOptions& o, const std::string& dir) {
-  const auto u32 = [](int64_t v) { return Value::u32(static_cast<uint32_t>(v)); };
+Metadata general_metadata(const std::string& arch, const ConvertOptions& o, const std::string& dir) {
   std::string name = o.name;
   if (name.empty()) name = std::filesystem::path(dir).lexically_normal().filename().string();
   if (name.empty()) name = std::filesystem::path(dir).lexically_normal().parent_path().filename().string();
-  return {{"general.architecture", Value::string("llama")},
+  return {{"general.architecture", Value::string(arch)},
           {"general.type", Value::string("model")},
           {"general.name", Value::string(name)},
           {"general.file_type", Value::u32(type_info(o.type).file_type)},
-          {"general.quantization_version", Value::u32(2)},
-          {"llama.vocab_size", u32(c.vocab_size)},
-          {"llama.context_length", u32(c.max_position_embeddings)},
-          {"llama.embedding_length", u32(c.hidden_size)},
-          {"llama.block_count", u32(c.num_hidden_layers)},
-          {"llama.feed_forward_length", u32(c.intermediate_size)},
-          {"llama.rope.dimension_count", u32(c.head_dim)},
-          {"llama.attention.head_count", u32(c.num_attention_heads)},
-          {"llama.attention.head_count_kv", u32(c.num_key_value_heads)},
-          {"llama.attention.layer_norm_rms_epsilon", Value::f32(static_cast<float>(c.rms_norm_eps))},
-          {"llama.rope.freq_base", Value::f32(static_cast<float>(c.rope_theta))}};
+          {"general.quantization_version", Value::u32(2)}};
 }
 
 // The type a tensor is stored in: 1-D ones in f32; a matrix in the chosen type, or f16 where its
@@ -106,41 +68,64 @@ void write_tensor(Writer& out, const at::Tensor& t, GgmlType type) {
   }
 }
 
+// What the file will hold: the architecture, every tensor's GGUF spec with the checkpoint key it
+// comes from, and the metadata. Throws before anything is written when the model cannot be.
+struct Plan {
+  ArchPlan arch;
+  std::vector<TensorSpec> specs;                                // the extra tensors first
+  std::vector<std::pair<std::string, TensorPlan>> from_checkpoint;  // key, what to do on the way
+  Metadata metadata;
+};
+
+Plan plan_gguf(const io::CheckpointDir& ckpt, const models::LlamaConfig& c, const std::string& dir,
+               const ConvertOptions& options) {
+  Plan p{plan_architecture(c, dir + "/config.json"), {}, {}, {}};
+  for (const ExtraTensor& e : p.arch.extra)
+    p.specs.push_back({e.name, {static_cast<int64_t>(e.values.size())}, GgmlType::F32});
+  for (const Source& s : language_model_keys(ckpt, models::key_layout_of(ckpt, c))) {
+    if (s.text == "lm_head.weight" && c.tie_word_embeddings) continue;
+    const auto mapped = gguf_tensor(s.text, c);
+    if (!mapped)
+      throw std::invalid_argument(dir + ": tensor '" + s.key + "' has no GGUF name in llama.cpp's " + p.arch.arch +
+                                  " architecture; no GGUF is written");
+    const auto& info = ckpt.file_of(s.key).info(s.key);
+    p.specs.push_back({mapped->name, info.shape, storage_type(info.shape, options.type)});
+    p.from_checkpoint.emplace_back(s.key, *mapped);
+  }
+  p.metadata = general_metadata(p.arch.arch, options, dir);
+  for (const auto& kv : p.arch.metadata) p.metadata.push_back(kv);
+  add_tokenizer_metadata(dir, c.vocab_size, p.metadata);
+  return p;
+}
+
 }  // namespace
 
 size_t write_gguf(const std::string& dir, const std::string& out_path, const ConvertOptions& options) {
   const models::LlamaConfig c = models::load_llama_config(dir);
-  check_supported(c, dir + "/config.json");
   const io::CheckpointDir ckpt = io::CheckpointDir::open(dir);
-  std::vector<TensorSpec> specs;
-  std::vector<std::pair<std::string, Mapped>> plan;
-  for (const std::string& hf : ckpt.tensor_names()) {
-    if (hf == "lm_head.weight" && c.tie_word_embeddings) continue;
-    const auto mapped = gguf_name(hf, c);
-    if (!mapped) throw std::invalid_argument(dir + ": tensor '" + hf + "' has no GGUF name in the llama architecture");
-    const auto& info = ckpt.file_of(hf).info(hf);
-    specs.push_back({mapped->name, info.shape, storage_type(info.shape, options.type)});
-    plan.emplace_back(hf, *mapped);
-  }
-  Metadata metadata = model_metadata(c, options, dir);
-  add_tokenizer_metadata(dir, c.vocab_size, metadata);
-  Writer out(out_path, std::move(metadata), specs);
-  for (size_t i = 0; i < plan.size(); ++i) {
-    at::Tensor t = ckpt.tensor(plan[i].first);
-    if (plan[i].second.permute_heads > 0) t = unrotate(t, plan[i].second.permute_heads);
-    write_tensor(out, t, specs[i].type);
-    t = at::Tensor();
-    ckpt.file_of(plan[i].first).release(plan[i].first);  // its mapped pages leave the resident set
+  Plan plan = plan_gguf(ckpt, c, dir, options);
+  if (const auto skipped = models::skipped_weights(ckpt, models::key_layout_of(ckpt, c)); skipped.tensors > 0)
+    std::fprintf(stderr, "gguf: the vision tower and projector are not written (%lld tensors, e.g. '%s'): the GGUF "
+                 "holds the language model only\n", static_cast<long long>(skipped.tensors), skipped.first.c_str());
+  for (const std::string& note : plan.arch.notes) std::fprintf(stderr, "gguf: %s\n", note.c_str());
+  Writer out(out_path, std::move(plan.metadata), plan.specs);
+  for (const ExtraTensor& e : plan.arch.extra) out.write(e.values.data(), e.values.size() * sizeof(float));
+  const size_t first = plan.arch.extra.size();
+  for (size_t i = 0; i < plan.from_checkpoint.size(); ++i) {
+    const auto& [key, t] = plan.from_checkpoint[i];
+    at::Tensor x = ckpt.tensor(key);
+    if (t.permute_heads > 0) x = unrotate(x, t.permute_heads);
+    if (t.add != 0.0f) x = x.to(at::kFloat) + t.add;
+    write_tensor(out, x, plan.specs[first + i].type);
+    x = at::Tensor();
+    ckpt.file_of(key).release(key);  // its mapped pages leave the resident set
   }
   out.commit();
-  return specs.size();
+  return plan.specs.size();
 }
 
 void check_convertible(const std::string& dir) {
-  const models::LlamaConfig c = models::load_llama_config(dir);
-  check_supported(c, dir + "/config.json");
-  Metadata metadata;
-  add_tokenizer_metadata(dir, c.vocab_size, metadata);
+  plan_gguf(io::CheckpointDir::open(dir), models::load_llama_config(dir), dir, {});
 }
 
 }  // namespace qlora::gguf

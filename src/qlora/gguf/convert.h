@@ -3,14 +3,15 @@
 // llama.cpp's loader reads them, the tokenizer (tokenizer_meta.h), and every weight in the chosen
 // type, streamed one tensor at a time (peak memory: the largest tensor in fp32, plus its encoding).
 //
-// Written so far: the llama architecture (model_type llama or mistral, default RoPE, no biases),
-// with the Q/K row order llama.cpp's converter gives it (the HF rotate-half layout undone per head).
+// Families: llama/mistral, qwen2, qwen3, gemma2, gemma3 (text-only, or the language model of a
+// Gemma3ForConditionalGeneration, whose vision tower is skipped with a log line), phi3; each as
+// the llama.cpp architecture, metadata keys, tensor names and value transforms arch.h lists.
 // Types: f32, f16, bf16 (1-D tensors stay f32, as llama.cpp's converter keeps them), q8_0, q4_0
 // (a matrix whose rows are not whole blocks of 32 falls back to f16, as the converter does; q4_0
 // stores every matrix in q4_0, as llama-quantize --pure does, where its default mix keeps the
 // output head in q6_K).
-// Anything else (another family, RoPE scaling, biases, a tensor without a GGUF name) is refused by
-// name before the file is opened.
+// Anything llama.cpp would compute differently (arch.h), a tensor without a GGUF name, or a
+// tokenizer llama.cpp would split differently is refused by name before the file is opened.
 #pragma once
 
 #include <string>

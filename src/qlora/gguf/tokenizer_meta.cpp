@@ -118,29 +118,63 @@ void add_bpe_vocab(const std::string& file, int64_t vocab_size, Metadata& metada
   metadata.emplace_back("tokenizer.ggml.merges", Value::strings_array(std::move(merges)));
 }
 
-// tokenizer.ggml.* of a sentencepiece model: pieces, scores and their types (sentencepiece's type
-// numbers are llama.cpp's), the dummy-prefix flag; ids past the model's pieces are [PAD<i>].
-void add_sentencepiece_vocab(const std::string& file, int64_t vocab_size, Metadata& metadata) {
-  const SentencePieceModel sp = read_sentencepiece_model(file);
+// Replaces "▁" by plain spaces: llama.cpp matches user-defined pieces in the raw text before it
+// escapes spaces to "▁", so they are stored with plain spaces (as its converter stores them).
+std::string plain_spaces(std::string piece) {
+  for (size_t at = piece.find("\xe2\x96\x81"); at != std::string::npos; at = piece.find("\xe2\x96\x81", at + 1))
+    piece.replace(at, 3, " ");
+  return piece;
+}
+
+struct SpVocab {
   std::vector<std::string> tokens;
   std::vector<float> scores;
   std::vector<int32_t> types;
+};
+
+// The HF added tokens of a sentencepiece tokenizer (Phi-3's <|endoftext|>, <|end|>... past the
+// model's pieces; Gemma's <start_of_turn> marked special), as llama.cpp's converter applies them:
+// added_tokens.json's as user-defined, then tokenizer_config.json's added_tokens_decoder, control
+// where special (or looking special), user-defined otherwise; score -1000. Ids past vocab_size are
+// ignored, as there.
+void apply_added_tokens(const std::string& dir, const data::Tokenizer& tok, SpVocab& v) {
+  const auto set = [&](int64_t id, const std::string& content, bool control) {
+    if (id < 0 || id >= static_cast<int64_t>(v.tokens.size())) return;
+    v.tokens[id] = control ? content : plain_spaces(content);
+    v.types[id] = control ? kControl : kUserDefined;
+    v.scores[id] = -1000.0f;
+  };
+  if (const auto text = io::read_file(dir + "/added_tokens.json")) {
+    for (const auto& [content, id] : json::parse(*text).items())
+      if (id.is_number_integer()) set(id.get<int64_t>(), content, false);
+  }
+  if (!tok.config() || !tok.config()->contains("added_tokens_decoder")) return;
+  for (const auto& [id, t] : (*tok.config())["added_tokens_decoder"].items()) {
+    const std::string content = t.value("content", "");
+    set(std::stoll(id), content, t.value("special", false) || looks_special(content));
+  }
+}
+
+// tokenizer.ggml.* of a sentencepiece model: pieces, scores and their types (sentencepiece's type
+// numbers are llama.cpp's), the dummy-prefix flag, then the HF added tokens; ids past both are
+// [PAD<i>].
+void add_sentencepiece_vocab(const std::string& file, const std::string& dir, const data::Tokenizer& tok,
+                             int64_t vocab_size, Metadata& metadata) {
+  const SentencePieceModel sp = read_sentencepiece_model(file);
+  SpVocab v;
   for (int64_t i = 0; i < vocab_size; ++i) {
     const bool have = i < static_cast<int64_t>(sp.pieces.size());
     std::string piece = have ? sp.pieces[i].piece : "[PAD" + std::to_string(i) + "]";
-    // llama.cpp matches user-defined pieces in the raw text before it escapes spaces to "▁", so
-    // they are stored with plain spaces (as its converter stores HF's added tokens).
-    if (have && sp.pieces[i].type == kUserDefined)
-      for (size_t at = piece.find("\xe2\x96\x81"); at != std::string::npos; at = piece.find("\xe2\x96\x81", at + 1))
-        piece.replace(at, 3, " ");
-    tokens.push_back(std::move(piece));
-    scores.push_back(have ? sp.pieces[i].score : -1000.0f);
-    types.push_back(have ? sp.pieces[i].type : kUnused);
+    if (have && sp.pieces[i].type == kUserDefined) piece = plain_spaces(piece);
+    v.tokens.push_back(std::move(piece));
+    v.scores.push_back(have ? sp.pieces[i].score : -1000.0f);
+    v.types.push_back(have ? sp.pieces[i].type : kUnused);
   }
+  apply_added_tokens(dir, tok, v);
   metadata.emplace_back("tokenizer.ggml.model", Value::string("llama"));
-  metadata.emplace_back("tokenizer.ggml.tokens", Value::strings_array(std::move(tokens)));
-  metadata.emplace_back("tokenizer.ggml.scores", Value::f32_array(scores));
-  metadata.emplace_back("tokenizer.ggml.token_type", Value::i32_array(types));
+  metadata.emplace_back("tokenizer.ggml.tokens", Value::strings_array(std::move(v.tokens)));
+  metadata.emplace_back("tokenizer.ggml.scores", Value::f32_array(v.scores));
+  metadata.emplace_back("tokenizer.ggml.token_type", Value::i32_array(v.types));
   metadata.emplace_back("tokenizer.ggml.add_space_prefix", Value::boolean(sp.add_dummy_prefix));
 }
 
@@ -154,7 +188,8 @@ void add_tokenizer_metadata(const std::string& dir, int64_t vocab_size, Metadata
   const std::string file = data::Tokenizer::find_file(dir);
   const data::Tokenizer tok = data::Tokenizer::open(file);
   if (ends_with(file, "tokenizer.json")) add_bpe_vocab(file, vocab_size, metadata);
-  else if (ends_with(file, ".model") && !ends_with(file, "original/tokenizer.model")) add_sentencepiece_vocab(file, vocab_size, metadata);
+  else if (ends_with(file, ".model") && !ends_with(file, "original/tokenizer.model"))
+    add_sentencepiece_vocab(file, dir, tok, vocab_size, metadata);
   else throw std::invalid_argument(file + ": GGUF export writes tokenizer.json (byte-level BPE) and sentencepiece "
                                    "vocabularies; Meta's tiktoken file is not written yet");
   const auto id = [&](const char* key, int64_t v) {

@@ -5,8 +5,10 @@
 //
 // A tokenizer llama.cpp would split differently is refused by name, never written: the
 // pre-tokenizer must be one of those llama.cpp names (gpt-2, smollm, llama-bpe, qwen2) exactly,
-// with no normalizer. A sentencepiece tokenizer.model becomes llama.cpp's "llama" vocabulary
-// (pieces, scores, types, add_space_prefix); Meta's tiktoken file is not written yet.
+// with no normalizer (Qwen's NFC excepted). A sentencepiece tokenizer.model becomes llama.cpp's
+// "llama" vocabulary (pieces, scores, types, add_space_prefix), with HF's added tokens from
+// added_tokens.json and tokenizer_config.json's added_tokens_decoder (Phi-3's chat tokens past the
+// model's pieces, Gemma's special ones as control tokens); Meta's tiktoken file is not written yet.
 #pragma once
 
 #include <cstdint>

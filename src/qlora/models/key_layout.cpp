@@ -32,6 +32,13 @@ std::string layout_key(KeyLayout layout, const std::string& text_key) {
   return p.head + text_key;
 }
 
+std::string text_key(KeyLayout layout, const std::string& key) {
+  const Prefixes p = prefixes(layout);
+  if (starts_with(key, p.body)) return "model." + key.substr(std::string(p.body).size());
+  if (starts_with(key, p.head)) return key.substr(std::string(p.head).size());
+  return key;
+}
+
 KeyLayout peft_layout(const LlamaConfig& config) {
   return config.multimodal ? KeyLayout::kModelLanguage : KeyLayout::kText;
 }

@@ -27,6 +27,8 @@ enum class KeyLayout {
 
 // A text-only key or module name ("model.norm.weight", "lm_head") in `layout`.
 std::string layout_key(KeyLayout layout, const std::string& text_key);
+// The inverse: a language-model key of `layout` in its text-only spelling ("model.X", "lm_head.weight").
+std::string text_key(KeyLayout layout, const std::string& key);
 // The names PEFT gives a model of this config's class (the module names of transformers 5).
 KeyLayout peft_layout(const LlamaConfig& config);
 // adapter_config.json's target_modules for a multimodal model, as a regular expression over module

