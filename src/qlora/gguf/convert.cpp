@@ -7,6 +7,7 @@
 #include <regex>
 #include <stdexcept>
 
+#include "qlora/gguf/quant_mix.h"
 #include "qlora/gguf/tokenizer_meta.h"
 #include "qlora/gguf/writer.h"
 #include "qlora/io/checkpoint_dir.h"
@@ -79,13 +80,6 @@ Metadata model_metadata(const models::LlamaConfig& c, const ConvertOptions& o, c
           {"llama.rope.freq_base", Value::f32(static_cast<float>(c.rope_theta))}};
 }
 
-// The type a tensor is stored in: 1-D ones in f32; a matrix in the chosen type, or f16 where its
-// rows are not whole blocks.
-GgmlType storage_type(const std::vector<int64_t>& shape, GgmlType chosen) {
-  if (shape.size() < 2) return GgmlType::F32;
-  return shape.back() % type_info(chosen).block == 0 ? chosen : GgmlType::F16;
-}
-
 // HF's per-head [2, head_dim / 2] row halves interleaved back into llama.cpp's order.
 at::Tensor unrotate(const at::Tensor& w, int64_t heads) {
   const int64_t rows = w.size(0);
@@ -119,9 +113,10 @@ size_t write_gguf(const std::string& dir, const std::string& out_path, const Con
     const auto mapped = gguf_name(hf, c);
     if (!mapped) throw std::invalid_argument(dir + ": tensor '" + hf + "' has no GGUF name in the llama architecture");
     const auto& info = ckpt.file_of(hf).info(hf);
-    specs.push_back({mapped->name, info.shape, storage_type(info.shape, options.type)});
+    specs.push_back({mapped->name, info.shape});
     plan.emplace_back(hf, *mapped);
   }
+  set_types(specs, {"llama", c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, 0}, options.type);
   Metadata metadata = model_metadata(c, options, dir);
   add_tokenizer_metadata(dir, c.vocab_size, metadata);
   Writer out(out_path, std::move(metadata), specs);

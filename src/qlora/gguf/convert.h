@@ -5,10 +5,11 @@
 //
 // Written so far: the llama architecture (model_type llama or mistral, default RoPE, no biases),
 // with the Q/K row order llama.cpp's converter gives it (the HF rotate-half layout undone per head).
-// Types: f32, f16, bf16 (1-D tensors stay f32, as llama.cpp's converter keeps them), q8_0, q4_0
-// (a matrix whose rows are not whole blocks of 32 falls back to f16, as the converter does; q4_0
-// stores every matrix in q4_0, as llama-quantize --pure does, where its default mix keeps the
-// output head in q6_K).
+// Types: f32, f16, bf16 (1-D tensors stay f32, as llama.cpp's converter keeps them); q8_0, q4_0,
+// q4_k_m, q5_k_m, q6_k with each tensor in the type llama-quantize's default mix gives it
+// (quant_mix.h: e.g. the output head in q6_K, q6_K for some layers' attn_v/ffn_down in the _m
+// mixes, q5_0/q5_1/q8_0 where rows are not whole 256-blocks), the same bytes as llama-quantize
+// makes of our f32 file.
 // Anything else (another family, RoPE scaling, biases, a tensor without a GGUF name) is refused by
 // name before the file is opened.
 #pragma once
