@@ -155,10 +155,6 @@ std::vector<GgmlType> choose_types(const std::vector<TensorSpec>& tensors, const
   return types;
 }
 
-}  // namespace qlora::gguf
-
-namespace qlora::gguf {
-
 void set_types(std::vector<TensorSpec>& tensors, const ModelFacts& facts, GgmlType main) {
   const std::vector<GgmlType> types = choose_types(tensors, facts, main);
   for (size_t i = 0; i < tensors.size(); ++i) tensors[i].type = types[i];
