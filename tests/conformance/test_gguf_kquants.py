@@ -41,7 +41,7 @@ TYPES = ["q4_k_m", "q5_k_m", "q6_k", "q8_0", "q4_0"]
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data")
 PROMPT = "The history of the Roman Empire is long and"
 # Max |logit - the f16 file's logit| over the prompt's positions and the vocabulary, measured
-# (2025-06, llama-cpp-python 0.3.36) and then loosened ~1.5x: they catch a wrong layout or scale,
+# (llama-cpp-python 0.3.36) and then loosened ~1.5x: they catch a wrong layout or scale,
 # not a rounding difference. SmolLM2 (logits up to ~31) is fragile at 135M parameters: q8_0 moves
 # its logits by ~1, the 4-bit types by 5 (q4_k_m) to 14 (q4_0); the tiny random Llamas' logits
 # are ~1 at most.
