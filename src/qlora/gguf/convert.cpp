@@ -7,6 +7,7 @@
 #include <stdexcept>
 
 #include "qlora/gguf/arch.h"
+#include "qlora/gguf/quant_mix.h"
 #include "qlora/gguf/tokenizer_meta.h"
 #include "qlora/gguf/writer.h"
 #include "qlora/io/checkpoint_dir.h"
@@ -39,13 +40,6 @@ Metadata general_metadata(const std::string& arch, const ConvertOptions& o, cons
           {"general.name", Value::string(name)},
           {"general.file_type", Value::u32(type_info(o.type).file_type)},
           {"general.quantization_version", Value::u32(2)}};
-}
-
-// The type a tensor is stored in: 1-D ones in f32; a matrix in the chosen type, or f16 where its
-// rows are not whole blocks.
-GgmlType storage_type(const std::vector<int64_t>& shape, GgmlType chosen) {
-  if (shape.size() < 2) return GgmlType::F32;
-  return shape.back() % type_info(chosen).block == 0 ? chosen : GgmlType::F16;
 }
 
 // HF's per-head [2, head_dim / 2] row halves interleaved back into llama.cpp's order.
@@ -89,9 +83,10 @@ Plan plan_gguf(const io::CheckpointDir& ckpt, const models::LlamaConfig& c, cons
       throw std::invalid_argument(dir + ": tensor '" + s.key + "' has no GGUF name in llama.cpp's " + p.arch.arch +
                                   " architecture; no GGUF is written");
     const auto& info = ckpt.file_of(s.key).info(s.key);
-    p.specs.push_back({mapped->name, info.shape, storage_type(info.shape, options.type)});
+    p.specs.push_back({mapped->name, info.shape});
     p.from_checkpoint.emplace_back(s.key, *mapped);
   }
+  set_types(p.specs, {p.arch.arch, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, 0}, options.type);
   p.metadata = general_metadata(p.arch.arch, options, dir);
   for (const auto& kv : p.arch.metadata) p.metadata.push_back(kv);
   add_tokenizer_metadata(dir, c.vocab_size, p.metadata);

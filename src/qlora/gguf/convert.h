@@ -6,10 +6,11 @@
 // Families: llama/mistral, qwen2, qwen3, gemma2, gemma3 (text-only, or the language model of a
 // Gemma3ForConditionalGeneration, whose vision tower is skipped with a log line), phi3; each as
 // the llama.cpp architecture, metadata keys, tensor names and value transforms arch.h lists.
-// Types: f32, f16, bf16 (1-D tensors stay f32, as llama.cpp's converter keeps them), q8_0, q4_0
-// (a matrix whose rows are not whole blocks of 32 falls back to f16, as the converter does; q4_0
-// stores every matrix in q4_0, as llama-quantize --pure does, where its default mix keeps the
-// output head in q6_K).
+// Types: f32, f16, bf16 (1-D tensors stay f32, as llama.cpp's converter keeps them); q8_0, q4_0,
+// q4_k_m, q5_k_m, q6_k with each tensor in the type llama-quantize's default mix gives it
+// (quant_mix.h: e.g. the output head in q6_K, q6_K for some layers' attn_v/ffn_down in the _m
+// mixes, q5_0/q5_1/q8_0 where rows are not whole 256-blocks), the same bytes as llama-quantize
+// makes of our f32 file.
 // Anything llama.cpp would compute differently (arch.h), a tensor without a GGUF name, or a
 // tokenizer llama.cpp would split differently is refused by name before the file is opened.
 #pragma once

@@ -3,16 +3,28 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <cctype>
+#include <cfloat>
 #include <cmath>
 #include <cstring>
 #include <stdexcept>
+
+#include "qlora/gguf/kquants.h"
 
 namespace qlora::gguf {
 namespace {
 
 constexpr GgmlTypeInfo kTypes[] = {
-    {GgmlType::F32, "f32", 1, 4, 0},   {GgmlType::F16, "f16", 1, 2, 1},     {GgmlType::BF16, "bf16", 1, 2, 32},
-    {GgmlType::Q8_0, "q8_0", 32, 34, 7}, {GgmlType::Q4_0, "q4_0", 32, 18, 2},
+    {GgmlType::F32, "f32", 1, 4, 0, "f32"},
+    {GgmlType::F16, "f16", 1, 2, 1, "f16"},
+    {GgmlType::BF16, "bf16", 1, 2, 32, "bf16"},
+    {GgmlType::Q8_0, "q8_0", 32, 34, 7, "q8_0"},
+    {GgmlType::Q4_0, "q4_0", 32, 18, 2, "q4_0"},
+    {GgmlType::Q4_K, "q4_K", 256, 144, 15, "q4_k_m"},
+    {GgmlType::Q5_K, "q5_K", 256, 176, 17, "q5_k_m"},
+    {GgmlType::Q6_K, "q6_K", 256, 210, 18, "q6_k"},
+    {GgmlType::Q5_0, "q5_0", 32, 22, 8, nullptr},
+    {GgmlType::Q5_1, "q5_1", 32, 24, 9, nullptr},
 };
 
 void put_half(float v, uint8_t* out) {
@@ -28,6 +40,19 @@ uint16_t bf16_bits(float v) {
   return static_cast<uint16_t>((static_cast<uint64_t>(n) + (0x7fffu + ((n >> 16) & 1u))) >> 16);
 }
 
+// The value of largest magnitude (the first of equal magnitudes), as ggml finds it: +0 when every
+// element is a zero of either sign.
+float signed_absmax(const float* x, int n) {
+  float amax = 0.0f, mx = 0.0f;
+  for (int i = 0; i < n; ++i) {
+    if (std::fabs(x[i]) > amax) {
+      amax = std::fabs(x[i]);
+      mx = x[i];
+    }
+  }
+  return mx;
+}
+
 // Q8_0: d = max|x| / 127 (as fp16), q = round-half-away(x / d).
 void q8_0_block(const float* x, uint8_t* out) {
   float amax = 0.0f;
@@ -41,19 +66,58 @@ void q8_0_block(const float* x, uint8_t* out) {
 // Q4_0: d = (the value of largest magnitude) / -8 (as fp16), q = min(15, trunc(x / d + 8.5)),
 // elements i and i + 16 sharing byte i (low, high nibble).
 void q4_0_block(const float* x, uint8_t* out) {
-  float amax = std::fabs(x[0]), mx = x[0];  // the first of equal magnitudes, as numpy's argmax
-  for (int i = 1; i < 32; ++i) {
-    if (std::fabs(x[i]) > amax) {
-      amax = std::fabs(x[i]);
-      mx = x[i];
-    }
-  }
-  const float d = mx / -8.0f;
+  const float d = signed_absmax(x, 32) / -8.0f;
   const float id = d != 0.0f ? 1.0f / d : 0.0f;
   put_half(d, out);
   uint8_t q[32];
   for (int i = 0; i < 32; ++i) q[i] = static_cast<uint8_t>(std::min(15.0f, std::trunc(x[i] * id + 8.5f)));
   for (int i = 0; i < 16; ++i) out[2 + i] = static_cast<uint8_t>(q[i] | (q[i + 16] << 4));
+}
+
+// 32 five-bit codes: the low nibbles of elements i and i + 16 share byte i (low, high), the fifth
+// bits go to a little-endian u32 (bit i: element i).
+void pack_5bit(const uint8_t* q, uint8_t* qh, uint8_t* qs) {
+  uint32_t high = 0;
+  for (int i = 0; i < 16; ++i) {
+    qs[i] = static_cast<uint8_t>((q[i] & 0x0F) | ((q[i + 16] & 0x0F) << 4));
+    high |= static_cast<uint32_t>((q[i] >> 4) & 1u) << i;
+    high |= static_cast<uint32_t>((q[i + 16] >> 4) & 1u) << (i + 16);
+  }
+  std::memcpy(qh, &high, 4);
+}
+
+// Q5_0: d = (the value of largest magnitude) / -16 (as fp16), q = min(31, trunc(x / d + 16.5)).
+void q5_0_block(const float* x, uint8_t* out) {
+  const float d = signed_absmax(x, 32) / -16.0f;
+  const float id = d != 0.0f ? 1.0f / d : 0.0f;
+  put_half(d, out);
+  uint8_t q[32];
+  for (int i = 0; i < 32; ++i) q[i] = static_cast<uint8_t>(std::min(31.0f, std::trunc(x[i] * id + 16.5f)));
+  pack_5bit(q, out + 2, out + 6);
+}
+
+// Q5_1: d = (max - min) / 31 and m = min (both as fp16), q = trunc((x - min) / d + 0.5) from the
+// fp32 min and d.
+void q5_1_block(const float* x, uint8_t* out) {
+  float lo = FLT_MAX, hi = -FLT_MAX;
+  for (int i = 0; i < 32; ++i) {
+    lo = std::min(lo, x[i]);
+    hi = std::max(hi, x[i]);
+  }
+  const float d = (hi - lo) / 31.0f;
+  const float id = d != 0.0f ? 1.0f / d : 0.0f;
+  put_half(d, out);
+  put_half(lo, out + 2);
+  uint8_t q[32];
+  for (int i = 0; i < 32; ++i) q[i] = static_cast<uint8_t>(std::trunc((x[i] - lo) * id + 0.5f));
+  pack_5bit(q, out + 4, out + 8);
+}
+
+bool same_name(std::string_view a, std::string_view b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i)
+    if (std::tolower(static_cast<unsigned char>(a[i])) != std::tolower(static_cast<unsigned char>(b[i]))) return false;
+  return true;
 }
 
 }  // namespace
@@ -66,15 +130,18 @@ const GgmlTypeInfo& type_info(GgmlType type) {
 
 std::string type_names() {
   std::string out;
-  for (const auto& t : kTypes) out += (out.empty() ? "" : ", ") + std::string(t.name);
+  for (const auto& t : kTypes)
+    if (t.option) out += (out.empty() ? "" : ", ") + std::string(t.option);
   return out;
 }
 
 GgmlType type_from_name(std::string_view name) {
   for (const auto& t : kTypes)
-    if (name == t.name) return t.type;
+    if (t.option && same_name(name, t.option)) return t.type;
   throw std::invalid_argument("GGUF type '" + std::string(name) + "' is not one qlora writes: " + type_names());
 }
+
+bool is_quantized(GgmlType type) { return type_info(type).block > 1; }
 
 uint64_t row_bytes(GgmlType type, int64_t n) {
   const GgmlTypeInfo& t = type_info(type);
@@ -85,6 +152,10 @@ uint64_t row_bytes(GgmlType type, int64_t n) {
 
 void encode_row(GgmlType type, const float* x, int64_t n, uint8_t* out) {
   row_bytes(type, n);  // checks the block
+  const GgmlTypeInfo& t = type_info(type);
+  const auto blocks = [&](void (*block)(const float*, uint8_t*)) {
+    for (int64_t b = 0; b < n / t.block; ++b) block(x + t.block * b, out + t.block_bytes * b);
+  };
   switch (type) {
     case GgmlType::F32: std::memcpy(out, x, static_cast<size_t>(n) * 4); return;
     case GgmlType::F16:
@@ -96,12 +167,13 @@ void encode_row(GgmlType type, const float* x, int64_t n, uint8_t* out) {
         std::memcpy(out + 2 * i, &b, 2);
       }
       return;
-    case GgmlType::Q8_0:
-      for (int64_t b = 0; b < n / 32; ++b) q8_0_block(x + 32 * b, out + 34 * b);
-      return;
-    case GgmlType::Q4_0:
-      for (int64_t b = 0; b < n / 32; ++b) q4_0_block(x + 32 * b, out + 18 * b);
-      return;
+    case GgmlType::Q8_0: return blocks(q8_0_block);
+    case GgmlType::Q4_0: return blocks(q4_0_block);
+    case GgmlType::Q5_0: return blocks(q5_0_block);
+    case GgmlType::Q5_1: return blocks(q5_1_block);
+    case GgmlType::Q4_K: return blocks(encode_q4_k);
+    case GgmlType::Q5_K: return blocks(encode_q5_k);
+    case GgmlType::Q6_K: return blocks(encode_q6_k);
   }
 }
 
