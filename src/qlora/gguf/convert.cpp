@@ -8,6 +8,7 @@
 
 #include "qlora/gguf/arch.h"
 #include "qlora/gguf/quant_mix.h"
+#include "qlora/gguf/tensor_data.h"
 #include "qlora/gguf/tokenizer_meta.h"
 #include "qlora/gguf/writer.h"
 #include "qlora/io/checkpoint_dir.h"
@@ -40,26 +41,6 @@ Metadata general_metadata(const std::string& arch, const ConvertOptions& o, cons
           {"general.name", Value::string(name)},
           {"general.file_type", Value::u32(type_info(o.type).file_type)},
           {"general.quantization_version", Value::u32(2)}};
-}
-
-// HF's per-head [2, head_dim / 2] row halves interleaved back into llama.cpp's order.
-at::Tensor unrotate(const at::Tensor& w, int64_t heads) {
-  const int64_t rows = w.size(0);
-  return w.reshape({heads, 2, rows / heads / 2, w.size(1)}).transpose(1, 2).reshape(w.sizes()).contiguous();
-}
-
-void write_tensor(Writer& out, const at::Tensor& t, GgmlType type) {
-  const at::Tensor x = t.to(at::kFloat).contiguous();
-  const int64_t cols = x.dim() == 0 ? 1 : x.size(-1), rows = x.numel() / cols;
-  const uint64_t rb = row_bytes(type, cols);
-  const int64_t chunk = std::max<int64_t>(1, (1 << 22) / static_cast<int64_t>(rb));  // ~4 MB of output a write
-  std::vector<uint8_t> buf;
-  for (int64_t r = 0; r < rows; r += chunk) {
-    const int64_t n = std::min(chunk, rows - r);
-    buf.resize(static_cast<size_t>(n * rb));
-    for (int64_t i = 0; i < n; ++i) encode_row(type, x.data_ptr<float>() + (r + i) * cols, cols, buf.data() + i * rb);
-    out.write(buf.data(), buf.size());
-  }
 }
 
 // What the file will hold: the architecture, every tensor's GGUF spec with the checkpoint key it

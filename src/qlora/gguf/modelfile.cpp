@@ -42,7 +42,7 @@ std::vector<std::string> write_gguf_files(const std::string& dir, const std::vec
     ConvertOptions o;
     o.type = type;
     o.name = name;
-    const std::string path = (fs::path(dir) / (name + "-" + type_info(type).name + ".gguf")).string();
+    const std::string path = (fs::path(dir) / (name + "-" + type_info(type).option + ".gguf")).string();
     write_gguf(dir, path, o);
     write_modelfile(dir, path);
     paths.push_back(path);

@@ -1,0 +1,131 @@
+#include "qlora/gguf/adapter.h"
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <filesystem>
+#include <map>
+#include <stdexcept>
+
+#include <nlohmann/json.hpp>
+
+#include "qlora/gguf/arch.h"
+#include "qlora/gguf/tensor_data.h"
+#include "qlora/gguf/writer.h"
+#include "qlora/io/checkpoint_dir.h"
+#include "qlora/io/read_file.h"
+#include "qlora/io/safetensors.h"
+#include "qlora/models/key_layout.h"
+#include "qlora/models/llama_config.h"
+
+namespace qlora::gguf {
+namespace {
+namespace fs = std::filesystem;
+
+// adapter_config.json's scale as llama.cpp's alpha (it multiplies by alpha / r); refuses what a
+// GGUF LoRA adapter cannot hold.
+double gguf_alpha(const std::string& adapter_dir) {
+  const std::string file = (fs::path(adapter_dir) / "adapter_config.json").string();
+  const auto text = io::read_file(file);
+  if (!text) throw std::invalid_argument(file + ": cannot read it (a PEFT adapter directory has one)");
+  nlohmann::json c;
+  try {
+    c = nlohmann::json::parse(*text);
+  } catch (const nlohmann::json::exception& e) {
+    throw std::invalid_argument(file + ": " + e.what());
+  }
+  const auto refuse = [&](const std::string& what) {
+    throw std::invalid_argument(file + ": " + what + "; a GGUF LoRA adapter holds plain LoRA matrices only");
+  };
+  if (c.value("peft_type", std::string("LORA")) != "LORA") refuse("peft_type is not LORA");
+  if (c.value("use_dora", false)) refuse("use_dora is true (DoRA's magnitude vectors)");
+  if (c.value("fan_in_fan_out", false)) refuse("fan_in_fan_out is true");
+  if (c.contains("bias") && c["bias"] != "none") refuse("bias is " + c["bias"].dump());
+  if (c.contains("modules_to_save") && !c["modules_to_save"].is_null() && !c["modules_to_save"].empty())
+    refuse("modules_to_save is set");
+  if (!c.contains("r") || !c["r"].is_number() || !c.contains("lora_alpha") || !c["lora_alpha"].is_number())
+    throw std::invalid_argument(file + ": expected numbers 'r' and 'lora_alpha'");
+  for (const char* k : {"rank_pattern", "alpha_pattern"})
+    if (c.contains(k) && !c[k].is_null() && !c[k].empty()) refuse(std::string(k) + " is set (per-module ranks)");
+  const double r = c["r"].get<double>(), alpha = c["lora_alpha"].get<double>();
+  return c.value("use_rslora", false) ? alpha * std::sqrt(r) : alpha;  // alpha / sqrt(r) == (alpha sqrt(r)) / r
+}
+
+struct Pair {
+  std::string a_key, b_key;  // in adapter_model.safetensors
+  TensorPlan target;         // the adapted matrix's GGUF name and row order
+};
+
+// The adapter's A/B pairs in file order of their A, each with the matrix it adapts.
+std::vector<Pair> pairs_of(const io::SafetensorsFile& f, const models::LlamaConfig& c, models::KeyLayout layout) {
+  static const std::string kPrefix = "base_model.model.", kA = ".lora_A.weight", kB = ".lora_B.weight";
+  std::vector<Pair> out;
+  for (const io::TensorInfo& t : f.tensors()) {
+    const std::string& key = t.name;
+    const bool is_a = key.size() > kA.size() && key.compare(key.size() - kA.size(), kA.size(), kA) == 0;
+    const bool is_b = key.size() > kB.size() && key.compare(key.size() - kB.size(), kB.size(), kB) == 0;
+    if (key.rfind(kPrefix, 0) != 0 || (!is_a && !is_b))
+      throw std::invalid_argument(f.path() + ": tensor '" + key + "' is not a PEFT LoRA A/B matrix");
+    if (!is_a) continue;
+    const std::string module = key.substr(kPrefix.size(), key.size() - kPrefix.size() - kA.size());
+    const std::string b_key = kPrefix + module + kB;
+    if (!f.find(b_key)) throw std::invalid_argument(f.path() + ": '" + key + "' has no '" + b_key + "'");
+    const std::string weight = module + ".weight";
+    std::optional<TensorPlan> target;
+    if (models::is_language_model_key(layout, weight)) target = gguf_tensor(models::text_key(layout, weight), c);
+    if (!target || target->add != 0.0f)
+      throw std::invalid_argument(f.path() + ": '" + key + "' adapts '" + weight +
+                                  "', which has no GGUF matrix a LoRA adapter can apply to");
+    out.push_back({key, b_key, *target});
+  }
+  if (out.empty()) throw std::invalid_argument(f.path() + ": no LoRA matrices");
+  return out;
+}
+
+// Adapters are small; llama.cpp's converter writes every matrix in one type, f16 where a row is not
+// whole blocks of it (B's rows are r long).
+GgmlType adapter_type(const std::vector<int64_t>& shape, GgmlType chosen) {
+  return shape.back() % type_info(chosen).block == 0 ? chosen : GgmlType::F16;
+}
+
+}  // namespace
+
+size_t write_adapter_gguf(const std::string& adapter_dir, const std::string& base_dir, const std::string& out_path,
+                          const AdapterOptions& options) {
+  if (options.type != GgmlType::F32 && options.type != GgmlType::F16 && options.type != GgmlType::BF16 &&
+      options.type != GgmlType::Q8_0)
+    throw std::invalid_argument(std::string("a LoRA adapter GGUF is written in f32, f16, bf16 or q8_0, not ") +
+                                type_info(options.type).name);
+  const double alpha = gguf_alpha(adapter_dir);
+  const models::LlamaConfig c = models::load_llama_config(base_dir);
+  const ArchPlan arch = plan_architecture(c, base_dir + "/config.json");
+  const models::KeyLayout layout = models::key_layout_of(io::CheckpointDir::open(base_dir), c);
+  const auto f = io::SafetensorsFile::open((fs::path(adapter_dir) / "adapter_model.safetensors").string());
+  const std::vector<Pair> pairs = pairs_of(f, c, layout);
+  std::vector<TensorSpec> specs;
+  for (const Pair& p : pairs) {
+    for (const auto& [key, suffix] : {std::pair{p.a_key, ".lora_a"}, std::pair{p.b_key, ".lora_b"}}) {
+      const auto& shape = f.info(key).shape;
+      specs.push_back({p.target.name + suffix, shape, adapter_type(shape, options.type)});
+    }
+  }
+  std::string name = options.name;
+  if (name.empty()) name = fs::path(base_dir).lexically_normal().filename().string();
+  Metadata metadata = {{"general.architecture", Value::string(arch.arch)},
+                       {"general.type", Value::string("adapter")},
+                       {"general.name", Value::string(name)},
+                       {"adapter.type", Value::string("lora")},
+                       {"adapter.lora.alpha", Value::f32(static_cast<float>(alpha))}};
+  Writer out(out_path, std::move(metadata), specs);
+  size_t i = 0;
+  for (const Pair& p : pairs) {
+    write_tensor(out, f.tensor(p.a_key), specs[i++].type);
+    at::Tensor b = f.tensor(p.b_key);
+    if (p.target.permute_heads > 0) b = unrotate(b, p.target.permute_heads);  // B's rows are W's rows
+    write_tensor(out, b, specs[i++].type);
+  }
+  out.commit();
+  return specs.size();
+}
+
+}  // namespace qlora::gguf
