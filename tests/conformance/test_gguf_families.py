@@ -17,7 +17,9 @@ family's kind, converted with `qlora gguf --type f32` and `--type f16`:
 For each: llama.cpp's logits on the f32 and f16 files equal transformers' within the tolerance
 beside the check, and its greedy continuation of 24 tokens is transformers'; llama.cpp tokenizes a
 varied corpus as the reference tokenizer does (each tokenizer kind, plus the full real Qwen
-vocabulary); transformers' own GGUF loader reads our files where it knows the architecture. Each
+vocabulary); transformers' own GGUF loader reads our files where it knows the architecture; a random
+PEFT LoRA over every linear layer, written by `qlora gguf --adapter`, gives peft's logits in
+llama.cpp on the base's f32 file. Each
 refusal (unknown model_type, unsupported RoPE, what llama.cpp would compute differently, a tensor
 without a GGUF name, an unknown pre-tokenizer) is checked once, with no file left behind.
 
@@ -318,6 +320,31 @@ def check_family(tool, work, name):
     return d, model, tok, paths
 
 
+def check_adapter(tool, name, d, model, tok, base_gguf):
+    """`qlora gguf --adapter` on a random PEFT LoRA over every linear layer of the family (B non-zero):
+    llama.cpp applies it to our f32 file of the base and gives peft's logits with the adapter on."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+    torch.manual_seed(1)
+    peft_model = get_peft_model(copy.deepcopy(model), LoraConfig(r=8, lora_alpha=16, target_modules="all-linear",
+                                                                 init_lora_weights=False)).eval()
+    adapter = os.path.join(d, "adapter")
+    peft_model.save_pretrained(adapter)
+    out = os.path.join(d, "adapter-f32.gguf")
+    r = subprocess.run([tool, "gguf", adapter, "--adapter", "--base", d, "--type", "f32", "-o", out],
+                       capture_output=True, text=True)
+    if not check(r.returncode == 0, f"{name}: qlora gguf --adapter: {(r.stdout or r.stderr).strip()[:200]}"):
+        return
+    ids = prompt_ids(tok)
+    ref = hf_logits(peft_model, ids)
+    diff = rel_diff(llama_cpp_logits(llama_cpp_model(base_gguf, lora_path=out), ids), ref)
+    moved = rel_diff(hf_logits(model, ids), ref)
+    tol = tolerance(name, "f32")
+    CHECKS.check(f"{name}: llama.cpp with our LoRA GGUF on the base's f32 file gives peft's logits",
+                 diff < tol < moved, f"{diff:.2e} (< {tol:g}; the adapter moves them by {moved:.2e})")
+
+
 # ---------------------------------------------------------------------------------------------- main checks
 
 def check_tokenization(path, ref, label):
@@ -506,6 +533,7 @@ def main():
         dirs[name] = d
         check_tokenization(paths["f32"], tok, f"{name} ({FAMILIES[name][2]})")
         check_transformers_loader(name, paths["f32"], model)
+        check_adapter(a.tool, name, d, model, tok, paths["f32"])
     check_window(a.tool, a.workdir, "mistral", "mistral_sliding", "sp-llama")
     check_window(a.tool, a.workdir, "phi3", "phi3", "sp-phi3")
     check_gemma3_multimodal(a.tool, a.workdir)
