@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "kernels/cpu_isa.h"
 #include "quant/nf4_format.h"
 
 // Clones a function for AVX-512, AVX2 and baseline x86-64; the loader picks one at start-up.
@@ -18,10 +19,10 @@
 #define QLORA_INLINE inline __attribute__((always_inline))
 
 // Hand-vectorized kernels: AVX2 + FMA intrinsics in functions marked QLORA_AVX2, taken when the
-// CPU has both (a scalar path otherwise).
+// active ISA (cpu_isa.h: the CPU's, or less under QLORA_CPU_ISA) has both (a scalar path otherwise).
 #if defined(__x86_64__)
 #define QLORA_AVX2 __attribute__((target("avx2,fma")))
-inline const bool kHaveAvx2Fma = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+inline const bool kHaveAvx2Fma = qlora::kernels::active_isa() >= qlora::kernels::CpuIsa::kAvx2;
 #endif
 
 namespace qlora::kernels {

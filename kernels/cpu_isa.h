@@ -1,0 +1,31 @@
+// The CPU's vector ISA, read once from CPUID (and the OS's saved-state mask, XCR0), for the
+// kernels' run-time dispatch, model.dtype = "auto" and the bench JSON. One binary runs everywhere:
+// each kernel has a path per ISA and takes the best one active_isa() allows.
+//
+// QLORA_CPU_ISA=scalar|avx2|avx512|avx512_bf16 caps it (tests force each path the machine has;
+// asking for more than the CPU has is an error naming both).
+#pragma once
+
+namespace qlora::kernels {
+
+// Ordered: each level includes the ones below it.
+enum class CpuIsa {
+  kScalar = 0,
+  kAvx2 = 1,        // AVX2 + FMA
+  kAvx512 = 2,      // AVX-512 F, BW, DQ, VL (x86-64-v4)
+  kAvx512Bf16 = 3,  // plus AVX512_BF16 (vdpbf16ps: bf16 dot products into fp32)
+};
+
+struct CpuFeatures {
+  CpuIsa isa = CpuIsa::kScalar;  // the best level the CPU and OS support
+  bool amx_bf16 = false;         // AMX tiles with bf16 (Sapphire Rapids and later)
+};
+
+const CpuFeatures& cpu_features();  // the CPU's, read once
+CpuIsa active_isa();                // cpu_features().isa, capped by QLORA_CPU_ISA; read once
+// Whether the CPU multiplies bf16 natively (AVX512_BF16 or AMX-BF16): where bf16 compute is the
+// fast path (model.dtype = "auto" picks bf16 there, fp32 elsewhere).
+bool has_native_bf16();
+const char* isa_name(CpuIsa isa);  // "scalar", "avx2", "avx512", "avx512_bf16"
+
+}  // namespace qlora::kernels
