@@ -138,8 +138,15 @@ def check_training(a, smol, tok, checks):
     check_gguf(epoch, os.path.basename(smol.rstrip("/")), checks)
     check_adapter_gguf(a, smol, tok, epoch, checks)
     out2 = os.path.join(a.workdir, "run2")
-    r2 = run_recipe(a.qlora, out2, *common, "training.batch_size=2", nproc=2, timeout=1200)  # the same global batch
+    r2 = run_recipe(a.qlora, out2, *common, "training.batch_size=2", 'checkpoint.gguf=["q8_0"]', nproc=2,
+                    timeout=1200)  # the same global batch
     if checks(r2.returncode == 0, "the same run on 2 ranks"):
+        from gguf import GGUFReader
+        name = os.path.basename(smol.rstrip("/"))
+        layout = [[(t.name, t.tensor_type.name, t.data_offset) for t in GGUFReader(os.path.join(d, f"{name}-q8_0.gguf")).tensors]
+                  for d in (os.path.join(out2, "epoch_0"), epoch)]
+        checks(layout[0] == layout[1] and len(layout[0]) > 0,
+               f"2 ranks' epoch export holds the q8_0 GGUF, laid out as one process's ({len(layout[0])} tensors)")
         l2 = [row["loss"] for row in step_rows(out2)]
         diff = max(abs(x - y) for x, y in zip(losses, l2))
         checks(len(l2) == len(losses) and diff <= RANKS_TOL * 10, f"2 ranks' losses equal one process's (max diff {diff:.2e})")
