@@ -67,7 +67,8 @@ CpuIsa active_isa() {
   return isa;
 }
 
-bool has_native_bf16() { return cpu_features().isa == CpuIsa::kAvx512Bf16 || cpu_features().amx_bf16; }
+// Every CPU with AMX-BF16 also has AVX512_BF16, so the capped level decides (QLORA_CPU_ISA=avx2 gives fp32).
+bool has_native_bf16() { return active_isa() == CpuIsa::kAvx512Bf16; }
 
 const char* isa_name(CpuIsa isa) {
   switch (isa) {

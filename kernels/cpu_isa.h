@@ -23,8 +23,9 @@ struct CpuFeatures {
 
 const CpuFeatures& cpu_features();  // the CPU's, read once
 CpuIsa active_isa();                // cpu_features().isa, capped by QLORA_CPU_ISA; read once
-// Whether the CPU multiplies bf16 natively (AVX512_BF16 or AMX-BF16): where bf16 compute is the
-// fast path (model.dtype = "auto" picks bf16 there, fp32 elsewhere).
+// Whether the CPU multiplies bf16 natively (AVX512_BF16, which every AMX-BF16 CPU also has), as
+// active_isa() allows: where bf16 compute is the fast path (model.dtype = "auto" picks bf16 there,
+// fp32 elsewhere).
 bool has_native_bf16();
 const char* isa_name(CpuIsa isa);  // "scalar", "avx2", "avx512", "avx512_bf16"
 

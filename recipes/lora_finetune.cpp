@@ -51,6 +51,7 @@
 #include "qlora/optim/schedule.h"
 #include "qlora/io/checkpoint_dir.h"
 #include "qlora/io/cpu_memory.h"
+#include "kernels/cpu_isa.h"
 #include "qlora/train/demo.h"
 #include "qlora/train/device.h"
 #include "qlora/train/evaluate.h"
@@ -94,7 +95,10 @@ bool check_resumable(const nlohmann::json& meta, const RecipeConfig& cfg, c10::D
     if (!(remesh && (d == "dist.shard_size" || d == "training.batch_size"))) keys += (keys.empty() ? "" : ", ") + d;
   if (!keys.empty())
     throw std::invalid_argument("cannot resume " + ckpt + ": these keys differ from the run that wrote it and "
-                                "would change its results: " + keys + " (restore them, or start a new output_dir)");
+                                "would change its results: " + keys + " (restore them, or start a new output_dir)" +
+                                (keys.find("model.dtype") != std::string::npos
+                                     ? "; model.dtype = \"auto\" resolves per machine: set the run's dtype explicitly"
+                                     : ""));
   // CPU and CUDA kernels round differently: continuing on the other kind would not be exact.
   const std::string saved_device = meta.value("device_type", std::string("cpu"));
   if (saved_device != (device.is_cuda() ? "cuda" : "cpu"))
@@ -607,9 +611,13 @@ int run_recipe(const RecipeConfig& cfg, c10::Device device, engine::World& world
 }  // namespace
 
 int lora_finetune_main(const std::vector<std::string>& args) {
-  const RecipeConfig cfg = load_recipe_config(args);
+  RecipeConfig cfg = load_recipe_config(args);
   const engine::RankEnv env = engine::rank_env_from_environment();
   c10::Device device = train::resolve_device(cfg.model.device);
+  // Resolved before anything reads it: checkpoints record the dtype the run computed in.
+  std::string dtype_note;
+  cfg.model.dtype = config::resolve_compute_dtype(cfg.model.dtype, device, kernels::has_native_bf16(), &dtype_note);
+  if (env.rank == 0 && !dtype_note.empty()) std::printf("%s\n", dtype_note.c_str());
   if (env.world_size > 1) {
     // One GPU per rank on a node; on the CPU the node's cores are split between its ranks.
     if (device.is_cuda()) device = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(env.local_rank));

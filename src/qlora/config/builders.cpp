@@ -64,6 +64,19 @@ models::LlamaLoadOptions llama_load_options(const RecipeConfig& cfg, c10::Device
   return o;
 }
 
+at::ScalarType resolve_compute_dtype(at::ScalarType configured, c10::Device device, bool native_bf16, std::string* why) {
+  if (configured != at::ScalarType::Undefined) return configured;
+  const bool bf16 = device.is_cuda() || native_bf16;
+  if (why != nullptr) {
+    *why = std::string("model.dtype = \"auto\": ") + (bf16 ? "bf16" : "fp32") + " (" +
+           (device.is_cuda() ? "a CUDA device"
+            : bf16           ? "this CPU multiplies bf16 natively: AVX512_BF16 or AMX-BF16"
+                             : "this CPU has no native bf16 products (AVX512_BF16 / AMX-BF16)") +
+           ")";
+  }
+  return bf16 ? at::kBFloat16 : at::kFloat;
+}
+
 optim::AdamWOptions adamw_options(const OptimConfig& optim_cfg) {
   return {optim_cfg.lr, optim_cfg.betas[0], optim_cfg.betas[1], optim_cfg.eps, optim_cfg.weight_decay};
 }

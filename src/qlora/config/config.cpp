@@ -29,7 +29,9 @@ namespace {
 // ---- enum keys ------------------------------------------------------------------------------
 // Every enum key is spelled by one name table. The components own theirs; config owns only the
 // compute dtypes the models support and BaseFormat, which no component has.
-constexpr io::EnumName<at::ScalarType> kComputeDtypeNames[] = {{at::kBFloat16, "bf16"}, {at::kFloat, "fp32"}};
+// "auto" is ScalarType::Undefined until the recipe resolves it for its device (resolve_compute_dtype).
+constexpr io::EnumName<at::ScalarType> kComputeDtypeNames[] = {
+    {at::kBFloat16, "bf16"}, {at::kFloat, "fp32"}, {at::ScalarType::Undefined, "auto"}};
 constexpr io::EnumName<BaseFormat> kBaseFormatNames[] = {
     {BaseFormat::NF4, "nf4"}, {BaseFormat::BF16, "bf16"}, {BaseFormat::FP32, "fp32"}};
 

@@ -44,7 +44,9 @@ struct ModelConfig {
   std::string tokenizer;
   // "auto" (the first CUDA device when one is present, else the CPU), "cpu", "cuda" or "cuda:N".
   std::string device = "auto";
-  at::ScalarType dtype = at::kBFloat16;  // compute dtype: "bf16" | "fp32"
+  // Compute dtype: "bf16" | "fp32" | "auto" (ScalarType::Undefined until the recipe resolves it with
+  // resolve_compute_dtype (builders.h): bf16 on CUDA and on CPUs that multiply bf16 natively).
+  at::ScalarType dtype = at::kBFloat16;
   BaseFormat base = BaseFormat::NF4;      // "nf4" | "bf16" | "fp32"
   bool activation_checkpointing = true;
 };
