@@ -72,9 +72,7 @@ std::pair<std::string, std::string> adapter_and_base(const GgufArgs& a) {
   if (!fs::exists(config))
     throw std::invalid_argument(a.dir + ": no adapter/adapter_config.json or adapter_config.json (a PEFT adapter)");
   if (!a.base.empty()) return {adapter, a.base};
-  if (epoch && fs::exists(fs::path(a.dir) / "config.json") && fs::exists(fs::path(a.dir) / "model.safetensors.index.json"))
-    return {adapter, a.dir};
-  if (epoch && fs::exists(fs::path(a.dir) / "model.safetensors")) return {adapter, a.dir};
+  if (epoch && fs::exists(fs::path(a.dir) / "config.json")) return {adapter, a.dir};  // the merged export beside it
   std::ifstream f(config);
   const nlohmann::json c = nlohmann::json::parse(f, nullptr, false);
   const std::string named = c.is_object() && c.value("base_model_name_or_path", nlohmann::json()).is_string()

@@ -63,14 +63,19 @@ void q8_0_block(const float* x, uint8_t* out) {
   for (int i = 0; i < 32; ++i) out[2 + i] = static_cast<uint8_t>(static_cast<int8_t>(std::round(x[i] * id)));
 }
 
-// Q4_0: d = (the value of largest magnitude) / -8 (as fp16), q = min(15, trunc(x / d + 8.5)),
-// elements i and i + 16 sharing byte i (low, high nibble).
-void q4_0_block(const float* x, uint8_t* out) {
-  const float d = signed_absmax(x, 32) / -8.0f;
+// Q4_0 (levels 16) and Q5_0 (levels 32): d = (the value of largest magnitude) / -(levels / 2), as
+// fp16 at the block's start; q = min(levels - 1, trunc(x / d + levels / 2 + 0.5)).
+void symmetric_codes(const float* x, float levels, uint8_t* out, uint8_t* q) {
+  const float d = signed_absmax(x, 32) / -(levels / 2);
   const float id = d != 0.0f ? 1.0f / d : 0.0f;
   put_half(d, out);
+  for (int i = 0; i < 32; ++i) q[i] = static_cast<uint8_t>(std::min(levels - 1, std::trunc(x[i] * id + (levels / 2 + 0.5f))));
+}
+
+// Q4_0: elements i and i + 16 share byte i (low, high nibble).
+void q4_0_block(const float* x, uint8_t* out) {
   uint8_t q[32];
-  for (int i = 0; i < 32; ++i) q[i] = static_cast<uint8_t>(std::min(15.0f, std::trunc(x[i] * id + 8.5f)));
+  symmetric_codes(x, 16.0f, out, q);
   for (int i = 0; i < 16; ++i) out[2 + i] = static_cast<uint8_t>(q[i] | (q[i + 16] << 4));
 }
 
@@ -86,13 +91,10 @@ void pack_5bit(const uint8_t* q, uint8_t* qh, uint8_t* qs) {
   std::memcpy(qh, &high, 4);
 }
 
-// Q5_0: d = (the value of largest magnitude) / -16 (as fp16), q = min(31, trunc(x / d + 16.5)).
+// Q5_0: five-bit codes (pack_5bit) after the scale.
 void q5_0_block(const float* x, uint8_t* out) {
-  const float d = signed_absmax(x, 32) / -16.0f;
-  const float id = d != 0.0f ? 1.0f / d : 0.0f;
-  put_half(d, out);
   uint8_t q[32];
-  for (int i = 0; i < 32; ++i) q[i] = static_cast<uint8_t>(std::min(31.0f, std::trunc(x[i] * id + 16.5f)));
+  symmetric_codes(x, 32.0f, out, q);
   pack_5bit(q, out + 2, out + 6);
 }
 
