@@ -4,6 +4,10 @@ projections as torchao NF4 tensors used through torchao's linear_nf4, fp32 LoRA 
 q,k,v,o,gate,up,down (peft/torchtune LoRALinear math), RMSNorm, rotate-half RoPE, SDPA causal
 attention, SwiGLU, cross-entropy on shifted labels, torch.optim.AdamW.
 
+--dtype bf16: the frozen tensors (embedding, norms, head) stay bf16 as the checkpoint has them and
+the forward runs under torch.autocast("cpu", dtype=torch.bfloat16), as a bf16 QLoRA run on a GPU
+does: bf16 GEMMs (oneDNN, fp32 accumulation), the loss in fp32, fp32 adapters, gradients and AdamW.
+
 Two modes, both called by bench_train_step:
   --write-model DIR   write random bf16 weights + config.json as an HF checkpoint (done once; the
                       C++ side loads the same files with load_llama(base_in_nf4=true))
@@ -154,8 +158,9 @@ def bench(a):
     inp, labels = tokens[:, :-1], tokens[:, 1:]
 
     def step():
-        logits = model(inp)
-        loss = F.cross_entropy(logits.reshape(-1, V), labels.reshape(-1), ignore_index=-100)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.dtype == "bf16"):
+            logits = model(inp)
+            loss = F.cross_entropy(logits.reshape(-1, V), labels.reshape(-1), ignore_index=-100)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -170,6 +175,7 @@ def bench(a):
     med = statistics.median(times)
     print(json.dumps({
         "impl": "pytorch+torchao (peer)", "torch_version": torch.__version__,
+        "compute": "torch.autocast cpu bfloat16" if a.dtype == "bf16" else "fp32",
         "torch_threads": torch.get_num_threads(), "load_s": load_s,
         "trainable_params": sum(p.numel() for p in params),
         "step_s": times, "median_step_s": med, "tokens_per_s": a.batch * a.seq / med,

@@ -32,14 +32,16 @@ inline modules::LoraLinear random_nf4_projection(int64_t out, int64_t in, at::Ge
 
 // A model of `config`'s shape (on_layer sees each layer as it is built, as
 // LlamaLoadOptions::on_layer_loaded does) in memory: NF4 projections, bf16 embeddings and
-// lm_head (one tensor when the config ties them), fp32 unit norms, zero biases and fp32 compute (what load_llama
-// gives with base_in_nf4, fp32 compute and frozen_dtype bf16), LoRA on every projection of the
-// decoder layers (not the output head).
+// lm_head (one tensor when the config ties them), unit norms and zero biases in the compute dtype
+// (what load_llama gives with base_in_nf4 and frozen_dtype bf16: fp32 compute by default, or bf16),
+// LoRA (fp32) on every projection of the decoder layers (not the output head).
 inline models::LlamaModel random_model(
     const models::LlamaConfig& config, int64_t r, double alpha, bool activation_checkpointing,
-    const std::function<void(int64_t, modules::DecoderLayer&, const models::Architecture&)>& on_layer = {}) {
+    const std::function<void(int64_t, modules::DecoderLayer&, const models::Architecture&)>& on_layer = {},
+    at::ScalarType compute_dtype = at::kFloat) {
   models::LlamaModel m;
   m.config = config;
+  m.compute_dtype = compute_dtype;
   const auto& c = m.config;
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(0);
   const int64_t h = c.hidden_size;
@@ -47,7 +49,8 @@ inline models::LlamaModel random_model(
   m.frozen_dtype = at::kBFloat16;
   const auto bf16 = at::TensorOptions().dtype(at::kBFloat16);
   // A norm weight that scales by 1: w = 1, or w = 0 where the family scales by (1 + w) (Gemma).
-  auto unit_norm = [&c](int64_t n) { return c.norm_plus_one ? at::zeros({n}) : at::ones({n}); };
+  const auto norm_dtype = at::TensorOptions().dtype(compute_dtype);
+  auto unit_norm = [&](int64_t n) { return c.norm_plus_one ? at::zeros({n}, norm_dtype) : at::ones({n}, norm_dtype); };
   m.layers.reserve(static_cast<size_t>(c.num_hidden_layers));  // on_layer may keep references to layers
   // Drawn in bf16 and scaled in place: no fp32 [vocab, hidden] temporary.
   m.embed_tokens = at::randn({c.vocab_size, h}, gen, bf16).mul_(0.02);
@@ -58,7 +61,7 @@ inline models::LlamaModel random_model(
       if (!row.member) continue;
       const std::vector<int64_t> shape = models::projection_shape(row, c);  // [out, in]
       L.*row.member = random_nf4_projection(shape[0], shape[1], gen);
-      if (models::has_bias(row, c)) modules::lora_linear_set_bias(L.*row.member, at::zeros({shape[0]}));
+      if (models::has_bias(row, c)) modules::lora_linear_set_bias(L.*row.member, at::zeros({shape[0]}, norm_dtype));
     }
     for (modules::LoraLinear* p : models::layer_projections(arch, L))
       modules::lora_linear_add_adapter(*p, r, alpha, 0.0, gen, at::kCPU);

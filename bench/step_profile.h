@@ -133,10 +133,12 @@ struct GemmShape {
 };
 
 // The GEMM floor of a step over `tokens` tokens: for every shape, x[tokens, in] @ W^T and
-// gy[tokens, out] @ W (fp32), `count` times; the median of `reps` passes, in seconds.
-inline double gemm_floor_s(const std::vector<GemmShape>& shapes, int64_t tokens, int reps = 3) {
+// gy[tokens, out] @ W in `dtype` (the step's compute dtype; bf16 accumulates in fp32), `count`
+// times; the median of `reps` passes, in seconds.
+inline double gemm_floor_s(const std::vector<GemmShape>& shapes, int64_t tokens, at::ScalarType dtype = at::kFloat,
+                           int reps = 3) {
   std::vector<double> times;
-  const at::TensorOptions f32 = at::TensorOptions().dtype(at::kFloat);
+  const at::TensorOptions f32 = at::TensorOptions().dtype(dtype);
   for (int r = 0; r <= reps; ++r) {  // pass 0 warms up
     double t = 0.0;
     for (const GemmShape& g : shapes) {

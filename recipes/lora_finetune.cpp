@@ -617,7 +617,8 @@ int lora_finetune_main(const std::vector<std::string>& args) {
   // Resolved before anything reads it: checkpoints record the dtype the run computed in.
   std::string dtype_note;
   cfg.model.dtype = config::resolve_compute_dtype(cfg.model.dtype, device, kernels::has_native_bf16(), &dtype_note);
-  if (env.rank == 0 && !dtype_note.empty()) std::printf("%s\n", dtype_note.c_str());
+  if (env.rank == 0)
+    std::printf("compute dtype %s (%s)\n", cfg.model.dtype == at::kBFloat16 ? "bf16" : "fp32", dtype_note.c_str());
   if (env.world_size > 1) {
     // One GPU per rank on a node; on the CPU the node's cores are split between its ranks.
     if (device.is_cuda()) device = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(env.local_rank));

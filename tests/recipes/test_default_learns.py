@@ -8,6 +8,8 @@ words and sums that neither the base's pre-training nor the training file contai
    held-out sums and >= 80% of the reversals exactly right, and the run's own counts agree;
 3. `qlora generate` gives transformers' answers on a few of those prompts, and the run printed
    transformers' answer to the prompt it shows.
+With --dtype bf16 (recipe.default_learns_bf16) the same run computes in bf16 (model.dtype=bf16;
+the embedded default itself is fp32) and must reach the same held-out accuracy (#25).
 Prints "N passed, M failed"; exit code 1 on any failure.
 """
 import json
@@ -57,14 +59,17 @@ def printed_scores(stdout):
 
 
 def main():
-    a = recipe_args()
+    a = recipe_args(("--dtype", {"default": "", "choices": ["", "fp32", "bf16"],
+                                 "help": "model.dtype override (default: the embedded default's own, fp32)"}))
     out = os.path.join(a.workdir, "out")
 
     # 1. the default run, as the README runs it (only the output_dir and plain progress differ)
     t0 = time.time()
-    r = run_recipe(a.qlora, out, "logging.progress=plain")
+    r = run_recipe(a.qlora, out, "logging.progress=plain", *([f"model.dtype={a.dtype}"] if a.dtype else []))
     print(f"the default run took {time.time() - t0:.1f} s")
     check(r.returncode == 0, "the default run exits 0")
+    want = a.dtype or "fp32"
+    check(f"compute dtype {want} (model.dtype = \"{want}\")" in r.stdout, f"the run says it computes in {want}")
     last = max((d for d in os.listdir(out) if d.startswith("epoch_")), key=lambda d: int(d[6:]), default="epoch_0") \
         if os.path.isdir(out) else "epoch_0"
     export = os.path.join(out, last)

@@ -134,7 +134,10 @@ ChunkScore score_chunk(const OutputHead& head, const HeadRows& rows, const Chunk
     const at::Tensor rescale = ops::online_softmax_(z, p, m, s);  // [T, 1], 0 on the first block
     if (!dh && !dxa) continue;
     if (head.softcap != 0.0) p.mul_(softcap_slope(head, z));
-    if (dh) acc_h.mul_(rescale).addmm_(p, w.scalar_type() == at::kFloat ? w : w.to(at::kFloat));
+    // dh: fp32 GEMMs into the running sum; a bf16 head as a bf16 GEMM (fp32 accumulation) whose
+    // block sum is added in fp32, never widening the block of W.
+    if (dh && w.scalar_type() == at::kFloat) acc_h.mul_(rescale).addmm_(p, w);
+    else if (dh) acc_h.mul_(rescale).add_(at::mm(p.to(w.scalar_type()), w));
     if (dxa) acc_xa.mul_(rescale).addmm_(p, l.lora_b.detach().narrow(0, r0, n));
   }
   ChunkScore r;

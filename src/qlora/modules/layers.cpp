@@ -182,8 +182,11 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& kk, const at::Tensor& v
                   const AttentionOptions& opt) {
   const double scale = opt.scale > 0 ? opt.scale : 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
   if (opt.softcap <= 0) {
-    // fp32 on the CPU (training's case): by query blocks, skipping the masked half (blocked_attention.h).
-    if (is_causal && q.is_cpu() && q.scalar_type() == at::kFloat) return blocked_causal_attention(q, kk, vv, scale);
+    // Training's case on the CPU, fp32 or bf16: by query blocks, skipping the masked half
+    // (blocked_attention.h). bf16 as transformers' eager attention rounds: bf16 scores, softmax in
+    // fp32, bf16 probabilities.
+    const bool cpu_training_dtype = q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16;
+    if (is_causal && q.is_cpu() && cpu_training_dtype) return blocked_causal_attention(q, kk, vv, scale);
     const std::optional<at::Tensor> m = mask.defined() ? std::optional<at::Tensor>(mask) : std::nullopt;
     return at::scaled_dot_product_attention(q, kk, vv, m, 0.0, is_causal, scale);
   }

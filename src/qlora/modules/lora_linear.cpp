@@ -103,9 +103,9 @@ at::Tensor group_base_grad(AutogradContext* ctx, const std::vector<at::Tensor>& 
 // (small NF4 weights stacked), x @ [A_0; A_1; ...]^T as one, each update accumulated into its
 // member's columns inside its GEMM. Backward: x's gradient summed over the members inside the
 // GEMMs back through the bases and one GEMM through the stacked A's (no per-member [T, in] sums),
-// the B and A gradients. Saved: x and x @ A^T [T, sum of r]; the bases are dequantized again. In
-// the compute dtype bf16 the updates are added in fp32 and the sums cast back, as
-// lora_linear_forward does.
+// the B and A gradients. Saved: x and x @ A^T [T, sum of r]; the bases are dequantized again. The
+// adapters compute in x's dtype (bf16: bf16 GEMMs with fp32 accumulation, as under autocast); their
+// weights and gradients stay fp32.
 // Outputs: one per member, [..., out_i] (views into the side-by-side output).
 struct LoraGroupFunction : public torch::autograd::Function<LoraGroupFunction> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x, at::TensorList as, at::TensorList bs,
@@ -125,13 +125,15 @@ struct LoraGroupFunction : public torch::autograd::Function<LoraGroupFunction> {
     at::Tensor y = group_base(x2, m, spans);     // [T, O]
     std::vector<at::Tensor> saved;
     if (!as.empty()) {
-      const at::Tensor xa = ops::narrow_product(x2.to(as[0].scalar_type()), at::cat(as).t());  // [T, R] fp32
-      at::Tensor yf = y.to(bs[0].scalar_type());
+      // The adapters compute in x's dtype: fp32 through the narrow kernels; bf16 as bf16 GEMMs
+      // accumulating in fp32, with bf16 copies of the fp32 A's and B's (r rows each), as autocast
+      // does on a GPU. No [T, in] or [T, out] activation is converted.
+      const at::ScalarType lt = x.scalar_type();
+      const at::Tensor xa = ops::narrow_product(x2, at::cat(as).to(lt).t());  // [T, R]
       for (size_t i = 0, j = 0; i < spans.size(); ++i) {
         const Span& s = spans[i];
-        if (s.r > 0) ops::narrow_update_(yf.narrow(1, s.off, s.out), xa.narrow(1, s.roff, s.r), bs[j++].t(), s.scale);
+        if (s.r > 0) ops::narrow_update_(y.narrow(1, s.off, s.out), xa.narrow(1, s.roff, s.r), bs[j++].to(lt).t(), s.scale);
       }
-      y = yf.to(x.scalar_type());
       saved = {x, xa};
       saved.insert(saved.end(), as.begin(), as.end());
       saved.insert(saved.end(), bs.begin(), bs.end());
@@ -184,31 +186,26 @@ struct LoraGroupFunction : public torch::autograd::Function<LoraGroupFunction> {
                             const std::vector<Span>& spans, at::Tensor& gx, variable_list& result) {
     const int64_t n = adapters_saved(saved);
     const at::Tensor &x = saved[0], &xa = saved[1];
-    const at::ScalarType ft = saved[2].scalar_type();
-    const at::Tensor x2 = x.reshape({-1, x.size(-1)}).to(ft);
+    const at::ScalarType lt = x.scalar_type(), ft = saved[2].scalar_type();  // compute, master weights
+    const at::Tensor x2 = x.reshape({-1, x.size(-1)});
     // g_i @ B_i for each adapter, scaled, side by side [T, R].
     at::Tensor gxa = at::empty_like(xa);
     std::vector<int64_t> roffs;  // adapter j's rows of the stacked A's
     for (size_t i = 0, j = 0; i < spans.size(); ++i) {
       const Span& s = spans[i];
       if (s.r == 0) continue;
-      const at::Tensor gf = g[i].to(ft);  // [T, out]
       roffs.push_back(s.roff);
-      ops::narrow_product_out(gxa.narrow(1, s.roff, s.r), gf, saved[2 + n + j], s.scale);
+      ops::narrow_product_out(gxa.narrow(1, s.roff, s.r), g[i], saved[2 + n + j].to(lt), s.scale);
       if (ctx->needs_input_grad(1 + n + j))
-        result[1 + n + j] = ops::narrow_reduction(xa.narrow(1, s.roff, s.r), gf, s.scale).t().contiguous();
+        result[1 + n + j] = ops::narrow_reduction(xa.narrow(1, s.roff, s.r), g[i], s.scale).t().to(ft).contiguous();
       ++j;
     }
-    const at::Tensor ga = ops::narrow_reduction(gxa, x2);  // [R, in]
+    const at::Tensor ga = ops::narrow_reduction(gxa, x2).to(ft);  // [R, in]
     for (int64_t j = 0; j < n; ++j) {
       const at::Tensor& a = saved[2 + j];
       if (ctx->needs_input_grad(1 + j)) result[1 + j] = ga.narrow(0, roffs[j], a.size(0)).clone();
     }
-    if (!gx.defined()) return;
-    const at::Tensor a_cat = at::cat(at::TensorList(saved).slice(2, n));  // [R, in]
-    const at::Tensor gxf = gx.to(ft);  // gx itself when it is already fp32
-    ops::narrow_update_(gxf, gxa, a_cat);
-    gx = gxf.to(x.scalar_type());
+    if (gx.defined()) ops::narrow_update_(gx, gxa, at::cat(at::TensorList(saved).slice(2, n)).to(lt));
   }
 };
 

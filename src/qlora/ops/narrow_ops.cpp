@@ -63,7 +63,7 @@ at::Tensor narrow_reduction(const at::Tensor& u, const at::Tensor& x, double alp
   if (u.dim() != 2 || x.dim() != 2 || u.size(0) != x.size(0))
     throw std::invalid_argument("narrow_reduction: cannot multiply the transpose of " + shape_of(u) + " by " +
                                 shape_of(x));
-  if (!kernel_ok({&u, &x}, {})) return at::mm(u.t(), x).mul_(alpha);
+  if (!kernel_ok({&u, &x}, {})) return at::empty({u.size(1), x.size(1)}, x.options()).addmm_(u.t(), x, 0.0, alpha);
   at::Tensor g = at::empty({u.size(1), x.size(1)}, x.options());
   kernels::narrow_reduction_cpu(u.size(0), u.size(1), x.size(1), u.const_data_ptr<float>(), u.stride(0),
                                 x.const_data_ptr<float>(), x.stride(0), static_cast<float>(alpha),
