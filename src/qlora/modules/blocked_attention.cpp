@@ -69,14 +69,6 @@ void forward_heads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   }
 }
 
-// acc += alpha * a @ b, batched: one GEMM into acc when the dtypes agree; a bf16 product (fp32
-// accumulation) added to an fp32 acc otherwise, so that gk and gv, summed over the query blocks,
-// are rounded to bf16 once, as one GEMM over all queries would round them.
-void accumulate(at::Tensor acc, const at::Tensor& a, const at::Tensor& b, double alpha) {
-  if (acc.scalar_type() == a.scalar_type()) acc.baddbmm_(a, b, /*beta=*/1.0, alpha);
-  else acc.add_(at::bmm(a, b), alpha);
-}
-
 // Backward over heads [h0, h1): the gradients of q, k and v of those heads.
 void backward_heads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lse,
                     const at::Tensor& go, const at::Tensor& delta, at::Tensor& gq, at::Tensor& gk, at::Tensor& gv,
@@ -87,20 +79,18 @@ void backward_heads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
     const int64_t n = std::min(block, seq - i0), keys = i0 + n;
     // p = softmax of the block's rows: kept from forward, or recomputed from their log-sum-exp.
     at::Tensor p = kept_probs(probs, i0 / block, h0, h0 + h);
-    if (!p.defined())  // exp(s - lse) in fp32 (a bf16 run's scores widened), in q's dtype
+    if (!p.defined())
       p = block_scores(q, k, i0, n, scale, future, at::empty({h, n, keys}, q.options()))
-              .to(at::kFloat)
               .sub_(lse.narrow(1, i0, n).unsqueeze(-1))
-              .exp_()
-              .to(q.scalar_type());
+              .exp_();
     const at::Tensor go_b = go.narrow(1, i0, n), q_b = q.narrow(1, i0, n);
-    accumulate(gv.narrow(1, 0, keys), p.transpose(1, 2), go_b, 1.0);
+    gv.narrow(1, 0, keys).baddbmm_(p.transpose(1, 2), go_b);
     // dS = p * (dO v^T - delta), the scores' gradient.
     at::Tensor ds = at::bmm(go_b, v.narrow(1, 0, keys).transpose(1, 2));  // [h, n, keys]
     ops::softmax_backward_(ds, p, delta.narrow(1, i0, n));
     at::Tensor gq_b = gq.narrow(1, i0, n);
     at::baddbmm_out(gq_b, gq_b, ds, k.narrow(1, 0, keys), /*beta=*/0.0, /*alpha=*/scale);
-    accumulate(gk.narrow(1, 0, keys), ds.transpose(1, 2), q_b, scale);
+    gk.narrow(1, 0, keys).baddbmm_(ds.transpose(1, 2), q_b, /*beta=*/1.0, /*alpha=*/scale);
   }
 }
 
@@ -122,8 +112,7 @@ struct BlockedCausalAttention : public torch::autograd::Function<BlockedCausalAt
                             double scale, int64_t block, bool keep_probs) {
     RECORD_USER_SCOPE("qlora::attention");  // a phase of bench_train_step's profile
     const int64_t bh = q.size(0), seq = q.size(1);
-    at::Tensor o = at::empty_like(q);                                      // [bh, seq, d]
-    at::Tensor lse = at::empty({bh, seq}, q.options().dtype(at::kFloat));  // [bh, seq], fp32 in a bf16 run too
+    at::Tensor o = at::empty_like(q), lse = at::empty({bh, seq}, q.options());  // [bh, seq, d], [bh, seq]
     std::vector<at::Tensor> probs;  // per query block [bh, n, keys], when kept
     for (int64_t i0 = 0; keep_probs && i0 < seq; i0 += block)
       probs.push_back(at::empty({bh, std::min(block, seq - i0), std::min(i0 + block, seq)}, q.options()));
@@ -146,17 +135,14 @@ struct BlockedCausalAttention : public torch::autograd::Function<BlockedCausalAt
     const int64_t block = ctx->saved_data["block"].toInt();
     const std::vector<at::Tensor> probs = ctx->saved_data["probs"].toTensorVector();
     const at::Tensor go = grad_outputs[0].contiguous();  // [bh, seq, d]
-    // delta = rowsum(dO * O) [bh, seq, 1], and the gk, gv sums over query blocks, in fp32 (a
-    // bf16 run's are cast back at the end).
-    const at::ScalarType f32 = at::kFloat;
-    const at::Tensor delta = (go.to(f32) * o.to(f32)).sum(-1, /*keepdim=*/true);
-    at::Tensor gq = at::empty_like(q), gk = at::zeros_like(k, f32), gv = at::zeros_like(v, f32);
+    const at::Tensor delta = (go * o).sum(-1, /*keepdim=*/true);  // [bh, seq, 1]: rowsum(dO * O)
+    at::Tensor gq = at::empty_like(q), gk = at::zeros_like(k), gv = at::zeros_like(v);
     over_heads(q.size(0), [&](int64_t h0, int64_t h1) {
       at::Tensor gqh = heads_of(gq, h0, h1), gkh = heads_of(gk, h0, h1), gvh = heads_of(gv, h0, h1);
       backward_heads(heads_of(q, h0, h1), heads_of(k, h0, h1), heads_of(v, h0, h1), heads_of(lse, h0, h1),
                      heads_of(go, h0, h1), heads_of(delta, h0, h1), gqh, gkh, gvh, scale, block, probs, h0);
     });
-    return {gq, gk.to(q.scalar_type()), gv.to(q.scalar_type()), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {gq, gk, gv, at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 

@@ -33,7 +33,7 @@ void causal_softmax_(const at::Tensor& s, const at::Tensor& lse) {
   if (!cpu_float(s) || !s.is_contiguous() || (lse.defined() && !row_values(lse, heads, nq))) {
     const at::Tensor future = at::ones({nq, keys}, s.options().dtype(at::kBool)).triu_(keys - nq + 1);
     s.masked_fill_(future, -std::numeric_limits<double>::infinity());
-    if (lse.defined()) lse.copy_(at::logsumexp(s.to(lse.scalar_type()), -1).view(lse.sizes()));  // bf16 s: fp32 lse
+    if (lse.defined()) lse.copy_(at::logsumexp(s, -1).view(lse.sizes()));
     s.copy_(at::_softmax(s, -1, false));
     return;
   }
