@@ -1,9 +1,10 @@
 // A frozen base projection (NF4 or full precision) plus an optional trainable LoRA adapter:
 //   y = base(x) + (dropout(x) @ A^T @ B^T) * (alpha / r)
-// Adapters live in fp32. As peft's lora.Linear does, the LoRA path runs in the adapters' dtype:
-// x is cast to fp32, the product is added to the base output (promoting to fp32) and the sum is
-// cast back to the compute dtype. So with a bf16 base the low-rank update is not rounded to bf16
-// before it is added.
+// Adapters live in fp32 (weights, gradients, optimizer state). Without dropout (the group node,
+// lora_linear_group_forward) the LoRA products run in x's dtype: fp32 through the narrow kernels,
+// or bf16 GEMMs (fp32 accumulation) on bf16 copies of A and B, as autocast does on a GPU, so no
+// activation is converted. With dropout drawn in training, the path is peft's lora.Linear: x cast
+// to fp32, the update added in fp32 and the sum cast back to the compute dtype.
 #pragma once
 #include <ATen/core/Generator.h>
 #include <ATen/core/Tensor.h>
