@@ -6,6 +6,7 @@
 #include <string>
 
 #include "kernels/narrow_cpu.h"
+#include "qlora/ops/kernel_operands.h"
 
 namespace qlora::ops {
 
@@ -29,12 +30,14 @@ void check_out(const char* op, const at::Tensor& out, int64_t rows, int64_t cols
                                 std::to_string(rows) + ", " + std::to_string(cols) + "]");
 }
 
-// Whether the kernels apply: float32 on the CPU, each row-major operand with unit stride along its rows.
+// Whether the kernels apply: every operand on the CPU in one dtype, float32 or bfloat16, each
+// row-major one with unit stride along its rows.
 bool kernel_ok(std::initializer_list<const at::Tensor*> rows, std::initializer_list<const at::Tensor*> any) {
+  const at::ScalarType dtype = (*rows.begin())->scalar_type();
   for (const at::Tensor* t : rows)
-    if (!t->is_cpu() || t->scalar_type() != at::kFloat || t->stride(1) != 1) return false;
+    if (!kernel_dtype(*t) || t->scalar_type() != dtype || t->stride(1) != 1) return false;
   for (const at::Tensor* t : any)
-    if (!t->is_cpu() || t->scalar_type() != at::kFloat) return false;
+    if (!kernel_dtype(*t) || t->scalar_type() != dtype) return false;
   return true;
 }
 
@@ -47,9 +50,11 @@ void narrow_product_out(const at::Tensor& u, const at::Tensor& x, const at::Tens
     u.addmm_(x, w, 0.0, alpha);
     return;
   }
-  kernels::narrow_product_cpu(x.size(0), x.size(1), w.size(1), x.const_data_ptr<float>(), x.stride(0),
-                              w.const_data_ptr<float>(), w.stride(0), w.stride(1), static_cast<float>(alpha),
-                              u.mutable_data_ptr<float>(), u.stride(0));
+  with_element(x, [&](auto e) {
+    using T = decltype(e);
+    kernels::narrow_product_cpu(x.size(0), x.size(1), w.size(1), in_ptr<T>(x), x.stride(0), in_ptr<T>(w), w.stride(0),
+                                w.stride(1), static_cast<float>(alpha), out_ptr<T>(u), u.stride(0));
+  });
 }
 
 at::Tensor narrow_product(const at::Tensor& x, const at::Tensor& w, double alpha) {
@@ -65,9 +70,11 @@ at::Tensor narrow_reduction(const at::Tensor& u, const at::Tensor& x, double alp
                                 shape_of(x));
   if (!kernel_ok({&u, &x}, {})) return at::mm(u.t(), x).mul_(alpha);
   at::Tensor g = at::empty({u.size(1), x.size(1)}, x.options());
-  kernels::narrow_reduction_cpu(u.size(0), u.size(1), x.size(1), u.const_data_ptr<float>(), u.stride(0),
-                                x.const_data_ptr<float>(), x.stride(0), static_cast<float>(alpha),
-                                g.mutable_data_ptr<float>(), g.stride(0));
+  with_element(x, [&](auto e) {
+    using T = decltype(e);
+    kernels::narrow_reduction_cpu(u.size(0), u.size(1), x.size(1), in_ptr<T>(u), u.stride(0), in_ptr<T>(x), x.stride(0),
+                                  static_cast<float>(alpha), out_ptr<T>(g), g.stride(0));
+  });
   return g;
 }
 
@@ -79,9 +86,11 @@ void narrow_update_(const at::Tensor& y, const at::Tensor& u, const at::Tensor& 
     return;
   }
   const at::Tensor vc = v.stride(1) == 1 ? v : v.contiguous();  // rows of v are read as vectors
-  kernels::narrow_update_cpu(u.size(0), u.size(1), v.size(1), u.const_data_ptr<float>(), u.stride(0),
-                             vc.const_data_ptr<float>(), vc.stride(0), static_cast<float>(alpha),
-                             y.mutable_data_ptr<float>(), y.stride(0));
+  with_element(y, [&](auto e) {
+    using T = decltype(e);
+    kernels::narrow_update_cpu(u.size(0), u.size(1), v.size(1), in_ptr<T>(u), u.stride(0), in_ptr<T>(vc), vc.stride(0),
+                               static_cast<float>(alpha), out_ptr<T>(y), y.stride(0));
+  });
 }
 
 }  // namespace qlora::ops

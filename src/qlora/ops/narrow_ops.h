@@ -1,7 +1,8 @@
 // LoRA's narrow products on at::Tensors (one side has the adapter's rank r as its width): the CPU
-// kernels of kernels/narrow_cpu.h for float32 CPU operands whose rows have unit stride, ATen's
-// GEMMs otherwise (CUDA, other dtypes, other strides). The same math either way; the kernels sum
-// in a different order than MKL, so results agree to fp32 rounding, not bit for bit.
+// kernels of kernels/narrow_cpu.h for CPU operands of one dtype, float32 or bfloat16, whose rows
+// have unit stride, ATen's GEMMs otherwise (CUDA, other or mixed dtypes, other strides). The same
+// math either way; the kernels sum in a different order than MKL, so results agree to fp32
+// rounding (then one bf16 rounding of each output), not bit for bit.
 #pragma once
 
 #include <ATen/core/Tensor.h>
