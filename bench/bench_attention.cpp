@@ -2,7 +2,8 @@
 // against ATen's scaled_dot_product_attention (its CPU flash kernel) and against the floor of its
 // own GEMMs: their FLOPs (q k^T, p v forward; dO v^T, p^T dO, dS k, dS^T q backward, over the
 // causal blocks) at the rate of a large fp32 GEMM measured in the same run. Shape of the 100M bench model by default: 12 heads, head_dim 64, seq 512, batch 1.
-// Prints one JSON object.
+// Then the same in bf16 (q, k, v and the gradient bf16: the softmax kernels' bf16 path, bf16
+// GEMMs). Prints one JSON object, with the kernels' ISA (QLORA_CPU_ISA forces a lower one).
 //
 //   build/bench_attention [--heads H] [--dim D] [--seq S] [--block B] [--reps N]
 #include <ATen/ATen.h>
@@ -19,6 +20,7 @@
 
 #include "bench/machine.h"
 #include "bench/timing.h"
+#include "kernels/cpu_isa.h"
 #include "qlora/io/cpu_memory.h"
 #include "qlora/modules/blocked_attention.h"
 
@@ -80,13 +82,23 @@ int main(int argc, char** argv) {
   const double sdpa = fwd_bwd_s([&](const at::Tensor& a, const at::Tensor& b, const at::Tensor& c) {
     return at::scaled_dot_product_attention(a, b, c, {}, 0.0, /*is_causal=*/true, scale);
   }, q, k, v, go, reps);
+  const at::Tensor qb = q.to(at::kBFloat16), kb = k.to(at::kBFloat16), vb = v.to(at::kBFloat16), gob = go.to(at::kBFloat16);
+  const double ours_bf16 = fwd_bwd_s([&](const at::Tensor& a, const at::Tensor& b, const at::Tensor& c) {
+    return qlora::modules::blocked_causal_attention(a, b, c, scale, block);
+  }, qb, kb, vb, gob, reps);
+  const double sdpa_bf16 = fwd_bwd_s([&](const at::Tensor& a, const at::Tensor& b, const at::Tensor& c) {
+    return at::scaled_dot_product_attention(a, b, c, {}, 0.0, /*is_causal=*/true, scale);
+  }, qb, kb, vb, gob, reps);
   const double flops = block_gemm_flops(heads, seq, dim, block), rate = sgemm_flop_rate(std::max(3, reps / 4));
   const double floor = flops / rate;  // the products at the rate of a large GEMM
   json j = {{"bench", "attention"},
-            {"machine", {{"cpu", qlora::bench::cpu_model()}, {"threads", at::get_num_threads()}}},
+            {"machine", {{"cpu", qlora::bench::cpu_model()}, {"threads", at::get_num_threads()},
+                         {"isa", qlora::kernels::isa_name(qlora::kernels::active_isa())}}},
             {"shape", {{"batch", 1}, {"heads", heads}, {"head_dim", dim}, {"seq", seq}, {"block", block}}},
             {"qlora_fwd_bwd_ms", ours * 1e3}, {"sdpa_fwd_bwd_ms", sdpa * 1e3}, {"block_gemm_gflop", flops / 1e9},
             {"sgemm_2048_gflop_s", rate / 1e9}, {"gemm_floor_ms", floor * 1e3},
-            {"qlora_over_floor", ours / floor}, {"sdpa_over_qlora", sdpa / ours}};
+            {"qlora_over_floor", ours / floor}, {"sdpa_over_qlora", sdpa / ours},
+            {"bf16", {{"qlora_fwd_bwd_ms", ours_bf16 * 1e3}, {"sdpa_fwd_bwd_ms", sdpa_bf16 * 1e3},
+                      {"sdpa_over_qlora", sdpa_bf16 / ours_bf16}}}};
   std::cout << j.dump(2) << "\n";
 }

@@ -1,7 +1,9 @@
 // LoRA's narrow products (kernels/narrow_cpu.h) against ATen's GEMM (MKL) on the same operands,
 // for the shapes of one layer of the 100M bench model (hidden 768, MLP 2048, rank 8, 512 tokens;
 // q/k/v and gate/up as groups: rank 24 and 16). MKL gets each product in its faster operand
-// layout. Prints one JSON object, with the per-layer totals.
+// layout. Each case in fp32 and in bf16 (all operands bf16, as in bf16 compute; MKL's bf16 GEMM
+// beside it). Prints one JSON object, with the per-layer totals per dtype and the kernels' ISA
+// (QLORA_CPU_ISA=avx2 etc. forces a lower one).
 //
 //   build/bench_narrow [--tokens T] [--reps N]
 #include <ATen/ATen.h>
@@ -16,6 +18,7 @@
 
 #include "bench/machine.h"
 #include "bench/timing.h"
+#include "kernels/cpu_isa.h"
 #include "qlora/ops/narrow_ops.h"
 
 using nlohmann::json;
@@ -31,10 +34,11 @@ struct Case {
   int64_t k, r;
 };
 
-json run_case(const Case& c, int64_t T, int reps) {
-  const at::Tensor x = at::randn({T, c.k}), u = at::randn({T, c.r}), w = at::randn({c.k, c.r});
-  const at::Tensor w_t = w.t().contiguous().t(), v = at::randn({c.r, c.k});
-  at::Tensor y = at::randn({T, c.k}), out = at::empty({T, c.r});
+json run_case(const Case& c, int64_t T, int reps, at::ScalarType dtype) {
+  const at::TensorOptions o = at::TensorOptions().dtype(dtype);
+  const at::Tensor x = at::randn({T, c.k}, o), u = at::randn({T, c.r}, o), w = at::randn({c.k, c.r}, o);
+  const at::Tensor w_t = w.t().contiguous().t(), v = at::randn({c.r, c.k}, o);
+  at::Tensor y = at::randn({T, c.k}, o), out = at::empty({T, c.r}, o);
   double ours = 0, mkl = 0;
   if (c.kind == "product") {
     ours = median_s([&] { ops::narrow_product_out(out, x, w); }, reps);
@@ -46,7 +50,7 @@ json run_case(const Case& c, int64_t T, int reps) {
     ours = median_s([&] { ops::narrow_update_(y, u, v, 0.5); }, reps);
     mkl = median_s([&] { y.addmm_(u, v, 1.0, 0.5); }, reps);
   }
-  return {{"name", c.name}, {"kind", c.kind}, {"tokens", T}, {"k", c.k}, {"r", c.r},
+  return {{"name", c.name}, {"kind", c.kind}, {"dtype", c10::toString(dtype)}, {"tokens", T}, {"k", c.k}, {"r", c.r},
           {"qlora_us", ours * 1e6}, {"mkl_us", mkl * 1e6}, {"speedup", mkl / ours}};
 }
 
@@ -74,19 +78,24 @@ int main(int argc, char** argv) {
       {"y += u B^T, out 768 (x5)", "update", 768, 8}, {"y += u B^T, out 2048 (x2)", "update", 2048, 8},
       {"x grad += g A, q/k/v", "update", 768, 24}, {"x grad += g A, gate/up", "update", 768, 16},
       {"x grad += g A, o", "update", 768, 8},  {"x grad += g A, down", "update", 2048, 8}};
-  json rows = json::array();
-  double ours = 0, mkl = 0;
-  for (const Case& c : cases) {
-    json j = run_case(c, T, reps);
-    const double times = c.name.find("(x5)") != std::string::npos ? 5 : c.name.find("(x2)") != std::string::npos ? 2 : 1;
-    ours += times * j["qlora_us"].get<double>();
-    mkl += times * j["mkl_us"].get<double>();
-    rows.push_back(j);
+  json rows = json::array(), per_layer;
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    double ours = 0, mkl = 0;
+    for (const Case& c : cases) {
+      json j = run_case(c, T, reps, dtype);
+      const double times = c.name.find("(x5)") != std::string::npos ? 5 : c.name.find("(x2)") != std::string::npos ? 2 : 1;
+      ours += times * j["qlora_us"].get<double>();
+      mkl += times * j["mkl_us"].get<double>();
+      rows.push_back(j);
+    }
+    per_layer[dtype == at::kFloat ? "per_layer" : "per_layer_bf16"] = {{"qlora_us", ours}, {"mkl_us", mkl},
+                                                                       {"speedup", mkl / ours}};
   }
+  const char* isa = qlora::kernels::isa_name(qlora::kernels::active_isa());
   json out = {{"bench", "narrow"},
               {"machine", {{"cpu", qlora::bench::cpu_model()}, {"threads", at::get_num_threads()},
-                           {"loadavg", qlora::bench::load_average()}}},
-              {"cases", rows},
-              {"per_layer", {{"qlora_us", ours}, {"mkl_us", mkl}, {"speedup", mkl / ours}}}};
+                           {"loadavg", qlora::bench::load_average()}, {"isa", isa}}},
+              {"cases", rows}};
+  out.update(per_layer);
   std::cout << out.dump(1) << "\n";
 }

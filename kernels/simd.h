@@ -53,7 +53,12 @@ template <int N> struct Vec {
   using H = typename Types<N>::H;
   static constexpr int kLanes = N;
 
-  static QLORA_INLINE F splat(float x) { return F{} + x; }
+  // Lane by lane, which GCC turns into one broadcast (0 + x would be an add: not x for x = -0).
+  static QLORA_INLINE F splat(float x) {
+    F v;
+    for (int i = 0; i < N; ++i) v[i] = x;
+    return v;
+  }
   static QLORA_INLINE float scalar(float x) { return x; }
   static QLORA_INLINE float scalar(uint16_t x) { return bf16_bits_to_float(x); }
 
