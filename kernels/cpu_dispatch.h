@@ -4,25 +4,21 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "kernels/cpu_isa.h"
 #include "quant/nf4_format.h"
 
-// Clones a function for AVX-512, AVX2 and baseline x86-64; the loader picks one at start-up.
-// Code inlined into it (QLORA_INLINE) is compiled for each ISA too.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define QLORA_VECTOR_CLONES \
-  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define QLORA_VECTOR_CLONES
-#endif
 #define QLORA_INLINE inline __attribute__((always_inline))
 
-// Hand-vectorized kernels: AVX2 + FMA intrinsics in functions marked QLORA_AVX2, taken when the
-// active ISA (cpu_isa.h: the CPU's, or less under QLORA_CPU_ISA) has both (a scalar path otherwise).
+// Target attributes of the kernels' ISA levels (cpu_isa.h). Code inlined into a function marked
+// with one (QLORA_INLINE templates, always-inline lambdas) is compiled for that ISA.
 #if defined(__x86_64__)
 #define QLORA_AVX2 __attribute__((target("avx2,fma")))
-inline const bool kHaveAvx2Fma = qlora::kernels::active_isa() >= qlora::kernels::CpuIsa::kAvx2;
+#define QLORA_AVX512 \
+  __attribute__((target("avx2,fma,avx512f,avx512bw,avx512dq,avx512vl,prefer-vector-width=512")))
+#define QLORA_AVX512_BF16 \
+  __attribute__((target("avx2,fma,avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,prefer-vector-width=512")))
 #endif
 
 namespace qlora::kernels {
@@ -76,6 +72,30 @@ template <class Fn> void dispatch_dtype(nf4::Dtype d, Fn&& fn) {
     case nf4::Dtype::F16: fn(std::integral_constant<nf4::Dtype, nf4::Dtype::F16>{}); break;
     default: fn(std::integral_constant<nf4::Dtype, nf4::Dtype::F32>{});
   }
+}
+
+// dispatch_isa(fn) calls fn(IsaTag<I>{}) from a function compiled for I, the active ISA
+// (active_isa(), which QLORA_CPU_ISA and ScopedIsaCap cap): fn, an always-inline generic lambda
+// (QLORA_LAMBDA_INLINE), is inlined there, and with it the generic vectors of kernels/simd.h it
+// uses, at I's width (lanes<I>). kAvx512Bf16 runs the kAvx512 code: kernels that use its dot
+// products check for it themselves.
+template <CpuIsa I> using IsaTag = std::integral_constant<CpuIsa, I>;
+constexpr int lanes_of(CpuIsa isa) { return isa >= CpuIsa::kAvx512 ? 16 : isa == CpuIsa::kAvx2 ? 8 : 4; }
+template <CpuIsa I> constexpr int lanes = lanes_of(I);
+#define QLORA_LAMBDA_INLINE __attribute__((always_inline))
+
+#if defined(__x86_64__)
+template <class Fn> QLORA_AVX512 void run_avx512(Fn& fn) { fn(IsaTag<CpuIsa::kAvx512>{}); }
+template <class Fn> QLORA_AVX2 void run_avx2(Fn& fn) { fn(IsaTag<CpuIsa::kAvx2>{}); }
+#endif
+
+template <class Fn> void dispatch_isa(Fn&& fn) {
+#if defined(__x86_64__)
+  const CpuIsa isa = active_isa();
+  if (isa >= CpuIsa::kAvx512) return run_avx512(fn);
+  if (isa == CpuIsa::kAvx2) return run_avx2(fn);
+#endif
+  fn(IsaTag<CpuIsa::kScalar>{});
 }
 
 }  // namespace qlora::kernels

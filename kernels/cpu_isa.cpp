@@ -1,5 +1,7 @@
 #include "kernels/cpu_isa.h"
 
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <stdexcept>
@@ -55,6 +57,9 @@ CpuIsa capped(CpuIsa detected) {
   throw std::invalid_argument(std::string("QLORA_CPU_ISA=") + env + ": expected scalar, avx2, avx512 or avx512_bf16");
 }
 
+// ScopedIsaCap's cap: the highest level, i.e. none, when no cap is live.
+std::atomic<int> g_cap{static_cast<int>(CpuIsa::kAvx512Bf16)};
+
 }  // namespace
 
 const CpuFeatures& cpu_features() {
@@ -64,8 +69,11 @@ const CpuFeatures& cpu_features() {
 
 CpuIsa active_isa() {
   static const CpuIsa isa = capped(cpu_features().isa);
-  return isa;
+  return static_cast<CpuIsa>(std::min(static_cast<int>(isa), g_cap.load(std::memory_order_relaxed)));
 }
+
+ScopedIsaCap::ScopedIsaCap(CpuIsa isa) : previous_(g_cap.exchange(static_cast<int>(isa))) {}
+ScopedIsaCap::~ScopedIsaCap() { g_cap.store(previous_); }
 
 // Every CPU with AMX-BF16 also has AVX512_BF16, so the capped level decides (QLORA_CPU_ISA=avx2 gives fp32).
 bool has_native_bf16() { return active_isa() == CpuIsa::kAvx512Bf16; }

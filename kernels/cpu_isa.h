@@ -22,11 +22,25 @@ struct CpuFeatures {
 };
 
 const CpuFeatures& cpu_features();  // the CPU's, read once
-CpuIsa active_isa();                // cpu_features().isa, capped by QLORA_CPU_ISA; read once
+// cpu_features().isa, capped by QLORA_CPU_ISA (read once) and by any live ScopedIsaCap.
+CpuIsa active_isa();
 // Whether the CPU multiplies bf16 natively (AVX512_BF16, which every AMX-BF16 CPU also has), as
 // active_isa() allows: where bf16 compute is the fast path (model.dtype = "auto" picks bf16 there,
 // fp32 elsewhere).
 bool has_native_bf16();
 const char* isa_name(CpuIsa isa);  // "scalar", "avx2", "avx512", "avx512_bf16"
+
+// Caps active_isa() at `isa` for its lifetime, on every thread (tests run each kernel path the
+// machine has in one process). Not for concurrent use: one cap at a time, restored on exit.
+class ScopedIsaCap {
+ public:
+  explicit ScopedIsaCap(CpuIsa isa);
+  ~ScopedIsaCap();
+  ScopedIsaCap(const ScopedIsaCap&) = delete;
+  ScopedIsaCap& operator=(const ScopedIsaCap&) = delete;
+
+ private:
+  int previous_;
+};
 
 }  // namespace qlora::kernels

@@ -196,7 +196,7 @@ void narrow_product_cpu(int64_t T, int64_t K, int64_t R, const float* x, int64_t
                         int64_t wr, float alpha, float* u, int64_t ldu) {
   const int64_t grain = grain_for(2 * K * R);
 #if defined(__x86_64__)
-  if (kHaveAvx2Fma) {
+  if (active_isa() >= CpuIsa::kAvx2) {  // read per call: ScopedIsaCap may lower it
     const std::vector<float> panels = pack_panels(K, R, w, wk, wr);
     const int64_t blocks = (T + kLanes - 1) / kLanes;
     at::parallel_for(0, blocks, std::max<int64_t>(1, grain / kLanes), [&](int64_t b0, int64_t b1) {
@@ -214,7 +214,7 @@ void narrow_reduction_cpu(int64_t T, int64_t R, int64_t K, const float* u, int64
                           float alpha, float* g, int64_t ldg) {
   int64_t k_vec = 0;  // columns done by the vector path
 #if defined(__x86_64__)
-  if (kHaveAvx2Fma) {
+  if (active_isa() >= CpuIsa::kAvx2) {  // read per call: ScopedIsaCap may lower it
     k_vec = K / kLanes * kLanes;
     at::parallel_for(0, K / kLanes, std::max<int64_t>(1, grain_for(2 * T * R * kLanes)), [&](int64_t c0, int64_t c1) {
       reduction_cols_avx2(c0, c1, T, R, u, ldu, x, ldx, alpha, g, ldg);
@@ -230,7 +230,7 @@ void narrow_update_cpu(int64_t T, int64_t R, int64_t N, const float* u, int64_t 
                        float alpha, float* y, int64_t ldy) {
   const int64_t grain = grain_for(2 * R * N);
 #if defined(__x86_64__)
-  if (kHaveAvx2Fma) {
+  if (active_isa() >= CpuIsa::kAvx2) {  // read per call: ScopedIsaCap may lower it
     at::parallel_for(0, (T + 3) / 4, std::max<int64_t>(1, grain / 4), [&](int64_t b0, int64_t b1) {
       update_rows_avx2(b0 * 4, std::min(T, b1 * 4), R, N, u, ldu, v, ldv, alpha, y, ldy);
     });

@@ -1,6 +1,7 @@
 // NF4 dequantize on CPU. Per block, the 16 possible outputs are computed once (exactly as the
 // reference does, in the NF4 dtype, then converted to the output dtype); the codes then only
-// index that table. For 16-bit outputs the lookup is two SSSE3 byte shuffles per 16 codes.
+// index that table: on AVX-512 one permute (vpermps, vpermw) per 16 or 32 codes; otherwise
+// two SSSE3 byte shuffles per 16 codes for 16-bit outputs, AVX2 permutes for float.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -64,14 +65,14 @@ const bool kHaveSsse3 = __builtin_cpu_supports("ssse3");
 
 // float outputs: the 16-entry table is two 8-lane registers; permutevar picks within each by
 // the low 3 index bits and a blend on bit 3 chooses between them.
-__attribute__((target("avx2"), always_inline)) inline void lookup8_avx2(__m256 t_lo, __m256 t_hi,
+QLORA_AVX2 QLORA_INLINE void lookup8_avx2(__m256 t_lo, __m256 t_hi,
                                                                          __m256i idx, float* o) {
   const __m256 lo = _mm256_permutevar8x32_ps(t_lo, idx), hi = _mm256_permutevar8x32_ps(t_hi, idx);
   const __m256 upper = _mm256_castsi256_ps(_mm256_cmpgt_epi32(idx, _mm256_set1_epi32(7)));
   _mm256_storeu_ps(o, _mm256_blendv_ps(lo, hi, upper));
 }
 
-__attribute__((target("avx2"))) void expand32_avx2(const uint8_t* codes, int64_t nbytes,
+QLORA_AVX2 void expand32_avx2(const uint8_t* codes, int64_t nbytes,
                                                    const float* table, float* out) {
   const __m256 t_lo = _mm256_loadu_ps(table), t_hi = _mm256_loadu_ps(table + 8);
   const __m128i nibble = _mm_set1_epi8(0x0f);
@@ -85,19 +86,53 @@ __attribute__((target("avx2"))) void expand32_avx2(const uint8_t* codes, int64_t
   }
   expand_scalar(codes + j, nbytes - j, table, out + 2 * j);
 }
-const bool kHaveAvx2 = __builtin_cpu_supports("avx2");
+
+// GCC 12's AVX-512 headers start some intrinsics from an undefined register, which
+// -Wmaybe-uninitialized reports as a use of an uninitialized value.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+// The codes of 16 bytes as 32 table indices in element order (even elements: high nibbles).
+QLORA_AVX512 inline __m256i indices32(const uint8_t* codes) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)), nibble = _mm_set1_epi8(0x0f);
+  const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), nibble), lo = _mm_and_si128(b, nibble);
+  return _mm256_set_m128i(_mm_unpackhi_epi8(hi, lo), _mm_unpacklo_epi8(hi, lo));
+}
+
+// The 16-entry table in one register: each output vector is one permute of it.
+QLORA_AVX512 void expand32_avx512(const uint8_t* codes, int64_t nbytes, const float* table, float* out) {
+  const __m512 t = _mm512_loadu_ps(table);
+  int64_t j = 0;
+  for (; j + 16 <= nbytes; j += 16) {
+    const __m256i idx = indices32(codes + j);
+    _mm512_storeu_ps(out + 2 * j, _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(idx)), t));
+    _mm512_storeu_ps(out + 2 * j + 16, _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(idx, 1)), t));
+  }
+  expand_scalar(codes + j, nbytes - j, table, out + 2 * j);
+}
+
+QLORA_AVX512 void expand16_avx512(const uint8_t* codes, int64_t nbytes, const uint16_t* table, uint16_t* out) {
+  const __m512i t = _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(table)));
+  int64_t j = 0;
+  for (; j + 16 <= nbytes; j += 16)
+    _mm512_storeu_si512(out + 2 * j, _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(indices32(codes + j)), t));
+  expand_scalar(codes + j, nbytes - j, table, out + 2 * j);
+}
+#pragma GCC diagnostic pop
 #endif
 
 void expand32(const uint8_t* codes, int64_t nbytes, const float* table, float* out) {
 #if defined(__x86_64__)
-  if (kHaveAvx2) return expand32_avx2(codes, nbytes, table, out);
+  if (active_isa() >= CpuIsa::kAvx512) return expand32_avx512(codes, nbytes, table, out);
+  if (active_isa() >= CpuIsa::kAvx2) return expand32_avx2(codes, nbytes, table, out);
 #endif
   expand_scalar(codes, nbytes, table, out);
 }
 
 void expand16(const uint8_t* codes, int64_t nbytes, const uint16_t* table, uint16_t* out) {
 #if defined(__x86_64__)
-  if (kHaveSsse3) return expand16_ssse3(codes, nbytes, table, out);
+  if (active_isa() >= CpuIsa::kAvx512) return expand16_avx512(codes, nbytes, table, out);
+  if (kHaveSsse3) return expand16_ssse3(codes, nbytes, table, out);  // x86-64's baseline has no SSSE3
 #endif
   expand_scalar(codes, nbytes, table, out);
 }
@@ -136,25 +171,20 @@ QLORA_INLINE void dequantize_blocks(const uint8_t* codes, const int8_t* scalers,
   }
 }
 
-using BlocksFn = void (*)(const uint8_t*, const int8_t*, const void*, float, const Layout&, void*,
-                          int64_t, int64_t);
-#define QLORA_DEFINE_CLONE(Name, D, O)                                                        \
-  QLORA_VECTOR_CLONES void Name(const uint8_t* c, const int8_t* s, const void* f, float m,    \
-                                const Layout& l, void* o, int64_t b0, int64_t b1) {           \
-    dequantize_blocks<D, O>(c, s, f, m, l, o, b0, b1);                                        \
-  }
-QLORA_DEFINE_CLONE(blocks_bf16_bf16, Dtype::BF16, Dtype::BF16)
-QLORA_DEFINE_CLONE(blocks_bf16_f32, Dtype::BF16, Dtype::F32)
-QLORA_DEFINE_CLONE(blocks_f32_f32, Dtype::F32, Dtype::F32)
-QLORA_DEFINE_CLONE(blocks_f32_bf16, Dtype::F32, Dtype::BF16)
-#undef QLORA_DEFINE_CLONE
+// The fast path's (storage, output) dtypes: bf16 and fp32 either side.
+bool has_fast_path(Dtype d, Dtype o) { return d != Dtype::F16 && o != Dtype::F16; }
 
-BlocksFn fast_path(Dtype d, Dtype o) {
-  if (d == Dtype::BF16 && o == Dtype::BF16) return blocks_bf16_bf16;
-  if (d == Dtype::BF16 && o == Dtype::F32) return blocks_bf16_f32;
-  if (d == Dtype::F32 && o == Dtype::F32) return blocks_f32_f32;
-  if (d == Dtype::F32 && o == Dtype::BF16) return blocks_f32_bf16;
-  return nullptr;  // float16 either side: the generic path below
+// Full blocks [b0, b1) through dequantize_blocks for the runtime dtypes, its table loops compiled
+// for the active ISA.
+void dequantize_fast(Dtype d, Dtype o, const uint8_t* codes, const int8_t* scalers, const void* factors, float mean,
+                     const Layout& l, void* out, int64_t b0, int64_t b1) {
+  dispatch_dtype(d, [&](auto dt) {
+    dispatch_dtype(o, [&](auto ot) {
+      constexpr Dtype D = decltype(dt)::value, O = decltype(ot)::value;
+      if constexpr (D != Dtype::F16 && O != Dtype::F16)
+        dispatch_isa([&](auto) QLORA_LAMBDA_INLINE { dequantize_blocks<D, O>(codes, scalers, factors, mean, l, out, b0, b1); });
+    });
+  });
 }
 
 // Any dtypes, any block (also the last, partial one): per element from the reference scaler.
@@ -180,10 +210,10 @@ void dequantize_blocks_generic(Dtype d, Dtype out_dtype, const uint8_t* codes,
 void nf4_dequantize_cpu(Dtype d, Dtype out_dtype, const uint8_t* codes, const int8_t* scalers,
                         const void* factors, float mean, const Layout& l, void* out) {
   const int64_t n_full = l.numel / l.block_size;  // blocks with no element past numel
-  const BlocksFn fast = fast_path(d, out_dtype);
+  const bool fast = has_fast_path(d, out_dtype);
   at::parallel_for(0, l.n_real_blocks(), kGrainBlocks, [&](int64_t b0, int64_t b1) {
     const int64_t fast_end = fast ? std::min(b1, n_full) : b0;
-    if (fast_end > b0) fast(codes, scalers, factors, mean, l, out, b0, fast_end);
+    if (fast_end > b0) dequantize_fast(d, out_dtype, codes, scalers, factors, mean, l, out, b0, fast_end);
     dequantize_blocks_generic(d, out_dtype, codes, scalers, factors, mean, l, out,
                               std::max(b0, fast_end), b1);
   });

@@ -109,27 +109,19 @@ QLORA_INLINE void codes_range(const void* x_, const void* absmax_, const Layout&
   }
 }
 
-#define QLORA_DEFINE_CLONES(Name, D)                                                          \
-  QLORA_VECTOR_CLONES bool absmax_##Name(const void* x, const Layout& l, void* a, int64_t b0, \
-                                         int64_t b1) {                                        \
-    return absmax_range<D>(x, l, a, b0, b1);                                                  \
-  }                                                                                           \
-  QLORA_VECTOR_CLONES void codes_##Name(const void* x, const void* a, const Layout& l,        \
-                                        const float* t, uint8_t* c, int64_t b0, int64_t b1) { \
-    codes_range<D>(x, a, l, t, c, b0, b1);                                                    \
-  }
-QLORA_DEFINE_CLONES(f32, Dtype::F32)
-QLORA_DEFINE_CLONES(bf16, Dtype::BF16)
-QLORA_DEFINE_CLONES(f16, Dtype::F16)
-#undef QLORA_DEFINE_CLONES
+// Runs the range function for dtype d, compiled for the active ISA (the loops vectorize).
+template <class Fn> void for_dtype_and_isa(Dtype d, Fn&& fn) {
+  dispatch_dtype(d, [&](auto dt) { dispatch_isa([&](auto) QLORA_LAMBDA_INLINE { fn(dt); }); });
+}
 
 }  // namespace
 
 bool nf4_block_absmax_cpu(Dtype d, const void* x, const Layout& l, void* absmax) {
-  auto fn = d == Dtype::BF16 ? absmax_bf16 : d == Dtype::F16 ? absmax_f16 : absmax_f32;
   std::atomic<bool> finite{true};
   at::parallel_for(0, l.n_blocks(), kGrainBlocks, [&](int64_t b0, int64_t b1) {
-    if (!fn(x, l, absmax, b0, b1)) finite = false;
+    for_dtype_and_isa(d, [&](auto dt) QLORA_LAMBDA_INLINE {
+      if (!absmax_range<decltype(dt)::value>(x, l, absmax, b0, b1)) finite = false;
+    });
   });
   return finite;
 }
@@ -144,10 +136,12 @@ void nf4_double_quantize_cpu(Dtype d, const void* absmax, float mean, const Layo
 
 void nf4_quantize_codes_cpu(Dtype d, const void* x, const void* absmax, const Layout& l,
                             uint8_t* codes) {
-  auto fn = d == Dtype::BF16 ? codes_bf16 : d == Dtype::F16 ? codes_f16 : codes_f32;
   const float* t = nf4::code_thresholds(d).data();
-  at::parallel_for(0, l.n_blocks(), kGrainBlocks,
-                   [&](int64_t b0, int64_t b1) { fn(x, absmax, l, t, codes, b0, b1); });
+  at::parallel_for(0, l.n_blocks(), kGrainBlocks, [&](int64_t b0, int64_t b1) {
+    for_dtype_and_isa(d, [&](auto dt) QLORA_LAMBDA_INLINE {
+      codes_range<decltype(dt)::value>(x, absmax, l, t, codes, b0, b1);
+    });
+  });
 }
 
 }  // namespace qlora::kernels

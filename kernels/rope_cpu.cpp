@@ -1,38 +1,55 @@
-// The RoPE pass of kernels/rope_cpu.h, over rows on ATen's intra-op threads; each row's
-// multiply-adds vectorize (plain loops, cloned per x86 vector ISA).
+// The RoPE pass of kernels/rope_cpu.h, over rows on ATen's intra-op threads; each row written once
+// over the N-lane vectors of kernels/simd.h and compiled per ISA (dispatch_isa).
 #include "kernels/rope_cpu.h"
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 
-#include "kernels/cpu_dispatch.h"
+#include "kernels/simd.h"
 
 namespace qlora::kernels {
 
 namespace {
 
-QLORA_VECTOR_CLONES void rope_row(int64_t half, const float* __restrict t, const float* __restrict c,
-                                  const float* __restrict s, float sign, float* __restrict out) {
-  for (int64_t i = 0; i < half; ++i) {
-    out[i] = t[i] * c[i] + sign * (t[half + i] * s[i]);
-    out[half + i] = t[half + i] * c[half + i] - sign * (t[i] * s[half + i]);
-  }
+using simd::Vec;
+
+template <int N, class T>
+QLORA_INLINE void rope_row(int64_t half, const T* t, const T* c, const T* s, float sign, T* out) {
+  using V = Vec<N>;
+  V::for_vectors(half, [&](int64_t i, int64_t w) QLORA_LAMBDA_INLINE {
+    const typename V::F t1 = V::load_n(t + i, w, 0.0f), t2 = V::load_n(t + half + i, w, 0.0f);
+    V::store_n(out + i, t1 * V::load_n(c + i, w, 0.0f) + sign * (t2 * V::load_n(s + i, w, 0.0f)), w);
+    V::store_n(out + half + i, t2 * V::load_n(c + half + i, w, 0.0f) - sign * (t1 * V::load_n(s + half + i, w, 0.0f)),
+               w);
+  });
+}
+
+template <class T>
+void rope(int64_t B, int64_t H, int64_t S, int64_t d, const T* x, Strides4 xs, const T* cos, const T* sin, int64_t tsb,
+          float sign, T* out, Strides4 os) {
+  const int64_t rows = B * H * S, grain = std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(1, d));
+  at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
+    dispatch_isa([&](auto isa) QLORA_LAMBDA_INLINE {
+      for (int64_t r = r0; r < r1; ++r) {
+        const int64_t b = r / (H * S), h = r / S % H, s = r % S;
+        const int64_t table = b * tsb + s * d;
+        rope_row<lanes<isa()>>(d / 2, x + b * xs.b + h * xs.h + s * xs.s, cos + table, sin + table, sign,
+                               out + b * os.b + h * os.h + s * os.s);
+      }
+    });
+  });
 }
 
 }  // namespace
 
 void rope_cpu(int64_t B, int64_t H, int64_t S, int64_t d, const float* x, Strides4 xs, const float* cos,
               const float* sin, int64_t tsb, float sign, float* out, Strides4 os) {
-  const int64_t rows = B * H * S, grain = std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(1, d));
-  at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const int64_t b = r / (H * S), h = r / S % H, s = r % S;
-      const int64_t table = b * tsb + s * d;
-      rope_row(d / 2, x + b * xs.b + h * xs.h + s * xs.s, cos + table, sin + table, sign,
-               out + b * os.b + h * os.h + s * os.s);
-    }
-  });
+  rope(B, H, S, d, x, xs, cos, sin, tsb, sign, out, os);
+}
+void rope_cpu(int64_t B, int64_t H, int64_t S, int64_t d, const uint16_t* x, Strides4 xs, const uint16_t* cos,
+              const uint16_t* sin, int64_t tsb, float sign, uint16_t* out, Strides4 os) {
+  rope(B, H, S, d, x, xs, cos, sin, tsb, sign, out, os);
 }
 
 }  // namespace qlora::kernels

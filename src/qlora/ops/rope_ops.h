@@ -1,5 +1,6 @@
-// Rotate-half RoPE on at::Tensors: the one-pass CPU kernel of kernels/rope_cpu.h for float32 CPU
-// operands, ATen's multiply and multiply-adds otherwise (CUDA, bf16, other table shapes).
+// Rotate-half RoPE on at::Tensors: the one-pass CPU kernel of kernels/rope_cpu.h for float32 or
+// bfloat16 CPU operands (the tables in x's dtype), ATen's multiply and multiply-adds otherwise
+// (CUDA, mixed dtypes, other table shapes).
 #pragma once
 
 #include <ATen/core/Tensor.h>

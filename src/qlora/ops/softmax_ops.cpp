@@ -7,6 +7,7 @@
 #include <string>
 
 #include "kernels/softmax_cpu.h"
+#include "qlora/ops/kernel_operands.h"
 
 namespace qlora::ops {
 
@@ -14,10 +15,15 @@ namespace {
 
 bool cpu_float(const at::Tensor& t) { return t.is_cpu() && t.scalar_type() == at::kFloat; }
 
-// Whether t is [heads, nq] or [heads, nq, 1], fp32 on the CPU, its rows of unit stride.
+// Whether t is [heads, nq] or [heads, nq, 1] on the CPU (fp32 or bf16), its rows of unit stride.
 bool row_values(const at::Tensor& t, int64_t heads, int64_t nq) {
-  if (!cpu_float(t) || t.dim() < 2 || t.dim() > 3 || (t.dim() == 3 && t.size(2) != 1)) return false;
+  if (!kernel_dtype(t) || t.dim() < 2 || t.dim() > 3 || (t.dim() == 3 && t.size(2) != 1)) return false;
   return t.size(0) == heads && t.size(1) == nq && (nq == 1 || t.stride(1) == 1);
+}
+
+// Row values as the kernels take them: t itself if fp32, else an fp32 copy [heads, nq].
+at::Tensor fp32_rows(const at::Tensor& t, int64_t heads, int64_t nq) {
+  return t.scalar_type() == at::kFloat ? t : t.reshape({heads, nq}).to(at::kFloat);
 }
 
 void check_block(const char* op, const at::Tensor& s) {
@@ -30,35 +36,45 @@ void check_block(const char* op, const at::Tensor& s) {
 void causal_softmax_(const at::Tensor& s, const at::Tensor& lse) {
   check_block("causal_softmax_", s);
   const int64_t heads = s.size(0), nq = s.size(1), keys = s.size(2);
-  if (!cpu_float(s) || !s.is_contiguous() || (lse.defined() && !row_values(lse, heads, nq))) {
+  if (!kernel_dtype(s) || !s.is_contiguous() || (lse.defined() && !row_values(lse, heads, nq))) {
     const at::Tensor future = at::ones({nq, keys}, s.options().dtype(at::kBool)).triu_(keys - nq + 1);
     s.masked_fill_(future, -std::numeric_limits<double>::infinity());
     if (lse.defined()) lse.copy_(at::logsumexp(s, -1).view(lse.sizes()));
     s.copy_(at::_softmax(s, -1, false));
     return;
   }
-  kernels::causal_softmax_cpu(heads, nq, keys, s.mutable_data_ptr<float>(),
-                              lse.defined() ? lse.mutable_data_ptr<float>() : nullptr,
-                              lse.defined() ? lse.stride(0) : 0);
+  const at::Tensor lse32 = lse.defined() ? fp32_rows(lse, heads, nq) : at::Tensor();
+  with_element(s, [&](auto e) {
+    kernels::causal_softmax_cpu(heads, nq, keys, out_ptr<decltype(e)>(s),
+                                lse32.defined() ? lse32.mutable_data_ptr<float>() : nullptr,
+                                lse32.defined() ? lse32.stride(0) : 0);
+  });
+  if (lse32.defined() && !lse32.is_same(lse)) lse.copy_(lse32.view(lse.sizes()));
 }
 
 void softmax_backward_(const at::Tensor& ds, const at::Tensor& p, const at::Tensor& delta) {
   check_block("softmax_backward_", ds);
   const int64_t heads = ds.size(0), nq = ds.size(1), keys = ds.size(2);
   if (p.sizes() != ds.sizes()) throw std::invalid_argument("softmax_backward_: p and ds must have one shape");
-  if (!cpu_float(ds) || !cpu_float(p) || !ds.is_contiguous() || !p.is_contiguous() || !row_values(delta, heads, nq)) {
+  if (!kernel_dtype(ds) || p.scalar_type() != ds.scalar_type() || !ds.is_contiguous() || !p.is_contiguous() ||
+      !row_values(delta, heads, nq)) {
     ds.sub_(delta.reshape({heads, nq, 1})).mul_(p);
     return;
   }
-  kernels::softmax_backward_cpu(heads, nq, keys, ds.mutable_data_ptr<float>(), p.const_data_ptr<float>(),
-                                delta.const_data_ptr<float>(), delta.stride(0));
+  const at::Tensor delta32 = fp32_rows(delta, heads, nq);
+  with_element(ds, [&](auto e) {
+    using T = decltype(e);
+    kernels::softmax_backward_cpu(heads, nq, keys, out_ptr<T>(ds), in_ptr<T>(p), delta32.const_data_ptr<float>(),
+                                  delta32.stride(0));
+  });
 }
 
 at::Tensor online_softmax_(const at::Tensor& z, const at::Tensor& p, at::Tensor& m, at::Tensor& s) {
   if (z.dim() != 2 || p.sizes() != z.sizes() || m.sizes() != at::IntArrayRef{z.size(0), 1} || s.sizes() != m.sizes())
     throw std::invalid_argument("online_softmax_: z and p must be [T, n], m and s [T, 1]");
   const int64_t T = z.size(0), n = z.size(1);
-  const bool kernel = cpu_float(z) && cpu_float(p) && cpu_float(m) && cpu_float(s) && z.stride(1) == 1 &&
+  const bool kernel = kernel_dtype(z) && p.scalar_type() == z.scalar_type() && p.is_cpu() && cpu_float(m) &&
+                      cpu_float(s) && z.stride(1) == 1 &&
                       p.stride(1) == 1 && m.is_contiguous() && s.is_contiguous() && n > 0;
   if (!kernel) {
     const at::Tensor m_new = at::maximum(m, at::amax(z, 1, /*keepdim=*/true));  // [T, 1]
@@ -69,9 +85,11 @@ at::Tensor online_softmax_(const at::Tensor& z, const at::Tensor& p, at::Tensor&
     return rescale;
   }
   at::Tensor rescale = at::empty({T, 1}, m.options());
-  kernels::online_softmax_cpu(T, n, z.const_data_ptr<float>(), z.stride(0), p.mutable_data_ptr<float>(), p.stride(0),
-                              m.mutable_data_ptr<float>(), s.mutable_data_ptr<float>(),
-                              rescale.mutable_data_ptr<float>());
+  with_element(z, [&](auto e) {
+    using E = decltype(e);
+    kernels::online_softmax_cpu(T, n, in_ptr<E>(z), z.stride(0), out_ptr<E>(p), p.stride(0), m.mutable_data_ptr<float>(),
+                                s.mutable_data_ptr<float>(), rescale.mutable_data_ptr<float>());
+  });
   return rescale;
 }
 

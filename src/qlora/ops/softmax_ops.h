@@ -1,6 +1,7 @@
 // The training step's row softmaxes on at::Tensors: the two-pass CPU kernels of
-// kernels/softmax_cpu.h for float32 CPU operands in the layouts below, ATen's ops otherwise (the
-// ops the callers ran before; CUDA, bf16, other strides). The kernels' exp differs from ATen's in
+// kernels/softmax_cpu.h for float32 or bfloat16 CPU operands in the layouts below (lse and delta
+// either dtype, m and s fp32), ATen's ops otherwise (the ops the callers ran before; CUDA, other
+// dtypes, other strides). The kernels' exp differs from ATen's in
 // the last bits (within 2 ulp).
 #pragma once
 

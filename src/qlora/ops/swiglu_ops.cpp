@@ -6,6 +6,7 @@
 #include <stdexcept>
 
 #include "kernels/swiglu_cpu.h"
+#include "qlora/ops/kernel_operands.h"
 
 namespace qlora::ops {
 
@@ -17,7 +18,7 @@ struct Rows {
   int64_t count, ld;
 };
 std::optional<Rows> rows_of(const at::Tensor& t) {
-  if (!t.is_cpu() || t.scalar_type() != at::kFloat || t.dim() == 0 || t.stride(-1) != 1) return std::nullopt;
+  if (!kernel_dtype(t) || t.dim() == 0 || t.stride(-1) != 1) return std::nullopt;
   const int64_t ld = t.dim() >= 2 ? t.stride(-2) : t.size(-1);
   for (int64_t d = t.dim() - 2; d > 0; --d)
     if (t.size(d - 1) > 1 && t.stride(d - 1) != t.stride(d) * t.size(d)) return std::nullopt;
@@ -29,15 +30,20 @@ void check_same_shape(const char* op, const at::Tensor& a, const at::Tensor& b) 
     throw std::invalid_argument(std::string(op) + ": gate and up must have the same shape");
 }
 
+bool same_dtype(const at::Tensor& a, const at::Tensor& b) { return a.scalar_type() == b.scalar_type(); }
+
 }  // namespace
 
 at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up) {
   check_same_shape("swiglu", gate, up);
   const auto g = rows_of(gate), u = rows_of(up);
-  if (!g || !u || gate.numel() == 0) return at::silu(gate) * up;
+  if (!g || !u || !same_dtype(gate, up) || gate.numel() == 0) return at::silu(gate) * up;
   at::Tensor out = at::empty(gate.sizes(), gate.options());
-  kernels::swiglu_forward_cpu(g->count, gate.size(-1), gate.const_data_ptr<float>(), g->ld, up.const_data_ptr<float>(),
-                              u->ld, out.mutable_data_ptr<float>(), gate.size(-1));
+  with_element(gate, [&](auto e) {
+    using T = decltype(e);
+    kernels::swiglu_forward_cpu(g->count, gate.size(-1), in_ptr<T>(gate), g->ld, in_ptr<T>(up), u->ld, out_ptr<T>(out),
+                                gate.size(-1));
+  });
   return out;
 }
 
@@ -45,12 +51,15 @@ std::pair<at::Tensor, at::Tensor> swiglu_backward(const at::Tensor& grad, const 
   check_same_shape("swiglu_backward", gate, up);
   check_same_shape("swiglu_backward", grad, gate);
   const auto gr = rows_of(grad), g = rows_of(gate), u = rows_of(up);
-  if (!gr || !g || !u || gate.numel() == 0) return {at::silu_backward(grad * up, gate), grad * at::silu(gate)};
+  if (!gr || !g || !u || !same_dtype(gate, up) || !same_dtype(grad, gate) || gate.numel() == 0)
+    return {at::silu_backward(grad * up, gate), grad * at::silu(gate)};
   at::Tensor dg = at::empty(gate.sizes(), gate.options()), du = at::empty(gate.sizes(), gate.options());
   const int64_t n = gate.size(-1);
-  kernels::swiglu_backward_cpu(g->count, n, grad.const_data_ptr<float>(), gr->ld, gate.const_data_ptr<float>(), g->ld,
-                               up.const_data_ptr<float>(), u->ld, dg.mutable_data_ptr<float>(), n,
-                               du.mutable_data_ptr<float>(), n);
+  with_element(gate, [&](auto e) {
+    using T = decltype(e);
+    kernels::swiglu_backward_cpu(g->count, n, in_ptr<T>(grad), gr->ld, in_ptr<T>(gate), g->ld, in_ptr<T>(up), u->ld,
+                                 out_ptr<T>(dg), n, out_ptr<T>(du), n);
+  });
   return {dg, du};
 }
 

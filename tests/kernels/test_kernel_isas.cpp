@@ -1,0 +1,152 @@
+// Every vector kernel on every ISA path this machine has (forced in-process with ScopedIsaCap,
+// below QLORA_CPU_ISA if that is set), in fp32 and bf16, against float64 on the same (rounded)
+// inputs; NF4 dequantize bit for bit against the reference. Paths the CPU lacks are skipped by
+// name. Tolerances sit beside each check with their reason.
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <memory>
+#include <string>
+#include <tuple>
+
+#include "kernels/cpu_isa.h"
+#include "qlora/ops/narrow_ops.h"
+#include "qlora/ops/nf4_ops.h"
+#include "qlora/ops/rope_ops.h"
+#include "qlora/ops/softmax_ops.h"
+#include "qlora/ops/swiglu_ops.h"
+#include "quant/nf4_tensor.h"
+
+namespace qlora {
+namespace {
+
+using kernels::CpuIsa;
+
+// One bf16 rounding: a relative error of at most 2^-9, 2^-8 leaves room for the fp32 work before it.
+constexpr double kBf16Rel = 1.0 / 256;
+
+at::Tensor rnd(at::IntArrayRef shape, uint64_t seed, at::ScalarType dtype, double scale = 1.0) {
+  return (at::randn(shape, at::make_generator<at::CPUGeneratorImpl>(seed), at::TensorOptions().dtype(at::kFloat)) *
+          scale)
+      .to(dtype);
+}
+
+at::Tensor f64(const at::Tensor& t) { return t.to(at::kDouble); }
+
+// |got - want| <= rel |want| + abs_of_max max |want| elementwise.
+void expect_near(const at::Tensor& got, const at::Tensor& want, double rel, double abs_of_max, const std::string& what) {
+  ASSERT_EQ(got.sizes(), want.sizes()) << what;
+  const at::Tensor err = (f64(got) - want).abs() - want.abs() * rel - want.abs().max() * abs_of_max;
+  EXPECT_LE(err.max().item<double>(), 0.0) << what;
+}
+
+class KernelIsas : public ::testing::TestWithParam<std::tuple<CpuIsa, at::ScalarType>> {
+ protected:
+  void SetUp() override {
+    const CpuIsa isa = std::get<0>(GetParam());
+    if (isa > kernels::active_isa())
+      GTEST_SKIP() << "ISA " << kernels::isa_name(isa) << " not available here (this CPU or QLORA_CPU_ISA gives "
+                   << kernels::isa_name(kernels::active_isa()) << ")";
+    cap_ = std::make_unique<kernels::ScopedIsaCap>(isa);
+    ASSERT_EQ(kernels::active_isa(), isa);
+  }
+  at::ScalarType dtype() const { return std::get<1>(GetParam()); }
+  bool bf16() const { return dtype() == at::kBFloat16; }
+  // fp32: sums of up to ~1000 products in another order than float64, ~1e-6 of their scale.
+  // bf16: plus the one rounding of each output.
+  double rel() const { return bf16() ? kBf16Rel : 1e-6; }
+
+ private:
+  std::unique_ptr<kernels::ScopedIsaCap> cap_;
+};
+
+TEST_P(KernelIsas, NarrowProductsMatchFloat64) {
+  for (auto [T, K, R] : {std::tuple<int64_t, int64_t, int64_t>{37, 203, 11}, {64, 768, 16}, {5, 3, 1}}) {
+    const std::string what = std::string(c10::toString(dtype())) + " T=" + std::to_string(T) + " K=" + std::to_string(K);
+    const at::Tensor x = rnd({T, K}, 1, dtype()), a = rnd({R, K}, 2, dtype()), u = rnd({T, R}, 3, dtype());
+    // Sums of K products of unit normals: the error scales with max |want| (1e-5 of it), not each |want|.
+    expect_near(ops::narrow_product(x, a.t(), 0.5), f64(x).mm(f64(a).t()) * 0.5, rel(), 1e-5, "x @ a^T, " + what);
+    expect_near(ops::narrow_reduction(u, x, 0.5), f64(u).t().mm(f64(x)) * 0.5, rel(), 1e-5, "u^T x, " + what);
+    at::Tensor y = rnd({T, K}, 4, dtype());
+    const at::Tensor want = f64(y) + f64(u).mm(f64(a)) * 0.5;
+    ops::narrow_update_(y, u, a, 0.5);
+    expect_near(y, want, rel(), 1e-5, "y += u a, " + what);
+  }
+}
+
+TEST_P(KernelIsas, SoftmaxesMatchFloat64) {
+  const int64_t heads = 3, nq = 7, keys = 45;
+  const at::Tensor s = rnd({heads, nq, keys}, 5, dtype(), 4.0);
+  const at::Tensor future = at::ones({nq, keys}, at::kBool).triu_(keys - nq + 1);
+  const at::Tensor masked = f64(s).masked_fill(future, -INFINITY);
+  at::Tensor p = s.clone(), lse = at::empty({heads, nq});
+  ops::causal_softmax_(p, lse);
+  // exp within 2 ulp and 45-term sums: 4e-6 of each value plus 1e-7 of the row's largest.
+  expect_near(p, at::softmax(masked, -1), bf16() ? kBf16Rel : 4e-6, 1e-7, "probabilities");
+  expect_near(lse, at::logsumexp(masked, -1), 4e-6, 1e-7, "log-sum-exp (fp32 either way)");
+
+  const at::Tensor dp = rnd({heads, nq, keys}, 6, dtype()), delta = rnd({heads, nq}, 7, at::kFloat);
+  at::Tensor ds = dp.clone();
+  ops::softmax_backward_(ds, p, delta);
+  // One fp32 subtraction and product per element: 1e-6 of the largest |dp - delta| terms.
+  expect_near(ds, f64(p) * (f64(dp) - f64(delta).unsqueeze(-1)), rel(), 1e-6, "softmax gradient");
+
+  const at::Tensor z = rnd({9, 37}, 8, dtype(), 3.0);
+  at::Tensor m = at::full({9, 1}, 0.5f), sum = at::full({9, 1}, 2.0f), pz = at::empty_like(z);
+  const at::Tensor m_new = at::maximum(f64(m), at::amax(f64(z), 1, true));
+  const at::Tensor want_s = f64(sum) * (f64(m) - m_new).exp() + (f64(z) - m_new).exp().sum(1, true);
+  ops::online_softmax_(z, pz, m, sum);
+  expect_near(pz, (f64(z) - m_new).exp(), bf16() ? kBf16Rel : 4e-6, 1e-7, "online p");
+  expect_near(sum, want_s, 4e-6, 0, "online running sum (fp32 either way)");
+}
+
+TEST_P(KernelIsas, RopeMatchesFloat64) {
+  const int64_t B = 2, H = 3, S = 5, d = 38;  // half = 19: a vector tail on every ISA
+  const at::Tensor x = rnd({B, H, S, d}, 9, dtype()), ang = rnd({S, d}, 10, at::kFloat);
+  const at::Tensor c = ang.cos().to(dtype()), s = ang.sin().to(dtype());
+  for (double sign : {-1.0, 1.0}) {
+    const at::Tensor xd = f64(x), cd = f64(c), sd = f64(s);
+    at::Tensor want = xd * cd;
+    want.narrow(-1, 0, d / 2).add_(xd.narrow(-1, d / 2, d / 2) * sd.narrow(-1, 0, d / 2) * sign);
+    want.narrow(-1, d / 2, d / 2).sub_(xd.narrow(-1, 0, d / 2) * sd.narrow(-1, d / 2, d / 2) * sign);
+    // Two products and a sum that may cancel: error up to ~1e-7 of max |x|, not of each |want|.
+    expect_near(ops::rope(x, c, s, sign, sign > 0), want, bf16() ? kBf16Rel : 1e-6, 1e-6,
+                "sign " + std::to_string(sign));
+  }
+}
+
+TEST_P(KernelIsas, SwigluMatchesFloat64) {
+  const at::Tensor g = rnd({6, 77}, 11, dtype(), 3.0), u = rnd({6, 77}, 12, dtype()), gr = rnd({6, 77}, 13, dtype());
+  const at::Tensor gd = f64(g), sig = gd.sigmoid();
+  // exp within 2 ulp, one division and a few products: 4e-6 of each value (plus bf16's rounding).
+  const double r = bf16() ? kBf16Rel : 4e-6;
+  expect_near(ops::swiglu(g, u), gd * sig * f64(u), r, 1e-7, "forward");
+  auto [dg, du] = ops::swiglu_backward(gr, g, u);
+  expect_near(du, f64(gr) * gd * sig, r, 1e-7, "du");
+  // 1 + g (1 - s) cancels near g = -1.28: 1e-6 of the largest |dg| covers it.
+  expect_near(dg, f64(gr) * f64(u) * sig * (1 + gd * (1 - sig)), r, 1e-6, "dg");
+}
+
+// NF4 dequantize is exact on every path: the reference's values, bit for bit, into either dtype.
+TEST_P(KernelIsas, Nf4DequantizeMatchesReferenceExactly) {
+  at::manual_seed(14);
+  const at::Tensor w = (at::randn({96, 130}) * 0.02).to(dtype());  // 12480 = 195 blocks of 64
+  const Nf4Tensor q = nf4_quantize_reference(w, "w");
+  for (at::ScalarType out : {at::kFloat, at::kBFloat16})
+    EXPECT_TRUE(at::equal(ops::nf4_dequantize(q, out), nf4_dequantize_reference(q, out))) << c10::toString(out);
+}
+
+std::string param_name(const ::testing::TestParamInfo<std::tuple<CpuIsa, at::ScalarType>>& p) {
+  return std::string(kernels::isa_name(std::get<0>(p.param))) + "_" + c10::toString(std::get<1>(p.param));
+}
+
+INSTANTIATE_TEST_SUITE_P(All, KernelIsas,
+                         ::testing::Combine(::testing::Values(CpuIsa::kScalar, CpuIsa::kAvx2, CpuIsa::kAvx512,
+                                                              CpuIsa::kAvx512Bf16),
+                                            ::testing::Values(at::kFloat, at::kBFloat16)),
+                         param_name);
+
+}  // namespace
+}  // namespace qlora
