@@ -5,7 +5,8 @@
 // Then the same in bf16 (q, k, v and the gradient bf16): qlora's causal_attention as a bf16 run
 // takes it (the fp32 blocked attention on widened inputs), the blocked attention run on the bf16
 // tensors themselves (bf16 block GEMMs, ATen's softmax), and ATen's bf16 flash kernel. Prints one
-// JSON object, with the kernels' ISA (QLORA_CPU_ISA forces a lower one).
+// JSON object, with the kernels' ISA (QLORA_CPU_ISA forces a lower one). Each dtype also times
+// packed rows (4 samples per row, block-causal mask) through masked_attention against SDPA.
 //
 //   build/bench_attention [--heads H] [--dim D] [--seq S] [--block B] [--reps N]
 #include <ATen/ATen.h>
@@ -95,6 +96,23 @@ int main(int argc, char** argv) {
   const double sdpa_bf16 = fwd_bwd_s([&](const at::Tensor& a, const at::Tensor& b, const at::Tensor& c) {
     return at::scaled_dot_product_attention(a, b, c, {}, 0.0, /*is_causal=*/true, scale);
   }, qb, kb, vb, gob, reps);
+  // Packed rows: 4 samples of seq / 4 tokens, each attending causally within itself (the mask
+  // masked_attention gets in training with data.packing), against SDPA under the same mask.
+  at::Tensor packed = at::zeros({1, seq, seq}, at::kBool);
+  for (int64_t a = 0, n = std::max<int64_t>(1, seq / 4); a < seq; a += n)
+    packed[0].narrow(0, a, std::min(n, seq - a)).narrow(1, a, std::min(n, seq - a)).fill_(true);
+  packed.logical_and_(at::ones({seq, seq}, at::kBool).tril());
+  auto packed_ms = [&](const at::Tensor& qq, const at::Tensor& kk, const at::Tensor& vv, const at::Tensor& g) {
+    const double ours_p = fwd_bwd_s([&](const at::Tensor& a, const at::Tensor& b, const at::Tensor& c) {
+      return qlora::modules::masked_attention(a, b, c, packed, qlora::modules::AttentionOptions{scale});
+    }, qq, kk, vv, g, reps);
+    const double sdpa_p = fwd_bwd_s([&](const at::Tensor& a, const at::Tensor& b, const at::Tensor& c) {
+      return at::scaled_dot_product_attention(a, b, c, packed.unsqueeze(1), 0.0, false, scale);
+    }, qq, kk, vv, g, reps);
+    return json{{"samples", 4}, {"qlora_fwd_bwd_ms", ours_p * 1e3}, {"sdpa_fwd_bwd_ms", sdpa_p * 1e3},
+                {"sdpa_over_qlora", sdpa_p / ours_p}};
+  };
+  const json packed_fp32 = packed_ms(q, k, v, go), packed_bf16 = packed_ms(qb, kb, vb, gob);
   const double flops = block_gemm_flops(heads, seq, dim, block), rate = sgemm_flop_rate(std::max(3, reps / 4));
   const double floor = flops / rate;  // the products at the rate of a large GEMM
   json j = {{"bench", "attention"},
@@ -103,9 +121,9 @@ int main(int argc, char** argv) {
             {"shape", {{"batch", 1}, {"heads", heads}, {"head_dim", dim}, {"seq", seq}, {"block", block}}},
             {"qlora_fwd_bwd_ms", ours * 1e3}, {"sdpa_fwd_bwd_ms", sdpa * 1e3}, {"block_gemm_gflop", flops / 1e9},
             {"sgemm_2048_gflop_s", rate / 1e9}, {"gemm_floor_ms", floor * 1e3},
-            {"qlora_over_floor", ours / floor}, {"sdpa_over_qlora", sdpa / ours},
+            {"qlora_over_floor", ours / floor}, {"sdpa_over_qlora", sdpa / ours}, {"packed", packed_fp32},
             {"bf16", {{"qlora_fwd_bwd_ms", ours_bf16 * 1e3}, {"blocked_bf16_gemms_fwd_bwd_ms", gemms_bf16 * 1e3},
                       {"sdpa_fwd_bwd_ms", sdpa_bf16 * 1e3},
-                      {"sdpa_over_qlora", sdpa_bf16 / ours_bf16}}}};
+                      {"sdpa_over_qlora", sdpa_bf16 / ours_bf16}, {"packed", packed_bf16}}}};
   std::cout << j.dump(2) << "\n";
 }

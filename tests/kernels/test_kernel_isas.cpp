@@ -14,6 +14,7 @@
 #include "kernels/cpu_isa.h"
 #include "qlora/ops/narrow_ops.h"
 #include "qlora/ops/nf4_ops.h"
+#include "qlora/ops/rmsnorm_ops.h"
 #include "qlora/ops/rope_ops.h"
 #include "qlora/ops/softmax_ops.h"
 #include "qlora/ops/swiglu_ops.h"
@@ -127,6 +128,26 @@ TEST_P(KernelIsas, SwigluMatchesFloat64) {
   expect_near(du, f64(gr) * gd * sig, r, 1e-7, "du");
   // 1 + g (1 - s) cancels near g = -1.28: 1e-6 of the largest |dg| covers it.
   expect_near(dg, f64(gr) * f64(u) * sig * (1 + gd * (1 - sig)), r, 1e-6, "dg");
+}
+
+TEST_P(KernelIsas, RmsNormMatchesFloat64) {
+  const int64_t n = 77;  // a vector tail on every ISA
+  const at::Tensor x = rnd({2, 5, n}, 15, dtype(), 2.0), w = rnd({n}, 16, dtype()), gr = rnd({2, 5, n}, 17, dtype());
+  const double eps = 1e-6;
+  for (bool plus_one : {false, true}) {
+    const std::string what = plus_one ? " (1 + w)" : " (w)";
+    const at::Tensor xd = f64(x), wd = plus_one ? f64(w) + 1.0 : f64(w);
+    const at::Tensor rstd = (xd.pow(2).mean(-1, true) + eps).rsqrt();
+    auto [y, r] = ops::rms_norm(x, w, eps, plus_one);
+    // A sum of 77 squares and a square root: 1e-6 of rstd.
+    expect_near(r, rstd, 1e-6, 0, "rstd" + what);
+    // bf16 without plus_one rounds x * rstd before w multiplies it (transformers' order): two roundings.
+    expect_near(y, xd * rstd * wd, bf16() ? (plus_one ? 1 : 2) * kBf16Rel : 1e-6, 0, "forward" + what);
+    const at::Tensor gw = f64(gr) * wd;
+    const at::Tensor want = gw * rstd - xd * rstd.pow(3) * (gw * xd).mean(-1, true);
+    // gw rstd - x c cancels: 1e-6 of the row's largest terms.
+    expect_near(ops::rms_norm_backward(gr, x, w, r, plus_one), want, rel(), 1e-6, "backward" + what);
+  }
 }
 
 // NF4 dequantize is exact on every path: the reference's values, bit for bit, into either dtype.

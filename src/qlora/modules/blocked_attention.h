@@ -19,8 +19,12 @@ namespace qlora::modules {
 
 // softmax(q k^T * scale + causal mask) v for q, k, v [b, heads, seq, d] (k and v with as many
 // heads as q), queries and keys at the same positions. Returns [b, heads, seq, d]. keep_probs:
-// keep the probabilities for backward (nullopt: when seq <= 8 head_dim).
+// keep the probabilities for backward (nullopt: when seq <= 8 head_dim). allowed: undefined, or a
+// bool mask [1 or b, seq, seq] (true: query i may attend to key j) that hides more than the causal
+// mask does (packed rows' block-causal mask, a sliding window). Only keys j <= i are ever computed,
+// so an allowed key after its query is ignored; every query must keep at least one key.
 at::Tensor blocked_causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
-                                    int64_t block = 64, std::optional<bool> keep_probs = std::nullopt);
+                                    int64_t block = 64, std::optional<bool> keep_probs = std::nullopt,
+                                    const at::Tensor& allowed = {});
 
 }  // namespace qlora::modules

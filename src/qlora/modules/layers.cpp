@@ -26,6 +26,7 @@
 #include <stdexcept>
 
 #include "qlora/modules/blocked_attention.h"
+#include "qlora/ops/rmsnorm_ops.h"
 #include "qlora/ops/rope_ops.h"
 #include "qlora/ops/swiglu_ops.h"
 
@@ -38,38 +39,22 @@ using torch::autograd::variable_list;
 
 // The norm's values, HF's expression op for op (LlamaRMSNorm, or GemmaRMSNorm when plus_one) so they
 // stay bit-identical to transformers'. rstd_out (optional) gets 1 / sqrt(mean(x^2) + eps) [..., 1] fp32.
-at::Tensor rms_norm_values(const at::Tensor& x, const at::Tensor& weight, double eps, bool plus_one,
-                           at::Tensor* rstd_out) {
-  at::Tensor h = x.to(at::kFloat);                                          // [..., dim] fp32
-  const at::Tensor rstd = at::rsqrt(h.pow(2).mean(-1, /*keepdim=*/true) + eps);  // [..., 1]
-  if (rstd_out) *rstd_out = rstd;
-  h = h * rstd;
-  if (plus_one) return (h * (weight.to(at::kFloat) + 1.0)).to(x.scalar_type());
-  return weight * h.to(x.scalar_type());
-}
-
 // RMSNorm with a frozen weight as one autograd node. It keeps x and rstd (not the normed tensor), and
-// backward is the analytic gradient, per row, in fp32:
-//   gx = rstd * gw - x * rstd^3 * mean(gw * x),   gw = grad * w (or grad * (1 + w))
-// five elementwise passes (a sixth casts a bf16 result), where autograd through the chain made ~9 over six nodes.
+// backward is the analytic gradient, per row, in fp32 (ops/rmsnorm_ops.h: one kernel each way on the
+// CPU, where autograd through ATen's chain made ~9 passes over six nodes).
 struct RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight, double eps,
                             bool plus_one) {
-    at::Tensor rstd;
-    at::Tensor out = rms_norm_values(x, weight, eps, plus_one, &rstd);
+    auto [out, rstd] = ops::rms_norm(x, weight, eps, plus_one);
     ctx->save_for_backward({x, weight, rstd});
     ctx->saved_data["plus_one"] = plus_one;
     return out;
   }
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
     const variable_list saved = ctx->get_saved_variables();
-    const at::Tensor &x = saved[0], &rstd = saved[2];
-    at::Tensor w = saved[1].to(at::kFloat);  // [dim]
-    if (ctx->saved_data["plus_one"].toBool()) w = w + 1.0;
-    at::Tensor gx = grad_outputs[0] * w;                             // gw [..., dim] fp32 (a bf16 grad promotes)
-    const at::Tensor c = (gx * x).mean(-1, /*keepdim=*/true) * rstd.pow(3);  // [..., 1]
-    gx.mul_(rstd).addcmul_(x, c, -1.0);
-    return {gx.to(x.scalar_type()), at::Tensor(), at::Tensor(), at::Tensor()};
+    const bool plus_one = ctx->saved_data["plus_one"].toBool();
+    return {ops::rms_norm_backward(grad_outputs[0], saved[0], saved[1], saved[2], plus_one), at::Tensor(), at::Tensor(),
+            at::Tensor()};
   }
 };
 
@@ -78,7 +63,7 @@ struct RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
 // differentiates both.
 at::Tensor rms_norm_any(const at::Tensor& x, const at::Tensor& weight, double eps, bool plus_one) {
   if (!at::GradMode::is_enabled() || !x.requires_grad() || weight.requires_grad()) {
-    return rms_norm_values(x, weight, eps, plus_one, nullptr);
+    return ops::rms_norm(x, weight, eps, plus_one).first;
   }
   return RmsNormFunction::apply(x, weight, eps, plus_one);
 }
@@ -174,6 +159,22 @@ at::Tensor causal_window_mask(int64_t seq, int64_t total, int64_t window, const 
   return window > 0 ? m.triu(total - seq - window + 1) : m;
 }
 
+// The mask as blocked_causal_attention takes it, [1 or b, seq, seq] bool, when the CPU's blocked
+// attention can run this call: q fp32 or bf16 on the CPU, queries and keys at the same positions,
+// and a mask shared by the heads that hides every future key (packed rows, sliding windows).
+// Undefined (and ok false) otherwise.
+at::Tensor blocked_mask(const at::Tensor& q, const at::Tensor& kk, const at::Tensor& mask, bool* ok) {
+  const int64_t seq = q.size(2);
+  *ok = q.is_cpu() && (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16) && kk.size(2) == seq;
+  if (!*ok || !mask.defined()) return {};
+  at::Tensor m = mask;
+  if (m.dim() == 4 && m.size(1) == 1) m = m.squeeze(1);
+  if (m.dim() == 2) m = m.unsqueeze(0);
+  *ok = m.dim() == 3 && m.scalar_type() == at::kBool && m.size(1) == seq && m.size(2) == seq &&
+        !m.triu(1).any().item<bool>();
+  return *ok ? m : at::Tensor();
+}
+
 // Scores, optional mask and softmax over expanded K/V (kk, vv [b, heads, total, d]). mask:
 // broadcastable to [b, heads, seq, total] bool, or undefined with is_causal (square, top-left).
 // Without soft-capping this is SDPA; with it, transformers' eager path: scores * scale, then
@@ -182,15 +183,19 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& kk, const at::Tensor& v
                   const AttentionOptions& opt) {
   const double scale = opt.scale > 0 ? opt.scale : 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
   if (opt.softcap <= 0) {
-    // Training's case on the CPU: by query blocks, skipping the masked half (blocked_attention.h).
-    // bf16 runs it in fp32 on widened q, k, v, its output rounded once: more exact than bf16 block
-    // GEMMs (which round scores and probabilities as eager attention does) and as fast at seq 512
-    // on a 2-core AMX Xeon, 7.5 ms against 7.6 ms per ~100M layer, and ATen's bf16 flash kernel
-    // 9.0 ms (build/bench_attention): the softmaxes' kernels are fp32.
-    if (is_causal && q.is_cpu() && q.scalar_type() == at::kFloat) return blocked_causal_attention(q, kk, vv, scale);
-    if (is_causal && q.is_cpu() && q.scalar_type() == at::kBFloat16) {
+    // Training's case on the CPU: by query blocks, skipping the masked half (blocked_attention.h),
+    // and with packed rows the keys before each block's earliest sample. bf16 runs it in fp32 on
+    // widened q, k, v, its output rounded once. bf16 block GEMMs are faster (5.1-5.4 ms against
+    // 8.5 ms per ~100M layer at 128-row blocks on a 2-core AMX Xeon, build/bench_attention) but
+    // round the scores to bf16 before the softmax, which a GPU's flash kernel does not; ATen's
+    // bf16 flash kernel takes 9.9 ms.
+    bool blocked = false;
+    const at::Tensor allowed = blocked_mask(q, kk, mask, &blocked);
+    if (blocked && (is_causal || allowed.defined())) {
+      if (q.scalar_type() == at::kFloat) return blocked_causal_attention(q, kk, vv, scale, 64, std::nullopt, allowed);
       const at::ScalarType f32 = at::kFloat;
-      return blocked_causal_attention(q.to(f32), kk.to(f32), vv.to(f32), scale).to(q.scalar_type());
+      return blocked_causal_attention(q.to(f32), kk.to(f32), vv.to(f32), scale, 64, std::nullopt, allowed)
+          .to(q.scalar_type());
     }
     const std::optional<at::Tensor> m = mask.defined() ? std::optional<at::Tensor>(mask) : std::nullopt;
     return at::scaled_dot_product_attention(q, kk, vv, m, 0.0, is_causal, scale);

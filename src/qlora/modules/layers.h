@@ -72,7 +72,8 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
 // attn_mask [batch, seq, seq] bool; every query row must allow at least one key (an all-false row
 // would softmax to NaN). K/V heads are expanded as in causal_attention. A window in `opt` is
 // applied on top of the mask, by row distance (packed samples are contiguous, so within a sample
-// that is the position distance). Returns [batch, heads, seq, d].
+// that is the position distance). On the CPU a mask that hides every future key (as packing's
+// does) runs the blocked attention. Returns [batch, heads, seq, d].
 at::Tensor masked_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const at::Tensor& attn_mask, const AttentionOptions& opt = {});
 

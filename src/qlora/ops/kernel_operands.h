@@ -4,7 +4,9 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <optional>
 
 namespace qlora::ops {
 
@@ -17,6 +19,19 @@ inline bool kernel_dtype(const at::Tensor& t) {
 template <class Fn> void with_element(const at::Tensor& t, Fn&& fn) {
   if (t.scalar_type() == at::kBFloat16) fn(uint16_t{});
   else fn(float{});
+}
+
+// t as rows of its last dim: the row count and the row stride, when every row starts one
+// stride after the previous (any leading dims flattened); nullopt otherwise.
+struct Rows {
+  int64_t count, ld;
+};
+inline std::optional<Rows> rows_of(const at::Tensor& t) {
+  if (!kernel_dtype(t) || t.dim() == 0 || t.stride(-1) != 1) return std::nullopt;
+  const int64_t ld = t.dim() >= 2 ? t.stride(-2) : t.size(-1);
+  for (int64_t d = t.dim() - 2; d > 0; --d)
+    if (t.size(d - 1) > 1 && t.stride(d - 1) != t.stride(d) * t.size(d)) return std::nullopt;
+  return Rows{t.numel() / std::max<int64_t>(1, t.size(-1)), ld};
 }
 
 template <class T> const T* in_ptr(const at::Tensor& t) { return static_cast<const T*>(t.const_data_ptr()); }

@@ -2,7 +2,6 @@
 
 #include <ATen/ATen.h>
 
-#include <optional>
 #include <stdexcept>
 
 #include "kernels/swiglu_cpu.h"
@@ -11,19 +10,6 @@
 namespace qlora::ops {
 
 namespace {
-
-// t as rows of its last dim: the data pointer and the row stride, when every row starts one
-// stride after the previous (any leading dims flattened); nullopt otherwise.
-struct Rows {
-  int64_t count, ld;
-};
-std::optional<Rows> rows_of(const at::Tensor& t) {
-  if (!kernel_dtype(t) || t.dim() == 0 || t.stride(-1) != 1) return std::nullopt;
-  const int64_t ld = t.dim() >= 2 ? t.stride(-2) : t.size(-1);
-  for (int64_t d = t.dim() - 2; d > 0; --d)
-    if (t.size(d - 1) > 1 && t.stride(d - 1) != t.stride(d) * t.size(d)) return std::nullopt;
-  return Rows{t.numel() / std::max<int64_t>(1, t.size(-1)), ld};
-}
 
 void check_same_shape(const char* op, const at::Tensor& a, const at::Tensor& b) {
   if (a.sizes() != b.sizes())
