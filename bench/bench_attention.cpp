@@ -80,22 +80,20 @@ int main(int argc, char** argv) {
   const at::Tensor q = at::randn({1, heads, seq, dim}), k = at::randn({1, heads, seq, dim});
   const at::Tensor v = at::randn({1, heads, seq, dim}), go = at::randn({1, heads, seq, dim});
   const double scale = 1.0 / std::sqrt(static_cast<double>(dim));
-  const double ours = fwd_bwd_s([&](const at::Tensor& a, const at::Tensor& b, const at::Tensor& c) {
+  // The blocked attention as called (fp32 in training; bf16 tensors: bf16 block GEMMs) and SDPA's causal kernel.
+  auto blocked = [&](const at::Tensor& a, const at::Tensor& b, const at::Tensor& c) {
     return qlora::modules::blocked_causal_attention(a, b, c, scale, block);
-  }, q, k, v, go, reps);
-  const double sdpa = fwd_bwd_s([&](const at::Tensor& a, const at::Tensor& b, const at::Tensor& c) {
+  };
+  auto sdpa_causal = [&](const at::Tensor& a, const at::Tensor& b, const at::Tensor& c) {
     return at::scaled_dot_product_attention(a, b, c, {}, 0.0, /*is_causal=*/true, scale);
-  }, q, k, v, go, reps);
+  };
+  const double ours = fwd_bwd_s(blocked, q, k, v, go, reps), sdpa = fwd_bwd_s(sdpa_causal, q, k, v, go, reps);
   const at::Tensor qb = q.to(at::kBFloat16), kb = k.to(at::kBFloat16), vb = v.to(at::kBFloat16), gob = go.to(at::kBFloat16);
   const double ours_bf16 = fwd_bwd_s([&](const at::Tensor& a, const at::Tensor& b, const at::Tensor& c) {
     return qlora::modules::causal_attention(a, b, c, qlora::modules::AttentionOptions{scale});
   }, qb, kb, vb, gob, reps);
-  const double gemms_bf16 = fwd_bwd_s([&](const at::Tensor& a, const at::Tensor& b, const at::Tensor& c) {
-    return qlora::modules::blocked_causal_attention(a, b, c, scale, block);
-  }, qb, kb, vb, gob, reps);
-  const double sdpa_bf16 = fwd_bwd_s([&](const at::Tensor& a, const at::Tensor& b, const at::Tensor& c) {
-    return at::scaled_dot_product_attention(a, b, c, {}, 0.0, /*is_causal=*/true, scale);
-  }, qb, kb, vb, gob, reps);
+  const double gemms_bf16 = fwd_bwd_s(blocked, qb, kb, vb, gob, reps);
+  const double sdpa_bf16 = fwd_bwd_s(sdpa_causal, qb, kb, vb, gob, reps);
   // Packed rows: 4 samples of seq / 4 tokens, each attending causally within itself (the mask
   // masked_attention gets in training with data.packing), against SDPA under the same mask.
   at::Tensor packed = at::zeros({1, seq, seq}, at::kBool);

@@ -37,8 +37,6 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// The norm's values, HF's expression op for op (LlamaRMSNorm, or GemmaRMSNorm when plus_one) so they
-// stay bit-identical to transformers'. rstd_out (optional) gets 1 / sqrt(mean(x^2) + eps) [..., 1] fp32.
 // RMSNorm with a frozen weight as one autograd node. It keeps x and rstd (not the normed tensor), and
 // backward is the analytic gradient, per row, in fp32 (ops/rmsnorm_ops.h: one kernel each way on the
 // CPU, where autograd through ATen's chain made ~9 passes over six nodes).

@@ -1,8 +1,8 @@
 // RMSNorm on at::Tensors, as transformers computes it (kernels/rmsnorm_cpu.h states the math):
 // the CPU kernels for float32 or bfloat16 rows with a weight of the same dtype, ATen's ops
 // otherwise (CUDA, mixed dtypes, strided rows) and whenever autograd records (grad mode and an
-// input that requires grad), so that rms_norm stays differentiable. The kernels sum each row in their own order, so
-// results agree with ATen's to fp32 rounding, not bit for bit.
+// input that requires grad), so that rms_norm stays differentiable. The kernels sum each row in
+// their own order, so results agree with ATen's to fp32 rounding, not bit for bit.
 #pragma once
 
 #include <ATen/core/Tensor.h>

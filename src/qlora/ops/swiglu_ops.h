@@ -1,6 +1,7 @@
 // SwiGLU, silu(gate) * up, on at::Tensors: the one-pass CPU kernels of kernels/swiglu_cpu.h for
 // float32 or bfloat16 CPU operands of one dtype, ATen's silu, mul and silu_backward otherwise
-// (CUDA, mixed dtypes: the same ops autograd would run). The kernels' exp differs from ATen's in the last bits (within 2 ulp).
+// (CUDA, mixed dtypes: the same ops autograd would run). The kernels' exp differs from ATen's in
+// the last bits (within 2 ulp).
 #pragma once
 
 #include <ATen/core/Tensor.h>
