@@ -126,6 +126,45 @@ TEST(OutputHead, ChunkedLossMatchesFullLogitsForEveryHead) {
   }
 }
 
+// Per-segment sums (the sequence log-probabilities of preference losses): each segment's loss and,
+// through a backward that weighs the segments differently (signs included, as a DPO loss does),
+// every gradient equal the whole-logits per-token losses summed per segment, for every base and
+// chunk size; and the segments add up to the scalar loss.
+TEST(OutputHead, SegmentLossesMatchFullLogitsUnderWeightedBackward) {
+  constexpr int64_t kTokens = 23, kVocab = 300, kSegments = 3;
+  const at::Tensor h = at::randn({kTokens, 64}, gen_of(4)), x = at::randn({kTokens, 64}, gen_of(5));
+  const at::Tensor labels = labels_with_gaps(kTokens, kVocab, 6);
+  const at::Tensor seg = at::tensor({0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2}, at::kLong);
+  const at::Tensor weights = at::tensor({0.3, -1.2, 0.7}, at::kFloat);  // [segments]
+  for (const std::string base : {"fp32", "nf4"}) {
+    const modules::LoraLinear l = make_head(base, kVocab);
+    auto head = [](const modules::LoraLinear& leaf) { return OutputHead{&leaf, 7, 2.0}; };
+    at::Tensor want_losses;
+    const Grads want = run(l, h, x, [&](const modules::LoraLinear& leaf, const at::Tensor& hl, const at::Tensor& xl) {
+      want_losses = full_segment_loss(head(leaf), hl, xl, labels, seg, kSegments);
+      return (want_losses * weights).sum();
+    });
+    ASSERT_EQ(want_losses.sizes(), at::IntArrayRef({kSegments}));
+    for (const int64_t chunk : {int64_t{1}, int64_t{4}, int64_t{23}}) {
+      const std::string what = base + " chunk " + std::to_string(chunk);
+      at::Tensor got_losses;
+      const Grads got = run(l, h, x, [&](const modules::LoraLinear& leaf, const at::Tensor& hl, const at::Tensor& xl) {
+        got_losses = chunked_segment_loss(head(leaf), hl, xl, labels, seg, kSegments, chunk);
+        return (got_losses * weights).sum();
+      });
+      expect_close(got_losses.detach(), want_losses.detach(), what + " losses");
+      expect_close(got.h, want.h, what + " dL/dh");
+      expect_close(got.x, want.x, what + " dL/d(lora x)");
+      expect_close(got.a, want.a, what + " dL/dA");
+      expect_close(got.b, want.b, what + " dL/dB");
+      at::NoGradGuard ng;
+      EXPECT_NEAR(got_losses.sum().item<double>(), chunked_token_loss(head(l), h, x, labels, chunk).item<double>(),
+                  kRel * got_losses.sum().item<double>())
+          << what;
+    }
+  }
+}
+
 TEST(OutputHead, AllIgnoredLabelsGiveZeroLossAndZeroGradients) {
   const modules::LoraLinear l = make_head("fp32", 50);
   const at::Tensor h = at::randn({9, 64}, gen_of(7)), x = at::randn({9, 64}, gen_of(8));

@@ -120,6 +120,9 @@ struct LlamaModel {
   // The same over packed rows (position_ids and attn_mask as the packed forward takes them).
   at::Tensor loss(const at::Tensor& tokens, const at::Tensor& position_ids, const at::Tensor& attn_mask,
                   const at::Tensor& labels) const;
+  // The same summed per row: [batch] fp32, row b = -(log-probability of its scored labels), the
+  // sequence log-probabilities of preference losses; its backward weighs each row by its gradient.
+  at::Tensor row_losses(const at::Tensor& tokens, const at::Tensor& labels) const;
 
   // Trainable tensors with PEFT names, e.g.
   // base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight ([r, in]) / .lora_B.weight

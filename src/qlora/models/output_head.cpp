@@ -167,72 +167,90 @@ void add_lora_b_grad(const OutputHead& head, const HeadRows& rows, const ChunkRo
   }
 }
 
-// The loss summed over scored tokens (labels != ignore_index) and, with `grads`, the gradients of
-// that sum wrt h, lora_x and the head's adapters (undefined for those that need none). Tokens
+// The loss summed over scored tokens (labels != ignore_index) per segment ([G] fp32: segment
+// seg[t] of each token; one segment without `seg`) and, with `grads`, the gradients of each
+// segment's sum: wrt h and lora_x per token (a token belongs to one segment), wrt the head's
+// adapters per segment ([G, r, in], [G, vocab, r]); undefined for those that need none. Tokens
 // without a label are dropped first: their rows cost nothing and get a zero gradient.
 struct ChunkedLoss {
   at::Tensor loss, h, x, a, b;
 };
 
 ChunkedLoss chunked_loss(const OutputHead& head, const at::Tensor& h, const at::Tensor& lora_x,
-                         const at::Tensor& labels, int64_t chunk, bool grads) {
+                         const at::Tensor& labels, const at::Tensor& seg, int64_t segments, int64_t chunk, bool grads) {
   RECORD_USER_SCOPE("qlora::output_loss");  // a phase of bench_train_step's profile
   const modules::LoraLinear& l = *head.proj;
   at::NoGradGuard no_grad;
   ChunkedLoss out;
-  out.loss = at::zeros({}, h.options().dtype(at::kFloat));
+  out.loss = at::zeros({segments}, h.options().dtype(at::kFloat));
   const bool lora = l.has_lora();
   const bool want_x = grads && wants_grad(lora_x), want_a = grads && lora && wants_grad(l.lora_a);
   const bool want_b = grads && lora && wants_grad(l.lora_b), want_h = grads && wants_grad(h);
   if (want_h) out.h = at::zeros_like(h);
   if (want_x) out.x = at::zeros_like(lora_x);
-  if (want_a) out.a = at::zeros_like(l.lora_a);
-  if (want_b) out.b = at::zeros_like(l.lora_b);
+  if (want_a) out.a = at::zeros({segments, l.r, l.in_features}, l.lora_a.options());
+  if (want_b) out.b = at::zeros({segments, l.out_features, l.r}, l.lora_b.options());
   const at::Tensor scored = labels.ne(kIgnoreIndex).nonzero().squeeze(1);  // [S] row indices
   const int64_t S = scored.size(0);
   if (S == 0) return out;
   const HeadRows rows(l, h.scalar_type());
   for (int64_t s0 = 0; s0 < S; s0 += chunk) {
     const at::Tensor idx = scored.narrow(0, s0, std::min(chunk, S - s0));
+    const at::Tensor cs = seg.defined() ? seg.index_select(0, idx) : at::zeros_like(idx);  // [T] segments
     ChunkRows c{h.detach().index_select(0, idx), at::Tensor(), labels.index_select(0, idx)};
     const at::Tensor xc = lora ? lora_x.detach().index_select(0, idx) : at::Tensor();  // [T, hidden] fp32
     if (lora) c.xa = at::linear(xc, l.lora_a.detach());  // [T, r]
     const ChunkScore r = score_chunk(head, rows, c, want_h, want_x || want_a);
-    out.loss.add_(r.loss.sum());
+    if (segments == 1) out.loss.add_(r.loss.sum());  // the order of sums the scalar loss always had
+    else out.loss.index_add_(0, cs, r.loss);
     if (want_h) out.h.index_copy_(0, idx, r.dh.to(h.scalar_type()));
-    if (want_x || want_a) {
-      const at::Tensor dxa = r.dxa.mul_(l.scale);  // [T, r]
-      if (want_x) out.x.index_copy_(0, idx, at::matmul(dxa, l.lora_a.detach()));
-      if (want_a) out.a.addmm_(dxa.t(), xc);
+    const at::Tensor dxa = want_x || want_a ? r.dxa.mul_(l.scale) : at::Tensor();  // [T, r]
+    if (want_x) out.x.index_copy_(0, idx, at::matmul(dxa, l.lora_a.detach()));
+    for (int64_t g = 0; (want_a || want_b) && g < segments; ++g) {
+      const at::Tensor mine = segments == 1 ? at::Tensor() : cs.eq(g).nonzero().squeeze(1);  // this segment's rows
+      if (mine.defined() && mine.numel() == 0) continue;
+      auto part = [&](const at::Tensor& t) { return mine.defined() ? t.index_select(0, mine) : t; };
+      if (want_a) out.a[g].addmm_(part(dxa).t(), part(xc));
+      if (want_b) {
+        const ChunkRows cg{part(c.h), part(c.xa), part(c.labels)};
+        at::Tensor bg = out.b[g];
+        add_lora_b_grad(head, rows, cg, part(r.lse), bg);
+      }
     }
-    if (want_b) add_lora_b_grad(head, rows, c, r.lse, out.b);
   }
   if (want_b) out.b.mul_(l.scale);
   return out;
 }
 
 // The chunked loss as one autograd node over h, lora_x and the head's adapters; its backward
-// scales the gradients chunked_loss computed in forward by the incoming one (the loss is a scalar).
+// scales the gradients chunked_loss computed in forward by the incoming one: per token by its
+// segment's, summed over segments for the adapters.
 struct ChunkedLossFunction : public torch::autograd::Function<ChunkedLossFunction> {
   // a, b: the head's adapters, inputs so that autograd routes their gradients; chunked_loss reads them from head.
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& h, const at::Tensor& lora_x,
                             const at::Tensor& /*a*/, const at::Tensor& /*b*/, const at::Tensor& labels,
-                            const OutputHead& head, int64_t chunk) {
+                            const at::Tensor& seg, int64_t segments, const OutputHead& head, int64_t chunk) {
     // Without an adapter lora_x, a and b are empty placeholders (autograd takes no undefined inputs).
     const at::Tensor x = head.proj->has_lora() ? lora_x : at::Tensor();
-    ChunkedLoss r = chunked_loss(head, h, x, labels, chunk, /*grads=*/true);
+    const at::Tensor segs = seg.numel() > 0 ? seg : at::Tensor();
+    ChunkedLoss r = chunked_loss(head, h, x, labels, segs, segments, chunk, /*grads=*/true);
     for (auto [name, g] : {std::pair{"h", r.h}, {"x", r.x}, {"a", r.a}, {"b", r.b}})
       if (g.defined()) ctx->saved_data[name] = g;
-    return r.loss;  // []
+    if (segs.defined()) ctx->saved_data["seg"] = segs;
+    return r.loss;  // [segments]
   }
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
-    const at::Tensor& go = grad_outputs[0];  // [] fp32
+    const at::Tensor& go = grad_outputs[0];  // [segments] fp32
+    const at::Tensor per_token = ctx->saved_data.count("seg") ? go.index_select(0, ctx->saved_data["seg"].toTensor())
+                                                              : go.expand({1});  // [N] or [1]
     auto scaled = [&](const char* name) {
       if (!ctx->saved_data.count(name)) return at::Tensor();
       const at::Tensor g = ctx->saved_data[name].toTensor();
-      return (g * go).to(g.scalar_type());
+      if (g.dim() == 3) return (g * go.view({-1, 1, 1})).sum(0).to(g.scalar_type());  // adapters [G, ...]
+      return (g * per_token.unsqueeze(1)).to(g.scalar_type());
     };
-    return {scaled("h"), scaled("x"), scaled("a"), scaled("b"), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {scaled("h"), scaled("x"), scaled("a"), scaled("b"), at::Tensor(), at::Tensor(), at::Tensor(),
+            at::Tensor(), at::Tensor()};
   }
 };
 
@@ -251,6 +269,16 @@ void check_loss_args(const OutputHead& head, const at::Tensor& h, const at::Tens
   if (lora_x.defined() != l.has_lora() || (lora_x.defined() && lora_x.sizes() != h.sizes()))
     throw std::invalid_argument("output loss: the LoRA input must be given exactly when the head has an adapter, "
                                 "shaped like the hidden states");
+}
+
+void check_segments(const at::Tensor& labels, const at::Tensor& segments, int64_t num_segments) {
+  if (num_segments < 1) throw std::invalid_argument("output loss: the number of segments must be >= 1");
+  if (!segments.defined()) return;
+  if (segments.dim() != 1 || segments.size(0) != labels.size(0) || segments.scalar_type() != at::kLong)
+    throw std::invalid_argument("output loss: segments must be int64 [" + std::to_string(labels.size(0)) + "], got " +
+                                c10::str(segments.sizes()));
+  if (segments.numel() > 0 && (segments.min().item<int64_t>() < 0 || segments.max().item<int64_t>() >= num_segments))
+    throw std::invalid_argument("output loss: a segment index is outside [0, " + std::to_string(num_segments) + ")");
 }
 
 }  // namespace
@@ -274,17 +302,35 @@ int64_t default_loss_chunk_tokens(int64_t block_rows) {
   return std::max<int64_t>(1, kLossChunkBytes / (std::max<int64_t>(block_rows, 1) * int64_t{4}));
 }
 
-at::Tensor chunked_token_loss(const OutputHead& head, const at::Tensor& h, const at::Tensor& lora_x,
-                              const at::Tensor& labels, int64_t chunk_tokens) {
+at::Tensor chunked_segment_loss(const OutputHead& head, const at::Tensor& h, const at::Tensor& lora_x,
+                                const at::Tensor& labels, const at::Tensor& segments, int64_t num_segments,
+                                int64_t chunk_tokens) {
   check_loss_args(head, h, lora_x, labels);
+  check_segments(labels, segments, num_segments);
   if (chunk_tokens < 1) throw std::invalid_argument("output loss: chunk_tokens must be >= 1");
   const modules::LoraLinear& l = *head.proj;
   const bool grads = at::GradMode::is_enabled() && (wants_grad(h) || wants_grad(lora_x) ||
                                                     (l.has_lora() && (wants_grad(l.lora_a) || wants_grad(l.lora_b))));
-  if (!grads) return chunked_loss(head, h, lora_x, labels, chunk_tokens, /*grads=*/false).loss;
+  if (!grads) return chunked_loss(head, h, lora_x, labels, segments, num_segments, chunk_tokens, /*grads=*/false).loss;
   const at::Tensor none = at::empty({0}, h.options());
-  return l.has_lora() ? ChunkedLossFunction::apply(h, lora_x, l.lora_a, l.lora_b, labels, head, chunk_tokens)
-                      : ChunkedLossFunction::apply(h, none, none, none, labels, head, chunk_tokens);
+  const at::Tensor seg = segments.defined() ? segments : at::empty({0}, labels.options());
+  return l.has_lora() ? ChunkedLossFunction::apply(h, lora_x, l.lora_a, l.lora_b, labels, seg, num_segments, head, chunk_tokens)
+                      : ChunkedLossFunction::apply(h, none, none, none, labels, seg, num_segments, head, chunk_tokens);
+}
+
+at::Tensor chunked_token_loss(const OutputHead& head, const at::Tensor& h, const at::Tensor& lora_x,
+                              const at::Tensor& labels, int64_t chunk_tokens) {
+  return chunked_segment_loss(head, h, lora_x, labels, at::Tensor(), 1, chunk_tokens).squeeze(0);
+}
+
+at::Tensor full_segment_loss(const OutputHead& head, const at::Tensor& h, const at::Tensor& lora_x,
+                             const at::Tensor& labels, const at::Tensor& segments, int64_t num_segments) {
+  check_loss_args(head, h, lora_x, labels);
+  check_segments(labels, segments, num_segments);
+  const at::Tensor per_token = at::cross_entropy_loss(output_logits(head, h, lora_x), labels, {}, at::Reduction::None,
+                                                      kIgnoreIndex);  // [N], 0 where ignored
+  if (!segments.defined()) return per_token.sum().unsqueeze(0);
+  return at::zeros({num_segments}, per_token.options()).index_add(0, segments, per_token);
 }
 
 at::Tensor full_token_loss(const OutputHead& head, const at::Tensor& h, const at::Tensor& lora_x,

@@ -48,9 +48,20 @@ int64_t default_loss_chunk_tokens(int64_t block_rows);
 at::Tensor chunked_token_loss(const OutputHead& head, const at::Tensor& h, const at::Tensor& lora_x,
                               const at::Tensor& labels, int64_t chunk_tokens);
 
+// The same loss summed per segment: segments [N] int64 names each token's segment in [0,
+// num_segments) (e.g. its batch row, for per-sequence log-probabilities); returns [num_segments]
+// fp32, whose backward weighs each token's gradient by its segment's incoming gradient. Undefined
+// segments: one segment of every token. chunked_token_loss is this with one segment, as a 0-dim tensor.
+at::Tensor chunked_segment_loss(const OutputHead& head, const at::Tensor& h, const at::Tensor& lora_x,
+                                const at::Tensor& labels, const at::Tensor& segments, int64_t num_segments,
+                                int64_t chunk_tokens);
+
 // The same loss from the whole [N, vocab] logits: today's computation, the reference the tests and
 // bench_train_step compare chunked_token_loss with.
 at::Tensor full_token_loss(const OutputHead& head, const at::Tensor& h, const at::Tensor& lora_x,
                            const at::Tensor& labels);
+// chunked_segment_loss from the whole logits ([num_segments] fp32).
+at::Tensor full_segment_loss(const OutputHead& head, const at::Tensor& h, const at::Tensor& lora_x,
+                             const at::Tensor& labels, const at::Tensor& segments, int64_t num_segments);
 
 }  // namespace qlora::models

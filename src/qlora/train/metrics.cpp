@@ -22,12 +22,33 @@ nlohmann::json StepMetrics::to_json() const {
                       {"tokens", tokens}};
   if (grad_norm >= 0 || std::isnan(grad_norm)) j["grad_norm"] = grad_norm;  // NaN is written as null
   if (skipped) j["skipped"] = true;
+  for (const auto& [k, v] : extra.items()) j[k] = v;
   return j;
 }
 
 nlohmann::json ValidationMetrics::to_json() const {
-  return {{"step", step}, {"epoch", epoch}, {"val_loss", loss}, {"val_perplexity", perplexity}, {"val_tokens", tokens}};
+  nlohmann::json j = {{"step", step}, {"epoch", epoch}, {"val_loss", loss}};
+  if (perplexity >= 0) j["val_perplexity"] = perplexity;
+  j["val_tokens"] = tokens;
+  for (const auto& [k, v] : extra.items()) j["val_" + k] = v;
+  return j;
 }
+
+namespace {
+// Recipe metrics shown on the progress line, by their short names.
+constexpr std::pair<const char*, const char*> kProgressMetrics[] = {{"rewards/accuracies", "acc"},
+                                                                    {"rewards/margins", "margin"}};
+std::string shown_extra(const nlohmann::ordered_json& extra) {
+  std::string out;
+  char buf[64];
+  for (const auto& [key, label] : kProgressMetrics)
+    if (extra.contains(key) && extra[key].is_number()) {
+      std::snprintf(buf, sizeof buf, " %s %.3f", label, extra[key].get<double>());
+      out += buf;
+    }
+  return out;
+}
+}  // namespace
 
 MetricsLog::MetricsLog(const std::string& output_dir, int64_t resume_step)
     : path_(output_dir + "/metrics.jsonl") {
@@ -124,9 +145,9 @@ std::string Progress::line(const StepMetrics& m, int64_t done) const {
   const int64_t run = done - first_step_;  // steps done in this process (resume starts mid-epoch)
   const double eta = run > 0 ? elapsed / run * (steps_ - done) : NAN;
   char buf[256];
-  std::snprintf(buf, sizeof buf, "%lld/%lld loss %.4f lr %.2e %.0f tok/s mem %s eta %s", (long long)done,
-                (long long)steps_, m.loss, m.lr, m.tokens_per_second, format_bytes(m.peak_memory_bytes).c_str(),
-                format_duration(eta).c_str());
+  std::snprintf(buf, sizeof buf, "%lld/%lld loss %.4f%s lr %.2e %.0f tok/s mem %s eta %s", (long long)done,
+                (long long)steps_, m.loss, shown_extra(m.extra).c_str(), m.lr, m.tokens_per_second,
+                format_bytes(m.peak_memory_bytes).c_str(), format_duration(eta).c_str());
   return buf;
 }
 
@@ -160,10 +181,14 @@ void Progress::write_line(const std::string& text) {
 
 void Progress::validation(const ValidationMetrics& v) {
   last_validation_ = v;
-  char buf[160];
-  std::snprintf(buf, sizeof buf, "epoch %lld/%lld step %lld val_loss %.4f ppl %.2f (%lld tokens)",
-                (long long)(v.epoch + 1), (long long)num_epochs_, (long long)v.step, v.loss, v.perplexity,
-                (long long)v.tokens);
+  char buf[256];
+  if (v.perplexity >= 0)
+    std::snprintf(buf, sizeof buf, "epoch %lld/%lld step %lld val_loss %.4f ppl %.2f (%lld tokens)",
+                  (long long)(v.epoch + 1), (long long)num_epochs_, (long long)v.step, v.loss, v.perplexity,
+                  (long long)v.tokens);
+  else
+    std::snprintf(buf, sizeof buf, "epoch %lld/%lld step %lld val_loss %.4f%s (%lld tokens)", (long long)(v.epoch + 1),
+                  (long long)num_epochs_, (long long)v.step, v.loss, shown_extra(v.extra).c_str(), (long long)v.tokens);
   write_line(buf);
 }
 

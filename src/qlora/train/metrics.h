@@ -26,6 +26,9 @@ struct StepMetrics {
   // The loss or gradient norm was not finite and training.on_nonfinite = "skip" dropped the
   // update (a non-finite loss is written as null).
   bool skipped = false;
+  // A recipe's own metrics (lora_dpo's rewards/*, logps/*), written after the common ones; those
+  // named in kProgressMetrics also go on the progress line.
+  nlohmann::ordered_json extra = nlohmann::ordered_json::object();
   nlohmann::json to_json() const;
 };
 
@@ -37,6 +40,7 @@ struct ValidationMetrics {
   double loss = 0.0;
   double perplexity = 0.0;
   int64_t tokens = 0;
+  nlohmann::ordered_json extra = nlohmann::ordered_json::object();  // prefixed "val_" in the line
   nlohmann::json to_json() const;
 };
 

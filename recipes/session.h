@@ -1,0 +1,98 @@
+// What every training recipe shares (lora_finetune, lora_dpo), so that neither copies the other's
+// loop: the model (NF4 base + LoRA, sharded by the engine), the optimizer and schedule, resume,
+// the step loop with its non-finite guard, resume checkpoints, per-epoch exports and the metrics.
+// A recipe keeps what is its own: its data, the loss of one optimizer step, its validation.
+//
+//   int my_recipe_main(args) { return run_recipe("my_recipe", args, [](Session& s) { ...; return train(s, m, parts); }); }
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "qlora/config/config.h"
+#include "qlora/data/dataset.h"
+#include "qlora/data/sampler.h"
+#include "qlora/data/tokenizer.h"
+#include "qlora/engine/process_group.h"
+#include "qlora/engine/sharded_model.h"
+#include "qlora/models/llama.h"
+#include "qlora/train/metrics.h"
+
+namespace qlora::recipes {
+
+// One run on this rank: its config, device and world, and the base checkpoint it trains.
+struct Session {
+  std::string recipe;  // "lora_finetune": recorded in resume checkpoints, named in errors
+  const config::RecipeConfig& cfg;
+  c10::Device device;
+  engine::World& world;
+  bool lead = false;     // rank 0: prints, logs metrics, commits checkpoints and exports
+  std::string base_dir;  // model.checkpoint_dir, or the embedded default's tiny base (written here)
+  // checkpoint.gguf: what rank 0 adds to each epoch's export (checked before the model loads).
+  std::function<void(const std::string&)> add_gguf;
+};
+
+// The tokenizer and how records are rendered (data.template "auto" resolved for the tokenizer).
+struct TextSetup {
+  std::string path, tokenizer_path;  // the training file; the tokenizer file
+  data::Tokenizer tokenizer;
+  data::DatasetOptions options;
+  std::string template_note;  // what "auto" chose, for the log
+};
+TextSetup open_text(const Session& s);
+
+// The model as the engine holds it: every rank builds the same model (same seed, same adapters)
+// and keeps its share of each layer as soon as the layer is loaded.
+struct Model {
+  models::LlamaModel llama;
+  std::shared_ptr<engine::ShardedLlama> engine;
+};
+// Loads, shards and seeds (dropout's generator per rank); checks the tokenizer fits the vocabulary.
+Model setup_model(const Session& s, const TextSetup& text);
+
+// Where the loop is: epoch and step within it (0-based), optimizer steps done.
+struct Position {
+  int64_t epoch = 0, step_in_epoch = 0, global_step = 0;
+};
+
+// One optimizer step's gradients as a recipe computed them, summed over every rank.
+struct StepResult {
+  double loss = 0.0;
+  int64_t tokens = 0;        // the step's trained tokens
+  double grad_norm = 0.0;    // filled by train()
+  nlohmann::ordered_json extra = nlohmann::ordered_json::object();  // the recipe's own metrics
+};
+
+// What a recipe hands train(): its sampler (one global batch per micro-step; saved and resumed
+// with the run), its step and its validation.
+struct RecipeParts {
+  data::Sampler* sampler = nullptr;
+  int64_t records = 0;        // training records, for the "too few for one step" error
+  std::string records_name;   // "samples", "pairs"
+  // grad_accum micro-batches of this rank's rows, backward done through backward_micro_batch;
+  // loss/tokens/extra summed over ranks. train() clips and steps (or skips a non-finite step).
+  std::function<StepResult(int64_t step)> step;
+  // Validation now (collective; metrics null off rank 0). Empty: the run has no validation data.
+  std::function<void(const Position&, train::MetricsLog*, train::Progress&)> validate;
+};
+
+// Backward of one micro-batch's loss (already divided by what the whole step normalises by);
+// gradients are reduced across ranks after the last one.
+void backward_micro_batch(Model& m, const at::Tensor& loss, bool last);
+
+// Sets up the optimizer, resumes if asked, runs the epochs (steps, guard, validation, resume
+// checkpoints, per-epoch exports) and returns the final position. Collective.
+Position train(const Session& s, Model& m, const TextSetup& text, RecipeParts& parts);
+
+// The rank's entry: config from args, compute dtype resolved, world joined, `body` run; an
+// error is printed naming the culprit ranks and gives exit status 1.
+int run_recipe(const std::string& name, const std::vector<std::string>& args,
+               const std::function<int(Session&)>& body);
+
+}  // namespace qlora::recipes
