@@ -15,6 +15,7 @@ namespace qlora::recipes {
 int quantize_main(const std::vector<std::string>& args);
 int dequantize_main(const std::vector<std::string>& args);
 int lora_finetune_main(const std::vector<std::string>& args);
+int lora_dpo_main(const std::vector<std::string>& args);
 int generate_main(const std::vector<std::string>& args);
 int tokenize_main(const std::vector<std::string>& args);
 int plot_main(const std::vector<std::string>& args);
@@ -33,6 +34,9 @@ constexpr const char* kUsage =
     "      lora_finetune [--config FILE] [section.key=value ...]\n"
     "                          QLoRA fine-tuning; no --config: the embedded tiny default;\n"
     "                          N > 1: N ranks on this node, sharded FSDP-style\n"
+    "      lora_dpo --config FILE [section.key=value ...]\n"
+    "                          preference tuning (dpo.loss: sigmoid, ipo, hinge, orpo, simpo) on\n"
+    "                          data.format = \"preference\" pairs; same ranks, resume and exports\n"
     "  data [--config FILE] [section.key=value ...] [-n N]\n"
     "                          the data as lora_finetune sees it, no model loaded: the first N\n"
     "                          samples (3) with trained text marked, token counts, truncated and\n"
@@ -66,20 +70,23 @@ int run_main(std::vector<std::string> args) {
   if (launch.nproc_per_node * launch.nnodes > 1) {
     if (qlora::engine::launched_as_rank())
       throw std::invalid_argument("--nproc-per-node inside a job that already has ranks (WORLD_SIZE > 1, set by "
-                                  "torchrun, Slurm or `qlora run --nproc-per-node`): run `qlora run lora_finetune ...` "
+                                  "torchrun, Slurm or `qlora run --nproc-per-node`): run `qlora run <recipe> ...` "
                                   "in each rank instead");
-    if (args[0] != "lora_finetune") throw std::invalid_argument("unknown recipe '" + args[0] + "' (see `qlora ls`)");
+    if (args[0] != "lora_finetune" && args[0] != "lora_dpo") throw std::invalid_argument("unknown recipe '" + args[0] + "' (see `qlora ls`)");
     args.insert(args.begin(), "run");
     return qlora::engine::launch(launch, std::filesystem::read_symlink("/proc/self/exe").string(), args);
   }
   const std::string recipe = args[0];
   args.erase(args.begin());
   if (recipe == "lora_finetune") return qlora::recipes::lora_finetune_main(args);
+  if (recipe == "lora_dpo") return qlora::recipes::lora_dpo_main(args);
   throw std::invalid_argument("unknown recipe '" + recipe + "' (see `qlora ls`)");
 }
 
 int ls_main() {
-  std::printf("recipes:\n  lora_finetune    QLoRA fine-tuning (one process, or N ranks with --nproc-per-node)\n\nconfigs (%s/configs):\n",
+  std::printf("recipes:\n  lora_finetune    QLoRA fine-tuning (one process, or N ranks with --nproc-per-node)\n"
+              "  lora_dpo         preference tuning: DPO, IPO, hinge, ORPO, SimPO (data.format = \"preference\")\n"
+              "\nconfigs (%s/configs):\n",
               QLORA_SOURCE_DIR);
   std::vector<std::string> names;
   for (const auto& e : std::filesystem::directory_iterator(QLORA_SOURCE_DIR "/configs"))

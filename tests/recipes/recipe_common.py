@@ -52,12 +52,12 @@ def recipe_args(*extra):
     return a
 
 
-def run_recipe(exe, out, *overrides, nproc=1, fault=None, expect_rc=0, timeout=600):
-    """`exe run [--nproc-per-node N] lora_finetune checkpoint.output_dir=OUT OVERRIDES`; `fault` is a
+def run_recipe(exe, out, *overrides, nproc=1, fault=None, expect_rc=0, timeout=600, recipe="lora_finetune"):
+    """`exe run [--nproc-per-node N] RECIPE checkpoint.output_dir=OUT OVERRIDES`; `fault` is a
     QLORA_FAULT_PLAN for the qlora_faults test binary (pass it as `exe`). Prints the command and the
     output's tail when the exit code is not `expect_rc`."""
     launch = ["--nproc-per-node", str(nproc)] if nproc > 1 else []
-    cmd = [exe, "run", *launch, "lora_finetune", f"checkpoint.output_dir={out}", *overrides]
+    cmd = [exe, "run", *launch, recipe, f"checkpoint.output_dir={out}", *overrides]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
                        env={**os.environ, "QLORA_FAULT_PLAN": fault or ""})
     if r.returncode != expect_rc:

@@ -44,6 +44,7 @@ constexpr const auto& names_of(optim::ScheduleKind) { return optim::kScheduleKin
 constexpr const auto& names_of(checkpoint::MergeSource) { return checkpoint::kMergeSourceNames; }
 constexpr const auto& names_of(train::ProgressMode) { return train::kProgressModeNames; }
 constexpr const auto& names_of(train::NonFinitePolicy) { return train::kNonFinitePolicyNames; }
+constexpr const auto& names_of(train::PreferenceLoss) { return train::kPreferenceLossNames; }
 
 // An optional enum key (data.template) spells its absence "none", after the table's names.
 constexpr const char* kAbsent = "none";
@@ -91,7 +92,7 @@ bool enum_set(std::optional<E>& out, std::string_view name) {
 }
 
 const char* const kSections[] = {"model",      "lora",    "data", "optim", "training",
-                                 "checkpoint", "logging", "dist"};
+                                 "checkpoint", "logging", "dist", "dpo"};
 
 // ---- the key table ----------------------------------------------------------------------------
 // Exactness: a key is "exact" when changing it between a checkpoint and its resume changes the
@@ -164,6 +165,13 @@ void visit_fields(Cfg& c, V&& v) {
   v("dist", "reshard_after_forward", c.dist.reshard_after_forward, false);
   v("dist", "prefetch", c.dist.prefetch, false);
   v("dist", "reduce_scatter_every_micro_batch", c.dist.reduce_scatter_every_micro_batch, false);
+  v("dpo", "loss", c.dpo.loss, true);
+  v("dpo", "beta", c.dpo.beta, true);
+  v("dpo", "label_smoothing", c.dpo.label_smoothing, true);
+  v("dpo", "simpo_gamma", c.dpo.simpo_gamma, true);
+  // Precomputed or per step, the reference log-probabilities are the same numbers.
+  v("dpo", "precompute_reference", c.dpo.precompute_reference, false);
+  v("dpo", "max_prompt_len", c.dpo.max_prompt_len, true);
 }
 
 template <class T>
@@ -461,6 +469,11 @@ void validate(const RecipeConfig& c, const Origin& o, const LineMap& lines) {
   const auto i = [](int64_t x) { return std::to_string(x); };
   check(is_device_name(c.model.device), "model.device", "\"auto\", \"cpu\", \"cuda\" or \"cuda:N\"",
         "\"" + c.model.device + "\"");
+  check(c.dpo.beta > 0, "dpo.beta", "> 0", d(c.dpo.beta));
+  check(c.dpo.label_smoothing >= 0 && c.dpo.label_smoothing < 0.5, "dpo.label_smoothing", "in [0, 0.5)",
+        d(c.dpo.label_smoothing));
+  check(c.dpo.max_prompt_len >= 0 && (c.data.max_seq_len <= 0 || c.dpo.max_prompt_len < c.data.max_seq_len),
+        "dpo.max_prompt_len", ">= 0 and below data.max_seq_len", i(c.dpo.max_prompt_len));
   check(c.lora.rank >= 1, "lora.rank", ">= 1", i(c.lora.rank));
   check(c.lora.alpha > 0, "lora.alpha", "> 0", d(c.lora.alpha));
   check(c.lora.dropout >= 0 && c.lora.dropout < 1, "lora.dropout", "in [0, 1)", d(c.lora.dropout));

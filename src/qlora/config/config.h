@@ -22,6 +22,7 @@
 #include "qlora/optim/schedule.h"
 #include "qlora/train/metrics.h"
 #include "qlora/train/nonfinite.h"
+#include "qlora/train/preference_loss.h"
 
 namespace qlora::config {
 
@@ -152,6 +153,20 @@ struct DistConfig {
   bool reduce_scatter_every_micro_batch = false;
 };
 
+// `qlora run lora_dpo` (lora_finetune ignores it): the loss and its constants (train/preference_loss.h).
+struct DpoConfig {
+  train::PreferenceLoss loss = train::PreferenceLoss::kSigmoid;  // sigmoid | ipo | hinge | orpo | simpo
+  double beta = 0.1;
+  double label_smoothing = 0.0;  // sigmoid, simpo: in [0, 0.5)
+  double simpo_gamma = 0.5;
+  // The reference log-probabilities (the base with the adapters off) computed once for every pair
+  // before training and kept with the run, instead of a no-grad forward in every step; the same numbers.
+  bool precompute_reference = false;
+  // A pair longer than data.max_seq_len keeps at most this many of the prompt's last tokens and
+  // cuts the responses (0: half of data.max_seq_len).
+  int64_t max_prompt_len = 0;
+};
+
 struct RecipeConfig {
   ModelConfig model;
   LoraConfig lora;
@@ -161,6 +176,7 @@ struct RecipeConfig {
   CheckpointConfig checkpoint;
   LoggingConfig logging;
   DistConfig dist;
+  DpoConfig dpo;
 };
 
 // Reads and parses a file; errors name the file.

@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include <fstream>
+#include <functional>
 #include <sstream>
 #include <stdexcept>
 
@@ -74,9 +75,16 @@ DatasetKind dataset_kind_from_name(std::string_view name) {
 
 const char* dataset_kind_name(DatasetKind kind) { return io::enum_name(kDatasetKindNames, kind); }
 
-std::vector<RenderedRecord> read_records(const std::string& path, const DatasetOptions& options) {
+void read_json_records(const std::string& path,
+                       const std::function<void(const json& record, const std::string& origin)>& take) {
   const std::string text = read_file(path);
-  std::vector<RenderedRecord> out;
+  auto take_one = [&take](const json& j, const std::string& origin) {
+    try {
+      take(j, origin);
+    } catch (const std::invalid_argument& e) {
+      throw std::invalid_argument(origin + ": " + e.what());
+    }
+  };
   if (looks_like_array(path, text)) {
     json doc;
     try {
@@ -94,13 +102,9 @@ std::vector<RenderedRecord> read_records(const std::string& path, const DatasetO
     for (size_t k = 0; k < doc.size(); ++k) {
       std::string origin = path + ": record " + std::to_string(k + 1);
       if (k < starts.size()) origin += " (line " + std::to_string(line_of_offset(text, starts[k])) + ")";
-      try {
-        out.push_back(RenderedRecord{origin, render_record(doc[k], options)});
-      } catch (const std::invalid_argument& e) {
-        throw std::invalid_argument(origin + ": " + e.what());
-      }
+      take_one(doc[k], origin);
     }
-    return out;
+    return;
   }
   std::istringstream lines(text);
   std::string line;
@@ -113,12 +117,15 @@ std::vector<RenderedRecord> read_records(const std::string& path, const DatasetO
     } catch (const json::parse_error& e) {
       throw std::invalid_argument(origin + ": bad JSON: " + e.what());
     }
-    try {
-      out.push_back(RenderedRecord{origin, render_record(j, options)});
-    } catch (const std::invalid_argument& e) {
-      throw std::invalid_argument(origin + ": " + e.what());
-    }
+    take_one(j, origin);
   }
+}
+
+std::vector<RenderedRecord> read_records(const std::string& path, const DatasetOptions& options) {
+  std::vector<RenderedRecord> out;
+  read_json_records(path, [&](const json& j, const std::string& origin) {
+    out.push_back(RenderedRecord{origin, render_record(j, options)});
+  });
   return out;
 }
 
@@ -130,7 +137,7 @@ std::string resolve_dataset_options(DatasetOptions& o, const Tokenizer& tokenize
     if (auto t = ChatTemplate::find(tokenizer, template_kwargs)) {
       note = "data.template = \"auto\": the model's own chat template, " + t->origin();
       o.chat_template = std::make_shared<const ChatTemplate>(std::move(*t));
-    } else if (o.kind == DatasetKind::kInstruct) {
+    } else if (o.kind == DatasetKind::kInstruct || o.kind == DatasetKind::kPreference) {
       o.prompt_template = TemplateKind::kAlpaca;
       note = "data.template = \"auto\": " + tokenizer.path() + " ships no chat template; alpaca";
     } else {

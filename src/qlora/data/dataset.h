@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <functional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -25,9 +26,11 @@ enum class DatasetKind {
   kInstruct,  // {"instruction", "input" (optional), "output"}; names configurable
   kChat,      // {"messages": [{"role", "content"}, ...]} or ShareGPT {"conversations": [{"from", "value"}, ...]}
   kText,      // {"text"}: plain language modelling, every token trained
+  kPreference,  // {"prompt", "chosen", "rejected"} or conversational pairs: `qlora run lora_dpo` (preference.h)
 };
 inline constexpr io::EnumName<DatasetKind> kDatasetKindNames[] = {
-    {DatasetKind::kInstruct, "instruct"}, {DatasetKind::kChat, "chat"}, {DatasetKind::kText, "text"}};
+    {DatasetKind::kInstruct, "instruct"}, {DatasetKind::kChat, "chat"}, {DatasetKind::kText, "text"},
+    {DatasetKind::kPreference, "preference"}};
 // Throws std::invalid_argument listing the names.
 DatasetKind dataset_kind_from_name(std::string_view name);
 const char* dataset_kind_name(DatasetKind kind);
@@ -72,6 +75,13 @@ struct RenderedRecord {
   std::string origin;
   std::vector<Segment> segments;
 };
+
+// Each record of a JSON array (".json") or JSONL file (any other extension: the first non-space
+// byte decides, '[' meaning an array), in order, with its origin ("<file>: line N", "<file>:
+// record K (line N)"); an std::invalid_argument `take` throws is prefixed with the origin. Bad JSON
+// names the file and line; blank JSONL lines are skipped.
+void read_json_records(const std::string& path,
+                       const std::function<void(const nlohmann::json& record, const std::string& origin)>& take);
 
 // Reads a JSON array of objects (".json") or one object per line (".jsonl"; any other
 // extension: the first non-space byte decides, '[' meaning an array). A malformed record

@@ -36,6 +36,7 @@ std::optional<FormatGuess> guess_other_format(const json& record, DatasetKind co
   else if (has("conversations", &json::is_array)) g = FormatGuess{DatasetKind::kChat, "conversations"};
   else if (has("instruction", &json::is_string)) g = FormatGuess{DatasetKind::kInstruct, "instruction"};
   else if (has("text", &json::is_string)) g = FormatGuess{DatasetKind::kText, "text"};
+  else if (record.contains("chosen") && record.contains("rejected")) g = FormatGuess{DatasetKind::kPreference, "chosen"};
   if (g && g->kind == configured) return std::nullopt;
   return g;
 }
@@ -160,6 +161,8 @@ std::vector<Segment> render_record(const json& j, const DatasetOptions& o) {
       return render_chat(o.prompt_template, chat_messages(j, o));
     case DatasetKind::kText:
       return {Segment{required_field(j, o.kind, o.text_field, "data.text_field"), false}};
+    case DatasetKind::kPreference:
+      throw std::invalid_argument("preference pairs are not single samples: they train with `qlora run lora_dpo`");
   }
   throw std::logic_error("render_record: unhandled dataset kind");
 }

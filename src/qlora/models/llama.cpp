@@ -241,7 +241,7 @@ at::Tensor head_unit(const LlamaModel& m, const at::Tensor& h, Body body) {
   const at::Tensor normed = (m.config.norm_plus_one ? modules::rms_norm_plus_one(h, m.norm, m.config.rms_norm_eps)
                                                     : modules::rms_norm(h, m.norm, m.config.rms_norm_eps))
                                 .reshape({-1, h.size(-1)});
-  const at::Tensor lora_x = m.lm_head.has_lora() ? modules::lora_input(m.lm_head, normed, m.training) : at::Tensor();
+  const at::Tensor lora_x = m.lm_head.active() ? modules::lora_input(m.lm_head, normed, m.training) : at::Tensor();
   at::Tensor out = body(normed, lora_x);
   if (hooks) {
     hooks->after_forward(unit, false);

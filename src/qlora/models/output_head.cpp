@@ -85,7 +85,7 @@ struct ChunkRows {
 at::Tensor block_logits(const OutputHead& head, const ChunkRows& c, const at::Tensor& w, int64_t r0, int64_t n) {
   const modules::LoraLinear& l = *head.proj;
   at::Tensor y = at::linear(c.h, w, l.bias.defined() ? l.bias.narrow(0, r0, n) : at::Tensor());  // [T, n]
-  if (l.has_lora()) y = (y + at::linear(c.xa, l.lora_b.detach().narrow(0, r0, n)) * l.scale).to(c.h.scalar_type());
+  if (l.active()) y = (y + at::linear(c.xa, l.lora_b.detach().narrow(0, r0, n)) * l.scale).to(c.h.scalar_type());
   if (head.softcap != 0.0) y = at::tanh(y / head.softcap) * head.softcap;
   return y.to(at::kFloat);
 }
@@ -183,7 +183,7 @@ ChunkedLoss chunked_loss(const OutputHead& head, const at::Tensor& h, const at::
   at::NoGradGuard no_grad;
   ChunkedLoss out;
   out.loss = at::zeros({segments}, h.options().dtype(at::kFloat));
-  const bool lora = l.has_lora();
+  const bool lora = l.active();
   const bool want_x = grads && wants_grad(lora_x), want_a = grads && lora && wants_grad(l.lora_a);
   const bool want_b = grads && lora && wants_grad(l.lora_b), want_h = grads && wants_grad(h);
   if (want_h) out.h = at::zeros_like(h);
@@ -231,7 +231,7 @@ struct ChunkedLossFunction : public torch::autograd::Function<ChunkedLossFunctio
                             const at::Tensor& /*a*/, const at::Tensor& /*b*/, const at::Tensor& labels,
                             const at::Tensor& seg, int64_t segments, const OutputHead& head, int64_t chunk) {
     // Without an adapter lora_x, a and b are empty placeholders (autograd takes no undefined inputs).
-    const at::Tensor x = head.proj->has_lora() ? lora_x : at::Tensor();
+    const at::Tensor x = head.proj->active() ? lora_x : at::Tensor();
     const at::Tensor segs = seg.numel() > 0 ? seg : at::Tensor();
     ChunkedLoss r = chunked_loss(head, h, x, labels, segs, segments, chunk, /*grads=*/true);
     for (auto [name, g] : {std::pair{"h", r.h}, {"x", r.x}, {"a", r.a}, {"b", r.b}})
@@ -266,7 +266,7 @@ void check_loss_args(const OutputHead& head, const at::Tensor& h, const at::Tens
   if (scored.numel() > 0 && (scored.min().item<int64_t>() < 0 || scored.max().item<int64_t>() >= l.out_features))
     throw std::invalid_argument("output loss: a label is outside [0, " + std::to_string(l.out_features) +
                                 ") and is not the ignore index -100");
-  if (lora_x.defined() != l.has_lora() || (lora_x.defined() && lora_x.sizes() != h.sizes()))
+  if (lora_x.defined() != l.active() || (lora_x.defined() && lora_x.sizes() != h.sizes()))
     throw std::invalid_argument("output loss: the LoRA input must be given exactly when the head has an adapter, "
                                 "shaped like the hidden states");
 }
@@ -293,7 +293,7 @@ at::Tensor output_logits(const OutputHead& head, const at::Tensor& h, const at::
     y = modules::lora_linear_base(l, h);
   }
   // As lora_linear_forward: the fp32 update added to the base output, the sum cast back.
-  if (l.has_lora()) y = (y + modules::lora_update(l, lora_x)).to(h.scalar_type());
+  if (l.active()) y = (y + modules::lora_update(l, lora_x)).to(h.scalar_type());
   if (head.softcap != 0.0) y = at::tanh(y / head.softcap) * head.softcap;
   return y.to(at::kFloat);
 }
@@ -310,11 +310,11 @@ at::Tensor chunked_segment_loss(const OutputHead& head, const at::Tensor& h, con
   if (chunk_tokens < 1) throw std::invalid_argument("output loss: chunk_tokens must be >= 1");
   const modules::LoraLinear& l = *head.proj;
   const bool grads = at::GradMode::is_enabled() && (wants_grad(h) || wants_grad(lora_x) ||
-                                                    (l.has_lora() && (wants_grad(l.lora_a) || wants_grad(l.lora_b))));
+                                                    (l.active() && (wants_grad(l.lora_a) || wants_grad(l.lora_b))));
   if (!grads) return chunked_loss(head, h, lora_x, labels, segments, num_segments, chunk_tokens, /*grads=*/false).loss;
   const at::Tensor none = at::empty({0}, h.options());
   const at::Tensor seg = segments.defined() ? segments : at::empty({0}, labels.options());
-  return l.has_lora() ? ChunkedLossFunction::apply(h, lora_x, l.lora_a, l.lora_b, labels, seg, num_segments, head, chunk_tokens)
+  return l.active() ? ChunkedLossFunction::apply(h, lora_x, l.lora_a, l.lora_b, labels, seg, num_segments, head, chunk_tokens)
                       : ChunkedLossFunction::apply(h, none, none, none, labels, seg, num_segments, head, chunk_tokens);
 }
 

@@ -211,6 +211,15 @@ struct LoraGroupFunction : public torch::autograd::Function<LoraGroupFunction> {
 
 }  // namespace
 
+namespace {
+thread_local bool adapters_disabled = false;
+}  // namespace
+
+bool LoraLinear::active() const { return r > 0 && !adapters_disabled; }
+
+AdaptersDisabled::AdaptersDisabled() : was_disabled_(adapters_disabled) { adapters_disabled = true; }
+AdaptersDisabled::~AdaptersDisabled() { adapters_disabled = was_disabled_; }
+
 LoraLinear lora_linear_dense(at::Tensor weight) {
   if (weight.dim() != 2) throw std::invalid_argument("lora_linear: base weight must be 2-D [out, in]");
   LoraLinear l;
@@ -268,7 +277,7 @@ namespace {
 bool groupable(const std::vector<const LoraLinear*>& m, bool training) {
   for (const LoraLinear* l : m) {
     if (l->in_features != m[0]->in_features || l->base_nf4.defined() != m[0]->base_nf4.defined()) return false;
-    if (l->has_lora() && training && l->dropout > 0.0) return false;
+    if (l->active() && training && l->dropout > 0.0) return false;
   }
   return true;
 }
@@ -279,16 +288,16 @@ std::vector<at::Tensor> lora_linear_group_forward(const std::vector<const LoraLi
                                                   const at::Tensor& x, bool training) {
   if (members.empty()) throw std::invalid_argument("lora_linear_group_forward: no projections");
   bool any_lora = false;
-  for (const LoraLinear* l : members) any_lora = any_lora || l->has_lora();
+  for (const LoraLinear* l : members) any_lora = any_lora || l->active();
   if (!groupable(members, training) || (members.size() == 1 && !any_lora)) {
     std::vector<at::Tensor> ys;
-    for (const LoraLinear* l : members) ys.push_back(l->has_lora() ? lora_linear_forward(*l, x, training)
+    for (const LoraLinear* l : members) ys.push_back(l->active() ? lora_linear_forward(*l, x, training)
                                                                      : lora_linear_base(*l, x));
     return ys;
   }
   std::vector<at::Tensor> as, bs;
   for (const LoraLinear* l : members) {
-    if (!l->has_lora()) continue;
+    if (!l->active()) continue;
     as.push_back(l->lora_a);
     bs.push_back(l->lora_b);
   }
@@ -296,9 +305,9 @@ std::vector<at::Tensor> lora_linear_group_forward(const std::vector<const LoraLi
 }
 
 at::Tensor lora_linear_forward(const LoraLinear& layer, const at::Tensor& x, bool training) {
-  if (layer.has_lora() && !(training && layer.dropout > 0.0)) return lora_linear_group_forward({&layer}, x, training)[0];
+  if (layer.active() && !(training && layer.dropout > 0.0)) return lora_linear_group_forward({&layer}, x, training)[0];
   at::Tensor y = lora_linear_base(layer, x);  // [..., out]
-  if (!layer.has_lora()) return y;
+  if (!layer.active()) return y;
   return (y + lora_delta(layer, x, training)).to(x.scalar_type());
 }
 

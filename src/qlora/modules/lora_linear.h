@@ -31,6 +31,22 @@ struct LoraLinear {
   double dropout = 0.0;    // probability, applied to the LoRA path's input only
 
   bool has_lora() const { return r > 0; }
+  // Whether forward adds the adapter: it exists and no AdaptersDisabled is in scope.
+  bool active() const;
+};
+
+// While one is alive, every LoraLinear's forward on this thread computes its base alone, as
+// peft's disable_adapter() does: the reference policy of preference tuning is the same NF4 base
+// with the adapters off, never a second copy of the weights. Nests; the adapters stay as they are.
+class AdaptersDisabled {
+ public:
+  AdaptersDisabled();
+  ~AdaptersDisabled();
+  AdaptersDisabled(const AdaptersDisabled&) = delete;
+  AdaptersDisabled& operator=(const AdaptersDisabled&) = delete;
+
+ private:
+  bool was_disabled_;
 };
 
 LoraLinear lora_linear_dense(at::Tensor weight /*[out, in]*/);

@@ -18,10 +18,15 @@ at::Tensor summed_token_loss(const models::LlamaModel& model, const data::Batch&
 }
 
 double all_ranks_sum(engine::World& world, double v, c10::Device device) {
-  if (world.size() == 1) return v;
-  at::Tensor t = at::full({1}, v, at::TensorOptions().dtype(at::kDouble).device(device));
+  return all_ranks_sum(world, std::vector<double>{v}, device)[0];
+}
+
+std::vector<double> all_ranks_sum(engine::World& world, const std::vector<double>& v, c10::Device device) {
+  if (world.size() == 1 || v.empty()) return v;
+  at::Tensor t = at::tensor(v, at::TensorOptions().dtype(at::kDouble)).to(device);
   engine::wait(world.world().all_reduce_sum(t));
-  return t.item<double>();
+  const at::Tensor c = t.cpu();
+  return {c.data_ptr<double>(), c.data_ptr<double>() + c.numel()};
 }
 
 namespace {

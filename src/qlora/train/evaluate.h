@@ -21,6 +21,8 @@ at::Tensor summed_token_loss(const models::LlamaModel& model, const data::Batch&
 
 // The sum of `v` over every rank (on the compute device: NCCL reduces CUDA tensors only).
 double all_ranks_sum(engine::World& world, double v, c10::Device device);
+// Each of `v` summed over every rank, in one collective.
+std::vector<double> all_ranks_sum(engine::World& world, const std::vector<double>& v, c10::Device device);
 
 struct Evaluation {
   double loss = 0.0;        // mean token cross-entropy over the whole validation set

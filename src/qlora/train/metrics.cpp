@@ -199,9 +199,12 @@ void Progress::end_epoch() {
   char buf[96];
   if (losses_ > 0) std::snprintf(buf, sizeof buf, ", train loss %.4f (mean)", loss_sum_ / losses_), text += buf;
   if (skipped_ > 0) text += ", " + std::to_string(skipped_) + " skipped (not finite)";
-  if (last_validation_)
-    std::snprintf(buf, sizeof buf, ", val_loss %.4f ppl %.2f", last_validation_->loss, last_validation_->perplexity),
-        text += buf;
+  if (last_validation_) {
+    const ValidationMetrics& v = *last_validation_;
+    if (v.perplexity >= 0) std::snprintf(buf, sizeof buf, ", val_loss %.4f ppl %.2f", v.loss, v.perplexity);
+    else std::snprintf(buf, sizeof buf, ", val_loss %.4f%s", v.loss, shown_extra(v.extra).c_str());
+    text += buf;
+  }
   write_line(text + ", " + format_duration(elapsed));
 }
 

@@ -1,0 +1,294 @@
+// `qlora run lora_dpo`: preference tuning (DPO, IPO, hinge, ORPO, SimPO) of LoRA adapters on the
+// sharded NF4 base, on 1..N ranks, top to bottom. What every recipe shares (model, optimizer,
+// resume, the step loop with its guard, checkpoints, exports) is in session.h; this file keeps
+// what is its own:
+//   setup  : preference pairs (data.format = "preference"), the validation split; with
+//            dpo.precompute_reference, every pair's reference log-probabilities once
+//   train  : one optimizer step = grad_accum micro-batches of pairs; per micro-batch the chosen and
+//            rejected rows go through the policy as one batch, and (unless precomputed) through
+//            the reference policy, which is the same NF4 base with the adapters off (no second
+//            copy of the weights), without gradients; the loss per pair (train/preference_loss.h)
+//            is divided by the step's pairs; rewards and log-probs logged as TRL names them
+//   cleanup: where the exports are
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <limits>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "qlora/config/builders.h"
+#include "qlora/data/batching.h"
+#include "qlora/data/preference.h"
+#include "qlora/data/split.h"
+#include "qlora/modules/lora_linear.h"
+#include "qlora/train/evaluate.h"
+#include "qlora/train/faults.h"
+#include "qlora/train/preference_loss.h"
+#include "recipe_config.h"
+#include "session.h"
+
+namespace qlora::recipes {
+
+namespace {
+using config::RecipeConfig;
+
+struct Pairs {
+  std::vector<data::PreferencePair> train, validation;
+  std::unique_ptr<data::Sampler> sampler;  // one global batch of pairs per micro-step
+  // dpo.precompute_reference: the reference's summed log-probs of each pair's chosen and rejected
+  // response, [pairs] fp64 each, indexed like `train` / `validation`.
+  at::Tensor ref_train, ref_validation;
+};
+
+data::PreferenceOptions preference_limits(const RecipeConfig& cfg) {
+  return {cfg.data.max_seq_len, cfg.dpo.max_prompt_len > 0 ? cfg.dpo.max_prompt_len : cfg.data.max_seq_len / 2};
+}
+
+Pairs setup_pairs(const RecipeConfig& cfg, const TextSetup& text, int64_t ranks) {
+  if (cfg.data.format != data::DatasetKind::kPreference)
+    throw std::invalid_argument("qlora run lora_dpo trains on preference pairs: set data.format = \"preference\" "
+                                "(records {\"prompt\", \"chosen\", \"rejected\"} or conversational chosen/rejected)");
+  if (cfg.data.packing) throw std::invalid_argument("data.packing: lora_dpo does not pack pairs; set it to false");
+  Pairs p;
+  p.train = data::load_preference_pairs(text.path, text.tokenizer, text.options, preference_limits(cfg));
+  if (const std::string val = val_data_path(cfg); !val.empty())
+    p.validation = data::load_preference_pairs(val, text.tokenizer, text.options, preference_limits(cfg));
+  if (cfg.data.val_fraction > 0) {
+    const data::SplitIndices split = data::split_validation(static_cast<int64_t>(p.train.size()), cfg.data.val_fraction,
+                                                            static_cast<uint64_t>(cfg.training.seed));
+    std::vector<data::PreferencePair> kept;
+    for (int64_t i : split.val) p.validation.push_back(p.train[static_cast<size_t>(i)]);
+    for (int64_t i : split.train) kept.push_back(p.train[static_cast<size_t>(i)]);
+    p.train = std::move(kept);
+  }
+  if (cfg.training.eval_every_steps > 0 && p.validation.empty())
+    throw std::invalid_argument("training.eval_every_steps = " + std::to_string(cfg.training.eval_every_steps) +
+                                " needs validation data: set data.val_path or data.val_fraction");
+  p.sampler = std::make_unique<data::Sampler>(
+      config::sampler_options(cfg.data, cfg.training, static_cast<int64_t>(p.train.size()), ranks));
+  return p;
+}
+
+// Pairs `picked` as one batch: their chosen rows, then their rejected rows.
+data::Batch pair_batch(const std::vector<data::PreferencePair>& all, const std::vector<int64_t>& picked, int64_t pad_id) {
+  std::vector<data::Sample> rows;
+  for (int64_t i : picked) rows.push_back(all[static_cast<size_t>(i)].chosen);
+  for (int64_t i : picked) rows.push_back(all[static_cast<size_t>(i)].rejected);
+  return data::collate(rows, pad_id);
+}
+
+// Summed log-probabilities of each row's scored labels, [rows] fp32: the policy's (with its
+// graph), or the reference's (no gradient, adapters off).
+at::Tensor row_logps(const Model& m, const data::Batch& b, c10::Device device, bool reference) {
+  if (!reference) return -m.llama.row_losses(b.tokens.to(device), b.labels.to(device));
+  at::NoGradGuard no_grad;
+  modules::AdaptersDisabled off;
+  return -m.llama.row_losses(b.tokens.to(device), b.labels.to(device));
+}
+
+// What one micro-batch of pairs contributes: the per-pair terms, its pair count, its chosen tokens.
+struct MicroTerms {
+  train::PreferenceTerms terms;
+  at::Tensor weight;  // [pairs] 1 for a real pair, 0 for a filler (validation's short shares)
+};
+
+MicroTerms micro_terms(const RecipeConfig& cfg, const Model& m, const data::Batch& b, const at::Tensor& ref,
+                       c10::Device device) {
+  const int64_t n = b.tokens.size(0) / 2;
+  const at::Tensor counts = b.labels.ne(data::kIgnoreIndex).sum(1).to(at::kFloat).to(device);  // [2n]
+  const bool with_ref = train::needs_reference(cfg.dpo.loss);
+  const at::Tensor ref_logps = !with_ref ? at::Tensor() : ref.defined() ? ref.to(device) : row_logps(m, b, device, true);
+  const at::Tensor pol = row_logps(m, b, device, false);  // [2n]
+  train::PairLogps lp{pol.narrow(0, 0, n), pol.narrow(0, n, n), at::Tensor(), at::Tensor(),
+                      counts.narrow(0, 0, n), counts.narrow(0, n, n)};
+  if (with_ref) {
+    lp.ref_chosen = ref_logps.narrow(0, 0, n);
+    lp.ref_rejected = ref_logps.narrow(0, n, n);
+  }
+  return {train::preference_terms(lp, {cfg.dpo.loss, cfg.dpo.beta, cfg.dpo.label_smoothing, cfg.dpo.simpo_gamma}),
+          at::ones({n}, pol.options())};
+}
+
+// The step's metrics as sums over its pairs (then over ranks), in TRL's names, divided by the pairs.
+constexpr const char* kMetricNames[] = {"rewards/chosen", "rewards/rejected", "rewards/accuracies",
+                                        "rewards/margins", "logps/chosen",    "logps/rejected"};
+
+std::vector<double> metric_sums(const MicroTerms& t) {
+  const train::PreferenceTerms& p = t.terms;
+  const at::Tensor w = t.weight.detach().to(at::kDouble);
+  auto sum = [&w](const at::Tensor& v) { return (v.to(at::kDouble) * w).sum().item<double>(); };
+  return {sum(p.chosen_rewards),
+          sum(p.rejected_rewards),
+          sum((p.chosen_rewards > p.rejected_rewards).to(at::kDouble)),
+          sum(p.chosen_rewards - p.rejected_rewards),
+          sum(p.chosen_logps),
+          sum(p.rejected_logps)};
+}
+
+nlohmann::ordered_json metrics_json(const std::vector<double>& sums, double pairs) {
+  nlohmann::ordered_json j = nlohmann::ordered_json::object();
+  for (size_t i = 0; i < std::size(kMetricNames); ++i) j[kMetricNames[i]] = sums[i] / std::max(pairs, 1.0);
+  return j;
+}
+
+// The pairs `picked` of this rank's share of a global batch of `per_rank` x ranks pairs.
+std::vector<int64_t> my_share(const std::vector<int64_t>& global, int64_t per_rank, int64_t rank) {
+  return {global.begin() + rank * per_rank, global.begin() + (rank + 1) * per_rank};
+}
+
+// Rows `picked` of a precomputed [pairs, 2] reference table as the batch's [2n] (chosen, then rejected).
+at::Tensor ref_rows(const at::Tensor& table, const std::vector<int64_t>& picked) {
+  if (!table.defined()) return at::Tensor();
+  const at::Tensor idx = at::tensor(picked, at::kLong);
+  const at::Tensor rows = table.index_select(0, idx);  // [n, 2]
+  return at::cat({rows.select(1, 0), rows.select(1, 1)}).to(at::kFloat);
+}
+
+StepResult dpo_step(const RecipeConfig& cfg, engine::World& world, Model& m, Pairs& d, int64_t pad_id,
+                    c10::Device device, int64_t step) {
+  const int64_t per_rank = cfg.training.batch_size;
+  std::vector<std::vector<int64_t>> picked;
+  double chosen_tokens = 0, tokens = 0;
+  for (int64_t k = 0; k < cfg.training.grad_accum; ++k) {
+    picked.push_back(my_share(d.sampler->next(), per_rank, world.rank()));
+    for (int64_t i : picked.back()) {
+      const data::PreferencePair& p = d.train[static_cast<size_t>(i)];
+      const auto scored = [](const data::Sample& s) {
+        return std::count_if(s.labels.begin(), s.labels.end(), [](int64_t l) { return l != data::kIgnoreIndex; });
+      };
+      chosen_tokens += static_cast<double>(scored(p.chosen));
+      tokens += static_cast<double>(scored(p.chosen) + scored(p.rejected));
+    }
+  }
+  const std::vector<double> totals = train::all_ranks_sum(world, {chosen_tokens, tokens}, device);
+  const double pairs = static_cast<double>(per_rank * world.size() * cfg.training.grad_accum);
+  const auto& poison = train::fault_plan().poison_loss;  // tests only
+  const bool nan = poison && poison(world.rank(), step);
+  StepResult r;
+  std::vector<double> sums(std::size(kMetricNames) + 1, 0.0);  // the metrics, then the loss
+  for (size_t k = 0; k < picked.size(); ++k) {
+    const data::Batch b = pair_batch(d.train, picked[k], pad_id);
+    const MicroTerms t = micro_terms(cfg, m, b, ref_rows(d.ref_train, picked[k]), device);
+    at::Tensor loss = t.terms.pair_losses.sum() / pairs;
+    if (t.terms.token_losses.defined()) loss = loss + t.terms.token_losses.sum() / std::max(totals[0], 1.0);
+    if (nan) loss = loss * std::numeric_limits<double>::quiet_NaN();
+    backward_micro_batch(m, loss, k + 1 == picked.size());
+    const std::vector<double> s = metric_sums(t);
+    for (size_t i = 0; i < s.size(); ++i) sums[i] += s[i];
+    sums.back() += loss.item<double>();
+  }
+  sums = train::all_ranks_sum(world, sums, device);
+  r.loss = sums.back();
+  r.tokens = static_cast<int64_t>(totals[1]);
+  sums.pop_back();
+  r.extra = metrics_json(sums, pairs);
+  return r;
+}
+
+// Every pair of `pairs` through `each`, this rank taking pairs rank, rank + ranks, ... in chunks of
+// batch_size, all ranks running the same number of chunks (the engine's gathers are collectives):
+// a short last share is filled with copies of pair 0 of weight 0. No gradients.
+template <typename Each>
+void over_all_pairs(const std::vector<data::PreferencePair>& pairs, engine::World& world, int64_t batch_size, Each each) {
+  at::NoGradGuard no_grad;
+  const int64_t n = static_cast<int64_t>(pairs.size()), ranks = world.size();
+  const int64_t chunks = (n + ranks * batch_size - 1) / (ranks * batch_size);
+  for (int64_t c = 0; c < chunks; ++c) {
+    std::vector<int64_t> picked;
+    std::vector<float> weight;
+    for (int64_t j = 0; j < batch_size; ++j) {
+      const int64_t i = (c * batch_size + j) * ranks + world.rank();
+      picked.push_back(i < n ? i : 0);
+      weight.push_back(i < n ? 1.0f : 0.0f);
+    }
+    each(picked, at::tensor(weight));
+  }
+}
+
+// The reference's summed log-probs of every pair, [pairs, 2] fp64 (chosen, rejected), the same on
+// every rank: each computes its share, a sum over ranks assembles the table.
+at::Tensor precompute_reference(const Model& m, engine::World& world, const std::vector<data::PreferencePair>& pairs,
+                                int64_t batch_size, int64_t pad_id, c10::Device device) {
+  at::Tensor table = at::zeros({static_cast<int64_t>(pairs.size()), 2}, at::TensorOptions().dtype(at::kDouble).device(device));
+  over_all_pairs(pairs, world, batch_size, [&](const std::vector<int64_t>& picked, const at::Tensor& weight) {
+    const int64_t n = static_cast<int64_t>(picked.size());
+    const at::Tensor lp = row_logps(m, pair_batch(pairs, picked, pad_id), device, true).to(at::kDouble);  // [2n]
+    const at::Tensor w = weight.to(device).to(at::kDouble);
+    const at::Tensor idx = at::tensor(picked, at::kLong).to(device);
+    table.select(1, 0).index_add_(0, idx, lp.narrow(0, 0, n) * w);
+    table.select(1, 1).index_add_(0, idx, lp.narrow(0, n, n) * w);
+  });
+  if (world.size() > 1) engine::wait(world.world().all_reduce_sum(table));
+  return table.cpu();
+}
+
+// The validation pairs' mean loss and metrics now (collective); rank 0 logs them.
+void validate(const RecipeConfig& cfg, engine::World& world, Model& m, const Pairs& d, int64_t pad_id,
+              const Position& p, c10::Device device, train::MetricsLog* metrics, train::Progress& progress) {
+  std::vector<double> sums(std::size(kMetricNames) + 2, 0.0);  // the metrics, the loss, the scored tokens
+  // No dropout and no random numbers: training continues exactly as without this pass.
+  const bool training = m.llama.training;
+  m.llama.training = false;
+  over_all_pairs(d.validation, world, cfg.training.batch_size, [&](const std::vector<int64_t>& picked, const at::Tensor& weight) {
+    const data::Batch b = pair_batch(d.validation, picked, pad_id);
+    MicroTerms t = micro_terms(cfg, m, b, ref_rows(d.ref_validation, picked), device);
+    t.weight = weight.to(device);
+    const std::vector<double> s = metric_sums(t);
+    for (size_t i = 0; i < s.size(); ++i) sums[i] += s[i];
+    sums[s.size()] += (t.terms.pair_losses.to(at::kDouble) * t.weight).sum().item<double>();
+    const at::Tensor scored = b.labels.ne(data::kIgnoreIndex).sum(1).to(at::kDouble).to(device);  // [2n]
+    const int64_t n = static_cast<int64_t>(picked.size());
+    sums[s.size() + 1] += ((scored.narrow(0, 0, n) + scored.narrow(0, n, n)) * t.weight).sum().item<double>();
+  });
+  m.llama.training = training;
+  sums = train::all_ranks_sum(world, sums, device);
+  if (!metrics) return;
+  const double pairs = static_cast<double>(d.validation.size());
+  train::ValidationMetrics v{p.global_step, p.epoch, sums[std::size(kMetricNames)] / pairs, -1.0,
+                             static_cast<int64_t>(sums.back())};
+  v.extra = metrics_json(sums, pairs);
+  metrics->append(v);
+  progress.validation(v);
+}
+
+int run_dpo(Session& s) {
+  const RecipeConfig& cfg = s.cfg;
+  const TextSetup text = open_text(s);
+  Pairs d = setup_pairs(cfg, text, s.world.size());
+  Model m = setup_model(s, text);
+  const int64_t pad = text.tokenizer.pad_id();
+  if (cfg.dpo.precompute_reference && train::needs_reference(cfg.dpo.loss)) {
+    d.ref_train = precompute_reference(m, s.world, d.train, cfg.training.batch_size, pad, s.device);
+    if (!d.validation.empty())
+      d.ref_validation = precompute_reference(m, s.world, d.validation, cfg.training.batch_size, pad, s.device);
+    if (s.lead) std::printf("dpo.precompute_reference: reference log-probabilities of %zu pairs computed\n", d.train.size() + d.validation.size());
+  }
+  RecipeParts parts;
+  parts.sampler = d.sampler.get();
+  parts.records = static_cast<int64_t>(d.train.size());
+  parts.records_name = "preference pairs";
+  parts.step = [&](int64_t step) { return dpo_step(cfg, s.world, m, d, pad, s.device, step); };
+  if (!d.validation.empty())
+    parts.validate = [&](const Position& p, train::MetricsLog* metrics, train::Progress& progress) {
+      validate(cfg, s.world, m, d, pad, p, s.device, metrics, progress);
+    };
+  const Position p = train(s, m, text, parts);
+  const std::string& out = cfg.checkpoint.output_dir;
+  if (s.lead)
+    std::printf("done: %lld steps of %s; metrics in %s/metrics.jsonl (qlora plot %s); exports in %s/epoch_*; try\n"
+                "  qlora generate --checkpoint %s/epoch_%lld --message \"...\"\n",
+                (long long)p.global_step, io::enum_name(train::kPreferenceLossNames, cfg.dpo.loss), out.c_str(),
+                out.c_str(), out.c_str(), out.c_str(), (long long)cfg.training.epochs - 1);
+  return 0;
+}
+
+}  // namespace
+
+int lora_dpo_main(const std::vector<std::string>& args) { return run_recipe("lora_dpo", args, run_dpo); }
+
+}  // namespace qlora::recipes
