@@ -260,9 +260,9 @@ TEST(Config, HashIsStableAndScoped) {
   EXPECT_EQ(config_hash(a, HashScope::Full), config_hash(RecipeConfig{}, HashScope::Full));
   // Pinned: meta.json records it, so a change makes new checkpoints' hashes differ from older
   // ones' for the same run (resume compares the keys themselves, not the hash). New keys change
-  // it (last: #24: checkpoint.gguf); restructuring must not.
-  EXPECT_EQ(config_hash(a, HashScope::Full), "77acec1d9b0731e1");
-  EXPECT_EQ(config_hash(a, HashScope::Exactness), "dba155336ca8602c");
+  // it (last: #26: the [dpo] section); restructuring must not.
+  EXPECT_EQ(config_hash(a, HashScope::Full), "352982bae5a04066");
+  EXPECT_EQ(config_hash(a, HashScope::Exactness), "269f38da28a78f6d");
   EXPECT_EQ(config_hash(a, HashScope::Exactness), config_hash(parse_config(to_toml(a), "x"), HashScope::Exactness));
   RecipeConfig b = a;
   b.logging.log_every_steps = 10;
@@ -278,8 +278,8 @@ TEST(Config, HashIsStableAndScoped) {
 // so the canonical text must not drift when the config code is restructured (new keys do move it).
 TEST(Config, EmbeddedDefaultHashIsPinned) {
   const RecipeConfig c = load_config((configs_dir() / "tiny_qlora.toml").string());
-  EXPECT_EQ(config_hash(c, HashScope::Full), "dfbc8e8935d91d0f");
-  EXPECT_EQ(config_hash(c, HashScope::Exactness), "9b77287b60ac8119");
+  EXPECT_EQ(config_hash(c, HashScope::Full), "6c5f8cbeb721e134");
+  EXPECT_EQ(config_hash(c, HashScope::Exactness), "a4a36db22a204674");
 }
 
 TEST(Config, ExactnessBreakingDifferences) {
@@ -301,7 +301,7 @@ TEST(Config, ExactnessBreakingDifferences) {
   int exact = 0;
   for (const KeyInfo& k : known_keys()) exact += k.affects_exactness;
   EXPECT_GT(exact, 20);
-  EXPECT_EQ(known_keys().size(), 58u);
+  EXPECT_EQ(known_keys().size(), 64u);
 }
 
 // Every file in configs/ parses, and its first line is the command that runs it.
@@ -330,7 +330,9 @@ TEST(Config, ShippedConfigsParseAndNameTheirCommand) {
     size_t i = 3;
     if (argv[i] == "--nproc-per-node") i += 2;  // the sharded recipe's launcher flag
     ASSERT_GT(argv.size(), i + 2) << first;
-    EXPECT_EQ(argv[i], "lora_finetune") << first;
+    // A DPO config names lora_dpo and says so in its name; every other config is lora_finetune's.
+    EXPECT_EQ(argv[i], name.find("_dpo") != std::string::npos ? "lora_dpo" : "lora_finetune") << first;
+    if (argv[i] == "lora_dpo") EXPECT_EQ(cfg.data.format, data::DatasetKind::kPreference) << first;
     EXPECT_EQ(argv[i + 1], "--config") << first;
     EXPECT_EQ(argv[i + 2], "configs/" + name) << first;
     // What follows are overrides the CLI will apply: they must apply cleanly.
@@ -339,6 +341,7 @@ TEST(Config, ShippedConfigsParseAndNameTheirCommand) {
   std::sort(names.begin(), names.end());
   for (const char* expected : {"tiny_qlora.toml", "llama2_7b_qlora_single_device.toml",
                                "llama2_7b_qlora.toml", "llama3_8b_qlora_single_device.toml",
-                               "mistral_7b_qlora_single_device.toml"})
+                               "mistral_7b_qlora_single_device.toml", "tiny_qlora_dpo.toml",
+                               "llama3_8b_qlora_dpo.toml", "qwen2_5_7b_qlora_dpo.toml"})
     EXPECT_TRUE(std::binary_search(names.begin(), names.end(), expected)) << expected;
 }
