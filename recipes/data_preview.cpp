@@ -3,7 +3,9 @@
 // trained text marked apart from the masked text, each with its token counts; then for the
 // training set (and the validation file or split, where the config has one) the samples, tokens,
 // trained tokens, how many samples truncation cut and how many have no trained token left, the
-// packing efficiency and a histogram of sample lengths.
+// packing efficiency and a histogram of sample lengths. For preference pairs (data.format =
+// "preference", lora_dpo): the first N pairs as prompt, chosen and rejected response, and per set the
+// pairs, their prompt and response tokens, and how many truncation cut (the rule stated).
 //
 //   qlora data [--config FILE] [section.key=value ...] [-n N | --samples N]
 #include <unistd.h>
@@ -18,6 +20,7 @@
 
 #include "qlora/config/builders.h"
 #include "qlora/data/dataset.h"
+#include "qlora/data/preference.h"
 #include "qlora/data/split.h"
 #include "qlora/data/stats.h"
 #include "qlora/data/tokenizer.h"
@@ -177,6 +180,82 @@ void print_stats(const DataSet& d, const config::DataConfig& cfg) {
   std::printf("\n");
 }
 
+// ---------------------------------------------------------------- preference pairs
+
+void print_runs(const char* label, const std::vector<Run>& runs, size_t first, bool color) {
+  std::printf("%-9s ", label);
+  for (size_t k = first; k < runs.size(); ++k) {
+    if (color) std::fputs(runs[k].trained ? "\033[1;32m" : "\033[2m", stdout);
+    const Marker& m = runs[k].trained ? kTrained : kMasked;
+    std::printf("%s%s%s", m.open, runs[k].text.c_str(), m.close);
+    if (color) std::fputs("\033[0m", stdout);
+  }
+  std::fputs("\n", stdout);
+}
+
+// The prompt once (the chosen row's leading masked text), then each response's scored text.
+void print_pair(const std::vector<data::PreferencePair>& pairs, size_t i, const data::Tokenizer& tok, bool color) {
+  const data::PreferencePair& p = pairs[i];
+  std::printf("--- pair %zu/%zu (%s): prompt %lld tokens%s; chosen %lld, rejected %lld scored tokens%s\n", i + 1,
+              pairs.size(), p.origin.c_str(), static_cast<long long>(p.prompt_tokens),
+              p.prompt_truncated ? " (its start cut)" : "", static_cast<long long>(data::trained_token_count(p.chosen)),
+              static_cast<long long>(data::trained_token_count(p.rejected)), p.response_truncated ? ", responses cut" : "");
+  const std::vector<Run> chosen = sample_runs(p.chosen, tok), rejected = sample_runs(p.rejected, tok);
+  const auto prompt_runs = [](const std::vector<Run>& r) { return !r.empty() && !r[0].trained ? size_t{1} : size_t{0}; };
+  if (prompt_runs(chosen)) print_runs("prompt", {chosen[0]}, 0, color);
+  print_runs("chosen", chosen, prompt_runs(chosen), color);
+  print_runs("rejected", rejected, prompt_runs(rejected), color);
+  std::fputs("\n", stdout);
+}
+
+void print_pair_stats(const std::string& title, const std::string& path, const std::vector<data::PreferencePair>& pairs) {
+  int64_t prompt = 0, chosen = 0, rejected = 0, prompt_cut = 0, response_cut = 0;
+  for (const data::PreferencePair& p : pairs) {
+    prompt += p.prompt_tokens;
+    chosen += data::trained_token_count(p.chosen);
+    rejected += data::trained_token_count(p.rejected);
+    prompt_cut += p.prompt_truncated;
+    response_cut += p.response_truncated;
+  }
+  const double n = std::max<double>(1.0, static_cast<double>(pairs.size()));
+  std::printf("%s: %s\n", title.c_str(), path.c_str());
+  std::printf("  pairs             %zu\n", pairs.size());
+  std::printf("  prompt tokens     %lld (mean %.1f per pair)\n", static_cast<long long>(prompt), static_cast<double>(prompt) / n);
+  std::printf("  scored tokens     chosen %lld (mean %.1f), rejected %lld (mean %.1f)\n", static_cast<long long>(chosen),
+              static_cast<double>(chosen) / n, static_cast<long long>(rejected), static_cast<double>(rejected) / n);
+  std::printf("  truncated         %lld prompts cut at their start, %lld pairs' responses cut at their end\n\n",
+              static_cast<long long>(prompt_cut), static_cast<long long>(response_cut));
+}
+
+// lora_dpo's data: pairs, previewed and counted per set (train, and the validation file or split).
+void preview_pairs(const config::RecipeConfig& cfg, const data::Tokenizer& tok, const data::DatasetOptions& options,
+                   int64_t samples, bool color) {
+  const data::PreferenceOptions limits = config::preference_options(cfg);
+  std::printf("truncation: a pair longer than data.max_seq_len = %lld keeps the prompt's last %lld tokens "
+              "(dpo.max_prompt_len) and cuts the responses' ends; only the responses are scored\n\n",
+              static_cast<long long>(limits.max_seq_len), static_cast<long long>(limits.max_prompt_len));
+  std::vector<data::PreferencePair> train = data::load_preference_pairs(train_data_path(cfg), tok, options, limits);
+  std::printf("%s prompt (context, not scored) %s  %s scored response %s\n\n", kMasked.open, kMasked.close,
+              kTrained.open, kTrained.close);
+  for (size_t i = 0; i < std::min(train.size(), static_cast<size_t>(samples)); ++i) print_pair(train, i, tok, color);
+  if (const std::string val = val_data_path(cfg); !val.empty()) {
+    print_pair_stats("train", train_data_path(cfg), train);
+    print_pair_stats("validation", val, data::load_preference_pairs(val, tok, options, limits));
+  } else if (cfg.data.val_fraction > 0) {
+    const auto split = data::split_validation(static_cast<int64_t>(train.size()), cfg.data.val_fraction,
+                                              static_cast<uint64_t>(cfg.training.seed));
+    const auto subset = [&](const std::vector<int64_t>& picked) {
+      std::vector<data::PreferencePair> out;
+      for (int64_t i : picked) out.push_back(train[static_cast<size_t>(i)]);
+      return out;
+    };
+    print_pair_stats("train (data.val_fraction held out)", train_data_path(cfg), subset(split.train));
+    print_pair_stats("validation (data.val_fraction, training.seed)", train_data_path(cfg), subset(split.val));
+  } else {
+    print_pair_stats("train", train_data_path(cfg), train);
+  }
+}
+
 }  // namespace
 
 int data_main(const std::vector<std::string>& args) {
@@ -192,8 +271,13 @@ int data_main(const std::vector<std::string>& args) {
     std::printf(", data.template = \"%s\"", std::string(data::template_name(options.prompt_template)).c_str());
   std::printf("; tokenizer %s\n\n", tokenizer_path.c_str());
 
-  DataSet train = load_set("train", train_data_path(cfg), tok, options);
   const bool color = isatty(fileno(stdout)) && std::getenv("NO_COLOR") == nullptr;
+  if (options.kind == data::DatasetKind::kPreference) {
+    preview_pairs(cfg, tok, options, a.samples, color);
+    std::printf("no model loaded: qlora data reads only the tokenizer and the data\n");
+    return 0;
+  }
+  DataSet train = load_set("train", train_data_path(cfg), tok, options);
   std::printf("%s masked (not trained) %s  %s trained %s\n\n", kMasked.open, kMasked.close, kTrained.open, kTrained.close);
   for (size_t i = 0; i < std::min(train.samples.size(), static_cast<size_t>(a.samples)); ++i) print_sample(train, i, tok, color);
 

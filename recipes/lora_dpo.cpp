@@ -3,7 +3,8 @@
 // resume, the step loop with its guard, checkpoints, exports) is in session.h; this file keeps
 // what is its own:
 //   setup  : preference pairs (data.format = "preference"), the validation split; with
-//            dpo.precompute_reference, every pair's reference log-probabilities once
+//            dpo.precompute_reference, every pair's reference log-probabilities once, kept in
+//            OUTPUT_DIR/dpo_reference.safetensors for a resumed run
 //   train  : one optimizer step = grad_accum micro-batches of pairs; per micro-batch the chosen and
 //            rejected rows go through the policy as one batch, and (unless precomputed) through
 //            the reference policy, which is the same NF4 base with the adapters off (no second
@@ -14,6 +15,7 @@
 #include <ATen/core/grad_mode.h>
 
 #include <algorithm>
+#include <filesystem>
 #include <cstdio>
 #include <limits>
 #include <memory>
@@ -21,13 +23,16 @@
 #include <string>
 #include <vector>
 
+#include "qlora/checkpoint/fingerprint.h"
+#include "qlora/checkpoint/xxh64.h"
 #include "qlora/config/builders.h"
+#include "qlora/io/safetensors.h"
 #include "qlora/data/batching.h"
 #include "qlora/data/preference.h"
 #include "qlora/data/split.h"
-#include "qlora/modules/lora_linear.h"
 #include "qlora/train/evaluate.h"
 #include "qlora/train/faults.h"
+#include "qlora/train/preference_batch.h"
 #include "qlora/train/preference_loss.h"
 #include "recipe_config.h"
 #include "session.h"
@@ -45,19 +50,15 @@ struct Pairs {
   at::Tensor ref_train, ref_validation;
 };
 
-data::PreferenceOptions preference_limits(const RecipeConfig& cfg) {
-  return {cfg.data.max_seq_len, cfg.dpo.max_prompt_len > 0 ? cfg.dpo.max_prompt_len : cfg.data.max_seq_len / 2};
-}
-
 Pairs setup_pairs(const RecipeConfig& cfg, const TextSetup& text, int64_t ranks) {
   if (cfg.data.format != data::DatasetKind::kPreference)
     throw std::invalid_argument("qlora run lora_dpo trains on preference pairs: set data.format = \"preference\" "
                                 "(records {\"prompt\", \"chosen\", \"rejected\"} or conversational chosen/rejected)");
   if (cfg.data.packing) throw std::invalid_argument("data.packing: lora_dpo does not pack pairs; set it to false");
   Pairs p;
-  p.train = data::load_preference_pairs(text.path, text.tokenizer, text.options, preference_limits(cfg));
+  p.train = data::load_preference_pairs(text.path, text.tokenizer, text.options, config::preference_options(cfg));
   if (const std::string val = val_data_path(cfg); !val.empty())
-    p.validation = data::load_preference_pairs(val, text.tokenizer, text.options, preference_limits(cfg));
+    p.validation = data::load_preference_pairs(val, text.tokenizer, text.options, config::preference_options(cfg));
   if (cfg.data.val_fraction > 0) {
     const data::SplitIndices split = data::split_validation(static_cast<int64_t>(p.train.size()), cfg.data.val_fraction,
                                                             static_cast<uint64_t>(cfg.training.seed));
@@ -74,24 +75,7 @@ Pairs setup_pairs(const RecipeConfig& cfg, const TextSetup& text, int64_t ranks)
   return p;
 }
 
-// Pairs `picked` as one batch: their chosen rows, then their rejected rows.
-data::Batch pair_batch(const std::vector<data::PreferencePair>& all, const std::vector<int64_t>& picked, int64_t pad_id) {
-  std::vector<data::Sample> rows;
-  for (int64_t i : picked) rows.push_back(all[static_cast<size_t>(i)].chosen);
-  for (int64_t i : picked) rows.push_back(all[static_cast<size_t>(i)].rejected);
-  return data::collate(rows, pad_id);
-}
-
-// Summed log-probabilities of each row's scored labels, [rows] fp32: the policy's (with its
-// graph), or the reference's (no gradient, adapters off).
-at::Tensor row_logps(const Model& m, const data::Batch& b, c10::Device device, bool reference) {
-  if (!reference) return -m.llama.row_losses(b.tokens.to(device), b.labels.to(device));
-  at::NoGradGuard no_grad;
-  modules::AdaptersDisabled off;
-  return -m.llama.row_losses(b.tokens.to(device), b.labels.to(device));
-}
-
-// What one micro-batch of pairs contributes: the per-pair terms, its pair count, its chosen tokens.
+// What one micro-batch of pairs contributes: the per-pair terms, and each pair's weight.
 struct MicroTerms {
   train::PreferenceTerms terms;
   at::Tensor weight;  // [pairs] 1 for a real pair, 0 for a filler (validation's short shares)
@@ -99,19 +83,9 @@ struct MicroTerms {
 
 MicroTerms micro_terms(const RecipeConfig& cfg, const Model& m, const data::Batch& b, const at::Tensor& ref,
                        c10::Device device) {
-  const int64_t n = b.tokens.size(0) / 2;
-  const at::Tensor counts = b.labels.ne(data::kIgnoreIndex).sum(1).to(at::kFloat).to(device);  // [2n]
-  const bool with_ref = train::needs_reference(cfg.dpo.loss);
-  const at::Tensor ref_logps = !with_ref ? at::Tensor() : ref.defined() ? ref.to(device) : row_logps(m, b, device, true);
-  const at::Tensor pol = row_logps(m, b, device, false);  // [2n]
-  train::PairLogps lp{pol.narrow(0, 0, n), pol.narrow(0, n, n), at::Tensor(), at::Tensor(),
-                      counts.narrow(0, 0, n), counts.narrow(0, n, n)};
-  if (with_ref) {
-    lp.ref_chosen = ref_logps.narrow(0, 0, n);
-    lp.ref_rejected = ref_logps.narrow(0, n, n);
-  }
+  const train::PairLogps lp = train::pair_logps(m.llama, b, cfg.dpo.loss, ref, device);
   return {train::preference_terms(lp, {cfg.dpo.loss, cfg.dpo.beta, cfg.dpo.label_smoothing, cfg.dpo.simpo_gamma}),
-          at::ones({n}, pol.options())};
+          at::ones({b.tokens.size(0) / 2}, lp.chosen.options())};
 }
 
 // The step's metrics as sums over its pairs (then over ranks), in TRL's names, divided by the pairs.
@@ -172,10 +146,9 @@ StepResult dpo_step(const RecipeConfig& cfg, engine::World& world, Model& m, Pai
   StepResult r;
   std::vector<double> sums(std::size(kMetricNames) + 1, 0.0);  // the metrics, then the loss
   for (size_t k = 0; k < picked.size(); ++k) {
-    const data::Batch b = pair_batch(d.train, picked[k], pad_id);
+    const data::Batch b = train::pair_batch(d.train, picked[k], pad_id);
     const MicroTerms t = micro_terms(cfg, m, b, ref_rows(d.ref_train, picked[k]), device);
-    at::Tensor loss = t.terms.pair_losses.sum() / pairs;
-    if (t.terms.token_losses.defined()) loss = loss + t.terms.token_losses.sum() / std::max(totals[0], 1.0);
+    at::Tensor loss = train::preference_step_loss(t.terms, pairs, totals[0]);
     if (nan) loss = loss * std::numeric_limits<double>::quiet_NaN();
     backward_micro_batch(m, loss, k + 1 == picked.size());
     const std::vector<double> s = metric_sums(t);
@@ -217,7 +190,7 @@ at::Tensor precompute_reference(const Model& m, engine::World& world, const std:
   at::Tensor table = at::zeros({static_cast<int64_t>(pairs.size()), 2}, at::TensorOptions().dtype(at::kDouble).device(device));
   over_all_pairs(pairs, world, batch_size, [&](const std::vector<int64_t>& picked, const at::Tensor& weight) {
     const int64_t n = static_cast<int64_t>(picked.size());
-    const at::Tensor lp = row_logps(m, pair_batch(pairs, picked, pad_id), device, true).to(at::kDouble);  // [2n]
+    const at::Tensor lp = train::row_logps(m.llama, train::pair_batch(pairs, picked, pad_id), device, true).to(at::kDouble);  // [2n]
     const at::Tensor w = weight.to(device).to(at::kDouble);
     const at::Tensor idx = at::tensor(picked, at::kLong).to(device);
     table.select(1, 0).index_add_(0, idx, lp.narrow(0, 0, n) * w);
@@ -227,15 +200,15 @@ at::Tensor precompute_reference(const Model& m, engine::World& world, const std:
   return table.cpu();
 }
 
-// The validation pairs' mean loss and metrics now (collective); rank 0 logs them.
-void validate(const RecipeConfig& cfg, engine::World& world, Model& m, const Pairs& d, int64_t pad_id,
-              const Position& p, c10::Device device, train::MetricsLog* metrics, train::Progress& progress) {
+// The validation pairs' mean loss and metrics now (collective).
+train::ValidationMetrics validate(const RecipeConfig& cfg, engine::World& world, Model& m, const Pairs& d,
+                                  int64_t pad_id, const Position& p, c10::Device device) {
   std::vector<double> sums(std::size(kMetricNames) + 2, 0.0);  // the metrics, the loss, the scored tokens
   // No dropout and no random numbers: training continues exactly as without this pass.
   const bool training = m.llama.training;
   m.llama.training = false;
   over_all_pairs(d.validation, world, cfg.training.batch_size, [&](const std::vector<int64_t>& picked, const at::Tensor& weight) {
-    const data::Batch b = pair_batch(d.validation, picked, pad_id);
+    const data::Batch b = train::pair_batch(d.validation, picked, pad_id);
     MicroTerms t = micro_terms(cfg, m, b, ref_rows(d.ref_validation, picked), device);
     t.weight = weight.to(device);
     const std::vector<double> s = metric_sums(t);
@@ -247,13 +220,51 @@ void validate(const RecipeConfig& cfg, engine::World& world, Model& m, const Pai
   });
   m.llama.training = training;
   sums = train::all_ranks_sum(world, sums, device);
-  if (!metrics) return;
   const double pairs = static_cast<double>(d.validation.size());
   train::ValidationMetrics v{p.global_step, p.epoch, sums[std::size(kMetricNames)] / pairs, -1.0,
                              static_cast<int64_t>(sums.back())};
   v.extra = metrics_json(sums, pairs);
-  metrics->append(v);
-  progress.validation(v);
+  return v;
+}
+
+// What the reference table depends on: every pair's tokens and labels, the base's fingerprint,
+// its quantization and the compute dtype (not the adapters: the reference has them off).
+std::string reference_key(const Session& s, const Pairs& d, const Model& m) {
+  checkpoint::Xxh64 h;
+  for (const auto* set : {&d.train, &d.validation})
+    for (const data::PreferencePair& p : *set)
+      for (const data::Sample* r : {&p.chosen, &p.rejected}) {
+        h.update(r->tokens.data(), r->tokens.size() * sizeof(int64_t));
+        h.update(r->labels.data(), r->labels.size() * sizeof(int64_t));
+      }
+  return checkpoint::fingerprint_checkpoint_dir(s.base_dir) + "-" + std::to_string(h.digest()) + "-" +
+         c10::toString(m.llama.compute_dtype) + "-base" + std::to_string(static_cast<int>(s.cfg.model.base));
+}
+
+// dpo.precompute_reference: the tables from OUTPUT_DIR/dpo_reference.safetensors when its key is
+// this run's (a resume, or a rerun on the same pairs and base), else computed now and written there
+// by rank 0. A resumed run thus uses the very numbers its first part did, on any mesh.
+void reference_tables(Session& s, Pairs& d, const Model& m, int64_t pad) {
+  const std::string path = s.cfg.checkpoint.output_dir + "/dpo_reference.safetensors", key = reference_key(s, d, m);
+  if (std::filesystem::exists(path)) {
+    const io::SafetensorsFile f = io::SafetensorsFile::open(path);
+    const auto it = f.metadata().find("key");
+    if (it != f.metadata().end() && it->second == key && f.find("train")) {
+      d.ref_train = f.tensor("train").clone();
+      if (f.find("validation")) d.ref_validation = f.tensor("validation").clone();
+      if (s.lead) std::printf("dpo.precompute_reference: reference log-probabilities read from %s\n", path.c_str());
+      return;
+    }
+  }
+  const int64_t batch = s.cfg.training.batch_size;
+  d.ref_train = precompute_reference(m, s.world, d.train, batch, pad, s.device);
+  if (!d.validation.empty()) d.ref_validation = precompute_reference(m, s.world, d.validation, batch, pad, s.device);
+  if (!s.lead) return;
+  std::vector<std::pair<std::string, at::Tensor>> tables = {{"train", d.ref_train}};
+  if (d.ref_validation.defined()) tables.emplace_back("validation", d.ref_validation);
+  io::save_safetensors(path, tables, {{"key", key}});
+  std::printf("dpo.precompute_reference: reference log-probabilities of %zu pairs computed, kept in %s\n",
+              d.train.size() + d.validation.size(), path.c_str());
 }
 
 int run_dpo(Session& s) {
@@ -262,21 +273,14 @@ int run_dpo(Session& s) {
   Pairs d = setup_pairs(cfg, text, s.world.size());
   Model m = setup_model(s, text);
   const int64_t pad = text.tokenizer.pad_id();
-  if (cfg.dpo.precompute_reference && train::needs_reference(cfg.dpo.loss)) {
-    d.ref_train = precompute_reference(m, s.world, d.train, cfg.training.batch_size, pad, s.device);
-    if (!d.validation.empty())
-      d.ref_validation = precompute_reference(m, s.world, d.validation, cfg.training.batch_size, pad, s.device);
-    if (s.lead) std::printf("dpo.precompute_reference: reference log-probabilities of %zu pairs computed\n", d.train.size() + d.validation.size());
-  }
+  if (cfg.dpo.precompute_reference && train::needs_reference(cfg.dpo.loss)) reference_tables(s, d, m, pad);
   RecipeParts parts;
   parts.sampler = d.sampler.get();
   parts.records = static_cast<int64_t>(d.train.size());
   parts.records_name = "preference pairs";
   parts.step = [&](int64_t step) { return dpo_step(cfg, s.world, m, d, pad, s.device, step); };
   if (!d.validation.empty())
-    parts.validate = [&](const Position& p, train::MetricsLog* metrics, train::Progress& progress) {
-      validate(cfg, s.world, m, d, pad, p, s.device, metrics, progress);
-    };
+    parts.validate = [&](const Position& p) { return validate(cfg, s.world, m, d, pad, p, s.device); };
   const Position p = train(s, m, text, parts);
   const std::string& out = cfg.checkpoint.output_dir;
   if (s.lead)

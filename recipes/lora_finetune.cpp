@@ -129,15 +129,12 @@ StepResult train_step(const RecipeConfig& cfg, engine::World& world, Model& m, D
   return r;
 }
 
-// Validation loss now (every rank evaluates its share); rank 0 logs it.
-void validate(const RecipeConfig& cfg, engine::World& world, Model& m, const Data& d, const Position& p,
-              c10::Device device, train::MetricsLog* metrics, train::Progress& progress) {
+// Validation loss now (every rank evaluates its share).
+train::ValidationMetrics validate(const RecipeConfig& cfg, engine::World& world, Model& m, const Data& d,
+                                  const Position& p, c10::Device device) {
   const train::Evaluation e =
       train::evaluate(m.llama, world, d.validation, cfg.training.batch_size, d.text->tokenizer.pad_id(), device);
-  if (!metrics) return;
-  const train::ValidationMetrics v{p.global_step, p.epoch, e.loss, e.perplexity, e.tokens};
-  metrics->append(v);
-  progress.validation(v);
+  return {p.global_step, p.epoch, e.loss, e.perplexity, e.tokens};
 }
 
 // The recipe proper, the same on 1..N ranks.
@@ -152,9 +149,7 @@ int run_finetune(Session& s) {
   parts.records_name = "samples";
   parts.step = [&](int64_t step) { return train_step(cfg, s.world, m, d, s.device, step); };
   if (!d.validation.empty())
-    parts.validate = [&](const Position& p, train::MetricsLog* metrics, train::Progress& progress) {
-      validate(cfg, s.world, m, d, p, s.device, metrics, progress);
-    };
+    parts.validate = [&](const Position& p) { return validate(cfg, s.world, m, d, p, s.device); };
   const Position p = train(s, m, text, parts);
   const bool lead = s.lead;
   const std::string& out_dir = cfg.checkpoint.output_dir;

@@ -340,6 +340,12 @@ void save_checkpoint(const RecipeConfig& cfg, engine::World& world, const Model&
   checkpoint::save_resume_checkpoint(cfg.checkpoint.output_dir, p.global_step, s, cfg.checkpoint.keep_last_n, sync);
 }
 
+void log_validation(const train::ValidationMetrics& v, train::MetricsLog* metrics, train::Progress& progress) {
+  if (!metrics) return;  // not rank 0
+  metrics->append(v);
+  progress.validation(v);
+}
+
 void log_step(train::MetricsLog& metrics, train::Progress& progress, const RecipeConfig& cfg, const StepResult& r,
               const Position& p, double lr, double secs, c10::Device device, bool skipped) {
   train::StepMetrics sm;
@@ -383,7 +389,7 @@ Position train(const Session& s, Model& m, const TextSetup& text, RecipeParts& p
   const checkpoint::AdapterInfo adapter_info{
       cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, models::peft_targets(m.llama.architecture(), cfg.lora.targets),
       cfg.model.name.empty() ? fs::absolute(s.base_dir).lexically_normal().string() : cfg.model.name,
-      config::prompt_format(text.options)};
+      config::prompt_format(text.options), {}, cfg.lora.use_rslora};
   if (lead && !text.template_note.empty()) std::printf("%s\n", text.template_note.c_str());
   if (lead)
     std::printf("model %s on %s x %lld rank(s): %lld layers, %lld trainable LoRA parameters; %lld %s; "
@@ -422,7 +428,7 @@ Position train(const Session& s, Model& m, const TextSetup& text, RecipeParts& p
       const bool epoch_end = p.step_in_epoch == o.steps_per_epoch;
       if (parts.validate && (epoch_end || (cfg.training.eval_every_steps > 0 &&
                                            p.global_step % cfg.training.eval_every_steps == 0)))
-        parts.validate(p, lead_metrics, progress);
+        log_validation(parts.validate(p), lead_metrics, progress);
       if (epoch_end) parts.sampler->set_state({p.epoch + 1, 0});  // max_steps_per_epoch may cut an epoch short
       // The epoch-end checkpoint is written after the export below: a resume from it must find
       // the epoch's export already on disk.

@@ -78,8 +78,9 @@ struct RecipeParts {
   // grad_accum micro-batches of this rank's rows, backward done through backward_micro_batch;
   // loss/tokens/extra summed over ranks. train() clips and steps (or skips a non-finite step).
   std::function<StepResult(int64_t step)> step;
-  // Validation now (collective; metrics null off rank 0). Empty: the run has no validation data.
-  std::function<void(const Position&, train::MetricsLog*, train::Progress&)> validate;
+  // Validation now (collective: every rank computes, rank 0 logs what it returns). Empty: the run
+  // has no validation data.
+  std::function<train::ValidationMetrics(const Position&)> validate;
 };
 
 // Backward of one micro-batch's loss (already divided by what the whole step normalises by);

@@ -5,7 +5,10 @@ Makes a tiny fp32 LlamaForCausalLM (save_pretrained), runs tests/tools/export_to
 r=8 on every projection with random B), then checks
   1. PeftModel.from_pretrained(base, OUT/adapter) gives our logits,
   2. AutoModelForCausalLM.from_pretrained(OUT/merged) gives our logits,
-  3. the adapter config round-trips through peft's LoraConfig.
+  3. the adapter config round-trips through peft's LoraConfig,
+  4. the gradients of every adapter tensor (next-token cross-entropy of the tokens) equal peft's.
+For Llama also with --rslora (scale alpha / sqrt(r)) and --dora (peft's use_dora: magnitude
+vectors, detached norms, DoRA's merge).
 With --families, the same for every tiny model of _families.CASES (Qwen2, Qwen3, Gemma 2/3, Mistral
 and Phi-3 with sliding windows shorter than the tokens), sharded checkpoints, LoRA on each family's
 PEFT target names (Phi-3: qkv_proj, o_proj, gate_up_proj, down_proj).
@@ -26,16 +29,45 @@ from _common import Checks, parse_tool_args, run_checked, save_sharded
 # reference logit: ~1e3 ulps of it, where a missing or misplaced adapter moves logits by > 1e-2.
 ADAPTER_ATOL_PER_UNIT = 1e-4
 MERGED_ATOL_PER_UNIT = 1e-4
+# Gradients: the same fp32 reordering through forward and backward, relative to the largest
+# reference gradient of the tensor (DoRA's norm is summed in another order than peft's
+# torch.linalg.norm: a few ulps more); a wrong scale or a missing term is off by > 1e-2 of it.
+GRAD_RTOL = 1e-4
 LORA_R, LORA_ALPHA = 8, 16
 LLAMA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def check_export(checks, tool, name, base_dir, out_dir, targets, attn, tokens=None):
-    """Runs export_tool on base_dir and checks what peft and transformers make of its output."""
+def check_grads(checks, name, base_dir, out_dir, tokens, attn):
+    """peft's gradients of the adapter tensors for the tool's loss equal ours (grads.safetensors)."""
+    from transformers import AutoModelForCausalLM
+    from peft import PeftModel
+
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32, attn_implementation=attn).eval()
+    model = PeftModel.from_pretrained(base, os.path.join(out_dir, "adapter"), is_trainable=True).eval()
+    logits = model(tokens).logits[0]
+    torch.nn.functional.cross_entropy(logits[:-1], tokens[0, 1:]).backward()
+    ours = load_file(os.path.join(out_dir, "grads.safetensors"))
+    seen = 0
+    for pname, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        key = pname.replace(".default", "").replace("lora_magnitude_vector.weight", "lora_magnitude_vector")
+        if key not in ours:
+            checks.check(f"{name} grad {key}", False, "missing from grads.safetensors")
+            continue
+        seen += 1
+        checks.compare(f"{name} grad {key.split('model.layers.')[-1]}", ours[key], p.grad,
+                       GRAD_RTOL * max(p.grad.abs().max().item(), 1e-6))
+    checks.check(f"{name} every adapter tensor has a gradient", seen == len(ours), f"{seen} of {len(ours)}")
+
+
+def check_export(checks, tool, name, base_dir, out_dir, targets, attn, tokens=None, variant=()):
+    """Runs export_tool on base_dir (variant: extra flags, --dora / --rslora) and checks what peft
+    and transformers make of its output."""
     from transformers import AutoModelForCausalLM
     from peft import PeftModel, LoraConfig
 
-    cmd = [tool, "--checkpoint", base_dir, "--out", out_dir, "--targets", ",".join(targets)]
+    cmd = [tool, "--checkpoint", base_dir, "--out", out_dir, "--targets", ",".join(targets), *variant]
     if tokens is not None:
         cmd += ["--tokens", ",".join(map(str, tokens))]
     run_checked(cmd)
@@ -62,6 +94,13 @@ def check_export(checks, tool, name, base_dir, out_dir, targets, attn, tokens=No
         ref_m = merged(tokens).logits
         checks.compare(f"{name} merged model logits", logits, ref_m,
                        MERGED_ATOL_PER_UNIT * max(1.0, ref_m.abs().max().item()))
+        # peft's own merge (DoRA: rows rescaled to magnitude / ||W + delta||) against our weights.
+        peft_merged = peft_model.merge_and_unload().state_dict()
+        ours_merged = merged.state_dict()
+        worst = max((ours_merged[k] - v).abs().max().item() / max(v.abs().max().item(), 1e-6)
+                    for k, v in peft_merged.items() if k.endswith("_proj.weight"))
+        checks.check(f"{name} merged weights equal peft's merge_and_unload", worst <= MERGED_ATOL_PER_UNIT,
+                     f"max relative |diff| {worst:.3e} (tol {MERGED_ATOL_PER_UNIT:g})")
 
     with open(os.path.join(out_dir, "adapter", "adapter_config.json")) as f:
         raw = json.load(f)
@@ -71,6 +110,11 @@ def check_export(checks, tool, name, base_dir, out_dir, targets, attn, tokens=No
     checks.check(f"{name} adapter_config via LoraConfig", ok,
                  f"r={lc.r} alpha={lc.lora_alpha} targets={sorted(lc.target_modules)}")
     checks.check(f"{name} adapter_config task_type", raw.get("task_type") == "CAUSAL_LM", str(raw.get("task_type")))
+    want = {"use_dora": "--dora" in variant, "use_rslora": "--rslora" in variant}
+    got = {k: raw.get(k) for k in want}
+    checks.check(f"{name} adapter_config use_dora/use_rslora", got == want and (lc.use_dora, lc.use_rslora) ==
+                 (want["use_dora"], want["use_rslora"]), f"{got} (want {want})")
+    check_grads(checks, name, base_dir, out_dir, tokens, attn)
 
 
 def llama_case(checks, tool, workdir):
@@ -81,7 +125,13 @@ def llama_case(checks, tool, workdir):
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                       rms_norm_eps=1e-5, tie_word_embeddings=False)
     LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(base_dir)
-    check_export(checks, tool, "llama", base_dir, os.path.join(workdir, "out"), LLAMA_TARGETS, "sdpa")
+    for variant in [(), ("--rslora",), ("--dora",)]:
+        name = "llama" + "".join(v.replace("--", " ") for v in variant)
+        try:
+            check_export(checks, tool, name, base_dir, os.path.join(workdir, "out" + "".join(variant)), LLAMA_TARGETS,
+                         "sdpa", variant=variant)
+        except Exception as e:
+            checks.crashed(name, e)
 
 
 def family_cases(checks, tool, workdir):
@@ -105,10 +155,7 @@ def main():
     if args.families:
         family_cases(checks, args.tool, args.workdir)
     else:
-        try:
-            llama_case(checks, args.tool, args.workdir)
-        except Exception as e:
-            checks.crashed("llama", e)
+        llama_case(checks, args.tool, args.workdir)
     return checks.summary()
 
 

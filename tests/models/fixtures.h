@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <stdexcept>
 #include <string>
@@ -23,6 +24,13 @@ inline std::string tiny_llama() {
 inline double max_abs(const at::Tensor& a) { return a.abs().max().item<double>(); }
 
 inline at::Generator seeded(uint64_t s) { return at::make_generator<at::CPUGeneratorImpl>(s); }
+
+// max |a - ref| / max |ref|, in fp64.
+inline double rel_err(const at::Tensor& a, const at::Tensor& ref) {
+  return (a.to(at::kDouble) - ref.to(at::kDouble)).abs().max().item<double>() /
+         std::max(ref.to(at::kDouble).abs().max().item<double>(), 1e-30);
+}
+
 // Standard normal fp32 values of `shape` from seed, times scale.
 inline at::Tensor randn(at::IntArrayRef shape, uint64_t seed, double scale = 1.0) {
   return at::randn(shape, seeded(seed), at::TensorOptions().dtype(at::kFloat)) * scale;

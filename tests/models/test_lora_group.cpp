@@ -15,14 +15,10 @@
 using namespace qlora;
 using namespace qlora::modules;
 using qlora::models::test_fixtures::randn;
+using qlora::models::test_fixtures::rel_err;
 using qlora::models::test_fixtures::seeded;
 
 namespace {
-double rel_err(const at::Tensor& a, const at::Tensor& ref) {
-  return (a.to(at::kDouble) - ref.to(at::kDouble)).abs().max().item<double>() /
-         std::max(ref.to(at::kDouble).abs().max().item<double>(), 1e-30);
-}
-
 struct Case {
   bool nf4 = true;
   std::vector<int64_t> outs;

@@ -9,7 +9,11 @@
     OpenHermes' template), the trained spans are the answers, counts, truncated and untrained
     samples (named by line), packing rows and efficiency, all computed independently here;
   - the same conversations under a mapped key (data.messages_field); an instruct config on the
-    ShareGPT file names the chat format and data.format; bad -n.
+    ShareGPT file names the chat format and data.format; bad -n;
+  - preference pairs (configs/tiny_qlora_dpo.toml): each shown pair's prompt is the Alpaca prompt of
+    its record and its responses the record's chosen and rejected answers; pair counts of the train
+    and validation files; with a short data.max_seq_len, every prompt keeps at most
+    dpo.max_prompt_len tokens and the cuts are counted.
 Prints "N passed, M failed".
 
     python tests/recipes/test_data_cli.py --qlora build/qlora [--workdir build/cli_data]
@@ -93,6 +97,32 @@ def pack_rows(lengths, seq_len):
             rows, used = rows + 1, 0
         used += n
     return rows
+
+
+def check_pairs(run, expect):
+    """`qlora data` on lora_dpo's tiny config: pairs shown and counted, truncation stated and applied."""
+    root = os.path.dirname(os.path.dirname(HERE))
+    cfg = ["--config", os.path.join(root, "configs", "tiny_qlora_dpo.toml")]
+    r = run(*cfg, "-n", "2", cwd=root)
+    expect("pairs: runs", r.returncode == 0, r.stderr)
+    with open(os.path.join(DATA, "tiny_preferences.jsonl")) as f:
+        first = [json.loads(line) for line in f][:2]
+    # The prompt spans lines (the Alpaca template's); the responses here are one line each.
+    shown = re.findall(r"^--- pair (\d+)/(\d+) .*?\nprompt +(.*?)\nchosen +(.*?)\nrejected +(.*?)\n\n", r.stdout,
+                       re.S | re.M)
+    expect("pairs: two shown of 512", [(i, n) for i, n, *_ in shown] == [("1", "512"), ("2", "512")], r.stdout[:2000])
+    for (_, _, prompt, chosen, rejected), rec in zip(shown, first):
+        expect("pairs: the prompt is the record's, masked", prompt.startswith("[-") and rec["prompt"].split("\n")[-1] in prompt, prompt)
+        expect("pairs: responses are the record's, scored", chosen.startswith("{+" + rec["chosen"]) and
+               rejected.startswith("{+" + rec["rejected"]), (chosen, rejected))
+    counts = re.findall(r"^  pairs +(\d+)$", r.stdout, re.M)
+    expect("pairs: train and validation counted", counts == ["512", "100"], counts)
+    expect("pairs: truncation rule stated", "keeps the prompt's last 32 tokens (dpo.max_prompt_len)" in r.stdout, r.stdout[:400])
+    r = run(*cfg, "-n", "40", "data.max_seq_len=24", "dpo.max_prompt_len=12", cwd=root)
+    prompts = [int(x) for x in re.findall(r"--- pair \d+/\d+ .*: prompt (\d+) tokens", r.stdout)]
+    cut = re.findall(r"^  truncated +(\d+) prompts cut", r.stdout, re.M)
+    expect("pairs: prompts keep at most dpo.max_prompt_len tokens, cuts counted", r.returncode == 0 and len(prompts) == 40
+           and max(prompts) <= 12 and cut and int(cut[0]) > 0 and "(its start cut)" in r.stdout, (r.stderr, prompts, cut))
 
 
 def main() -> int:
@@ -237,6 +267,8 @@ def main() -> int:
     expect("instruct config on a ShareGPT file", r.returncode == 1 and
            f"{sharegpt}: line 1: this looks like a chat file (key 'conversations'); set data.format = \"chat\"" in r.stderr,
            r.stderr)
+
+    check_pairs(run, expect)
 
     failed = results.count(False)
     print(f"{len(results) - failed} passed, {failed} failed")

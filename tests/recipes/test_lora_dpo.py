@@ -5,7 +5,8 @@ embedded tiny base, 512 add/reverse preference pairs, 100 held out in the conver
    its rewards are 0; IPO's first loss is (1/(2 beta))^2, hinge's 1, SimPO's its formula on the
    logged average log-probs; ORPO runs;
 2. the held-out rewards/accuracies (chosen over rejected) ends >= 0.9;
-3. dpo.precompute_reference = true gives the per-step reference's losses;
+3. dpo.precompute_reference = true gives the per-step reference's losses, keeps the table in the
+   output dir, and a resume after SIGKILL reads it back and continues exactly;
 4. 2 ranks give one process's losses and adapters;
 5. a run killed by SIGKILL mid-epoch and resumed gives the uninterrupted run's losses exactly and
    byte-identical adapters; a lora_finetune checkpoint is not resumed by lora_dpo, nor preference
@@ -70,9 +71,15 @@ def main():
     r = dpo(a.qlora, w("ref"), *short)
     ref = losses(w("ref"))
     check(r.returncode == 0 and len(ref) == 16, "the short run exits 0 after 16 steps")
-    dpo(a.qlora, w("pre"), *short, "dpo.precompute_reference=true")
+    pre = dpo(a.qlora, w("pre"), *short, "dpo.precompute_reference=true")
     check(max_diff(losses(w("pre")), ref) <= PRECOMPUTE_TOL,
           f"precomputed reference: losses within {PRECOMPUTE_TOL} of the per-step reference's")
+    check("computed, kept in" in pre.stdout and os.path.isfile(os.path.join(w("pre"), "dpo_reference.safetensors")),
+          "precomputed reference: kept with the run (dpo_reference.safetensors)")
+    dpo(a.qlora_faults, w("pre_killed"), *short, "dpo.precompute_reference=true", fault="kill_after_step=10", expect_rc=-9)
+    r = dpo(a.qlora, w("pre_killed"), *short, "dpo.precompute_reference=true", "checkpoint.resume=true")
+    check(r.returncode == 0 and "read from" in r.stdout and losses(w("pre_killed")) == losses(w("pre")),
+          "precomputed reference: a resume reads the kept table and gives the uninterrupted losses exactly")
     r = dpo(a.qlora, w("ranks2"), *short, "training.batch_size=8", nproc=2)
     check(r.returncode == 0 and max_diff(losses(w("ranks2")), ref) <= RANKS_TOL,
           f"2 ranks: losses within {RANKS_TOL} of one process's")

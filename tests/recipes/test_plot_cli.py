@@ -1,5 +1,5 @@
 """`qlora plot` on real runs: two short trainings of the embedded default (one with validation rows),
-plotted alone and side by side, and a metrics.jsonl with the rows a run can also write (validation rows, skipped non-finite
+plotted alone and side by side, a lora_dpo run (its reward margin and accuracy panels), and a metrics.jsonl with the rows a run can also write (validation rows, skipped non-finite
 steps, null losses, losses spanning decades). The SVG is parsed with xml.etree; for every series
 (<polyline data-run data-series>) its points are mapped back to (step, value) through the panel's
 axes, whose transform is recovered from the tick labels and tick positions, and must equal the
@@ -27,6 +27,9 @@ ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)),
 DOCS_PLOT = os.path.join(ROOT, "docs", "plot.svg")
 SVG = "{http://www.w3.org/2000/svg}"
 PANELS = {"loss": ["loss", "val_loss"], "lr": ["lr"], "tokens_per_second": ["tokens_per_second"]}
+# A lora_dpo run's plot adds its reward metrics (training and validation).
+PANELS_DPO = {**PANELS, "reward_margins": ["rewards/margins", "val_rewards/margins"],
+              "reward_accuracies": ["rewards/accuracies", "val_rewards/accuracies"]}
 
 
 def expected_series(rows, series):
@@ -63,7 +66,7 @@ def panel_axes(g):
     return ticks("xtick", "x1"), ticks("ytick", "y1")
 
 
-def check_svg(check, path, runs, label):
+def check_svg(check, path, runs, label, panels_want=PANELS):
     """runs: {legend name: metrics rows}. Checks series, axes and legend of the SVG at path."""
     try:
         root = ET.parse(path).getroot()
@@ -71,9 +74,9 @@ def check_svg(check, path, runs, label):
         check(False, f"{label}: {path} parses as XML ({e})")
         return
     panels = {g.get("data-panel"): g for g in root.iter(SVG + "g") if g.get("class") == "panel"}
-    check(set(panels) == set(PANELS), f"{label}: panels {sorted(panels)}")
+    check(set(panels) == set(panels_want), f"{label}: panels {sorted(panels)}")
     colours = {}
-    for key, series_names in PANELS.items():
+    for key, series_names in panels_want.items():
         g = panels.get(key)
         if g is None:
             continue
@@ -180,6 +183,16 @@ def main():
         check(loss.get("data-scale") == "log", "losses over three decades: log scale")
         marks = [p for p in loss.iter(SVG + "path") if p.get("data-series") == "skipped"]
         check(len(marks) == 1 and marks[0].get("data-count") == "1", "the skipped step is marked")
+
+    dpo = os.path.join(wd, "dpo")
+    check(run_recipe(args.qlora, dpo, "--config", os.path.join(ROOT, "configs", "tiny_qlora_dpo.toml"),
+                     f"data.path={ROOT}/tests/data/tiny_preferences.jsonl",
+                     f"data.val_path={ROOT}/tests/data/tiny_preferences_heldout.jsonl", *short,
+                     "training.max_steps_per_epoch=8", "training.eval_every_steps=4", recipe="lora_dpo").returncode == 0,
+          "a lora_dpo run trains (validation every 4 steps)")
+    r = plot(args.qlora, dpo)
+    check(r.returncode == 0, f"lora_dpo run plots: {r.stderr}")
+    check_svg(check, os.path.join(dpo, "plot.svg"), {"dpo": metrics_rows(dpo)}, "lora_dpo rewards", PANELS_DPO)
 
     check_errors(check, args.qlora, wd)
 

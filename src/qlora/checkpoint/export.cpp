@@ -143,17 +143,22 @@ void write_peft_adapter(const std::string& dir, const std::vector<std::pair<std:
   if (info.r <= 0) throw ExportError("write_peft_adapter " + dir + ": r must be positive");
   std::set<std::string> derived;
   std::vector<std::pair<std::string, at::Tensor>> cpu;
+  bool dora = false;
   for (const auto& [name, t] : lora_params) {
-    const bool is_a = name.size() > 14 && name.compare(name.size() - 14, 14, ".lora_A.weight") == 0;
-    const bool is_b = name.size() > 14 && name.compare(name.size() - 14, 14, ".lora_B.weight") == 0;
-    if (name.rfind("base_model.model.", 0) != 0 || !(is_a || is_b)) {
+    const auto ends = [&name](const std::string& tail) {
+      return name.size() > tail.size() && name.compare(name.size() - tail.size(), tail.size(), tail) == 0;
+    };
+    const bool is_a = ends(".lora_A.weight"), is_b = ends(".lora_B.weight"), is_m = ends(".lora_magnitude_vector");
+    if (name.rfind("base_model.model.", 0) != 0 || !(is_a || is_b || is_m)) {
       throw ExportError("write_peft_adapter " + dir + ": '" + name +
-                        "' is not a PEFT LoRA key (base_model.model.<module>.lora_{A,B}.weight)");
+                        "' is not a PEFT LoRA key (base_model.model.<module>.lora_{A,B}.weight or "
+                        ".lora_magnitude_vector)");
     }
-    if (!t.defined() || t.dim() != 2 || (is_a ? t.size(0) : t.size(1)) != info.r) {
-      throw ExportError("write_peft_adapter " + dir + ": '" + name + "' must be 2-D with rank " +
-                        std::to_string(info.r) + (is_a ? " rows" : " columns"));
+    if (is_m ? !t.defined() || t.dim() != 1 : !t.defined() || t.dim() != 2 || (is_a ? t.size(0) : t.size(1)) != info.r) {
+      throw ExportError("write_peft_adapter " + dir + ": '" + name + "' must be " +
+                        (is_m ? std::string("1-D [out]") : "2-D with rank " + std::to_string(info.r) + (is_a ? " rows" : " columns")));
     }
+    dora = dora || is_m;
     derived.insert(module_of(name));
     cpu.emplace_back(name, t.detach().to(at::kCPU, dtype).contiguous());
   }
@@ -182,8 +187,8 @@ void write_peft_adapter(const std::string& dir, const std::vector<std::pair<std:
       {"rank_pattern", nlohmann::json::object()},
       {"alpha_pattern", nlohmann::json::object()},
       {"revision", nullptr},
-      {"use_rslora", false},  // scale is alpha / r, not alpha / sqrt(r)
-      {"use_dora", false},
+      {"use_rslora", info.use_rslora},  // scale alpha / sqrt(r) when true, else alpha / r
+      {"use_dora", dora},
   };
   // json's object keys are sorted, as PEFT's own json.dumps(sort_keys=True) writes them.
   io::write_file_atomic((fs::path(dir) / "adapter_config.json").string(), cfg.dump(2) + "\n");

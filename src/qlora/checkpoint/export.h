@@ -52,6 +52,7 @@ struct AdapterInfo {
   // fullmatches it against module names): export_epoch sets it for a multimodal model, whose vision
   // tower has q/k/v projections that a list of names would match too.
   std::string target_pattern;
+  bool use_rslora = false;  // scale alpha / sqrt(r); use_dora follows from lora_magnitude_vector keys
 };
 
 // <dir>/qlora.json, atomically: {"format": "qlora-export-v1", "prompt": {"format", "template"

@@ -37,6 +37,10 @@ checkpoint::PromptFormat prompt_format(const data::DatasetOptions& o) {
   return p;
 }
 
+data::PreferenceOptions preference_options(const RecipeConfig& cfg) {
+  return {cfg.data.max_seq_len, cfg.dpo.max_prompt_len > 0 ? cfg.dpo.max_prompt_len : cfg.data.max_seq_len / 2};
+}
+
 data::SamplerOptions sampler_options(const DataConfig& data_cfg, const TrainingConfig& training,
                                      int64_t dataset_size, int64_t ranks) {
   data::SamplerOptions o;
@@ -59,6 +63,8 @@ models::LlamaLoadOptions llama_load_options(const RecipeConfig& cfg, c10::Device
   o.lora_r = cfg.lora.rank;
   o.lora_alpha = cfg.lora.alpha;
   o.lora_dropout = cfg.lora.dropout;
+  o.lora_use_rslora = cfg.lora.use_rslora;
+  o.lora_use_dora = cfg.lora.use_dora;
   o.seed = static_cast<uint64_t>(cfg.training.seed);
   o.activation_checkpointing = cfg.model.activation_checkpointing;
   return o;

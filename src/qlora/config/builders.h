@@ -13,6 +13,7 @@
 
 #include "qlora/config/config.h"
 #include "qlora/data/dataset.h"
+#include "qlora/data/preference.h"
 #include "qlora/data/sampler.h"
 #include "qlora/engine/sharded_model.h"
 #include "qlora/models/llama.h"
@@ -29,6 +30,10 @@ data::DatasetOptions dataset_options(const DataConfig& data_cfg, const data::Tok
                                      std::string* note = nullptr);
 // What qlora.json records of resolved options.
 checkpoint::PromptFormat prompt_format(const data::DatasetOptions& options);
+
+// Preference pairs' truncation: data.max_seq_len per sequence, the prompt's last dpo.max_prompt_len
+// tokens at most (0: half of data.max_seq_len).
+data::PreferenceOptions preference_options(const RecipeConfig& cfg);
 
 // Every rank draws the same global batch of batch_size x ranks rows per micro-step and trains on
 // its own batch_size of them, so the sampler itself is unsharded (world_size 1, rank 0); drop_last

@@ -115,6 +115,8 @@ void visit_fields(Cfg& c, V&& v) {
   v("lora", "alpha", c.lora.alpha, true);
   v("lora", "dropout", c.lora.dropout, true);
   v("lora", "targets", c.lora.targets, true);
+  v("lora", "use_rslora", c.lora.use_rslora, true);
+  v("lora", "use_dora", c.lora.use_dora, true);
   v("data", "path", c.data.path, false);
   v("data", "val_path", c.data.val_path, false);
   v("data", "val_fraction", c.data.val_fraction, true);  // what it holds out is not trained on

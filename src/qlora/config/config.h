@@ -59,6 +59,9 @@ struct LoraConfig {
   // Short names of architecture rows (models/architecture.h): q, k, v, o, gate, up, down, output;
   // Phi-3 adds qkv and gate_up (its fused modules), which q, k, v / gate, up also select.
   std::vector<std::string> targets = {"q", "k", "v", "o"};
+  bool use_rslora = false;  // rank-stabilised LoRA: scale alpha / sqrt(rank) instead of alpha / rank
+  // DoRA (peft's use_dora): a trainable magnitude per output row of each adapted projection.
+  bool use_dora = false;
 };
 
 struct DataConfig {

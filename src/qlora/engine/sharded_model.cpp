@@ -223,6 +223,7 @@ void ShardedLlama::add_trainable(const std::vector<modules::LoraLinear*>& ls, co
     if (!ls[k]->has_lora()) continue;
     slots.push_back({&ls[k]->lora_a, stems[k] + ".lora_A"});
     slots.push_back({&ls[k]->lora_b, stems[k] + ".lora_B"});
+    if (ls[k]->has_dora()) slots.push_back({&ls[k]->magnitude, stems[k] + ".lora_magnitude_vector"});
   }
   if (slots.empty()) return;
   for (auto& [t, name] : slots) g->layout.add(name, at::kFloat, t->sizes().vec());

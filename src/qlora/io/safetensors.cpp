@@ -25,7 +25,7 @@ namespace {
 // allocate or scan gigabytes before noticing.
 constexpr uint64_t kMaxHeaderBytes = 100ull << 20;
 constexpr size_t kWriteBuffer = 1 << 20;
-constexpr const char* kSupported = "F32, F16, BF16, I8, U8, I32, I64";
+constexpr const char* kSupported = "F64, F32, F16, BF16, I8, U8, I32, I64";
 
 [[noreturn]] void fail(const std::string& path, const std::string& what) {
   throw SafetensorsError("safetensors file '" + path + "': " + what);
@@ -51,8 +51,8 @@ bool checked_nbytes(const std::vector<int64_t>& shape, int size, uint64_t* out) 
 }
 
 bool lookup_dtype(std::string_view name, Dtype* out) {
-  static constexpr Dtype kAll[] = {Dtype::F32, Dtype::F16, Dtype::BF16, Dtype::I8,
-                                   Dtype::U8,  Dtype::I32, Dtype::I64};
+  static constexpr Dtype kAll[] = {Dtype::F64, Dtype::F32, Dtype::F16, Dtype::BF16,
+                                   Dtype::I8,  Dtype::U8,  Dtype::I32, Dtype::I64};
   for (Dtype d : kAll)
     if (name == dtype_name(d)) return *out = d, true;
   return false;
@@ -94,6 +94,7 @@ int open_tmp(const std::string& tmp) {
 
 const char* dtype_name(Dtype d) {
   switch (d) {
+    case Dtype::F64: return "F64";
     case Dtype::F32: return "F32";
     case Dtype::F16: return "F16";
     case Dtype::BF16: return "BF16";
@@ -110,13 +111,14 @@ int dtype_size(Dtype d) {
     case Dtype::I8: case Dtype::U8: return 1;
     case Dtype::F16: case Dtype::BF16: return 2;
     case Dtype::F32: case Dtype::I32: return 4;
-    case Dtype::I64: return 8;
+    case Dtype::F64: case Dtype::I64: return 8;
   }
   return 0;
 }
 
 at::ScalarType to_scalar_type(Dtype d) {
   switch (d) {
+    case Dtype::F64: return at::kDouble;
     case Dtype::F32: return at::kFloat;
     case Dtype::F16: return at::kHalf;
     case Dtype::BF16: return at::kBFloat16;
@@ -130,6 +132,7 @@ at::ScalarType to_scalar_type(Dtype d) {
 
 Dtype from_scalar_type(at::ScalarType t) {
   switch (t) {
+    case at::kDouble: return Dtype::F64;
     case at::kFloat: return Dtype::F32;
     case at::kHalf: return Dtype::F16;
     case at::kBFloat16: return Dtype::BF16;

@@ -15,7 +15,7 @@
 
 namespace qlora::io {
 
-enum class Dtype { F32, F16, BF16, I8, U8, I32, I64 };
+enum class Dtype { F32, F16, BF16, I8, U8, I32, I64, F64 };
 
 const char* dtype_name(Dtype dtype);  // "F32", "F16", ... as spelled in safetensors headers
 int dtype_size(Dtype dtype);          // bytes per element

@@ -68,6 +68,8 @@ struct Loader {
   }
   void add_adapter(LoraLinear& l, at::Generator& gen) const {
     modules::lora_linear_add_adapter(l, opt.lora_r, opt.lora_alpha, opt.lora_dropout, gen, opt.device);
+    l.scale = modules::lora_scale(opt.lora_alpha, opt.lora_r, opt.lora_use_rslora);
+    if (opt.lora_use_dora) modules::lora_linear_add_dora(l);  // while the whole base is here
   }
   // Decoder layer i, with adapters on the `targets` (PEFT spelling) drawn from `gen` in table
   // order: the draws go layer by layer, then the output projection's, whatever the targets.
@@ -125,6 +127,11 @@ LlamaModel load_llama(const std::string& checkpoint_dir, const LlamaLoadOptions&
   const Architecture& arch = m.architecture();
   const std::set<std::string> targets = lora_targets(arch, opt.lora_targets);
   if (!targets.empty() && opt.lora_r <= 0) throw std::invalid_argument("load_llama: lora r must be positive");
+  if (opt.lora_use_dora && targets.count(output_projection(arch).peft_name))
+    throw std::invalid_argument(std::string("lora.use_dora = true with the output projection (") +
+                                output_projection(arch).peft_name +
+                                ") among lora.targets: DoRA adapts the decoder projections, the output head's chunked "
+                                "loss takes plain LoRA; drop \"output\" from lora.targets or set lora.use_dora = false");
   m.compute_dtype = opt.compute_dtype;
   m.frozen_dtype = frozen;
   m.activation_checkpointing = opt.activation_checkpointing;
@@ -365,6 +372,7 @@ std::vector<std::pair<std::string, at::Tensor>> LlamaModel::lora_parameters() co
     if (!l.has_lora()) return;
     out.emplace_back("base_model.model." + stem + ".lora_A.weight", l.lora_a);
     out.emplace_back("base_model.model." + stem + ".lora_B.weight", l.lora_b);
+    if (l.has_dora()) out.emplace_back("base_model.model." + stem + ".lora_magnitude_vector", l.magnitude);
   };
   const Architecture& arch = architecture();
   const KeyLayout names = peft_layout(config);

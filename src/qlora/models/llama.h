@@ -41,6 +41,8 @@ struct LlamaLoadOptions {
   int64_t lora_r = 8;
   double lora_alpha = 16.0;
   double lora_dropout = 0.0;
+  bool lora_use_rslora = false;  // scale alpha / sqrt(r) instead of alpha / r
+  bool lora_use_dora = false;    // DoRA: a trainable magnitude per output row (not on the output projection)
   uint64_t seed = 0;  // LoRA A init: drawn layer by layer in table order, then lm_head
   bool activation_checkpointing = false;
   // Called with each decoder layer as soon as it is built (in order; the layer stays at that
@@ -126,7 +128,8 @@ struct LlamaModel {
 
   // Trainable tensors with PEFT names, e.g.
   // base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight ([r, in]) / .lora_B.weight
-  // (a multimodal gemma3: base_model.model.model.language_model.layers.0...; key_layout.h).
+  // (a multimodal gemma3: base_model.model.model.language_model.layers.0...; key_layout.h), and
+  // with DoRA each adapted projection's .lora_magnitude_vector ([out], peft's key).
   std::vector<std::pair<std::string, at::Tensor>> lora_parameters() const;
   // Layer i's forward options (its window, the family's norm and attention numerics).
   modules::LayerDims dims(int64_t layer) const;

@@ -196,7 +196,7 @@ ChunkedLoss chunked_loss(const OutputHead& head, const at::Tensor& h, const at::
   const HeadRows rows(l, h.scalar_type());
   for (int64_t s0 = 0; s0 < S; s0 += chunk) {
     const at::Tensor idx = scored.narrow(0, s0, std::min(chunk, S - s0));
-    const at::Tensor cs = seg.defined() ? seg.index_select(0, idx) : at::zeros_like(idx);  // [T] segments
+    const at::Tensor cs = segments > 1 ? seg.index_select(0, idx) : at::Tensor();  // [T] segments
     ChunkRows c{h.detach().index_select(0, idx), at::Tensor(), labels.index_select(0, idx)};
     const at::Tensor xc = lora ? lora_x.detach().index_select(0, idx) : at::Tensor();  // [T, hidden] fp32
     if (lora) c.xa = at::linear(xc, l.lora_a.detach());  // [T, r]

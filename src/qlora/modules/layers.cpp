@@ -249,6 +249,7 @@ std::vector<at::Tensor> DecoderLayer::trainable() const {
     if (p->has_lora()) {
       out.push_back(p->lora_a);
       out.push_back(p->lora_b);
+      if (p->has_dora()) out.push_back(p->magnitude);
     }
   }
   return out;

@@ -7,6 +7,8 @@
 #include <ATen/ops/mm.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/ops/cat.h>
+#include <ATen/ops/addcmul.h>
+#include <ATen/core/grad_mode.h>
 #include <ATen/record_function.h>
 #include <c10/util/accumulate.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -264,6 +266,45 @@ void lora_linear_add_adapter(LoraLinear& layer, int64_t r, double alpha, double 
   layer.dropout = dropout;
 }
 
+double lora_scale(double alpha, int64_t r, bool rslora) {
+  return alpha / (rslora ? std::sqrt(static_cast<double>(r)) : static_cast<double>(r));
+}
+
+void lora_linear_add_dora(LoraLinear& layer) {
+  if (!layer.has_lora()) throw std::invalid_argument("lora_linear_add_dora: the projection has no adapter");
+  const at::NoGradGuard no_grad;
+  const at::Tensor sq = layer.base_nf4.defined() ? nf4_row_sq_norms(layer.base_nf4)
+                                                 : layer.base_dense.to(at::kFloat).square().sum(1);  // [out]
+  layer.base_sq_norms = sq.to(layer.lora_a.device());
+  layer.magnitude = dora_weight_norm(layer).clone().set_requires_grad(true);
+}
+
+at::Tensor dora_weight_norm(const LoraLinear& l) {
+  const at::NoGradGuard no_grad;
+  const at::Tensor a = l.lora_a.detach(), b = l.lora_b.detach();  // [r, in], [out, r] fp32
+  // ||W_i + s (B A)_i||^2 = ||W_i||^2 + 2 s <W_i, (B A)_i> + s^2 ||(B A)_i||^2, where
+  // <W_i, (B A)_i> = sum_k B_ik (A W^T)_ki and ||(B A)_i||^2 = (B (A A^T) B^T)_ii.
+  const at::Tensor aw = l.base_nf4.defined() ? nf4_times_transposed(a, l.base_nf4)
+                                             : at::mm(a, l.base_dense.to(at::kFloat).t());  // [r, out]
+  const at::Tensor cross = (b * aw.t()).sum(1);                                   // [out]
+  const at::Tensor ba_sq = (at::mm(b, at::mm(a, a.t())) * b).sum(1);               // [out]
+  return (l.base_sq_norms + cross * (2.0 * l.scale) + ba_sq * (l.scale * l.scale)).clamp_min(0).sqrt();
+}
+
+namespace {
+
+// magnitude / ||W + s B A|| per row, [out] fp32: d/d magnitude flows, the norm is a constant.
+at::Tensor dora_row_scale(const LoraLinear& l) { return l.magnitude / dora_weight_norm(l); }
+
+// An adapted output y = x W^T + bias + update rescaled as DoRA's: (y - bias) ⊙ g + bias.
+at::Tensor dora_rescaled(const LoraLinear& l, const at::Tensor& y) {
+  const at::Tensor g = dora_row_scale(l).to(y.scalar_type());  // [out]
+  if (!l.bias.defined()) return y * g;
+  return at::addcmul(l.bias - l.bias * g, y, g);
+}
+
+}  // namespace
+
 at::Tensor lora_linear_base(const LoraLinear& layer, const at::Tensor& x) {
   if (!layer.base_nf4.defined()) return at::linear(x, layer.base_dense, layer.bias);  // [..., out]
   at::Tensor y = nf4_linear(x, layer.base_nf4);
@@ -301,14 +342,24 @@ std::vector<at::Tensor> lora_linear_group_forward(const std::vector<const LoraLi
     as.push_back(l->lora_a);
     bs.push_back(l->lora_b);
   }
-  return LoraGroupFunction::apply(x, at::TensorList(as), at::TensorList(bs), &members);
+  std::vector<at::Tensor> ys = LoraGroupFunction::apply(x, at::TensorList(as), at::TensorList(bs), &members);
+  for (size_t i = 0; i < members.size(); ++i)
+    if (members[i]->active() && members[i]->has_dora()) ys[i] = dora_rescaled(*members[i], ys[i]);
+  return ys;
 }
 
 at::Tensor lora_linear_forward(const LoraLinear& layer, const at::Tensor& x, bool training) {
   if (layer.active() && !(training && layer.dropout > 0.0)) return lora_linear_group_forward({&layer}, x, training)[0];
   at::Tensor y = lora_linear_base(layer, x);  // [..., out]
   if (!layer.active()) return y;
-  return (y + lora_delta(layer, x, training)).to(x.scalar_type());
+  if (!layer.has_dora()) return (y + lora_delta(layer, x, training)).to(x.scalar_type());
+  // DoRA with dropout, as peft: the dropped-out input also goes through the base, so that
+  // y = x W^T + bias + (g - 1) ⊙ x_d W^T + g ⊙ scale·x_d A^T B^T.
+  const at::Tensor xd = lora_input(layer, x, training);  // [..., in] fp32
+  const at::Tensor g = dora_row_scale(layer);           // [out] fp32
+  const at::Tensor based = layer.base_nf4.defined() ? nf4_linear(xd.to(x.scalar_type()), layer.base_nf4)
+                                                    : at::linear(xd.to(x.scalar_type()), layer.base_dense);
+  return (y + (g - 1.0) * based + g * lora_update(layer, xd)).to(x.scalar_type());
 }
 
 at::Tensor lora_input(const LoraLinear& layer, const at::Tensor& x, bool training) {
@@ -328,7 +379,10 @@ at::Tensor lora_delta(const LoraLinear& layer, const at::Tensor& x, bool trainin
 at::Tensor lora_merged_weight(const LoraLinear& layer, const at::Tensor& base) {
   const at::Tensor delta =
       at::matmul(layer.lora_b.detach().to(at::kFloat), layer.lora_a.detach().to(at::kFloat));  // [out, in]
-  return base.to(delta.device()).add(delta, layer.scale);
+  at::Tensor w = base.to(delta.device()).add(delta, layer.scale);
+  // DoRA, as peft merges it: the merged rows scaled to magnitude / ||W + delta||.
+  if (layer.has_dora()) w.mul_((layer.magnitude.detach().to(at::kFloat) / w.norm(2, {1})).unsqueeze(1));
+  return w;
 }
 
 }  // namespace qlora::modules

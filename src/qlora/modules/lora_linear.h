@@ -1,5 +1,8 @@
 // A frozen base projection (NF4 or full precision) plus an optional trainable LoRA adapter:
 //   y = base(x) + (dropout(x) @ A^T @ B^T) * (alpha / r)
+// With DoRA (peft's use_dora), a trainable magnitude per output row rescales the adapted row:
+//   y = m / ||W + scale·B A||_row ⊙ (x W^T + scale·x A^T B^T) + bias,
+// the norm a constant of the graph, as peft detaches it (the DoRA paper, §4.3).
 // Adapters live in fp32 (weights, gradients, optimizer state). Without dropout (the group node,
 // lora_linear_group_forward) the LoRA products run in x's dtype: fp32 through the narrow kernels,
 // or bf16 GEMMs (fp32 accumulation) on bf16 copies of A and B, as autocast does on a GPU, so no
@@ -29,8 +32,12 @@ struct LoraLinear {
   int64_t r = 0;
   double scale = 0.0;      // alpha / r
   double dropout = 0.0;    // probability, applied to the LoRA path's input only
+  // DoRA; undefined for plain LoRA.
+  at::Tensor magnitude;      // [out] fp32, requires_grad; starts as the base's row norms
+  at::Tensor base_sq_norms;  // [out] fp32 ||W_i||^2 of the frozen base, taken once when DoRA is added
 
   bool has_lora() const { return r > 0; }
+  bool has_dora() const { return magnitude.defined(); }
   // Whether forward adds the adapter: it exists and no AdaptersDisabled is in scope.
   bool active() const;
 };
@@ -62,6 +69,17 @@ void lora_linear_set_bias(LoraLinear& layer, at::Tensor bias /*[out]*/);
 void lora_linear_add_adapter(LoraLinear& layer, int64_t r, double alpha, double dropout,
                              at::Generator gen, at::Device device);
 
+// alpha / r, or alpha / sqrt(r) with rsLoRA (peft's use_rslora).
+double lora_scale(double alpha, int64_t r, bool rslora);
+
+// Makes an adapter DoRA, as peft's use_dora initialises it: the magnitude is ||W + scale·B A||
+// per row (with B = 0: the base's row norms), in fp32. Needs the base present (not a shard).
+void lora_linear_add_dora(LoraLinear& layer);
+
+// DoRA's row norms ||W + scale·B A||, [out] fp32, no gradient: from ||W_i||^2 kept since load,
+// one product A W^T with the base (never dequantized whole) and B (A A^T) B^T's diagonal.
+at::Tensor dora_weight_norm(const LoraLinear& layer);
+
 // x: [..., in] in the compute dtype. `training` enables dropout (drawn from the default
 // generator of x's device, so activation checkpointing can replay it). Returns [..., out].
 // An adapter without dropout runs as one fused autograd node (a group of one, below: the update
@@ -92,7 +110,7 @@ at::Tensor lora_update(const LoraLinear& layer, const at::Tensor& lora_x);
 // lora_linear_forward does: (y + lora_delta(...)).to(x's dtype). Requires an adapter.
 at::Tensor lora_delta(const LoraLinear& layer, const at::Tensor& x, bool training);
 
-// The merged weight W + scale * (B @ A), [out, in] fp32 on the adapters' device, for exports.
+// The merged weight W + scale * (B @ A) (DoRA: its rows rescaled to the magnitudes), [out, in] fp32 on the adapters' device, for exports.
 // base: W [out, in] fp32, on any device. One add with alpha (w + scale * d), not w + d * scale:
 // the two can differ in the last fp32 bit, which can flip a bf16 rounding of the merged weight,
 // and exports must stay byte-identical. Requires an adapter.

@@ -79,6 +79,16 @@ at::Tensor dequantize_rows(const Nf4Tensor& w, int64_t r0, int64_t n, at::Scalar
 
 }  // namespace
 
+at::Tensor nf4_row_sq_norms(const Nf4Tensor& weight) {
+  const int64_t out = weight.shape[0], chunk = chunk_rows(weight);
+  at::Tensor sq = at::empty({out}, weight.codes.options().dtype(at::kFloat));
+  for (int64_t r0 = 0; r0 < out; r0 += chunk) {
+    const int64_t n = std::min(chunk, out - r0);
+    sq.narrow(0, r0, n).copy_(dequantize_rows(weight, r0, n, at::kFloat).square().sum(1));
+  }
+  return sq;
+}
+
 void nf4_times_transposed_out(const at::Tensor& x2, const Nf4Tensor& weight, at::Tensor y) {
   RECORD_USER_SCOPE("qlora::base_linear");  // a phase of bench_train_step's profile
   const int64_t out = weight.shape[0], chunk = chunk_rows(weight);

@@ -29,6 +29,8 @@ at::Tensor grad_times_nf4(const at::Tensor& grad_y, const Nf4Tensor& weight);
 // added to gx's contents when `accumulate`.
 void nf4_times_transposed_out(const at::Tensor& x2, const Nf4Tensor& weight, at::Tensor y);
 void grad_times_nf4_out(const at::Tensor& g2, const Nf4Tensor& weight, at::Tensor& gx, bool accumulate);
+// ||W_i||^2 per row, [out] fp32, W dequantized by the same chunks of rows (for DoRA's norms).
+at::Tensor nf4_row_sq_norms(const Nf4Tensor& weight);
 // Weights of one in_features dequantized one under the other, [sum of out, in] in dtype, so a group
 // of small projections runs as one GEMM; undefined when that is more than the 16M elements a
 // chunk may hold (each weight then goes by its own chunks of rows).

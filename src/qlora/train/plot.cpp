@@ -39,6 +39,17 @@ void add_row(RunCurves& c, const json& row, const std::string& where) {
   add_point(c.val_loss, row, "val_loss", where);
   add_point(c.lr, row, "lr", where);
   add_point(c.tokens_per_second, row, "tokens_per_second", where);
+  add_point(c.reward_margins, row, "rewards/margins", where);
+  add_point(c.val_reward_margins, row, "val_rewards/margins", where);
+  add_point(c.reward_accuracies, row, "rewards/accuracies", where);
+  add_point(c.val_reward_accuracies, row, "val_rewards/accuracies", where);
+}
+
+// Every series of a run (R: RunCurves or const RunCurves).
+template <class R>
+auto all_series(R& c) {
+  return std::vector{&c.loss, &c.val_loss, &c.lr, &c.tokens_per_second, &c.reward_margins, &c.val_reward_margins,
+                     &c.reward_accuracies, &c.val_reward_accuracies};
 }
 
 bool is_blank(std::string_view s) {
@@ -262,7 +273,7 @@ RunCurves read_run_curves(const std::string& path, const std::string& name) {
     ++rows;
   }
   if (rows == 0) throw std::invalid_argument(path + ": no rows (has the run finished a step yet?)");
-  for (auto* s : {&c.loss, &c.val_loss, &c.lr, &c.tokens_per_second}) sort_by_step(*s);
+  for (auto* s : all_series(c)) sort_by_step(*s);
   std::sort(c.skipped_steps.begin(), c.skipped_steps.end());
   return c;
 }
@@ -316,14 +327,25 @@ std::string tick_label(double value, const PlotAxis& axis) {
 std::string render_curves_svg(const std::vector<RunCurves>& runs) {
   if (runs.empty()) throw std::invalid_argument("render_curves_svg: no runs");
   double last = 0;
-  for (const auto& r : runs)
-    for (const auto* s : {&r.loss, &r.val_loss, &r.lr, &r.tokens_per_second})
+  bool rewards = false;
+  for (const RunCurves& r : runs) {
+    for (const auto* s : all_series(r))
       if (!s->empty()) last = std::max(last, s->back().step);
+    rewards |= !r.reward_margins.empty() || !r.val_reward_margins.empty();
+  }
   const PlotAxis x = nice_linear_axis(0, std::max(last, 1.0), 8);
-  const std::vector<PanelSpec> panels = {
+  std::vector<PanelSpec> panels = {
       {"loss", "Loss", "loss", {&RunCurves::loss, &RunCurves::val_loss}, {"loss", "val_loss"}, false},
       {"lr", "Learning rate", "learning rate", {&RunCurves::lr}, {"lr"}, true},
       {"tokens_per_second", "Throughput", "tokens/s", {&RunCurves::tokens_per_second}, {"tokens_per_second"}, true}};
+  if (rewards) {
+    panels.push_back({"reward_margins", "Reward margin (chosen - rejected)", "reward margin",
+                      {&RunCurves::reward_margins, &RunCurves::val_reward_margins},
+                      {"rewards/margins", "val_rewards/margins"}, false});
+    panels.push_back({"reward_accuracies", "Reward accuracy (chosen above rejected)", "accuracy",
+                      {&RunCurves::reward_accuracies, &RunCurves::val_reward_accuracies},
+                      {"rewards/accuracies", "val_rewards/accuracies"}, true});
+  }
 
   std::string body;
   std::string title = "Training curves:";

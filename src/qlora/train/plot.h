@@ -1,6 +1,7 @@
 // Training curves of one or several runs as one SVG (`qlora plot`): panels for the loss
 // (training solid, validation dashed with markers), the learning rate and the throughput over
-// optimizer steps, runs overlaid in distinct colours, nice tick values on every axis.
+// optimizer steps, and where a run logged them (lora_dpo) the reward margin and accuracy; runs
+// overlaid in distinct colours, nice tick values on every axis.
 //
 // Every drawn series is a <polyline data-run="NAME" data-series="loss|val_loss|lr|tokens_per_second"
 // data-count="N">, each panel a <g class="panel" data-panel=... data-scale="linear|log"> holding
@@ -23,10 +24,12 @@ struct RunCurves {
   std::string name;  // the legend's label
   std::vector<CurvePoint> loss, val_loss, lr, tokens_per_second;
   std::vector<double> skipped_steps;  // rows marked "skipped": true (a non-finite step dropped)
+  // Preference tuning (lora_dpo): rewards/margins and rewards/accuracies, training and validation.
+  std::vector<CurvePoint> reward_margins, val_reward_margins, reward_accuracies, val_reward_accuracies;
 };
 
 // Reads a metrics.jsonl: one JSON object a line with an integer "step"; "loss", "val_loss",
-// "lr" and "tokens_per_second" each give a point where they are finite numbers (absent, null or
+// "lr", "tokens_per_second" and "[val_]rewards/margins|accuracies" each give a point where they are finite numbers (absent, null or
 // non-finite: no point; a skipped row gives no loss). Throws std::invalid_argument naming the
 // file and the 1-based line of a malformed line; a last line without its newline that does not
 // parse is a row still being written and is left out. A file without rows is an error too.

@@ -2,8 +2,9 @@
 // the rewards TRL logs. Formulas as TRL 1.x computes them (trl/trainer/dpo_trainer.py; ORPO and
 // CPO/SimPO in trl/experimental), checked against it in tests/conformance/test_dpo_trl.py:
 //   Δ = (πc − rc) − (πr − rr)  (summed log-probs of the responses; r: the reference policy)
-//   sigmoid  −(1−ε)·logσ(βΔ) − ε·logσ(−βΔ)   (ε = label_smoothing: conservative DPO; TRL 1.x's
-//            "sigmoid" is ε = 0, its "robust" divides by 1−2ε, torchtune's DPOLoss is this)
+//   sigmoid  −(1−ε)·logσ(βΔ) − ε·logσ(−βΔ)   (ε = label_smoothing: conservative DPO, as torchtune's
+//            DPOLoss and TRL's CPO sigmoid; TRL 1.x's DPO "sigmoid" ignores ε, and its "robust" is
+//            ((1−ε)·(−logσ(βΔ)) − ε·(−logσ(−βΔ)))/(1−2ε), so cDPO = 2(1−ε)·sigmoid − (1−2ε)·robust)
 //   ipo      ((πc−rc)/nc − (πr−rr)/nr − 1/(2β))²   (n: a response's scored tokens)
 //   hinge    max(0, 1 − βΔ)
 //   rewards  β(πc − rc), β(πr − rr)

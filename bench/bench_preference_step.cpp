@@ -1,0 +1,175 @@
+// The cost of lora_dpo's step and of DoRA against their baselines, measured in the same run on the
+// ~100M Llama shape (the random checkpoint bench_train_step uses; NF4 base, LoRA on every decoder
+// projection, AdamW, one rank through the sharded engine as the recipes run it):
+//   sft   one SFT step over the pairs' 2P rows (chosen, then rejected), the response tokens scored
+//   dpo   one sigmoid-DPO step over the same P pairs (train/preference_batch.h, the recipe's path):
+//         the policy's forward and backward on the 2P rows plus the reference's no-grad forward
+//   dpo_precomputed  the same with the reference's log-probs given (dpo.precompute_reference)
+//   dora  the SFT step with lora.use_dora
+// Each mode runs in its own process (re-executing this program with --worker MODE), so each peak
+// RSS is its own. Prints one JSON object with the medians, peaks and ratios against #26's targets:
+// dpo <= 1.4x sft's step, dpo's peak RSS <= sft's + 10%, dora <= 1.3x sft's (LoRA) step.
+//
+//   build/bench_preference_step [--hidden 768 --inter 2048 --layers 12 --heads 12 --vocab 32000]
+//                               [--seq 256] [--pairs 2] [--steps 3] [--dtype fp32|bf16|auto]
+#include <ATen/ATen.h>
+#include <nlohmann/json.hpp>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <filesystem>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "bench/machine.h"
+#include "bench/run_json.h"
+#include "bench/shape_args.h"
+#include "kernels/cpu_isa.h"
+#include "qlora/config/builders.h"
+#include "qlora/engine/process_group.h"
+#include "qlora/engine/sharded_model.h"
+#include "qlora/io/cpu_memory.h"
+#include "qlora/optim/adamw.h"
+#include "qlora/train/preference_batch.h"
+
+using nlohmann::json;
+namespace fs = std::filesystem;
+namespace tr = qlora::train;
+
+namespace {
+
+struct Args : qlora::bench::ShapeArgs {
+  int64_t pairs = 2;
+  std::string dtype = "fp32", worker;
+  at::ScalarType compute_dtype = at::kFloat;
+  Args() { seq = 256; }
+};
+
+// P pairs of seq-token rows: a shared prompt of seq / 2 tokens, then each response's seq - seq / 2,
+// scored; random ids from a fixed seed.
+std::vector<qlora::data::PreferencePair> random_pairs(const Args& a) {
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(3);
+  const int64_t prompt = a.seq / 2;
+  std::vector<qlora::data::PreferencePair> out;
+  for (int64_t i = 0; i < a.pairs; ++i) {
+    const at::Tensor ids = at::randint(0, a.vocab, {3, a.seq}, gen);
+    qlora::data::PreferencePair p;
+    for (auto [row, s] : {std::pair{int64_t{1}, &p.chosen}, std::pair{int64_t{2}, &p.rejected}}) {
+      for (int64_t t = 0; t < a.seq; ++t) {
+        s->tokens.push_back((t < prompt ? ids[0][t] : ids[row][t]).item<int64_t>());
+        s->labels.push_back(t < prompt ? qlora::data::kIgnoreIndex : s->tokens.back());
+      }
+    }
+    p.prompt_tokens = prompt;
+    out.push_back(std::move(p));
+  }
+  return out;
+}
+
+json run_worker(const Args& a) {
+  const auto world = qlora::engine::World::join(qlora::engine::RankEnv{}, 0, std::chrono::seconds(60), c10::kCPU);
+  const auto engine = qlora::engine::ShardedLlama::begin(*world, {});
+  qlora::models::LlamaLoadOptions o;
+  o.base_in_nf4 = true;
+  o.compute_dtype = a.compute_dtype;
+  o.lora_targets = qlora::models::layer_peft_names(qlora::models::llama_architecture());
+  o.lora_use_dora = a.worker == "dora";
+  o.on_layer_loaded = [&engine](int64_t i, qlora::modules::DecoderLayer& L, const qlora::models::Architecture& ar) {
+    engine->shard_layer(i, L, ar);
+  };
+  qlora::models::LlamaModel m = qlora::models::load_llama(a.workdir, o);
+  engine->finish(m);
+  qlora::io::release_free_cpu_memory();
+  m.training = true;
+  qlora::optim::AdamW opt(engine->param_shards(), qlora::optim::AdamWOptions{});
+  const std::vector<qlora::data::PreferencePair> pairs = random_pairs(a);
+  std::vector<int64_t> all(pairs.size());
+  for (size_t i = 0; i < all.size(); ++i) all[i] = static_cast<int64_t>(i);
+  const qlora::data::Batch b = tr::pair_batch(pairs, all, 0);
+  const double scored = static_cast<double>(b.labels.ne(qlora::data::kIgnoreIndex).sum().item<int64_t>());
+  const bool dpo = a.worker.rfind("dpo", 0) == 0;
+  // The precomputed mode's reference: the adapters-off log-probs, computed once before timing.
+  const at::Tensor ref = a.worker == "dpo_precomputed" ? tr::row_logps(m, b, at::kCPU, true) : at::Tensor();
+  auto step = [&]() {
+    at::Tensor loss;
+    if (dpo) {
+      const tr::PairLogps lp = tr::pair_logps(m, b, tr::PreferenceLoss::kSigmoid, ref, at::kCPU);
+      loss = tr::preference_step_loss(tr::preference_terms(lp, {}), static_cast<double>(a.pairs), 0.0);
+    } else {
+      loss = m.loss(b.tokens, b.labels) / scored;
+    }
+    loss.backward();
+    engine->finish_backward();
+    opt.step();
+    engine->gather_params();
+    return loss.item<double>();
+  };
+  std::vector<double> times, losses = {step()};  // the first step warms up, untimed
+  for (int64_t i = 0; i < a.steps; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    losses.push_back(step());
+    times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  std::vector<double> sorted = times;
+  std::sort(sorted.begin(), sorted.end());
+  return {{"mode", a.worker}, {"step_s", times}, {"median_step_s", sorted[sorted.size() / 2]}, {"losses", losses},
+          {"rows", b.tokens.size(0)}, {"tokens", b.tokens.numel()}, {"scored_tokens", scored},
+          {"peak_rss_bytes", qlora::bench::proc_status_bytes("VmHWM")}};
+}
+
+double ratio(const json& r, const char* mode, const char* base, const char* key) {
+  return r[mode][key].get<double>() / r[base][key].get<double>();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) try {
+  qlora::io::tune_cpu_memory();
+  Args a;
+  for (int i = 1; i < argc; ++i) {
+    if (a.parse(argc, argv, i)) continue;
+    const std::string s = argv[i];
+    if (i + 1 >= argc) throw std::invalid_argument(s + " needs a value");
+    if (s == "--pairs") a.pairs = std::stoll(argv[++i]);
+    else if (s == "--dtype") a.dtype = argv[++i];
+    else if (s == "--worker") a.worker = argv[++i];
+    else throw std::invalid_argument("unknown argument '" + s + "'");
+  }
+  a.finish();
+  std::string why;
+  const at::ScalarType configured = a.dtype == "auto" ? at::ScalarType::Undefined
+                                    : a.dtype == "bf16" ? at::kBFloat16 : at::kFloat;
+  a.compute_dtype = qlora::config::resolve_compute_dtype(configured, c10::kCPU, qlora::kernels::has_native_bf16(), &why);
+  a.dtype = a.compute_dtype == at::kBFloat16 ? "bf16" : "fp32";
+  if (!a.worker.empty()) {
+    std::cout << run_worker(a).dump() << std::endl;
+    return 0;
+  }
+  a.ensure_checkpoint(QLORA_PYTHON, QLORA_SOURCE_DIR);
+  const std::string self = fs::read_symlink("/proc/self/exe").string() + a.flags() + " --pairs " +
+                           std::to_string(a.pairs) + " --dtype " + a.dtype + " --workdir " + a.workdir;
+  json r = {{"bench", "preference_step"},
+            {"machine", {{"cpu", qlora::bench::cpu_model()}, {"logical_cpus", sysconf(_SC_NPROCESSORS_ONLN)},
+                         {"cpu_isa", qlora::kernels::isa_name(qlora::kernels::active_isa())},
+                         {"loadavg_before", qlora::bench::load_average()}}},
+            {"shape", {{"hidden", a.hidden}, {"layers", a.layers}, {"vocab", a.vocab}, {"seq", a.seq},
+                       {"pairs", a.pairs}, {"rows", 2 * a.pairs}, {"steps", a.steps}, {"compute_dtype", a.dtype},
+                       {"dtype_why", why}, {"base", "nf4"}, {"lora", "r 8 on every decoder projection"}}}};
+  for (const char* mode : {"sft", "dpo", "dpo_precomputed", "dora"}) r[mode] = qlora::bench::run_json(self + " --worker " + mode);
+  for (const char* mode : {"sft", "dpo", "dpo_precomputed", "dora"})
+    if (!r[mode].contains("median_step_s")) throw std::runtime_error(std::string(mode) + ": " + r[mode].dump());
+  const double dpo = ratio(r, "dpo", "sft", "median_step_s"), mem = ratio(r, "dpo", "sft", "peak_rss_bytes"),
+               dora = ratio(r, "dora", "sft", "median_step_s");
+  r["ratios"] = {{"dpo_over_sft_step", dpo}, {"dpo_precomputed_over_sft_step", ratio(r, "dpo_precomputed", "sft", "median_step_s")},
+                 {"dpo_over_sft_peak_rss", mem}, {"dora_over_lora_step", dora},
+                 {"dora_over_lora_peak_rss", ratio(r, "dora", "sft", "peak_rss_bytes")}};
+  r["targets"] = {{"dpo_step_le_1.4x_sft", dpo <= 1.4}, {"dpo_peak_le_1.1x_sft", mem <= 1.1}, {"dora_step_le_1.3x_lora", dora <= 1.3}};
+  r["machine"]["loadavg_after"] = qlora::bench::load_average();
+  std::cout << r.dump(2) << std::endl;
+  return 0;
+} catch (const std::exception& e) {
+  std::cerr << "bench_preference_step: " << e.what() << "\n";
+  return 1;
+}

@@ -1,0 +1,48 @@
+#include "qlora/train/preference_batch.h"
+
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+
+#include <algorithm>
+
+#include "qlora/modules/lora_linear.h"
+
+namespace qlora::train {
+
+data::Batch pair_batch(const std::vector<data::PreferencePair>& all, const std::vector<int64_t>& picked, int64_t pad_id) {
+  std::vector<data::Sample> rows;
+  for (int64_t i : picked) rows.push_back(all[static_cast<size_t>(i)].chosen);
+  for (int64_t i : picked) rows.push_back(all[static_cast<size_t>(i)].rejected);
+  return data::collate(rows, pad_id);
+}
+
+at::Tensor row_logps(const models::LlamaModel& m, const data::Batch& b, c10::Device device, bool reference) {
+  if (!reference) return -m.row_losses(b.tokens.to(device), b.labels.to(device));
+  at::NoGradGuard no_grad;
+  modules::AdaptersDisabled off;
+  return -m.row_losses(b.tokens.to(device), b.labels.to(device));
+}
+
+PairLogps pair_logps(const models::LlamaModel& m, const data::Batch& b, PreferenceLoss loss, const at::Tensor& ref,
+                     c10::Device device) {
+  const int64_t n = b.tokens.size(0) / 2;
+  const at::Tensor counts = b.labels.ne(data::kIgnoreIndex).sum(1).to(at::kFloat).to(device);  // [2n]
+  const bool with_ref = needs_reference(loss);
+  const at::Tensor ref_logps = !with_ref ? at::Tensor() : ref.defined() ? ref.to(device) : row_logps(m, b, device, true);
+  const at::Tensor pol = row_logps(m, b, device, false);  // [2n]
+  PairLogps lp{pol.narrow(0, 0, n), pol.narrow(0, n, n), at::Tensor(), at::Tensor(),
+               counts.narrow(0, 0, n), counts.narrow(0, n, n)};
+  if (with_ref) {
+    lp.ref_chosen = ref_logps.narrow(0, 0, n);
+    lp.ref_rejected = ref_logps.narrow(0, n, n);
+  }
+  return lp;
+}
+
+at::Tensor preference_step_loss(const PreferenceTerms& t, double pairs, double chosen_tokens) {
+  at::Tensor loss = t.pair_losses.sum() / pairs;
+  if (t.token_losses.defined()) loss = loss + t.token_losses.sum() / std::max(chosen_tokens, 1.0);
+  return loss;
+}
+
+}  // namespace qlora::train
