@@ -12,6 +12,11 @@
 //
 //   build/bench_preference_step [--hidden 768 --inter 2048 --layers 12 --heads 12 --vocab 32000]
 //                               [--seq 256] [--pairs 2] [--steps 3] [--dtype fp32|bf16|auto]
+//                               [--no-activation-checkpointing]
+// Activation checkpointing is on by default, as the shipped 7-8B DPO configs train: per step the SFT
+// side then runs ~3 forwards' worth (forward, recompute, backward to x through the frozen base) and
+// DPO adds the reference's one (~1.33x). Without it SFT is ~2 forwards' worth and DPO ~1.5x:
+// the frozen NF4 base has no weight gradients, so its backward is one product per projection.
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
 #include <unistd.h>
@@ -42,6 +47,7 @@ namespace {
 
 struct Args : qlora::bench::ShapeArgs {
   int64_t pairs = 2;
+  bool ac = true;  // activation checkpointing, as the shipped 7-8B DPO configs train
   std::string dtype = "fp32", worker;
   at::ScalarType compute_dtype = at::kFloat;
   Args() { seq = 256; }
@@ -76,6 +82,7 @@ json run_worker(const Args& a) {
   o.compute_dtype = a.compute_dtype;
   o.lora_targets = qlora::models::layer_peft_names(qlora::models::llama_architecture());
   o.lora_use_dora = a.worker == "dora";
+  o.activation_checkpointing = a.ac;
   o.on_layer_loaded = [&engine](int64_t i, qlora::modules::DecoderLayer& L, const qlora::models::Architecture& ar) {
     engine->shard_layer(i, L, ar);
   };
@@ -92,10 +99,15 @@ json run_worker(const Args& a) {
   const bool dpo = a.worker.rfind("dpo", 0) == 0;
   // The precomputed mode's reference: the adapters-off log-probs, computed once before timing.
   const at::Tensor ref = a.worker == "dpo_precomputed" ? tr::row_logps(m, b, at::kCPU, true) : at::Tensor();
+  std::vector<double> ref_times;  // dpo: the reference's forward alone, inside each step
   auto step = [&]() {
     at::Tensor loss;
     if (dpo) {
-      const tr::PairLogps lp = tr::pair_logps(m, b, tr::PreferenceLoss::kSigmoid, ref, at::kCPU);
+      // As pair_logps does without a given reference (the same call), timed apart.
+      const auto t0 = std::chrono::steady_clock::now();
+      const at::Tensor r = ref.defined() ? ref : tr::row_logps(m, b, at::kCPU, true);
+      ref_times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+      const tr::PairLogps lp = tr::pair_logps(m, b, tr::PreferenceLoss::kSigmoid, r, at::kCPU);
       loss = tr::preference_step_loss(tr::preference_terms(lp, {}), static_cast<double>(a.pairs), 0.0);
     } else {
       loss = m.loss(b.tokens, b.labels) / scored;
@@ -114,7 +126,8 @@ json run_worker(const Args& a) {
   }
   std::vector<double> sorted = times;
   std::sort(sorted.begin(), sorted.end());
-  return {{"mode", a.worker}, {"step_s", times}, {"median_step_s", sorted[sorted.size() / 2]}, {"losses", losses},
+  std::sort(ref_times.begin(), ref_times.end());
+  return {{"mode", a.worker}, {"step_s", times}, {"reference_forward_s", ref_times.empty() ? 0.0 : ref_times[ref_times.size() / 2]}, {"median_step_s", sorted[sorted.size() / 2]}, {"losses", losses},
           {"rows", b.tokens.size(0)}, {"tokens", b.tokens.numel()}, {"scored_tokens", scored},
           {"peak_rss_bytes", qlora::bench::proc_status_bytes("VmHWM")}};
 }
@@ -131,6 +144,10 @@ int main(int argc, char** argv) try {
   for (int i = 1; i < argc; ++i) {
     if (a.parse(argc, argv, i)) continue;
     const std::string s = argv[i];
+    if (s == "--no-activation-checkpointing") {
+      a.ac = false;
+      continue;
+    }
     if (i + 1 >= argc) throw std::invalid_argument(s + " needs a value");
     if (s == "--pairs") a.pairs = std::stoll(argv[++i]);
     else if (s == "--dtype") a.dtype = argv[++i];
@@ -141,7 +158,7 @@ int main(int argc, char** argv) try {
   std::string why;
   const at::ScalarType configured = a.dtype == "auto" ? at::ScalarType::Undefined
                                     : a.dtype == "bf16" ? at::kBFloat16 : at::kFloat;
-  a.compute_dtype = qlora::config::resolve_compute_dtype(configured, c10::kCPU, qlora::kernels::has_native_bf16(), &why);
+  a.compute_dtype = qlora::config::resolve_compute_dtype(configured, c10::kCPU, qlora::kernels::bf16_gemms_fast(), &why);
   a.dtype = a.compute_dtype == at::kBFloat16 ? "bf16" : "fp32";
   if (!a.worker.empty()) {
     std::cout << run_worker(a).dump() << std::endl;
@@ -149,14 +166,15 @@ int main(int argc, char** argv) try {
   }
   a.ensure_checkpoint(QLORA_PYTHON, QLORA_SOURCE_DIR);
   const std::string self = fs::read_symlink("/proc/self/exe").string() + a.flags() + " --pairs " +
-                           std::to_string(a.pairs) + " --dtype " + a.dtype + " --workdir " + a.workdir;
+                           std::to_string(a.pairs) + " --dtype " + a.dtype + " --workdir " + a.workdir +
+                           (a.ac ? "" : " --no-activation-checkpointing");
   json r = {{"bench", "preference_step"},
             {"machine", {{"cpu", qlora::bench::cpu_model()}, {"logical_cpus", sysconf(_SC_NPROCESSORS_ONLN)},
                          {"cpu_isa", qlora::kernels::isa_name(qlora::kernels::active_isa())},
                          {"loadavg_before", qlora::bench::load_average()}}},
             {"shape", {{"hidden", a.hidden}, {"layers", a.layers}, {"vocab", a.vocab}, {"seq", a.seq},
                        {"pairs", a.pairs}, {"rows", 2 * a.pairs}, {"steps", a.steps}, {"compute_dtype", a.dtype},
-                       {"dtype_why", why}, {"base", "nf4"}, {"lora", "r 8 on every decoder projection"}}}};
+                       {"dtype_why", why}, {"base", "nf4"}, {"activation_checkpointing", a.ac}, {"lora", "r 8 on every decoder projection"}}}};
   for (const char* mode : {"sft", "dpo", "dpo_precomputed", "dora"}) r[mode] = qlora::bench::run_json(self + " --worker " + mode);
   for (const char* mode : {"sft", "dpo", "dpo_precomputed", "dora"})
     if (!r[mode].contains("median_step_s")) throw std::runtime_error(std::string(mode) + ": " + r[mode].dump());

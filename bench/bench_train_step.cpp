@@ -93,7 +93,7 @@ struct Args : qlora::bench::ShapeArgs {
       throw std::invalid_argument("--dtype must be fp32, bf16 or auto, got '" + dtype + "'");
     const at::ScalarType configured = dtype == "auto" ? at::ScalarType::Undefined
                                       : dtype == "bf16" ? at::kBFloat16 : at::kFloat;
-    compute_dtype = qlora::config::resolve_compute_dtype(configured, c10::kCPU, qlora::kernels::has_native_bf16(), &why);
+    compute_dtype = qlora::config::resolve_compute_dtype(configured, c10::kCPU, qlora::kernels::bf16_gemms_fast(), &why);
     if (why.empty()) why = "--dtype " + dtype;
     dtype = compute_dtype == at::kBFloat16 ? "bf16" : "fp32";  // what the workers get
   }
@@ -105,7 +105,7 @@ json dtype_json(const Args& a) {
   std::string isa = qlora::kernels::isa_name(qlora::kernels::active_isa());
   if (f.amx_bf16) isa += ", amx_bf16";
   return {{"compute_dtype", a.dtype}, {"why", a.why}, {"cpu_isa", isa},
-          {"native_bf16", qlora::kernels::has_native_bf16()}};
+          {"native_bf16", qlora::kernels::has_native_bf16()}, {"bf16_gemms_fast", qlora::kernels::bf16_gemms_fast()}};
 }
 
 // Every decoder projection of the Llama shape (random_model adapts those of its family).

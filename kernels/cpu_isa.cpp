@@ -26,6 +26,7 @@ uint64_t xcr0() {
 CpuFeatures read_cpu() {
   CpuFeatures f;
   uint32_t a, b, c, d;
+  if (__get_cpuid(0, &a, &b, &c, &d)) f.amd = b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u;  // "AuthenticAMD"
   if (!__get_cpuid(1, &a, &b, &c, &d)) return f;
   const bool osxsave = bit(c, 27), fma = bit(c, 12);
   if (!osxsave) return f;
@@ -77,6 +78,7 @@ ScopedIsaCap::~ScopedIsaCap() { g_cap.store(previous_); }
 
 // Every CPU with AMX-BF16 also has AVX512_BF16, so the capped level decides (QLORA_CPU_ISA=avx2 gives fp32).
 bool has_native_bf16() { return active_isa() == CpuIsa::kAvx512Bf16; }
+bool bf16_gemms_fast() { return has_native_bf16() && (cpu_features().amx_bf16 || cpu_features().amd); }
 
 const char* isa_name(CpuIsa isa) {
   switch (isa) {

@@ -19,6 +19,7 @@ enum class CpuIsa {
 struct CpuFeatures {
   CpuIsa isa = CpuIsa::kScalar;  // the best level the CPU and OS support
   bool amx_bf16 = false;         // AMX tiles with bf16 (Sapphire Rapids and later)
+  bool amd = false;              // vendor "AuthenticAMD"
 };
 
 const CpuFeatures& cpu_features();  // the CPU's, read once
@@ -28,6 +29,12 @@ CpuIsa active_isa();
 // active_isa() allows: where bf16 compute is the fast path (model.dtype = "auto" picks bf16 there,
 // fp32 elsewhere).
 bool has_native_bf16();
+// Whether bf16 GEMMs (torch's, through oneDNN) outrun fp32 ones here, so that model.dtype = "auto"
+// computes in bf16: AMX-BF16, or AVX512_BF16 on AMD (Zen 4/5 run its dot products at twice the fp32
+// FMA rate; 882 vs 190 GFLOP/s measured on a 2048^3 matmul, Zen 5). An Intel CPU with AVX512_BF16
+// but no AMX (Cooper Lake, or a VM that hides AMX) runs them at half fp32's rate (146 vs 292
+// GFLOP/s, a 2-core Xeon model 207 VM): fp32 there. As has_native_bf16(), within the ISA cap.
+bool bf16_gemms_fast();
 const char* isa_name(CpuIsa isa);  // "scalar", "avx2", "avx512", "avx512_bf16"
 
 // Caps active_isa() at `isa` for its lifetime, on every thread (tests run each kernel path the

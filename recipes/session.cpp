@@ -382,7 +382,7 @@ Position train(const Session& s, Model& m, const TextSetup& text, RecipeParts& p
   latest.reset();  // its tensors are in the engine and optimizer now
 
   std::optional<train::MetricsLog> metrics;
-  if (lead) metrics.emplace(out_dir, start.global_step);
+  if (lead) metrics.emplace(out_dir, start.global_step, cfg.logging.tensorboard);
   train::Progress progress(cfg.logging.progress);
   // base_model_name_or_path: model.name (a hub id), else the base's absolute path (PEFT would resolve a
   // relative one against the loader's working directory). qlora.json: how `qlora generate` renders prompts.
@@ -454,7 +454,7 @@ int run_recipe(const std::string& name, const std::vector<std::string>& args, co
   c10::Device device = train::resolve_device(cfg.model.device);
   // Resolved before anything reads it: checkpoints record the dtype the run computed in.
   std::string dtype_note;
-  cfg.model.dtype = config::resolve_compute_dtype(cfg.model.dtype, device, kernels::has_native_bf16(), &dtype_note);
+  cfg.model.dtype = config::resolve_compute_dtype(cfg.model.dtype, device, kernels::bf16_gemms_fast(), &dtype_note);
   if (env.rank == 0)
     std::printf("compute dtype %s (%s)\n", cfg.model.dtype == at::kBFloat16 ? "bf16" : "fp32", dtype_note.c_str());
   if (env.world_size > 1) {

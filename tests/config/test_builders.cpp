@@ -115,10 +115,10 @@ TEST(Builders, ComputeDtypeAutoFollowsTheDeviceAndTheCpu) {
   EXPECT_EQ(cfg.model.dtype, at::ScalarType::Undefined);
   const c10::Device cpu(c10::kCPU), cuda(c10::kCUDA, 0);
   std::string why;
-  EXPECT_EQ(resolve_compute_dtype(cfg.model.dtype, cpu, /*native_bf16=*/true, &why), at::kBFloat16);
-  EXPECT_NE(why.find("natively"), std::string::npos) << why;
+  EXPECT_EQ(resolve_compute_dtype(cfg.model.dtype, cpu, /*fast_bf16=*/true, &why), at::kBFloat16);
+  EXPECT_NE(why.find("bf16 GEMMs outrun fp32's"), std::string::npos) << why;
   EXPECT_EQ(resolve_compute_dtype(cfg.model.dtype, cpu, false, &why), at::kFloat);
-  EXPECT_NE(why.find("this CPU has no native bf16"), std::string::npos) << why;
+  EXPECT_NE(why.find("bf16 GEMMs do not outrun fp32's"), std::string::npos) << why;
   EXPECT_EQ(resolve_compute_dtype(cfg.model.dtype, cuda, false), at::kBFloat16);
   // An explicit dtype is the user's: kept on any device, with nothing to log.
   why.clear();

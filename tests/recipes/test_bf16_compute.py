@@ -9,7 +9,7 @@
    dtype ("auto" never reaches a checkpoint);
 3. a bf16 checkpoint resumed with model.dtype = "auto" where auto picks fp32 (QLORA_CPU_ISA=avx2:
    a CPU without native bf16) is refused, naming model.dtype and the reason; with "auto" on a CPU
-   that multiplies bf16 natively it resumes and continues exactly as the uninterrupted run.
+   whose bf16 GEMMs are fast (AMX-BF16, or AVX512_BF16 on AMD) it resumes and continues exactly as the uninterrupted run.
 Prints "N passed, M failed"; exit code 1 on any failure.
 """
 import json
@@ -86,10 +86,10 @@ def main():
           f"a bf16 checkpoint resumed where auto picks fp32 is refused by key, with the reason: {r.stderr.strip()[-400:]}")
     if picked == "bf16":
         r = run_recipe(a.qlora, killed, *common(), "model.dtype=auto", "checkpoint.resume=true")
-        check(r.returncode == 0 and "resumed from" in r.stdout, "resumed with auto on a CPU with native bf16")
+        check(r.returncode == 0 and "resumed from" in r.stdout, "resumed with auto on a CPU with fast bf16 GEMMs")
         check(losses(killed) == b16[10:], "and continued exactly as the uninterrupted bf16 run")
     else:
-        print("this CPU has no native bf16: the positive resume under auto is skipped")
+        print("auto picks fp32 on this CPU: the positive resume under auto is skipped")
     return check.summary()
 
 

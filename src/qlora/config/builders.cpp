@@ -70,17 +70,18 @@ models::LlamaLoadOptions llama_load_options(const RecipeConfig& cfg, c10::Device
   return o;
 }
 
-at::ScalarType resolve_compute_dtype(at::ScalarType configured, c10::Device device, bool native_bf16, std::string* why) {
+at::ScalarType resolve_compute_dtype(at::ScalarType configured, c10::Device device, bool fast_bf16, std::string* why) {
   if (configured != at::ScalarType::Undefined) {
     if (why != nullptr) *why = std::string("model.dtype = \"") + (configured == at::kBFloat16 ? "bf16" : "fp32") + "\"";
     return configured;
   }
-  const bool bf16 = device.is_cuda() || native_bf16;
+  const bool bf16 = device.is_cuda() || fast_bf16;
   if (why != nullptr) {
     *why = std::string("model.dtype = \"auto\" ") +
            (device.is_cuda() ? "on a CUDA device"
-            : bf16           ? "and this CPU multiplies bf16 natively: AVX512_BF16 or AMX-BF16"
-                             : "and this CPU has no native bf16 products (AVX512_BF16 / AMX-BF16)");
+            : bf16           ? "and this CPU's bf16 GEMMs outrun fp32's: AMX-BF16, or AVX512_BF16 on AMD"
+                             : "and this CPU's bf16 GEMMs do not outrun fp32's (neither AMX-BF16 nor AVX512_BF16 "
+                               "on AMD)");
   }
   return bf16 ? at::kBFloat16 : at::kFloat;
 }

@@ -47,11 +47,11 @@ data::SamplerOptions sampler_options(const DataConfig& data_cfg, const TrainingC
 models::LlamaLoadOptions llama_load_options(const RecipeConfig& cfg, c10::Device device,
                                             at::ScalarType frozen_dtype);
 
-// model.dtype = "auto" (ScalarType::Undefined) for `device`: bf16 on CUDA, and on a CPU with native
-// bf16 products (native_bf16: kernels::has_native_bf16(), AVX512_BF16 or AMX-BF16), where bf16 GEMMs
-// run several times faster than fp32; fp32 elsewhere. An explicit dtype is returned as it is.
+// model.dtype = "auto" (ScalarType::Undefined) for `device`: bf16 on CUDA, and on a CPU whose bf16
+// GEMMs outrun fp32's (fast_bf16: kernels::bf16_gemms_fast(), AMX-BF16 or AVX512_BF16 on AMD);
+// fp32 elsewhere. An explicit dtype is returned as it is.
 // `why` (if given) gets one line for the log saying what was chosen and why.
-at::ScalarType resolve_compute_dtype(at::ScalarType configured, c10::Device device, bool native_bf16,
+at::ScalarType resolve_compute_dtype(at::ScalarType configured, c10::Device device, bool fast_bf16,
                                      std::string* why = nullptr);
 
 optim::AdamWOptions adamw_options(const OptimConfig& optim_cfg);

@@ -161,6 +161,7 @@ void visit_fields(Cfg& c, V&& v) {
   v("checkpoint", "gguf", c.checkpoint.gguf, false);  // export only
   v("logging", "log_every_steps", c.logging.log_every_steps, false);
   v("logging", "progress", c.logging.progress, false);
+  v("logging", "tensorboard", c.logging.tensorboard, false);
   v("dist", "shard_size", c.dist.shard_size, true);
   v("dist", "collective_timeout_s", c.dist.collective_timeout_s, false);
   // Scheduling only: the sharded engine's results do not depend on them (tested).

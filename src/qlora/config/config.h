@@ -140,6 +140,8 @@ struct CheckpointConfig {
 struct LoggingConfig {
   int64_t log_every_steps = 1;
   train::ProgressMode progress = train::ProgressMode::Auto;
+  // TensorBoard event files in OUTPUT_DIR/tb from rank 0: every number metrics.jsonl logs.
+  bool tensorboard = false;
 };
 
 struct DistConfig {

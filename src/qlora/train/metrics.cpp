@@ -50,7 +50,7 @@ std::string shown_extra(const nlohmann::ordered_json& extra) {
 }
 }  // namespace
 
-MetricsLog::MetricsLog(const std::string& output_dir, int64_t resume_step)
+MetricsLog::MetricsLog(const std::string& output_dir, int64_t resume_step, bool tensorboard)
     : path_(output_dir + "/metrics.jsonl") {
   ::mkdir(output_dir.c_str(), 0755);  // the caller creates parents; an existing dir is fine
   std::ifstream in(path_);
@@ -75,6 +75,7 @@ MetricsLog::MetricsLog(const std::string& output_dir, int64_t resume_step)
   }
   file_ = std::fopen(path_.c_str(), "a");
   if (!file_) throw std::runtime_error("cannot open " + path_ + " for appending");
+  if (tensorboard) tensorboard_ = std::make_unique<TensorBoardLog>(output_dir + "/tb", resume_step);
 }
 
 MetricsLog::~MetricsLog() {
@@ -89,8 +90,13 @@ void append_line(std::FILE* file, const std::string& path, const nlohmann::json&
 }
 }  // namespace
 
-void MetricsLog::append(const StepMetrics& m) { append_line(file_, path_, m.to_json()); }
-void MetricsLog::append(const ValidationMetrics& m) { append_line(file_, path_, m.to_json()); }
+void MetricsLog::append_row(const nlohmann::json& row) {
+  append_line(file_, path_, row);
+  if (tensorboard_) tensorboard_->add_row(row);
+}
+
+void MetricsLog::append(const StepMetrics& m) { append_row(m.to_json()); }
+void MetricsLog::append(const ValidationMetrics& m) { append_row(m.to_json()); }
 
 int64_t peak_rss_bytes() {
   std::ifstream f("/proc/self/status");

@@ -7,10 +7,12 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <memory>
 #include <optional>
 #include <string>
 
 #include "qlora/io/enum_names.h"
+#include "qlora/train/tensorboard.h"
 
 namespace qlora::train {
 
@@ -46,10 +48,12 @@ struct ValidationMetrics {
 
 // Appends to <dir>/metrics.jsonl. Opening with resume_step = k first drops lines of steps > k
 // (left by the interrupted run past its last checkpoint), atomically, so the file always
-// describes exactly one run history. Each line is flushed as it is written.
+// describes exactly one run history. Each line is flushed as it is written. With `tensorboard`,
+// each line's numbers also go to TensorBoard event files in <dir>/tb (tensorboard.h), which
+// drop steps > k the same way.
 class MetricsLog {
  public:
-  MetricsLog(const std::string& output_dir, int64_t resume_step);
+  MetricsLog(const std::string& output_dir, int64_t resume_step, bool tensorboard = false);
   ~MetricsLog();
   MetricsLog(const MetricsLog&) = delete;
   MetricsLog& operator=(const MetricsLog&) = delete;
@@ -58,8 +62,10 @@ class MetricsLog {
   const std::string& path() const { return path_; }
 
  private:
+  void append_row(const nlohmann::json& row);
   std::string path_;
   std::FILE* file_ = nullptr;
+  std::unique_ptr<TensorBoardLog> tensorboard_;
 };
 
 // Process peak resident memory (VmHWM) in bytes; the CUDA peak is reported separately.
