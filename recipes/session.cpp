@@ -30,6 +30,7 @@
 #include "qlora/train/device.h"
 #include "qlora/train/evaluate.h"
 #include "qlora/train/faults.h"
+#include "qlora/train/output_dir.h"
 #include "qlora/train/tiny_default.h"
 #include "recipe_config.h"
 
@@ -468,8 +469,17 @@ int run_recipe(const std::string& name, const std::vector<std::string>& args, co
     // Early steps push tiny values through AdamW's moments and the LoRA path; denormal arithmetic
     // is ~100x slower on x86, and flushing them to zero changes nothing a loss can see.
     at::globalContext().setFlushDenormal(true);
-    // The embedded default's model is written once per node (output_dir may not be shared), before anyone reads it.
-    if (cfg.model.checkpoint_dir.empty() && world->env().local_rank == 0) train::ensure_tiny_base(base_model_dir(cfg));
+    // Every rank writes its share of exports and resume checkpoints into output_dir and rank 0
+    // commits them, so it must be one filesystem for all: refused now, by name, rather than at the
+    // first epoch's export.
+    if (!train::output_dir_is_shared(*world, cfg.checkpoint.output_dir, device))
+      throw std::invalid_argument(
+          "checkpoint.output_dir = " + cfg.checkpoint.output_dir +
+          " is not one filesystem for every node: ranks on another node than rank 0 do not see its files (a "
+          "node-local scratch disk?). Exports and resume checkpoints are written by every rank into that one "
+          "directory: point checkpoint.output_dir at a filesystem all nodes share");
+    // The embedded default's model: one writer (rank 0) for the shared output_dir, before anyone reads it.
+    if (cfg.model.checkpoint_dir.empty() && world->rank() == 0) train::ensure_tiny_base(base_model_dir(cfg));
     world->world().barrier();
     Session s{name, cfg, device, *world, world->rank() == 0, base_model_dir(cfg), {}};
     s.add_gguf = gguf_files(cfg, s.base_dir);

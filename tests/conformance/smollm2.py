@@ -41,7 +41,9 @@ def convert(out):
     src = gguf_dir()
     tok = AutoTokenizer.from_pretrained(src, gguf_file=GGUF)
     model = AutoModelForCausalLM.from_pretrained(src, gguf_file=GGUF, dtype=torch.float32)
-    tmp = out + ".tmp"
+    # Per process: ctest runs several tests that need the model at once, on a fresh machine each
+    # converts it; the first rename wins and the others keep its (identical) result.
+    tmp = f"{out}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     tok.save_pretrained(tmp)
@@ -56,7 +58,12 @@ def convert(out):
     with open(os.path.join(tmp, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     model.generation_config.save_pretrained(tmp)
-    os.replace(tmp, out)
+    try:
+        os.rename(tmp, out)
+    except OSError:
+        if not os.path.isfile(os.path.join(out, "model.safetensors")):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def smollm2_dir():

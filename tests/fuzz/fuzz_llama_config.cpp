@@ -1,0 +1,15 @@
+// A model's config.json from untrusted bytes, as load_llama reads it (every family's keys, rope
+// scaling, windows, soft-capping, a multimodal model's text_config).
+#include <cstdint>
+#include <exception>
+#include <string>
+
+#include "qlora/models/llama_config.h"
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  try {
+    (void)qlora::models::parse_llama_config(std::string(reinterpret_cast<const char*>(data), size), "config.json");
+  } catch (const std::exception&) {
+  }
+  return 0;
+}
