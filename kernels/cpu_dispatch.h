@@ -13,12 +13,19 @@
 
 // Target attributes of the kernels' ISA levels (cpu_isa.h). Code inlined into a function marked
 // with one (QLORA_INLINE templates, always-inline lambdas) is compiled for that ISA.
+// GCC's prefer-vector-width=512 (its auto-vectorizer otherwise keeps to 256-bit vectors) is not a
+// target feature clang knows, and clang drops the whole attribute over it: clang builds (the
+// sanitizer tree) get the features alone.
 #if defined(__x86_64__)
+#if defined(__clang__)
+#define QLORA_PREFER_512 ""
+#else
+#define QLORA_PREFER_512 ",prefer-vector-width=512"
+#endif
 #define QLORA_AVX2 __attribute__((target("avx2,fma")))
-#define QLORA_AVX512 \
-  __attribute__((target("avx2,fma,avx512f,avx512bw,avx512dq,avx512vl,prefer-vector-width=512")))
+#define QLORA_AVX512 __attribute__((target("avx2,fma,avx512f,avx512bw,avx512dq,avx512vl" QLORA_PREFER_512)))
 #define QLORA_AVX512_BF16 \
-  __attribute__((target("avx2,fma,avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,prefer-vector-width=512")))
+  __attribute__((target("avx2,fma,avx512f,avx512bw,avx512dq,avx512vl,avx512bf16" QLORA_PREFER_512)))
 #endif
 
 namespace qlora::kernels {

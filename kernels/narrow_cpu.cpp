@@ -228,6 +228,9 @@ void narrow_reduction_cpu(int64_t T, int64_t R, int64_t K, const float* u, int64
 
 void narrow_update_cpu(int64_t T, int64_t R, int64_t N, const float* u, int64_t ldu, const float* v, int64_t ldv,
                        float alpha, float* y, int64_t ldy) {
+  // y += alpha * u @ v adds nothing without rows, ranks or columns; and an empty u or v may be a
+  // null pointer, which the row offsets below must not be applied to (UBSan: pointer overflow).
+  if (T == 0 || R == 0 || N == 0) return;
   const int64_t grain = grain_for(2 * R * N);
 #if defined(__x86_64__)
   if (active_isa() >= CpuIsa::kAvx2) {  // read per call: ScopedIsaCap may lower it

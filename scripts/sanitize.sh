@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The sanitizer and fuzzing checks, after scripts/setup.sh (README, "Sanitizers and fuzzing"):
+# The sanitizer and fuzzing part of the test suite (the end of README's second command, after ctest):
 #   1. a clang tree in build-asan (ccache'd) with AddressSanitizer + UndefinedBehaviorSanitizer on
 #      every target (QLORA_SANITIZE) and libFuzzer's coverage (QLORA_FUZZ), CUDA off;
 #   2. the unit tests of the concerns that parse user files or hold the kernels' reference paths
