@@ -7,7 +7,7 @@ embedded tiny base, 512 add/reverse preference pairs, 100 held out in the conver
 2. the held-out rewards/accuracies (chosen over rejected) ends >= 0.9;
 3. dpo.precompute_reference = true gives the per-step reference's losses, keeps the table in the
    output dir, and a resume after SIGKILL reads it back and continues exactly;
-4. 2 ranks give one process's losses and adapters;
+4. 2 and 3 ranks give one process's losses and adapters, and grad_accum 2 x 6 pairs one batch of 12;
 5. a run killed by SIGKILL mid-epoch and resumed gives the uninterrupted run's losses exactly and
    byte-identical adapters; a lora_finetune checkpoint is not resumed by lora_dpo, nor preference
    data trained by lora_finetune.
@@ -84,6 +84,17 @@ def main():
     check(r.returncode == 0 and max_diff(losses(w("ranks2")), ref) <= RANKS_TOL,
           f"2 ranks: losses within {RANKS_TOL} of one process's")
     check(max_tensor_diff(adapter(w("ranks2"), 1), adapter(w("ref"), 1)) <= RANKS_TOL, "2 ranks: adapters agree")
+    # The same global batch of 12 pairs as one process, 3 ranks x 4, and 1 process x 6 x grad_accum 2.
+    g12 = ["training.epochs=1", "training.max_steps_per_epoch=6"]
+    dpo(a.qlora, w("b12"), *g12, "training.batch_size=12")
+    ref12 = losses(w("b12"))
+    r = dpo(a.qlora, w("ranks3"), *g12, "training.batch_size=4", nproc=3)
+    check(r.returncode == 0 and len(ref12) == 6 and max_diff(losses(w("ranks3")), ref12) <= RANKS_TOL,
+          f"3 ranks: losses within {RANKS_TOL} of one process's")
+    check(max_tensor_diff(adapter(w("ranks3")), adapter(w("b12"))) <= RANKS_TOL, "3 ranks: adapters agree")
+    r = dpo(a.qlora, w("accum2"), *g12, "training.batch_size=6", "training.grad_accum=2")
+    check(r.returncode == 0 and max_diff(losses(w("accum2")), ref12) <= RANKS_TOL,
+          f"grad_accum 2 x 6 pairs: losses within {RANKS_TOL} of one batch of 12")
     r = dpo(a.qlora_faults, w("killed"), *short, fault="kill_after_step=10", expect_rc=-9)
     check(r.returncode == -9, "the run dies by SIGKILL at step 10")
     r = dpo(a.qlora, w("killed"), *short, "checkpoint.resume=true")
