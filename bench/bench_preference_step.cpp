@@ -28,11 +28,11 @@
 #include <string>
 #include <vector>
 
+#include "bench/bench_dtype.h"
 #include "bench/machine.h"
 #include "bench/run_json.h"
 #include "bench/shape_args.h"
 #include "kernels/cpu_isa.h"
-#include "qlora/config/builders.h"
 #include "qlora/engine/process_group.h"
 #include "qlora/engine/sharded_model.h"
 #include "qlora/io/cpu_memory.h"
@@ -124,10 +124,12 @@ json run_worker(const Args& a) {
     losses.push_back(step());
     times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   }
-  std::vector<double> sorted = times;
-  std::sort(sorted.begin(), sorted.end());
-  std::sort(ref_times.begin(), ref_times.end());
-  return {{"mode", a.worker}, {"step_s", times}, {"reference_forward_s", ref_times.empty() ? 0.0 : ref_times[ref_times.size() / 2]}, {"median_step_s", sorted[sorted.size() / 2]}, {"losses", losses},
+  const auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v.empty() ? 0.0 : v[v.size() / 2];
+  };
+  return {{"mode", a.worker}, {"step_s", times}, {"reference_forward_s", median(ref_times)},
+          {"median_step_s", median(times)}, {"losses", losses},
           {"rows", b.tokens.size(0)}, {"tokens", b.tokens.numel()}, {"scored_tokens", scored},
           {"peak_rss_bytes", qlora::bench::proc_status_bytes("VmHWM")}};
 }
@@ -156,10 +158,7 @@ int main(int argc, char** argv) try {
   }
   a.finish();
   std::string why;
-  const at::ScalarType configured = a.dtype == "auto" ? at::ScalarType::Undefined
-                                    : a.dtype == "bf16" ? at::kBFloat16 : at::kFloat;
-  a.compute_dtype = qlora::config::resolve_compute_dtype(configured, c10::kCPU, qlora::kernels::bf16_gemms_fast(), &why);
-  a.dtype = a.compute_dtype == at::kBFloat16 ? "bf16" : "fp32";
+  a.compute_dtype = qlora::bench::resolve_bench_dtype(a.dtype, &why);
   if (!a.worker.empty()) {
     std::cout << run_worker(a).dump() << std::endl;
     return 0;

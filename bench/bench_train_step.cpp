@@ -45,6 +45,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/bench_dtype.h"
 #include "bench/machine.h"
 #include "bench/memory_account.h"
 #include "bench/random_llama.h"
@@ -52,7 +53,6 @@
 #include "bench/step_profile.h"
 #include "bench/run_json.h"
 #include "kernels/cpu_isa.h"
-#include "qlora/config/builders.h"
 #include "qlora/engine/launcher.h"
 #include "qlora/engine/process_group.h"
 #include "qlora/engine/sharded_model.h"
@@ -88,15 +88,7 @@ struct Args : qlora::bench::ShapeArgs {
   at::ScalarType compute_dtype = at::kFloat;  // --dtype resolved (finish_dtype)
   std::string why;                            // and why
 
-  void finish_dtype() {
-    if (dtype != "fp32" && dtype != "bf16" && dtype != "auto")
-      throw std::invalid_argument("--dtype must be fp32, bf16 or auto, got '" + dtype + "'");
-    const at::ScalarType configured = dtype == "auto" ? at::ScalarType::Undefined
-                                      : dtype == "bf16" ? at::kBFloat16 : at::kFloat;
-    compute_dtype = qlora::config::resolve_compute_dtype(configured, c10::kCPU, qlora::kernels::bf16_gemms_fast(), &why);
-    if (why.empty()) why = "--dtype " + dtype;
-    dtype = compute_dtype == at::kBFloat16 ? "bf16" : "fp32";  // what the workers get
-  }
+  void finish_dtype() { compute_dtype = qlora::bench::resolve_bench_dtype(dtype, &why); }
 };
 
 // What the JSON says of the compute dtype and the CPU it was chosen on.

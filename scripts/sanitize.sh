@@ -17,17 +17,8 @@ VENV="${QLORA_VENV:-$ROOT/.venv}"
 SECONDS_PER_TARGET="${QLORA_FUZZ_SECONDS:-25}"
 say() { printf '[sanitize] %s\n' "$*"; }
 
-# clang and its sanitizer/libFuzzer runtimes, from Debian, when missing (setup.sh installed the rest).
-missing=()
-for p in clang libclang-rt-14-dev; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
-done
-if ((${#missing[@]})); then
-  say "installing Debian packages: ${missing[*]}"
-  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
-  $SUDO apt-get update -qq
-  $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
-fi
+# clang and its sanitizer/libFuzzer runtimes, when missing (setup.sh installed the rest).
+bash scripts/install_debs.sh clang libclang-rt-14-dev
 
 export CCACHE_BASEDIR="$ROOT" CCACHE_SLOPPINESS="pch_defines,time_macros,include_file_mtime,include_file_ctime"
 if [ ! -f "$BUILD/CMakeCache.txt" ]; then

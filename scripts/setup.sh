@@ -23,16 +23,7 @@ say() { printf '[setup] %s\n' "$*"; }
 PKGS=(g++ cmake make ccache pkg-config libgtest-dev libbenchmark-dev nlohmann-json3-dev
       libtomlplusplus-dev libsentencepiece-dev libgloo-dev
       libpcre2-dev libicu-dev)
-missing=()
-for p in "${PKGS[@]}"; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
-done
-if ((${#missing[@]})); then
-  say "installing Debian packages: ${missing[*]}"
-  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
-  $SUDO apt-get update -qq
-  $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
-fi
+bash scripts/install_debs.sh "${PKGS[@]}"
 
 # --- 2. Python virtualenv: LibTorch + reference packages --------------------------------------
 if [ ! -x "$VENV/bin/python" ]; then
