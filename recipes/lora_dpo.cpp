@@ -19,6 +19,7 @@
 #include <cstdio>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -242,29 +243,34 @@ std::string reference_key(const Session& s, const Pairs& d, const Model& m) {
 }
 
 // dpo.precompute_reference: the tables from OUTPUT_DIR/dpo_reference.safetensors when its key is
-// this run's (a resume, or a rerun on the same pairs and base), else computed now and written there
-// by rank 0. A resumed run thus uses the very numbers its first part did, on any mesh.
+// this run's (a resume, or a rerun on the same pairs and base) in every rank's output_dir, else
+// computed now and written there by each output_dir's lead. A resumed run thus uses the very
+// numbers its first part did, on any mesh.
 void reference_tables(Session& s, Pairs& d, const Model& m, int64_t pad) {
   const std::string path = s.cfg.checkpoint.output_dir + "/dpo_reference.safetensors", key = reference_key(s, d, m);
+  std::optional<io::SafetensorsFile> kept;
   if (std::filesystem::exists(path)) {
-    const io::SafetensorsFile f = io::SafetensorsFile::open(path);
-    const auto it = f.metadata().find("key");
-    if (it != f.metadata().end() && it->second == key && f.find("train")) {
-      d.ref_train = f.tensor("train").clone();
-      if (f.find("validation")) d.ref_validation = f.tensor("validation").clone();
-      if (s.lead) std::printf("dpo.precompute_reference: reference log-probabilities read from %s\n", path.c_str());
-      return;
-    }
+    kept = io::SafetensorsFile::open(path);
+    const auto it = kept->metadata().find("key");
+    if (it == kept->metadata().end() || it->second != key || !kept->find("train")) kept.reset();
   }
+  if (train::all_ranks_sum(s.world, kept ? 0.0 : 1.0, s.device) == 0) {  // every rank has it
+    d.ref_train = kept->tensor("train").clone();
+    if (kept->find("validation")) d.ref_validation = kept->tensor("validation").clone();
+    if (s.lead) std::printf("dpo.precompute_reference: reference log-probabilities read from %s\n", path.c_str());
+    return;
+  }
+  kept.reset();
   const int64_t batch = s.cfg.training.batch_size;
   d.ref_train = precompute_reference(m, s.world, d.train, batch, pad, s.device);
   if (!d.validation.empty()) d.ref_validation = precompute_reference(m, s.world, d.validation, batch, pad, s.device);
-  if (!s.lead) return;
+  if (!s.dir_lead()) return;
   std::vector<std::pair<std::string, at::Tensor>> tables = {{"train", d.ref_train}};
   if (d.ref_validation.defined()) tables.emplace_back("validation", d.ref_validation);
   io::save_safetensors(path, tables, {{"key", key}});
-  std::printf("dpo.precompute_reference: reference log-probabilities of %zu pairs computed, kept in %s\n",
-              d.train.size() + d.validation.size(), path.c_str());
+  if (s.lead)
+    std::printf("dpo.precompute_reference: reference log-probabilities of %zu pairs computed, kept in %s\n",
+                d.train.size() + d.validation.size(), path.c_str());
 }
 
 int run_dpo(Session& s) {

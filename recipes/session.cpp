@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <ctime>
+#include <algorithm>
 #include <filesystem>
 #include <limits>
 #include <optional>
@@ -196,35 +197,99 @@ struct Loaded {
   checkpoint::ResumeCheckpoint ck;
 };
 
-// The newest resume checkpoint that loads intact. A damaged one (a file's size or checksum wrong,
-// a file missing) is skipped, saying which and why, and set aside (<dir>.damaged, by rank 0 once
-// every rank is past it) so keep_last_n no longer counts it. None intact: an error saying why each
-// failed; none at all: nullopt.
-std::optional<Loaded> load_newest_intact(const std::string& out_dir, engine::World& world) {
-  const bool lead = world.rank() == 0;
-  std::vector<std::string> damaged;
-  std::string why;
-  std::optional<Loaded> found;
+// What this rank found in its output_dir: the newest checkpoint at or below `bound` that loads
+// intact, the damaged ones it passed (added to `damaged`, never tried again) and the intact ones
+// above the bound (`newer`).
+std::optional<Loaded> newest_intact_up_to(const std::string& out_dir, int64_t bound, bool lead,
+                                          std::vector<std::string>& damaged, std::string& why,
+                                          std::vector<std::string>& newer) {
+  newer.clear();
   for (const std::string& dir : checkpoint::resume_checkpoints(out_dir)) {
+    if (std::find(damaged.begin(), damaged.end(), dir) != damaged.end()) continue;
+    if (checkpoint::resume_checkpoint_step(dir) > bound) {
+      newer.push_back(dir);
+      continue;
+    }
     try {
-      found = Loaded{dir, checkpoint::load_resume_checkpoint(dir)};
-      break;
+      return Loaded{dir, checkpoint::load_resume_checkpoint(dir)};
     } catch (const checkpoint::ResumeError& e) {
       if (lead) std::printf("resume: skipping damaged checkpoint %s: %s\n", dir.c_str(), e.what());
       damaged.push_back(dir);
       why += std::string(why.empty() ? "" : "; ") + e.what();
     }
   }
+  return std::nullopt;
+}
+
+// The newest resume checkpoint that loads intact in every rank's output_dir (with node-local
+// dirs, a crash between two nodes' commits leaves the newest step on some nodes only: the step
+// before it is then the newest whole one, and the lone newer copies are set aside as
+// <dir>.superseded). A damaged one (a file's size or checksum wrong, a file missing) is skipped,
+// saying which and why, and set aside (<dir>.damaged) so keep_last_n no longer counts it; both by
+// the directory's lead once every rank is past them. None intact: an error saying why each
+// failed; none at all: nullopt; found by some ranks only: an error naming who. Collective.
+std::optional<Loaded> load_newest_intact(const Session& s) {
+  engine::World& world = s.world;
+  const std::string& out_dir = s.cfg.checkpoint.output_dir;
+  const bool lead = world.rank() == 0;
+  std::vector<std::string> damaged, newer;
+  std::string why;
+  std::optional<Loaded> found;
+  std::vector<double> steps;
+  for (int64_t bound = std::numeric_limits<int64_t>::max();;) {
+    if (!found || checkpoint::resume_checkpoint_step(found->dir) > bound)
+      found = newest_intact_up_to(out_dir, bound, lead, damaged, why, newer);
+    steps = train::every_rank(world, found ? static_cast<double>(checkpoint::resume_checkpoint_step(found->dir)) : -1.0,
+                              s.device);
+    const double agreed = *std::min_element(steps.begin(), steps.end());
+    if (agreed == *std::max_element(steps.begin(), steps.end()) || agreed < 0) break;
+    bound = static_cast<int64_t>(agreed);
+  }
+  // Over every rank: damaged ones, lone newer ones (set aside after a barrier that all must enter).
+  const std::vector<double> aside = train::all_ranks_sum(
+      world, {static_cast<double>(damaged.size()), static_cast<double>(newer.size())}, s.device);
+  std::vector<int> with, without;
+  for (int r = 0; r < world.size(); ++r) (steps[static_cast<size_t>(r)] >= 0 ? with : without).push_back(r);
   if (!found && !damaged.empty())
     throw std::invalid_argument("checkpoint.resume = true but no resume checkpoint in " + out_dir + " is intact: " + why);
-  if (!damaged.empty()) {
-    world.world().barrier(std::chrono::minutes(30));  // nobody still reading them
-    if (lead)
-      for (const std::string& dir : damaged)
-        std::printf("resume: moved %s to %s\n", dir.c_str(), checkpoint::set_aside_damaged(dir).c_str());
-    if (lead) std::printf("resume: continuing from %s, the newest intact checkpoint\n", found->dir.c_str());
+  if (!with.empty() && !without.empty())
+    throw std::invalid_argument(
+        "checkpoint.resume = true but only " + train::rank_list(with) + " found a resume checkpoint that " +
+        train::rank_list(without) + " also have in their checkpoint.output_dir (" + s.dirs.describe() +
+        "). Resume on the nodes, with the output dirs, of the run that wrote them (or start a new output_dir)");
+  if (!found && aside[0] > 0)
+    throw std::invalid_argument("checkpoint.resume = true but another rank's output_dir holds no intact resume "
+                                "checkpoint (see its error)");
+  if (aside[0] + aside[1] == 0) return found;
+  world.world().barrier(std::chrono::minutes(30));  // nobody still reading them
+  if (s.dir_lead()) {
+    for (const std::string& dir : damaged)
+      std::printf("resume: moved %s to %s\n", dir.c_str(), checkpoint::set_aside_damaged(dir).c_str());
+    for (const std::string& dir : newer)
+      std::printf("resume: %s is missing from another node's output_dir (a save interrupted between the nodes' "
+                  "commits): moved to %s\n", dir.c_str(), checkpoint::set_aside(dir, "superseded").c_str());
   }
+  if (lead && found) std::printf("resume: continuing from %s, the newest intact checkpoint\n", found->dir.c_str());
   return found;
+}
+
+// A checkpoint written with node-local output dirs holds its node's ranks' files only: it resumes
+// on the same ranks per directory (then the nodes share their parts); another layout is refused
+// on every rank, naming the directory and what to do. Collective.
+void check_layout(const Session& s, const Loaded& l) {
+  const std::vector<int> here = s.dirs.ranks_with(s.world.rank());
+  const auto& ck = l.ck;
+  std::string problem;
+  if (!ck.ranks_here.empty() && (ck.world_size != s.world.size() || ck.ranks_here != here))
+    problem = "cannot resume " + l.dir + ": it holds the resume state of " + train::rank_list(ck.ranks_here) + " of a " +
+              std::to_string(ck.world_size) + "-rank run that kept one output_dir per node, and on this " +
+              std::to_string(s.world.size()) + "-rank run " + train::rank_list(here) +
+              " see that directory. Resume with the nodes, ranks per node (--nproc-per-node) and output dirs "
+              "of the run that wrote it, or start a new checkpoint.output_dir";
+  if (train::all_ranks_sum(s.world, problem.empty() ? 0.0 : 1.0, s.device) == 0) return;
+  throw std::invalid_argument(problem.empty() ? "another rank's output_dir holds a resume checkpoint of another "
+                                                "node layout (see its error)"
+                                              : problem);
 }
 
 // Continues from a resume checkpoint written on any number of ranks (or by the earlier
@@ -316,8 +381,11 @@ void require_finite_adapters(const Model& m, const std::string& what) {
 // shards, its RNG states, the loop position and sampler, the exact config and the input
 // fingerprints (so a resume can tell whether the data or base weights changed under paths the
 // config check ignores). Every rank writes its part; rank 0 commits once all are durable.
-void save_checkpoint(const RecipeConfig& cfg, engine::World& world, const Model& m, const Optimizer& o, const RecipeParts& d,
-                     const Position& p, c10::Device device, const nlohmann::json& inputs) {
+void save_checkpoint(const Session& ses, const Model& m, const Optimizer& o, const RecipeParts& d, const Position& p,
+                     const nlohmann::json& inputs) {
+  const RecipeConfig& cfg = ses.cfg;
+  engine::World& world = ses.world;
+  const c10::Device device = ses.device;
   checkpoint::ResumeState s;
   s.tensors = engine::train_state(*m.engine, *o.adamw);
   s.tensors.push_back({"rng.cpu", train::generator_state(c10::kCPU)});
@@ -332,12 +400,18 @@ void save_checkpoint(const RecipeConfig& cfg, engine::World& world, const Model&
             {"world_size", world.size()}};
   s.meta.update(inputs);
   int barriers = 0;
-  const checkpoint::RankSync sync{world.rank(), world.size(),
-                                  [&] {
-                                    if (const auto& f = train::fault_plan().in_save) f(world.rank(), p.global_step, ++barriers);
-                                    world.world().barrier();
-                                  },
-                                  {{"shard_size", world.shard().size()}, {"replicas", world.replica().size()}}};
+  checkpoint::RankSync sync;
+  sync.rank = world.rank();
+  sync.world_size = world.size();
+  sync.barrier = [&] {
+    if (const auto& f = train::fault_plan().in_save) f(world.rank(), p.global_step, ++barriers);
+    world.world().barrier();
+  };
+  sync.mesh = {{"shard_size", world.shard().size()}, {"replicas", world.replica().size()}};
+  if (!ses.dirs.shared()) {  // node-local output dirs: each keeps its own ranks' files, committed by its lead
+    sync.lead = ses.dirs.lead_of.at(static_cast<size_t>(world.rank()));
+    sync.ranks_here = ses.dirs.ranks_with(world.rank());
+  }
   checkpoint::save_resume_checkpoint(cfg.checkpoint.output_dir, p.global_step, s, cfg.checkpoint.keep_last_n, sync);
 }
 
@@ -375,8 +449,12 @@ Position train(const Session& s, Model& m, const TextSetup& text, RecipeParts& p
   nlohmann::json inputs = checkpoint::input_fingerprints(text.path, s.base_dir, text.tokenizer_path);
   inputs["recipe"] = s.recipe;
   std::optional<Loaded> latest;
-  if (cfg.checkpoint.resume) latest = load_newest_intact(out_dir, world);
-  if (lead && !cfg.checkpoint.resume) set_aside_old_checkpoints(out_dir);
+  if (cfg.checkpoint.resume) latest = load_newest_intact(s);
+  if (latest) {
+    check_layout(s, *latest);
+    engine::share_rank_states(world, latest->ck, s.device);
+  }
+  if (s.dir_lead() && !cfg.checkpoint.resume) set_aside_old_checkpoints(out_dir);
   if (cfg.checkpoint.resume && !latest && lead)
     std::printf("checkpoint.resume = true but %s has no resume checkpoint: starting fresh\n", out_dir.c_str());
   const Position start = latest ? resume(cfg, *latest, s.device, world, m, o, parts, inputs) : Position{};
@@ -434,16 +512,17 @@ Position train(const Session& s, Model& m, const TextSetup& text, RecipeParts& p
       // The epoch-end checkpoint is written after the export below: a resume from it must find
       // the epoch's export already on disk.
       if (!epoch_end && cfg.checkpoint.save_every_steps > 0 && p.global_step % cfg.checkpoint.save_every_steps == 0)
-        save_checkpoint(cfg, world, m, o, parts, p, s.device, inputs);
+        save_checkpoint(s, m, o, parts, p, inputs);
     }
     if (lead) progress.end_epoch();
 
     // Every rank writes the layers it owns into the same files: the same bytes as one process.
     require_finite_adapters(m, "export of epoch " + std::to_string(p.epoch + 1));
     engine::export_epoch(out_dir, p.epoch, m.llama, *m.engine, world, adapter_info, cfg.checkpoint.adapter_only,
-                         s.base_dir, cfg.checkpoint.merge_from, text.tokenizer_path, s.add_gguf);
+                         s.base_dir, cfg.checkpoint.merge_from, text.tokenizer_path, s.add_gguf,
+                         s.dirs.shared() ? std::vector<bool>{} : s.dirs.sees_dir_of(0));
     if (lead) std::printf("epoch %lld exported to %s/epoch_%lld\n", (long long)p.epoch + 1, out_dir.c_str(), (long long)p.epoch);
-    save_checkpoint(cfg, world, m, o, parts, {p.epoch + 1, 0, p.global_step}, s.device, inputs);
+    save_checkpoint(s, m, o, parts, {p.epoch + 1, 0, p.global_step}, inputs);
   }
   world.finish();
   return p;
@@ -469,19 +548,17 @@ int run_recipe(const std::string& name, const std::vector<std::string>& args, co
     // Early steps push tiny values through AdamW's moments and the LoRA path; denormal arithmetic
     // is ~100x slower on x86, and flushing them to zero changes nothing a loss can see.
     at::globalContext().setFlushDenormal(true);
-    // Every rank writes its share of exports and resume checkpoints into output_dir and rank 0
-    // commits them, so it must be one filesystem for all: refused now, by name, rather than at the
-    // first epoch's export.
-    if (!train::output_dir_is_shared(*world, cfg.checkpoint.output_dir, device))
-      throw std::invalid_argument(
-          "checkpoint.output_dir = " + cfg.checkpoint.output_dir +
-          " is not one filesystem for every node: ranks on another node than rank 0 do not see its files (a "
-          "node-local scratch disk?). Exports and resume checkpoints are written by every rank into that one "
-          "directory: point checkpoint.output_dir at a filesystem all nodes share");
-    // The embedded default's model: one writer (rank 0) for the shared output_dir, before anyone reads it.
-    if (cfg.model.checkpoint_dir.empty() && world->rank() == 0) train::ensure_tiny_base(base_model_dir(cfg));
+    // One filesystem for every rank, or one per node (a node-local scratch disk): then each keeps
+    // its own ranks' resume checkpoints, and the exports are written into rank 0's.
+    train::OutputDirs dirs = train::find_output_dirs(*world, cfg.checkpoint.output_dir, device);
+    if (world->rank() == 0 && !dirs.shared())
+      std::printf("checkpoint.output_dir %s is not one filesystem for every rank (%s): each keeps its own ranks' "
+                  "resume checkpoints; exports, metrics and TensorBoard files are written into rank 0's\n",
+                  cfg.checkpoint.output_dir.c_str(), dirs.describe().c_str());
+    // The embedded default's model: one writer per output_dir (its lead), before anyone reads it.
+    if (cfg.model.checkpoint_dir.empty() && dirs.leads(world->rank())) train::ensure_tiny_base(base_model_dir(cfg));
     world->world().barrier();
-    Session s{name, cfg, device, *world, world->rank() == 0, base_model_dir(cfg), {}};
+    Session s{name, cfg, device, *world, world->rank() == 0, base_model_dir(cfg), {}, std::move(dirs)};
     s.add_gguf = gguf_files(cfg, s.base_dir);
     return body(s);
   } catch (const std::exception& e) {

@@ -23,6 +23,7 @@
 #include "qlora/engine/sharded_model.h"
 #include "qlora/models/llama.h"
 #include "qlora/train/metrics.h"
+#include "qlora/train/output_dir.h"
 
 namespace qlora::recipes {
 
@@ -36,6 +37,11 @@ struct Session {
   std::string base_dir;  // model.checkpoint_dir, or the embedded default's tiny base (written here)
   // checkpoint.gguf: what rank 0 adds to each epoch's export (checked before the model loads).
   std::function<void(const std::string&)> add_gguf;
+  // Which ranks see the same checkpoint.output_dir (one per node where it is node-local): each
+  // directory's lead writes what every directory needs (the tiny base, resume checkpoints'
+  // commits, the DPO reference table); exports, metrics and TensorBoard go to rank 0's only.
+  train::OutputDirs dirs;
+  bool dir_lead() const { return dirs.leads(world.rank()); }
 };
 
 // The tokenizer and how records are rendered (data.template "auto" resolved for the tokenizer).

@@ -1,9 +1,15 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <condition_variable>
 #include <filesystem>
 #include <fstream>
+#include <mutex>
 #include <string>
+#include <thread>
+#include <utility>
+#include <vector>
 
 #include "qlora/checkpoint/resume.h"
 #include "qlora/checkpoint/xxh64.h"
@@ -276,4 +282,92 @@ TEST(Resume, LegacySingleProcessFormatLoadsFlagged) {
   std::ofstream(ck / "state.safetensors", std::ios::app) << "x";
   EXPECT_THROW(load_resume_checkpoint(ck.string()), ResumeError);
   fs::remove_all(d);
+}
+
+namespace {
+
+// A barrier of `n` threads (C++17 has no std::barrier): the ranks of a simulated job.
+class ThreadBarrier {
+ public:
+  explicit ThreadBarrier(int n) : n_(n) {}
+  void wait() {
+    std::unique_lock<std::mutex> lock(m_);
+    const int64_t gen = gen_;
+    if (++arrived_ == n_) {
+      arrived_ = 0;
+      ++gen_;
+      cv_.notify_all();
+    } else {
+      cv_.wait(lock, [&] { return gen_ != gen; });
+    }
+  }
+
+ private:
+  std::mutex m_;
+  std::condition_variable cv_;
+  int n_, arrived_ = 0;
+  int64_t gen_ = 0;
+};
+
+// Ranks 0-1 save into `a`, ranks 2-3 into `b` (node-local output dirs), each directory committed by its lead.
+void save_two_dirs(const fs::path& a, const fs::path& b, int64_t step, int64_t keep_last_n) {
+  ThreadBarrier barrier(4);
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < 4; ++r)
+    ranks.emplace_back([&, r] {
+      RankSync sync;
+      sync.rank = r;
+      sync.world_size = 4;
+      sync.barrier = [&] { barrier.wait(); };
+      sync.lead = r < 2 ? 0 : 2;
+      sync.ranks_here = r < 2 ? std::vector<int>{0, 1} : std::vector<int>{2, 3};
+      ResumeState s = sample_state(step);
+      s.tensors[2].second.fill_(r);  // "counter": whose file it is
+      save_resume_checkpoint((r < 2 ? a : b).string(), step, s, keep_last_n, sync);
+    });
+  for (auto& t : ranks) t.join();
+}
+
+}  // namespace
+
+TEST(Resume, NodeLocalDirsKeepTheirOwnRanksFiles) {
+  const fs::path a = fresh_dir("node_a"), b = fresh_dir("node_b");
+  for (int64_t step : {2, 4, 6}) save_two_dirs(a, b, step, /*keep_last_n=*/2);
+  for (const auto& [dir, here] : {std::pair{a, std::vector<int>{0, 1}}, std::pair{b, std::vector<int>{2, 3}}}) {
+    EXPECT_EQ(resume_checkpoints(dir.string()).size(), 2u);  // pruned in each directory
+    const auto path = latest_resume_checkpoint(dir.string());
+    ASSERT_TRUE(path);
+    EXPECT_EQ(resume_checkpoint_step(*path), 6);
+    const ResumeCheckpoint c = load_resume_checkpoint(*path);
+    EXPECT_EQ(c.world_size, 4);
+    EXPECT_EQ(c.ranks_here, here);
+    ASSERT_EQ(c.ranks.size(), 4u);
+    for (int r = 0; r < 4; ++r) {
+      const bool mine = std::find(here.begin(), here.end(), r) != here.end();
+      EXPECT_EQ(c.ranks[r].empty(), !mine) << dir << " rank " << r;
+      EXPECT_EQ(fs::exists(fs::path(*path) / ("rank_0000" + std::to_string(r) + ".safetensors")), mine);
+      if (mine) EXPECT_EQ(c.ranks[r][2].second[0].item<int64_t>(), r);
+    }
+  }
+}
+
+TEST(Resume, MalformedRanksHereIsRefusedByName) {
+  const fs::path a = fresh_dir("node_bad"), b = fresh_dir("node_bad_b");
+  save_two_dirs(a, b, 1, 0);
+  const fs::path dir = *latest_resume_checkpoint(b.string());
+  const std::string manifest = read_all(dir / "manifest.json");
+  for (const char* bad : {"[3, 2]", "[2, 9]", "[]", "\"2\""}) {
+    std::string m = manifest;
+    const size_t at = m.find("\"ranks_here\"");
+    ASSERT_NE(at, std::string::npos);
+    const size_t open = m.find('[', at), close = m.find(']', open);
+    m.replace(open, close - open + 1, bad);
+    std::ofstream(dir / "manifest.json", std::ios::binary) << m;
+    try {
+      load_resume_checkpoint(dir.string());
+      ADD_FAILURE() << "ranks_here " << bad << " was accepted";
+    } catch (const ResumeError& e) {
+      EXPECT_NE(std::string(e.what()).find("ranks_here"), std::string::npos) << e.what();
+    }
+  }
 }

@@ -4,17 +4,27 @@
 1. the embedded default (no model.checkpoint_dir) in one fresh shared output dir: one writer of
    the tiny base (rank 0), so both nodes start, and the run's losses equal --nproc-per-node 2 on
    one node (the same job);
-2. a node-local output dir on each node (two directories): both nodes refuse it before training,
-   naming checkpoint.output_dir and what to do, instead of losing the run at its first export.
+2. a node-local output dir on each node (two directories): the losses and the exports (written
+   into node 0's directory only) equal one node's bit for bit; each directory keeps its own rank's
+   resume files, and a run whose either node is killed resumes and ends as the uninterrupted one;
+3. a save interrupted between the two nodes' commits (the newest step in node 0's directory only)
+   resumes from the step before it, setting node 0's lone copy aside; a node-local checkpoint
+   resumed on another layout (one node of 2 ranks) is refused by name; a shared directory's
+   checkpoint copied into each node's resumes there.
 """
+import filecmp
+import json
 import os
+import shutil
 import socket
 import subprocess
 
 from recipe_common import RANKS_TOL, Checks, losses, max_diff, recipe_args, run_recipe
 
-COMMON = ["training.epochs=1", "training.max_steps_per_epoch=4", "training.batch_size=8",
-          "checkpoint.adapter_only=true", "logging.progress=plain"]
+COMMON = ["training.epochs=2", "training.max_steps_per_epoch=4", "training.batch_size=8",
+          "checkpoint.save_every_steps=2", "checkpoint.adapter_only=false", "logging.progress=plain"]
+EXPORTED = [os.path.join(f"epoch_{e}", f) for e in (0, 1)
+            for f in ("model.safetensors", "config.json", os.path.join("adapter", "adapter_model.safetensors"))]
 
 
 def free_port():
@@ -23,16 +33,38 @@ def free_port():
         return s.getsockname()[1]
 
 
-def two_nodes(qlora, out0, out1, *overrides):
-    """Both nodes' launchers at once; returns their CompletedProcess-like (rc, stdout, stderr)."""
+def two_nodes(qlora, out0, out1, *overrides, fault=None):
+    """Both nodes' launchers at once; returns [(rc, stdout, stderr)] per node. `fault`: a
+    QLORA_FAULT_PLAN for the qlora_faults binary (pass it as `qlora`)."""
     port = str(free_port())
     procs = [subprocess.Popen([qlora, "run", "--nproc-per-node", "1", "--nnodes", "2", "--node-rank", str(k),
                                "--master-addr", "127.0.0.1", "--master-port", port, "lora_finetune",
                                f"checkpoint.output_dir={out}", *COMMON, *overrides],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "QLORA_FAULT_PLAN": fault or ""})
              for k, out in enumerate((out0, out1))]
     res = [p.communicate(timeout=600) for p in procs]
     return [(p.returncode, o, e) for p, (o, e) in zip(procs, res)]
+
+
+def ok(res):
+    return all(rc == 0 for rc, _, _ in res)
+
+
+def tails(res):
+    return [e.strip().splitlines()[-1][:300] if e.strip() else "" for _, _, e in res]
+
+
+def same_exports(a, b):
+    return all(os.path.exists(os.path.join(a, f)) and filecmp.cmp(os.path.join(a, f), os.path.join(b, f), shallow=False)
+               for f in EXPORTED)
+
+
+def rank_files(out):
+    """{step dir: sorted rank files} of OUT/checkpoints."""
+    root = os.path.join(out, "checkpoints")
+    return {d: sorted(f for f in os.listdir(os.path.join(root, d)) if f.startswith("rank_"))
+            for d in sorted(os.listdir(root)) if d.startswith("step_") and "." not in d}
 
 
 def main():
@@ -42,18 +74,68 @@ def main():
 
     r = run_recipe(a.qlora, w("one_node"), *COMMON, nproc=2)
     check(r.returncode == 0, "2 ranks on one node exit 0")
+    ref = losses(w("one_node"))
     res = two_nodes(a.qlora, w("shared"), w("shared"))
-    check(all(rc == 0 for rc, _, _ in res), "2 nodes, one shared output dir, embedded default: both exit 0 "
-          f"({[(rc, e[-300:]) for rc, _, e in res if rc]})")
-    check(max_diff(losses(w("shared")), losses(w("one_node"))) <= RANKS_TOL,
-          "2 nodes: losses equal 2 ranks on one node")
+    check(ok(res), f"2 nodes, one shared output dir, embedded default: both exit 0 ({tails(res)})")
+    check(max_diff(losses(w("shared")), ref) <= RANKS_TOL, "2 nodes: losses equal 2 ranks on one node")
 
-    res = two_nodes(a.qlora, w("local0"), w("local1"))
-    check(all(rc != 0 and "checkpoint.output_dir" in e and "not one filesystem" in e for rc, _, e in res),
-          "node-local output dirs: both nodes refuse before training, naming checkpoint.output_dir "
-          f"({[e.strip().splitlines()[-1][:200] if e.strip() else '' for _, _, e in res]})")
-    check(not os.path.exists(os.path.join(w("local0"), "epoch_0")) and not os.path.exists(os.path.join(w("local1"), "metrics.jsonl")),
-          "node-local output dirs: nothing trained or exported")
+    # Node-local output dirs: one directory per node.
+    local = (w("local0"), w("local1"))
+    res = two_nodes(a.qlora, *local)
+    check(ok(res) and "not one filesystem for every rank" in res[0][1],
+          f"node-local output dirs: both nodes exit 0, rank 0 saying what it does ({tails(res)})")
+    check(losses(local[0]) == ref, "node-local output dirs: losses equal one node's bit for bit")
+    check(same_exports(local[0], w("one_node")), "node-local output dirs: both epochs' merged model and adapter, "
+          "written into node 0's directory, are byte-identical to one node's")
+    check(not any(os.path.exists(os.path.join(local[1], f)) for f in ("epoch_0", "epoch_1", "metrics.jsonl")),
+          "node-local output dirs: node 1's directory has no export and no metrics")
+    files = [rank_files(d) for d in local]
+    manifest = json.load(open(os.path.join(local[1], "checkpoints", "step_00000008", "manifest.json")))
+    check(files[0] and all(v == ["rank_00000.safetensors"] for v in files[0].values()) and
+          files[1].keys() == files[0].keys() and all(v == ["rank_00001.safetensors"] for v in files[1].values()) and
+          manifest.get("ranks_here") == [1] and manifest.get("world_size") == 2,
+          f"node-local output dirs: each directory keeps its own rank's resume files ({files}, ranks_here "
+          f"{manifest.get('ranks_here')})")
+
+    # Either node killed (SIGKILL, mid-run), then both relaunched with checkpoint.resume=true.
+    for node, step, resumed in ((1, 7, "step_00000006"), (0, 3, "step_00000002")):
+        dirs = (w(f"kill{node}_0"), w(f"kill{node}_1"))
+        res = two_nodes(a.qlora_faults, *dirs, fault=f"kill_after_step={step},rank={node}")
+        check(not ok(res), f"node {node} killed after step {step}: the job stops ({[rc for rc, _, _ in res]})")
+        res = two_nodes(a.qlora, *dirs, "checkpoint.resume=true")
+        check(ok(res) and f"resumed from {dirs[0]}/checkpoints/{resumed}" in res[0][1],
+              f"node {node} killed: both resume from {resumed} and exit 0 ({tails(res)})")
+        check(losses(dirs[0]) == ref and same_exports(dirs[0], w("one_node")),
+              f"node {node} killed: losses and exports equal the uninterrupted run's")
+
+    # A save interrupted between the nodes' commits: step 8 committed on node 0 only.
+    torn = (w("torn0"), w("torn1"))
+    for src, dst in zip(local, torn):
+        shutil.copytree(src, dst)
+    shutil.rmtree(os.path.join(torn[1], "checkpoints", "step_00000008"))
+    res = two_nodes(a.qlora, *torn, "checkpoint.resume=true")
+    check(ok(res) and "resumed from" in res[0][1] and "step_00000006" in res[0][1] and
+          os.path.isdir(os.path.join(torn[0], "checkpoints", "step_00000008.superseded")),
+          f"step 8 in node 0's directory only: both resume from step 6, node 0's lone copy set aside ({tails(res)})")
+    check(losses(torn[0]) == ref and same_exports(torn[0], w("one_node")) and
+          "step_00000008" in rank_files(torn[1]),
+          "after it: losses and exports equal the uninterrupted run's, and node 1 has step 8 again")
+
+    # A checkpoint from one shared directory (every rank's file) copied into each node's resumes there.
+    copied = (w("copied0"), w("copied1"))
+    for dst in copied:
+        shutil.copytree(w("one_node"), dst)
+        shutil.rmtree(os.path.join(dst, "checkpoints", "step_00000008"))
+    res = two_nodes(a.qlora, *copied, "checkpoint.resume=true")
+    check(ok(res) and losses(copied[0]) == ref and same_exports(copied[0], w("one_node")),
+          f"a shared-directory checkpoint copied into each node's directory resumes on two nodes ({tails(res)})")
+
+    # Another layout: node 0's directory resumed by one node of 2 ranks.
+    other = w("other_layout")
+    shutil.copytree(local[0], other)
+    r = run_recipe(a.qlora, other, *COMMON, "checkpoint.resume=true", nproc=2, expect_rc=1)
+    check(r.returncode == 1 and "kept one output_dir per node" in r.stderr and "--nproc-per-node" in r.stderr,
+          f"a node-local checkpoint on another layout is refused by name ({r.stderr.strip()[-300:]})")
     return check.summary()
 
 

@@ -209,9 +209,9 @@ void write_state_file(const fs::path& path, const std::vector<std::pair<std::str
 }
 
 // Writes meta.json and the manifest over every file in `files` (hashing what is on disk, not what
-// was meant), commits tmp/ as step_N and prunes to keep_last_n.
+// was meant) and commits tmp/ as step_N.
 void commit_checkpoint(const fs::path& root, const fs::path& tmp, int64_t step, const nlohmann::json& meta,
-                       const std::vector<std::string>& files, nlohmann::json manifest_extra, int64_t keep_last_n) {
+                       const std::vector<std::string>& files, nlohmann::json manifest_extra) {
   io::write_file_atomic((tmp / kMeta).string(), (meta.is_null() ? nlohmann::json::object() : meta).dump(2));
   nlohmann::json listed = nlohmann::json::object();
   std::vector<std::string> all = files;
@@ -225,10 +225,12 @@ void commit_checkpoint(const fs::path& root, const fs::path& tmp, int64_t step, 
   manifest_extra["step"] = step;
   manifest_extra["files"] = listed;
   io::write_file_atomic((tmp / kManifest).string(), manifest_extra.dump(2));  // fsyncs tmp/ as well
-
-  const fs::path final_dir = root / step_name(step);
-  commit_directory(tmp.string(), final_dir.string());
+  commit_directory(tmp.string(), (root / step_name(step)).string());
   settle_asides(root);
+}
+
+// Leaves the keep_last_n newest complete checkpoints (by step) and `step`, which is never removed.
+void prune(const fs::path& root, int64_t step, int64_t keep_last_n) {
   if (keep_last_n <= 0) return;
   const auto complete = complete_checkpoints(root);
   int64_t kept = 0;
@@ -321,19 +323,26 @@ void save_resume_checkpoint(const std::string& output_dir, int64_t global_step, 
   const auto barrier = [&] {
     if (sync.barrier) sync.barrier();
   };
+  const bool lead = sync.rank == sync.lead;
   const fs::path root = checkpoints_root(output_dir);
-  if (sync.rank == 0) prepare_tmp(root, global_step);
+  if (lead) prepare_tmp(root, global_step);
   barrier();  // step_N.tmp/ exists
   const fs::path tmp = tmp_dir_of(root, global_step);
   write_state_file(tmp / rank_file(sync.rank), mine.tensors);
   barrier();  // every rank's part is durable: only now may it become a checkpoint
-  if (sync.rank == 0) {
+  if (lead) {
+    std::vector<int> here = sync.ranks_here;
+    if (here.empty())
+      for (int r = 0; r < sync.world_size; ++r) here.push_back(r);
     std::vector<std::string> files;
-    for (int r = 0; r < sync.world_size; ++r) files.push_back(rank_file(r));
-    commit_checkpoint(root, tmp, global_step, mine.meta, files, {{"world_size", sync.world_size}, {"mesh", sync.mesh}},
-                      keep_last_n);
+    for (int r : here) files.push_back(rank_file(r));
+    nlohmann::json extra = {{"world_size", sync.world_size}, {"mesh", sync.mesh}};
+    if (!sync.ranks_here.empty()) extra["ranks_here"] = sync.ranks_here;
+    commit_checkpoint(root, tmp, global_step, mine.meta, files, extra);
   }
-  barrier();  // committed (and pruned) before anyone goes on, or saves again
+  barrier();  // committed in every directory: older checkpoints are no longer needed anywhere
+  if (lead) prune(root, global_step, keep_last_n);
+  barrier();  // pruned before anyone goes on, or saves again
 }
 
 std::optional<std::string> latest_resume_checkpoint(const std::string& output_dir) {
@@ -349,9 +358,11 @@ std::vector<std::string> resume_checkpoints(const std::string& output_dir) {
   return out;
 }
 
-std::string set_aside_damaged(const std::string& dir) {
-  std::string to = dir + ".damaged";
-  for (int k = 1; fs::exists(to); ++k) to = dir + ".damaged." + std::to_string(k);
+std::string set_aside_damaged(const std::string& dir) { return set_aside(dir, "damaged"); }
+
+std::string set_aside(const std::string& dir, const std::string& reason) {
+  std::string to = dir + "." + reason;
+  for (int k = 1; fs::exists(to); ++k) to = dir + "." + reason + "." + std::to_string(k);
   fs::rename(dir, to);
   fsync_dir(fs::path(dir).parent_path());
   return to;
@@ -370,12 +381,37 @@ ResumeCheckpoint load_resume_checkpoint(const std::string& dir) {
   }
   const int world = manifest->value("world_size", 0);
   if (world < 1) throw ResumeError("resume checkpoint " + dir + ": manifest.json says world_size " + std::to_string(world));
+  out.world_size = world;
+  if (manifest->contains("ranks_here")) {
+    const nlohmann::json& here = (*manifest)["ranks_here"];
+    const auto bad = [&] {
+      throw ResumeError("resume checkpoint " + dir + ": manifest.json's ranks_here must be ascending ranks below "
+                        "world_size " + std::to_string(world) + ", not " + here.dump());
+    };
+    if (!here.is_array() || here.empty()) bad();
+    for (const auto& r : here) {
+      if (!r.is_number_integer() || r.get<int64_t>() < 0 || r.get<int64_t>() >= world ||
+          (!out.ranks_here.empty() && r.get<int>() <= out.ranks_here.back()))
+        bad();
+      out.ranks_here.push_back(r.get<int>());
+    }
+  }
+  std::vector<int> present = out.ranks_here;
+  if (present.empty())
+    for (int r = 0; r < world; ++r) present.push_back(r);
   std::vector<std::string> required = {kMeta};
-  for (int r = 0; r < world; ++r) required.push_back(rank_file(r));
+  for (int r : present) required.push_back(rank_file(r));
   verify_checkpoint(dir, required);
   out.meta = read_meta(dir);
-  for (int r = 0; r < world; ++r) out.ranks.push_back(read_state_file(fs::path(dir) / rank_file(r)));
+  out.ranks.resize(static_cast<size_t>(world));
+  for (int r : present) out.ranks[static_cast<size_t>(r)] = read_state_file(fs::path(dir) / rank_file(r));
   return out;
+}
+
+int64_t resume_checkpoint_step(const std::string& dir) {
+  const auto manifest = read_manifest(fs::path(dir));
+  if (!manifest) throw ResumeError("resume checkpoint " + dir + ": missing " + kManifest);
+  return (*manifest)["step"].get<int64_t>();
 }
 
 }  // namespace qlora::checkpoint

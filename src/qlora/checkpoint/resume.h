@@ -8,6 +8,8 @@
 //       meta.json           free-form JSON from the caller
 //       manifest.json       {"format":"qlora-resume-v1","step":N,"world_size":W,"mesh":{..},
 //                            "files":{"rank_00000.safetensors":{"bytes":..,"xxh64":"<16 hex>"},...}}
+//                           with node-local output dirs also "ranks_here":[k,..]: the ranks
+//                           whose files this directory holds (the others are in other nodes')
 //
 // The checksum is XXH64 (seed 0, hex) over each file's bytes (xxh64.h): a resume state of a few
 // hundred MB is hashed at memory speed, and it catches the torn or bit-rotten files we care about
@@ -15,7 +17,8 @@
 //
 // Commit protocol: everything is written into step_N.tmp/ (each file written aside, fsynced and
 // renamed by the safetensors layer), manifest.json last; then the directory is renamed to step_N
-// and checkpoints/ is fsynced. Only then are older checkpoints pruned. A directory without a
+// and checkpoints/ is fsynced. Only once every directory has committed are older checkpoints
+// pruned (so a crash between two nodes' commits leaves every node its previous checkpoint). A directory without a
 // manifest is never a checkpoint, so a crash at any point leaves the previous checkpoints usable.
 // Replacing an existing step_N without RENAME_EXCHANGE takes two renames (step_N -> step_N.old,
 // step_N.tmp -> step_N); a crash between them leaves only step_N.old, which therefore counts as
@@ -55,9 +58,13 @@ struct RankSync {
   int world_size = 1;
   std::function<void()> barrier;
   nlohmann::json mesh = nlohmann::json::object();  // recorded in the manifest (e.g. {"shard_size": 2})
+  // Node-local output dirs: the rank that commits in this rank's directory, and the ranks whose
+  // files go there (ascending). Empty: one directory shared by every rank, committed by rank 0.
+  int lead = 0;
+  std::vector<int> ranks_here;
 };
 
-// Rank 0 commits only after every rank's file is durable, so a rank that dies mid-save leaves the
+// Rank 0 (each directory's lead) commits only after every rank's file is durable, so a rank that dies mid-save leaves the
 // earlier checkpoints as they were. Saving a step that already exists replaces it atomically
 // (Linux renameat2 RENAME_EXCHANGE; where that is unavailable the old one is moved aside to
 // step_N.old first, see above). Asides left by an earlier crash are settled after the commit.
@@ -82,6 +89,8 @@ std::vector<std::string> resume_checkpoints(const std::string& output_dir);
 // .damaged.1, ...): kept for inspection, no longer a checkpoint, so neither resume nor
 // keep_last_n counts it. Returns where it went.
 std::string set_aside_damaged(const std::string& dir);
+// The same with another reason as the suffix (<dir>.<reason>, or .<reason>.1, ...).
+std::string set_aside(const std::string& dir, const std::string& reason);
 
 struct ResumeCheckpoint {
   nlohmann::json meta;
@@ -90,12 +99,19 @@ struct ResumeCheckpoint {
   // (state.safetensors with per-adapter names): ranks[0] holds its tensors, named as it named
   // them; the engine converts them (engine/sharded_state.h).
   bool legacy_single_process = false;
+  // Written with node-local output dirs: the ranks whose files this directory holds; ranks[k] of
+  // every other rank k is empty (engine/sharded_state.h shares them between the nodes). Empty:
+  // every rank's file is here.
+  std::vector<int> ranks_here;
+  int world_size = 1;
 };
 // Verifies the size and XXH64 of every file listed in the manifest before reading anything, and
-// reads every rank's file (a run on another number of ranks needs pieces of every old rank's
+// reads every rank's file that the directory holds (all of them unless ranks_here) (a run on another number of ranks needs pieces of every old rank's
 // state to build its own). Throws ResumeError naming the file and the checkpoint on a mismatch, a
 // missing file or a missing manifest. Tensors come back on the CPU, owning their memory.
 ResumeCheckpoint load_resume_checkpoint(const std::string& dir);
+// The step a checkpoint directory's manifest names (as resume_checkpoints lists them).
+int64_t resume_checkpoint_step(const std::string& dir);
 
 // Puts the complete directory `tmp` at `final_dir`: a plain rename, or where final_dir exists an
 // atomic swap (renameat2 RENAME_EXCHANGE; else move-aside) after which the replaced directory is

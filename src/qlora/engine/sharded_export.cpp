@@ -10,7 +10,8 @@ namespace qlora::engine {
 void export_epoch(const std::string& output_dir, int64_t epoch, const models::LlamaModel& model, ShardedLlama& engine,
                   World& world, const checkpoint::AdapterInfo& info, bool adapter_only,
                   const std::string& base_checkpoint_dir, checkpoint::MergeSource source,
-                  const std::string& tokenizer_path, std::function<void(const std::string& dir)> before_commit) {
+                  const std::string& tokenizer_path, std::function<void(const std::string& dir)> before_commit,
+                  const std::vector<bool>& in_lead_dir) {
   // Writing may outlast any collective timeout; liveness is the heartbeat's job.
   const auto patient = std::chrono::hours(24);
   Comm& c = world.shard();
@@ -21,13 +22,18 @@ void export_epoch(const std::string& output_dir, int64_t epoch, const models::Ll
   ranks.barrier = [&] { world.world().barrier(patient); };
   ranks.writers_barrier = [&] { c.barrier(patient); };
   ranks.before_commit = std::move(before_commit);
-  // Rounds of one unit per rank: every rank merges and writes its own at the same time.
+  // The shard group's ranks that may own units: those that see rank 0's output_dir.
+  std::vector<int> owners;
+  for (int k = 0; k < c.size(); ++k)
+    if (in_lead_dir.empty() || in_lead_dir.at(static_cast<size_t>(c.global_ranks()[static_cast<size_t>(k)])))
+      owners.push_back(k);
+  // Rounds of one unit per owner: every owner merges and writes its own at the same time.
   ranks.for_my_units = [&](const std::vector<int64_t>& units, const std::function<void(int64_t)>& write) {
-    const size_t n = static_cast<size_t>(c.size());
+    const size_t n = owners.size();
     for (size_t first = 0; first < units.size(); first += n) {
       std::vector<std::pair<int64_t, WorkPtr>> round;
       for (size_t k = first; k < units.size() && k < first + n; ++k) {
-        const int owner = static_cast<int>(k % n);
+        const int owner = owners[k % n];
         round.emplace_back(owner == c.rank() ? units[k] : INT64_MIN, engine.gather_unit_to(units[k], owner));
       }
       for (auto& [mine, work] : round) {

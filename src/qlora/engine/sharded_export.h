@@ -4,11 +4,15 @@
 // merges that unit's tensors and writes them in place into the shard files writer 0 created; rank
 // 0 writes the adapter and commits the directory once every rank's part is durable. The files are
 // byte-identical to one process's. before_commit: see checkpoint::ExportRanks (rank 0 runs it).
+// in_lead_dir[r]: whether rank r sees rank 0's output_dir (node-local output dirs: the export is
+// written there only, so only those ranks own units: the others' weights are gathered to them, a
+// unit at a time). Empty: every rank sees it.
 #pragma once
 
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "qlora/checkpoint/export.h"
 #include "qlora/engine/process_group.h"
@@ -20,6 +24,7 @@ void export_epoch(const std::string& output_dir, int64_t epoch, const models::Ll
                   World& world, const checkpoint::AdapterInfo& info, bool adapter_only,
                   const std::string& base_checkpoint_dir, checkpoint::MergeSource source,
                   const std::string& tokenizer_path,
-                  std::function<void(const std::string& dir)> before_commit = {});
+                  std::function<void(const std::string& dir)> before_commit = {},
+                  const std::vector<bool>& in_lead_dir = {});
 
 }  // namespace qlora::engine

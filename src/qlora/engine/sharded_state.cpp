@@ -93,4 +93,28 @@ void load_train_state(ShardedLlama& engine, optim::AdamW& opt, const checkpoint:
   }
 }
 
+void share_rank_states(World& world, checkpoint::ResumeCheckpoint& ckpt, c10::Device device) {
+  if (ckpt.ranks_here.empty()) return;
+  const NamedTensors& mine = ckpt.ranks.at(static_cast<size_t>(world.rank()));
+  // Every rank's state has the same names and shapes (train_state and the RNG states): checked
+  // with one gather of the shapes' sizes before the tensors move.
+  std::vector<int64_t> sizes = {static_cast<int64_t>(mine.size())};
+  for (const auto& [name, t] : mine) sizes.push_back(t.numel());
+  const at::Tensor own = at::tensor(sizes, at::kLong).to(device);
+  at::Tensor all = at::empty({world.size() * own.numel()}, own.options());
+  wait(world.world().all_gather(all, own));
+  if (!at::equal(all.view({world.size(), -1}), own.expand({world.size(), own.numel()})))
+    throw std::invalid_argument("the ranks' states in the nodes' resume checkpoints differ in their tensors' sizes");
+  std::vector<NamedTensors> ranks(static_cast<size_t>(world.size()));
+  for (const auto& [name, t] : mine) {
+    const at::Tensor in = t.contiguous().view({-1}).to(device);
+    at::Tensor out = at::empty({world.size() * in.numel()}, in.options());
+    wait(world.world().all_gather(out, in));
+    const at::Tensor gathered = out.cpu().view({world.size(), -1});
+    for (int r = 0; r < world.size(); ++r) ranks[static_cast<size_t>(r)].emplace_back(name, gathered[r].view(t.sizes()).clone());
+  }
+  ckpt.ranks = std::move(ranks);
+  ckpt.ranks_here.clear();
+}
+
 }  // namespace qlora::engine

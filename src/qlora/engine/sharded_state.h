@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "qlora/checkpoint/resume.h"
+#include "qlora/engine/process_group.h"
 #include "qlora/engine/sharded_model.h"
 #include "qlora/optim/adamw.h"
 
@@ -29,5 +30,12 @@ NamedTensors train_state(const ShardedLlama& engine, const optim::AdamW& opt);
 // `where` (the checkpoint) and the missing tensor, or the group whose size does not match.
 void load_train_state(ShardedLlama& engine, optim::AdamW& opt, const checkpoint::ResumeCheckpoint& ckpt,
                       const models::LlamaModel& model, const std::string& where);
+
+// A checkpoint written with node-local output dirs holds only its node's ranks' files
+// (ckpt.ranks_here): fills in every other rank's tensors from the ranks that hold them, so every
+// rank ends with the whole checkpoint, as one shared directory gives it. The job must have the
+// checkpoint's world size, each rank holding its own file (the caller checks the layout).
+// Collective over world (on `device`: NCCL moves CUDA tensors only). Nothing to do without ranks_here.
+void share_rank_states(World& world, checkpoint::ResumeCheckpoint& ckpt, c10::Device device);
 
 }  // namespace qlora::engine

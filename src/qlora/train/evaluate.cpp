@@ -29,6 +29,12 @@ std::vector<double> all_ranks_sum(engine::World& world, const std::vector<double
   return {c.data_ptr<double>(), c.data_ptr<double>() + c.numel()};
 }
 
+std::vector<double> every_rank(engine::World& world, double v, c10::Device device) {
+  std::vector<double> slots(static_cast<size_t>(world.size()), 0.0);
+  slots[static_cast<size_t>(world.rank())] = v;
+  return all_ranks_sum(world, slots, device);
+}
+
 namespace {
 
 // Rows [begin, end) of `samples`, filled up to `rows` with a fully masked copy of the first

@@ -23,6 +23,8 @@ at::Tensor summed_token_loss(const models::LlamaModel& model, const data::Batch&
 double all_ranks_sum(engine::World& world, double v, c10::Device device);
 // Each of `v` summed over every rank, in one collective.
 std::vector<double> all_ranks_sum(engine::World& world, const std::vector<double>& v, c10::Device device);
+// Every rank's `v` in rank order (exact for integers below 2^53), in one collective.
+std::vector<double> every_rank(engine::World& world, double v, c10::Device device);
 
 struct Evaluation {
   double loss = 0.0;        // mean token cross-entropy over the whole validation set
