@@ -254,6 +254,19 @@ TEST(Config, ToTomlRoundTripsExactly) {
   EXPECT_CONTAINS(text, "[optim]\nlr = 0.30000000000000004\n");
 }
 
+// Found by fuzz_config: 300 dotted levels parse, but written back as nested inline tables they pass
+// TOML's 256-level limit, so the config a resume checkpoint keeps would not parse again.
+TEST(Config, DeeplyNestedTemplateKwargsAreRefusedByName) {
+  std::string deep = "a";
+  for (int i = 0; i < 300; ++i) deep += ".b";
+  EXPECT_CONTAINS(parse_error("[data]\ntemplate_kwargs = { " + deep + " = 1 }\n"),
+                  "nests tables or arrays more than 64 levels deep");
+  std::string ok = "a";
+  for (int i = 0; i < 60; ++i) ok += ".b";
+  const RecipeConfig c = parse_config("[data]\ntemplate_kwargs = { " + ok + " = 1 }\n", "ok");
+  EXPECT_TRUE(parse_config(to_toml(c), "written back") == c);
+}
+
 TEST(Config, HashIsStableAndScoped) {
   const RecipeConfig a;
   EXPECT_EQ(config_hash(a, HashScope::Full).size(), 16u);

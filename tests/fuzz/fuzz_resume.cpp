@@ -5,11 +5,14 @@
 // The input is up to three files separated by the line "--8<--": manifest.json, meta.json,
 // rank_00000.safetensors. Unless the input's size is a multiple of 3, every file the manifest
 // lists that exists gets its true size and XXH64 written into the manifest first, so mutations
-// reach the readers behind the checksums instead of stopping at them.
+// reach the readers behind the checksums instead of stopping at them. A damaged checkpoint must
+// be refused with ResumeError, which resume answers by trying an older one.
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <exception>
 #include <filesystem>
 #include <fstream>
@@ -72,10 +75,20 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const char* names[] = {"manifest.json", "meta.json", "rank_00000.safetensors"};
   for (size_t i = 1; i < parts.size(); ++i) write(dir / names[i], parts[i]);
   write(dir / names[0], size % 3 ? repaired(dir, parts[0]) : parts[0]);
+  // A damaged checkpoint must fail as ResumeError (resume skips it and tries an older one): any
+  // other exception escaping the loader is a finding.
+  qlora::checkpoint::ResumeCheckpoint ck;
   try {
     (void)qlora::checkpoint::latest_resume_checkpoint(out.string());
     (void)qlora::checkpoint::resume_checkpoint_step(dir.string());
-    const qlora::checkpoint::ResumeCheckpoint ck = qlora::checkpoint::load_resume_checkpoint(dir.string());
+    ck = qlora::checkpoint::load_resume_checkpoint(dir.string());
+  } catch (const qlora::checkpoint::ResumeError&) {
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "not a ResumeError: %s\n", e.what());
+    std::abort();
+  }
+  try {
     const nlohmann::json current = {{"data_path", "a.jsonl"}, {"data_fingerprint", "0123456789abcdef"},
                                     {"base_dir", "base"}, {"base_fingerprint", "0123456789abcdef"},
                                     {"tokenizer_path", "base/tokenizer.json"},

@@ -10,7 +10,9 @@
 3. a save interrupted between the two nodes' commits (the newest step in node 0's directory only)
    resumes from the step before it, setting node 0's lone copy aside; a node-local checkpoint
    resumed on another layout (one node of 2 ranks) is refused by name; a shared directory's
-   checkpoint copied into each node's resumes there.
+   checkpoint copied into each node's resumes there;
+4. lora_dpo with a precomputed reference on node-local dirs: the table kept in each, and read on
+   both nodes by a resume after node 1 is killed.
 """
 import filecmp
 import json
@@ -21,6 +23,7 @@ import subprocess
 
 from recipe_common import RANKS_TOL, Checks, losses, max_diff, recipe_args, run_recipe
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 COMMON = ["training.epochs=2", "training.max_steps_per_epoch=4", "training.batch_size=8",
           "checkpoint.save_every_steps=2", "checkpoint.adapter_only=false", "logging.progress=plain"]
 EXPORTED = [os.path.join(f"epoch_{e}", f) for e in (0, 1)
@@ -33,13 +36,13 @@ def free_port():
         return s.getsockname()[1]
 
 
-def two_nodes(qlora, out0, out1, *overrides, fault=None):
+def two_nodes(qlora, out0, out1, *overrides, fault=None, recipe="lora_finetune", common=COMMON):
     """Both nodes' launchers at once; returns [(rc, stdout, stderr)] per node. `fault`: a
     QLORA_FAULT_PLAN for the qlora_faults binary (pass it as `qlora`)."""
     port = str(free_port())
     procs = [subprocess.Popen([qlora, "run", "--nproc-per-node", "1", "--nnodes", "2", "--node-rank", str(k),
-                               "--master-addr", "127.0.0.1", "--master-port", port, "lora_finetune",
-                               f"checkpoint.output_dir={out}", *COMMON, *overrides],
+                               "--master-addr", "127.0.0.1", "--master-port", port, recipe,
+                               f"checkpoint.output_dir={out}", *common, *overrides],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               env={**os.environ, "QLORA_FAULT_PLAN": fault or ""})
              for k, out in enumerate((out0, out1))]
@@ -129,6 +132,23 @@ def main():
     res = two_nodes(a.qlora, *copied, "checkpoint.resume=true")
     check(ok(res) and losses(copied[0]) == ref and same_exports(copied[0], w("one_node")),
           f"a shared-directory checkpoint copied into each node's directory resumes on two nodes ({tails(res)})")
+
+    # lora_dpo with dpo.precompute_reference: the table is kept in each node's directory, and a resume
+    # after node 1 is killed reads it on both.
+    dpo = ["--config", os.path.join(ROOT, "configs", "tiny_qlora_dpo.toml"),
+           f"data.path={ROOT}/tests/data/tiny_preferences.jsonl",
+           f"data.val_path={ROOT}/tests/data/tiny_preferences_heldout.jsonl", "training.epochs=1", "training.batch_size=8",
+           "training.max_steps_per_epoch=8", "checkpoint.save_every_steps=4", "dpo.precompute_reference=true",
+           "logging.progress=plain"]
+    r = run_recipe(a.qlora, w("dpo_one_node"), *dpo, nproc=2, recipe="lora_dpo")
+    dirs = (w("dpo0"), w("dpo1"))
+    two_nodes(a.qlora_faults, *dirs, fault="kill_after_step=6,rank=1", recipe="lora_dpo", common=dpo)
+    tables = all(os.path.isfile(os.path.join(d, "dpo_reference.safetensors")) for d in dirs)
+    res = two_nodes(a.qlora, *dirs, "checkpoint.resume=true", recipe="lora_dpo", common=dpo)
+    check(r.returncode == 0 and tables and ok(res) and "reference log-probabilities read from" in res[0][1] and
+          losses(dirs[0]) == losses(w("dpo_one_node")),
+          "lora_dpo, node-local dirs: each keeps the reference table; node 1 killed, both resume reading it, and "
+          f"the losses equal one node's ({tails(res)})")
 
     # Another layout: node 0's directory resumed by one node of 2 ranks.
     other = w("other_layout")

@@ -145,8 +145,8 @@ void write_peft_adapter(const std::string& dir, const std::vector<std::pair<std:
   std::vector<std::pair<std::string, at::Tensor>> cpu;
   bool dora = false;
   for (const auto& [name, t] : lora_params) {
-    const auto ends = [&name](const std::string& tail) {
-      return name.size() > tail.size() && name.compare(name.size() - tail.size(), tail.size(), tail) == 0;
+    const auto ends = [&n = name](const std::string& tail) {
+      return n.size() > tail.size() && n.compare(n.size() - tail.size(), tail.size(), tail) == 0;
     };
     const bool is_a = ends(".lora_A.weight"), is_b = ends(".lora_B.weight"), is_m = ends(".lora_magnitude_vector");
     if (name.rfind("base_model.model.", 0) != 0 || !(is_a || is_b || is_m)) {

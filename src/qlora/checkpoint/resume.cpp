@@ -32,7 +32,8 @@ constexpr const char* kLegacyState = "state.safetensors";
 constexpr const char* kMeta = "meta.json";
 constexpr const char* kManifest = "manifest.json";
 constexpr const char* kOrderKey = "qlora.tensor_order";  // safetensors metadata: JSON list of names
-constexpr const char* kAside = ".old";  // where the move-aside replacement parks the old directory
+constexpr const char* kAside = ".old";
+constexpr int64_t kMaxWorld = 1 << 20;  // ranks a manifest may name (more is a damaged file)  // where the move-aside replacement parks the old directory
 
 std::string step_name(int64_t step) {
   char s[32];
@@ -263,8 +264,10 @@ nlohmann::json verify_checkpoint(const std::string& dir, const std::vector<std::
     const fs::path path = d / name;
     std::error_code ec;
     if (!fs::is_regular_file(path, ec)) throw ResumeError("resume checkpoint " + dir + ": file " + name + " is missing");
-    if (!entry.is_object() || !entry.contains("bytes") || !entry.contains("xxh64")) {
-      throw ResumeError("resume checkpoint " + dir + ": manifest entry for " + name + " lacks bytes/xxh64");
+    if (!entry.is_object() || !entry.contains("bytes") || !entry["bytes"].is_number_unsigned() ||
+        !entry.contains("xxh64") || !entry["xxh64"].is_string()) {
+      throw ResumeError("resume checkpoint " + dir + ": manifest entry for " + name +
+                        " needs bytes (a non-negative integer) and xxh64 (a string), not " + entry.dump());
     }
     uint64_t n = 0;
     std::string h;
@@ -296,18 +299,23 @@ nlohmann::json read_meta(const std::string& dir) {
 
 // The tensors of one state file in the order they were saved, owning their memory (not views of
 // the mapping).
+// Any error (a malformed header or tensor order, a name it lacks) is a ResumeError naming the file.
 std::vector<std::pair<std::string, at::Tensor>> read_state_file(const fs::path& path) {
-  const io::SafetensorsFile f = io::SafetensorsFile::open(path.string());
-  std::vector<std::string> names;
-  const auto it = f.metadata().find(kOrderKey);
-  if (it != f.metadata().end()) {
-    names = nlohmann::json::parse(it->second).get<std::vector<std::string>>();
-  } else {
-    for (const io::TensorInfo& ti : f.tensors()) names.push_back(ti.name);
+  try {
+    const io::SafetensorsFile f = io::SafetensorsFile::open(path.string());
+    std::vector<std::string> names;
+    const auto it = f.metadata().find(kOrderKey);
+    if (it != f.metadata().end()) {
+      names = nlohmann::json::parse(it->second).get<std::vector<std::string>>();
+    } else {
+      for (const io::TensorInfo& ti : f.tensors()) names.push_back(ti.name);
+    }
+    std::vector<std::pair<std::string, at::Tensor>> out;
+    for (const std::string& name : names) out.emplace_back(name, f.tensor(name).clone());
+    return out;
+  } catch (const std::exception& e) {
+    throw ResumeError("resume checkpoint file " + path.string() + ": " + e.what());
   }
-  std::vector<std::pair<std::string, at::Tensor>> out;
-  for (const std::string& name : names) out.emplace_back(name, f.tensor(name).clone());
-  return out;
 }
 
 std::string rank_file(int rank) {
@@ -379,8 +387,11 @@ ResumeCheckpoint load_resume_checkpoint(const std::string& dir) {
     out.legacy_single_process = true;
     return out;
   }
-  const int world = manifest->value("world_size", 0);
-  if (world < 1) throw ResumeError("resume checkpoint " + dir + ": manifest.json says world_size " + std::to_string(world));
+  const nlohmann::json& world_json = (*manifest)["world_size"];
+  if (!world_json.is_number_integer() || world_json.get<int64_t>() < 1 || world_json.get<int64_t>() > kMaxWorld)
+    throw ResumeError("resume checkpoint " + dir + ": manifest.json's world_size must be an integer in [1, " +
+                      std::to_string(kMaxWorld) + "], not " + world_json.dump());
+  const int world = world_json.get<int>();
   out.world_size = world;
   if (manifest->contains("ranks_here")) {
     const nlohmann::json& here = (*manifest)["ranks_here"];

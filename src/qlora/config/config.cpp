@@ -226,16 +226,23 @@ bool read_number(const toml::node& n, double& out) {
   return false;
 }
 
+// How deep template keyword arguments may nest: the config is written back as TOML (to_toml, kept
+// in every resume checkpoint) with nested inline tables, and TOML parsers stop at 256 levels.
+constexpr int kMaxKwargsDepth = 64;
+
 // A TOML value as JSON, for template keyword arguments (dates are refused).
-nlohmann::ordered_json toml_to_json(const toml::node& n, const Origin& o, const std::string& key) {
+nlohmann::ordered_json toml_to_json(const toml::node& n, const Origin& o, const std::string& key, int depth = 0) {
+  if ((n.is_table() || n.is_array()) && depth >= kMaxKwargsDepth)
+    fail(o, "key '" + key + "'" + at_line(o, n) + ": nests tables or arrays more than " +
+                std::to_string(kMaxKwargsDepth) + " levels deep");
   if (auto t = n.as_table()) {
     nlohmann::ordered_json j = nlohmann::ordered_json::object();
-    for (auto&& [k, v] : *t) j[std::string(k.str())] = toml_to_json(v, o, key + "." + std::string(k.str()));
+    for (auto&& [k, v] : *t) j[std::string(k.str())] = toml_to_json(v, o, key + "." + std::string(k.str()), depth + 1);
     return j;
   }
   if (auto a = n.as_array()) {
     nlohmann::ordered_json j = nlohmann::ordered_json::array();
-    for (const toml::node& e : *a) j.push_back(toml_to_json(e, o, key));
+    for (const toml::node& e : *a) j.push_back(toml_to_json(e, o, key, depth + 1));
     return j;
   }
   if (auto b = n.as_boolean()) return b->get();
@@ -427,10 +434,10 @@ void merge_table(RecipeConfig& cfg, const toml::table& root, const Origin& o, Li
       fail(o, "'" + section + "'" + at_line(o, section_node) + " must be a table ([" + section +
                   "]), got " + node_type_name(section_node));
     for (auto&& [key, node] : *table) {
-      const std::string name = section + "." + std::string(key.str());
+      const std::string name = section + "." + std::string(key.str()), key_name(key.str());
       bool found = false;
-      visit_fields(cfg, [&](const char* s, const char* k, auto& member, bool) {
-        if (found || section != s || key.str() != k) return;
+      visit_fields(cfg, [&, &node = node](const char* s, const char* k, auto& member, bool) {
+        if (found || section != s || key_name != k) return;
         found = true;
         read_field(node, member, o, name);
       });
