@@ -3,7 +3,7 @@
 #   1. a clang tree in build-asan (ccache'd) with AddressSanitizer + UndefinedBehaviorSanitizer on
 #      every target (QLORA_SANITIZE) and libFuzzer's coverage (QLORA_FUZZ), CUDA off;
 #   2. the unit tests of the concerns that parse user files or hold the kernels' reference paths
-#      (quant + kernels, io, data, jinja) under both sanitizers;
+#      (quant + kernels, io, data, jinja, checkpoint: resume and export, config) under both sanitizers;
 #   3. each fuzz target of tests/fuzz for QLORA_FUZZ_SECONDS (default 25) from its seed corpus
 #      (tests/fuzz/corpus/<target> plus the real files of tests/data), in a scratch copy.
 # A finding stops the script non-zero; the input libFuzzer wrote (crash-*, timeout-*, leak-*) is in
@@ -29,7 +29,7 @@ if [ ! -f "$BUILD/CMakeCache.txt" ]; then
         -DQLORA_BENCH=OFF -DQLORA_SANITIZE=ON -DQLORA_FUZZ=ON > "$BUILD.configure.log" 2>&1 \
     || { cat "$BUILD.configure.log"; exit 1; }
 fi
-TESTS=(qlora_tests qlora_io_tests qlora_data_tests qlora_jinja_tests)
+TESTS=(qlora_tests qlora_io_tests qlora_data_tests qlora_jinja_tests qlora_checkpoint_tests qlora_config_tests)
 FUZZ=(safetensors tokenizer records chat_template llama_config config resume gguf)
 say "building ${TESTS[*]} and the fuzz targets"
 cmake --build "$BUILD" -j"$(nproc)" --target "${TESTS[@]}" "${FUZZ[@]/#/fuzz_}"
