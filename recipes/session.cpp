@@ -254,9 +254,10 @@ std::optional<Loaded> load_newest_intact(const Session& s) {
     throw std::invalid_argument("checkpoint.resume = true but no resume checkpoint in " + out_dir + " is intact: " + why);
   if (!with.empty() && !without.empty())
     throw std::invalid_argument(
-        "checkpoint.resume = true but only " + train::rank_list(with) + " found a resume checkpoint that " +
-        train::rank_list(without) + " also have in their checkpoint.output_dir (" + s.dirs.describe() +
-        "). Resume on the nodes, with the output dirs, of the run that wrote them (or start a new output_dir)");
+        "checkpoint.resume = true, but no step's resume checkpoint is in every rank's checkpoint.output_dir (" +
+        s.dirs.describe() + "): " + train::rank_list(without) + " found none that " + train::rank_list(with) +
+        " also hold. Resume on the nodes, with the output dirs, of the run that wrote them (a shared directory's "
+        "checkpoint may be copied into each node's), or start a new output_dir");
   if (!found && aside[0] > 0)
     throw std::invalid_argument("checkpoint.resume = true but another rank's output_dir holds no intact resume "
                                 "checkpoint (see its error)");

@@ -150,6 +150,13 @@ def main():
           "lora_dpo, node-local dirs: each keeps the reference table; node 1 killed, both resume reading it, and "
           f"the losses equal one node's ({tails(res)})")
 
+    # Checkpoints in node 0's directory only (a shared run's, not copied to node 1): refused by name.
+    lonely = (w("lonely0"), w("lonely1"))
+    shutil.copytree(w("one_node"), lonely[0])
+    res = two_nodes(a.qlora, *lonely, "checkpoint.resume=true")
+    check(all(rc != 0 and "no step's resume checkpoint is in every rank's checkpoint.output_dir" in e for rc, _, e in res),
+          f"checkpoints in node 0's directory only: both nodes refuse by name ({tails(res)})")
+
     # Another layout: node 0's directory resumed by one node of 2 ranks.
     other = w("other_layout")
     shutil.copytree(local[0], other)
