@@ -250,9 +250,14 @@ void reference_tables(Session& s, Pairs& d, const Model& m, int64_t pad) {
   const std::string path = s.cfg.checkpoint.output_dir + "/dpo_reference.safetensors", key = reference_key(s, d, m);
   std::optional<io::SafetensorsFile> kept;
   if (std::filesystem::exists(path)) {
-    kept = io::SafetensorsFile::open(path);
-    const auto it = kept->metadata().find("key");
-    if (it == kept->metadata().end() || it->second != key || !kept->find("train")) kept.reset();
+    try {
+      kept = io::SafetensorsFile::open(path);
+      const auto it = kept->metadata().find("key");
+      if (it == kept->metadata().end() || it->second != key || !kept->find("train")) kept.reset();
+    } catch (const std::exception& e) {  // damaged: computed again (on every rank, which all must join)
+      std::printf("dpo.precompute_reference: %s is unreadable (%s): computing the table again\n", path.c_str(), e.what());
+      kept.reset();
+    }
   }
   if (train::all_ranks_sum(s.world, kept ? 0.0 : 1.0, s.device) == 0) {  // every rank has it
     d.ref_train = kept->tensor("train").clone();

@@ -206,11 +206,11 @@ std::optional<Loaded> newest_intact_up_to(const std::string& out_dir, int64_t bo
   newer.clear();
   for (const std::string& dir : checkpoint::resume_checkpoints(out_dir)) {
     if (std::find(damaged.begin(), damaged.end(), dir) != damaged.end()) continue;
-    if (checkpoint::resume_checkpoint_step(dir) > bound) {
-      newer.push_back(dir);
-      continue;
-    }
     try {
+      if (checkpoint::resume_checkpoint_step(dir) > bound) {
+        newer.push_back(dir);
+        continue;
+      }
       return Loaded{dir, checkpoint::load_resume_checkpoint(dir)};
     } catch (const checkpoint::ResumeError& e) {
       if (lead) std::printf("resume: skipping damaged checkpoint %s: %s\n", dir.c_str(), e.what());
@@ -238,7 +238,7 @@ std::optional<Loaded> load_newest_intact(const Session& s) {
   std::vector<double> steps;
   for (int64_t bound = std::numeric_limits<int64_t>::max();;) {
     if (!found || checkpoint::resume_checkpoint_step(found->dir) > bound)
-      found = newest_intact_up_to(out_dir, bound, lead, damaged, why, newer);
+      found = newest_intact_up_to(out_dir, bound, s.dir_lead(), damaged, why, newer);
     steps = train::every_rank(world, found ? static_cast<double>(checkpoint::resume_checkpoint_step(found->dir)) : -1.0,
                               s.device);
     const double agreed = *std::min_element(steps.begin(), steps.end());
@@ -267,8 +267,8 @@ std::optional<Loaded> load_newest_intact(const Session& s) {
     for (const std::string& dir : damaged)
       std::printf("resume: moved %s to %s\n", dir.c_str(), checkpoint::set_aside_damaged(dir).c_str());
     for (const std::string& dir : newer)
-      std::printf("resume: %s is missing from another node's output_dir (a save interrupted between the nodes' "
-                  "commits): moved to %s\n", dir.c_str(), checkpoint::set_aside(dir, "superseded").c_str());
+      std::printf("resume: %s is not intact in every rank's output_dir (a save interrupted between the nodes' "
+                  "commits?): moved to %s\n", dir.c_str(), checkpoint::set_aside(dir, "superseded").c_str());
   }
   if (lead && found) std::printf("resume: continuing from %s, the newest intact checkpoint\n", found->dir.c_str());
   return found;
@@ -287,7 +287,14 @@ void check_layout(const Session& s, const Loaded& l) {
               std::to_string(s.world.size()) + "-rank run " + train::rank_list(here) +
               " see that directory. Resume with the nodes, ranks per node (--nproc-per-node) and output dirs "
               "of the run that wrote it, or start a new checkpoint.output_dir";
-  if (train::all_ranks_sum(s.world, problem.empty() ? 0.0 : 1.0, s.device) == 0) return;
+  // Every rank's copy of the step must be of one kind: all from one shared directory, or all node-local.
+  const std::vector<double> sums =
+      train::all_ranks_sum(s.world, {problem.empty() ? 0.0 : 1.0, ck.ranks_here.empty() ? 0.0 : 1.0}, s.device);
+  if (sums[0] == 0 && (sums[1] == 0 || sums[1] == s.world.size())) return;
+  if (problem.empty() && sums[0] == 0)
+    problem = "cannot resume " + l.dir + ": at this step some ranks' output dirs hold a checkpoint written with one "
+              "shared directory and others one written with node-local directories (copies of different runs?); "
+              "put the same run's checkpoints in every node's output_dir, or start a new checkpoint.output_dir";
   throw std::invalid_argument(problem.empty() ? "another rank's output_dir holds a resume checkpoint of another "
                                                 "node layout (see its error)"
                                               : problem);

@@ -157,6 +157,14 @@ def main():
     check(all(rc != 0 and "no step's resume checkpoint is in every rank's checkpoint.output_dir" in e for rc, _, e in res),
           f"checkpoints in node 0's directory only: both nodes refuse by name ({tails(res)})")
 
+    # Node 0 holding a shared directory's checkpoint, node 1 its node-local one, at the same step: refused.
+    mixed = (w("mixed0"), w("mixed1"))
+    shutil.copytree(w("one_node"), mixed[0])
+    shutil.copytree(local[1], mixed[1])
+    res = two_nodes(a.qlora, *mixed, "checkpoint.resume=true")
+    check(all(rc != 0 for rc, _, _ in res) and "written with one shared directory and others" in res[0][2],
+          f"a shared-directory checkpoint on one node and a node-local one on the other: refused by name ({tails(res)})")
+
     # Another layout: node 0's directory resumed by one node of 2 ranks.
     other = w("other_layout")
     shutil.copytree(local[0], other)

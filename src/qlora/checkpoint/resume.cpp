@@ -32,8 +32,8 @@ constexpr const char* kLegacyState = "state.safetensors";
 constexpr const char* kMeta = "meta.json";
 constexpr const char* kManifest = "manifest.json";
 constexpr const char* kOrderKey = "qlora.tensor_order";  // safetensors metadata: JSON list of names
-constexpr const char* kAside = ".old";
-constexpr int64_t kMaxWorld = 1 << 20;  // ranks a manifest may name (more is a damaged file)  // where the move-aside replacement parks the old directory
+constexpr const char* kAside = ".old";  // where the move-aside replacement parks the old directory
+constexpr int64_t kMaxWorld = 1 << 20;  // ranks a manifest may name (more is a damaged file)
 
 std::string step_name(int64_t step) {
   char s[32];

@@ -4,6 +4,8 @@
 
 #include <stdexcept>
 
+#include "qlora/checkpoint/xxh64.h"
+
 namespace qlora::engine {
 namespace {
 
@@ -96,15 +98,24 @@ void load_train_state(ShardedLlama& engine, optim::AdamW& opt, const checkpoint:
 void share_rank_states(World& world, checkpoint::ResumeCheckpoint& ckpt, c10::Device device) {
   if (ckpt.ranks_here.empty()) return;
   const NamedTensors& mine = ckpt.ranks.at(static_cast<size_t>(world.rank()));
-  // Every rank's state has the same names and shapes (train_state and the RNG states): checked
-  // with one gather of the shapes' sizes before the tensors move.
-  std::vector<int64_t> sizes = {static_cast<int64_t>(mine.size())};
-  for (const auto& [name, t] : mine) sizes.push_back(t.numel());
-  const at::Tensor own = at::tensor(sizes, at::kLong).to(device);
-  at::Tensor all = at::empty({world.size() * own.numel()}, own.options());
-  wait(world.world().all_gather(all, own));
-  if (!at::equal(all.view({world.size(), -1}), own.expand({world.size(), own.numel()})))
-    throw std::invalid_argument("the ranks' states in the nodes' resume checkpoints differ in their tensors' sizes");
+  // Every rank's state has the same tensors (train_state and the RNG states): checked before any
+  // moves, by their count, then each one's name (hashed), dtype and size.
+  const auto same_everywhere = [&](const std::vector<int64_t>& v, const char* what) {
+    const at::Tensor own = at::tensor(v, at::kLong).to(device);
+    at::Tensor all = at::empty({world.size() * own.numel()}, own.options());
+    wait(world.world().all_gather(all, own));
+    if (!at::equal(all.view({world.size(), -1}), own.expand({world.size(), own.numel()})))
+      throw std::invalid_argument(std::string("the nodes' resume checkpoints hold different ") + what +
+                                  " (checkpoints of different runs?)");
+  };
+  same_everywhere({static_cast<int64_t>(mine.size())}, "numbers of tensors");
+  std::vector<int64_t> signature;
+  for (const auto& [name, t] : mine) {
+    signature.push_back(static_cast<int64_t>(checkpoint::xxh64(name.data(), name.size())));
+    signature.push_back(static_cast<int64_t>(t.scalar_type()));
+    signature.push_back(t.numel());
+  }
+  same_everywhere(signature, "tensors (names, dtypes or sizes)");
   std::vector<NamedTensors> ranks(static_cast<size_t>(world.size()));
   for (const auto& [name, t] : mine) {
     const at::Tensor in = t.contiguous().view({-1}).to(device);

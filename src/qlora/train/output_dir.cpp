@@ -35,6 +35,7 @@ std::vector<bool> OutputDirs::sees_dir_of(int rank) const {
 }
 
 std::string rank_list(const std::vector<int>& ranks) {
+  if (ranks.empty()) return "no rank";
   bool contiguous = true;
   for (size_t i = 1; i < ranks.size(); ++i) contiguous = contiguous && ranks[i] == ranks[i - 1] + 1;
   if (ranks.size() == 1) return "rank " + std::to_string(ranks[0]);
