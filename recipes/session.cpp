@@ -250,14 +250,15 @@ std::optional<Loaded> load_newest_intact(const Session& s) {
       world, {static_cast<double>(damaged.size()), static_cast<double>(newer.size())}, s.device);
   std::vector<int> with, without;
   for (int r = 0; r < world.size(); ++r) (steps[static_cast<size_t>(r)] >= 0 ? with : without).push_back(r);
-  if (!found && !damaged.empty())
-    throw std::invalid_argument("checkpoint.resume = true but no resume checkpoint in " + out_dir + " is intact: " + why);
   if (!with.empty() && !without.empty())
     throw std::invalid_argument(
         "checkpoint.resume = true, but no step's resume checkpoint is in every rank's checkpoint.output_dir (" +
         s.dirs.describe() + "): " + train::rank_list(without) + " found none that " + train::rank_list(with) +
-        " also hold. Resume on the nodes, with the output dirs, of the run that wrote them (a shared directory's "
+        " also hold" + (why.empty() ? "" : " (damaged in " + out_dir + ": " + why + ")") +
+        ". Resume on the nodes, with the output dirs, of the run that wrote them (a shared directory's "
         "checkpoint may be copied into each node's), or start a new output_dir");
+  if (!found && !damaged.empty())
+    throw std::invalid_argument("checkpoint.resume = true but no resume checkpoint in " + out_dir + " is intact: " + why);
   if (!found && aside[0] > 0)
     throw std::invalid_argument("checkpoint.resume = true but another rank's output_dir holds no intact resume "
                                 "checkpoint (see its error)");
