@@ -23,12 +23,15 @@ debs=(
   libtomlplusplus-dev libtomlplusplus3
   libsentencepiece-dev libsentencepiece0
   nlohmann-json3-dev
+  libpcre2-dev libpcre2-8-0 libpcre2-16-0 libpcre2-32-0 libpcre2-posix3  # data/text_regex
+  libicu-dev libicu72 icu-devtools  # NFC and Unicode classes of the tokenizers
+  libgloo-dev libgloo0 libhiredis0.14 libibverbs1 libibverbs-dev libnl-3-200 libnl-route-3-200 libnl-3-dev libnl-route-3-dev libhiredis-dev ibverbs-providers  # headers of c10d's ProcessGroupGloo (the image's torch lacks them)
   libgtest-dev libgmock-dev googletest
   libbenchmark-dev libbenchmark1debian
   pkgconf pkgconf-bin libpkgconf3  # only used there when the image has no pkg-config
 )
 # Present on any machine that can compile C++: not shipped.
-base_libs=" libc6 libgcc-s1 libstdc++6 "
+base_libs=" libc6 libc6-dev libc-dev libgcc-s1 libstdc++6 adduser "
 wheels=(torchao==0.17.0 safetensors==0.8.0)  # the GPU image has transformers, sentencepiece
 
 mkdir -p "$deps/debs" "$deps/wheels"

@@ -75,7 +75,7 @@ TEST_P(Nf4Kernels, QuantizeMatchesReferenceByteForByte) {
     at::Tensor x = make_input(c, seed);
     Nf4Tensor ref = nf4_quantize_reference(x, "x", c.block_size, c.scaler_block_size);
     Nf4Tensor got = ops::nf4_quantize(x.to(device_), "x", c.block_size, c.scaler_block_size);
-    EXPECT_EQ(got.device(), device_);
+    EXPECT_EQ(got.device().type(), device_.type());  // cuda:0 for at::kCUDA: the index is filled in
     expect_same(got, ref);
   }
 }
