@@ -20,6 +20,16 @@
 //       llama2-7b), all its layers unless --layers, built in memory with random NF4 weights
 //       (writing and re-reading 13-18 GB of bf16 would dominate the run); reports seconds per
 //       step and peak RSS, no peer.
+//   build/bench_train_step --device cuda [--shape llama2-7b|llama3.1-8b|mistral-7b] [--seq 2048] [--batch 1]
+//                          [--steps 5] [--layers N] [--r 8 --alpha 16] [--peer-modes eager,compile|none]
+//                          [--peak-tflops X] [--dtype bf16] [--no-activation-checkpointing]
+//       the device mode: weights drawn from seeds on the device (bench/random_llama.h seeded_model),
+//       the same ones for qlora's step and for the peer (bench/peer_train_step.py --spec: torch +
+//       torchao NF4 structured as torchtune's QLoRA recipe, eager and torch.compile'd), each in its
+//       own process; bf16 compute, activation checkpointing, LoRA on all seven projections. Reports
+//       tokens/s, peak device memory (max allocated and reserved), MFU against the device's dense bf16
+//       peak (bench/device_step.h) and the first losses' agreement. --device cpu runs the same on the
+//       CPU (how tests check that both sides compute the same step).
 //   build/bench_train_step --shape llama3.1-8b --layers 2 --seq 2048 --ce-compare [--lora-head]
 //       the step with the chunked output loss (LlamaModel::loss) and with whole [tokens, vocab]
 //       logits (--full-logits), each in its own worker: peak RSS, losses and step time of each.
@@ -41,11 +51,13 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <sstream>
 #include <iostream>
 #include <string>
 #include <vector>
 
 #include "bench/bench_dtype.h"
+#include "bench/device_step.h"
 #include "bench/machine.h"
 #include "bench/memory_account.h"
 #include "bench/random_llama.h"
@@ -61,7 +73,9 @@
 #include "qlora/models/llama.h"
 #include "qlora/models/output_head.h"
 #include "qlora/modules/layers.h"
+#include "qlora/io/crash_report.h"
 #include "qlora/optim/adamw.h"
+#include "qlora/train/device.h"
 #include "quant/nf4_tensor.h"
 
 using nlohmann::json;
@@ -84,11 +98,27 @@ struct Args : qlora::bench::ShapeArgs {
   bool lora_head = false;    // LoRA on the output head too
   bool profile = true;       // a profiled step (per-phase seconds) and the GEMM floor after the timed steps
   int64_t runs = 1;          // the whole default-shape measurement this many times (--runs)
+  std::string device;          // --device: the seeded device mode (bench/device_step.h); empty: off
+  std::string peer_modes = "eager,compile";  // --peer-modes: the device mode's peers
+  double peak_tflops = 0;      // --peak-tflops: the device's dense bf16 peak for MFU; 0: from its name
   std::string dtype = "fp32";  // --dtype: fp32 | bf16 | auto
   at::ScalarType compute_dtype = at::kFloat;  // --dtype resolved (finish_dtype)
   std::string why;                            // and why
 
-  void finish_dtype() { compute_dtype = qlora::bench::resolve_bench_dtype(dtype, &why); }
+  // The device mode's defaults: a named shape (llama2-7b unless --shape), its full depth, seq 2048,
+  // 5 timed steps after a warm-up.
+  void device_defaults() {
+    if (shape.empty()) shape = "llama2-7b";
+    if (!seq_given) { seq = 2048; seq_given = true; }
+    if (!steps_given) { steps = 5; steps_given = true; }
+    profile = false;  // the phase profiler times CPU ops; a GPU runs them asynchronously
+  }
+
+  void finish_dtype() {
+    if (!device.empty() && !dtype_given) dtype = "bf16";  // the device mode computes in bf16 unless told
+    compute_dtype = qlora::bench::resolve_bench_dtype(dtype, &why);
+  }
+  bool dtype_given = false;
 };
 
 // What the JSON says of the compute dtype and the CPU it was chosen on.
@@ -126,13 +156,16 @@ json run_worker(const Args& a) {
   qlora::bench::MemoryAccount& acct = qlora::bench::MemoryAccount::install();
   acct.phase("load");
   const auto t0 = std::chrono::steady_clock::now();
-  const auto world = qlora::engine::World::join(qlora::engine::RankEnv{}, 0, std::chrono::seconds(60), c10::kCPU);
+  const at::Device dev(a.device.empty() ? "cpu" : a.device);
+  const auto world = qlora::engine::World::join(qlora::engine::RankEnv{}, 0, std::chrono::seconds(60), dev);
   const auto engine = qlora::engine::ShardedLlama::begin(*world, {});
   auto on_layer = [&engine](int64_t i, qlora::modules::DecoderLayer& L, const qlora::models::Architecture& a) {
     engine->shard_layer(i, L, a);
   };
   qlora::models::LlamaModel m;
-  if (!a.shape.empty()) {
+  if (!a.device.empty()) {
+    m = qlora::bench::seeded_model(a.shape_config(), a.r, a.alpha, !a.no_ac, dev, a.compute_dtype, on_layer);
+  } else if (!a.shape.empty()) {
     m = qlora::bench::random_model(a.shape_config(), a.r, a.alpha, !a.no_ac, on_layer, a.compute_dtype);
   } else {
     qlora::models::LlamaLoadOptions o;
@@ -161,7 +194,7 @@ json run_worker(const Args& a) {
   qlora::optim::AdamW opt(engine->param_shards(), ao);
   const int64_t V = m.config.vocab_size, chunk = qlora::models::default_loss_chunk_tokens(std::min(V, m.lm_head_chunk_rows));
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(1);
-  const at::Tensor tokens = at::randint(0, V, {a.batch, a.seq + 1}, gen);  // [batch, seq + 1]
+  const at::Tensor tokens = at::randint(0, V, {a.batch, a.seq + 1}, gen).to(dev);  // [batch, seq + 1]
   // Labels already shifted, as data/batching produces them.
   const at::Tensor inp = tokens.narrow(1, 0, a.seq), labels = tokens.narrow(1, 1, a.seq);
 
@@ -175,13 +208,16 @@ json run_worker(const Args& a) {
     acct.phase("optimizer");
     opt.step();
     engine->gather_params();
+    qlora::train::synchronize_device(dev);  // a wall clock around GPU work
     return loss.item<double>();
   };
   std::vector<double> losses, times;
   // A real shape skips the warm-up to stay within minutes on a small CPU; its one step then
   // includes first-touch costs, so it is an upper bound.
-  const bool warmup = a.shape.empty();
+  const bool warmup = a.shape.empty() || !a.device.empty();
+  const auto first = std::chrono::steady_clock::now();
   if (warmup) losses.push_back(step());
+  const double first_step_s = seconds_since(first);
   for (int64_t i = 0; i < a.steps; ++i) {
     const auto t = std::chrono::steady_clock::now();
     losses.push_back(step());
@@ -197,6 +233,13 @@ json run_worker(const Args& a) {
           {"peak_rss_bytes", qlora::bench::proc_status_bytes("VmHWM")}, {"rss_after_load_bytes", rss_after_load}, {"losses", losses},
           {"loss", a.full_logits ? "whole [tokens, vocab] logits" : "chunked, " + std::to_string(chunk) + " tokens"},
           {"memory_accounting", acct.report(qlora::bench::model_static_bytes(m))}};
+  if (!a.device.empty()) {
+    const auto peaks = qlora::train::device_memory_peaks(dev);
+    out["device"] = qlora::train::device_name(dev);
+    out["first_step_s"] = first_step_s;
+    if (peaks.allocated >= 0) out["max_allocated_bytes"] = peaks.allocated;
+    if (peaks.reserved >= 0) out["max_reserved_bytes"] = peaks.reserved;
+  }
   if (a.profile) {
     // One more step under the phase profiler, then the same step's GEMMs alone.
     qlora::bench::StepProfile prof;
@@ -259,6 +302,79 @@ json default_shape_run(const Args& a, const std::string& dir, const std::string&
   return r;
 }
 
+// Tokens/s, peak device memory and MFU of one side's JSON, and its losses.
+json device_figures(const json& side, double flops_per_token, double peak) {
+  if (!side.contains("tokens_per_s")) return {{"error", side.value("error", std::string("no result"))}};
+  const double tps = side["tokens_per_s"].get<double>();
+  json f = {{"tokens_per_s", tps}, {"losses", side["losses"]}};
+  for (const char* k : {"max_allocated_bytes", "max_reserved_bytes", "peak_rss_bytes"})
+    if (side.contains(k)) f[k] = side[k];
+  f["mfu"] = peak > 0 ? json(tps * flops_per_token / peak) : json(nullptr);
+  return f;
+}
+
+// The device mode: qlora's step on the seeded model (bench/random_llama.h), then each peer mode's
+// on the same weights (bench/peer_train_step.py --spec), each in its own process on a.device;
+// tokens/s, peak device memory, MFU, and how far the first losses agree.
+json device_run(const Args& a) {
+  const qlora::models::LlamaConfig c = a.shape_config();
+  qlora::bench::check_seeded_family(c);
+  const std::string spec = (fs::temp_directory_path() / ("qlora_bench_seeded_" + a.shape + "_l" +
+                                                          std::to_string(a.layers) + ".json")).string();
+  std::ofstream(spec) << qlora::bench::seeded_spec(c, a.r, a.alpha).dump() << "\n";
+  const qlora::bench::StepFlops fl = qlora::bench::step_flops_per_token(c, a.r, a.seq);
+  json r = {{"bench", "train_step_device"},
+            {"machine", {{"cpu", qlora::bench::cpu_model()}, {"logical_cpus", sysconf(_SC_NPROCESSORS_ONLN)}}},
+            {"shape", {{"model", a.shape + " (seeded random weights, NF4 base, in device memory)"},
+                       {"layers", a.layers}, {"vocab", c.vocab_size}, {"seq", a.seq}, {"batch", a.batch},
+                       {"steps", a.steps}, {"lora_r", a.r}, {"lora_alpha", a.alpha}, {"compute_dtype", a.dtype},
+                       {"lora_targets", qlora::models::layer_peft_names(qlora::models::architecture_of(c))},
+                       {"activation_checkpointing", !a.no_ac}}},
+            {"model_flops_per_token", {{"frozen_projections", fl.frozen}, {"lora", fl.lora},
+                                       {"causal_attention", fl.attention}, {"total", fl.total()}}}};
+  const std::string ac = a.no_ac ? " --no-activation-checkpointing" : "";
+  const json q = run_json(self_exe() + " --worker --device " + a.device + shape_flags(a) + ac);
+  const std::string name = q.value("device", a.device);
+  const double peak = a.peak_tflops > 0 ? a.peak_tflops * 1e12 : qlora::bench::bf16_peak_flops(name);
+  r["device"] = {{"name", name}, {"bf16_peak_tflops", peak > 0 ? json(peak / 1e12) : json(nullptr)}};
+  r["qlora"] = q;
+  r["figures"]["qlora"] = device_figures(q, fl.total(), peak);
+  const std::string py = std::string(QLORA_PYTHON) + " " + QLORA_SOURCE_DIR + "/bench/peer_train_step.py";
+  double best_peer = 0;
+  std::string best_mode;
+  std::stringstream modes(a.peer_modes);
+  for (std::string mode; std::getline(modes, mode, ',');) {
+    if (mode == "none" || mode.empty()) continue;
+    const json p = run_json(py + " --spec " + spec + " --device " + a.device + " --mode " + mode + " --seq " +
+                            std::to_string(a.seq) + " --batch " + std::to_string(a.batch) + " --steps " +
+                            std::to_string(a.steps) + " --dtype " + a.dtype + (a.no_ac ? "" : " --ac"));
+    r["peers"][mode] = p;
+    r["figures"]["peer_" + mode] = device_figures(p, fl.total(), peak);
+    if (p.contains("tokens_per_s") && p["tokens_per_s"].get<double>() > best_peer) {
+      best_peer = p["tokens_per_s"].get<double>();
+      best_mode = mode;
+    }
+    if (q.contains("losses") && p.contains("losses")) {  // both compute the same thing: the same first losses
+      double worst = 0;
+      for (size_t i = 0; i < std::min<size_t>(3, std::min(q["losses"].size(), p["losses"].size())); ++i) {
+        const double x = q["losses"][i].get<double>(), y = p["losses"][i].get<double>();
+        worst = std::max(worst, std::abs(x - y) / std::abs(y));
+      }
+      r["first_losses_max_rel_diff"][mode] = worst;
+    }
+  }
+  if (best_peer > 0 && q.contains("tokens_per_s")) {
+    const json& bp = r["peers"][best_mode];
+    r["vs_faster_peer"] = {{"peer", best_mode}, {"ratio_tokens_per_s", q["tokens_per_s"].get<double>() / best_peer}};
+    if (q.contains("max_allocated_bytes") && bp.contains("max_allocated_bytes")) {
+      r["vs_faster_peer"]["ratio_max_allocated"] = q["max_allocated_bytes"].get<double>() / bp["max_allocated_bytes"].get<double>();
+      r["vs_faster_peer"]["ratio_max_reserved"] = q["max_reserved_bytes"].get<double>() / bp["max_reserved_bytes"].get<double>();
+    }
+    r["target"] = "tokens/s >= 1.3x the faster peer at no more peak memory (max reserved); MFU >= 0.5";
+  }
+  return r;
+}
+
 // The median over runs of each figure (a run that lacks one is left out of its median), and each
 // run's value beside it.
 json median_of_runs(const std::vector<json>& runs) {
@@ -287,6 +403,7 @@ json median_of_runs(const std::vector<json>& runs) {
 }  // namespace
 
 int main(int argc, char** argv) try {
+  qlora::io::install_crash_report(argv[0]);
   qlora::io::tune_cpu_memory();
   Args a;
   for (int i = 1; i < argc; ++i) {
@@ -308,15 +425,23 @@ int main(int argc, char** argv) try {
     else if (s == "--lora-head") a.lora_head = true;
     else if (s == "--no-profile") a.profile = false;
     else if (s == "--runs") a.runs = std::stoll(next());
-    else if (s == "--dtype") a.dtype = next();
+    else if (s == "--dtype") { a.dtype = next(); a.dtype_given = true; }
+    else if (s == "--device") a.device = next();
+    else if (s == "--peer-modes") a.peer_modes = next();
+    else if (s == "--peak-tflops") a.peak_tflops = std::stod(next());
     else { std::cerr << "bench_train_step: unknown argument " << s << "\n"; return 2; }
   }
+  if (!a.device.empty()) a.device_defaults();
   a.finish();
   a.finish_dtype();
   if (a.batch < 1) throw std::invalid_argument("--batch must be >= 1");
   if (a.runs < 1) throw std::invalid_argument("--runs must be >= 1");
   if (a.worker) {
     std::cout << run_worker(a).dump() << std::endl;
+    return 0;
+  }
+  if (!a.device.empty()) {
+    std::cout << device_run(a).dump(2) << std::endl;
     return 0;
   }
 

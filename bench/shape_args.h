@@ -19,7 +19,7 @@ struct ShapeArgs {
   int64_t seq = 512, steps = 3;
   std::string workdir;  // the random checkpoint's directory; empty = one per shape under /tmp
   std::string shape;  // a name of bench/model_shapes.h; empty: the Llama shape of the flags above
-  bool seq_given = false, steps_given = false, layers_given = false;
+  bool seq_given = false, steps_given = false, layers_given = false, vocab_given = false;
 
   // Consumes argv[i] (and its value) when it is a shape flag; false otherwise.
   bool parse(int argc, char** argv, int& i) {
@@ -32,7 +32,7 @@ struct ShapeArgs {
     else if (s == "--inter") inter = next();
     else if (s == "--layers") { layers = next(); layers_given = true; }
     else if (s == "--heads") heads = next();
-    else if (s == "--vocab") vocab = next();
+    else if (s == "--vocab") { vocab = next(); vocab_given = true; }
     else if (s == "--seq") { seq = next(); seq_given = true; }
     else if (s == "--steps") { steps = next(); steps_given = true; }
     else if (s == "--llama2-7b") shape = "llama2-7b";
@@ -65,13 +65,17 @@ struct ShapeArgs {
 
   std::string flags() const {
     return " --hidden " + std::to_string(hidden) + " --inter " + std::to_string(inter) + " --layers " +
-           std::to_string(layers) + " --heads " + std::to_string(heads) + " --vocab " + std::to_string(vocab) +
-           " --seq " + std::to_string(seq) + " --steps " + std::to_string(steps) +
+           std::to_string(layers) + " --heads " + std::to_string(heads) +
+           (shape.empty() || vocab_given ? " --vocab " + std::to_string(vocab) : "") + " --seq " + std::to_string(seq) + " --steps " + std::to_string(steps) +
            (shape.empty() ? "" : " --shape " + shape);
   }
 
-  // The named shape's config at the chosen depth.
-  models::LlamaConfig shape_config() const { return model_shape_config(shape, layers); }
+  // The named shape's config at the chosen depth (and --vocab, where given: a test's smaller head).
+  models::LlamaConfig shape_config() const {
+    models::LlamaConfig c = model_shape_config(shape, layers);
+    if (vocab_given) c.vocab_size = vocab;
+    return c;
+  }
 
   // Writes the random bf16 checkpoint of this shape once (the peer script's --write-model).
   void ensure_checkpoint(const std::string& python, const std::string& source_dir) const {

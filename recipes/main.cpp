@@ -1,5 +1,6 @@
 // The `qlora` binary.
 #include "qlora/engine/launcher.h"
+#include "qlora/io/crash_report.h"
 
 namespace qlora::recipes {
 int qlora_cli(int argc, char** argv);
@@ -7,4 +8,7 @@ int qlora_cli(int argc, char** argv);
 
 QLORA_OMP_WAIT_POLICY_PREINIT;  // OpenMP workers that sleep instead of spinning (launcher.h)
 
-int main(int argc, char** argv) { return qlora::recipes::qlora_cli(argc, argv); }
+int main(int argc, char** argv) {
+  qlora::io::install_crash_report(argv[0]);
+  return qlora::recipes::qlora_cli(argc, argv);
+}

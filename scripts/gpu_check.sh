@@ -9,7 +9,15 @@
 #     configure  cmake -G Ninja, Release, QLORA_CUDA=ON, into build-gpu
 #     build      cmake --build
 #     test       ctest, all tests (GPU ones included)
+#     crash      the embedded default with an empty cache (it pre-trains the tiny base on the CPU,
+#                where the first GPU run segfaulted), stopped after 60 s if it lives: a crash
+#                leaves its symbolized call stack and, where cuda-gdb exists, its backtrace
+#     recipe     the embedded default with model.device=cuda (the carried pre-trained base), then
+#                qlora generate --device cuda on its export
 #     bench      build-gpu/bench_nf4 --device cuda > $OUT/bench_nf4_cuda.json
+#     train      bench_train_step --device cuda beside the torch + torchao peer (eager, compiled):
+#                Llama-2-7B and Llama-3.1-8B shapes, seq 2048, batch 1 and 4 (GPU_CHECK_TRAIN
+#                narrows it: e.g. "llama2-7b:1"), one JSON each under $OUT
 #
 # A device call is limited to 10 minutes: run `deps configure build` in one call and
 # `test bench` in the next if the whole does not fit (build-gpu and .gpu_deps/root stay on a
@@ -36,9 +44,11 @@ py=${GPU_CHECK_PYTHON:-python3}
 jobs=${GPU_CHECK_JOBS:-$(nproc)}
 multiarch=x86_64-linux-gnu
 
-if (($#)); then steps=("$@"); else read -r -a steps <<<"${GPU_CHECK_STEPS:-deps configure build test bench}"; fi
+if (($#)); then steps=("$@"); else read -r -a steps <<<"${GPU_CHECK_STEPS:-deps configure build crash recipe bench train test}"; fi
 for s in "${steps[@]}"; do
-  case $s in deps | configure | build | test | bench) ;; *) echo "gpu_check: unknown step '$s'" >&2; exit 2 ;; esac
+  case $s in deps | configure | build | test | crash | recipe | bench | train) ;;
+    *) echo "gpu_check: unknown step '$s'" >&2; exit 2 ;;
+  esac
 done
 
 if [[ -n ${OUT:-} ]]; then  # the device tool returns only the output's tail: keep all of it
@@ -114,6 +124,9 @@ use_deps() {
   export LD_LIBRARY_PATH=$root/usr/lib/$multiarch${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
   export CMAKE_INCLUDE_PATH=$root/usr/include CMAKE_LIBRARY_PATH=$root/usr/lib/$multiarch
   [[ -d /usr/local/cuda/bin ]] && export PATH=/usr/local/cuda/bin:$PATH
+  # The pre-trained tiny default base, made by gpu_prepare.sh here: the recipe and its tests then
+  # skip minutes of one-thread pre-training on the device's clock.
+  [[ -d $deps/cache ]] && export QLORA_CACHE_DIR=$deps/cache
   pkg_config=$(command -v pkg-config || true)
   [[ -n $pkg_config ]] || pkg_config=$root/usr/bin/pkgconf
 }
@@ -127,7 +140,8 @@ step_configure() {
   torch_prefix=$("$vpy" -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')
   nvcc=$(command -v nvcc)
   say "configure $build (torch: $torch_prefix, nvcc: $nvcc, pkg-config: $pkg_config)"
-  cmake -S "$repo" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DQLORA_CUDA=ON \
+  # -g1: line tables, so that a crash report's frames name their lines (scripts/symbolize_crash.sh).
+  cmake -S "$repo" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DQLORA_CUDA=ON -DCMAKE_CXX_FLAGS=-g1 \
     -DCMAKE_CUDA_COMPILER="$nvcc" \
     -DCMAKE_PREFIX_PATH="$torch_prefix;$root/usr" \
     -DPKG_CONFIG_EXECUTABLE="$pkg_config" \
@@ -150,6 +164,77 @@ step_test() {
   if [[ -n ${OUT:-} && -f $build/Testing/Temporary/LastTest.log ]]; then
     cp "$build/Testing/Temporary/LastTest.log" "$OUT/ctest_LastTest.log"
   fi
+  return $rc
+}
+
+out_dir() { echo "${OUT:-$build}"; }
+
+# Runs "$@" (a qlora command line) with its output in log $1, killed after RUN_LIMIT_S seconds
+# (default 540); on a death by signal, the symbolized crash report and, where cuda-gdb exists, a
+# backtrace from a second run under it. Returns the command's status (137: the limit's SIGKILL).
+run_logged() {
+  local log=$1 rc=0
+  shift
+  timeout -s KILL "${RUN_LIMIT_S:-540}" "$@" >"$log" 2>&1 || rc=$?
+  tail -4 "$log"
+  if ((rc > 128 && rc != 137)); then
+    say "died of signal $((rc - 128)): $*"
+    bash "$repo/scripts/symbolize_crash.sh" "$log" | grep -A60 "fatal signal" | head -70 | tee "$log.stack" || true
+    if command -v cuda-gdb >/dev/null; then
+      say "again under cuda-gdb (backtrace in $log.gdb)"
+      timeout 300 cuda-gdb -q -batch -ex run -ex bt -ex "info threads" --args "$@" >"$log.gdb" 2>&1 || true
+      grep -B2 -A40 "received signal" "$log.gdb" | head -60 || true
+    fi
+  fi
+  return $rc
+}
+
+step_crash() {
+  ensure_deps
+  local dir=$build/crash_check
+  rm -rf "$dir"
+  mkdir -p "$dir"
+  say "crash: qlora run lora_finetune with an empty cache (pre-trains the tiny base), at most 60 s"
+  local rc=0
+  QLORA_CACHE_DIR=$dir/cache RUN_LIMIT_S=60 run_logged "$(out_dir)/crash_check.log" \
+    "$build/qlora" run lora_finetune checkpoint.output_dir="$dir/out" logging.progress=plain || rc=$?
+  ((rc == 137)) && { say "no crash within 60 s (stopped)"; return 0; }
+  return $rc
+}
+
+step_recipe() {
+  ensure_deps
+  local dir=$build/recipe_cuda
+  rm -rf "$dir"
+  say "recipe: qlora run lora_finetune model.device=cuda (QLORA_CACHE_DIR=$QLORA_CACHE_DIR)"
+  run_logged "$(out_dir)/recipe_cuda.log" "$build/qlora" run lora_finetune model.device=cuda \
+    checkpoint.output_dir="$dir" logging.progress=plain
+  local epoch
+  epoch=$(ls -d "$dir"/epoch_* | sort -V | tail -1)
+  say "generate: qlora generate --device cuda --checkpoint $epoch"
+  run_logged "$(out_dir)/generate_cuda.log" "$build/qlora" generate --device cuda --checkpoint "$epoch" \
+    --instruction "Reverse the word." --input kite
+}
+
+step_train() {
+  ensure_deps
+  local what=${GPU_CHECK_TRAIN:-llama2-7b:1 llama2-7b:4 llama3.1-8b:1 llama3.1-8b:4} w rc=0
+  for w in $what; do
+    local shape=${w%%:*} batch=${w##*:}
+    local dest
+    dest=$(out_dir)/train_step_${shape}_b${batch}.json
+    say "train: bench_train_step --device cuda --shape $shape --batch $batch > $dest"
+    "$build/bench_train_step" --device cuda --shape "$shape" --batch "$batch" >"$dest" 2>"$dest.err" || rc=$?
+    "$vpy" - "$dest" <<'PY' || rc=1
+import json, sys
+r = json.load(open(sys.argv[1]))
+for side, f in r.get("figures", {}).items():
+    mem = f.get("max_reserved_bytes")
+    print(f"  {side:14s} tokens/s {f.get('tokens_per_s', 0):9.0f}  MFU {f.get('mfu') or 0:.3f}  "
+          f"max reserved {(mem or 0) / 2**30:6.2f} GiB  losses {f.get('losses', f.get('error'))}")
+print("  vs faster peer:", r.get("vs_faster_peer"), " first losses' max rel diff:", r.get("first_losses_max_rel_diff"))
+PY
+  done
   return $rc
 }
 
@@ -185,9 +270,9 @@ for s in "${steps[@]}"; do
   else
     say "step $s: FAILED with exit code $rc ($((SECONDS - start)) s)"
     failed+=("$s")
-    # Nothing after a failed deps/configure/build can mean anything; tests and bench are
+    # Nothing after a failed deps/configure/build can mean anything; the later steps are
     # independent of each other.
-    [[ $s == test || $s == bench ]] || break
+    [[ $s == deps || $s == configure || $s == build ]] && break
   fi
 done
 if ((${#failed[@]})); then

@@ -3,9 +3,11 @@
 # lacks to build and test the project, into .gpu_deps/ (git-ignored):
 #   .gpu_deps/debs    Debian 12 packages: -dev packages and the runtime libraries they need
 #   .gpu_deps/wheels  Python wheels for the conformance tests (no dependencies)
+#   .gpu_deps/cache   the pre-trained tiny default base (1.6 MB), so that the GPU machine does not
+#                     spend minutes of device time pre-training it on one CPU thread
 # The GPU machine has no registry at all, so these travel with the device tool's `carry`
-# (carry .gpu_deps/debs and .gpu_deps/wheels, not .gpu_deps: that would replace the unpacked
-# tree and venv that scripts/gpu_check.sh keeps there between calls).
+# (carry .gpu_deps/debs, .gpu_deps/wheels and .gpu_deps/cache, not .gpu_deps: that would replace
+# the unpacked tree and venv that scripts/gpu_check.sh keeps there between calls).
 #
 # Idempotent: a package whose candidate version is already downloaded is not fetched again;
 # older versions of it are removed so that gpu_check.sh never unpacks two.
@@ -103,5 +105,23 @@ for spec in "${wheels[@]}"; do  # drop other versions left by earlier pins
   done
 done
 
-echo "gpu_prepare: $(ls "$deps/debs" | wc -l) debs, $(ls "$deps/wheels" | wc -l) wheels," \
-     "$(du -sh "$deps/debs" "$deps/wheels" | awk '{print $1}' | paste -sd+) in $deps"
+# The pre-trained tiny default base, as qlora caches it (src/qlora/train/tiny_default.cpp): made
+# here by a one-step run of the embedded default if this machine has none yet (minutes, once).
+version=$(sed -n 's/^constexpr int kBaseVersion = \([0-9]*\);/\1/p' "$repo/src/qlora/train/tiny_default.cpp")
+base=tiny_base_v$version
+cache=${QLORA_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/qlora}
+if [[ ! -f $deps/cache/$base/model.safetensors ]]; then
+  if [[ ! -f $cache/$base/model.safetensors ]]; then
+    [[ -x $repo/build/qlora ]] || { echo "gpu_prepare: build qlora first (bash scripts/setup.sh)" >&2; exit 1; }
+    tmp=$(mktemp -d)
+    QLORA_CACHE_DIR=$cache "$repo/build/qlora" run lora_finetune training.epochs=1 training.max_steps_per_epoch=1 \
+      checkpoint.output_dir="$tmp/out" logging.progress=plain >/dev/null
+    rm -rf "$tmp"
+  fi
+  rm -rf "$deps/cache"
+  mkdir -p "$deps/cache"
+  cp -r "$cache/$base" "$deps/cache/"
+fi
+
+echo "gpu_prepare: $(ls "$deps/debs" | wc -l) debs, $(ls "$deps/wheels" | wc -l) wheels, $base," \
+     "$(du -sh "$deps/debs" "$deps/wheels" "$deps/cache" | awk '{print $1}' | paste -sd+) in $deps"

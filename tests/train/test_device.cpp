@@ -66,3 +66,24 @@ TEST(Device, PeakMemoryIsPositive) {
   const at::Tensor t = at::empty({1 << 20}, at::TensorOptions().device(c10::kCUDA));
   EXPECT_GE(qlora::train::peak_memory_bytes(c10::Device(c10::kCUDA, 0)), int64_t{4} << 20);
 }
+
+TEST(Device, CudaMemoryPeaksFollowAllocationsAndResets) {
+  const auto cpu = qlora::train::device_memory_peaks(c10::kCPU);
+  EXPECT_EQ(cpu.allocated, -1);
+  EXPECT_EQ(cpu.reserved, -1);
+  qlora::train::synchronize_device(c10::kCPU);  // nothing to wait for
+  EXPECT_EQ(qlora::train::device_name(c10::kCPU), "cpu");
+  if (!have_cuda()) GTEST_SKIP() << "no CUDA device";
+  const c10::Device d(c10::kCUDA, 0);
+  EXPECT_NE(qlora::train::device_name(d).find("NVIDIA"), std::string::npos) << qlora::train::device_name(d);
+  constexpr int64_t kBytes = int64_t{64} << 20;
+  {
+    const at::Tensor t = at::ones({kBytes / 4}, at::TensorOptions().device(d));
+    qlora::train::synchronize_device(d);
+  }
+  const auto after = qlora::train::device_memory_peaks(d);
+  EXPECT_GE(after.allocated, kBytes);
+  EXPECT_GE(after.reserved, after.allocated);
+  qlora::train::reset_device_memory_peaks(d);  // the tensor is gone: the peak falls to what is held now
+  EXPECT_LT(qlora::train::device_memory_peaks(d).allocated, kBytes);
+}

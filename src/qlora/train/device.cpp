@@ -2,8 +2,10 @@
 
 #include <ATen/Context.h>
 #include <ATen/detail/CUDAHooksInterface.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #if QLORA_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <cuda_runtime_api.h>
 #endif
 
 #include <stdexcept>
@@ -50,6 +52,44 @@ int64_t peak_memory_bytes(c10::Device device) {
 #endif
   (void)device;
   return peak_rss_bytes();
+}
+
+DeviceMemoryPeaks device_memory_peaks(c10::Device device) {
+  DeviceMemoryPeaks p;
+#if QLORA_WITH_CUDA
+  if (device.is_cuda()) {
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index());
+    const auto all = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
+    p.allocated = stats.allocated_bytes[all].peak;
+    p.reserved = stats.reserved_bytes[all].peak;
+  }
+#endif
+  (void)device;
+  return p;
+}
+
+void reset_device_memory_peaks(c10::Device device) {
+#if QLORA_WITH_CUDA
+  if (device.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(device.index());
+#endif
+  (void)device;
+}
+
+void synchronize_device(c10::Device device) {
+  if (device.is_cpu()) return;
+  c10::impl::getDeviceGuardImpl(device.type())->synchronizeDevice(device.has_index() ? device.index() : 0);
+}
+
+std::string device_name(c10::Device device) {
+#if QLORA_WITH_CUDA
+  if (device.is_cuda()) {
+    cudaDeviceProp prop{};
+    if (cudaGetDeviceProperties(&prop, device.has_index() ? device.index() : 0) != cudaSuccess)
+      throw std::runtime_error("cannot read the properties of " + device.str());
+    return prop.name;
+  }
+#endif
+  return device.str();
 }
 
 }  // namespace qlora::train

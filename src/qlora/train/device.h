@@ -25,4 +25,21 @@ void set_generator_state(c10::Device device, const at::Tensor& state);
 // peak resident set (VmHWM).
 int64_t peak_memory_bytes(c10::Device device);
 
+// A CUDA device's caching-allocator peaks since the last reset: the most bytes held by tensors
+// (torch.cuda.max_memory_allocated) and the most reserved from the driver (max_memory_reserved,
+// what the process holds of the GPU). Both -1 on the CPU.
+struct DeviceMemoryPeaks {
+  int64_t allocated = -1;
+  int64_t reserved = -1;
+};
+DeviceMemoryPeaks device_memory_peaks(c10::Device device);
+void reset_device_memory_peaks(c10::Device device);
+
+// Returns when every kernel queued on `device` has finished (at once on the CPU): what a wall
+// clock around GPU work needs.
+void synchronize_device(c10::Device device);
+
+// The device as its driver names it ("NVIDIA H100 80GB HBM3"); "cpu" on the CPU.
+std::string device_name(c10::Device device);
+
 }  // namespace qlora::train
