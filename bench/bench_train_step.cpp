@@ -100,6 +100,7 @@ struct Args : qlora::bench::ShapeArgs {
   int64_t runs = 1;          // the whole default-shape measurement this many times (--runs)
   std::string device;          // --device: the seeded device mode (bench/device_step.h); empty: off
   std::string peer_modes = "eager,compile";  // --peer-modes: the device mode's peers
+  std::string trace;           // --trace PATH (worker): one more step traced into a Chrome trace
   double peak_tflops = 0;      // --peak-tflops: the device's dense bf16 peak for MFU; 0: from its name
   std::string dtype = "fp32";  // --dtype: fp32 | bf16 | auto
   at::ScalarType compute_dtype = at::kFloat;  // --dtype resolved (finish_dtype)
@@ -233,6 +234,7 @@ json run_worker(const Args& a) {
           {"peak_rss_bytes", qlora::bench::proc_status_bytes("VmHWM")}, {"rss_after_load_bytes", rss_after_load}, {"losses", losses},
           {"loss", a.full_logits ? "whole [tokens, vocab] logits" : "chunked, " + std::to_string(chunk) + " tokens"},
           {"memory_accounting", acct.report(qlora::bench::model_static_bytes(m))}};
+  if (!a.trace.empty()) qlora::bench::trace_step([&] { step(); }, a.trace, dev.is_cuda());
   if (!a.device.empty()) {
     const auto peaks = qlora::train::device_memory_peaks(dev);
     out["device"] = qlora::train::device_name(dev);
@@ -333,10 +335,18 @@ json device_run(const Args& a) {
             {"model_flops_per_token", {{"frozen_projections", fl.frozen}, {"lora", fl.lora},
                                        {"causal_attention", fl.attention}, {"total", fl.total()}}}};
   const std::string ac = a.no_ac ? " --no-activation-checkpointing" : "";
-  const json q = run_json(self_exe() + " --worker --device " + a.device + shape_flags(a) + ac);
+  // Each side traces one more step; bench/trace_summary.py says where its device time went.
+  const std::string traces = (fs::temp_directory_path() / ("qlora_bench_trace_" + a.shape + "_b" +
+                                                            std::to_string(a.batch))).string();
+  fs::create_directories(traces);
+  const std::string summary = std::string(QLORA_PYTHON) + " " + QLORA_SOURCE_DIR + "/bench/trace_summary.py ";
+  const json q = run_json(self_exe() + " --worker --device " + a.device + shape_flags(a) + ac + " --trace " +
+                          traces + "/qlora.json");
+  if (q.contains("tokens_per_s")) r["profile"]["qlora"] = run_json(summary + traces + "/qlora.json");
   const std::string name = q.value("device", a.device);
   const double peak = a.peak_tflops > 0 ? a.peak_tflops * 1e12 : qlora::bench::bf16_peak_flops(name);
   r["device"] = {{"name", name}, {"bf16_peak_tflops", peak > 0 ? json(peak / 1e12) : json(nullptr)}};
+  r["traces"] = traces;
   r["qlora"] = q;
   r["figures"]["qlora"] = device_figures(q, fl.total(), peak);
   const std::string py = std::string(QLORA_PYTHON) + " " + QLORA_SOURCE_DIR + "/bench/peer_train_step.py";
@@ -347,8 +357,10 @@ json device_run(const Args& a) {
     if (mode == "none" || mode.empty()) continue;
     const json p = run_json(py + " --spec " + spec + " --device " + a.device + " --mode " + mode + " --seq " +
                             std::to_string(a.seq) + " --batch " + std::to_string(a.batch) + " --steps " +
-                            std::to_string(a.steps) + " --dtype " + a.dtype + (a.no_ac ? "" : " --ac"));
+                            std::to_string(a.steps) + " --dtype " + a.dtype + (a.no_ac ? "" : " --ac") + " --trace " +
+                            traces + "/peer_" + mode + ".json");
     r["peers"][mode] = p;
+    if (p.contains("tokens_per_s")) r["profile"]["peer_" + mode] = run_json(summary + traces + "/peer_" + mode + ".json");
     r["figures"]["peer_" + mode] = device_figures(p, fl.total(), peak);
     if (p.contains("tokens_per_s") && p["tokens_per_s"].get<double>() > best_peer) {
       best_peer = p["tokens_per_s"].get<double>();
@@ -428,6 +440,7 @@ int main(int argc, char** argv) try {
     else if (s == "--dtype") { a.dtype = next(); a.dtype_given = true; }
     else if (s == "--device") a.device = next();
     else if (s == "--peer-modes") a.peer_modes = next();
+    else if (s == "--trace") a.trace = next();
     else if (s == "--peak-tflops") a.peak_tflops = std::stod(next());
     else { std::cerr << "bench_train_step: unknown argument " << s << "\n"; return 2; }
   }

@@ -1,8 +1,12 @@
 // What bench_train_step's device mode (--device) reports beside tokens/s: the model FLOPs a
-// QLoRA step spends per token, and the device's dense bf16 peak, for MFU.
+// QLoRA step spends per token, the device's dense bf16 peak (for MFU), and a traced step.
 #pragma once
 
+#include <torch/csrc/autograd/profiler_kineto.h>
+
 #include <cstdint>
+#include <functional>
+#include <set>
 #include <string>
 
 #include "qlora/models/architecture.h"
@@ -46,6 +50,19 @@ inline double bf16_peak_flops(const std::string& name) {
   if (has("L40S")) return 362e12;
   if (has("RTX 4090")) return 165.2e12;
   return 0;
+}
+
+// Runs `step` once under the Kineto profiler (CPU ops, and the device's kernels and copies) and
+// writes a Chrome trace to `path`, which bench/trace_summary.py sums up by kind of work.
+inline void trace_step(const std::function<void()>& step, const std::string& path, bool cuda) {
+  namespace prof = torch::profiler::impl;
+  const prof::ProfilerConfig config(prof::ProfilerState::KINETO);
+  std::set<prof::ActivityType> activities = {prof::ActivityType::CPU};
+  if (cuda) activities.insert(prof::ActivityType::CUDA);
+  torch::autograd::profiler::prepareProfiler(config, activities);
+  torch::autograd::profiler::enableProfiler(config, activities);
+  step();
+  torch::autograd::profiler::disableProfiler()->save(path);
 }
 
 }  // namespace qlora::bench

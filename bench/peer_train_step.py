@@ -305,6 +305,13 @@ def bench_spec(a):
 
     losses, times, first_step_s = timed_steps(step, a.steps)
     med = statistics.median(times)
+    if a.trace:  # one more step, traced (bench/trace_summary.py reads it)
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        with torch.profiler.profile(activities=activities) as prof:
+            step()
+        prof.export_chrome_trace(a.trace)
     print(json.dumps(dict({
         "impl": "pytorch+torchao (peer, torchtune's QLoRA structure)", "mode": a.mode,
         "torch_version": torch.__version__, "torchao_version": __import__("torchao").__version__,
@@ -336,6 +343,7 @@ def main():
     ap.add_argument("--mode", default="eager", choices=["eager", "compile"])
     ap.add_argument("--ac", action="store_true", help="activation checkpointing per decoder layer")
     ap.add_argument("--loss-chunks", type=int, default=8)
+    ap.add_argument("--trace", help="the device mode: one more step traced into this Chrome trace")
     a = ap.parse_args()
     if a.write_model:
         write_model(a)

@@ -26,6 +26,7 @@
 #
 # Env: GPU_CHECK_STEPS (steps, if no arguments), GPU_CHECK_PYTHON (default python3),
 #      GPU_CHECK_BUILD_DIR (default build-gpu), GPU_CHECK_JOBS (default nproc),
+#      GPU_CHECK_TARGETS (build only these targets; default all),
 #      GPU_CHECK_CTEST_ARGS (extra ctest arguments), OUT (logs and bench JSON go there).
 set -euo pipefail
 
@@ -151,8 +152,9 @@ step_configure() {
 step_build() {
   ensure_deps
   [[ -f $build/CMakeCache.txt ]] || step_configure
-  say "build $build (-j$jobs)"
-  cmake --build "$build" -j "$jobs"
+  say "build $build (-j$jobs${GPU_CHECK_TARGETS:+, targets: $GPU_CHECK_TARGETS})"
+  # shellcheck disable=SC2086  # the target list is split on purpose
+  cmake --build "$build" -j "$jobs" ${GPU_CHECK_TARGETS:+--target $GPU_CHECK_TARGETS}
 }
 
 step_test() {

@@ -15,11 +15,14 @@ sliding window shorter than the sequence), written by transformers' save_pretrai
              torchao's to_nf4(w).get_original_weight(), our tool runs with --nf4
 Then greedy generation (models::generate through llama_logits --generate) equals transformers'
 generate(do_sample=False) for prompts shorter and longer than the window, prompt + new tokens > window.
+Where torch sees a CUDA device, each case's forward also runs there on both sides (llama_logits
+--device cuda against transformers on CUDA): in fp32, and in bf16 (a copy of the model cast to bf16).
 
 Usage: test_families_transformers.py --tool PATH/llama_logits --workdir DIR [--case NAME ...]
 Prints one line per check and "N passed, M failed"; exit status 1 on any failure. A case our tool
 refuses (e.g. an unsupported model_type) fails with the tool's stderr.
 """
+import copy
 import os
 import sys
 
@@ -39,6 +42,11 @@ ATOL_FP32_PER_UNIT = 1e-4
 # NF4: our dequantization is bit-identical to torchao's (conformance.nf4_torchao), so the fp32
 # tolerance applies; a thread-count-dependent last bit of the absmax mean moves weights by ~1 ulp.
 ATOL_NF4_PER_UNIT = 1e-4
+# On CUDA: fp32 GEMMs and reductions in another order than the CPU's (no TF32: torch's default
+# for matmul), so twice the CPU tolerance; bf16 on both sides rounds every activation to 8 bits of
+# mantissa (~4e-3 relative) in another order, so a few units of that, per unit of the largest logit.
+ATOL_CUDA_FP32_PER_UNIT = 2e-4
+ATOL_CUDA_BF16_PER_UNIT = 3e-2
 # An ablation must move the reference logits by this many tolerances to count as exercised.
 ABLATION_MARGIN = 100.0
 PACKED = [11, 9]             # sums to SEQ; each sample longer than the window
@@ -92,6 +100,22 @@ def check_forwards(checks, args, name, model, ckpt, tokens):
             checks.compare(f"{name} kv-cache decode from {p}", ours, ref, atol)
         except Exception as e:
             checks.crashed(f"{name} kv-cache decode from {p}", e)
+
+
+def check_cuda(checks, args, name, model, ckpt, tokens):
+    """The forward on CUDA, both sides, fp32 then bf16; the model itself stays on the CPU in fp32."""
+    for dtype, tag, per_unit in [(torch.float32, "fp32", ATOL_CUDA_FP32_PER_UNIT),
+                                 (torch.bfloat16, "bf16", ATOL_CUDA_BF16_PER_UNIT)]:
+        try:
+            on_gpu = copy.deepcopy(model).to("cuda", dtype)
+            with torch.no_grad():
+                ref = on_gpu(tokens.cuda()).logits.float().cpu()
+            del on_gpu
+            ours = logits_tool(args.tool, ckpt, tokens, os.path.join(args.workdir, f"{name}_cuda_{tag}.safetensors"),
+                               extra=["--device", "cuda", "--dtype", tag])
+            checks.compare(f"{name} cuda {tag}", ours, ref, atol_for(ref, per_unit))
+        except Exception as e:
+            checks.crashed(f"{name} cuda {tag}", e)
 
 
 def check_nf4(checks, args, name, model, ckpt, tokens):
@@ -180,6 +204,8 @@ def main():
             tokens = torch.randint(0, F.COMMON["vocab_size"], (2, F.SEQ), generator=g)
             check_ablations(checks, name, model, tokens, reference_logits(model, tokens))
             check_forwards(checks, args, name, model, ckpt, tokens)
+            if torch.cuda.is_available():
+                check_cuda(checks, args, name, model, ckpt, tokens)
             check_nf4(checks, args, name, model, ckpt, tokens)  # last: rounds the model's weights
             if name in GEN_CASES:
                 check_generation(checks, args, name, seed)

@@ -7,6 +7,8 @@
 3. resuming with a changed lr is refused by name; a changed logging key is allowed; resuming on an
    edited data file is refused naming the file, on the same data moved elsewhere allowed;
 4. `qlora generate` runs on the export.
+QLORA_TEST_DEVICE=cuda runs every recipe run here with model.device=cuda (the GPU machine's check
+of bit-identical resume on CUDA); default: the recipe's own device (cpu).
 Prints "N passed, M failed"; exit code 1 on any failure.
 """
 import json
@@ -19,12 +21,14 @@ from recipe_common import Checks, recipe_args, run_recipe, step_rows
 
 check = Checks()
 FAULTS = None  # --qlora-faults
+DEVICE = os.environ.get("QLORA_TEST_DEVICE", "")
 
 
 def run(qlora, out, *overrides, fault=None, expect_rc=0):
     """fault: a QLORA_FAULT_PLAN for the qlora_faults test binary (the same command line)."""
     return run_recipe(FAULTS if fault else qlora, out, "logging.progress=plain", "training.epochs=2",
-                      "training.max_steps_per_epoch=10", "checkpoint.save_every_steps=4", *overrides,
+                      "training.max_steps_per_epoch=10", "checkpoint.save_every_steps=4",
+                      *([f"model.device={DEVICE}"] if DEVICE else []), *overrides,
                       fault=fault, expect_rc=expect_rc)
 
 

@@ -1,6 +1,6 @@
 // llama_logits: runs our forward (any family load_llama reads) on given token ids and writes the
 // logits, so Python conformance tests can compare them with transformers.
-//   llama_logits --checkpoint DIR --tokens 1,2,3[;4,5,6] [--nf4] [--dtype fp32|bf16]
+//   llama_logits --checkpoint DIR --tokens 1,2,3[;4,5,6] [--nf4] [--dtype fp32|bf16] [--device cpu|cuda]
 //                [--packed 5,7 | --decode-from P | --generate N] --out FILE
 // Writes FILE (safetensors) with "logits": float32 [batch, seq, vocab].
 // --packed: each row holds samples of these lengths (summing to seq), run through the packed
@@ -30,7 +30,7 @@ namespace {
 
 [[noreturn]] void usage(const std::string& why) {
   std::cerr << "llama_logits: " << why << "\n"
-            << "usage: llama_logits --checkpoint DIR --tokens 1,2,3[;4,5,6] [--nf4] [--dtype fp32|bf16]"
+            << "usage: llama_logits --checkpoint DIR --tokens 1,2,3[;4,5,6] [--nf4] [--dtype fp32|bf16] [--device D]"
                " [--packed 5,7 | --decode-from P | --generate N] --out FILE\n";
   std::exit(2);
 }
@@ -102,6 +102,7 @@ int main(int argc, char** argv) {
     else if (a == "--tokens") tokens = value();
     else if (a == "--out") out = value();
     else if (a == "--nf4") opt.base_in_nf4 = true;
+    else if (a == "--device") opt.device = at::Device(value());
     else if (a == "--packed") packed = value();
     else if (a == "--generate") generate_n = parse_ints(value(), "--generate").at(0);
     else if (a == "--decode-from") decode_from = parse_ints(value(), "--decode-from").at(0);
@@ -118,7 +119,7 @@ int main(int argc, char** argv) {
   if (!packed.empty() + (generate_n >= 0) + (decode_from >= 0) > 1)
     usage("--packed, --decode-from and --generate exclude each other");
   try {
-    const at::Tensor ids = parse_tokens(tokens);  // [batch, seq]
+    const at::Tensor ids = parse_tokens(tokens).to(opt.device);  // [batch, seq]
     const qlora::models::LlamaModel model = qlora::models::load_llama(checkpoint, opt);
     at::NoGradGuard no_grad;
     if (generate_n >= 0) {
@@ -126,7 +127,7 @@ int main(int argc, char** argv) {
       g.max_new_tokens = generate_n;
       std::vector<int64_t> all;
       for (int64_t r = 0; r < ids.size(0); ++r) {
-        const at::Tensor row = ids[r].contiguous();
+        const at::Tensor row = ids[r].cpu().contiguous();
         const std::vector<int64_t> prompt(row.data_ptr<int64_t>(), row.data_ptr<int64_t>() + row.numel());
         const std::vector<int64_t> got = qlora::models::generate(model, prompt, g);
         if (static_cast<int64_t>(got.size()) != generate_n)
@@ -151,7 +152,7 @@ int main(int argc, char** argv) {
       const auto [position_ids, mask] = packed_inputs(parse_ints(packed, "--packed"), ids.size(0), ids.size(1));
       logits = model.forward(ids, position_ids, mask);
     }
-    qlora::io::save_safetensors(out, {{"logits", logits.contiguous()}});
+    qlora::io::save_safetensors(out, {{"logits", logits.cpu().contiguous()}});
   } catch (const std::exception& e) {
     std::cerr << "llama_logits: " << e.what() << "\n";
     return 1;
