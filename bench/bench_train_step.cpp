@@ -157,7 +157,7 @@ json run_worker(const Args& a) {
   qlora::bench::MemoryAccount& acct = qlora::bench::MemoryAccount::install();
   acct.phase("load");
   const auto t0 = std::chrono::steady_clock::now();
-  const at::Device dev(a.device.empty() ? "cpu" : a.device);
+  const at::Device dev = qlora::train::resolve_device(a.device.empty() ? "cpu" : a.device, "--device");
   const auto world = qlora::engine::World::join(qlora::engine::RankEnv{}, 0, std::chrono::seconds(60), dev);
   const auto engine = qlora::engine::ShardedLlama::begin(*world, {});
   auto on_layer = [&engine](int64_t i, qlora::modules::DecoderLayer& L, const qlora::models::Architecture& a) {
@@ -187,6 +187,11 @@ json run_worker(const Args& a) {
   qlora::io::release_free_cpu_memory();  // as the recipe does after loading
   const double load_s = seconds_since(t0);
   const int64_t rss_after_load = qlora::bench::proc_status_bytes("VmHWM");
+  // The device's peaks while loading (the seeded draws' fp32 temporaries), then the steps' own:
+  // cached blocks go back to the driver, so max reserved counts what the steps hold.
+  const qlora::train::DeviceMemoryPeaks load_peaks = qlora::train::device_memory_peaks(dev);
+  qlora::train::release_cached_device_memory(dev);
+  qlora::train::reset_device_memory_peaks(dev);
   m.training = true;
   int64_t trainable = 0;
   for (const auto& [name, t] : m.lora_parameters()) trainable += t.numel();
@@ -234,14 +239,18 @@ json run_worker(const Args& a) {
           {"peak_rss_bytes", qlora::bench::proc_status_bytes("VmHWM")}, {"rss_after_load_bytes", rss_after_load}, {"losses", losses},
           {"loss", a.full_logits ? "whole [tokens, vocab] logits" : "chunked, " + std::to_string(chunk) + " tokens"},
           {"memory_accounting", acct.report(qlora::bench::model_static_bytes(m))}};
-  if (!a.trace.empty()) qlora::bench::trace_step([&] { step(); }, a.trace, dev.is_cuda());
-  if (!a.device.empty()) {
+  if (!a.device.empty()) {  // the steps' peaks, before the traced step
     const auto peaks = qlora::train::device_memory_peaks(dev);
     out["device"] = qlora::train::device_name(dev);
     out["first_step_s"] = first_step_s;
-    if (peaks.allocated >= 0) out["max_allocated_bytes"] = peaks.allocated;
-    if (peaks.reserved >= 0) out["max_reserved_bytes"] = peaks.reserved;
+    if (peaks.allocated >= 0) {
+      out["max_allocated_bytes"] = peaks.allocated;
+      out["max_reserved_bytes"] = peaks.reserved;
+      out["load_max_allocated_bytes"] = load_peaks.allocated;
+      out["load_max_reserved_bytes"] = load_peaks.reserved;
+    }
   }
+  if (!a.trace.empty()) qlora::bench::trace_step([&] { step(); }, a.trace, dev.is_cuda());
   if (a.profile) {
     // One more step under the phase profiler, then the same step's GEMMs alone.
     qlora::bench::StepProfile prof;
@@ -309,7 +318,8 @@ json device_figures(const json& side, double flops_per_token, double peak) {
   if (!side.contains("tokens_per_s")) return {{"error", side.value("error", std::string("no result"))}};
   const double tps = side["tokens_per_s"].get<double>();
   json f = {{"tokens_per_s", tps}, {"losses", side["losses"]}};
-  for (const char* k : {"max_allocated_bytes", "max_reserved_bytes", "peak_rss_bytes"})
+  for (const char* k : {"max_allocated_bytes", "max_reserved_bytes", "load_max_allocated_bytes",
+                        "load_max_reserved_bytes", "peak_rss_bytes"})
     if (side.contains(k)) f[k] = side[k];
   f["mfu"] = peak > 0 ? json(tps * flops_per_token / peak) : json(nullptr);
   return f;
@@ -321,8 +331,10 @@ json device_figures(const json& side, double flops_per_token, double peak) {
 json device_run(const Args& a) {
   const qlora::models::LlamaConfig c = a.shape_config();
   qlora::bench::check_seeded_family(c);
-  const std::string spec = (fs::temp_directory_path() / ("qlora_bench_seeded_" + a.shape + "_l" +
-                                                          std::to_string(a.layers) + ".json")).string();
+  // Per process: two runs at once (ctest -j) must not share a spec or a trace.
+  const std::string tag = a.shape + "_l" + std::to_string(a.layers) + "_b" + std::to_string(a.batch) + "_" +
+                          std::to_string(getpid());
+  const std::string spec = (fs::temp_directory_path() / ("qlora_bench_seeded_" + tag + ".json")).string();
   std::ofstream(spec) << qlora::bench::seeded_spec(c, a.r, a.alpha).dump() << "\n";
   const qlora::bench::StepFlops fl = qlora::bench::step_flops_per_token(c, a.r, a.seq);
   json r = {{"bench", "train_step_device"},
@@ -336,8 +348,7 @@ json device_run(const Args& a) {
                                        {"causal_attention", fl.attention}, {"total", fl.total()}}}};
   const std::string ac = a.no_ac ? " --no-activation-checkpointing" : "";
   // Each side traces one more step; bench/trace_summary.py says where its device time went.
-  const std::string traces = (fs::temp_directory_path() / ("qlora_bench_trace_" + a.shape + "_b" +
-                                                            std::to_string(a.batch))).string();
+  const std::string traces = (fs::temp_directory_path() / ("qlora_bench_trace_" + tag)).string();
   fs::create_directories(traces);
   const std::string summary = std::string(QLORA_PYTHON) + " " + QLORA_SOURCE_DIR + "/bench/trace_summary.py ";
   const json q = run_json(self_exe() + " --worker --device " + a.device + shape_flags(a) + ac + " --trace " +

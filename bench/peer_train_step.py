@@ -142,7 +142,8 @@ class Llama(torch.nn.Module):
     def __init__(self, shape, weight, r, alpha, dtype, device="cpu", lora_a=None, ac=False):
         super().__init__()
         h, self.vocab, self.ac = shape["hidden"], shape["vocab"], ac
-        ones = lambda: torch.ones(h, dtype=dtype, device=device)  # noqa: E731
+        # Frozen Parameters, as torchtune registers norms: inputs of a compiled layer, not constants.
+        ones = lambda: torch.nn.Parameter(torch.ones(h, dtype=dtype, device=device), requires_grad=False)  # noqa: E731
         self.embed = weight("embed", -1, "embed_tokens", [self.vocab, h]).to(dtype)
         self.layers = torch.nn.ModuleList()
         for i in range(shape["layers"]):
@@ -267,11 +268,11 @@ def seeded_model(spec, device, ac, dtype):
     return Llama(shape, weight, spec["lora_r"], spec["lora_alpha"], dtype, device, lora_a, ac)
 
 
-def device_memory(device):
+def device_memory(device, prefix=""):
     if device.type != "cuda":
-        return {"peak_rss_bytes": vm_hwm_bytes()}
-    return {"max_allocated_bytes": torch.cuda.max_memory_allocated(device),
-            "max_reserved_bytes": torch.cuda.max_memory_reserved(device)}
+        return {} if prefix else {"peak_rss_bytes": vm_hwm_bytes()}
+    return {prefix + "max_allocated_bytes": torch.cuda.max_memory_allocated(device),
+            prefix + "max_reserved_bytes": torch.cuda.max_memory_reserved(device)}
 
 
 def bench_spec(a):
@@ -289,6 +290,10 @@ def bench_spec(a):
         loss_fn = torch.compile(chunked_cross_entropy)
     sync()
     load_s = time.perf_counter() - t0
+    load_memory = device_memory(device, "load_")  # as the C++ side: then the steps' own peaks
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda")
     g = torch.Generator().manual_seed(1)
@@ -305,6 +310,7 @@ def bench_spec(a):
 
     losses, times, first_step_s = timed_steps(step, a.steps)
     med = statistics.median(times)
+    memory = dict(device_memory(device), **load_memory)  # the steps' peaks, before the traced step
     if a.trace:  # one more step, traced (bench/trace_summary.py reads it)
         activities = [torch.profiler.ProfilerActivity.CPU]
         if device.type == "cuda":
@@ -319,8 +325,11 @@ def bench_spec(a):
         "compute_dtype": a.dtype, "activation_checkpointing": a.ac,
         "loss": f"chunked, {a.loss_chunks} chunks (torchtune)",
         "load_s": load_s, "first_step_s": first_step_s, "trainable_params": sum(p.numel() for p in params),
-        "step_s": times, "median_step_s": med, "tokens_per_s": a.batch * a.seq / med, "losses": losses},
-        **device_memory(device))))
+        "step_s": times, "median_step_s": med, "tokens_per_s": a.batch * a.seq / med, "losses": losses,
+        # Dynamo's counts: unique_graphs ~ layers would mean a recompile per layer (and, past its
+        # cache limit, layers run eagerly).
+        "dynamo_stats": dict(torch._dynamo.utils.counters["stats"]) if a.mode == "compile" else None},
+        **memory)))
 
 
 def main():

@@ -14,16 +14,21 @@ import json
 import sys
 from collections import defaultdict
 
-# (kind, substrings of a lower-cased kernel name); the first match wins.
+# (kind, substrings of a lower-cased kernel name); the first match wins. Inductor's kernels
+# (torch.compile) come first: triton_tem_*mm* are its GEMM templates, every other triton_* a fused
+# pointwise or reduction kernel, whatever ops it fused.
 KINDS = [
     ("nccl_collectives", ["nccl"]),
+    ("gemm", ["triton_tem_fused_mm", "triton_tem_fused_addmm", "triton_tem_fused_bmm"]),
+    ("inductor_fused", ["triton_"]),
     ("nf4_dequantize", ["dequantize", "nf4"]),
     ("attention", ["flash", "fmha", "attention", "sdpa", "_attn"]),
     ("gemm", ["gemm", "cutlass", "xmma", "nvjet", "cublas", "wgmma", "sm90_", "splitk", "matmul"]),
-    ("loss", ["cross_entropy", "log_softmax", "nll_loss", "softmax"]),
-    ("optimizer", ["adam", "multi_tensor", "foreach", "fused_"]),
+    ("loss", ["cross_entropy", "log_softmax", "nll_loss"]),
+    ("optimizer", ["adam", "multi_tensor_apply"]),
     ("copies_and_casts", ["memcpy", "memset", "copy", "cast", "fill"]),
-    ("norm_rope_swiglu_elementwise", ["elementwise", "vectorized", "reduce", "norm", "rope", "silu", "mul", "add"]),
+    ("norm_rope_swiglu_elementwise", ["elementwise", "vectorized", "reduce", "norm", "rope", "silu", "mul", "add",
+                                      "softmax"]),
 ]
 DEVICE_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
 

@@ -108,6 +108,7 @@ done
 # The pre-trained tiny default base, as qlora caches it (src/qlora/train/tiny_default.cpp): made
 # here by a one-step run of the embedded default if this machine has none yet (minutes, once).
 version=$(sed -n 's/^constexpr int kBaseVersion = \([0-9]*\);/\1/p' "$repo/src/qlora/train/tiny_default.cpp")
+[[ -n $version ]] || { echo "gpu_prepare: no kBaseVersion in src/qlora/train/tiny_default.cpp" >&2; exit 1; }
 base=tiny_base_v$version
 cache=${QLORA_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/qlora}
 if [[ ! -f $deps/cache/$base/model.safetensors ]]; then

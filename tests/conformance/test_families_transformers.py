@@ -108,6 +108,13 @@ def check_cuda(checks, args, name, model, ckpt, tokens):
                                  (torch.bfloat16, "bf16", ATOL_CUDA_BF16_PER_UNIT)]:
         try:
             on_gpu = copy.deepcopy(model).to("cuda", dtype)
+            # .to(bf16) also rounds the RoPE inverse frequencies, which transformers computes and
+            # keeps in fp32 when it loads in bf16 (and ours stay fp32): put the fp32 ones back.
+            cpu_modules = dict(model.named_modules())
+            for mname, m in on_gpu.named_modules():
+                for buf in ("inv_freq", "original_inv_freq"):
+                    if isinstance(getattr(m, buf, None), torch.Tensor):
+                        setattr(m, buf, getattr(cpu_modules[mname], buf).to("cuda"))
             with torch.no_grad():
                 ref = on_gpu(tokens.cuda()).logits.float().cpu()
             del on_gpu

@@ -65,7 +65,7 @@ TEST_P(CudaParity, LoraNf4LinearForwardBackward) {
   }
   const at::Tensor x = randn({2, 9, 128}, 4).to(dt), up = randn({2, 9, 96}, 5);
   auto run = [&](const modules::LoraLinear& l, at::Device d) {
-    at::Tensor xi = x.to(d).requires_grad_(true);
+    at::Tensor xi = x.to(d).detach().requires_grad_(true);  // x.to(kCPU) is x itself: never mark x
     at::Tensor y = modules::lora_linear_forward(l, xi, /*training=*/true);
     (y.to(at::kFloat) * up.to(d)).sum().backward();
     return std::vector<at::Tensor>{y.cpu(), xi.grad().cpu(), l.lora_a.grad().cpu(), l.lora_b.grad().cpu()};

@@ -150,7 +150,7 @@ int main(int argc, char** argv) {
       logits = model.forward(ids);
     } else {
       const auto [position_ids, mask] = packed_inputs(parse_ints(packed, "--packed"), ids.size(0), ids.size(1));
-      logits = model.forward(ids, position_ids, mask);
+      logits = model.forward(ids, position_ids.to(opt.device), mask.to(opt.device));
     }
     qlora::io::save_safetensors(out, {{"logits", logits.cpu().contiguous()}});
   } catch (const std::exception& e) {

@@ -72,6 +72,13 @@ void on_fatal_signal(int sig, siginfo_t* info, void*) {
   put_number(static_cast<uint64_t>(::getpid()), 10);
   put(", tid ");
   put_number(static_cast<uint64_t>(::syscall(SYS_gettid)), 10);
+  char exe[4096];  // the binary's absolute path: the frames may name it as it was typed
+  const ssize_t n_exe = ::readlink("/proc/self/exe", exe, sizeof(exe) - 1);
+  if (n_exe > 0) {
+    exe[n_exe] = '\0';
+    put(", executable ");
+    put(exe);
+  }
   put("; call stack (innermost first; scripts/symbolize_crash.sh names the module(+offset) frames):\n");
   void* frames[kMaxFrames];
   const int n = ::backtrace(frames, kMaxFrames);

@@ -5,7 +5,8 @@
 namespace qlora::io {
 
 // From now on, a fatal SIGSEGV, SIGBUS, SIGILL, SIGFPE or SIGABRT first writes to stderr:
-//   qlora: fatal signal 11 (Segmentation fault), address 0x10, pid 4242, tid 4243; call stack:
+//   qlora: fatal signal 11 (Segmentation fault), address 0x10, pid 4242, tid 4243, executable
+//   /path/qlora; call stack (...):
 //   /path/qlora(+0x1a2b3c)[0x55d0c81a2b3c]
 //   /path/libtorch_cpu.so(_ZN2at6native...+0x4d)[0x7f...]
 // one frame a line, innermost first, as glibc's backtrace() sees them (an exported function by

@@ -5,6 +5,7 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #if QLORA_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <cuda_runtime_api.h>
 #endif
 
@@ -43,10 +44,19 @@ void set_generator_state(c10::Device device, const at::Tensor& state) {
   gen.set_state(state);
 }
 
+#if QLORA_WITH_CUDA
+namespace {
+// "cuda" (no index) means the current device, as torch.cuda's functions take it.
+c10::DeviceIndex cuda_index(c10::Device device) {
+  return device.has_index() ? device.index() : c10::cuda::current_device();
+}
+}  // namespace
+#endif
+
 int64_t peak_memory_bytes(c10::Device device) {
 #if QLORA_WITH_CUDA
   if (device.is_cuda()) {
-    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index());
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(cuda_index(device));
     return stats.allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)].peak;
   }
 #endif
@@ -58,7 +68,7 @@ DeviceMemoryPeaks device_memory_peaks(c10::Device device) {
   DeviceMemoryPeaks p;
 #if QLORA_WITH_CUDA
   if (device.is_cuda()) {
-    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index());
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(cuda_index(device));
     const auto all = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
     p.allocated = stats.allocated_bytes[all].peak;
     p.reserved = stats.reserved_bytes[all].peak;
@@ -70,21 +80,29 @@ DeviceMemoryPeaks device_memory_peaks(c10::Device device) {
 
 void reset_device_memory_peaks(c10::Device device) {
 #if QLORA_WITH_CUDA
-  if (device.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(device.index());
+  if (device.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(cuda_index(device));
+#endif
+  (void)device;
+}
+
+void release_cached_device_memory(c10::Device device) {
+#if QLORA_WITH_CUDA
+  if (device.is_cuda()) c10::cuda::CUDACachingAllocator::emptyCache();
 #endif
   (void)device;
 }
 
 void synchronize_device(c10::Device device) {
   if (device.is_cpu()) return;
-  c10::impl::getDeviceGuardImpl(device.type())->synchronizeDevice(device.has_index() ? device.index() : 0);
+  const auto* impl = c10::impl::getDeviceGuardImpl(device.type());
+  impl->synchronizeDevice(device.has_index() ? device.index() : impl->getDevice().index());
 }
 
 std::string device_name(c10::Device device) {
 #if QLORA_WITH_CUDA
   if (device.is_cuda()) {
     cudaDeviceProp prop{};
-    if (cudaGetDeviceProperties(&prop, device.has_index() ? device.index() : 0) != cudaSuccess)
+    if (cudaGetDeviceProperties(&prop, cuda_index(device)) != cudaSuccess)
       throw std::runtime_error("cannot read the properties of " + device.str());
     return prop.name;
   }

@@ -34,6 +34,9 @@ struct DeviceMemoryPeaks {
 };
 DeviceMemoryPeaks device_memory_peaks(c10::Device device);
 void reset_device_memory_peaks(c10::Device device);
+// Gives the caching allocator's unused blocks back to the driver (torch.cuda.empty_cache), so that
+// the next max reserved counts what is allocated from here on; nothing on the CPU.
+void release_cached_device_memory(c10::Device device);
 
 // Returns when every kernel queued on `device` has finished (at once on the CPU): what a wall
 // clock around GPU work needs.
