@@ -7,7 +7,6 @@
 #include <unistd.h>
 
 #include <cstdint>
-#include <cstdlib>
 
 namespace qlora::io {
 namespace {
@@ -101,12 +100,13 @@ void install_crash_report(const char* program) {
   // backtrace() loads libgcc's unwinder on first use, which allocates: do it now, not in the handler.
   void* warm[2];
   (void)::backtrace(warm, 2);
-  // An alternate stack, so that a stack overflow can be reported; never freed (the process's life).
-  const size_t stack_bytes = 64 * 1024 + static_cast<size_t>(SIGSTKSZ);
+  // An alternate stack, so that a stack overflow can be reported: static, for the process's life
+  // (well above MINSIGSTKSZ with AVX-512 state, and what backtrace() needs).
+  alignas(64) static char alt_stack[128 * 1024];
   stack_t ss{};
-  ss.ss_sp = std::malloc(stack_bytes);
-  ss.ss_size = stack_bytes;
-  if (ss.ss_sp) ::sigaltstack(&ss, nullptr);
+  ss.ss_sp = alt_stack;
+  ss.ss_size = sizeof(alt_stack);
+  ::sigaltstack(&ss, nullptr);
   struct sigaction sa {};
   sa.sa_sigaction = on_fatal_signal;
   sa.sa_flags = SA_SIGINFO | SA_ONSTACK | SA_RESETHAND | SA_NODEFER;
