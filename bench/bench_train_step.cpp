@@ -339,6 +339,7 @@ json device_run(const Args& a) {
   const qlora::bench::StepFlops fl = qlora::bench::step_flops_per_token(c, a.r, a.seq);
   json r = {{"bench", "train_step_device"},
             {"machine", {{"cpu", qlora::bench::cpu_model()}, {"logical_cpus", sysconf(_SC_NPROCESSORS_ONLN)}}},
+            {"dtype", dtype_json(a)},
             {"shape", {{"model", a.shape + " (seeded random weights, NF4 base, in device memory)"},
                        {"layers", a.layers}, {"vocab", c.vocab_size}, {"seq", a.seq}, {"batch", a.batch},
                        {"steps", a.steps}, {"lora_r", a.r}, {"lora_alpha", a.alpha}, {"compute_dtype", a.dtype},
