@@ -371,3 +371,30 @@ TEST(Resume, MalformedRanksHereIsRefusedByName) {
     }
   }
 }
+
+// A manifest whose fields have the wrong JSON types is damage (ResumeError, so resume tries an
+// older checkpoint), not a JSON library error: fuzz_resume found "format" as an object escaping.
+TEST(Resume, ManifestFieldsOfTheWrongTypeAreDamage) {
+  const fs::path d = fresh_dir("wrong_types");
+  save_resume_checkpoint(d.string(), 3, sample_state(3), 0);
+  const fs::path ck = d / "checkpoints/step_00000003";
+  const std::string manifest = read_all(ck / "manifest.json");
+  nlohmann::json good = nlohmann::json::parse(manifest);
+  for (const char* key : {"format", "step", "files"}) {
+    for (const nlohmann::json& bad : {nlohmann::json::object(), nlohmann::json::array(), nlohmann::json(7.5)}) {
+      nlohmann::json m = good;
+      m[key] = bad;
+      std::ofstream(ck / "manifest.json", std::ios::binary | std::ios::trunc) << m.dump();
+      try {
+        load_resume_checkpoint(ck.string());
+        ADD_FAILURE() << key << " = " << bad.dump() << " was accepted";
+      } catch (const ResumeError& e) {
+        EXPECT_NE(std::string(e.what()).find("manifest"), std::string::npos) << e.what();
+      } catch (const std::exception& e) {
+        ADD_FAILURE() << key << " = " << bad.dump() << ": not a ResumeError: " << e.what();
+      }
+    }
+  }
+  std::ofstream(ck / "manifest.json", std::ios::binary | std::ios::trunc) << manifest;
+  EXPECT_NO_THROW(load_resume_checkpoint(ck.string()));
+}

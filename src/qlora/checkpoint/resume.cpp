@@ -77,8 +77,11 @@ std::optional<nlohmann::json> read_manifest(const fs::path& dir) {
   } catch (const nlohmann::json::exception& e) {
     throw ResumeError(path.string() + ": manifest is not valid JSON: " + e.what());
   }
-  if (!m.is_object() || m.value("format", "") != kFormat || !m.contains("step") || !m["step"].is_number_integer() ||
-      !m.contains("files") || !m["files"].is_object()) {
+  // json::value() throws its own type_error for a "format" that is not a string: check the type.
+  const bool format_ok = m.is_object() && m.contains("format") && m["format"].is_string() &&
+                         m["format"].get<std::string>() == kFormat;
+  if (!format_ok || !m.contains("step") || !m["step"].is_number_integer() || !m.contains("files") ||
+      !m["files"].is_object()) {
     throw ResumeError(path.string() + ": not a " + std::string(kFormat) +
                       " manifest (expected format, integer step and a files object)");
   }
