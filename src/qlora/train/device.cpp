@@ -54,14 +54,7 @@ c10::DeviceIndex cuda_index(c10::Device device) {
 #endif
 
 int64_t peak_memory_bytes(c10::Device device) {
-#if QLORA_WITH_CUDA
-  if (device.is_cuda()) {
-    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(cuda_index(device));
-    return stats.allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)].peak;
-  }
-#endif
-  (void)device;
-  return peak_rss_bytes();
+  return device.is_cuda() ? device_memory_peaks(device).allocated : peak_rss_bytes();
 }
 
 DeviceMemoryPeaks device_memory_peaks(c10::Device device) {
