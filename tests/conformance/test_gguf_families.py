@@ -345,6 +345,36 @@ def check_adapter(tool, name, d, model, tok, base_gguf):
                  diff < tol < moved, f"{diff:.2e} (< {tol:g}; the adapter moves them by {moved:.2e})")
 
 
+def check_tied_head_adapter(tool, work, d, model):
+    """A LoRA on a tied head (lm_head in the targets, tie_word_embeddings): the base's GGUF has no
+    output.weight to apply it to (llama.cpp 0.3.36 crashed on such an adapter), so `qlora gguf --adapter`
+    refuses it by name and writes nothing: given the tied base, and given an epoch's merged export
+    whose config the LoRA untied, with the adapter naming the tied base as qlora's export does."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+    torch.manual_seed(2)
+    peft_model = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                                                                 target_modules=["q_proj", "lm_head"]))
+    adapter = os.path.join(work, "tied_head_adapter")
+    peft_model.save_pretrained(adapter)
+    cfg_path = os.path.join(adapter, "adapter_config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    cfg["base_model_name_or_path"] = d
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f)
+    merged = edited_copy(d, work, "tied_head_merged", lambda c: c.update(tie_word_embeddings=False))
+    out = os.path.join(work, "tied_head-lora.gguf")
+    for label, base in (("the tied base", d), ("an epoch's export that the LoRA untied", merged)):
+        r = subprocess.run([tool, "gguf", adapter, "--adapter", "--base", base, "--type", "f32", "-o", out],
+                           capture_output=True, text=True)
+        msg = r.stderr.strip()
+        check(r.returncode != 0 and "lm_head.lora_A" in msg and "output head" in msg and "merged model" in msg
+              and not os.path.exists(out) and not os.path.exists(out + ".tmp"),
+              f"refused: a LoRA on a tied output head, with {label}: {msg[:300]}")
+
+
 # ---------------------------------------------------------------------------------------------- main checks
 
 def check_tokenization(path, ref, label):
@@ -534,6 +564,8 @@ def main():
         check_tokenization(paths["f32"], tok, f"{name} ({FAMILIES[name][2]})")
         check_transformers_loader(name, paths["f32"], model)
         check_adapter(a.tool, name, d, model, tok, paths["f32"])
+        if name == "qwen2":  # tied embeddings
+            check_tied_head_adapter(a.tool, a.workdir, d, model)
     check_window(a.tool, a.workdir, "mistral", "mistral_sliding", "sp-llama")
     check_window(a.tool, a.workdir, "phi3", "phi3", "sp-phi3")
     check_gemma3_multimodal(a.tool, a.workdir)

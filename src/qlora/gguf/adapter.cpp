@@ -22,9 +22,14 @@ namespace qlora::gguf {
 namespace {
 namespace fs = std::filesystem;
 
-// adapter_config.json's scale as llama.cpp's alpha (it multiplies by alpha / r); refuses what a
-// GGUF LoRA adapter cannot hold.
-double gguf_alpha(const std::string& adapter_dir) {
+struct AdapterConfig {
+  double alpha;           // llama.cpp's alpha (it multiplies by alpha / r)
+  std::string base_name;  // base_model_name_or_path; empty when absent
+};
+
+// adapter_config.json's scale as llama.cpp's alpha and the base it names; refuses what a GGUF LoRA
+// adapter cannot hold.
+AdapterConfig read_adapter_config(const std::string& adapter_dir) {
   const std::string file = (fs::path(adapter_dir) / "adapter_config.json").string();
   const auto text = io::read_file(file);
   if (!text) throw std::invalid_argument(file + ": cannot read it (a PEFT adapter directory has one)");
@@ -48,7 +53,19 @@ double gguf_alpha(const std::string& adapter_dir) {
   for (const char* k : {"rank_pattern", "alpha_pattern"})
     if (c.contains(k) && !c[k].is_null() && !c[k].empty()) refuse(std::string(k) + " is set (per-module ranks)");
   const double r = c["r"].get<double>(), alpha = c["lora_alpha"].get<double>();
-  return c.value("use_rslora", false) ? alpha * std::sqrt(r) : alpha;  // alpha / sqrt(r) == (alpha sqrt(r)) / r
+  const nlohmann::json base = c.value("base_model_name_or_path", nlohmann::json());
+  return {c.value("use_rslora", false) ? alpha * std::sqrt(r) : alpha,  // alpha / sqrt(r) == (alpha sqrt(r)) / r
+          base.is_string() ? base.get<std::string>() : ""};
+}
+
+// Whether the base model's GGUF, which the adapter is applied to, has no output.weight: its head is the
+// token embedding. The trained-on checkpoint says so, unless it is an epoch's merged export whose head
+// the LoRA untied (tie_word_embeddings false there); then the base that adapter_config.json names does,
+// when it is a local directory.
+bool base_head_is_tied(const models::LlamaConfig& trained_on, const std::string& base_name) {
+  if (trained_on.tie_word_embeddings) return true;
+  if (base_name.empty() || !fs::is_regular_file(fs::path(base_name) / "config.json")) return false;
+  return models::load_llama_config(base_name).tie_word_embeddings;
 }
 
 struct Pair {
@@ -57,7 +74,10 @@ struct Pair {
 };
 
 // The adapter's A/B pairs in file order of their A, each with the matrix it adapts.
-std::vector<Pair> pairs_of(const io::SafetensorsFile& f, const models::LlamaConfig& c, models::KeyLayout layout) {
+// A LoRA on a tied head is refused: llama.cpp finds no output.weight in the base's GGUF to apply it to
+// (llama-cpp-python 0.3.36 crashed on the first decode with one), while the merged model holds it.
+std::vector<Pair> pairs_of(const io::SafetensorsFile& f, const models::LlamaConfig& c, models::KeyLayout layout,
+                           bool tied_head) {
   static const std::string kPrefix = "base_model.model.", kA = ".lora_A.weight", kB = ".lora_B.weight";
   std::vector<Pair> out;
   for (const io::TensorInfo& t : f.tensors()) {
@@ -76,6 +96,12 @@ std::vector<Pair> pairs_of(const io::SafetensorsFile& f, const models::LlamaConf
     if (!target || target->add != 0.0f)
       throw std::invalid_argument(f.path() + ": '" + key + "' adapts '" + weight +
                                   "', which has no GGUF matrix a LoRA adapter can apply to");
+    if (tied_head && target->name == "output.weight")
+      throw std::invalid_argument(
+          f.path() + ": '" + key + "' adapts the output head, which the base model ties to its token embedding " +
+          "(tie_word_embeddings): the base's GGUF has no output.weight, so llama.cpp cannot apply a LoRA there. " +
+          "Convert the epoch's merged model instead (qlora gguf EPOCH_DIR), which holds the trained head, or " +
+          "train without \"output\" in lora.targets");
     out.push_back({key, b_key, *target});
   }
   if (out.empty()) throw std::invalid_argument(f.path() + ": no LoRA matrices");
@@ -96,12 +122,13 @@ size_t write_adapter_gguf(const std::string& adapter_dir, const std::string& bas
       options.type != GgmlType::Q8_0)
     throw std::invalid_argument(std::string("a LoRA adapter GGUF is written in f32, f16, bf16 or q8_0, not ") +
                                 type_info(options.type).name);
-  const double alpha = gguf_alpha(adapter_dir);
+  const AdapterConfig adapter = io::naming_file((fs::path(adapter_dir) / "adapter_config.json").string(),
+                                                [&] { return read_adapter_config(adapter_dir); });
   const models::LlamaConfig c = models::load_llama_config(base_dir);
   const ArchPlan arch = plan_architecture(c, base_dir + "/config.json");
   const models::KeyLayout layout = models::key_layout_of(io::CheckpointDir::open(base_dir), c);
   const auto f = io::SafetensorsFile::open((fs::path(adapter_dir) / "adapter_model.safetensors").string());
-  const std::vector<Pair> pairs = pairs_of(f, c, layout);
+  const std::vector<Pair> pairs = pairs_of(f, c, layout, base_head_is_tied(c, adapter.base_name));
   std::vector<TensorSpec> specs;
   for (const Pair& p : pairs) {
     for (const auto& [key, suffix] : {std::pair{p.a_key, ".lora_a"}, std::pair{p.b_key, ".lora_b"}}) {
@@ -115,7 +142,7 @@ size_t write_adapter_gguf(const std::string& adapter_dir, const std::string& bas
                        {"general.type", Value::string("adapter")},
                        {"general.name", Value::string(name)},
                        {"adapter.type", Value::string("lora")},
-                       {"adapter.lora.alpha", Value::f32(static_cast<float>(alpha))}};
+                       {"adapter.lora.alpha", Value::f32(static_cast<float>(adapter.alpha))}};
   Writer out(out_path, std::move(metadata), specs);
   size_t i = 0;
   for (const Pair& p : pairs) {

@@ -6,7 +6,9 @@
 //
 // llama.cpp scales by alpha / r; an rsLoRA adapter (alpha / sqrt(r)) is written with alpha * sqrt(r)
 // so the product is the same. DoRA, bias training, modules_to_save, fan_in_fan_out and a matrix
-// the architecture has no GGUF name for are refused by name before the file is opened.
+// the architecture has no GGUF name for are refused by name before the file is opened; so is a LoRA
+// on an output head the base ties to its embedding (the base's GGUF has no output.weight for llama.cpp
+// to apply it to; the epoch's merged model, converted whole, holds the trained head).
 #pragma once
 
 #include <string>
