@@ -88,6 +88,35 @@ TEST(HfTokenizer, ErrorsNameFileAndComponent) {
   EXPECT_TRUE(has(e, "dropout")) << e;
 }
 
+// Every value of a tokenizer.json replaced by one of another JSON type: the file opens, or its
+// error names it (no bare "[json.exception.type_error...]" reaches the user).
+TEST(HfTokenizer, EveryWronglyTypedValueIsAnErrorNamingTheFile) {
+  const json base = spm_style();
+  const json flat = base.flatten();
+  const std::vector<json> others = {nullptr, 7, -1, 1e300, "x", json::array(), json::object(), json::array({1, 2})};
+  int opened = 0, refused = 0;
+  int vocab_entries = 0;
+  for (const auto& [pointer, value] : flat.items()) {
+    // The vocabulary's entries all take one path: a few of them are enough.
+    if (pointer.rfind("/model/vocab/", 0) == 0 && ++vocab_entries > 4) continue;
+    for (const json& other : others) {
+      if (other == value) continue;
+      json j = base;
+      j[json::json_pointer(pointer)] = other;
+      const std::string path = write_json("typed.json", j);
+      try {
+        Tokenizer::open(path);
+        ++opened;
+      } catch (const std::exception& e) {
+        ++refused;
+        EXPECT_TRUE(has(e.what(), path)) << pointer << " = " << other.dump() << ": " << e.what();
+      }
+    }
+  }
+  EXPECT_GT(refused, 100);  // the mutations do reach the checks
+  EXPECT_GT(opened, 0);
+}
+
 TEST(HfTokenizer, DirectoryPicksModelThenOriginalThenTokenizerJson) {
   const fs::path dir = fs::path(testing::TempDir()) / "qlora_hf_dir";
   fs::remove_all(dir);

@@ -61,7 +61,12 @@ std::optional<StepName> parse_step_name(std::string name) {
 void fsync_dir(const fs::path& dir) { io::fsync_path(dir.string()); }
 
 std::string read_text(const fs::path& path) {
-  auto text = io::read_file(path.string());
+  std::optional<std::string> text;
+  try {
+    text = io::read_file(path.string());
+  } catch (const std::invalid_argument& e) {  // not a regular file, or past any size we write: damage
+    throw ResumeError(std::string("resume checkpoint: ") + e.what());
+  }
   if (!text) throw ResumeError("resume checkpoint: cannot read " + path.string());
   return std::move(*text);
 }

@@ -16,7 +16,7 @@ namespace {
 using nlohmann::json;
 
 std::string read_file(const std::string& path) {
-  auto text = io::read_file(path);
+  auto text = io::read_file(path, io::kNoSizeBound);  // the user's data: as large as it is
   if (!text) throw std::invalid_argument("dataset: cannot open '" + path + "'");
   return std::move(*text);
 }

@@ -58,9 +58,14 @@ std::string Tokenizer::find_file(const std::string& path) {
 }
 
 Tokenizer Tokenizer::open(const std::string& path_or_dir) {
-  Tokenizer t;
   const std::string path = find_file(path_or_dir);
+  return io::naming_file(path, [&] { return open_file(path); });
+}
+
+Tokenizer Tokenizer::open_file(const std::string& path) {
+  Tokenizer t;
   t.path_ = path;
+  io::check_file_to_read(path);  // sentencepiece reads it whole
   std::ifstream in(path, std::ios::binary);
   if (!in) throw std::runtime_error("tokenizer: cannot open '" + path + "'");
   std::string head(4096, '\0');

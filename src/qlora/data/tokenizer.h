@@ -85,6 +85,7 @@ class Tokenizer {
 
  private:
   Tokenizer() = default;
+  static Tokenizer open_file(const std::string& path);  // open(), its errors not all naming the file
   void open_tiktoken();
   void open_hf();
   // shared: a Tokenizer is copied into datasets and recipes; the model is read-only after load.

@@ -64,6 +64,12 @@ Plan plan_gguf(const io::CheckpointDir& ckpt, const models::LlamaConfig& c, cons
       throw std::invalid_argument(dir + ": tensor '" + s.key + "' has no GGUF name in llama.cpp's " + p.arch.arch +
                                   " architecture; no GGUF is written");
     const auto& info = ckpt.file_of(s.key).info(s.key);
+    // The vocabulary metadata has vocab_size entries: the embedding's rows say how many there are
+    // (a config.json asking for 10^12 would otherwise be written out, entry by entry).
+    if (mapped->name == "token_embd.weight" && (info.shape.empty() || info.shape[0] != c.vocab_size))
+      throw std::invalid_argument(dir + "/config.json: vocab_size is " + std::to_string(c.vocab_size) + ", but '" +
+                                  s.key + "' has " + std::to_string(info.shape.empty() ? 0 : info.shape[0]) +
+                                  " rows; no GGUF is written");
     p.specs.push_back({mapped->name, info.shape});
     p.from_checkpoint.emplace_back(s.key, *mapped);
   }

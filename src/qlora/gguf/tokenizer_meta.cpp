@@ -187,7 +187,8 @@ bool ends_with(const std::string& s, const std::string& tail) {
 void add_tokenizer_metadata(const std::string& dir, int64_t vocab_size, Metadata& metadata) {
   const std::string file = data::Tokenizer::find_file(dir);
   const data::Tokenizer tok = data::Tokenizer::open(file);
-  if (ends_with(file, "tokenizer.json")) add_bpe_vocab(file, vocab_size, metadata);
+  if (ends_with(file, "tokenizer.json"))
+    io::naming_file(file, [&] { add_bpe_vocab(file, vocab_size, metadata); });
   else if (ends_with(file, ".model") && !ends_with(file, "original/tokenizer.model"))
     add_sentencepiece_vocab(file, dir, tok, vocab_size, metadata);
   else throw std::invalid_argument(file + ": GGUF export writes tokenizer.json (byte-level BPE) and sentencepiece "

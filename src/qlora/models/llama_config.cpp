@@ -355,7 +355,7 @@ std::vector<int64_t> load_generation_eos_ids(const std::string& dir) {
     throw std::invalid_argument(path + ": not valid JSON: " + e.what());
   }
   if (!j.is_object()) throw std::invalid_argument(path + ": expected a JSON object");
-  return eos_ids(j, path);
+  return io::naming_file(path, [&] { return eos_ids(j, path); });
 }
 
 std::string supported_model_types() {
@@ -370,7 +370,7 @@ LlamaConfig load_llama_config(const std::string& path) {
   if (fs::is_directory(p)) p /= "config.json";
   const auto text = io::read_file(p.string());
   if (!text) throw std::invalid_argument(p.string() + ": cannot open config file");
-  return parse_llama_config(*text, p.string());
+  return io::naming_file(p.string(), [&] { return parse_llama_config(*text, p.string()); });
 }
 
 }  // namespace qlora::models

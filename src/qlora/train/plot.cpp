@@ -252,7 +252,7 @@ double legend(std::string& out, const std::vector<RunCurves>& runs, double top) 
 }  // namespace
 
 RunCurves read_run_curves(const std::string& path, const std::string& name) {
-  const auto contents = io::read_file(path);
+  const auto contents = io::read_file(path, io::kNoSizeBound);
   if (!contents) throw std::invalid_argument(path + ": cannot read (a run's metrics.jsonl)");
   const std::string& all = *contents;
   RunCurves c;

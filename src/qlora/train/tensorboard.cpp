@@ -133,7 +133,7 @@ TensorBoardLog::TensorBoardLog(const std::string& dir, int64_t resume_step) {
     const std::string time = name.substr(std::strlen(kPrefix), name.find('.', std::strlen(kPrefix)) - std::strlen(kPrefix));
     if (!time.empty() && time.size() < 19 && time.find_first_not_of("0123456789") == std::string::npos)
       stamp = std::max<int64_t>(stamp, std::stoll(time) + 1);
-    const auto bytes = io::read_file(entry.path().string());
+    const auto bytes = io::read_file(entry.path().string(), io::kNoSizeBound);
     const std::string kept = resume_step > 0 && bytes ? records_up_to(*bytes, resume_step) : "";
     if (kept.empty()) fs::remove(entry.path());
     else if (kept.size() != bytes->size()) io::write_file_atomic(entry.path().string(), kept);
