@@ -528,6 +528,8 @@ def check_refusals(tool, work, dirs):
     refused(tool, edited_copy(dirs["qwen2"], work, "refuse_qwen_window", lambda c: c.update(
         use_sliding_window=True, sliding_window=8, max_window_layers=0, layer_types=["sliding_attention"] * 2)),
         "qwen2 with a sliding window", "use_sliding_window")
+    refused(tool, edited_copy(dirs["qwen2"], work, "refuse_vocab_size", lambda c: c.update(vocab_size=10**12)),
+            "a vocab_size the embedding does not have (10^12 entries would be written)", "vocab_size", "rows")
     from safetensors.torch import load_file, save_file
     d = edited_copy(dirs["qwen3"], work, "refuse_tensor")
     st = os.path.join(d, "model.safetensors")
