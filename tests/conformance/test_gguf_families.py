@@ -357,7 +357,7 @@ def check_tied_head_adapter(tool, work, d, model):
     peft_model = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
                                                                  target_modules=["q_proj", "lm_head"]))
     adapter = os.path.join(work, "tied_head_adapter")
-    peft_model.save_pretrained(adapter)
+    peft_model.save_pretrained(adapter, save_embedding_layers=False)  # A and B only, as qlora exports
     cfg_path = os.path.join(adapter, "adapter_config.json")
     with open(cfg_path) as f:
         cfg = json.load(f)
