@@ -7,6 +7,7 @@
 #include <memory>
 #include <set>
 #include <stdexcept>
+#include <type_traits>
 #include <unordered_map>
 #include <utility>
 
@@ -38,6 +39,12 @@ std::string type_of(const json& j, const std::string& where, const std::set<std:
 template <class T>
 T get(const json& j, const char* key, const std::string& where, T fallback) {
   if (!j.contains(key) || j[key].is_null()) return fallback;
+  // nlohmann casts a float (1e300) or a negative number into an unsigned count unchecked (undefined
+  // behaviour, or a wrapped size): a count must be written as one.
+  if constexpr (std::is_unsigned_v<T> && !std::is_same_v<T, bool>) {
+    if (!j[key].is_number_unsigned())
+      fail(where, std::string("\"") + key + "\" must be a non-negative integer, got " + j[key].dump());
+  }
   try {
     return j[key].get<T>();
   } catch (const json::exception&) {
