@@ -13,7 +13,7 @@
 #include <utility>
 #include <vector>
 
-#include "qlora/io/safetensors.h"  // write_file_atomic
+#include "qlora/io/durable_file.h"
 #include "qlora/train/plot.h"
 
 namespace qlora::recipes {

@@ -383,15 +383,6 @@ TEST(SafetensorsWriter, WriteTensorChecksDtypeShapeAndOrder) {
   EXPECT_FALSE(exists(dir / "d.safetensors.tmp"));
 }
 
-TEST(SafetensorsWriter, WriteFileAtomicReplaces) {
-  TempDir dir;
-  const std::string path = dir / "note.txt";
-  ck::write_file_atomic(path, "one");
-  ck::write_file_atomic(path, "two");
-  EXPECT_EQ(read_bytes(path), "two");
-  EXPECT_FALSE(exists(path + ".tmp"));
-}
-
 // --- checkpoint directories ---------------------------------------------------------------------
 
 class CheckpointDirTest : public ::testing::Test {

@@ -17,6 +17,7 @@
 
 #include "qlora/checkpoint/resume.h"
 #include "qlora/io/checkpoint_dir.h"
+#include "qlora/io/durable_file.h"
 #include "qlora/io/safetensors.h"
 #include "qlora/models/architecture.h"
 #include "qlora/models/key_layout.h"

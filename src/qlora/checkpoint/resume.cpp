@@ -17,6 +17,7 @@
 #include <map>
 #include <sstream>
 
+#include "qlora/io/durable_file.h"
 #include "qlora/io/safetensors.h"
 #include "qlora/checkpoint/xxh64.h"
 

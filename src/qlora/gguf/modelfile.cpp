@@ -5,7 +5,7 @@
 #include "qlora/checkpoint/serving.h"
 #include "qlora/data/tokenizer.h"
 #include "qlora/gguf/convert.h"
-#include "qlora/io/safetensors.h"
+#include "qlora/io/durable_file.h"
 
 namespace qlora::gguf {
 namespace fs = std::filesystem;

@@ -1,4 +1,5 @@
 #include "qlora/io/checkpoint_dir.h"
+#include "qlora/io/durable_file.h"
 
 #include <nlohmann/json.hpp>
 

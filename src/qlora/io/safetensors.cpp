@@ -1,5 +1,7 @@
 #include "qlora/io/safetensors.h"
 
+#include "qlora/io/durable_file.h"
+
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 #include <nlohmann/json.hpp>
@@ -14,6 +16,7 @@
 #include <cstring>
 #include <limits>
 #include <set>
+#include <utility>
 
 // The format is little-endian on disk and we copy the length prefix and tensor bytes verbatim.
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "safetensors I/O assumes a little-endian host");
@@ -56,38 +59,6 @@ bool lookup_dtype(std::string_view name, Dtype* out) {
   for (Dtype d : kAll)
     if (name == dtype_name(d)) return *out = d, true;
   return false;
-}
-
-void write_all(int fd, const void* data, size_t nbytes, const std::string& path) {
-  auto* p = static_cast<const char*>(data);
-  while (nbytes > 0) {
-    ssize_t n = ::write(fd, p, nbytes);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) fail(path, "write failed: " + sys_error());
-    p += n;
-    nbytes -= static_cast<size_t>(n);
-  }
-}
-
-// Without the directory fsync the rename itself may not survive a power loss.
-void fsync_parent(const std::string& path) {
-  const size_t slash = path.find_last_of('/');
-  fsync_path(slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash));
-}
-
-// Consumes fd (closed on every path). The caller unlinks tmp if this throws.
-void commit_tmp(int fd, const std::string& tmp, const std::string& path) {
-  int rc = ::fsync(fd);
-  int err = errno;
-  if (::close(fd) != 0 && rc == 0) rc = -1, err = errno;
-  if (rc != 0) fail(tmp, "fsync/close failed: " + std::string(std::strerror(err)));
-  if (::rename(tmp.c_str(), path.c_str()) != 0) fail(path, "rename from '" + tmp + "' failed: " + sys_error());
-}
-
-int open_tmp(const std::string& tmp) {
-  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) fail(tmp, "cannot create: " + sys_error());
-  return fd;
 }
 
 }  // namespace
@@ -377,13 +348,13 @@ SafetensorsHeader safetensors_header(const std::string& path, const std::vector<
 
 SafetensorsWriter::SafetensorsWriter(std::string path, std::vector<EntrySpec> entries,
                                      std::map<std::string, std::string> metadata)
-    : path_(std::move(path)), tmp_path_(path_ + ".tmp"), entries_(std::move(entries)) {
+    : path_(std::move(path)), tmp_path_(aside_path(path_)), entries_(std::move(entries)) {
   SafetensorsHeader h = safetensors_header(path_, entries_, metadata);
   ends_ = std::move(h.ends);
   total_ = h.data_size;
   header_size_ = h.bytes.size();
   buffer_.reserve(kWriteBuffer);
-  fd_ = open_tmp(tmp_path_);
+  fd_ = open_aside(path_);
   try {
     raw_write(h.bytes.data(), h.bytes.size());
   } catch (...) {
@@ -508,7 +479,6 @@ void SafetensorsWriter::commit() {
     fail(path_, entries_[i].name, "commit with " + std::to_string(pos_) + " of " + std::to_string(total_) +
                             " data bytes written; this entry is incomplete");
   }
-  int fd = fd_;
   try {
     flush_buffer();
   } catch (...) {
@@ -516,10 +486,10 @@ void SafetensorsWriter::commit() {
     fd_ = -1;
     throw;
   }
-  fd_ = -1;
-  commit_tmp(fd, tmp_path_, path_);  // on failure the destructor unlinks the .tmp
+  // close() is where some filesystems (NFS) report a failed write-back.
+  if (::close(std::exchange(fd_, -1)) != 0) fail(tmp_path_, "close failed: " + sys_error());
+  commit_aside(tmp_path_, path_);  // on failure the destructor unlinks the .tmp
   committed_ = true;
-  fsync_parent(path_);
 }
 
 void save_safetensors(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
@@ -542,34 +512,6 @@ void save_safetensors(const std::string& path, const std::vector<std::pair<std::
   SafetensorsWriter writer(path, std::move(entries), metadata);
   for (auto* p : order) writer.write_tensor(p->second);
   writer.commit();
-}
-
-void fsync_path(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) throw SafetensorsError("cannot open '" + path + "' to fsync it: " + sys_error());
-  const int rc = ::fsync(fd);
-  const int err = errno;
-  ::close(fd);
-  if (rc != 0) throw SafetensorsError("fsync of '" + path + "' failed: " + std::strerror(err));
-}
-
-void write_file_atomic(const std::string& path, std::string_view contents) {
-  const std::string tmp = path + ".tmp";
-  int fd = open_tmp(tmp);
-  try {
-    write_all(fd, contents.data(), contents.size(), tmp);
-  } catch (...) {
-    ::close(fd);
-    ::unlink(tmp.c_str());
-    throw;
-  }
-  try {
-    commit_tmp(fd, tmp, path);
-  } catch (...) {
-    ::unlink(tmp.c_str());
-    throw;
-  }
-  fsync_parent(path);
 }
 
 }  // namespace qlora::io

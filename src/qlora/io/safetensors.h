@@ -94,7 +94,7 @@ SafetensorsHeader safetensors_header(const std::string& path, const std::vector<
 
 // Positional writing, for files several processes fill at once (a parallel export): one creates
 // the file with its header at its final size, then each writes (pwrite, fsync) the entries it
-// owns, then fsyncs (fsync_path) each file it wrote into, once. Not atomic on its own: write into
+// owns, then fsyncs (io::fsync_path, durable_file.h) each file it wrote into, once. Not atomic on its own: write into
 // a directory that is committed afterwards.
 void create_safetensors_file(const std::string& path, const SafetensorsHeader& header);
 void write_safetensors_entry(const std::string& path, const SafetensorsHeader& header, size_t entry,
@@ -102,7 +102,7 @@ void write_safetensors_entry(const std::string& path, const SafetensorsHeader& h
 
 // Streaming writer: the header goes first, so every entry is declared up front; data then follows
 // in declared order, in as many write() calls as convenient (a call may span entries). Writes go
-// to path + ".tmp"; only commit() makes the file appear at path.
+// to path + ".tmp"; only commit() makes the file appear at path (io::commit_aside, durable_file.h).
 class SafetensorsWriter {
  public:
   SafetensorsWriter(std::string path, std::vector<EntrySpec> entries,
@@ -140,13 +140,5 @@ class SafetensorsWriter {
 void save_safetensors(const std::string& path,
                       const std::vector<std::pair<std::string, at::Tensor>>& tensors,
                       const std::map<std::string, std::string>& metadata = {});
-
-// Writes path.tmp, fsyncs it, renames over path and fsyncs the directory: a crash leaves either
-// the old file or the new one, never a torn one.
-void write_file_atomic(const std::string& path, std::string_view contents);
-
-// fsync of a file, or of a directory so that the creations and renames in it survive a power
-// loss. Throws SafetensorsError naming the path.
-void fsync_path(const std::string& path);
 
 }  // namespace qlora::io

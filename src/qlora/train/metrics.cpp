@@ -8,7 +8,7 @@
 #include <stdexcept>
 #include <vector>
 
-#include "qlora/io/safetensors.h"  // write_file_atomic
+#include "qlora/io/durable_file.h"
 
 namespace qlora::train {
 

@@ -6,7 +6,7 @@
 #include <stdexcept>
 
 #include "qlora/io/read_file.h"
-#include "qlora/io/safetensors.h"  // write_file_atomic
+#include "qlora/io/durable_file.h"
 #include "qlora/train/evaluate.h"
 
 namespace qlora::train {

@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "qlora/io/read_file.h"
-#include "qlora/io/safetensors.h"  // write_file_atomic
+#include "qlora/io/durable_file.h"
 
 namespace qlora::train {
 namespace fs = std::filesystem;

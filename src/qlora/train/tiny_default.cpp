@@ -18,6 +18,7 @@
 
 #include "qlora/data/batching.h"
 #include "qlora/data/tokenizer.h"
+#include "qlora/io/durable_file.h"
 #include "qlora/io/safetensors.h"
 #include "qlora/models/architecture.h"
 #include "qlora/models/llama.h"
