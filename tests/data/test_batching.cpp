@@ -4,11 +4,13 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <fstream>
 #include <set>
 
 #include "qlora/data/batching.h"
 #include "qlora/data/sampler.h"
+#include "tests/io/failing_fsync.h"
 
 namespace qlora::data {
 namespace {
@@ -188,6 +190,22 @@ TEST(Sampler, SaveRestoreAtEveryPositionResumesIdentically) {
   Sampler b(o);
   b.load_state(path);
   EXPECT_EQ(take(a, 4), take(b, 4));
+}
+
+// The state file is committed as every durable file is (io/durable_file.h): when the disk fails
+// the fsync, saving throws naming the file and the earlier state stays loadable.
+TEST(Sampler, SaveStateIsDurableAndFailsCleanly) {
+  const SamplerOptions o{.dataset_size = 23, .batch_size = 5, .seed = 7};
+  Sampler a(o);
+  take(a, 2);
+  const std::string path = testing::TempDir() + "qlora_sampler_durable.json";
+  a.save_state(path);
+  take(a, 1);
+  testing_io::expect_commit_fails_cleanly(path, [&] { a.save_state(path); });
+  Sampler b(o);
+  b.load_state(path);
+  EXPECT_EQ(b.state(), (SamplerState{0, 2}));
+  std::remove(path.c_str());
 }
 
 TEST(Sampler, RestoreRejectsOtherOptionsNamingTheKey) {

@@ -1,10 +1,9 @@
 #include "qlora/data/sampler.h"
+#include "qlora/io/durable_file.h"
 #include "qlora/io/read_file.h"
 
 #include <nlohmann/json.hpp>
 
-#include <cstdio>
-#include <fstream>
 #include <numeric>
 #include <sstream>
 #include <stdexcept>
@@ -162,18 +161,8 @@ void Sampler::load_state_json(const std::string& text, const std::string& origin
 }
 
 void Sampler::save_state(const std::string& path) const {
-  // Written aside and renamed, so a crash mid-write never leaves a torn state file.
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    if (!out) throw std::runtime_error("sampler: cannot write '" + tmp + "'");
-    out << state_json();
-    out.flush();
-    if (!out) throw std::runtime_error("sampler: write to '" + tmp + "' failed");
-  }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    throw std::runtime_error("sampler: cannot rename '" + tmp + "' to '" + path + "'");
-  }
+  // Durable like every other file of a resume checkpoint: a crash never leaves a torn state file.
+  io::write_file_atomic(path, state_json());
 }
 
 void Sampler::load_state(const std::string& path) {

@@ -1,12 +1,11 @@
 #include "qlora/gguf/writer.h"
 
-#include <unistd.h>
-
 #include <cstring>
 #include <filesystem>
 #include <stdexcept>
+#include <utility>
 
-#include "qlora/io/safetensors.h"
+#include "qlora/io/durable_file.h"
 
 namespace qlora::gguf {
 namespace {
@@ -87,7 +86,7 @@ uint64_t TensorSpec::nbytes() const {
 }
 
 Writer::Writer(std::string path, std::vector<std::pair<std::string, Value>> metadata, std::vector<TensorSpec> tensors)
-    : path_(std::move(path)), tmp_path_(path_ + ".tmp"), tensors_(std::move(tensors)) {
+    : path_(std::move(path)), tmp_path_(io::aside_path(path_)), tensors_(std::move(tensors)) {
   std::vector<uint8_t> head;
   head.insert(head.end(), {'G', 'G', 'U', 'F'});
   append<uint32_t>(head, 3);
@@ -149,13 +148,10 @@ void Writer::write(const void* data, size_t nbytes) {
 void Writer::commit() {
   if (next_ != tensors_.size())
     throw std::logic_error("GGUF " + path_ + ": " + std::to_string(tensors_.size() - next_) + " tensors not written");
-  if (std::fflush(file_) != 0 || ::fsync(::fileno(file_)) != 0)
-    throw std::runtime_error("GGUF file '" + tmp_path_ + "': cannot flush: " + std::strerror(errno));
-  std::fclose(file_);
-  file_ = nullptr;
-  std::filesystem::rename(tmp_path_, path_);
-  const auto parent = std::filesystem::path(path_).parent_path();
-  io::fsync_path(parent.empty() ? "." : parent.string());
+  // fclose flushes stdio's buffer; it fails where that write or the close itself fails.
+  const bool closed = std::fclose(std::exchange(file_, nullptr)) == 0;
+  if (!closed) throw std::runtime_error("GGUF file '" + tmp_path_ + "': cannot flush: " + std::strerror(errno));
+  io::commit_aside(tmp_path_, path_);  // fsync, rename, fsync the directory; on failure the .tmp is gone
   committed_ = true;
 }
 

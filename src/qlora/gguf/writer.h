@@ -1,7 +1,8 @@
 // The GGUF container (version 3), streamed: metadata and every tensor's name, shape and type are
 // declared first, so the header and the tensor table are written before any tensor data; the data
 // then follows tensor by tensor, each at an offset aligned to general.alignment (32). Writes go to
-// path + ".tmp"; commit() fsyncs and renames it onto path, so a crash never leaves a torn file.
+// path + ".tmp"; commit() commits it onto path as every durable write does (io::commit_aside: fsync,
+// rename, fsync the directory), so a crash never leaves a torn file.
 //
 // Layout (little-endian): "GGUF", u32 version, u64 tensor count, u64 metadata count; each
 // metadata entry: string key, u32 value type, value; each tensor: string name, u32 dims, u64 ne[dims]
