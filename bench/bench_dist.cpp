@@ -70,7 +70,8 @@ int64_t bytes_under(const fs::path& dir) {
 }
 
 // Sequential write speed of the disk under `dir`: `bytes` in 8 MiB writes, then fsync (what a
-// writer that streams one file could reach).
+// writer that streams one file could reach). A scratch file, never committed, so it bypasses
+// io::commit_aside (durable_file.h) on purpose: the rename and directory fsync are not the disk's speed.
 double raw_write_mb_s(const fs::path& dir, int64_t bytes) {
   const fs::path p = dir / "raw_write_probe.bin";
   std::vector<char> buf(8 << 20, 'x');

@@ -26,6 +26,7 @@
 #include "qlora/gguf/modelfile.h"
 #include "qlora/io/checkpoint_dir.h"
 #include "qlora/io/cpu_memory.h"
+#include "qlora/io/durable_file.h"
 #include "qlora/optim/adamw.h"
 #include "qlora/optim/schedule.h"
 #include "qlora/train/device.h"
@@ -189,6 +190,7 @@ void set_aside_old_checkpoints(const std::string& out_dir) {
   if (!fs::exists(out_dir + "/checkpoints")) return;
   const std::string aside = out_dir + "/checkpoints.prev-" + std::to_string(std::time(nullptr));
   fs::rename(out_dir + "/checkpoints", aside);
+  io::fsync_path(out_dir);  // durable, or a power loss could bring them back for a later resume
   std::printf("fresh run: the earlier run's resume checkpoints were moved to %s\n", aside.c_str());
 }
 

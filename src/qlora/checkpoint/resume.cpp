@@ -176,12 +176,11 @@ void settle_asides(const fs::path& root) {
 }  // namespace
 
 void commit_directory(const std::string& tmp, const std::string& final_dir) {
-  const fs::path parent = fs::path(final_dir).parent_path();
   if (rename_dir_replacing(tmp, final_dir)) {
-    fsync_dir(parent);
+    io::fsync_parent(final_dir);
     fs::remove_all(tmp);  // now holds the replaced directory
   }
-  fsync_dir(parent);
+  io::fsync_parent(final_dir);
 }
 
 namespace {

@@ -16,6 +16,7 @@
 #include <set>
 #include <stdexcept>
 
+#include "qlora/checkpoint/resume.h"
 #include "qlora/data/batching.h"
 #include "qlora/data/tokenizer.h"
 #include "qlora/io/durable_file.h"
@@ -211,13 +212,10 @@ void build_pretrained_base(const fs::path& dir) {
   write_base(dir, trained, tok.vocab_size(), tokenizer);
 }
 
-// Renames the finished `tmp` onto `dir` and makes the rename durable.
+// Puts the finished `tmp` at `dir` durably, as the checkpoint and export commits do.
 void commit_dir(const fs::path& tmp, const fs::path& dir) {
   io::fsync_path(tmp.string());
-  fs::remove_all(dir);
-  fs::rename(tmp, dir);
-  const fs::path parent = dir.parent_path();
-  io::fsync_path(parent.empty() ? "." : parent.string());
+  checkpoint::commit_directory(tmp.string(), dir.string());
 }
 
 // An exclusive flock held for the object's life; another process pre-training waits here.
