@@ -142,9 +142,11 @@ struct SafetensorsFile::Mapping {
   const uint8_t* bytes() const { return static_cast<const uint8_t*>(addr); }
 };
 
-SafetensorsFile SafetensorsFile::open(const std::string& path) {
-  SafetensorsFile f;
-  f.path_ = path;
+namespace {
+
+// Maps `path` read-only after checking it is a regular file of at least the 8-byte length prefix;
+// *size is its length. Never returns MAP_FAILED.
+void* map_file(const std::string& path, uint64_t* size) {
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) fail(path, "cannot open: " + sys_error());
   struct stat st {};
@@ -152,27 +154,28 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
     ::close(fd);
     fail(path, "not a readable regular file");
   }
-  const uint64_t size = static_cast<uint64_t>(st.st_size);
-  if (size < 8) {
+  *size = static_cast<uint64_t>(st.st_size);
+  if (*size < 8) {
     ::close(fd);
-    fail(path, "file is " + std::to_string(size) + " bytes, shorter than the 8-byte header length");
+    fail(path, "file is " + std::to_string(*size) + " bytes, shorter than the 8-byte header length");
   }
-  auto mapping = std::make_shared<Mapping>();
-  mapping->addr = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
-  mapping->size = size;
+  void* addr = ::mmap(nullptr, *size, PROT_READ, MAP_PRIVATE, fd, 0);
   ::close(fd);  // the mapping keeps the file alive
-  if (mapping->addr == MAP_FAILED) fail(path, "mmap failed: " + sys_error());
-  f.mapping_ = mapping;
+  if (addr == MAP_FAILED) fail(path, "mmap failed: " + sys_error());
+  return addr;
+}
 
+// The JSON header of the mapped file `bytes` of `size` bytes: its length bounded, no key repeated
+// within an object, a JSON object. *data_offset is where the data section begins.
+nlohmann::json parse_header(const std::string& path, const uint8_t* bytes, uint64_t size, uint64_t* data_offset) {
   uint64_t header_len;
-  std::memcpy(&header_len, mapping->bytes(), 8);
+  std::memcpy(&header_len, bytes, 8);
   if (header_len > kMaxHeaderBytes)
     fail(path, "header length " + std::to_string(header_len) + " exceeds the 100 MiB limit");
   if (header_len > size - 8)
     fail(path, "header length " + std::to_string(header_len) + " exceeds the " + std::to_string(size - 8) +
                    " bytes after the length prefix (truncated file?)");
-  f.data_offset_ = 8 + header_len;
-  const uint64_t data_size = size - f.data_offset_;
+  *data_offset = 8 + header_len;
 
   // nlohmann keeps the last of duplicate keys silently; a duplicate tensor name is ambiguous, so
   // track the keys of every open object and reject repeats.
@@ -189,79 +192,110 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
   };
   nlohmann::json header;
   try {
-    const char* h = reinterpret_cast<const char*>(mapping->bytes() + 8);
+    const char* h = reinterpret_cast<const char*>(bytes + 8);
     header = nlohmann::json::parse(h, h + header_len, on_event);
   } catch (const nlohmann::json::exception& e) {
     fail(path, std::string("header is not valid JSON: ") + e.what());
   }
   if (!header.is_object()) fail(path, "header must be a JSON object, got " + std::string(header.type_name()));
+  return header;
+}
 
-  for (const auto& [name, entry] : header.items()) {
-    if (name == "__metadata__") {
-      if (!entry.is_object()) fail(path, "__metadata__ must be an object of strings");
-      for (const auto& [k, v] : entry.items()) {
-        if (!v.is_string()) fail(path, "__metadata__ value for '" + k + "' must be a string, got " + v.type_name());
-        f.metadata_[k] = v.get<std::string>();
-      }
-      continue;
-    }
-    if (!entry.is_object()) fail(path, name, "entry must be an object with dtype, shape, data_offsets");
-    TensorInfo ti;
-    ti.name = name;
-    auto dt = entry.find("dtype");
-    if (dt == entry.end() || !dt->is_string()) fail(path, name, "missing string \"dtype\"");
-    if (!lookup_dtype(dt->get<std::string>(), &ti.dtype))
-      fail(path, name, "unknown dtype \"" + dt->get<std::string>() + "\"; supported: " + kSupported);
-    auto sh = entry.find("shape");
-    if (sh == entry.end() || !sh->is_array()) fail(path, name, "missing array \"shape\"");
-    for (const auto& d : *sh) {
-      // nlohmann stores non-negative integer literals as unsigned: anything else is a float,
-      // a negative number or not a number at all.
-      if (!d.is_number_unsigned() || d.get<uint64_t>() > uint64_t(std::numeric_limits<int64_t>::max()))
-        fail(path, name, "shape dims must be non-negative integers, got " + sh->dump());
-      ti.shape.push_back(static_cast<int64_t>(d.get<uint64_t>()));
-    }
-    auto off = entry.find("data_offsets");
-    if (off == entry.end() || !off->is_array() || off->size() != 2 || !(*off)[0].is_number_unsigned() ||
-        !(*off)[1].is_number_unsigned())
-      fail(path, name, "\"data_offsets\" must be two non-negative integers [begin, end]");
-    ti.begin = (*off)[0].get<uint64_t>();
-    ti.end = (*off)[1].get<uint64_t>();
-    uint64_t nbytes;
-    if (!checked_nbytes(ti.shape, dtype_size(ti.dtype), &nbytes))
-      fail(path, name, "shape " + shape_str(ti.shape) + " overflows the element count");
-    if (nbytes > data_size)
-      fail(path, name, "shape " + shape_str(ti.shape) + " needs " + std::to_string(nbytes) +
-                           " bytes but the data section has only " + std::to_string(data_size));
-    if (ti.begin > ti.end || ti.end > data_size)
-      fail(path, name, "data_offsets [" + std::to_string(ti.begin) + ", " + std::to_string(ti.end) +
-                           "] must satisfy begin <= end <= data section size " + std::to_string(data_size));
-    if (ti.end - ti.begin != nbytes)
-      fail(path, name, "data_offsets span " + std::to_string(ti.end - ti.begin) + " bytes but " +
-                           dtype_name(ti.dtype) + " " + shape_str(ti.shape) + " needs " + std::to_string(nbytes));
-    f.tensors_.push_back(std::move(ti));
+void parse_metadata(const std::string& path, const nlohmann::json& entry, std::map<std::string, std::string>& out) {
+  if (!entry.is_object()) fail(path, "__metadata__ must be an object of strings");
+  for (const auto& [k, v] : entry.items()) {
+    if (!v.is_string()) fail(path, "__metadata__ value for '" + k + "' must be a string, got " + v.type_name());
+    out[k] = v.get<std::string>();
   }
+}
 
-  // Like the official reader: sorted by (begin, end) the tensors must tile the data section from
-  // 0 to its end, so no byte is shared and none is unaccounted for.
-  std::sort(f.tensors_.begin(), f.tensors_.end(), [](const TensorInfo& a, const TensorInfo& b) {
+// The dtype and shape of one tensor entry (dims bounded to int64).
+void parse_dtype_and_shape(const std::string& path, const nlohmann::json& entry, TensorInfo& ti) {
+  const std::string& name = ti.name;
+  auto dt = entry.find("dtype");
+  if (dt == entry.end() || !dt->is_string()) fail(path, name, "missing string \"dtype\"");
+  if (!lookup_dtype(dt->get<std::string>(), &ti.dtype))
+    fail(path, name, "unknown dtype \"" + dt->get<std::string>() + "\"; supported: " + kSupported);
+  auto sh = entry.find("shape");
+  if (sh == entry.end() || !sh->is_array()) fail(path, name, "missing array \"shape\"");
+  for (const auto& d : *sh) {
+    // nlohmann stores non-negative integer literals as unsigned: anything else is a float,
+    // a negative number or not a number at all.
+    if (!d.is_number_unsigned() || d.get<uint64_t>() > uint64_t(std::numeric_limits<int64_t>::max()))
+      fail(path, name, "shape dims must be non-negative integers, got " + sh->dump());
+    ti.shape.push_back(static_cast<int64_t>(d.get<uint64_t>()));
+  }
+}
+
+// One tensor entry, checked on its own: a known dtype, a shape whose bytes fit the data section of
+// `data_size` bytes, and data_offsets inside it spanning exactly those bytes.
+TensorInfo parse_entry(const std::string& path, const std::string& name, const nlohmann::json& entry,
+                       uint64_t data_size) {
+  if (!entry.is_object()) fail(path, name, "entry must be an object with dtype, shape, data_offsets");
+  TensorInfo ti;
+  ti.name = name;
+  parse_dtype_and_shape(path, entry, ti);
+  auto off = entry.find("data_offsets");
+  if (off == entry.end() || !off->is_array() || off->size() != 2 || !(*off)[0].is_number_unsigned() ||
+      !(*off)[1].is_number_unsigned())
+    fail(path, name, "\"data_offsets\" must be two non-negative integers [begin, end]");
+  ti.begin = (*off)[0].get<uint64_t>();
+  ti.end = (*off)[1].get<uint64_t>();
+  uint64_t nbytes;
+  if (!checked_nbytes(ti.shape, dtype_size(ti.dtype), &nbytes))
+    fail(path, name, "shape " + shape_str(ti.shape) + " overflows the element count");
+  if (nbytes > data_size)
+    fail(path, name, "shape " + shape_str(ti.shape) + " needs " + std::to_string(nbytes) +
+                         " bytes but the data section has only " + std::to_string(data_size));
+  if (ti.begin > ti.end || ti.end > data_size)
+    fail(path, name, "data_offsets [" + std::to_string(ti.begin) + ", " + std::to_string(ti.end) +
+                         "] must satisfy begin <= end <= data section size " + std::to_string(data_size));
+  if (ti.end - ti.begin != nbytes)
+    fail(path, name, "data_offsets span " + std::to_string(ti.end - ti.begin) + " bytes but " +
+                         dtype_name(ti.dtype) + " " + shape_str(ti.shape) + " needs " + std::to_string(nbytes));
+  return ti;
+}
+
+// Sorts the tensors by data offset and checks, like the official reader, that they tile the data
+// section from 0 to its end: no byte is shared and none is unaccounted for.
+void sort_and_check_tiling(const std::string& path, std::vector<TensorInfo>& tensors, uint64_t data_size) {
+  std::sort(tensors.begin(), tensors.end(), [](const TensorInfo& a, const TensorInfo& b) {
     return std::tie(a.begin, a.end, a.name) < std::tie(b.begin, b.end, b.name);
   });
   uint64_t expected = 0;
-  for (size_t i = 0; i < f.tensors_.size(); ++i) {
-    const TensorInfo& t = f.tensors_[i];
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const TensorInfo& t = tensors[i];
     if (t.begin < expected)
-      fail(path, t.name, "data_offsets overlap tensor '" + f.tensors_[i - 1].name + "' (begins at " +
+      fail(path, t.name, "data_offsets overlap tensor '" + tensors[i - 1].name + "' (begins at " +
                              std::to_string(t.begin) + ", expected " + std::to_string(expected) + ")");
     if (t.begin > expected)
       fail(path, t.name, "hole of " + std::to_string(t.begin - expected) + " bytes before this tensor (begins at " +
                              std::to_string(t.begin) + ", expected " + std::to_string(expected) + ")");
     expected = t.end;
-    f.index_.emplace(t.name, i);
   }
   if (expected != data_size)
     fail(path, "tensors cover " + std::to_string(expected) + " bytes but the data section has " +
                    std::to_string(data_size) + " (trailing bytes)");
+}
+
+}  // namespace
+
+SafetensorsFile SafetensorsFile::open(const std::string& path) {
+  SafetensorsFile f;
+  f.path_ = path;
+  auto mapping = std::make_shared<Mapping>();
+  mapping->addr = map_file(path, &mapping->size);
+  f.mapping_ = mapping;
+  const nlohmann::json header = parse_header(path, mapping->bytes(), mapping->size, &f.data_offset_);
+  const uint64_t data_size = mapping->size - f.data_offset_;
+  for (const auto& [name, entry] : header.items()) {
+    if (name == "__metadata__")
+      parse_metadata(path, entry, f.metadata_);
+    else
+      f.tensors_.push_back(parse_entry(path, name, entry, data_size));
+  }
+  sort_and_check_tiling(path, f.tensors_, data_size);
+  for (size_t i = 0; i < f.tensors_.size(); ++i) f.index_.emplace(f.tensors_[i].name, i);
   return f;
 }
 
