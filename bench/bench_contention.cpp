@@ -1,6 +1,6 @@
 // Fair under contention, measured in one run and printed as one JSON object: the tiny default run
 // (`qlora run lora_finetune`, one epoch of --steps steps, outputs in a temporary directory) alone and
-// beside one busy competitor (`yes > /dev/null`), with qlora's defaults (engine/launcher.h: a short spin
+// beside one busy competitor (`yes > /dev/null`), with qlora's defaults (engine/omp_wait_policy.h: a short spin
 // OpenMP workers; a model this narrow on one intra-op thread, recipes/lora_finetune.cpp) and, as the
 // peer, what they replaced: libgomp's own spinning default (300000 spins before sleeping) on every
 // core (--peer sets other variables, e.g. "OMP_WAIT_POLICY=ACTIVE OMP_NUM_THREADS=2"). Target: beside the competitor the default run
@@ -101,7 +101,7 @@ int main(int argc, char** argv) try {
             {"loadavg_before", qlora::bench::load_average()}, {"steps", steps}, {"reps", reps},
             {"run", "qlora run lora_finetune training.epochs=1 training.max_steps_per_epoch=" + std::to_string(steps)},
             {"competitor", "yes > /dev/null"},
-            {"policies", {{"default", "none set: qlora's own (engine/launcher.h)"}, {"spinning", peer}}}};
+            {"policies", {{"default", "none set: qlora's own (engine/omp_wait_policy.h)"}, {"spinning", peer}}}};
   std::map<std::string, std::vector<double>> times;
   for (int rep = 0; rep < reps; ++rep)
     for (const auto& [name, env] : policies) {

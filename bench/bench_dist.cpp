@@ -37,6 +37,7 @@
 #include "bench/run_json.h"
 #include "bench/shape_args.h"
 #include "qlora/engine/launcher.h"
+#include "qlora/engine/omp_wait_policy.h"
 #include "qlora/engine/process_group.h"
 #include "qlora/engine/sharded_export.h"
 #include "qlora/engine/sharded_model.h"
@@ -49,7 +50,7 @@ using nlohmann::json;
 namespace fs = std::filesystem;
 using namespace qlora;
 
-QLORA_OMP_WAIT_POLICY_PREINIT;  // the ranks' OpenMP workers spin briefly, then sleep (launcher.h)
+QLORA_OMP_WAIT_POLICY_PREINIT;  // the ranks' OpenMP workers spin briefly, then sleep (omp_wait_policy.h)
 
 namespace {
 

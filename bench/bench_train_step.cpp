@@ -65,7 +65,7 @@
 #include "bench/step_profile.h"
 #include "bench/run_json.h"
 #include "kernels/cpu_isa.h"
-#include "qlora/engine/launcher.h"
+#include "qlora/engine/omp_wait_policy.h"
 #include "qlora/engine/process_group.h"
 #include "qlora/engine/sharded_model.h"
 #include "qlora/io/cpu_memory.h"
@@ -83,7 +83,7 @@ namespace fs = std::filesystem;
 using qlora::bench::run_json;
 
 // Both sides (this program's worker and the Python peer it starts) inherit the wait policy.
-QLORA_OMP_WAIT_POLICY_PREINIT;  // OpenMP workers spin briefly, then sleep (launcher.h)
+QLORA_OMP_WAIT_POLICY_PREINIT;  // OpenMP workers spin briefly, then sleep (omp_wait_policy.h)
 
 namespace {
 

@@ -109,7 +109,7 @@ std::function<void(const std::string&)> gguf_files(const RecipeConfig& cfg, cons
 }
 
 // On the CPU a model narrower than this gains nothing from a second intra-op thread: its GEMMs and
-// elementwise ops last microseconds, and waking a sleeping (passive, engine/launcher.h) OpenMP
+// elementwise ops last microseconds, and waking a sleeping (passive, engine/omp_wait_policy.h) OpenMP
 // worker for each costs more than it saves. The tiny default, 40 steps on a 2-core EPYC VM: one
 // thread 2.45 s alone and 2.42 s beside a busy process; two passive threads 5.0 s alone. A set
 // OMP_NUM_THREADS wins.

@@ -1,4 +1,4 @@
-"""OpenMP's wait policy of qlora's processes (engine/launcher.h), as libgomp itself reports it
+"""OpenMP's wait policy of qlora's processes (engine/omp_wait_policy.h), as libgomp itself reports it
 (OMP_DISPLAY_ENV=verbose prints its settings to stderr when it starts):
   - neither OMP_WAIT_POLICY nor GOMP_SPINCOUNT set: `qlora ls` and both ranks that
     `qlora run --nproc-per-node 2` starts spin 3000 times before sleeping (GOMP_SPINCOUNT '3000';

@@ -1,6 +1,5 @@
 #include "qlora/engine/launcher.h"
 
-#include <alloca.h>
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -260,17 +259,6 @@ int launch(const LaunchOptions& o, const std::string& exe, const std::vector<std
   ::sigaction(SIGINT, &old_int, nullptr);
   ::sigaction(SIGTERM, &old_term, nullptr);
   return exit_code;  // 0 only when every rank exited 0
-}
-
-void omp_wait_policy_preinit(int, char** argv, char** envp) {
-  size_t n = 0;
-  for (; envp[n]; ++n)
-    if (std::strncmp(envp[n], "OMP_WAIT_POLICY=", 16) == 0 || std::strncmp(envp[n], "GOMP_SPINCOUNT=", 15) == 0) return;
-  char** env = static_cast<char**>(alloca((n + 2) * sizeof(char*)));
-  std::memcpy(env, envp, n * sizeof(char*));
-  env[n] = const_cast<char*>(kOmpWaitPolicy);
-  env[n + 1] = nullptr;
-  ::execve("/proc/self/exe", argv, env);  // returns only on failure: go on as we are
 }
 
 }  // namespace qlora::engine
