@@ -154,7 +154,7 @@ json run_worker(const Args& a) {
   std::sort(times.begin(), times.end());
   const double med = times[times.size() / 2];
   // Every rank's peak RSS, gathered to all.
-  at::Tensor rss = at::full({1}, static_cast<double>(train::peak_rss_bytes()), at::kDouble);
+  at::Tensor rss = at::full({1}, static_cast<double>(io::peak_rss_bytes()), at::kDouble);
   at::Tensor all_rss = at::empty({env.world_size}, at::kDouble);
   engine::wait(world->world().all_gather(all_rss, rss));
   json j = {{"ranks", env.world_size}, {"prefetch", a.prefetch},

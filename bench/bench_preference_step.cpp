@@ -131,7 +131,7 @@ json run_worker(const Args& a) {
   return {{"mode", a.worker}, {"step_s", times}, {"reference_forward_s", median(ref_times)},
           {"median_step_s", median(times)}, {"losses", losses},
           {"rows", b.tokens.size(0)}, {"tokens", b.tokens.numel()}, {"scored_tokens", scored},
-          {"peak_rss_bytes", qlora::bench::proc_status_bytes("VmHWM")}};
+          {"peak_rss_bytes", qlora::io::peak_rss_bytes()}};
 }
 
 double ratio(const json& r, const char* mode, const char* base, const char* key) {

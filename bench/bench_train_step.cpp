@@ -186,7 +186,7 @@ json run_worker(const Args& a) {
   engine->finish(m);
   qlora::io::release_free_cpu_memory();  // as the recipe does after loading
   const double load_s = seconds_since(t0);
-  const int64_t rss_after_load = qlora::bench::proc_status_bytes("VmHWM");
+  const int64_t rss_after_load = qlora::io::peak_rss_bytes();
   // The device's peaks while loading (the seeded draws' fp32 temporaries), then the steps' own:
   // cached blocks go back to the driver, so max reserved counts what the steps hold.
   const qlora::train::DeviceMemoryPeaks load_peaks = qlora::train::device_memory_peaks(dev);
@@ -236,7 +236,7 @@ json run_worker(const Args& a) {
   json out = {{"impl", "qlora (C++)"}, {"threads", at::get_num_threads()}, {"load_s", load_s},
           {"trainable_params", trainable}, {"warmup_step", warmup}, {"step_s", times},
           {"median_step_s", med}, {"tokens_per_s", double(a.batch * a.seq) / med},
-          {"peak_rss_bytes", qlora::bench::proc_status_bytes("VmHWM")}, {"rss_after_load_bytes", rss_after_load}, {"losses", losses},
+          {"peak_rss_bytes", qlora::io::peak_rss_bytes()}, {"rss_after_load_bytes", rss_after_load}, {"losses", losses},
           {"loss", a.full_logits ? "whole [tokens, vocab] logits" : "chunked, " + std::to_string(chunk) + " tokens"},
           {"memory_accounting", acct.report(qlora::bench::model_static_bytes(m))}};
   if (!a.device.empty()) {  // the steps' peaks, before the traced step

@@ -1,8 +1,7 @@
-// What every bench JSON says about the machine and the process: the CPU model, the load average
-// around the run, and this process's memory figures from /proc/self/status.
+// What every bench JSON says about the machine: the CPU model and the load average around the run
+// (the process's memory figures: io/cpu_memory.h, proc_status_bytes and peak_rss_bytes).
 #pragma once
 
-#include <cstdint>
 #include <fstream>
 #include <string>
 
@@ -22,14 +21,6 @@ inline std::string load_average() {
   std::string one, five, fifteen;
   f >> one >> five >> fifteen;
   return one + " " + five + " " + fifteen;
-}
-
-// A field of /proc/self/status in bytes ("VmRSS", "VmHWM"), -1 if absent.
-inline int64_t proc_status_bytes(const std::string& field) {
-  std::ifstream f("/proc/self/status");
-  for (std::string line; std::getline(f, line);)
-    if (line.rfind(field + ":", 0) == 0) return std::stoll(line.substr(field.size() + 1)) * 1024;
-  return -1;
 }
 
 }  // namespace qlora::bench

@@ -75,7 +75,7 @@ class MemoryAccount final : public c10::Allocator {
     }
     int64_t statics = 0;
     for (const auto& [name, bytes] : static_parts) statics += bytes;
-    const int64_t hwm = proc_status_bytes("VmHWM");
+    const int64_t hwm = io::peak_rss_bytes();
     return {{"process_baseline_rss_bytes", baseline_rss_},
             {"peak_rss_bytes", hwm},
             {"live_peak_bytes", peak_},
@@ -113,7 +113,7 @@ class MemoryAccount final : public c10::Allocator {
   };
 
   explicit MemoryAccount(c10::Allocator* inner)
-      : inner_(inner), inner_free_(inner->raw_deleter()), baseline_rss_(proc_status_bytes("VmRSS")) {
+      : inner_(inner), inner_free_(inner->raw_deleter()), baseline_rss_(io::proc_status_bytes("VmRSS")) {
     TORCH_CHECK(inner_free_, "MemoryAccount: the CPU allocator has no raw deleter to wrap");
   }
 
@@ -158,8 +158,8 @@ class MemoryAccount final : public c10::Allocator {
 
   void close_phase() {
     if (labels_.empty()) return;
-    phases_[current_].hwm = proc_status_bytes("VmHWM");
-    phases_[current_].rss = proc_status_bytes("VmRSS");
+    phases_[current_].hwm = io::peak_rss_bytes();
+    phases_[current_].rss = io::proc_status_bytes("VmRSS");
     phases_[current_].heap = mallinfo2();
     phases_[current_].kept = static_cast<int64_t>(io::cpu_memory_kept_bytes());
   }

@@ -60,7 +60,7 @@ std::string dir_name(const std::string& dir) {
 
 void report(const std::string& out, size_t tensors, const std::string& type, double seconds) {
   std::printf("%s: %zu tensors, %s, %.1f MB; %.2f s; peak RSS %.0f MiB\n", out.c_str(), tensors, type.c_str(),
-              static_cast<double>(fs::file_size(out)) / 1e6, seconds, io::peak_rss_mib());
+              static_cast<double>(fs::file_size(out)) / 1e6, seconds, io::peak_rss_bytes() / 1048576.0);
 }
 
 // The adapter directory and the checkpoint whose config and key layout it was trained on: an

@@ -25,7 +25,7 @@ std::string data_dir() {
 void print_report(const char* verb, const io::ConvertReport& r, double seconds) {
   std::printf("%s %lld tensors, copied %lld; tensor data %.1f MiB -> %.1f MiB; %.2f s; peak RSS %.0f MiB\n",
               verb, static_cast<long long>(r.converted), static_cast<long long>(r.copied),
-              r.bytes_in / 1048576.0, r.bytes_out / 1048576.0, seconds, io::peak_rss_mib());
+              r.bytes_in / 1048576.0, r.bytes_out / 1048576.0, seconds, io::peak_rss_bytes() / 1048576.0);
 }
 
 void log_line(const std::string& line) { std::printf("%s\n", line.c_str()); std::fflush(stdout); }

@@ -28,3 +28,11 @@ TEST(CpuMemory, KeepsFreedMidSizeTensorsForTheNextOfTheirSize) {
   at::Tensor clone = again.fill_(2.0f).clone();  // raw allocate/deallocate and copies still work
   EXPECT_TRUE(at::equal(clone, again));
 }
+
+TEST(CpuMemory, PeakResidentSetIsAtLeastTheCurrentOne) {
+  const int64_t rss = qlora::io::proc_status_bytes("VmRSS");
+  EXPECT_GT(rss, 0);
+  EXPECT_GE(qlora::io::peak_rss_bytes(), rss);
+  EXPECT_EQ(qlora::io::proc_status_bytes("NoSuchField"), -1);
+  EXPECT_EQ(qlora::io::proc_status_bytes("VmRS"), -1);  // a prefix of a field is not the field
+}

@@ -124,13 +124,20 @@ void release_free_cpu_memory() {
 
 size_t cpu_memory_kept_bytes() { return KeepingAllocator::get().kept(); }
 
-double peak_rss_mib() {
+int64_t proc_status_bytes(std::string_view field) {
   std::ifstream f("/proc/self/status");
   for (std::string line; std::getline(f, line);)
-    if (line.rfind("VmHWM:", 0) == 0) return std::stod(line.substr(6)) / 1024.0;  // kB
+    if (line.size() > field.size() && line.compare(0, field.size(), field) == 0 && line[field.size()] == ':')
+      return std::stoll(line.substr(field.size() + 1)) * 1024;  // "VmHWM:   123456 kB"
+  return -1;
+}
+
+int64_t peak_rss_bytes() {
+  const int64_t hwm = proc_status_bytes("VmHWM");
+  if (hwm >= 0) return hwm;
   rusage ru{};
   getrusage(RUSAGE_SELF, &ru);
-  return ru.ru_maxrss / 1024.0;
+  return static_cast<int64_t>(ru.ru_maxrss) * 1024;  // kB
 }
 
 }  // namespace qlora::io

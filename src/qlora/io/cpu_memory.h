@@ -10,6 +10,8 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
+#include <string_view>
 
 namespace qlora::io {
 
@@ -23,8 +25,12 @@ void release_free_cpu_memory();
 // Bytes of freed tensors kept for reuse now (0 before tune_cpu_memory()).
 size_t cpu_memory_kept_bytes();
 
-// The process's peak resident set so far, in MiB: /proc/self/status VmHWM, which starts again at
-// exec (getrusage's ru_maxrss would report a large parent's peak for a child it started).
-double peak_rss_mib();
+// A field of /proc/self/status in bytes ("VmRSS": resident now, "VmHWM": the peak so far), -1 if
+// absent. The one reader of these figures, for the recipes, the training metrics and bench/.
+int64_t proc_status_bytes(std::string_view field);
+
+// The process's peak resident set so far, in bytes: VmHWM, which starts again at exec (getrusage's
+// ru_maxrss, the fallback without /proc, would report a large parent's peak for a child it started).
+int64_t peak_rss_bytes();
 
 }  // namespace qlora::io

@@ -11,7 +11,7 @@
 
 #include <stdexcept>
 
-#include "qlora/train/metrics.h"
+#include "qlora/io/cpu_memory.h"
 
 namespace qlora::train {
 
@@ -54,7 +54,7 @@ c10::DeviceIndex cuda_index(c10::Device device) {
 #endif
 
 int64_t peak_memory_bytes(c10::Device device) {
-  return device.is_cuda() ? device_memory_peaks(device).allocated : peak_rss_bytes();
+  return device.is_cuda() ? device_memory_peaks(device).allocated : io::peak_rss_bytes();
 }
 
 DeviceMemoryPeaks device_memory_peaks(c10::Device device) {

@@ -98,13 +98,6 @@ void MetricsLog::append_row(const nlohmann::json& row) {
 void MetricsLog::append(const StepMetrics& m) { append_row(m.to_json()); }
 void MetricsLog::append(const ValidationMetrics& m) { append_row(m.to_json()); }
 
-int64_t peak_rss_bytes() {
-  std::ifstream f("/proc/self/status");
-  for (std::string line; std::getline(f, line);)
-    if (line.rfind("VmHWM:", 0) == 0) return std::stoll(line.substr(6)) * 1024;
-  return 0;
-}
-
 ProgressMode parse_progress_mode(const std::string& s) {
   return io::enum_from_name(kProgressModeNames, s, "progress mode");
 }

@@ -68,9 +68,6 @@ class MetricsLog {
   std::unique_ptr<TensorBoardLog> tensorboard_;
 };
 
-// Process peak resident memory (VmHWM) in bytes; the CUDA peak is reported separately.
-int64_t peak_rss_bytes();
-
 enum class ProgressMode { Auto, Bar, Plain };
 inline constexpr io::EnumName<ProgressMode> kProgressModeNames[] = {
     {ProgressMode::Auto, "auto"}, {ProgressMode::Bar, "bar"}, {ProgressMode::Plain, "plain"}};
