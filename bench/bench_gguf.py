@@ -20,15 +20,15 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from bench_quantize_checkpoint import HIDDEN, INTER, VOCAB, bench_args, dir_bytes, make_checkpoint  # noqa: E402
+from peak_rss import SNIPPET_IMPORT  # noqa: E402
 
-PEER = r'''
+PEER = SNIPPET_IMPORT + r'''
 import ctypes, sys, llama_cpp
 src, dst, ftype, threads = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 p = llama_cpp.llama_model_quantize_default_params()
 p.ftype, p.nthread = ftype, threads
 rc = llama_cpp.llama_model_quantize(src.encode(), dst.encode(), ctypes.byref(p))
-hwm = [l for l in open("/proc/self/status") if l.startswith("VmHWM")][0].split()[1]
-print(f"peak RSS {int(hwm) / 1024:.0f} MiB")
+print(f"peak RSS {peak_rss_bytes() / 2**20:.0f} MiB")
 sys.exit(rc)
 '''
 # llama.cpp's LLAMA_FTYPE_* of the types its quantizer makes from an f16 file.

@@ -21,10 +21,12 @@ import time
 import torch
 from safetensors.torch import save_file
 
+from peak_rss import SNIPPET_IMPORT  # bench/, beside this script
+
 HIDDEN, INTER, VOCAB = 4096, 11008, 32000
 
-PEER = r'''
-import json, os, resource, sys, time
+PEER = SNIPPET_IMPORT + r'''
+import json, os, sys, time
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -48,8 +50,7 @@ with torch.no_grad():
                     out[k] = t
         save_file(out, os.path.join(dst, name))
         del out
-hwm = [l for l in open("/proc/self/status") if l.startswith("VmHWM")][0].split()[1]
-print(json.dumps({"seconds": time.time() - t0, "peak_rss_mib": int(hwm) / 1024}))
+print(json.dumps({"seconds": time.time() - t0, "peak_rss_mib": peak_rss_bytes() / 2**20}))
 '''
 
 

@@ -36,15 +36,9 @@ from safetensors.torch import save_file
 from torch.utils.checkpoint import checkpoint
 from torchao.dtypes.nf4tensor import linear_nf4, to_nf4
 
+from peak_rss import peak_rss_bytes  # bench/, beside this script
+
 PROJ = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def vm_hwm_bytes():
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return -1
 
 
 def write_model(a):
@@ -225,7 +219,7 @@ def bench(a):
     t0 = time.perf_counter()
     model = checkpoint_model(a.model, a.r, a.alpha, dtype)
     load_s = time.perf_counter() - t0
-    rss_after_load = vm_hwm_bytes()
+    rss_after_load = peak_rss_bytes()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4)
     V = model.vocab
@@ -250,7 +244,7 @@ def bench(a):
         "torch_threads": torch.get_num_threads(), "load_s": load_s,
         "trainable_params": sum(p.numel() for p in params),
         "step_s": times, "median_step_s": med, "tokens_per_s": a.batch * a.seq / med,
-        "peak_rss_bytes": vm_hwm_bytes(), "rss_after_load_bytes": rss_after_load, "losses": losses}))
+        "peak_rss_bytes": peak_rss_bytes(), "rss_after_load_bytes": rss_after_load, "losses": losses}))
 
 
 def seeded_model(spec, device, ac, dtype):
@@ -270,7 +264,7 @@ def seeded_model(spec, device, ac, dtype):
 
 def device_memory(device, prefix=""):
     if device.type != "cuda":
-        return {} if prefix else {"peak_rss_bytes": vm_hwm_bytes()}
+        return {} if prefix else {"peak_rss_bytes": peak_rss_bytes()}
     return {prefix + "max_allocated_bytes": torch.cuda.max_memory_allocated(device),
             prefix + "max_reserved_bytes": torch.cuda.max_memory_reserved(device)}
 
