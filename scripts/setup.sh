@@ -22,7 +22,7 @@ say() { printf '[setup] %s\n' "$*"; }
 # --- 1. Debian packages ----------------------------------------------------------------------
 PKGS=(g++ cmake make ccache pkg-config libgtest-dev libbenchmark-dev nlohmann-json3-dev
       libtomlplusplus-dev libsentencepiece-dev libgloo-dev
-      libpcre2-dev libicu-dev)
+      libpcre2-dev libicu-dev libxxhash-dev)
 bash scripts/install_debs.sh "${PKGS[@]}"
 
 # --- 2. Python virtualenv: LibTorch + reference packages --------------------------------------

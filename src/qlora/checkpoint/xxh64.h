@@ -1,11 +1,14 @@
-// XXH64 (the published algorithm, seed 0 unless given): the checksum of resume checkpoints and the
-// hash behind input fingerprints. It runs at memory speed and catches torn, bit-rotten or edited
-// files; it is not a defence against tampering (not cryptographic).
+// XXH64 (the published algorithm, seed 0 unless given; libxxhash computes it): the checksum of
+// resume checkpoints and the hash behind input fingerprints. It runs at memory speed and catches
+// torn, bit-rotten or edited files; it is not a defence against tampering (not cryptographic).
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
+
+struct XXH64_state_s;  // xxhash.h's, kept out of this header
 
 namespace qlora::checkpoint {
 
@@ -17,12 +20,10 @@ class Xxh64 {
   uint64_t digest() const;  // does not finish the state: more update() calls may follow
 
  private:
-  void stripe(const uint8_t* p);  // one 32-byte stripe into the four lanes
-  uint64_t seed_;
-  uint64_t v_[4];
-  uint8_t buf_[32] = {};  // a partial stripe carried between update() calls
-  size_t buffered_ = 0;
-  uint64_t total_ = 0;
+  struct Free {
+    void operator()(XXH64_state_s* s) const;
+  };
+  std::unique_ptr<XXH64_state_s, Free> state_;
 };
 
 uint64_t xxh64(const void* data, size_t nbytes, uint64_t seed = 0);
