@@ -1,5 +1,7 @@
 #include "kernels/cpu_isa.h"
 
+#include <ATen/cpu/Utils.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -14,36 +16,36 @@
 namespace qlora::kernels {
 namespace {
 
-#if defined(__x86_64__)
-bool bit(uint32_t reg, int b) { return (reg >> b) & 1u; }
+// A boolean of ATen's CPU capabilities (cpuinfo underneath: CPUID, each vector extension counted
+// only where XCR0 shows the OS saves its registers); absent keys (other architectures) are false.
+bool capability(const std::unordered_map<std::string, c10::IValue>& caps, const char* key) {
+  const auto it = caps.find(key);
+  return it != caps.end() && it->second.isBool() && it->second.toBool();
+}
 
-uint64_t xcr0() {
-  uint32_t lo = 0, hi = 0;
-  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
-  return (static_cast<uint64_t>(hi) << 32) | lo;
+// The vendor, which ATen does not tell (only a brand name): bf16_gemms_fast() depends on it.
+bool vendor_is_amd() {
+#if defined(__x86_64__)
+  uint32_t a, b, c, d;
+  return __get_cpuid(0, &a, &b, &c, &d) && b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u;  // "AuthenticAMD"
+#else
+  return false;
+#endif
 }
 
 CpuFeatures read_cpu() {
+  const auto caps = at::cpu::get_cpu_capabilities();
+  const auto has = [&](const char* key) { return capability(caps, key); };
   CpuFeatures f;
-  uint32_t a, b, c, d;
-  if (__get_cpuid(0, &a, &b, &c, &d)) f.amd = b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u;  // "AuthenticAMD"
-  if (!__get_cpuid(1, &a, &b, &c, &d)) return f;
-  const bool osxsave = bit(c, 27), fma = bit(c, 12);
-  if (!osxsave) return f;
-  const uint64_t x = xcr0();
-  const bool ymm = (x & 0x6) == 0x6, zmm = (x & 0xe6) == 0xe6, tiles = (x & 0x60000) == 0x60000;
-  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return f;
-  const bool avx2 = bit(b, 5), avx512 = bit(b, 16) && bit(b, 17) && bit(b, 30) && bit(b, 31);  // F, DQ, BW, VL
-  f.amx_bf16 = tiles && bit(d, 22);
-  uint32_t a1 = 0, b1, c1, d1;
-  const bool bf16 = __get_cpuid_count(7, 1, &a1, &b1, &c1, &d1) && bit(a1, 5);
-  if (ymm && avx2 && fma) f.isa = CpuIsa::kAvx2;
-  if (f.isa == CpuIsa::kAvx2 && zmm && avx512) f.isa = bf16 ? CpuIsa::kAvx512Bf16 : CpuIsa::kAvx512;
+  f.amd = vendor_is_amd();
+  if (has("avx2") && has("fma3")) f.isa = CpuIsa::kAvx2;
+  if (f.isa == CpuIsa::kAvx2 && has("avx512_f") && has("avx512_dq") && has("avx512_bw") && has("avx512_vl"))
+    f.isa = has("avx512_bf16") ? CpuIsa::kAvx512Bf16 : CpuIsa::kAvx512;
+  // cpuinfo reports AMX from CPUID alone; init_amx() asks the kernel for the tile state (as oneDNN
+  // does before using it), which fails where the OS cannot run AMX: then bf16 GEMMs are not fast.
+  f.amx_bf16 = has("amx_bf16") && at::cpu::init_amx();
   return f;
 }
-#else
-CpuFeatures read_cpu() { return {}; }
-#endif
 
 CpuIsa capped(CpuIsa detected) {
   const char* env = std::getenv("QLORA_CPU_ISA");

@@ -1,6 +1,7 @@
-// The CPU's vector ISA, read once from CPUID (and the OS's saved-state mask, XCR0), for the
-// kernels' run-time dispatch, model.dtype = "auto" and the bench JSON. One binary runs everywhere:
-// each kernel has a path per ISA and takes the best one active_isa() allows.
+// The CPU's vector ISA, read once from ATen's CPU capabilities (which count an extension only
+// where the OS saves its registers), for the kernels' run-time dispatch, model.dtype = "auto" and
+// the bench JSON. One binary runs everywhere: each kernel has a path per ISA and takes the best
+// one active_isa() allows.
 //
 // QLORA_CPU_ISA=scalar|avx2|avx512|avx512_bf16 caps it (tests force each path the machine has;
 // asking for more than the CPU has is an error naming both).
