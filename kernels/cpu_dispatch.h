@@ -1,9 +1,8 @@
-// Helpers shared by the CPU kernels: function multi-versioning for x86 vector ISAs and
-// load/round helpers for the storage dtypes that compilers can vectorize.
+// Helpers shared by the CPU kernels: function multi-versioning for x86 vector ISAs and dispatch
+// over the storage dtypes (whose conversions are in kernels/simd.h).
 #pragma once
 
 #include <cstdint>
-#include <cstring>
 #include <type_traits>
 
 #include "kernels/cpu_isa.h"
@@ -29,48 +28,6 @@
 #endif
 
 namespace qlora::kernels {
-
-// Bit-level bf16 helpers without NaN handling (inputs are checked finite first), written so
-// that loops over them vectorize.
-QLORA_INLINE float bf16_bits_to_float(uint16_t h) {
-  const uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-QLORA_INLINE uint32_t bf16_round_bits(float f) {  // float bits rounded to bf16, low half zero
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-}
-QLORA_INLINE float bf16_round(float f) {
-  const uint32_t u = bf16_round_bits(f);
-  float r;
-  std::memcpy(&r, &u, 4);
-  return r;
-}
-
-// Storage traits: T is the element type in memory; load() widens to float; round() rounds a
-// float to the nearest storage value; store() narrows a float that is already representable.
-template <nf4::Dtype D> struct Storage;
-template <> struct Storage<nf4::Dtype::F32> {
-  using T = float;
-  static QLORA_INLINE float load(T v) { return v; }
-  static QLORA_INLINE float round(float f) { return f; }
-  static QLORA_INLINE T store(float f) { return f; }
-};
-template <> struct Storage<nf4::Dtype::BF16> {
-  using T = uint16_t;
-  static QLORA_INLINE float load(T v) { return bf16_bits_to_float(v); }
-  static QLORA_INLINE float round(float f) { return bf16_round(f); }
-  static QLORA_INLINE T store(float f) { return static_cast<T>(bf16_round_bits(f) >> 16); }
-};
-template <> struct Storage<nf4::Dtype::F16> {
-  using T = uint16_t;
-  static QLORA_INLINE float load(T v) { return nf4::f16_to_float(v); }
-  static QLORA_INLINE float round(float f) { return nf4::round_to(nf4::Dtype::F16, f); }
-  static QLORA_INLINE T store(float f) { return nf4::f16_from_float(f); }
-};
 
 // Calls fn(std::integral_constant<nf4::Dtype, D>{}) for the runtime dtype d.
 template <class Fn> void dispatch_dtype(nf4::Dtype d, Fn&& fn) {

@@ -1,5 +1,5 @@
 // Device helpers shared by the NF4 CUDA kernels (nf4_quantize.cu, nf4_dequantize.cu): the
-// storage dtypes with round-to-nearest-even conversions as quant/nf4_format.h defines them,
+// storage dtypes with round-to-nearest-even conversions as quant/nf4_dtype.h defines them,
 // fast division by launch constants, grid sizing. Internal to kernels/; torch-free.
 #pragma once
 
@@ -22,7 +22,7 @@ struct F32Traits {
 struct BF16Traits {
   using Storage = uint16_t;
   __device__ static float to_float(uint16_t s) { return __uint_as_float(uint32_t{s} << 16); }
-  // cvt.rn is round-to-nearest-even like bf16_from_float; NaN is pinned to 0x7fc0 as there
+  // cvt.rn is round-to-nearest-even like c10::BFloat16; NaN is pinned to 0x7fc0 as there
   // (the hardware would give 0x7fff) so even NaN bits agree with the CPU reference.
   __device__ static uint16_t to_storage(float f) {
     return isnan(f) ? uint16_t{0x7fc0} : __bfloat16_as_ushort(__float2bfloat16_rn(f));

@@ -1,14 +1,15 @@
 // NF4 dequantize on CPU. Per block, the 16 possible outputs are computed once (exactly as the
 // reference does, in the NF4 dtype, then converted to the output dtype); the codes then only
 // index that table: on AVX-512 one permute (vpermps, vpermw) per 16 or 32 codes; otherwise
-// two SSSE3 byte shuffles per 16 codes for 16-bit outputs, AVX2 permutes for float.
+// two SSSE3 byte shuffles per 16 codes for 16-bit outputs (VEX-encoded on AVX2), AVX2 permutes
+// for float.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstring>
 
-#include "kernels/cpu_dispatch.h"
 #include "kernels/nf4_cpu.h"
+#include "kernels/simd.h"
 #include "quant/nf4_reference.h"
 
 #if defined(__x86_64__)
@@ -34,8 +35,9 @@ void expand_scalar(const uint8_t* codes, int64_t nbytes, const T* table, T* out)
 }
 
 #if defined(__x86_64__)
-__attribute__((target("ssse3"))) void expand16_ssse3(const uint8_t* codes, int64_t nbytes,
-                                                     const uint16_t* table, uint16_t* out) {
+// Two byte shuffles per 16 codes; compiled twice (below): legacy SSE encoding and VEX encoding.
+__attribute__((target("ssse3"))) QLORA_INLINE void expand16_shuffles(const uint8_t* codes, int64_t nbytes,
+                                                                     const uint16_t* table, uint16_t* out) {
   alignas(16) uint8_t lo_bytes[16], hi_bytes[16];
   for (int i = 0; i < 16; ++i) {
     lo_bytes[i] = static_cast<uint8_t>(table[i] & 0xff);
@@ -60,6 +62,16 @@ __attribute__((target("ssse3"))) void expand16_ssse3(const uint8_t* codes, int64
     _mm_storeu_si128(o + 3, _mm_unpackhi_epi16(ev1, od1));
   }
   expand_scalar(codes + j, nbytes - j, table, out + 2 * j);
+}
+__attribute__((target("ssse3"))) void expand16_ssse3(const uint8_t* codes, int64_t nbytes, const uint16_t* table,
+                                                     uint16_t* out) {
+  expand16_shuffles(codes, nbytes, table, out);
+}
+// The AVX2 table loops leave the upper halves of the ymm registers dirty: legacy SSE code called
+// between them pays an SSE/AVX state transition per block (5x the whole dequantize on Zen 3, once
+// the compiler kept vector constants live across the calls). VEX-encoded, the same shuffles pay none.
+QLORA_AVX2 void expand16_avx2(const uint8_t* codes, int64_t nbytes, const uint16_t* table, uint16_t* out) {
+  expand16_shuffles(codes, nbytes, table, out);
 }
 const bool kHaveSsse3 = __builtin_cpu_supports("ssse3");
 
@@ -132,6 +144,7 @@ void expand32(const uint8_t* codes, int64_t nbytes, const float* table, float* o
 void expand16(const uint8_t* codes, int64_t nbytes, const uint16_t* table, uint16_t* out) {
 #if defined(__x86_64__)
   if (active_isa() >= CpuIsa::kAvx512) return expand16_avx512(codes, nbytes, table, out);
+  if (active_isa() >= CpuIsa::kAvx2) return expand16_avx2(codes, nbytes, table, out);
   if (kHaveSsse3) return expand16_ssse3(codes, nbytes, table, out);  // x86-64's baseline has no SSSE3
 #endif
   expand_scalar(codes, nbytes, table, out);

@@ -8,8 +8,8 @@
 #include <atomic>
 #include <cmath>
 
-#include "kernels/cpu_dispatch.h"
 #include "kernels/nf4_cpu.h"
+#include "kernels/simd.h"
 #include "quant/nf4_reference.h"
 
 namespace qlora::kernels {

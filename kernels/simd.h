@@ -3,17 +3,75 @@
 // Everything here is always inlined into a function with the ISA's target attribute.
 //
 // Elements in memory are float or bf16 (uint16_t bit patterns): loads widen bf16 exactly, stores
-// round to nearest even (NaN stays NaN; an input NaN's payload may change). Arithmetic is fp32;
-// the kernel files compile with -ffp-contract=fast, so a * b + c becomes one FMA where the ISA
-// has it.
+// round as bf16::round_bits below. Arithmetic is fp32; the vector kernel files compile with
+// -ffp-contract=fast, so a * b + c becomes one FMA where the ISA has it.
 #pragma once
+
+#include <c10/util/Half.h>
 
 #include <cstdint>
 #include <cstring>
 
 #include "kernels/cpu_dispatch.h"
+#include "quant/nf4_format.h"
 
-namespace qlora::kernels::simd {
+namespace qlora::kernels {
+
+// ---- bf16 <-> float: the kernels' one conversion ---------------------------------------------
+// Rounds as c10::BFloat16(float) does, the host's definition (tests/kernels/test_bf16_rounding.cpp
+// holds every ISA to it): to nearest even, and every NaN, whatever its sign and payload, to the
+// quiet NaN 0x7fc0 (rounding a NaN's bits could carry it into inf or -0, truncating them could
+// make it inf). Written once over U, uint32_t or a vector of them (the bits of 1 or N floats),
+// so the scalar loops the compiler vectorizes (Storage) and the explicit vectors (Vec) are one
+// expression, free of branches and of comparisons GCC spells per vector type.
+namespace bf16 {
+
+// Float bits -> the bf16's bits in the high half, low half zero (the bits of the rounded float).
+template <class U> QLORA_INLINE U round_bits(U u) {
+  // A NaN's magnitude exceeds 0x7f800000, so adding 0x7fffff to it carries into bit 31.
+  const U nan = 0u - (((u & 0x7fffffffu) + 0x7fffffu) >> 31);  // all ones in NaN lanes
+  const U rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+  return (rounded & ~nan) | (0x7fc00000u & nan);
+}
+QLORA_INLINE float to_float(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+QLORA_INLINE uint16_t from_float(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return static_cast<uint16_t>(round_bits(u) >> 16);
+}
+QLORA_INLINE float round(float f) { return to_float(from_float(f)); }
+
+}  // namespace bf16
+
+// Storage traits: T is the element type in memory; load() widens to float; round() rounds a
+// float to the nearest storage value; store() narrows a float (rounding it). fp16 is c10::Half's
+// conversion, inlined where the loops over it vectorize.
+template <nf4::Dtype D> struct Storage;
+template <> struct Storage<nf4::Dtype::F32> {
+  using T = float;
+  static QLORA_INLINE float load(T v) { return v; }
+  static QLORA_INLINE float round(float f) { return f; }
+  static QLORA_INLINE T store(float f) { return f; }
+};
+template <> struct Storage<nf4::Dtype::BF16> {
+  using T = uint16_t;
+  static QLORA_INLINE float load(T v) { return bf16::to_float(v); }
+  static QLORA_INLINE float round(float f) { return bf16::round(f); }
+  static QLORA_INLINE T store(float f) { return bf16::from_float(f); }
+};
+template <> struct Storage<nf4::Dtype::F16> {
+  using T = uint16_t;
+  static QLORA_INLINE float load(T v) { return static_cast<float>(c10::Half(v, c10::Half::from_bits())); }
+  static QLORA_INLINE float round(float f) { return static_cast<float>(c10::Half(f)); }
+  static QLORA_INLINE T store(float f) { return c10::Half(f).x; }
+};
+
+namespace simd {
 
 template <int N> struct Types;
 
@@ -37,14 +95,9 @@ QLORA_SIMD_TYPES(8)
 QLORA_SIMD_TYPES(16)
 #undef QLORA_SIMD_TYPES
 
-// One element stored from a float: bf16 rounded to nearest even, as Vec::store.
+// One element stored from a float, as Vec::store.
 QLORA_INLINE void store_scalar(float* p, float v) { *p = v; }
-QLORA_INLINE void store_scalar(uint16_t* p, float v) {
-  uint32_t u;
-  std::memcpy(&u, &v, 4);
-  *p = static_cast<uint16_t>(v != v ? (u >> 16) | 0x40u : (u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
+QLORA_INLINE void store_scalar(uint16_t* p, float v) { *p = bf16::from_float(v); }
 
 template <int N> struct Vec {
   using F = typename Types<N>::F;
@@ -60,7 +113,7 @@ template <int N> struct Vec {
     return v;
   }
   static QLORA_INLINE float scalar(float x) { return x; }
-  static QLORA_INLINE float scalar(uint16_t x) { return bf16_bits_to_float(x); }
+  static QLORA_INLINE float scalar(uint16_t x) { return bf16::to_float(x); }
 
   static QLORA_INLINE F load(const float* p) {
     F v;
@@ -74,10 +127,7 @@ template <int N> struct Vec {
   }
   static QLORA_INLINE void store(float* p, F v) { std::memcpy(p, &v, sizeof v); }
   static QLORA_INLINE void store(uint16_t* p, F v) {
-    const U u = reinterpret_cast<U>(v);
-    const U nan = reinterpret_cast<U>(v != v);
-    const U rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    const H h = narrow((rounded & ~nan) | (((u >> 16) | 0x40u) & nan));  // NaN: quiet, not rounded
+    const H h = narrow(bf16::round_bits(reinterpret_cast<U>(v)) >> 16);
     std::memcpy(p, &h, sizeof h);
   }
 
@@ -156,4 +206,5 @@ template <int N> struct Vec {
   }
 };
 
-}  // namespace qlora::kernels::simd
+}  // namespace simd
+}  // namespace qlora::kernels

@@ -6,6 +6,8 @@
 #include <string>
 #include <vector>
 
+#include "quant/nf4_dtype.h"
+
 namespace qlora::nf4 {
 
 namespace {
@@ -49,8 +51,8 @@ std::array<float, kNumCodes - 1> make_thresholds(Dtype d) {
   // 16-bit dtypes: walk every representable value in [-1, 1] in increasing order.
   std::vector<float> values;
   for (uint32_t h = 0; h < 0x10000; ++h) {
-    const float v = d == Dtype::BF16 ? bf16_to_float(static_cast<uint16_t>(h))
-                                     : f16_to_float(static_cast<uint16_t>(h));
+    const uint16_t bits = static_cast<uint16_t>(h);
+    const float v = load_as_float(d, &bits, 0);
     if (v >= -1.0f && v <= 1.0f && !(v == 0.0f && std::signbit(v))) values.push_back(v);
   }
   std::sort(values.begin(), values.end());
@@ -89,33 +91,6 @@ Layout Layout::make(int64_t numel, int64_t block_size, int64_t scaler_block_size
   const int64_t g = l.group_numel();
   l.padded_numel = (numel + g - 1) / g * g;
   return l;
-}
-
-uint16_t f16_from_float(float f) {
-  const uint32_t x = float_to_bits(f);
-  const uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000u);
-  const uint32_t ax = x & 0x7fffffffu;
-  if (ax > 0x7f800000u) return sign | 0x7e00;   // NaN
-  if (ax >= 0x477ff000u) return sign | 0x7c00;  // >= 65520 rounds to infinity
-  if (ax < 0x38800000u) {                       // below 2^-14: subnormal (or zero) half
-    // a * 2^24 is exact; rounding it to an integer (ties to even) is the half's mantissa.
-    return sign | static_cast<uint16_t>(std::nearbyint(bits_to_float(ax) * 16777216.0f));
-  }
-  uint32_t h = ((((ax >> 23) - 127 + 15) << 10) | ((ax & 0x7fffffu) >> 13));
-  const uint32_t rest = ax & 0x1fffu;
-  if (rest > 0x1000u || (rest == 0x1000u && (h & 1u))) ++h;  // a carry moves into the exponent
-  return sign | static_cast<uint16_t>(h);
-}
-
-float f16_to_float(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  const uint32_t exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
-  if (exp == 0) {
-    const float v = static_cast<float>(mant) * (1.0f / 16777216.0f);
-    return sign ? -v : v;
-  }
-  if (exp == 31) return bits_to_float(sign | 0x7f800000u | (mant << 13));
-  return bits_to_float(sign | ((exp - 15 + 127) << 23) | (mant << 13));
 }
 
 const std::array<float, kNumCodes>& codebook(Dtype d) {

@@ -64,43 +64,10 @@ struct Layout {
                      int64_t scaler_block_size = kScalerBlockSize);
 };
 
-// ---- scalar conversions, exactly as c10 does them (round to nearest even) ------------------
+// Bit casts (order_key, tests). Conversions between float and the storage dtypes are
+// quant/nf4_dtype.h's: this header is also compiled into the torch-free CUDA kernels.
 inline float bits_to_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
 inline uint32_t float_to_bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
-
-inline uint16_t bf16_from_float(float f) {
-  uint32_t u = float_to_bits(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN
-  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-inline float bf16_to_float(uint16_t h) { return bits_to_float(static_cast<uint32_t>(h) << 16); }
-uint16_t f16_from_float(float f);
-float f16_to_float(uint16_t h);
-
-// Round a float to the nearest value representable in d (identity for F32).
-inline float round_to(Dtype d, float f) {
-  switch (d) {
-    case Dtype::BF16: return bf16_to_float(bf16_from_float(f));
-    case Dtype::F16: return f16_to_float(f16_from_float(f));
-    default: return f;
-  }
-}
-// Read element i of a raw buffer of dtype d as float.
-inline float load_as_float(Dtype d, const void* p, int64_t i) {
-  switch (d) {
-    case Dtype::BF16: return bf16_to_float(static_cast<const uint16_t*>(p)[i]);
-    case Dtype::F16: return f16_to_float(static_cast<const uint16_t*>(p)[i]);
-    default: return static_cast<const float*>(p)[i];
-  }
-}
-// Store float f (already representable in d) as element i of a raw buffer of dtype d.
-inline void store_from_float(Dtype d, void* p, int64_t i, float f) {
-  switch (d) {
-    case Dtype::BF16: static_cast<uint16_t*>(p)[i] = bf16_from_float(f); break;
-    case Dtype::F16: static_cast<uint16_t*>(p)[i] = f16_from_float(f); break;
-    default: static_cast<float*>(p)[i] = f;
-  }
-}
 
 // The 16 NF4 values in dtype d, as floats (torchao writes them as Python floats and lets
 // torch.tensor(..., dtype=d) convert them: double -> float -> d).

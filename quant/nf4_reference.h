@@ -1,11 +1,11 @@
 // Scalar reference of NF4 quantize/dequantize on raw buffers: the definition every kernel
 // (kernels/*_cpu.cpp, kernels/*.cu) is compared against. Slow and obviously correct; the
-// arithmetic is spelled out in quant/nf4_format.h.
+// arithmetic is spelled out in quant/nf4_format.h, the conversions are quant/nf4_dtype.h's.
 #pragma once
 
 #include <cstdint>
 
-#include "quant/nf4_format.h"
+#include "quant/nf4_dtype.h"
 
 namespace qlora::nf4 {
 

@@ -32,14 +32,6 @@ void put_half(float v, uint8_t* out) {
   std::memcpy(out, &bits, 2);
 }
 
-// ggml_compute_fp32_to_bf16: round to nearest even, NaN made quiet.
-uint16_t bf16_bits(float v) {
-  uint32_t n;
-  std::memcpy(&n, &v, 4);
-  if ((n & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((n >> 16) | 64u);
-  return static_cast<uint16_t>((static_cast<uint64_t>(n) + (0x7fffu + ((n >> 16) & 1u))) >> 16);
-}
-
 // The value of largest magnitude (the first of equal magnitudes), as ggml finds it: +0 when every
 // element is a zero of either sign.
 float signed_absmax(const float* x, int n) {
@@ -164,8 +156,10 @@ void encode_row(GgmlType type, const float* x, int64_t n, uint8_t* out) {
       for (int64_t i = 0; i < n; ++i) put_half(x[i], out + 2 * i);
       return;
     case GgmlType::BF16:
+      // c10's rounding is ggml_compute_fp32_to_bf16's (nearest even) for every non-NaN; a NaN
+      // becomes 0x7fc0 where ggml keeps its sign and payload bits (both quiet).
       for (int64_t i = 0; i < n; ++i) {
-        const uint16_t b = bf16_bits(x[i]);
+        const uint16_t b = c10::BFloat16(x[i]).x;
         std::memcpy(out + 2 * i, &b, 2);
       }
       return;
