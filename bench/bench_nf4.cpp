@@ -20,6 +20,7 @@
 
 #include "bench/machine.h"
 #include "bench/run_json.h"
+#include "kernels/cpu_isa.h"
 #include "qlora/ops/nf4_ops.h"
 
 #ifdef QLORA_WITH_CUDA
@@ -126,6 +127,7 @@ int main(int argc, char** argv) {
                  {"device", a.device},
                  {"machine",
                   {{"cpu", qlora::bench::cpu_model()},
+                   {"cpu_isa", qlora::kernels::isa_name(qlora::kernels::active_isa())},
                    {"hardware_threads", std::thread::hardware_concurrency()},
                    {"aten_threads", at::get_num_threads()}}},
                  {"qlora", r}};
