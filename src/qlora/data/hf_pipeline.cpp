@@ -12,6 +12,7 @@
 #include <utility>
 
 #include "qlora/data/text_regex.h"
+#include "qlora/jinja/utf8.h"
 
 namespace qlora::data::hf {
 namespace {
@@ -180,7 +181,7 @@ std::string prepend_scheme(const json& j, const std::string& where) {
 std::string one_char(const json& j, const char* key, const std::string& where, const std::string& fallback) {
   const auto s = get<std::string>(j, key, where, fallback);
   size_t len = 0;
-  if (s.empty() || !utf8_valid(s) || (decode_utf8(s, 0, len), len != s.size())) fail(where, std::string("\"") + key + "\" must be one character");
+  if (s.empty() || utf8_next(s, len) == kUtf8Invalid || len != s.size()) fail(where, std::string("\"") + key + "\" must be one character");
   return s;
 }
 
@@ -335,8 +336,9 @@ void byte_level_decode(std::vector<std::string>& tokens) {
   for (const auto& t : tokens) {
     std::string mapped;
     bool all = true;
-    for (size_t i = 0, len = 0; i < t.size() && all; i += len) {
-      const int b = byte_of_char(decode_utf8(t, i, len));
+    for (size_t i = 0; i < t.size() && all;) {
+      const int32_t cp = utf8_next(t, i);  // ill-formed: no byte's character
+      const int b = cp == kUtf8Invalid ? -1 : byte_of_char(static_cast<uint32_t>(cp));
       all = b >= 0;
       mapped += static_cast<char>(b);
     }
@@ -418,7 +420,7 @@ struct ByteAlphabet {
     for (int b = 0; b < 256; ++b) {
       const bool printable = (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE && b <= 0xFF);
       const uint32_t cp = printable ? static_cast<uint32_t>(b) : next++;
-      icu::UnicodeString(static_cast<UChar32>(cp)).toUTF8String(chars[b]);
+      utf8_append(chars[b], cp);
       bytes[cp] = b;
     }
   }
@@ -435,15 +437,6 @@ int byte_of_char(uint32_t codepoint) {
   const auto& m = alphabet().bytes;
   const auto it = m.find(codepoint);
   return it == m.end() ? -1 : it->second;
-}
-
-uint32_t decode_utf8(const std::string& s, size_t i, size_t& len) {
-  const auto c = static_cast<unsigned char>(s[i]);
-  len = c < 0x80 ? 1 : c < 0xE0 ? 2 : c < 0xF0 ? 3 : 4;
-  if (i + len > s.size()) len = s.size() - i;
-  uint32_t cp = len == 1 ? c : len == 2 ? c & 0x1F : len == 3 ? c & 0x0F : c & 0x07;
-  for (size_t k = 1; k < len; ++k) cp = (cp << 6) | (static_cast<unsigned char>(s[i + k]) & 0x3F);
-  return cp;
 }
 
 }  // namespace qlora::data::hf

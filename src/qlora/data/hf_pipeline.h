@@ -35,7 +35,4 @@ Decode make_decoder(const nlohmann::json& j, const std::string& where);
 const std::string& byte_char(uint8_t b);
 int byte_of_char(uint32_t codepoint);
 
-// Decodes the UTF-8 character at s[i] (s must be valid UTF-8); sets `len` to its byte length.
-uint32_t decode_utf8(const std::string& s, size_t i, size_t& len);
-
 }  // namespace qlora::data::hf

@@ -284,15 +284,18 @@ void HfTokenizer::Impl::split_added(const std::string& text, const Matcher& m, c
     const auto [pos, index] = m.find(text, gap_start);
     if (pos == std::string::npos) break;
     const AddedToken& t = added[index];
-    size_t begin = pos, end = pos + t.pattern.size(), len = 0;
+    size_t begin = pos, end = pos + t.pattern.size();
     // lstrip/rstrip: the token takes the white space beside it, which then is no text.
     while (t.lstrip && begin > gap_start) {
-      size_t prev = begin - 1;
-      while (prev > gap_start && (static_cast<unsigned char>(text[prev]) & 0xC0) == 0x80) --prev;
-      if (!is_white_space(hf::decode_utf8(text, prev, len))) break;
+      size_t prev = begin;
+      if (!is_white_space(utf8_prev(text, gap_start, prev))) break;
       begin = prev;
     }
-    while (t.rstrip && end < text.size() && is_white_space(hf::decode_utf8(text, end, len))) end += len;
+    while (t.rstrip && end < text.size()) {
+      size_t next = end;
+      if (!is_white_space(utf8_next(text, next))) break;
+      end = next;
+    }
     gap(text.substr(gap_start, begin - gap_start), gap_start);
     out.push_back(t.id);
     gap_start = end;
@@ -313,7 +316,9 @@ void HfTokenizer::Impl::encode_word(const std::string& word, std::vector<int64_t
   std::vector<int64_t> ids;
   bool pending_unk = false;
   for (size_t i = 0, len = 0; i < word.size(); i += len) {
-    hf::decode_utf8(word, i, len);
+    size_t next = i;
+    utf8_next(word, next);
+    len = next - i;
     const std::string c = word.substr(i, len);
     if (const auto it = vocab.find(c); it != vocab.end()) {
       if (pending_unk) ids.push_back(unk);

@@ -8,60 +8,6 @@
 
 namespace qlora::data {
 
-// Length of the UTF-8 character at s[i] when it is well-formed (ok = true); otherwise the length
-// of its maximal ill-formed subpart (at least 1, ok = false), the unit Python replaces with one
-// U+FFFD. Ranges per the Unicode standard's table of well-formed byte sequences.
-size_t utf8_step(std::string_view s, size_t i, bool& ok) {
-  const auto byte = [&](size_t k) { return static_cast<unsigned char>(s[k]); };
-  const unsigned char c = byte(i);
-  ok = true;
-  if (c < 0x80) return 1;
-  size_t need = 0;
-  unsigned char lo = 0x80, hi = 0xBF;
-  if (c >= 0xC2 && c <= 0xDF) {
-    need = 1;
-  } else if (c >= 0xE0 && c <= 0xEF) {
-    need = 2;
-    if (c == 0xE0) lo = 0xA0;  // no overlong forms
-    if (c == 0xED) hi = 0x9F;  // no surrogates
-  } else if (c >= 0xF0 && c <= 0xF4) {
-    need = 3;
-    if (c == 0xF0) lo = 0x90;  // no overlong forms
-    if (c == 0xF4) hi = 0x8F;  // nothing past U+10FFFF
-  } else {
-    ok = false;
-    return 1;
-  }
-  for (size_t k = 1; k <= need; ++k) {
-    if (i + k >= s.size() || byte(i + k) < lo || byte(i + k) > hi) {
-      ok = false;
-      return k;
-    }
-    lo = 0x80;
-    hi = 0xBF;
-  }
-  return need + 1;
-}
-
-bool utf8_valid(std::string_view s) {
-  bool ok = true;
-  for (size_t i = 0; i < s.size() && ok; i += utf8_step(s, i, ok)) {}
-  return ok;
-}
-
-std::string utf8_replace_invalid(std::string_view bytes) {
-  std::string out;
-  out.reserve(bytes.size());
-  bool ok = true;
-  for (size_t i = 0; i < bytes.size();) {
-    const size_t n = utf8_step(bytes, i, ok);
-    if (ok) out.append(bytes.substr(i, n));
-    else out.append("\xEF\xBF\xBD");  // U+FFFD
-    i += n;
-  }
-  return out;
-}
-
 namespace {
 
 // tiktoken's patterns are written for Rust's regex engine and HF's for Oniguruma, where \s is Unicode
@@ -144,8 +90,8 @@ void TextRegex::for_each_match(std::string_view text, const std::function<void(s
     if (rc < 0) throw std::runtime_error(what_ + ": pre-tokenizer regex: " + pcre2_message(rc));
     const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(m.md);
     if (ov[1] == ov[0]) {  // an empty match (none in the shipped patterns): step over a character
-      bool ok = true;
-      pos = ov[0] + utf8_step(text, ov[0], ok);
+      pos = ov[0];
+      utf8_next(text, pos);
       continue;
     }
     on_match(ov[0], ov[1]);

@@ -1,5 +1,6 @@
-// Text helpers the tokenizers share: UTF-8 checks and repair, and pre-tokenizer regexes (PCRE2)
-// written for tiktoken's Rust regex engine or HF tokenizers' Oniguruma.
+// Pre-tokenizer regexes (PCRE2) written for tiktoken's Rust regex engine or HF tokenizers'
+// Oniguruma. UTF-8 checks and repair (utf8_valid, utf8_replace_invalid) come with it from
+// qlora/jinja/utf8.h, the one home of UTF-8.
 #pragma once
 
 #include <cstddef>
@@ -8,18 +9,9 @@
 #include <string>
 #include <string_view>
 
+#include "qlora/jinja/utf8.h"
+
 namespace qlora::data {
-
-// Length of the UTF-8 character at s[i] when it is well-formed (ok = true); otherwise the length
-// of its maximal ill-formed subpart (at least 1, ok = false), the unit Python replaces with one
-// U+FFFD.
-size_t utf8_step(std::string_view s, size_t i, bool& ok);
-bool utf8_valid(std::string_view s);
-
-// `bytes` with each maximal ill-formed UTF-8 subsequence replaced by U+FFFD, which is what
-// Python's bytes.decode("utf-8", errors="replace") (and so tiktoken's decode) produces, and Rust's
-// String::from_utf8_lossy (HF tokenizers' decoders) too.
-std::string utf8_replace_invalid(std::string_view bytes);
 
 // A compiled pre-tokenizer pattern. \s and \S are rewritten to Unicode White_Space, which is
 // what both Rust's regex and Oniguruma mean by them (PCRE2's \s also takes U+180E).

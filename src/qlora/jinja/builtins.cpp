@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <map>
 
+#include "qlora/jinja/budget.h"
 #include "qlora/jinja/strings.h"
 
 namespace qlora::jinja {
@@ -120,9 +121,11 @@ Value f_join(const Value& v, Args& a) {
   std::string sep = p[0] ? to_str(*p[0]) : "", out;
   bool first = true;
   for (const Value& e : iterate(v)) {
+    std::string item = to_str(p[1] && !p[1]->is_none() ? get_path(e, to_str(*p[1])) : e);
+    budget_append(out.size(), (first ? 0 : sep.size()) + item.size());
     if (!first) out += sep;
     first = false;
-    out += to_str(p[1] && !p[1]->is_none() ? get_path(e, to_str(*p[1])) : e);
+    out += item;
   }
   return Value::string(out);
 }
@@ -289,6 +292,7 @@ Value f_unique(const Value& v, Args& a) {
   List out, seen;
   for (const Value& e : iterate(v)) {
     Value key = sort_key(p[1] && !p[1]->is_none() ? get_path(e, to_str(*p[1])) : e, case_sensitive);
+    budget_steps(static_cast<int64_t>(seen.size()));  // quadratic: each item against those kept
     bool dup = std::any_of(seen.begin(), seen.end(), [&](const Value& s) { return equal(s, key); });
     if (!dup) {
       seen.push_back(key);
@@ -338,15 +342,26 @@ Value f_dictsort(const Value& v, Args& a) {
 // indentation, blank lines only with blank=True.
 Value f_indent(const Value& v, Args& a) {
   auto p = bind(a, {"width", "first", "blank"}, "indent");
-  std::string indentation = p[0] && p[0]->is_string() ? p[0]->s : std::string(int_arg(p[0], 4), ' ');
+  std::string indentation;
+  if (p[0] && p[0]->is_string()) {
+    indentation = p[0]->s;
+  } else {
+    const int64_t width = int_arg(p[0], 4);  // " " * width: empty when negative
+    budget_repeat(width, 1);
+    indentation.assign(static_cast<size_t>(std::max<int64_t>(width, 0)), ' ');
+  }
   std::vector<std::string> lines = py_splitlines(to_str(v) + "\n");
   std::string out;
   for (size_t k = 0; k < lines.size(); ++k) {
-    if (k) out += "\n";
     bool indent = k > 0 && (!lines[k].empty() || (p[2] && truthy(*p[2])));
+    budget_append(out.size(), 1 + (indent ? indentation.size() : 0) + lines[k].size());
+    if (k) out += "\n";
     out += (indent ? indentation : "") + lines[k];
   }
-  if (p[1] && truthy(*p[1])) out = indentation + out;
+  if (p[1] && truthy(*p[1])) {
+    budget_append(out.size(), indentation.size());
+    out = indentation + out;
+  }
   return Value::string(out);
 }
 
@@ -452,8 +467,9 @@ bool t_in(const Value& v, Args& a) {
   return std::any_of(items.begin(), items.end(), [&](const Value& e) { return equal(e, v); });
 }
 bool t_callable(const Value& v, Args&) { return v.kind == Kind::kFunction; }
-bool t_lower(const Value& v, Args&) { return v.is_string() && py_lower(v.s) == v.s && py_upper(v.s) != v.s; }
-bool t_upper(const Value& v, Args&) { return v.is_string() && py_upper(v.s) == v.s && py_lower(v.s) != v.s; }
+// jinja2: str(value).islower() / isupper().
+bool t_lower(const Value& v, Args&) { return py_islower(to_str(v)); }
+bool t_upper(const Value& v, Args&) { return py_isupper(to_str(v)); }
 bool t_sameas(const Value& v, Args& a) {
   Value other = one_arg(a, "sameas");
   if (v.kind != other.kind) return false;

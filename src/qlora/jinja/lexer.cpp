@@ -255,7 +255,10 @@ class Lexer {
       if (!std::isxdigit(static_cast<unsigned char>(h))) fail(start, "malformed \\x, \\u or \\U escape");
     }
     pos_ += digits;
-    utf8_append(value, static_cast<uint32_t>(std::strtoul(hex.c_str(), nullptr, 16)));
+    const auto cp = static_cast<uint32_t>(std::strtoul(hex.c_str(), nullptr, 16));
+    // Python reads these (a lone surrogate, or an error past U+10FFFF); UTF-8 has no form for them.
+    if (cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) fail(start, "\\u or \\U escape of a surrogate or past U+10FFFF");
+    utf8_append(value, cp);
   }
 
   void op(int& depth) {

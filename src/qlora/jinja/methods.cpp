@@ -3,6 +3,7 @@
 #include <chrono>
 #include <ctime>
 
+#include "qlora/jinja/budget.h"
 #include "qlora/jinja/builtins.h"
 #include "qlora/jinja/strings.h"
 
@@ -65,15 +66,18 @@ std::string py_format(const std::string& fmt, Args& a) {
     if (close == std::string::npos) throw std::runtime_error("Single '{' encountered in format string");
     std::string field = fmt.substr(k + 1, close - k - 1);
     if (field.find_first_of(":!.[") != std::string::npos) throw std::runtime_error("format specs are outside the subset");
+    std::string value;
     if (field.empty()) {
-      out += to_str(arg(a, next++, "format"));
+      value = to_str(arg(a, next++, "format"));
     } else if (std::all_of(field.begin(), field.end(), ::isdigit)) {
-      out += to_str(arg(a, std::stoul(field), "format"));
+      value = to_str(arg(a, std::stoul(field), "format"));
     } else {
       auto it = std::find_if(a.keyword.begin(), a.keyword.end(), [&](const auto& kv) { return kv.first == field; });
       if (it == a.keyword.end()) throw std::runtime_error("KeyError: '" + field + "'");
-      out += to_str(it->second);
+      value = to_str(it->second);
     }
+    budget_append(out.size(), value.size());
+    out += value;
     k = close;
   }
   return out;
@@ -107,23 +111,24 @@ Value string_method(const std::string& s, const std::string& name, Args& a) {
     bool first = true;
     for (const Value& v : iterate(arg(a, 0, "join"))) {
       if (!v.is_string()) throw std::runtime_error("sequence item: expected str instance");
+      budget_append(out.size(), (first ? 0 : s.size()) + v.s.size());
       out += (first ? "" : s) + v.s;
       first = false;
     }
     return Value::string(out);
   }
-  auto all = [&](auto pred) {
-    return Value::boolean(!s.empty() && std::all_of(s.begin(), s.end(), [&](char c) { return pred(static_cast<unsigned char>(c)); }));
-  };
-  if (name == "isdigit") return all([](unsigned char c) { return std::isdigit(c) != 0; });
-  if (name == "isalpha") return all([](unsigned char c) { return std::isalpha(c) != 0; });
-  if (name == "isalnum") return all([](unsigned char c) { return std::isalnum(c) != 0; });
-  if (name == "isspace") return all([](unsigned char c) { return std::isspace(c) != 0; });
+  if (name == "isupper") return Value::boolean(py_isupper(s));
+  if (name == "islower") return Value::boolean(py_islower(s));
+  if (name == "isdigit") return Value::boolean(py_isdigit(s));
+  if (name == "isalpha") return Value::boolean(py_isalpha(s));
+  if (name == "isalnum") return Value::boolean(py_isalnum(s));
+  if (name == "isspace") return Value::boolean(py_isspace(s));
   throw std::logic_error("unhandled string method " + name);
 }
 
 Value dict_method(const Value& d, const std::string& name, Args& a) {
   if (name == "items" || name == "keys" || name == "values") {
+    budget_steps(static_cast<int64_t>(d.dict->items.size()));
     List out;
     for (const auto& [k, v] : d.dict->items) {
       if (name == "items") out.push_back(Value::make_tuple({Value::string(k), v}));
@@ -141,8 +146,8 @@ Value dict_method(const Value& d, const std::string& name, Args& a) {
 
 const char* const kStringMethods[] = {"startswith", "endswith", "strip", "lstrip", "rstrip", "split", "rsplit",
                                       "replace", "upper", "lower", "title", "capitalize", "find", "rfind",
-                                      "count", "format", "splitlines", "join", "isdigit", "isalpha",
-                                      "isalnum", "isspace"};
+                                      "count", "format", "splitlines", "join", "isupper", "islower",
+                                      "isdigit", "isalpha", "isalnum", "isspace"};
 const char* const kDictMethods[] = {"items", "keys", "values", "get"};
 // The methods transformers' ImmutableSandboxedEnvironment refuses (jinja2's _mutable_spec).
 const char* const kMutating[] = {"append", "extend", "insert", "pop", "remove", "clear", "sort", "reverse",
@@ -172,6 +177,7 @@ Value method(const Value& obj, const std::string& name) {
     Value list = obj;
     return Value::function(name, [list, name](Args& a) {
       const Value& x = arg(a, 0, name.c_str());
+      budget_steps(static_cast<int64_t>(list.list->size()));
       int64_t n = 0;
       for (size_t k = 0; k < list.list->size(); ++k) {
         if (!equal((*list.list)[k], x)) continue;
@@ -204,6 +210,7 @@ Value range_fn(Args& a) {
   List out;
   for (int64_t k = start; step > 0 ? k < stop : k > stop; k += step) {
     if (out.size() >= 100000) throw std::runtime_error("Range too big. The sandbox blocks ranges larger than MAX_RANGE (100000).");
+    budget_steps(1);
     out.push_back(Value::integer(k));
   }
   return Value::make_list(std::move(out));
@@ -233,6 +240,7 @@ Value strftime_fn(Args& a, std::optional<int64_t> now) {
   std::tm local{};
   localtime_r(&t, &local);
   if (format.empty()) return Value::string("");
+  budget_bytes(format.size() * 8 + 256);
   std::vector<char> buf(format.size() * 8 + 256);
   size_t n = std::strftime(buf.data(), buf.size(), format.c_str(), &local);
   return Value::string(std::string(buf.data(), n));

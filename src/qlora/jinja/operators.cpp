@@ -5,6 +5,7 @@
 
 #include "qlora/jinja/operators.h"
 
+#include "qlora/jinja/budget.h"
 #include "qlora/jinja/builtins.h"
 
 namespace qlora::jinja {
@@ -17,15 +18,38 @@ bool both_int(const Value& a, const Value& b) { return a.kind != Kind::kFloat &&
   throw std::runtime_error("unsupported operand type(s) for " + op + ": '" + type_name(a) + "' and '" + type_name(b) + "'");
 }
 
+size_t string_bytes(const List& items) {
+  size_t bytes = 0;
+  for (const Value& e : items) bytes += e.is_string() ? e.s.size() : 0;
+  return bytes;
+}
+
+// Paid for before anything is allocated: `'a' * 2000000000` is refused at once.
 Value repeat(const Value& seq, int64_t n) {
   if (seq.is_string()) {
+    budget_repeat(n, seq.s.size());
     std::string out;
+    out.reserve(n > 0 ? seq.s.size() * static_cast<size_t>(n) : 0);
     for (int64_t k = 0; k < n; ++k) out += seq.s;
     return Value::string(out);
   }
+  budget_repeat(n, string_bytes(*seq.list), seq.list->size());
   List out;
   for (int64_t k = 0; k < n; ++k) out.insert(out.end(), seq.list->begin(), seq.list->end());
   return seq.kind == Kind::kTuple ? Value::make_tuple(std::move(out)) : Value::make_list(std::move(out));
+}
+
+// x ** y for y >= 0 by squaring: log2(y) steps, where a loop of y multiplications would let
+// `2 ** 9999999999` run for minutes.
+int64_t int_power(int64_t x, int64_t y) {
+  int64_t result = 1;
+  for (bool first = true; y > 0; y >>= 1, first = false) {
+    if (!first && __builtin_mul_overflow(x, x, &x)) throw std::runtime_error("integer overflow: qlora's template integers are 64-bit");
+    if ((y & 1) && __builtin_mul_overflow(result, x, &result)) {
+      throw std::runtime_error("integer overflow: qlora's template integers are 64-bit");
+    }
+  }
+  return result;
 }
 
 int64_t floor_div(int64_t a, int64_t b) {
@@ -41,9 +65,12 @@ Value numeric(const std::string& op, const Value& a, const Value& b) {
   }
   if (both_int(a, b)) {
     int64_t x = as_int(a), y = as_int(b);
-    if (op == "+") return Value::integer(x + y);
-    if (op == "-") return Value::integer(x - y);
-    if (op == "*") return Value::integer(x * y);
+    int64_t r = 0;
+    if ((op == "+" && __builtin_add_overflow(x, y, &r)) || (op == "-" && __builtin_sub_overflow(x, y, &r)) ||
+        (op == "*" && __builtin_mul_overflow(x, y, &r))) {
+      throw std::runtime_error("integer overflow: qlora's template integers are 64-bit");
+    }
+    if (op == "+" || op == "-" || op == "*") return Value::integer(r);
     if (op == "//" || op == "%") {
       if (y == 0) throw std::runtime_error("integer division or modulo by zero");
       int64_t q = floor_div(x, y);
@@ -51,9 +78,7 @@ Value numeric(const std::string& op, const Value& a, const Value& b) {
     }
     if (op == "**") {
       if (y < 0) return Value::real(std::pow(static_cast<double>(x), static_cast<double>(y)));
-      int64_t r = 1;
-      for (int64_t k = 0; k < y; ++k) r *= x;
-      return Value::integer(r);
+      return Value::integer(int_power(x, y));
     }
   }
   double x = as_double(a), y = as_double(b);
@@ -91,12 +116,21 @@ void slice_indices(int64_t n, const Value& start, const Value& stop, const Value
 }  // namespace
 
 Value binary_op(const std::string& op, const Value& a, const Value& b) {
-  if (op == "~") return Value::string(to_str(a) + to_str(b));
+  if (op == "~") {
+    std::string x = to_str(a), y = to_str(b);
+    budget_append(x.size(), y.size());
+    return Value::string(x + y);
+  }
   if (a.is_undefined()) undefined_error(a);
   if (b.is_undefined()) undefined_error(b);
   if (op == "+") {
-    if (a.is_string() && b.is_string()) return Value::string(a.s + b.s);
+    if (a.is_string() && b.is_string()) {
+      budget_append(a.s.size(), b.s.size());
+      return Value::string(a.s + b.s);
+    }
     if (a.is_sequence() && a.kind == b.kind) {
+      budget_steps(static_cast<int64_t>(a.list->size() + b.list->size()));
+      budget_copied(string_bytes(*a.list) + string_bytes(*b.list));
       List out = *a.list;
       out.insert(out.end(), b.list->begin(), b.list->end());
       return a.kind == Kind::kTuple ? Value::make_tuple(std::move(out)) : Value::make_list(std::move(out));
@@ -134,7 +168,9 @@ Value get_item(const Value& obj, const Value& key) {
     return Value::undefined("'dict object' has no attribute " + to_repr(key));
   }
   if ((obj.is_sequence() || obj.is_string()) && (key.kind == Kind::kInt || key.kind == Kind::kBool)) {
-    List items = obj.is_string() ? iterate(obj) : *obj.list;
+    static const List kNone;
+    List chars = obj.is_string() ? iterate(obj) : kNone;  // a list is indexed where it is, not copied
+    const List& items = obj.is_string() ? chars : *obj.list;
     int64_t n = static_cast<int64_t>(items.size()), k = as_int(key);
     if (k < 0) k += n;
     if (k < 0 || k >= n) return Value::undefined(std::string("'") + type_name(obj) + " object' has no element " + to_str(key));

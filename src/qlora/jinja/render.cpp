@@ -2,6 +2,7 @@
 // semantics and jinja2's scoping (each loop iteration and macro call is a new scope; `set` inside
 // one does not leak out, which is why templates use namespace()).
 #include <cmath>
+#include <new>
 
 #include "qlora/jinja/ast.h"
 #include "qlora/jinja/builtins.h"
@@ -44,6 +45,12 @@ FramePtr child(const FramePtr& parent) {
   return f;
 }
 
+// A library's own words (std::bad_alloc) say nothing to the user; ours do.
+std::string message(const std::exception& e) {
+  if (dynamic_cast<const std::bad_alloc*>(&e)) return "out of memory reading or rendering the template";
+  return e.what();
+}
+
 class Renderer {
  public:
   Renderer(const Program& program, const RenderOptions& options) : program_(program), options_(options) {}
@@ -55,8 +62,11 @@ class Renderer {
     for (auto& [k, v] : builtins.dict->items) globals->set(k, v);
     FramePtr root = child(globals);
     for (const auto& [k, v] : context.items()) root->set(k, from_json(v));
+    BudgetScope budget(options_.budget);
     out_ = &result_.text;
     exec_body(program_.body, root);
+    result_.steps_used = budget.steps;
+    result_.bytes_used = budget.bytes;
     return std::move(result_);
   }
 
@@ -78,21 +88,30 @@ class Renderer {
   // Errors from builtins get this statement's location; errors already located pass through.
   Flow exec(const Stmt& s, const FramePtr& frame) {
     try {
+      budget_steps(1);
       return exec_unlocated(s, frame);
     } catch (const TemplateError&) {
       throw;
-    } catch (const std::runtime_error& e) {
-      throw TemplateError(where(s.line, s.col) + ": " + e.what());
+    } catch (const std::exception& e) {
+      throw TemplateError(where(s.line, s.col) + ": " + message(e));
     }
   }
 
+  // Appends to the current output, which is one string under the budget's one-string limit.
+  void emit(const std::string& text) {
+    budget_append(out_->size(), text.size());
+    *out_ += text;
+  }
+
+  static size_t string_bytes(const Value& v) { return v.is_string() ? v.s.size() : 0; }
+
   Flow exec_unlocated(const Stmt& s, const FramePtr& frame) {
     switch (s.kind) {
-      case StmtKind::kText: *out_ += s.text; return Flow::kNormal;
+      case StmtKind::kText: emit(s.text); return Flow::kNormal;
       case StmtKind::kOutput: {
         Value v = eval(*s.expr, frame);
         if (v.generator) throw std::runtime_error("printing a generator (map/select/items...) is outside the subset; add |list");
-        *out_ += to_str(v);
+        emit(to_str(v));
         return Flow::kNormal;
       }
       case StmtKind::kIf:
@@ -104,13 +123,13 @@ class Renderer {
       case StmtKind::kSet: assign(s, eval(*s.expr, frame), frame); return Flow::kNormal;
       case StmtKind::kSetBlock: assign(s, Value::string(capture(s.body, child(frame))), frame); return Flow::kNormal;
       case StmtKind::kMacro: define_macro(s, frame); return Flow::kNormal;
-      case StmtKind::kCallBlock: *out_ += to_str(call_block(s, frame)); return Flow::kNormal;
+      case StmtKind::kCallBlock: emit(to_str(call_block(s, frame))); return Flow::kNormal;
       case StmtKind::kFilterBlock: {
         Value saved = filter_input_;
         filter_input_ = Value::string(capture(s.body, frame));
         Value v = eval(*s.expr, frame);
         filter_input_ = saved;
-        *out_ += to_str(v);
+        emit(to_str(v));
         return Flow::kNormal;
       }
       case StmtKind::kBreak: return Flow::kBreak;
@@ -121,7 +140,7 @@ class Renderer {
         std::string rv = capture(s.body, frame);
         size_t start = result_.text.size();
         result_.generation_spans.emplace_back(start, start + rv.size());
-        *out_ += rv;
+        emit(rv);
         return Flow::kNormal;
       }
     }
@@ -175,6 +194,10 @@ class Renderer {
     }
     const int64_t n = static_cast<int64_t>(items.size());
     for (int64_t k = 0; k < n; ++k) {
+      // An iteration copies its item and loop.previtem / nextitem.
+      budget_steps(1);
+      budget_copied(string_bytes(items[k]) + (k > 0 ? string_bytes(items[k - 1]) : 0) +
+                    (k + 1 < n ? string_bytes(items[k + 1]) : 0));
       FramePtr scope = child(frame);
       bind_targets(s.targets, items[k], *scope);
       scope->set("loop", loop_object(items, k));
@@ -229,7 +252,7 @@ class Renderer {
   // Arguments bind as Python's do; a parameter left without one is undefined. `caller` is the
   // body of a {% call %} block.
   Value call_macro(const Stmt& m, const FramePtr& defined_in, Args& a) {
-    if (++depth_ > 200) throw std::runtime_error("macro recursion too deep");
+    if (++depth_ > 200) throw std::runtime_error("macro recursion deeper than 200 calls");
     FramePtr scope = child(defined_in);
     if (a.positional.size() > m.params.size()) {
       throw std::runtime_error("macro '" + m.name + "' takes not more than " + std::to_string(m.params.size()) + " argument(s)");
@@ -296,15 +319,19 @@ class Renderer {
     return args;
   }
 
+  // Each expression is a step; a string it yields was built or copied (strings are values).
   Value eval(const Expr& e, const FramePtr& frame) {
     try {
-      return eval_unlocated(e, frame);
+      budget_steps(1);
+      Value v = eval_unlocated(e, frame);
+      budget_copied(string_bytes(v));
+      return v;
     } catch (const TemplateError&) {
       throw;
     } catch (const RaiseSignal& r) {
       throw RaisedError(where(e.line, e.col), r.message);
-    } catch (const std::runtime_error& err) {
-      throw TemplateError(where(e.line, e.col) + ": " + err.what());
+    } catch (const std::exception& err) {
+      throw TemplateError(where(e.line, e.col) + ": " + message(err));
     }
   }
 
@@ -406,15 +433,28 @@ class Renderer {
 
 }  // namespace
 
+// Whatever escapes unlocated (a bad_alloc outside any statement) still names the template.
 Template Template::parse(std::string_view source, std::string origin) {
   Template t;
   t.origin_ = std::move(origin);
-  t.program_ = std::make_shared<Program>(parse_program(tokenize(source, t.origin_), t.origin_));
+  try {
+    t.program_ = std::make_shared<Program>(parse_program(tokenize(source, t.origin_), t.origin_));
+  } catch (const TemplateError&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw TemplateError(t.origin_ + ": " + message(e));
+  }
   return t;
 }
 
 Rendered Template::render(const nlohmann::ordered_json& context, const RenderOptions& options) const {
-  return Renderer(*program_, options).run(context);
+  try {
+    return Renderer(*program_, options).run(context);
+  } catch (const TemplateError&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw TemplateError(origin_ + ": " + message(e));
+  }
 }
 
 }  // namespace qlora::jinja

@@ -16,8 +16,8 @@
 // and ns.attr), macro, call, filter, raw, break, continue, generation; expressions as Python's
 // with jinja2's filters and tests that templates use. Anything else is a TemplateError naming the
 // origin, line and column, never silently different output. Differences from jinja2 that stay:
-// Python's str() of a float is reproduced, but Unicode-aware case mapping and str.isprintable()
-// cover ASCII (and a few separators) only.
+// none known; case mappings and character classes are Python's on all of Unicode (ICU's data).
+// Rendering runs under a budget (budget.h): a template that runs away ends in a TemplateError.
 #pragma once
 
 #include <cstdint>
@@ -30,6 +30,8 @@
 #include <vector>
 
 #include <nlohmann/json.hpp>
+
+#include "qlora/jinja/budget.h"
 
 namespace qlora::jinja {
 
@@ -55,6 +57,8 @@ struct RenderOptions {
   // strftime_now's clock: seconds since the epoch, formatted in local time as Python's
   // datetime.fromtimestamp does; nullopt: the real clock (datetime.now()).
   std::optional<int64_t> now_unix_seconds;
+  // Steps and bytes the render may use (budget.h): far above what any real chat template needs.
+  RenderBudget budget;
 };
 
 struct Rendered {
@@ -62,6 +66,8 @@ struct Rendered {
   // [start, end) byte offsets in text of each {% generation %} block's output, in render order
   // (transformers reports the same spans in characters as its generation indices).
   std::vector<std::pair<size_t, size_t>> generation_spans;
+  // What the render used of its budget (RenderOptions::budget).
+  int64_t steps_used = 0, bytes_used = 0;
 };
 
 struct Program;  // the parsed template (ast.h)

@@ -6,6 +6,10 @@
 #include <cstdlib>
 #include <stdexcept>
 
+#include <unicode/uchar.h>
+
+#include "qlora/jinja/budget.h"
+
 namespace qlora::jinja {
 
 const Value* Dict::find(std::string_view key) const {
@@ -136,6 +140,7 @@ bool equal(const Value& a, const Value& b) {
   }
   if (a.is_sequence() && b.is_sequence()) {
     if (a.kind != b.kind || a.list->size() != b.list->size()) return false;
+    budget_steps(static_cast<int64_t>(a.list->size()));
     for (size_t k = 0; k < a.list->size(); ++k) {
       if (!equal((*a.list)[k], (*b.list)[k])) return false;
     }
@@ -148,6 +153,7 @@ bool equal(const Value& a, const Value& b) {
     case Kind::kString: return a.s == b.s;
     case Kind::kDict: {
       if (a.dict->items.size() != b.dict->items.size()) return false;
+      budget_steps(static_cast<int64_t>(a.dict->items.size()));
       for (const auto& [k, v] : a.dict->items) {
         const Value* other = b.dict->find(k);
         if (!other || !equal(v, *other)) return false;
@@ -173,6 +179,7 @@ int compare(const Value& a, const Value& b) {
   }
   if (a.is_sequence() && a.kind == b.kind) {
     size_t n = std::min(a.list->size(), b.list->size());
+    budget_steps(static_cast<int64_t>(n));
     for (size_t k = 0; k < n; ++k) {
       if (!equal((*a.list)[k], (*b.list)[k])) return compare((*a.list)[k], (*b.list)[k]);
     }
@@ -216,22 +223,21 @@ std::string float_repr(double v) {
 
 namespace {
 
-uint32_t decode_at(std::string_view s, size_t& pos) {
-  unsigned char c = s[pos];
-  int extra = c < 0x80 ? 0 : c < 0xE0 ? 1 : c < 0xF0 ? 2 : 3;
-  uint32_t cp = extra == 0 ? c : extra == 1 ? (c & 0x1F) : extra == 2 ? (c & 0x0F) : (c & 0x07);
-  ++pos;
-  for (int k = 0; k < extra && pos < s.size(); ++k, ++pos) cp = (cp << 6) | (s[pos] & 0x3F);
-  return cp;
-}
-
-// Python's str.isprintable() for the code points a repr escapes (controls, and the separators and
-// format characters chat text plausibly holds).
-bool printable(uint32_t cp) {
-  if (cp < 0x20 || (cp >= 0x7F && cp <= 0xA0) || cp == 0xAD) return false;
-  if ((cp >= 0x2000 && cp <= 0x200F) || (cp >= 0x2028 && cp <= 0x202F) || cp == 0xFEFF) return false;
-  if (cp >= 0x205F && cp <= 0x206F) return false;
-  return cp != 0x3000;
+// Python's str.isprintable(): what repr() leaves unescaped. Not printable: the "Other" general
+// categories (controls, format, surrogates, private use, unassigned) and separators but the space.
+bool printable(int32_t cp) {
+  if (cp == ' ') return true;
+  switch (u_charType(cp)) {
+    case U_CONTROL_CHAR:
+    case U_FORMAT_CHAR:
+    case U_SURROGATE:
+    case U_PRIVATE_USE_CHAR:
+    case U_UNASSIGNED:
+    case U_SPACE_SEPARATOR:
+    case U_LINE_SEPARATOR:
+    case U_PARAGRAPH_SEPARATOR: return false;
+    default: return true;
+  }
 }
 
 std::string string_repr(const std::string& s) {
@@ -240,9 +246,11 @@ std::string string_repr(const std::string& s) {
   std::string out(1, quote);
   for (size_t pos = 0; pos < s.size();) {
     size_t start = pos;
-    uint32_t cp = decode_at(s, pos);
+    int32_t cp = utf8_next(s, pos);
     char buf[16];
-    if (cp == '\\' || cp == static_cast<uint32_t>(quote)) {
+    if (cp == kUtf8Invalid) {  // no Python str holds one: its bytes pass through as they are
+      out.append(s, start, pos - start);
+    } else if (cp == '\\' || cp == quote) {
       out += '\\';
       out += static_cast<char>(cp);
     } else if (cp == '\n') {
@@ -271,8 +279,10 @@ std::string to_repr(const Value& v) {
       bool tuple = v.kind == Kind::kTuple;
       std::string out = tuple ? "(" : "[";
       for (size_t k = 0; k < v.list->size(); ++k) {
+        std::string item = to_repr((*v.list)[k]);
+        budget_append(out.size(), item.size() + 2);
         if (k) out += ", ";
-        out += to_repr((*v.list)[k]);
+        out += item;
       }
       if (tuple && v.list->size() == 1) out += ",";
       return out + (tuple ? ")" : "]");
@@ -307,13 +317,22 @@ List iterate(const Value& v) {
   switch (v.kind) {
     case Kind::kUndefined: return {};
     case Kind::kList:
-    case Kind::kTuple: return *v.list;
+    case Kind::kTuple: {
+      size_t bytes = 0;
+      for (const Value& e : *v.list) bytes += e.is_string() ? e.s.size() : 0;
+      budget_steps(static_cast<int64_t>(v.list->size()));
+      budget_copied(bytes);  // the copy below
+      return *v.list;
+    }
     case Kind::kDict: {
+      budget_steps(static_cast<int64_t>(v.dict->items.size()));
       List keys;
       for (const auto& item : v.dict->items) keys.push_back(Value::string(item.first));
       return keys;
     }
     case Kind::kString: {
+      budget_steps(static_cast<int64_t>(v.s.size()));
+      budget_copied(v.s.size());
       List chars;
       for (auto& c : utf8_chars(v.s)) chars.push_back(Value::string(std::move(c)));
       return chars;
@@ -364,8 +383,14 @@ void json_string(std::string& out, const std::string& s, bool ensure_ascii) {
   out += '"';
   for (size_t pos = 0; pos < s.size();) {
     size_t start = pos;
-    uint32_t cp = decode_at(s, pos);
+    int32_t cp = utf8_next(s, pos);
     char buf[16];
+    // No Python str holds ill-formed UTF-8: its bytes pass through, or as ASCII, U+FFFD.
+    if (cp == kUtf8Invalid && !ensure_ascii) {
+      out.append(s, start, pos - start);
+      continue;
+    }
+    if (cp == kUtf8Invalid) cp = 0xFFFD;
     switch (cp) {
       case '"': out += "\\\""; break;
       case '\\': out += "\\\\"; break;
@@ -394,6 +419,7 @@ void json_string(std::string& out, const std::string& s, bool ensure_ascii) {
 void json_value(std::string& out, const Value& v, const JsonOptions& o, int depth) {
   auto newline = [&](int level) {
     if (o.indent < 0) return;
+    budget_append(out.size(), 1 + static_cast<size_t>(o.indent) * level);
     out += '\n';
     out.append(static_cast<size_t>(o.indent) * level, ' ');
   };
@@ -453,40 +479,6 @@ std::string to_json_text(const Value& v, const JsonOptions& options) {
   std::string out;
   json_value(out, v, options, 0);
   return out;
-}
-
-std::vector<std::string> utf8_chars(std::string_view s) {
-  std::vector<std::string> chars;
-  for (size_t pos = 0; pos < s.size();) {
-    size_t start = pos;
-    decode_at(s, pos);
-    chars.emplace_back(s.substr(start, std::min(pos, s.size()) - start));
-  }
-  return chars;
-}
-
-int64_t utf8_length(std::string_view s) {
-  int64_t n = 0;
-  for (unsigned char c : s) n += (c & 0xC0) != 0x80;
-  return n;
-}
-
-void utf8_append(std::string& out, uint32_t cp) {
-  if (cp < 0x80) {
-    out += static_cast<char>(cp);
-  } else if (cp < 0x800) {
-    out += static_cast<char>(0xC0 | (cp >> 6));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  } else if (cp < 0x10000) {
-    out += static_cast<char>(0xE0 | (cp >> 12));
-    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  } else {
-    out += static_cast<char>(0xF0 | (cp >> 18));
-    out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
-    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  }
 }
 
 }  // namespace qlora::jinja

@@ -13,6 +13,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "qlora/jinja/utf8.h"  // Python indexes strings by code point
+
 namespace qlora::jinja {
 
 struct Value;
@@ -106,10 +108,5 @@ struct JsonOptions {
 };
 // json.dumps(v, ...) as transformers' tojson filter calls it; throws for undefined and functions.
 std::string to_json_text(const Value& v, const JsonOptions& options);
-
-// UTF-8: Python indexes strings by code point.
-std::vector<std::string> utf8_chars(std::string_view s);
-int64_t utf8_length(std::string_view s);
-void utf8_append(std::string& out, uint32_t code_point);
 
 }  // namespace qlora::jinja
