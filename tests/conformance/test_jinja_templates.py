@@ -7,7 +7,10 @@ several turns, unicode, empty and whitespace-padded contents, <think> blocks, to
 template takes them, with and without add_generation_prompt, Qwen3's enable_thinking true and false,
 SmolLM2's default system prompt) the text must be byte-identical; a template that raises must raise
 on both sides with the same message. strftime_now runs on a fixed clock on both sides.
-Also: {% generation %} spans equal transformers' assistant masks' character spans.
+Also: {% generation %} spans equal transformers' assistant masks' character spans, and a template
+that puts non-ASCII text (German, Greek final sigma, Turkish dotted I, digraphs, Cyrillic,
+combining marks, CJK, digits of other scripts, Unicode spaces) through every case filter, string
+method and test renders as Python's str does it.
 
     python tests/conformance/test_jinja_templates.py --tool build/chat_template_tool --workdir build/conformance_jinja
 """
@@ -43,7 +46,29 @@ def conversations():
     yield [{"role": u, "content": ""}, {"role": a, "content": ""}]
 
 
+# Non-ASCII text for unicode-case.jinja: each string is one context, so a mismatch names it.
+UNICODE_STRINGS = [
+    "straße", "STRASSE ß", "ΣΑΣ", "ΌΣΟΣ ΣΊΣΥΦΟΣ", "ΑΣ'Σ Σ.Σ", "σς", "ǆungla ǅ Ǆ", "ǈ ǋ", "İstanbul ıi",
+    "ﬁnal ﬂow ŉ", "Привет мир ЁЖ", "ὈΔΥΣΣΕΎΣ ᾳ ᾼ", "e\u0301te\u0301 Ä\u0308", "日本語 テスト 한국어",
+    "中文ABC abc", "١٢٣ ٤", "²³ ½ Ⅻ 一二", "\u2003\u00a0\u3000 \u2028", "\u200b", "hello-wörld (ça) [ёж] {x} <y>",
+    "ǇUDI ǉudi", "Ω ω Å K", "aΣ", "ΣA", "éÉ", "ß", "ﬃ", "İ", "MASSE Maße", "x²", "Ⅷ ⅷ",
+]
+UNICODE_TEMPLATE = (
+    "{% set s = text %}{{ s|upper }}|{{ s|lower }}|{{ s|title }}|{{ s|capitalize }}|{{ s.upper() }}|"
+    "{{ s.lower() }}|{{ s.title() }}|{{ s.capitalize() }}|{{ s.isupper() }}|{{ s.islower() }}|"
+    "{{ s.isalpha() }}|{{ s.isdigit() }}|{{ s.isspace() }}|{{ s.isalnum() }}|{{ s is upper }}|"
+    "{{ s is lower }}|{{ s|trim }}|{{ s.split() }}|{{ s|length }}|{{ s[::-1] }}|{{ [s] }}|"
+    "{{ s|tojson }}|{{ s|tojson(true) }}|{{ [s, s|upper]|sort|join(',') }}|"
+    "{% for w in s.split() %}{{ w.isupper() }}{{ w.islower() }}{{ w.isalpha() }}{{ w.isdigit() }}{{ w.isalnum() }};{% endfor %}"
+)
+
+
 def contexts(name):
+    if name == "unicode-case.jinja":
+        for text in UNICODE_STRINGS:
+            yield {**SPECIALS, "messages": [{"role": "user", "content": text}], "tools": None,
+                   "add_generation_prompt": False, "text": text}
+        return
     for conv in conversations():
         for agp in (False, True):
             ctx = {**SPECIALS, "messages": conv, "tools": None, "add_generation_prompt": agp}
@@ -93,7 +118,10 @@ def main():
         f.write("{% for m in messages %}<|{{ m.role }}|>\n{% if m.role == 'assistant' %}{% generation %}"
                 "{{ m.content | trim }}<|end|>{% endgeneration %}{% else %}{{ m.content }}<|end|>{% endif %}\n"
                 "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
-    paths = [os.path.join(TEMPLATES, n) for n in names] + [extra]
+    unicode_case = os.path.join(a.workdir, "unicode-case.jinja")
+    with open(unicode_case, "w", encoding="utf-8") as f:
+        f.write(UNICODE_TEMPLATE)
+    paths = [os.path.join(TEMPLATES, n) for n in names] + [extra, unicode_case]
     for path in paths:
         name = os.path.basename(path)
         with open(path, encoding="utf-8") as f:

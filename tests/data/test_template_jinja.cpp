@@ -3,6 +3,8 @@
 // conversation, and its generation prompt is the text before the answer.
 #include <gtest/gtest.h>
 
+#include <filesystem>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -81,6 +83,28 @@ TEST(TemplateJinja, EndOfTurnIsTheKinds) {
   EXPECT_EQ(ChatTemplate::from_source(template_jinja(TemplateKind::kChatML), "chatml", tok).end_of_turn(), "<|im_end|>");
   EXPECT_EQ(ChatTemplate::from_source(template_jinja(TemplateKind::kGemma), "gemma", tok).end_of_turn(), "<end_of_turn>");
   EXPECT_EQ(ChatTemplate::from_source(template_jinja(TemplateKind::kAlpaca), "alpaca", tok).end_of_turn(), "</s>");
+}
+
+// A model's chat template is untrusted input: one that runs away (issue 36: `'a' * 2000000000`
+// took 52 s and 6.2 GB, then std::bad_alloc) stops at once with an error that names the file, the
+// key and the line, as every other error of a model file does.
+TEST(TemplateJinja, ARunawayTemplateNamesTheFileKeyAndLine) {
+  const std::string dir = testing::TempDir() + "qlora_runaway_template";
+  std::filesystem::create_directories(dir);
+  std::filesystem::copy_file(test_fixtures::data_dir() + "/tokenizer/tokenizer.model", dir + "/tokenizer.model",
+                             std::filesystem::copy_options::overwrite_existing);
+  const std::pair<const char*, const char*> runaway[] = {
+      {"{{ bos_token }}\n{{ 'a' * 2000000000 }}", ":2:"},
+      {"{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}", ":1:"}};
+  for (const auto& [source, line] : runaway) {
+    std::ofstream(dir + "/tokenizer_config.json") << nlohmann::json{{"chat_template", source}}.dump();
+    const Tokenizer tok = Tokenizer::open(dir + "/tokenizer.model");
+    const auto t = ChatTemplate::find(tok);
+    ASSERT_TRUE(t.has_value());
+    const std::string error = test_fixtures::error_of([&] { t->render(nlohmann::ordered_json::array(), true); });
+    EXPECT_NE(error.find(dir + "/tokenizer_config.json (chat_template)" + line), std::string::npos) << error;
+    EXPECT_NE(error.find("budget"), std::string::npos) << error;
+  }
 }
 
 }  // namespace
