@@ -137,6 +137,20 @@ TEST(Budget, RunawayLoopsAndRecursionStop) {
   EXPECT_LT(expect_over_budget("{{ 2 ** 9999999999 }}", "1:", "integer overflow"), 1.0);
 }
 
+TEST(Budget, DeepNestingIsASyntaxErrorNotAStackOverflow) {
+  const std::pair<const char*, const char*> nests[] = {{"(", ")"}, {"[", "]"}, {"not ", ""}, {"-", ""}};
+  for (const auto& [open, close] : nests) {
+    std::string source = "{{ ", tail;
+    for (int k = 0; k < 3000; ++k) source += open, tail += close;
+    try {
+      Template::parse(source + "1" + tail + " }}", "t.jinja");
+      ADD_FAILURE() << "no error for " << open;
+    } catch (const TemplateError& e) {
+      EXPECT_NE(std::string(e.what()).find("nests deeper than 100 levels"), std::string::npos) << e.what();
+    }
+  }
+}
+
 TEST(Budget, ABudgetLeftUnusedChangesNothing) {
   const RenderBudget tight{200, 4096, 64};
   RenderOptions o;

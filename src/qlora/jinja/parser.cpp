@@ -26,6 +26,7 @@ class Parser {
   // Parses until a block tag named in `ends` (consumed up to and including its name, which goes
   // to *found) or the end of the template when `ends` is empty.
   Body parse_body(const std::set<std::string>& ends, std::string* found) {
+    Nest nest(*this, cur());
     Body body;
     while (true) {
       const Token& t = cur();
@@ -232,7 +233,10 @@ class Parser {
     return tuple;
   }
 
-  ExprPtr parse_expression(bool with_condexpr) { return with_condexpr ? parse_condexpr() : parse_or(); }
+  ExprPtr parse_expression(bool with_condexpr) {
+    Nest nest(*this, cur());
+    return with_condexpr ? parse_condexpr() : parse_or();
+  }
 
   ExprPtr parse_condexpr() {
     ExprPtr node = parse_or();
@@ -263,6 +267,7 @@ class Parser {
 
   ExprPtr parse_not() {
     if (cur().type == Tok::kName && cur().text == "not") {
+      Nest nest(*this, cur());
       auto n = expr(ExprKind::kNot, cur());
       ++pos_;
       n->children.push_back(parse_not());
@@ -329,6 +334,7 @@ class Parser {
     const Token& t = cur();
     ExprPtr node;
     if (t.type == Tok::kOp && (t.text == "-" || t.text == "+")) {
+      Nest nest(*this, t);
       node = expr(t.text == "-" ? ExprKind::kNeg : ExprKind::kPos, t);
       ++pos_;
       node->children.push_back(parse_unary(false));
@@ -568,6 +574,17 @@ class Parser {
   const std::string& origin_;
   size_t pos_ = 0;
   int loop_depth_ = 0;
+  int nesting_ = 0;
+
+  // Parsing and evaluating recurse as deep as the template nests: an untrusted template of 30,000
+  // parentheses would overflow the stack. Real templates nest a dozen levels.
+  struct Nest {
+    Parser& p;
+    Nest(Parser& parser, const Token& t) : p(parser) {
+      if (++p.nesting_ > 100) p.fail(t, "the template nests deeper than 100 levels");
+    }
+    ~Nest() { --p.nesting_; }
+  };
 };
 
 }  // namespace
