@@ -71,6 +71,15 @@ def write_model(a):
         json.dump(cfg, f, indent=2)
 
 
+def kaiming_lora_a(r, in_f, device):
+    """An adapter's A as peft initialises it (kaiming-uniform, a = sqrt(5)), drawn from the global
+    generator: the CPU mode's draws, in the order the model is built (hf_peer_train_step.py draws
+    the same ones in the same order)."""
+    lora_a = torch.empty(r, in_f, device=device)
+    torch.nn.init.kaiming_uniform_(lora_a, a=math.sqrt(5))
+    return lora_a
+
+
 class LoRALinear(torch.nn.Module):
     """Frozen NF4 base + fp32 adapter; the LoRA path in fp32 like peft (x cast to the adapter
     dtype, the sum cast back to the base output's). The NF4 weight is a frozen Parameter, as
@@ -81,8 +90,7 @@ class LoRALinear(torch.nn.Module):
         out_f, in_f = weight_bf16.shape
         self.weight = torch.nn.Parameter(to_nf4(weight_bf16), requires_grad=False)
         if lora_a is None:
-            lora_a = torch.empty(r, in_f, device=weight_bf16.device)
-            torch.nn.init.kaiming_uniform_(lora_a, a=math.sqrt(5))
+            lora_a = kaiming_lora_a(r, in_f, weight_bf16.device)
         self.lora_a = torch.nn.Parameter(lora_a)
         self.lora_b = torch.nn.Parameter(torch.zeros(out_f, r, device=weight_bf16.device))
         self.scale = alpha / r
@@ -213,89 +221,30 @@ def timed_steps(step, n):
     return losses, times, first_s
 
 
-def bench(a):
-    torch.manual_seed(0)
-    dtype = torch.float32 if a.dtype == "fp32" else torch.bfloat16
-    t0 = time.perf_counter()
-    model = checkpoint_model(a.model, a.r, a.alpha, dtype)
-    load_s = time.perf_counter() - t0
-    rss_after_load = peak_rss_bytes()
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-4)
-    V = model.vocab
-    g = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, V, (a.batch, a.seq + 1), generator=g)
-    inp, labels = tokens[:, :-1], tokens[:, 1:]
-
-    def step():
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.dtype == "bf16"):
-            logits = model(inp)
-            loss = F.cross_entropy(logits.reshape(-1, V), labels.reshape(-1), ignore_index=-100)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.item()
-
-    losses, times, _ = timed_steps(step, a.steps)
-    med = statistics.median(times)
-    print(json.dumps({
-        "impl": "pytorch+torchao (peer)", "torch_version": torch.__version__,
-        "compute": "torch.autocast cpu bfloat16" if a.dtype == "bf16" else "fp32",
-        "torch_threads": torch.get_num_threads(), "load_s": load_s,
-        "trainable_params": sum(p.numel() for p in params),
-        "step_s": times, "median_step_s": med, "tokens_per_s": a.batch * a.seq / med,
-        "peak_rss_bytes": peak_rss_bytes(), "rss_after_load_bytes": rss_after_load, "losses": losses}))
-
-
-def seeded_model(spec, device, ac, dtype):
-    """The model bench/random_llama.h seeded_model builds, from the same seeds on the same device."""
-    def randn(shape, seed):
-        g = torch.Generator(device=device).manual_seed(seed)
-        return torch.randn(shape, generator=g, device=device, dtype=torch.float32)
-
-    k = iter(range(1 << 62))  # the weights' seed order: embedding, projections, lm_head
-    weight = lambda kind, i, n, shape: randn(shape, spec["weight_seed"] + next(k)).mul_(0.02).to(torch.bfloat16)  # noqa: E731
-    per_layer = len(spec["projections"])
-    lora_a = lambda i, j, r, n_in: randn([r, n_in], spec["lora_seed"] + i * per_layer + j).div_(math.sqrt(3.0 * n_in))  # noqa: E731
-    shape = dict(spec, inv_freq=torch.tensor(spec["inv_freq"], dtype=torch.float32),
-                 projections=[[p["name"], p["shape"]] for p in spec["projections"]])
-    return Llama(shape, weight, spec["lora_r"], spec["lora_alpha"], dtype, device, lora_a, ac)
-
-
-def device_memory(device, prefix=""):
-    if device.type != "cuda":
-        return {} if prefix else {"peak_rss_bytes": peak_rss_bytes()}
-    return {prefix + "max_allocated_bytes": torch.cuda.max_memory_allocated(device),
-            prefix + "max_reserved_bytes": torch.cuda.max_memory_reserved(device)}
-
-
-def bench_spec(a):
-    """The device mode: the seeded model on --device, bf16, timed steps; one JSON object."""
-    with open(a.spec) as f:
-        spec = json.load(f)
-    device = torch.device(a.device)
+def measure(a, device, build):
+    """The measurement both peers (this one and hf_peer_train_step.py) make in either mode:
+    build() (timed as the load) gives loss(inp, labels), the model (AdamW updates its trainable
+    parameters) and its vocabulary size; the tokens are drawn as the C++ side draws them; a
+    warm-up step, a.steps timed ones, the peaks (the load's apart), and with a.trace one more step
+    traced. Returns the figures."""
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     t0 = time.perf_counter()
-    model = seeded_model(spec, device, a.ac, torch.float32 if a.dtype == "fp32" else torch.bfloat16)
-    loss_fn = chunked_cross_entropy
-    if a.mode == "compile":  # as torchtune's compile=True: each decoder layer, and the loss
-        for layer in model.layers:
-            layer.compile()
-        loss_fn = torch.compile(chunked_cross_entropy)
+    loss_fn, model, vocab = build()
     sync()
     load_s = time.perf_counter() - t0
-    load_memory = device_memory(device, "load_")  # as the C++ side: then the steps' own peaks
+    # As the C++ side: the load's peaks, then the steps' own.
+    load_memory = device_memory(device, "load_") if device.type == "cuda" else {"rss_after_load_bytes": peak_rss_bytes()}
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda")
     g = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, model.vocab, (a.batch, a.seq + 1), generator=g).to(device)  # as the C++ side draws them
+    tokens = torch.randint(0, vocab, (a.batch, a.seq + 1), generator=g).to(device)  # as the C++ side draws them
     inp, labels = tokens[:, :-1], tokens[:, 1:]
 
     def step():
-        loss = loss_fn(model.hidden(inp), model.lm_head, labels, a.loss_chunks)
+        loss = loss_fn(inp, labels)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -312,18 +261,86 @@ def bench_spec(a):
         with torch.profiler.profile(activities=activities) as prof:
             step()
         prof.export_chrome_trace(a.trace)
+    return dict({"torch_version": torch.__version__, "torchao_version": __import__("torchao").__version__,
+                 "torch_threads": torch.get_num_threads(),
+                 "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                 "load_s": load_s, "first_step_s": first_step_s, "trainable_params": sum(p.numel() for p in params),
+                 "step_s": times, "median_step_s": med, "tokens_per_s": a.batch * a.seq / med, "losses": losses},
+                **memory)
+
+
+def bench(a):
+    dtype = torch.float32 if a.dtype == "fp32" else torch.bfloat16
+
+    def build():
+        torch.manual_seed(0)  # the adapters' A (kaiming_lora_a)
+        model = checkpoint_model(a.model, a.r, a.alpha, dtype)
+
+        def loss(inp, labels):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.dtype == "bf16"):
+                logits = model(inp)
+                return F.cross_entropy(logits.reshape(-1, model.vocab), labels.reshape(-1), ignore_index=-100)
+        return loss, model, model.vocab
+
+    figures = measure(a, torch.device("cpu"), build)
+    print(json.dumps(dict({"impl": "pytorch+torchao (peer)",
+                           "compute": "torch.autocast cpu bfloat16" if a.dtype == "bf16" else "fp32"}, **figures)))
+
+
+def seeded_draws(spec, device):
+    """The weights bench/random_llama.h seeded_model draws, from the same seeds on the same device:
+    the shape Llama takes, weight(kind, layer, name, shape) (to be called in the seed order:
+    embedding, each layer's projections in spec order, lm_head) and lora_a(layer, j, r, in)."""
+    def randn(shape, seed):
+        g = torch.Generator(device=device).manual_seed(seed)
+        return torch.randn(shape, generator=g, device=device, dtype=torch.float32)
+
+    k = iter(range(1 << 62))  # the weights' seed order: embedding, projections, lm_head
+    weight = lambda kind, i, n, shape: randn(shape, spec["weight_seed"] + next(k)).mul_(0.02).to(torch.bfloat16)  # noqa: E731
+    per_layer = len(spec["projections"])
+    lora_a = lambda i, j, r, n_in: randn([r, n_in], spec["lora_seed"] + i * per_layer + j).div_(math.sqrt(3.0 * n_in))  # noqa: E731
+    shape = dict(spec, inv_freq=torch.tensor(spec["inv_freq"], dtype=torch.float32),
+                 projections=[[p["name"], p["shape"]] for p in spec["projections"]])
+    return shape, weight, lora_a
+
+
+def seeded_model(spec, device, ac, dtype):
+    """The model bench/random_llama.h seeded_model builds, from the same seeds on the same device."""
+    shape, weight, lora_a = seeded_draws(spec, device)
+    return Llama(shape, weight, spec["lora_r"], spec["lora_alpha"], dtype, device, lora_a, ac)
+
+
+def device_memory(device, prefix=""):
+    if device.type != "cuda":
+        return {} if prefix else {"peak_rss_bytes": peak_rss_bytes()}
+    return {prefix + "max_allocated_bytes": torch.cuda.max_memory_allocated(device),
+            prefix + "max_reserved_bytes": torch.cuda.max_memory_reserved(device)}
+
+
+def bench_spec(a):
+    """The device mode: the seeded model on --device, bf16, timed steps; one JSON object."""
+    with open(a.spec) as f:
+        spec = json.load(f)
+    device = torch.device(a.device)
+
+    def build():
+        model = seeded_model(spec, device, a.ac, torch.float32 if a.dtype == "fp32" else torch.bfloat16)
+        loss_fn = chunked_cross_entropy
+        if a.mode == "compile":  # as torchtune's compile=True: each decoder layer, and the loss
+            for layer in model.layers:
+                layer.compile()
+            loss_fn = torch.compile(chunked_cross_entropy)
+        return (lambda inp, labels: loss_fn(model.hidden(inp), model.lm_head, labels, a.loss_chunks)), model, model.vocab
+
+    figures = measure(a, device, build)
     print(json.dumps(dict({
         "impl": "pytorch+torchao (peer, torchtune's QLoRA structure)", "mode": a.mode,
-        "torch_version": torch.__version__, "torchao_version": __import__("torchao").__version__,
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "compute_dtype": a.dtype, "activation_checkpointing": a.ac,
         "loss": f"chunked, {a.loss_chunks} chunks (torchtune)",
-        "load_s": load_s, "first_step_s": first_step_s, "trainable_params": sum(p.numel() for p in params),
-        "step_s": times, "median_step_s": med, "tokens_per_s": a.batch * a.seq / med, "losses": losses,
         # Dynamo's counts: unique_graphs ~ layers would mean a recompile per layer (and, past its
         # cache limit, layers run eagerly).
         "dynamo_stats": dict(torch._dynamo.utils.counters["stats"]) if a.mode == "compile" else None},
-        **memory)))
+        **figures)))
 
 
 def main():
