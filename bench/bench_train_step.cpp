@@ -1,8 +1,10 @@
 // QLoRA training-step throughput and peak memory on the CPU: qlora (load_llama with an NF4 base,
-// fp32 LoRA on q,k,v,o,gate,up,down, AdamW) against the same step in PyTorch + torchao
-// (bench/peer_train_step.py), same shapes, same random checkpoint, measured in the same run.
+// fp32 LoRA on q,k,v,o,gate,up,down, AdamW) against the same step in two peers, same shapes, same
+// random checkpoint, same tokens, measured in the same run: PyTorch + torchao structured as
+// torchtune's QLoRA (bench/peer_train_step.py, "peer"), and the stack most users run, transformers'
+// LlamaForCausalLM + peft LoRA on a torchao NF4 base (bench/hf_peer_train_step.py, "peer_hf").
 // Each side runs in its own process so its VmHWM (peak RSS) is its own: this program re-executes
-// itself with --worker for the qlora side and popen()s the peer. Prints one JSON object.
+// itself with --worker for the qlora side and popen()s the peers. Prints one JSON object.
 //
 //   build/bench_train_step [--hidden 768 --inter 2048 --layers 12 --heads 12 --vocab 32000]
 //                          [--seq 512] [--batch 1] [--steps 3] [--r 8 --alpha 16]
@@ -11,7 +13,7 @@
 //       CPU with native bf16). bf16: bf16 GEMMs accumulating in fp32, fp32 LoRA and AdamW, the GEMM
 //       floor in bf16, and the peer under torch.autocast("cpu", bfloat16). The JSON names the CPU's
 //       ISA and why the dtype was chosen.
-//       --runs N: the whole measurement (qlora's step, its GEMM floor, the peer's step) N times in
+//       --runs N: the whole measurement (qlora's step, its GEMM floor, the peers' steps) N times in
 //       turn, each run's figures and their medians ("median_of_runs").
 //   build/bench_train_step --shape NAME [--seq 128] [--steps 1] [--layers N] [--r 8 --alpha 16]
 //                          [--no-activation-checkpointing]
@@ -21,14 +23,15 @@
 //       (writing and re-reading 13-18 GB of bf16 would dominate the run); reports seconds per
 //       step and peak RSS, no peer.
 //   build/bench_train_step --device cuda [--shape llama2-7b|llama3.1-8b|mistral-7b] [--seq 2048] [--batch 1]
-//                          [--steps 5] [--layers N] [--r 8 --alpha 16] [--peer-modes eager,compile|none]
+//                          [--steps 5] [--layers N] [--r 8 --alpha 16] [--peer-modes eager,compile,hf|none]
 //                          [--peak-tflops X] [--dtype bf16] [--no-activation-checkpointing]
 //       the device mode: weights drawn from seeds on the device (bench/random_llama.h seeded_model),
 //       the same ones for qlora's step and for the peer (bench/peer_train_step.py --spec: torch +
-//       torchao NF4 structured as torchtune's QLoRA recipe, eager and torch.compile'd), each in its
-//       own process; bf16 compute, activation checkpointing, LoRA on all seven projections. Reports
-//       tokens/s, peak device memory (max allocated and reserved), MFU against the device's dense bf16
-//       peak (bench/device_step.h) and the first losses' agreement. --device cpu runs the same on the
+//       torchao NF4 structured as torchtune's QLoRA recipe, eager and torch.compile'd; "hf":
+//       bench/hf_peer_train_step.py --spec, transformers + peft, eager), each in its own process;
+//       bf16 compute, activation checkpointing, LoRA on all seven projections. Reports tokens/s,
+//       peak device memory (max allocated and reserved), MFU against the device's dense bf16 peak
+//       (bench/device_step.h) and the first losses' agreement. --device cpu runs the same on the
 //       CPU (how tests check that both sides compute the same step).
 //   build/bench_train_step --shape llama3.1-8b --layers 2 --seq 2048 --ce-compare [--lora-head]
 //       the step with the chunked output loss (LlamaModel::loss) and with whole [tokens, vocab]
@@ -99,7 +102,7 @@ struct Args : qlora::bench::ShapeArgs {
   bool profile = true;       // a profiled step (per-phase seconds) and the GEMM floor after the timed steps
   int64_t runs = 1;          // the whole default-shape measurement this many times (--runs)
   std::string device;          // --device: the seeded device mode (bench/device_step.h); empty: off
-  std::string peer_modes = "eager,compile";  // --peer-modes: the device mode's peers
+  std::string peer_modes = "eager,compile,hf";  // --peer-modes: the device mode's peers
   std::string trace;           // --trace PATH (worker): one more step traced into a Chrome trace
   double peak_tflops = 0;      // --peak-tflops: the device's dense bf16 peak for MFU; 0: from its name
   std::string dtype = "fp32";  // --dtype: fp32 | bf16 | auto
@@ -289,16 +292,45 @@ json ce_compare(const std::string& worker) {
   return r;
 }
 
-// One measurement of the default shape: qlora's step and its GEMM floor, then the peer's step, and
-// their ratios.
-json default_shape_run(const Args& a, const std::string& dir, const std::string& py) {
+// The command line of a Python script in bench/, run by the build's Python.
+std::string bench_python(const std::string& script) {
+  return std::string(QLORA_PYTHON) + " " + QLORA_SOURCE_DIR + "/bench/" + script;
+}
+
+// A peer's script: "hf" is transformers + peft (hf_peer_train_step.py), any other mode the
+// torchtune-structured peer (peer_train_step.py). Both take the same flags and print the same figures.
+std::string peer_script(const std::string& mode) {
+  return bench_python(mode == "hf" ? "hf_peer_train_step.py" : "peer_train_step.py");
+}
+
+// The largest relative difference between the first n losses of two sides, or null where either
+// has none (a side failed).
+json losses_max_rel_diff(const json& x, const json& y, size_t n) {
+  if (!x.contains("losses") || !y.contains("losses")) return nullptr;
+  double worst = 0;
+  for (size_t i = 0; i < std::min(n, std::min(x["losses"].size(), y["losses"].size())); ++i) {
+    const double u = x["losses"][i].get<double>(), v = y["losses"][i].get<double>();
+    worst = std::max(worst, std::abs(u - v) / std::abs(v));
+  }
+  return worst;
+}
+
+// One measurement of the default shape: qlora's step and its GEMM floor, then each peer's step, and
+// their ratios (the targets are against the torchtune-structured peer).
+json default_shape_run(const Args& a, const std::string& dir) {
   json r;
   const json q = run_json(self_exe() + " --worker --model " + dir + shape_flags(a));
   r["qlora"] = q;
   if (q.contains("step_over_gemm_floor")) r["step_over_gemm_floor"] = q["step_over_gemm_floor"];
   if (!a.peer) return r;
-  const json p = run_json(py + " --model " + dir + shape_flags(a));
+  const json p = run_json(peer_script("eager") + " --model " + dir + shape_flags(a));
   r["peer"] = p;
+  const json h = run_json(peer_script("hf") + " --model " + dir + shape_flags(a));
+  r["peer_hf"] = h;
+  r["first_loss_rel_diff"] = {{"qlora_vs_peer", losses_max_rel_diff(q, p, 1)},
+                              {"peer_hf_vs_peer", losses_max_rel_diff(h, p, 1)}};
+  if (q.contains("tokens_per_s") && h.contains("tokens_per_s"))
+    r["ratio_tokens_per_s_vs_peer_hf"] = q["tokens_per_s"].get<double>() / h["tokens_per_s"].get<double>();
   if (q.contains("tokens_per_s") && p.contains("tokens_per_s")) {
     const double tps = q["tokens_per_s"].get<double>() / p["tokens_per_s"].get<double>();
     const double rss = q["peak_rss_bytes"].get<double>() / p["peak_rss_bytes"].get<double>();
@@ -351,7 +383,7 @@ json device_run(const Args& a) {
   // Each side traces one more step; bench/trace_summary.py says where its device time went.
   const std::string traces = (fs::temp_directory_path() / ("qlora_bench_trace_" + tag)).string();
   fs::create_directories(traces);
-  const std::string summary = std::string(QLORA_PYTHON) + " " + QLORA_SOURCE_DIR + "/bench/trace_summary.py ";
+  const std::string summary = bench_python("trace_summary.py ");
   const json q = run_json(self_exe() + " --worker --device " + a.device + shape_flags(a) + ac + " --trace " +
                           traces + "/qlora.json");
   if (q.contains("tokens_per_s")) r["profile"]["qlora"] = run_json(summary + traces + "/qlora.json");
@@ -361,13 +393,13 @@ json device_run(const Args& a) {
   r["traces"] = traces;
   r["qlora"] = q;
   r["figures"]["qlora"] = device_figures(q, fl.total(), peak);
-  const std::string py = std::string(QLORA_PYTHON) + " " + QLORA_SOURCE_DIR + "/bench/peer_train_step.py";
   double best_peer = 0;
   std::string best_mode;
   std::stringstream modes(a.peer_modes);
   for (std::string mode; std::getline(modes, mode, ',');) {
     if (mode == "none" || mode.empty()) continue;
-    const json p = run_json(py + " --spec " + spec + " --device " + a.device + " --mode " + mode + " --seq " +
+    const json p = run_json(peer_script(mode) + " --spec " + spec + " --device " + a.device + " --mode " +
+                            (mode == "hf" ? "eager" : mode) + " --seq " +
                             std::to_string(a.seq) + " --batch " + std::to_string(a.batch) + " --steps " +
                             std::to_string(a.steps) + " --dtype " + a.dtype + (a.no_ac ? "" : " --ac") + " --trace " +
                             traces + "/peer_" + mode + ".json");
@@ -378,14 +410,8 @@ json device_run(const Args& a) {
       best_peer = p["tokens_per_s"].get<double>();
       best_mode = mode;
     }
-    if (q.contains("losses") && p.contains("losses")) {  // both compute the same thing: the same first losses
-      double worst = 0;
-      for (size_t i = 0; i < std::min<size_t>(3, std::min(q["losses"].size(), p["losses"].size())); ++i) {
-        const double x = q["losses"][i].get<double>(), y = p["losses"][i].get<double>();
-        worst = std::max(worst, std::abs(x - y) / std::abs(y));
-      }
-      r["first_losses_max_rel_diff"][mode] = worst;
-    }
+    // Both compute the same thing: the same first losses.
+    if (const json d = losses_max_rel_diff(q, p, 3); !d.is_null()) r["first_losses_max_rel_diff"][mode] = d;
   }
   if (best_peer > 0 && q.contains("tokens_per_s")) {
     const json& bp = r["peers"][best_mode];
@@ -406,10 +432,12 @@ json median_of_runs(const std::vector<json>& runs) {
       {"qlora_step_s", json::json_pointer("/qlora/median_step_s")},
       {"gemm_floor_s", json::json_pointer("/qlora/gemm_floor_s")},
       {"peer_step_s", json::json_pointer("/peer/median_step_s")},
+      {"peer_hf_step_s", json::json_pointer("/peer_hf/median_step_s")},
       {"ratio_tokens_per_s", json::json_pointer("/ratio_tokens_per_s")},
       {"step_over_gemm_floor", json::json_pointer("/step_over_gemm_floor")},
       {"qlora_peak_rss_bytes", json::json_pointer("/qlora/peak_rss_bytes")},
       {"peer_peak_rss_bytes", json::json_pointer("/peer/peak_rss_bytes")},
+      {"peer_hf_peak_rss_bytes", json::json_pointer("/peer_hf/peak_rss_bytes")},
       {"ratio_peak_rss", json::json_pointer("/ratio_peak_rss")}};
   json m;
   for (const auto& [name, at] : figures) {
@@ -507,19 +535,18 @@ int main(int argc, char** argv) try {
     return 0;
   }
 
-  // One random bf16 checkpoint for both sides, written by the peer script once per shape.
+  // One random bf16 checkpoint for every side, written by the peer script once per shape.
   const std::string dir = a.workdir;
-  const std::string py = std::string(QLORA_PYTHON) + " " + QLORA_SOURCE_DIR + "/bench/peer_train_step.py";
   a.ensure_checkpoint(QLORA_PYTHON, QLORA_SOURCE_DIR);
   r["shape"] = {{"hidden", a.hidden}, {"intermediate", a.inter}, {"layers", a.layers}, {"heads", a.heads},
                 {"vocab", a.vocab}, {"seq", a.seq}, {"batch", a.batch}, {"steps", a.steps}, {"lora_r", a.r},
                 {"lora_alpha", a.alpha}, {"lora_targets", kTargets}, {"base", "nf4"}, {"compute_dtype", a.dtype},
                 {"checkpoint", dir}};
   if (a.runs == 1) {
-    r.update(default_shape_run(a, dir, py));
-  } else {  // the whole measurement (qlora, floor, peer) again per run, and the medians over runs
+    r.update(default_shape_run(a, dir));
+  } else {  // the whole measurement (qlora, floor, peers) again per run, and the medians over runs
     std::vector<json> runs;
-    for (int64_t i = 0; i < a.runs; ++i) runs.push_back(default_shape_run(a, dir, py));
+    for (int64_t i = 0; i < a.runs; ++i) runs.push_back(default_shape_run(a, dir));
     r["median_of_runs"] = median_of_runs(runs);
     r["runs"] = runs;
   }
