@@ -17,8 +17,8 @@
 #     recipe     the embedded default with model.device=cuda (the carried pre-trained base), then
 #                qlora generate --device cuda on its export; 120 s at most each
 #     bench      build-gpu/bench_nf4 --device cuda > $OUT/bench_nf4_cuda.json
-#     train      bench_train_step --device cuda beside the torch + torchao peer (eager, compiled):
-#                Llama-2-7B and Llama-3.1-8B shapes, seq 2048, batch 1 and 4 (GPU_CHECK_TRAIN
+#     train      bench_train_step --device cuda beside the torch + torchao peer (eager, compiled) and
+#                transformers + peft: Llama-2-7B and Llama-3.1-8B shapes, seq 2048, batch 1 and 4 (GPU_CHECK_TRAIN
 #                narrows it: e.g. "llama2-7b:1"), one JSON each under $OUT
 #
 # A device call is limited to 10 minutes: run `deps configure build` in one call and

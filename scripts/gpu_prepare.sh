@@ -34,7 +34,9 @@ debs=(
 )
 # Present on any machine that can compile C++: not shipped.
 base_libs=" libc6 libc6-dev libc-dev libgcc-s1 libstdc++6 adduser "
-wheels=(torchao==0.17.0 safetensors==0.8.0)  # the GPU image has transformers, sentencepiece
+# The GPU image has transformers and sentencepiece; peft (and accelerate, which it imports) for
+# bench/hf_peer_train_step.py.
+wheels=(torchao==0.17.0 safetensors==0.8.0 peft==0.21.2 accelerate==1.15.0)
 
 mkdir -p "$deps/debs" "$deps/wheels"
 
