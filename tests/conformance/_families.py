@@ -11,8 +11,9 @@ skips it cannot pass.
 """
 import torch
 from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig,
-                          LlamaForCausalLM, MistralConfig, MistralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM,
-                          Qwen3Config, Qwen3ForCausalLM)
+                          LlamaForCausalLM, MistralConfig, MistralForCausalLM, Olmo2Config, Olmo2ForCausalLM,
+                          Olmo3Config, Olmo3ForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+                          Qwen3Config, Qwen3ForCausalLM, SmolLM3Config, SmolLM3ForCausalLM)
 
 from _common import randomize_norms
 
@@ -32,6 +33,13 @@ GEMMA3_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000
                "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}
 GEMMA3_ROPE_LINEAR = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                       "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}}
+# OLMo 3: YaRN on the full layers (factor 4 over an original context of 32: at the test's 20
+# positions the blend moves the low frequencies and the attention factor 1 + 0.1 ln 4 scales q.k),
+# the base RoPE on the sliding ones.
+OLMO3_ROPE = {"full_attention": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+                                 "rope_theta": 10000.0},
+              "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+OLMO3_PLAIN_ROPE = {k: {"rope_type": "default", "rope_theta": 10000.0} for k in OLMO3_ROPE}
 
 
 def _set(suffix, value):
@@ -88,6 +96,20 @@ CASES = {
     "phi3": _case(Phi3Config, Phi3ForCausalLM, dict(**GQA, sliding_window=WINDOW, tie_word_embeddings=False),
                   targets=PHI3_TARGETS,
                   ablations=[("no sliding window", {"sliding_window": None}, None)]),
+    # 4 layers: the class's default NoPE pattern leaves RoPE out of layer 3 (every fourth), as
+    # SmolLM3-3B does and llama.cpp's smollm3 assumes; save_pretrained writes it as no_rope_layers.
+    "smollm3": _case(SmolLM3Config, SmolLM3ForCausalLM, dict(**GQA, num_hidden_layers=4, tie_word_embeddings=False),
+                     ablations=[("RoPE on every layer", {"no_rope_layer_interval": 1000}, None)]),
+    # No input norms: post-norms close each branch; q/k norms over all heads.
+    "olmo2": _case(Olmo2Config, Olmo2ForCausalLM, dict(**GQA, tie_word_embeddings=False),
+                   ablations=[("q/k norm weights 1", {}, lambda m: (_set("q_norm.weight", 1.0)(m),
+                                                                    _set("k_norm.weight", 1.0)(m)))]),
+    # 4 layers: the class's default layer types slide on layers 0-2, layer 3 is full.
+    "olmo3": _case(Olmo3Config, Olmo3ForCausalLM,
+                   dict(**GQA, num_hidden_layers=4, sliding_window=WINDOW, rope_parameters=OLMO3_ROPE,
+                        tie_word_embeddings=False),
+                   ablations=[("no sliding window", {"sliding_window": 4 * SEQ}, None),
+                              ("no YaRN", {"rope_parameters": OLMO3_PLAIN_ROPE}, None)]),
 }
 
 

@@ -208,6 +208,10 @@ FAMILIES = {
     "gemma3_linear": ("gemma3_linear", dict(query_pre_attn_scalar=64, num_hidden_layers=6, layer_types=GEMMA3_6),
                       "sp-gemma"),
     "phi3": ("phi3", dict(sliding_window=None), "sp-phi3"),
+    "smollm3": ("smollm3", dict(tie_word_embeddings=True), "llama-bpe"),
+    "olmo2": ("olmo2", {}, "llama-bpe"),
+    # llama.cpp's olmo2 has no YaRN for now (qlora refuses it: check_refusals).
+    "olmo3": ("olmo3", dict(rope_parameters=_families.OLMO3_PLAIN_ROPE), "llama-bpe"),
 }
 
 
@@ -518,8 +522,8 @@ def check_refusals(tool, work, dirs):
     refused(tool, edited_copy(dirs["llama3"], work, "refuse_model_type", lambda c: c.update(model_type="gpt_neox")),
             "an unknown model_type", "model_type", "gpt_neox")
     refused(tool, edited_copy(dirs["llama3"], work, "refuse_rope", lambda c: c.update(
-        rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0})), "a RoPE type qlora does not model",
-        "rope_type", "yarn")
+        rope_parameters={"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0})), "a RoPE type qlora does not model",
+        "rope_type", "dynamic")
     refused(tool, edited_copy(dirs["gemma2"], work, "refuse_gemma2_scale", lambda c: c.update(query_pre_attn_scalar=32)),
             "gemma2 with query_pre_attn_scalar != head_dim", "query_pre_attn_scalar")
     refused(tool, edited_copy(dirs["gemma3"], work, "refuse_gemma3_layers", lambda c: c.update(
@@ -528,6 +532,10 @@ def check_refusals(tool, work, dirs):
     refused(tool, edited_copy(dirs["qwen2"], work, "refuse_qwen_window", lambda c: c.update(
         use_sliding_window=True, sliding_window=8, max_window_layers=0, layer_types=["sliding_attention"] * 2)),
         "qwen2 with a sliding window", "use_sliding_window")
+    refused(tool, edited_copy(dirs["smollm3"], work, "refuse_smollm3_nope", lambda c: c.update(no_rope_layers=[1, 0, 1, 1])),
+            "smollm3 with NoPE layers other than every fourth", "no_rope_layers", "layer 1")
+    refused(tool, edited_copy(dirs["olmo3"], work, "refuse_olmo3_yarn", lambda c: c.update(
+        rope_parameters=_families.OLMO3_ROPE)), "olmo3 with YaRN", "rope_parameters", "YaRN")
     refused(tool, edited_copy(dirs["qwen2"], work, "refuse_vocab_size", lambda c: c.update(vocab_size=10**12)),
             "a vocab_size the embedding does not have (10^12 entries would be written)", "vocab_size", "rows")
     from safetensors.torch import load_file, save_file

@@ -7,6 +7,7 @@
 
 #include <ATen/ATen.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <stdexcept>
@@ -190,6 +191,67 @@ TEST(FamilyConfig, Phi3SlidesEveryLayerAndFusesTargets) {
     EXPECT_NE(std::string(e.what()).find("fuses q, k, v into qkv_proj"), std::string::npos) << e.what();
   }
   EXPECT_THROW(peft_targets(llama_architecture(), {"qkv"}), std::invalid_argument);
+}
+
+// The keys of HuggingFaceTB/SmolLM3-3B's config.json (transformers 4.53 format), its 36-entry
+// no_rope_layers replaced by `nope` (or dropped, leaving the class's interval rule).
+std::string smollm3_config(const std::string& nope) {
+  return R"({"architectures":["SmolLM3ForCausalLM"],"attention_bias":false,"eos_token_id":128012,
+    "hidden_act":"silu","hidden_size":2048,"intermediate_size":11008,"max_position_embeddings":65536,
+    "max_window_layers":28,"mlp_bias":false,"model_type":"smollm3","no_rope_layer_interval":4,)" + nope +
+         R"("num_attention_heads":16,"num_hidden_layers":36,"num_key_value_heads":4,"pad_token_id":128004,
+    "rms_norm_eps":1e-06,"rope_scaling":null,"rope_theta":5000000.0,"sliding_window":null,
+    "use_sliding_window":false,"vocab_size":128256})";
+}
+
+TEST(FamilyConfig, SmolLM3LeavesRopeOutOfItsNopeLayers) {
+  std::string list;
+  for (int i = 0; i < 36; ++i) list += std::string(list.empty() ? "" : ",") + ((i + 1) % 4 == 0 ? "0" : "1");
+  for (const std::string& nope : {"\"no_rope_layers\":[" + list + "],", std::string()}) {
+    const LlamaConfig c = parse_llama_config(smollm3_config(nope), "cfg.json");
+    EXPECT_EQ(c.family, Family::kSmolLM3);
+    EXPECT_TRUE(c.tie_word_embeddings);  // the class's default
+    EXPECT_FALSE(c.sliding_window);
+    EXPECT_TRUE(c.uses_rope(0) && c.uses_rope(2) && c.uses_rope(34));
+    EXPECT_FALSE(c.uses_rope(3) || c.uses_rope(7) || c.uses_rope(35));
+    EXPECT_STREQ(architecture_of(c).family, "smollm3");
+  }
+  const std::string e = error_of(smollm3_config("\"no_rope_layers\":[1,0],"));
+  EXPECT_NE(e.find("'no_rope_layers': expected a list of 36 entries"), std::string::npos) << e;
+  const std::string e2 = error_of(smollm3_config("\"no_rope_layers\":[" + list.substr(0, list.size() - 1) + "2],"));
+  EXPECT_NE(e2.find("entry 35 is 2 (0 or 1)"), std::string::npos) << e2;
+  // Every other family rotates every layer.
+  EXPECT_TRUE(parse_llama_config(kPhi3, "cfg.json").nope_layers.empty());
+}
+
+// An OLMo 3 config in transformers 4.x's keys (rope_scaling for the full layers, no layer_types):
+// the class's defaults decide the sliding layers, the sliding layers keep the plain RoPE.
+TEST(FamilyConfig, Olmo3SlidesThreeOfFourLayersAndScalesItsFullLayersWithYarn) {
+  const LlamaConfig c = parse_llama_config(R"({"model_type":"olmo3","hidden_size":4096,"intermediate_size":11008,
+    "num_hidden_layers":32,"num_attention_heads":32,"num_key_value_heads":32,"max_position_embeddings":65536,
+    "rope_theta":500000,"rope_scaling":{"rope_type":"yarn","factor":8.0,"original_max_position_embeddings":8192,
+    "attention_factor":1.2079441541679836,"beta_fast":32,"beta_slow":1},"vocab_size":100278})", "cfg.json");
+  EXPECT_EQ(c.family, Family::kOlmo2);
+  EXPECT_EQ(c.sliding_window, 4096);  // the class's default window
+  EXPECT_TRUE(c.is_sliding(0) && c.is_sliding(2) && !c.is_sliding(3) && c.is_sliding(30) && !c.is_sliding(31));
+  EXPECT_DOUBLE_EQ(c.rms_norm_eps, 1e-5);
+  ASSERT_TRUE(c.rope_yarn);
+  EXPECT_DOUBLE_EQ(c.rope_yarn->attention_factor, 1.2079441541679836);
+  ASSERT_TRUE(c.local_rope);
+  EXPECT_FALSE(c.local_rope->yarn);
+  EXPECT_DOUBLE_EQ(c.local_rope->theta, 500000);
+  const Architecture& a = architecture_of(c);
+  EXPECT_STREQ(a.family, "olmo2");
+  ASSERT_EQ(a.layer_norms.size(), 4u);  // post-attention, post-feedforward, q and k over all heads
+  EXPECT_EQ(dim_size(a.layer_norms[2].size, c), 4096);
+  // Without an attention_factor, transformers' 0.1 ln(factor) + 1.
+  const LlamaConfig d = parse_llama_config(R"({"model_type":"olmo2","hidden_size":64,"intermediate_size":128,
+    "num_hidden_layers":2,"num_attention_heads":4,"vocab_size":32,"max_position_embeddings":4096,
+    "rope_parameters":{"rope_type":"yarn","factor":4.0,"original_max_position_embeddings":1024,"rope_theta":1e4}})",
+                                           "cfg.json");
+  ASSERT_TRUE(d.rope_yarn);
+  EXPECT_DOUBLE_EQ(d.rope_yarn->attention_factor, 0.1 * std::log(4.0) + 1.0);
+  EXPECT_FALSE(d.sliding_window);  // OLMo 2 has none
 }
 
 TEST(FamilyConfig, UnsupportedModelsAreRefusedByName) {

@@ -156,7 +156,7 @@ void ShardedLlama::shard_layer(int64_t index, modules::DecoderLayer& L, const mo
     at::Tensor modules::DecoderLayer::*member = nr.member;
     ms.push_back({nr.name, L.*member, [&L, member](const at::Tensor& v) { L.*member = v; }});
   }
-  frozen_.push_back(make_frozen("layer" + std::to_string(index), ms, n, me, L.input_layernorm.device()));
+  frozen_.push_back(make_frozen("layer" + std::to_string(index), ms, n, me, L.post_attention_layernorm.device()));
   add_trainable(projs, stems);
   ++num_layers_;
 }

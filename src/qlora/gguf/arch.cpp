@@ -18,6 +18,8 @@ const char* arch_name(Family f) {
     case Family::kGemma2: return "gemma2";
     case Family::kGemma3: return "gemma3";
     case Family::kPhi3: return "phi3";
+    case Family::kSmolLM3: return "smollm3";
+    case Family::kOlmo2: return "olmo2";
   }
   throw std::logic_error("arch_name: unknown family");
 }
@@ -52,7 +54,35 @@ void check_activation_and_biases(const LlamaConfig& c, const std::string& where)
   if (c.attention_bias) refuse(where, c, "attention_bias", "llama.cpp loads no attention biases for this family");
 }
 
+// llama.cpp's olmo2 (OLMo 2 and 3): an untied head, head_dim = hidden / heads, and OLMo 3's window
+// on three of every four layers.
+void check_olmo(const LlamaConfig& c, const std::string& where) {
+  if (c.tie_word_embeddings) refuse(where, c, "tie_word_embeddings", "true: llama.cpp's olmo2 loads its own output head");
+  if (c.head_dim * c.num_attention_heads != c.hidden_size)
+    refuse(where, c, "head_dim", "llama.cpp's olmo2 takes head_dim = hidden_size / num_attention_heads");
+  if (!c.sliding_window) return;
+  const modules::RopeParams local = c.local_rope.value_or(c.rope());
+  if (local.theta != c.rope_theta || local.linear_factor != 1.0 || local.llama3 || local.yarn)
+    refuse(where, c, "rope_parameters", "llama.cpp's olmo2 gives sliding layers the full layers' RoPE base, unscaled");
+  const std::string pattern = sliding_mismatch(c, 4);
+  if (!pattern.empty()) refuse(where, c, "layer_types", pattern);
+}
+
+// llama.cpp's smollm3 leaves RoPE out of every fourth layer ((i + 1) % 4 == 0), whatever the
+// config says (the file has no key for it).
+void check_nope(const LlamaConfig& c, const std::string& where) {
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    const bool nope = (i + 1) % 4 == 0;
+    if (c.uses_rope(i) == nope)
+      refuse(where, c, "no_rope_layers", "layer " + std::to_string(i) + (nope ? " rotates" : " has no RoPE") +
+                                             " where llama.cpp leaves RoPE out of every fourth layer only");
+  }
+}
+
 void check_rope(const LlamaConfig& c, const std::string& where) {
+  if (c.rope_yarn)
+    refuse(where, c, "rope_parameters", "YaRN RoPE scaling is not written to GGUF yet (train and export the merged "
+                                        "model; convert it with llama.cpp's convert_hf_to_gguf.py)");
   if (c.rope_scaling && c.family != Family::kLlama)
     refuse(where, c, "rope_scaling", "llama3 RoPE scaling is read by llama.cpp's llama architecture only");
   const bool linear_ok = c.family == Family::kLlama || c.family == Family::kQwen2 || c.family == Family::kQwen3 ||
@@ -135,9 +165,11 @@ ArchPlan plan_architecture(const LlamaConfig& c, const std::string& where) {
   check_activation_and_biases(c, where);
   check_rope(c, where);
   if (is_gemma(c.family)) check_gemma(c, where);
-  const bool qwen = c.family == Family::kQwen2 || c.family == Family::kQwen3;
+  if (c.family == Family::kSmolLM3) check_nope(c, where);
+  if (c.family == Family::kOlmo2) check_olmo(c, where);
+  const bool qwen = c.family == Family::kQwen2 || c.family == Family::kQwen3 || c.family == Family::kSmolLM3;
   if (qwen && c.sliding_window)
-    refuse(where, c, "use_sliding_window", "true: llama.cpp's Qwen has no sliding-window attention");
+    refuse(where, c, "use_sliding_window", "true: llama.cpp's " + std::string(arch_name(c.family)) + " has no sliding-window attention");
 
   ArchPlan p;
   p.arch = arch_name(c.family);
@@ -159,8 +191,10 @@ ArchPlan plan_architecture(const LlamaConfig& c, const std::string& where) {
     add("rope.scaling.factor", Value::f32(static_cast<float>(c.rope_linear_factor)));
   }
   if (c.rope_scaling) p.extra.push_back({"rope_freqs.weight", llama3_divisors(c)});
-  if ((is_gemma(c.family) || c.family == Family::kPhi3) && c.sliding_window)
+  const bool olmo = c.family == Family::kOlmo2;
+  if ((is_gemma(c.family) || c.family == Family::kPhi3 || olmo) && c.sliding_window)
     add("attention.sliding_window", Value::u32(static_cast<uint32_t>(*c.sliding_window)));
+  if (olmo && c.sliding_window) add("attention.sliding_window_pattern", Value::u32(4));
   if (c.family == Family::kGemma2) {
     add("attn_logit_softcapping", Value::f32(static_cast<float>(*c.attn_logit_softcapping)));
     add("final_logit_softcapping", Value::f32(static_cast<float>(*c.final_logit_softcapping)));
@@ -179,7 +213,8 @@ std::optional<TensorPlan> gguf_tensor(const std::string& hf, const LlamaConfig& 
   const std::string part = m[2], kind = m[3];
   const Family f = c.family;
   const bool gemma = is_gemma(f), phi3 = f == Family::kPhi3;
-  const bool qk_norms = f == Family::kQwen3 || f == Family::kGemma3;
+  const bool olmo = f == Family::kOlmo2;
+  const bool qk_norms = f == Family::kQwen3 || f == Family::kGemma3 || olmo;
   struct Row {
     const char* hf;
     const char* gguf;
@@ -196,9 +231,9 @@ std::optional<TensorPlan> gguf_tensor(const std::string& hf, const LlamaConfig& 
       {"mlp.gate_up_proj", "ffn_up", phi3},  // gate and up stacked, as llama.cpp's phi3 splits it
       {"mlp.down_proj", "ffn_down", true},
       {"input_layernorm", "attn_norm", true},
-      {"post_attention_layernorm", gemma ? "post_attention_norm" : "ffn_norm", true},
+      {"post_attention_layernorm", gemma || olmo ? "post_attention_norm" : "ffn_norm", true},
       {"pre_feedforward_layernorm", "ffn_norm", gemma},
-      {"post_feedforward_layernorm", "post_ffw_norm", gemma},
+      {"post_feedforward_layernorm", "post_ffw_norm", gemma || olmo},
       {"self_attn.q_norm", "attn_q_norm", qk_norms},
       {"self_attn.k_norm", "attn_k_norm", qk_norms},
   };
@@ -211,8 +246,11 @@ std::optional<TensorPlan> gguf_tensor(const std::string& hf, const LlamaConfig& 
       return std::nullopt;
     TensorPlan t{"blk." + m[1].str() + "." + g + "." + kind};
     if (norm) t.add = norm_add;
-    if (f == Family::kLlama && kind == "weight" && g == "attn_q") t.permute_heads = c.num_attention_heads;
-    if (f == Family::kLlama && kind == "weight" && g == "attn_k") t.permute_heads = c.num_key_value_heads;
+    // llama.cpp's llama and smollm3 (its converter's LlamaModel) rotate interleaved pairs: the
+    // converter permutes q and k rows.
+    const bool permuted = f == Family::kLlama || f == Family::kSmolLM3;
+    if (permuted && kind == "weight" && g == "attn_q") t.permute_heads = c.num_attention_heads;
+    if (permuted && kind == "weight" && g == "attn_k") t.permute_heads = c.num_key_value_heads;
     return t;
   }
   return std::nullopt;

@@ -53,6 +53,9 @@ const NormRow kPostFfnNorm{"post_feedforward_layernorm", "model.layers.{i}.post_
                            &DecoderLayer::post_feedforward_layernorm};
 const NormRow kQNorm{"q_norm", "model.layers.{i}.self_attn.q_norm", &DecoderLayer::q_norm, Dim::kHeadDim};
 const NormRow kKNorm{"k_norm", "model.layers.{i}.self_attn.k_norm", &DecoderLayer::k_norm, Dim::kHeadDim};
+// OLMo's q/k norms span all heads.
+const NormRow kQNormAll{"q_norm", "model.layers.{i}.self_attn.q_norm", &DecoderLayer::q_norm, Dim::kQHeads};
+const NormRow kKNormAll{"k_norm", "model.layers.{i}.self_attn.k_norm", &DecoderLayer::k_norm, Dim::kKvHeads};
 
 Architecture make(const char* family, std::vector<ProjectionRow> rows, std::vector<NormRow> norms) {
   return {family, std::move(rows), std::move(norms), "model.embed_tokens.weight", "model.norm.weight"};
@@ -84,9 +87,23 @@ const Architecture& phi3_architecture() {
   return a;
 }
 
-const Architecture* const kAllArchitectures[] = {&llama_architecture(), &qwen2_architecture(),
-                                                 &qwen3_architecture(), &gemma2_architecture(),
-                                                 &gemma3_architecture(), &phi3_architecture()};
+const Architecture& smollm3_architecture() {
+  static const Architecture a =
+      make("smollm3", llama_rows(Bias::kIfAttentionBias, Bias::kIfAttentionBias), {kInputNorm, kPostAttnNorm});
+  return a;
+}
+
+// OLMo 2 and 3: no input norms; post-norms and all-head q/k norms.
+const Architecture& olmo2_architecture() {
+  static const Architecture a = make("olmo2", llama_rows(Bias::kIfAttentionBias, Bias::kIfAttentionBias),
+                                     {kPostAttnNorm, kPostFfnNorm, kQNormAll, kKNormAll});
+  return a;
+}
+
+const Architecture* const kAllArchitectures[] = {&llama_architecture(),  &qwen2_architecture(),
+                                                 &qwen3_architecture(),  &gemma2_architecture(),
+                                                 &gemma3_architecture(), &phi3_architecture(),
+                                                 &smollm3_architecture(), &olmo2_architecture()};
 
 }  // namespace
 
@@ -104,6 +121,8 @@ const Architecture& architecture_of(const LlamaConfig& config) {
     case Family::kGemma2: return gemma2_architecture();
     case Family::kGemma3: return gemma3_architecture();
     case Family::kPhi3: return phi3_architecture();
+    case Family::kSmolLM3: return smollm3_architecture();
+    case Family::kOlmo2: return olmo2_architecture();
   }
   throw std::logic_error("architecture_of: unknown family");
 }

@@ -64,7 +64,7 @@ struct NormRow {
 };
 
 struct Architecture {
-  const char* family;  // "llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"
+  const char* family;  // "llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "smollm3", "olmo2"
   // A decoder layer's projections in forward order (the order adapters are initialised, exported
   // and sharded in), then the output projection.
   std::vector<ProjectionRow> projections;

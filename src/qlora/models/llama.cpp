@@ -109,6 +109,7 @@ modules::LayerDims LlamaModel::dims(int64_t layer) const {
   if (c.query_pre_attn_scalar) d.attention.scale = 1.0 / std::sqrt(*c.query_pre_attn_scalar);
   d.attention.softcap = c.attn_logit_softcapping.value_or(0.0);
   if (c.is_sliding(layer)) d.attention.window = *c.sliding_window;
+  d.rope = c.uses_rope(layer);
   return d;
 }
 
@@ -193,10 +194,13 @@ at::Tensor hidden_states(const LlamaModel& m, const at::Tensor& tokens, const at
     cache->v.resize(m.layers.size());
   }
   // [seq, head_dim] or [batch, seq, head_dim]
-  const modules::RopeTables rope_global = modules::rope_tables(m.inv_freq, positions, m.compute_dtype);
-  const modules::RopeTables rope_local = m.inv_freq_local.defined()
-                                             ? modules::rope_tables(m.inv_freq_local, positions, m.compute_dtype)
-                                             : rope_global;
+  const modules::RopeTables rope_global = modules::rope_tables(
+      m.inv_freq, positions, m.compute_dtype, modules::rope_attention_scaling(m.config.rope()));
+  const modules::RopeTables rope_local =
+      m.inv_freq_local.defined()
+          ? modules::rope_tables(m.inv_freq_local, positions, m.compute_dtype,
+                                 modules::rope_attention_scaling(*m.config.local_rope))
+          : rope_global;
   const bool checkpoint = m.activation_checkpointing && !cache && at::GradMode::is_enabled();
   UnitHooks* hooks = m.hooks.get();
   const int64_t num_layers = static_cast<int64_t>(m.layers.size());

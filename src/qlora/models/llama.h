@@ -95,7 +95,7 @@ struct LlamaModel {
   at::Tensor norm;                 // [hidden], frozen
   modules::LoraLinear lm_head;     // [vocab, hidden], dense (frozen_dtype); shares embed_tokens when tied
   at::Tensor inv_freq;             // [head_dim / 2] fp32
-  at::Tensor inv_freq_local;       // Gemma 3's sliding layers' own frequencies; undefined: inv_freq
+  at::Tensor inv_freq_local;       // Gemma 3's, OLMo 3's sliding layers' own frequencies; undefined: inv_freq
   bool activation_checkpointing = false;
   bool training = false;           // enables LoRA dropout
   std::shared_ptr<UnitHooks> hooks;  // optional; see UnitHooks

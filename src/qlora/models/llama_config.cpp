@@ -71,6 +71,24 @@ std::vector<int64_t> eos_ids(const json& j, const std::string& where) {
   return out;
 }
 
+// YaRN's parameters as transformers resolves them: the factor from the context lengths when
+// absent, the attention factor from mscale / mscale_all_dim or 0.1 ln(factor) + 1 when absent.
+modules::YarnRope parse_yarn(const json& r, const json& top, const std::string& w, const std::string& key) {
+  modules::YarnRope y;
+  const int64_t max_pos = get_int(top, "max_position_embeddings", w, 2048);
+  y.original_max_position_embeddings = get_int(r, "original_max_position_embeddings", w, max_pos);
+  if (y.original_max_position_embeddings <= 0) fail(w, key + ".original_max_position_embeddings", "must be positive");
+  y.factor = get_num(r, "factor", w, static_cast<double>(max_pos) / static_cast<double>(y.original_max_position_embeddings));
+  if (!(y.factor > 0)) fail(w, key + ".factor", "yarn scaling needs factor > 0");
+  const auto mscale = [&](double m) { return y.factor <= 1 ? 1.0 : 0.1 * m * std::log(y.factor) + 1.0; };
+  const double m = get_num(r, "mscale", w, 0.0), m_all = get_num(r, "mscale_all_dim", w, 0.0);
+  y.attention_factor = get_num(r, "attention_factor", w, m != 0 && m_all != 0 ? mscale(m) / mscale(m_all) : mscale(1.0));
+  y.beta_fast = get_num(r, "beta_fast", w, 32.0);
+  y.beta_slow = get_num(r, "beta_slow", w, 1.0);
+  y.truncate = get_bool(r, "truncate", w, true);
+  return y;
+}
+
 // One RoPE dict ({rope_type, rope_theta, factor, ...}) over `p`, whose theta is the default.
 modules::RopeParams parse_rope_dict(const json& r, const json& top, const std::string& w, const std::string& key,
                                     modules::RopeParams p) {
@@ -88,8 +106,12 @@ modules::RopeParams parse_rope_dict(const json& r, const json& top, const std::s
     if (!(p.linear_factor > 0)) fail(w, key + ".factor", "linear scaling needs factor > 0");
     return p;
   }
+  if (type == "yarn") {
+    p.yarn = parse_yarn(r, top, w, key);
+    return p;
+  }
   if (type != "llama3") {
-    fail(w, key + ".rope_type", "'" + type + "' is not supported (only default, linear and llama3)");
+    fail(w, key + ".rope_type", "'" + type + "' is not supported (only default, linear, llama3 and yarn)");
   }
   Llama3RopeScaling s;
   s.factor = get_num(r, "factor", w);
@@ -108,10 +130,11 @@ modules::RopeParams parse_rope_dict(const json& r, const json& top, const std::s
 // RoPE: transformers <= 4.x wrote rope_theta at top level and scaling in rope_scaling; 5.x writes
 // one rope_parameters dict holding rope_theta and rope_type, or (Gemma 3) one dict per layer type.
 // Gemma 3's older form: rope_theta + rope_scaling for global layers, rope_local_base_freq for local.
+// OLMo 3 gives its sliding layers the base theta unscaled, its full layers the scaling too.
 void parse_rope(const json& j, const std::string& where, LlamaConfig& c) {
-  const bool gemma3 = c.family == Family::kGemma3;
+  const bool gemma3 = c.family == Family::kGemma3, olmo = c.family == Family::kOlmo2;
   modules::RopeParams global{get_num(j, "rope_theta", where, gemma3 ? 1e6 : 10000.0), std::nullopt, 1.0};
-  modules::RopeParams local{get_num(j, "rope_local_base_freq", where, 10000.0), std::nullopt, 1.0};
+  modules::RopeParams local{olmo ? global.theta : get_num(j, "rope_local_base_freq", where, 10000.0), std::nullopt, 1.0};
   if (present(j, "partial_rotary_factor") && get_num(j, "partial_rotary_factor", where) != 1.0) {
     fail(where, "partial_rotary_factor", "partial rotary embeddings are not supported (only 1.0)");
   }
@@ -131,7 +154,8 @@ void parse_rope(const json& j, const std::string& where, LlamaConfig& c) {
   c.rope_theta = global.theta;
   c.rope_scaling = global.llama3;
   c.rope_linear_factor = global.linear_factor;
-  if (gemma3) c.local_rope = local;
+  c.rope_yarn = global.yarn;
+  if (gemma3 || olmo) c.local_rope = local;
 }
 
 struct FamilyName {
@@ -141,7 +165,8 @@ struct FamilyName {
 constexpr FamilyName kFamilies[] = {{"llama", Family::kLlama},   {"mistral", Family::kLlama},
                                     {"qwen2", Family::kQwen2},   {"qwen3", Family::kQwen3},
                                     {"gemma2", Family::kGemma2}, {"gemma3_text", Family::kGemma3},
-                                    {"phi3", Family::kPhi3}};
+                                    {"phi3", Family::kPhi3},     {"smollm3", Family::kSmolLM3},
+                                    {"olmo2", Family::kOlmo2},   {"olmo3", Family::kOlmo2}};
 
 // model_type -> family; another multimodal checkpoint or another family is refused by name.
 Family parse_family(const json& j, const std::string& where, const std::string& type) {
@@ -171,10 +196,11 @@ std::optional<double> softcap(const json& j, const char* key, const std::string&
 // else each family's rule for its older configs.
 void parse_sliding(const json& j, const std::string& where, LlamaConfig& c) {
   const Family f = c.family;
-  const bool qwen = f == Family::kQwen2 || f == Family::kQwen3;
+  // Qwen's and SmolLM3's classes slide only under use_sliding_window.
+  const bool qwen = f == Family::kQwen2 || f == Family::kQwen3 || f == Family::kSmolLM3;
   std::optional<int64_t> window;
   if (present(j, "sliding_window")) window = get_int(j, "sliding_window", where);
-  else if (is_gemma(f) && !j.contains("sliding_window")) window = 4096;
+  else if ((is_gemma(f) || c.model_type == "olmo3") && !j.contains("sliding_window")) window = 4096;
   if (qwen && !get_bool(j, "use_sliding_window", where, false)) window.reset();
   if (get_bool(j, "use_bidirectional_attention", where, false)) {
     fail(where, "use_bidirectional_attention", "bidirectional (encoder) attention is not supported");
@@ -201,12 +227,35 @@ void parse_sliding(const json& j, const std::string& where, LlamaConfig& c) {
       if (f == Family::kGemma2) s = i % 2 == 0;
       if (f == Family::kGemma3) s = pattern <= 0 || (i + 1) % pattern != 0;
       if (qwen) s = i >= max_window_layers;
+      if (c.model_type == "olmo3") s = (i + 1) % 4 != 0;
       c.sliding_layers[static_cast<size_t>(i)] = s;
     }
   }
   const bool any = std::find(c.sliding_layers.begin(), c.sliding_layers.end(), true) != c.sliding_layers.end();
   if (any && !window) fail(where, "sliding_window", "layer_types has sliding layers but no window is set");
   if (any) c.sliding_window = window;
+}
+
+// SmolLM3's NoPE layers: no_rope_layers lists 1 for a layer that rotates and 0 for one that does
+// not; without it, every no_rope_layer_interval-th layer (4) goes without, as the class defaults.
+void parse_nope(const json& j, const std::string& where, LlamaConfig& c) {
+  if (c.family != Family::kSmolLM3) return;
+  const int64_t n = c.num_hidden_layers;
+  c.nope_layers.assign(static_cast<size_t>(n), false);
+  if (present(j, "no_rope_layers")) {
+    const json& t = j.at("no_rope_layers");
+    if (!t.is_array() || static_cast<int64_t>(t.size()) != n)
+      fail(where, "no_rope_layers", "expected a list of " + std::to_string(n) + " entries (num_hidden_layers)");
+    for (int64_t i = 0; i < n; ++i) {
+      const json& v = t.at(static_cast<size_t>(i));
+      if (v != 0 && v != 1) fail(where, "no_rope_layers", "entry " + std::to_string(i) + " is " + v.dump() + " (0 or 1)");
+      c.nope_layers[static_cast<size_t>(i)] = v == 0;
+    }
+    return;
+  }
+  const int64_t every = get_int(j, "no_rope_layer_interval", where, 4);
+  if (every <= 0) fail(where, "no_rope_layer_interval", "must be positive");
+  for (int64_t i = 0; i < n; ++i) c.nope_layers[static_cast<size_t>(i)] = (i + 1) % every == 0;
 }
 
 MlpActivation parse_activation(const json& j, const std::string& where, Family f) {
@@ -281,13 +330,16 @@ LlamaConfig parse_text_config(const json& j, const std::string& where) {
   if (c.num_hidden_layers <= 0) fail(where, "num_hidden_layers", "must be positive");
   // Gemma's classes default head_dim to 256 rather than hidden / heads.
   c.head_dim = get_int(j, "head_dim", where, is_gemma(c.family) ? 256 : c.hidden_size / c.num_attention_heads);
-  c.rms_norm_eps = get_num(j, "rms_norm_eps", where, c.family == Family::kPhi3 ? 1e-5 : 1e-6);
+  c.rms_norm_eps =
+      get_num(j, "rms_norm_eps", where, c.family == Family::kPhi3 || c.family == Family::kOlmo2 ? 1e-5 : 1e-6);
   c.max_position_embeddings = get_int(j, "max_position_embeddings", where, 2048);
-  c.tie_word_embeddings = get_bool(j, "tie_word_embeddings", where, is_gemma(c.family));
+  c.tie_word_embeddings =
+      get_bool(j, "tie_word_embeddings", where, is_gemma(c.family) || c.family == Family::kSmolLM3);
   parse_rope(j, where, c);
   if (present(j, "bos_token_id")) c.bos_token_id = get_int(j, "bos_token_id", where);
   c.eos_token_ids = eos_ids(j, where);
   parse_sliding(j, where, c);
+  parse_nope(j, where, c);
   parse_family_numerics(j, where, c);
   // pretraining_tp only changes how HF splits matmuls (same maths up to rounding): ignored. So are
   // dropout probabilities (attention_dropout, resid_pdrop, ...): the base is frozen and run in

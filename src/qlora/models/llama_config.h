@@ -9,6 +9,9 @@
 //                   query_pre_attn_scalar, sliding window on alternate layers, GeGLU (gelu tanh)
 //   gemma3_text     Gemma 2's norms plus q/k norms, local:global layers with their own RoPE
 //   phi3            fused qkv_proj and gate_up_proj
+//   smollm3         SmolLM3: Llama's block, no RoPE on the layers no_rope_layers marks (NoPE)
+//   olmo2, olmo3    OLMo 2/3: no input norms, post-norms closing each branch, q/k RMSNorm over all
+//                   heads; OLMo 3 slides on three of four layers, YaRN RoPE on its full layers
 //   gemma3          the Hub's Gemma 3 4B/12B/27B (Gemma3ForConditionalGeneration): the gemma3_text
 //                   language model of its text_config; the vision tower is never computed (its
 //                   weights are copied into merged exports), its weights' prefixes: key_layout.h
@@ -27,7 +30,7 @@ namespace qlora::models {
 
 using modules::Llama3RopeScaling;
 
-enum class Family { kLlama, kQwen2, kQwen3, kGemma2, kGemma3, kPhi3 };
+enum class Family { kLlama, kQwen2, kQwen3, kGemma2, kGemma3, kPhi3, kSmolLM3, kOlmo2 };
 // The multimodal Gemma 3's model_type; its language model is Family::kGemma3.
 inline constexpr const char* kGemma3Multimodal = "gemma3";
 using modules::MlpActivation;
@@ -49,8 +52,9 @@ struct LlamaConfig {
   double rope_theta = 10000.0;
   std::optional<Llama3RopeScaling> rope_scaling;  // llama3 scaling; nullopt: none
   double rope_linear_factor = 1.0;                // "linear" scaling (Gemma 3's global layers)
-  // Gemma 3: the sliding-window layers' own RoPE (rope_local_base_freq, unscaled). nullopt: every
-  // layer uses the RoPE above.
+  std::optional<modules::YarnRope> rope_yarn;     // "yarn" scaling (OLMo 3's full layers)
+  // Gemma 3, OLMo 3: the sliding-window layers' own RoPE (Gemma 3: rope_local_base_freq, unscaled).
+  // nullopt: every layer uses the RoPE above.
   std::optional<modules::RopeParams> local_rope;
   int64_t max_position_embeddings = 2048;
   bool tie_word_embeddings = false;
@@ -61,6 +65,9 @@ struct LlamaConfig {
   // layers marked in sliding_layers (one entry a layer; all false without a window).
   std::optional<int64_t> sliding_window;
   std::vector<bool> sliding_layers;  // empty: no layer slides
+  // SmolLM3's NoPE layers: queries and keys are not rotated there (one entry a layer; empty: every
+  // layer rotates).
+  std::vector<bool> nope_layers;
 
   MlpActivation activation = MlpActivation::kSilu;
   bool attention_bias = false;     // q/k/v/o biases (Llama/Qwen3 attention_bias); Qwen2: q/k/v always
@@ -74,7 +81,10 @@ struct LlamaConfig {
   bool is_sliding(int64_t layer) const {
     return !sliding_layers.empty() && sliding_layers.at(static_cast<size_t>(layer));
   }
-  modules::RopeParams rope() const { return {rope_theta, rope_scaling, rope_linear_factor}; }
+  bool uses_rope(int64_t layer) const {
+    return nope_layers.empty() || !nope_layers.at(static_cast<size_t>(layer));
+  }
+  modules::RopeParams rope() const { return {rope_theta, rope_scaling, rope_linear_factor, rope_yarn}; }
   // Throws std::invalid_argument (prefixed with `where`) when sizes are inconsistent.
   void validate(const std::string& where) const;
 };

@@ -4,7 +4,9 @@
 #include <ATen/core/ivalue.h>
 #include <ATen/ops/arange.h>
 #include <ATen/ops/cat.h>
+#include <ATen/ops/clamp.h>
 #include <ATen/ops/ones.h>
+#include <ATen/ops/pow.h>
 #include <ATen/ops/reciprocal.h>
 #include <ATen/ops/rsqrt.h>
 #include <ATen/ops/rsub.h>
@@ -20,6 +22,7 @@
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <limits>
@@ -104,16 +107,49 @@ at::Tensor rope_inv_freq(int64_t head_dim, double theta,
   return at::where(is_medium, smoothed, inv_llama);
 }
 
+namespace {
+
+// transformers' YaRN frequencies: the dimension index at which a wavelength turns `rotations`
+// times over the original context, the ramp between beta_fast's and beta_slow's, and the blend.
+at::Tensor yarn_inv_freq(int64_t head_dim, double theta, const YarnRope& y) {
+  const double dim = static_cast<double>(head_dim);
+  const double ctx = static_cast<double>(y.original_max_position_embeddings);
+  const auto correction_dim = [&](double rotations) {
+    return dim * std::log(ctx / (rotations * 2 * M_PI)) / (2 * std::log(theta));
+  };
+  double low = correction_dim(y.beta_fast), high = correction_dim(y.beta_slow);
+  if (y.truncate) {
+    low = std::floor(low);
+    high = std::ceil(high);
+  }
+  low = std::max(low, 0.0);
+  high = std::min(high, dim - 1);
+  if (low == high) high += 0.001;  // as transformers guards the ramp's division
+  const at::Tensor pos_freqs =
+      at::pow(theta, at::arange(0, head_dim, 2, at::TensorOptions().dtype(at::kLong)).to(at::kFloat) / head_dim);
+  const at::Tensor extrapolation = at::reciprocal(pos_freqs), interpolation = at::reciprocal(pos_freqs * y.factor);
+  const at::Tensor ramp = ((at::arange(head_dim / 2, at::kFloat) - low) / (high - low)).clamp(0, 1);
+  const at::Tensor keep = 1 - ramp;  // the share of the extrapolated (unscaled) frequency
+  return interpolation * (1 - keep) + extrapolation * keep;
+}
+
+}  // namespace
+
+double rope_attention_scaling(const RopeParams& params) { return params.yarn ? params.yarn->attention_factor : 1.0; }
+
 at::Tensor rope_inv_freq(int64_t head_dim, const RopeParams& params) {
+  if (params.yarn) return yarn_inv_freq(head_dim, params.theta, *params.yarn);
   at::Tensor inv_freq = rope_inv_freq(head_dim, params.theta, params.llama3);
   // transformers' linear scaling: inv_freq / factor.
   return params.linear_factor == 1.0 ? inv_freq : inv_freq / params.linear_factor;
 }
 
-RopeTables rope_tables(const at::Tensor& inv_freq, const at::Tensor& positions, at::ScalarType dtype) {
+RopeTables rope_tables(const at::Tensor& inv_freq, const at::Tensor& positions, at::ScalarType dtype,
+                       double scale) {
   at::Tensor freqs = positions.unsqueeze(-1).to(at::kFloat) * inv_freq.to(positions.device(), at::kFloat);  // [(b,) seq, d/2]
   at::Tensor emb = at::cat({freqs, freqs}, -1);  // [(b,) seq, d]
-  return {emb.cos().to(dtype), emb.sin().to(dtype)};
+  if (scale == 1.0) return {emb.cos().to(dtype), emb.sin().to(dtype)};
+  return {(emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)};
 }
 
 namespace {
@@ -322,12 +358,22 @@ at::Tensor decoder_layer_forward(const DecoderLayer& layer, const LayerDims& dim
     throw std::invalid_argument("decoder_layer_forward: an attention mask cannot be combined with a KV cache");
   }
   const int64_t b = h.size(0), s = h.size(1);
-  at::Tensor x = layer_norm(dims, h, layer.input_layernorm);  // [b, s, hidden]
+  // OLMo 2/3 normalise no layer input: their norms close each branch instead.
+  const bool post_norms_only = !layer.input_layernorm.defined();
+  at::Tensor x = post_norms_only ? h : layer_norm(dims, h, layer.input_layernorm);  // [b, s, hidden]
   auto [q, k, v] = project_qkv(layer, dims, x, training);      // [b, s, heads, d]
-  if (layer.q_norm.defined()) q = layer_norm(dims, q, layer.q_norm);  // per head, before RoPE
-  if (layer.k_norm.defined()) k = layer_norm(dims, k, layer.k_norm);
-  q = apply_rope(q.transpose(1, 2), rope);  // [b, heads, s, d]
-  k = apply_rope(k.transpose(1, 2), rope);  // [b, kv_heads, s, d]
+  // Before RoPE: per head (Qwen3, Gemma 3: a [head_dim] weight) or over all heads at once (OLMo).
+  const auto qk_norm = [&](const at::Tensor& t, const at::Tensor& w) {
+    return w.size(0) == t.size(-1) ? layer_norm(dims, t, w) : layer_norm(dims, t.flatten(2), w).view(t.sizes());
+  };
+  if (layer.q_norm.defined()) q = qk_norm(q, layer.q_norm);
+  if (layer.k_norm.defined()) k = qk_norm(k, layer.k_norm);
+  q = q.transpose(1, 2);  // [b, heads, s, d]
+  k = k.transpose(1, 2);  // [b, kv_heads, s, d]
+  if (dims.rope) {
+    q = apply_rope(q, rope);
+    k = apply_rope(k, rope);
+  }
   v = v.transpose(1, 2);
   if (cache_k) {
     if (cache_k->defined()) {
@@ -346,13 +392,15 @@ at::Tensor decoder_layer_forward(const DecoderLayer& layer, const LayerDims& dim
                         .reshape({b, s, dims.num_heads * dims.head_dim});  // [b, s, heads * d]
   at::Tensor out = lora_linear_forward(layer.o_proj, attn, training);    // [b, s, hidden]
   // Gemma's sandwich: post_attention_layernorm closes the attention branch, pre_feedforward opens
-  // the MLP's. Llama's post_attention_layernorm is the MLP's input norm.
+  // the MLP's. OLMo's closes it and the MLP's input is not normalised. Llama's
+  // post_attention_layernorm is the MLP's input norm.
   const bool sandwich = layer.pre_feedforward_layernorm.defined();
-  if (sandwich) out = layer_norm(dims, out, layer.post_attention_layernorm);
+  if (sandwich || post_norms_only) out = layer_norm(dims, out, layer.post_attention_layernorm);
   const at::Tensor hidden = h + out;
-  x = layer_norm(dims, hidden, sandwich ? layer.pre_feedforward_layernorm : layer.post_attention_layernorm);
+  if (sandwich) x = layer_norm(dims, hidden, layer.pre_feedforward_layernorm);
+  else x = post_norms_only ? hidden : layer_norm(dims, hidden, layer.post_attention_layernorm);
   at::Tensor mlp = gated_mlp(layer, dims, x, training);
-  if (sandwich) mlp = layer_norm(dims, mlp, layer.post_feedforward_layernorm);
+  if (layer.post_feedforward_layernorm.defined()) mlp = layer_norm(dims, mlp, layer.post_feedforward_layernorm);
   return hidden + mlp;
 }
 

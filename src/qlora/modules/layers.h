@@ -30,8 +30,10 @@ at::Tensor rms_norm_plus_one(const at::Tensor& x, const at::Tensor& weight, doub
 // Inverse frequencies [head_dim / 2] fp32: 1 / theta^(2i / head_dim), then llama3 scaling if given.
 at::Tensor rope_inv_freq(int64_t head_dim, double theta,
                          const std::optional<Llama3RopeScaling>& scaling);
-// The same for a RopeParams (theta, llama3 or linear scaling).
+// The same for a RopeParams (theta, llama3, yarn or linear scaling).
 at::Tensor rope_inv_freq(int64_t head_dim, const RopeParams& params);
+// What cos and sin are multiplied by (YaRN's attention factor; 1 otherwise).
+double rope_attention_scaling(const RopeParams& params);
 
 struct RopeTables {
   // [seq, head_dim] (one position range shared by every row) or [batch, seq, head_dim] (per-token
@@ -39,8 +41,10 @@ struct RopeTables {
   at::Tensor cos, sin;
 };
 // positions: [seq] or [batch, seq] int64; the tables get the same leading dims plus head_dim.
-// Angles are formed in fp32 and cast at the end, as transformers does.
-RopeTables rope_tables(const at::Tensor& inv_freq, const at::Tensor& positions, at::ScalarType dtype);
+// Angles are formed in fp32, cos and sin scaled by `scale` (rope_attention_scaling) and cast at
+// the end, as transformers does.
+RopeTables rope_tables(const at::Tensor& inv_freq, const at::Tensor& positions, at::ScalarType dtype,
+                       double scale = 1.0);
 
 // Rotate-half RoPE: x * cos + rotate_half(x) * sin. x: [batch, heads, seq, head_dim].
 at::Tensor apply_rope(const at::Tensor& x, const RopeTables& rope);
@@ -84,7 +88,10 @@ struct DecoderLayer {
   // Gemma's sandwich norms: with them, post_attention_layernorm normalises the attention output
   // and pre_feedforward_layernorm the MLP input; post_feedforward_layernorm the MLP output.
   at::Tensor pre_feedforward_layernorm, post_feedforward_layernorm;
-  at::Tensor q_norm, k_norm;                            // [head_dim] (Qwen3, Gemma 3), per head
+  // [head_dim] (Qwen3, Gemma 3), per head; or [heads * head_dim], [kv_heads * head_dim] (OLMo),
+  // over all heads. Without input_layernorm (OLMo), post_attention_layernorm and
+  // post_feedforward_layernorm close the branches and nothing normalises their inputs.
+  at::Tensor q_norm, k_norm;
   LoraLinear q_proj, k_proj, v_proj, o_proj;           // [heads*d, hidden] ... [hidden, heads*d]
   LoraLinear gate_proj, up_proj, down_proj;            // [inter, hidden] x2, [hidden, inter]
   // Phi-3's fused projections, used instead of q/k/v and gate/up when set: qkv_proj stacks q, k
@@ -101,6 +108,7 @@ struct LayerDims {
   bool norm_plus_one = false;  // Gemma's (1 + w) RMSNorm for every norm of the layer
   MlpActivation activation = MlpActivation::kSilu;
   AttentionOptions attention;
+  bool rope = true;  // false: q and k are not rotated (SmolLM3's NoPE layers)
 };
 
 // The family's RMSNorm: rms_norm, or rms_norm_plus_one when dims.norm_plus_one.

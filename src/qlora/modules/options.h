@@ -14,12 +14,24 @@ struct Llama3RopeScaling {
   int64_t original_max_position_embeddings = 8192;
 };
 
-// One set of rotary frequencies: base theta, then at most one scaling ("llama3", or "linear":
-// every frequency divided by linear_factor, as Gemma 3's global layers use).
+// rope_type "yarn" (OLMo 3's full-attention layers): frequencies blended between interpolated
+// (divided by `factor`) and kept along a ramp between the dimensions that turn beta_fast and
+// beta_slow times over original_max_position_embeddings; cos and sin scaled by attention_factor.
+struct YarnRope {
+  double factor = 1.0;
+  double attention_factor = 1.0;  // already resolved from mscale / mscale_all_dim / factor
+  double beta_fast = 32.0, beta_slow = 1.0;
+  int64_t original_max_position_embeddings = 4096;
+  bool truncate = true;  // round the ramp's ends outward to whole dimensions
+};
+
+// One set of rotary frequencies: base theta, then at most one scaling ("llama3", "yarn", or
+// "linear": every frequency divided by linear_factor, as Gemma 3's global layers use).
 struct RopeParams {
   double theta = 10000.0;
   std::optional<Llama3RopeScaling> llama3;
   double linear_factor = 1.0;
+  std::optional<YarnRope> yarn;
 };
 
 // The gated MLP's activation: HF "silu" (Llama, Qwen, Phi-3) or "gelu_pytorch_tanh" (Gemma).
