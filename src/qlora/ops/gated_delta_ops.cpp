@@ -1,0 +1,149 @@
+#include "qlora/ops/gated_delta_ops.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+#include "qlora/ops/gated_delta_chunks.h"
+
+namespace qlora::ops {
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+constexpr double kL2Eps = 1e-6;  // transformers' l2norm (and fla's) default
+
+struct Dims {
+  int64_t batch, seq, k_heads, v_heads, dk, dv, chunks, pad;
+};
+
+[[noreturn]] void fail(const std::string& what) {
+  throw std::invalid_argument("chunk_gated_delta_rule: " + what);
+}
+
+std::string shape_of(const at::Tensor& t) {
+  std::string s = "[";
+  for (int64_t i = 0; i < t.dim(); ++i) s += (i ? ", " : "") + std::to_string(t.size(i));
+  return s + "]";
+}
+
+Dims check_dims(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                const at::Tensor& beta, const at::Tensor& state0) {
+  if (q.dim() != 4 || v.dim() != 4 || q.sizes() != k.sizes())
+    fail("q and k must be [batch, seq, k_heads, dk] and v [batch, seq, v_heads, dv], got q " + shape_of(q) + ", k " +
+         shape_of(k) + ", v " + shape_of(v));
+  Dims d{q.size(0), q.size(1), q.size(2), v.size(2), q.size(3), v.size(3), 0, 0};
+  if (v.size(0) != d.batch || v.size(1) != d.seq) fail("v " + shape_of(v) + " must share q's batch and seq");
+  if (d.seq == 0 || d.k_heads == 0 || d.v_heads % d.k_heads != 0)
+    fail("needs seq >= 1 and v_heads a multiple of k_heads, got q " + shape_of(q) + ", v " + shape_of(v));
+  const std::vector<int64_t> per_token{d.batch, d.seq, d.v_heads};
+  if (g.sizes() != per_token || beta.sizes() != per_token)
+    fail("g and beta must be [batch, seq, v_heads], got g " + shape_of(g) + ", beta " + shape_of(beta));
+  const std::vector<int64_t> state{d.batch, d.v_heads, d.dk, d.dv};
+  if (state0.defined() && state0.numel() != 0 && state0.sizes() != state)
+    fail("initial_state must be [batch, v_heads, dk, dv], got " + shape_of(state0));
+  for (const at::Tensor* t : {&q, &k, &v, &g, &beta})
+    if (!at::isFloatingType(t->scalar_type())) fail("q, k, v, g and beta must be floating point");
+  d.chunks = (d.seq + kGatedDeltaChunk - 1) / kGatedDeltaChunk;
+  d.pad = d.chunks * kGatedDeltaChunk - d.seq;
+  return d;
+}
+
+// [batch, seq, heads, n] (any dtype) -> [batch*heads, chunks, C, n] fp32, zero-padded at the end.
+at::Tensor to_chunks(const at::Tensor& t, const Dims& d) {
+  const at::Tensor h = at::constant_pad_nd(t.to(at::kFloat).transpose(1, 2), {0, 0, 0, d.pad});  // [b, h, T', n]
+  return h.reshape({-1, d.chunks, kGatedDeltaChunk, t.size(3)});
+}
+
+// The inverse of to_chunks, padding dropped: [batch*heads, chunks, C, n] -> [batch, seq, heads, n].
+at::Tensor from_chunks(const at::Tensor& t, const Dims& d) {
+  return t.reshape({d.batch, -1, d.chunks * kGatedDeltaChunk, t.size(3)}).narrow(2, 0, d.seq).transpose(1, 2);
+}
+
+// q or k as the recurrence reads it: fp32, L2-normalised if asked, times scale.
+at::Tensor qk_used(const at::Tensor& x, bool l2, double scale) {
+  at::Tensor h = x.to(at::kFloat);
+  if (l2) h = h * at::rsqrt(h.square().sum(-1, /*keepdim=*/true) + kL2Eps);
+  return scale == 1.0 ? h : h * scale;
+}
+
+// The gradient of x from that of qk_used(x) summed over the value heads sharing x's key head.
+// Through y = x r with r = (|x|^2 + eps)^-1/2: dx = r (dy - y (y . dy)).
+at::Tensor qk_grad(const at::Tensor& dy_rep, const at::Tensor& x, bool l2, double scale, const Dims& d) {
+  at::Tensor dy = dy_rep.reshape({d.batch, d.seq, d.k_heads, -1, d.dk}).sum(3) * scale;
+  if (!l2) return dy.to(x.scalar_type());
+  const at::Tensor h = x.to(at::kFloat);
+  const at::Tensor r = at::rsqrt(h.square().sum(-1, /*keepdim=*/true) + kL2Eps);
+  const at::Tensor y = h * r;
+  return (r * (dy - y * (y * dy).sum(-1, /*keepdim=*/true))).to(x.scalar_type());
+}
+
+gated_delta::Chunks prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                            const at::Tensor& beta, bool l2, const Dims& d) {
+  const int64_t rep = d.v_heads / d.k_heads;
+  const auto heads = [&](const at::Tensor& t) { return rep == 1 ? t : t.repeat_interleave(rep, 2); };
+  gated_delta::Chunks x;
+  x.q = to_chunks(heads(qk_used(q, l2, 1.0 / std::sqrt(static_cast<double>(d.dk)))), d);
+  x.k = to_chunks(heads(qk_used(k, l2, 1.0)), d);
+  x.v = to_chunks(v, d);
+  x.g = to_chunks(g.unsqueeze(-1), d).squeeze(-1);
+  x.beta = to_chunks(beta.unsqueeze(-1), d).squeeze(-1);
+  return x;
+}
+
+// The state as the chunks take it; undefined (zeros) for an undefined or empty one (the node's
+// stand-in for "no initial state": an autograd node's inputs must all be defined).
+at::Tensor flat_state(const at::Tensor& s, const Dims& d) {
+  return s.defined() && s.numel() != 0 ? s.to(at::kFloat).reshape({d.batch * d.v_heads, d.dk, d.dv}) : at::Tensor();
+}
+
+struct GatedDeltaFunction : public torch::autograd::Function<GatedDeltaFunction> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const at::Tensor& g, const at::Tensor& beta, const at::Tensor& state0, bool l2) {
+    const Dims d = check_dims(q, k, v, g, beta, state0);
+    const gated_delta::Forward f = gated_delta::chunked_forward(prepare(q, k, v, g, beta, l2, d), flat_state(state0, d));
+    ctx->save_for_backward({q, k, v, g, beta, state0, f.starts});
+    ctx->saved_data["l2"] = l2;
+    return {from_chunks(f.out, d).to(q.scalar_type()).contiguous(), f.final.view({d.batch, d.v_heads, d.dk, d.dv})};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list s = ctx->get_saved_variables();
+    const at::Tensor &q = s[0], &k = s[1], &v = s[2], &g = s[3], &beta = s[4], &state0 = s[5];
+    const bool l2 = ctx->saved_data["l2"].toBool();
+    const Dims d = check_dims(q, k, v, g, beta, state0);
+    const at::Tensor d_out = grads[0].defined()
+                                 ? to_chunks(grads[0], d)
+                                 : at::zeros({d.batch * d.v_heads, d.chunks, kGatedDeltaChunk, d.dv}, s[6].options());
+    const gated_delta::Grads gr =
+        gated_delta::chunked_backward(prepare(q, k, v, g, beta, l2, d), s[6], d_out, flat_state(grads[1], d));
+    const double scale = 1.0 / std::sqrt(static_cast<double>(d.dk));
+    const at::Tensor d_state0 =
+        state0.numel() != 0 ? gr.state0.view({d.batch, d.v_heads, d.dk, d.dv}).to(state0.scalar_type()) : at::Tensor();
+    return {qk_grad(from_chunks(gr.q, d), q, l2, scale, d),
+            qk_grad(from_chunks(gr.k, d), k, l2, 1.0, d),
+            from_chunks(gr.v, d).to(v.scalar_type()),
+            from_chunks(gr.g.unsqueeze(-1), d).squeeze(-1).to(g.scalar_type()),
+            from_chunks(gr.beta.unsqueeze(-1), d).squeeze(-1).to(beta.scalar_type()),
+            d_state0,
+            at::Tensor()};
+  }
+};
+
+}  // namespace
+
+std::pair<at::Tensor, at::Tensor> chunk_gated_delta_rule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                         const at::Tensor& g, const at::Tensor& beta,
+                                                         const at::Tensor& initial_state, bool output_final_state,
+                                                         bool use_qk_l2norm) {
+  const at::Tensor state0 = initial_state.defined() ? initial_state : at::empty({0}, v.options().dtype(at::kFloat));
+  const variable_list r = GatedDeltaFunction::apply(q, k, v, g, beta, state0, use_qk_l2norm);
+  return {r[0], output_final_state ? r[1] : at::Tensor()};
+}
+
+}  // namespace qlora::ops
