@@ -26,6 +26,7 @@ CASES = [  # (name, batch, seq, k_heads, v_heads, dk, dv, initial_state, l2norm,
     ("t200_state_qwen_dims", 1, 200, 1, 2, 128, 128, True, True, torch.float32),
     ("t130_no_l2", 1, 130, 2, 2, 16, 16, True, False, torch.float32),
     ("t150_bf16", 1, 150, 2, 4, 32, 32, True, True, torch.bfloat16),
+    ("t330_state_blocks", 1, 330, 2, 2, 16, 16, True, True, torch.float32),  # 6 chunks: two blocks of 4
 ]
 
 # Both sides compute in fp32, in different orders (our per-chunk triangular inverse against its two

@@ -27,7 +27,7 @@ std::string name_of(const Case& c) {
   return "b" + std::to_string(c.batch) + "_t" + std::to_string(c.seq) + "_h" + std::to_string(c.k_heads) + "x" +
          std::to_string(c.v_heads) + "_dk" + std::to_string(c.dk) + "_dv" + std::to_string(c.dv) +
          (c.state0 ? "_s0" : "") + (c.l2 ? "" : "_nol2") + (c.dtype == at::kBFloat16 ? "_bf16" : "_f32") +
-         (c.g_scale > 1.0 ? "_strongdecay" : "");
+         (c.g_scale > 1.0 ? "_strongdecay" : c.g_scale < 1.0 ? "_weakdecay" : "");
 }
 
 at::Tensor rnd(at::IntArrayRef shape, uint64_t seed) {
@@ -134,6 +134,7 @@ std::vector<Case> cases() {
   all.push_back({1, 70, 1, 2, 128, 128, true, true, at::kFloat, 1.0});  // Qwen3.5's head dims
   all.push_back({1, 100, 2, 2, 16, 16, true, false, at::kFloat, 1.0});  // no L2 norm
   all.push_back({1, 150, 1, 2, 16, 16, true, true, at::kFloat, 20.0});  // decay to ~0 within a chunk
+  all.push_back({1, 600, 1, 2, 16, 8, true, true, at::kFloat, 0.05});  // 10 chunks: across the blocks of 4
   return all;
 }
 

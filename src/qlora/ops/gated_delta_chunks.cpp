@@ -2,11 +2,17 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <limits>
+#include <utility>
 
 namespace qlora::ops::gated_delta {
 
 namespace {
+
+// Chunks per block: each pass works on this many chunks at once (batched matmuls over heads and
+// chunks), so its transient [C, C] and [C, d] terms are bounded by the block, not the sequence.
+constexpr int64_t kBlockChunks = 4;
 
 // What each chunk computes from its own tokens alone (the header's notation), for all chunks at once.
 struct Terms {
@@ -91,20 +97,40 @@ at::Tensor row_dot(const at::Tensor& a, const at::Tensor& b) {
 
 }  // namespace
 
-Forward chunked_forward(const Chunks& x, const at::Tensor& state0) {
-  const Terms tm = chunk_terms(x);
-  const int64_t bh = x.k.size(0), n = x.k.size(1), dk = x.k.size(3), dv = x.v.size(3);
-  at::Tensor s = state0.defined() ? state0.to(at::kFloat).clone() : at::zeros({bh, dk, dv}, x.v.options());
-  at::Tensor starts = at::empty({bh, n, dk, dv}, x.v.options());
-  at::Tensor delta = at::empty_like(x.v);  // [BH, N, C, dv]
+namespace {
+
+// The chunks [first, first + count) of x: what one block of the passes below works on.
+Chunks slice(const Chunks& x, int64_t first, int64_t count) {
+  return {x.q.narrow(1, first, count), x.k.narrow(1, first, count), x.v.narrow(1, first, count),
+          x.g.narrow(1, first, count), x.beta.narrow(1, first, count)};
+}
+
+// One block's share of the forward scan: writes its starts and returns its outputs and leaving state.
+at::Tensor forward_block(const Chunks& xb, at::Tensor& s, at::Tensor starts) {
+  const Terms tm = chunk_terms(xb);
+  at::Tensor delta = at::empty_like(xb.v);  // [BH, n, C, dv]
   // The only sequential part: Delta = U - W S, then S <- exp(gam_C) S + Kd^T Delta.
-  for (int64_t i = 0; i < n; ++i) {
+  for (int64_t i = 0; i < xb.v.size(1); ++i) {
     starts.select(1, i).copy_(s);
     const at::Tensor d = at::baddbmm(tm.u.select(1, i), tm.w.select(1, i), s, 1.0, -1.0);  // [BH, C, dv]
     delta.select(1, i).copy_(d);
     s = at::baddbmm(s * tm.chunk_decay.select(1, i), tm.kd.select(1, i).transpose(1, 2), d);
   }
-  return {chunk_outputs(tm, starts, delta), starts, s};
+  return chunk_outputs(tm, starts, delta);
+}
+
+}  // namespace
+
+Forward chunked_forward(const Chunks& x, const at::Tensor& state0) {
+  const int64_t bh = x.k.size(0), n = x.k.size(1), dk = x.k.size(3), dv = x.v.size(3);
+  at::Tensor s = state0.defined() ? state0.to(at::kFloat).clone() : at::zeros({bh, dk, dv}, x.v.options());
+  Forward f{at::empty_like(x.v), at::empty({bh, n, dk, dv}, x.v.options()), at::Tensor()};
+  for (int64_t first = 0; first < n; first += kBlockChunks) {
+    const int64_t count = std::min(kBlockChunks, n - first);
+    f.out.narrow(1, first, count).copy_(forward_block(slice(x, first, count), s, f.starts.narrow(1, first, count)));
+  }
+  f.final = s;
+  return f;
 }
 
 namespace {
@@ -121,14 +147,13 @@ struct StateGrads {
 };
 
 StateGrads backward_scan(const Terms& tm, const at::Tensor& starts, const at::Tensor& delta, const at::Tensor& d_out,
-                         const at::Tensor& d_final) {
+                         at::Tensor ds) {
   const at::Tensor from_out = at::matmul((tm.qkt * tm.e).transpose(-1, -2), d_out);  // P^T dO   [BH, N, C, dv]
-  const int64_t bh = d_out.size(0), n = d_out.size(1), dk = tm.kd.size(3), dv = d_out.size(3);
+  const int64_t bh = d_out.size(0), n = d_out.size(1);
   StateGrads sg;
   sg.d_delta = at::empty_like(d_out);
   sg.dkd = at::empty_like(tm.kd);
   sg.carried = at::empty({bh, n}, d_out.options());
-  at::Tensor ds = d_final.defined() ? d_final.to(at::kFloat).clone() : at::zeros({bh, dk, dv}, d_out.options());
   for (int64_t i = n - 1; i >= 0; --i) {
     sg.dkd.select(1, i).copy_(at::bmm(delta.select(1, i), ds.transpose(1, 2)));
     sg.carried.select(1, i).copy_((starts.select(1, i) * ds).sum({1, 2}));
@@ -168,15 +193,16 @@ at::Tensor gam_grad(const Chunks& x, const Terms& tm, const at::Tensor& da, cons
   return dgam;
 }
 
-}  // namespace
-
-Grads chunked_backward(const Chunks& x, const at::Tensor& starts, const at::Tensor& d_out, const at::Tensor& d_final) {
+// One block's gradients, the block's state gradient ds carried in (the gradient of the state leaving
+// its last chunk) and out (of the state entering its first).
+Grads backward_block(const Chunks& x, const at::Tensor& starts, const at::Tensor& d_out, at::Tensor& ds) {
   const Terms tm = chunk_terms(x);
   const at::Tensor delta = tm.u - at::matmul(tm.w, starts);
-  const StateGrads sg = backward_scan(tm, starts, delta, d_out, d_final);
-  const at::Tensor starts_t = starts.transpose(-1, -2);  // [BH, N, dv, dk]
-  const at::Tensor dqg = at::matmul(d_out, starts_t);                 // [BH, N, C, dk]
-  const at::Tensor dp = at::matmul(d_out, delta.transpose(-1, -2));  // [BH, N, C, C]
+  const StateGrads sg = backward_scan(tm, starts, delta, d_out, ds);
+  ds = sg.d_state0;
+  const at::Tensor starts_t = starts.transpose(-1, -2);  // [BH, n, dv, dk]
+  const at::Tensor dqg = at::matmul(d_out, starts_t);                 // [BH, n, C, dk]
+  const at::Tensor dp = at::matmul(d_out, delta.transpose(-1, -2));  // [BH, n, C, C]
   const at::Tensor& dkd = sg.dkd;
   const SolveGrads sv = solve_grads(tm, sg.d_delta, -at::matmul(sg.d_delta, starts_t));
   const at::Tensor db = sv.da * tm.e, dpe = dp * tm.e;  // through kkt and qkt
@@ -189,7 +215,25 @@ Grads chunked_backward(const Chunks& x, const at::Tensor& starts, const at::Tens
   gr.v = beta * sv.dxu;
   gr.beta = row_dot(dkb, x.k) + row_dot(sv.dxu, x.v) + tm.decay.squeeze(-1) * row_dot(sv.dxw, x.k);
   gr.g = reverse_cumsum(gam_grad(x, tm, sv.da, dp, dqg, dkd, sv.dxw, sg.carried));
-  gr.state0 = sg.d_state0;
+  return gr;
+}
+
+}  // namespace
+
+Grads chunked_backward(const Chunks& x, const at::Tensor& starts, const at::Tensor& d_out, const at::Tensor& d_final) {
+  const int64_t bh = x.k.size(0), n = x.k.size(1), dk = x.k.size(3), dv = x.v.size(3);
+  Grads gr{at::empty_like(x.q), at::empty_like(x.k), at::empty_like(x.v), at::empty_like(x.g), at::empty_like(x.beta),
+           at::Tensor()};
+  at::Tensor ds = d_final.defined() ? d_final.to(at::kFloat).clone() : at::zeros({bh, dk, dv}, x.v.options());
+  for (int64_t end = n; end > 0; end -= kBlockChunks) {
+    const int64_t first = std::max<int64_t>(0, end - kBlockChunks), count = end - first;
+    const Grads b = backward_block(slice(x, first, count), starts.narrow(1, first, count),
+                                   d_out.narrow(1, first, count), ds);
+    using Pair = std::pair<at::Tensor, at::Tensor>;
+    for (const auto& [all, part] : {Pair{gr.q, b.q}, Pair{gr.k, b.k}, Pair{gr.v, b.v}, Pair{gr.g, b.g}, Pair{gr.beta, b.beta}})
+      all.narrow(1, first, count).copy_(part);
+  }
+  gr.state0 = ds;
   return gr;
 }
 
