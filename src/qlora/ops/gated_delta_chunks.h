@@ -9,8 +9,8 @@
 //   (I + A) Delta = beta*V - beta*exp(gam)*K S0,   A = strict_lower((beta*K) K^T .* E)
 //   so Delta = U - W S0 with U = T (beta*V), W = T (beta*exp(gam)*K), T = (I + A)^-1;
 //   O = (exp(gam)*Q) S0 + ((Q K^T) .* E) Delta;   S_C = exp(gam_C) S0 + (exp(gam_C - gam)*K)^T Delta.
-// Every quantity but the state is local to its chunk, so it is computed for all chunks at once;
-// only the state runs through the chunks in order. Memory is linear in the sequence: [C, C] blocks
+// Every quantity but the state is local to its chunk, so it is computed for a block of chunks at
+// once (batched matmuls over heads and chunks); only the state runs through the chunks in order. Memory is linear in the sequence: [C, C] blocks
 // per chunk and one state per chunk boundary, never [T, T] and never a state per token.
 #pragma once
 
