@@ -69,9 +69,9 @@ double step_s(const Inputs& in) {
 // One shape in this (fresh) process: memory from the first step, then the timed ones.
 json worker(const Args& a) {
   const Inputs in = make_inputs(a, a.seqs.at(0));
-  const int64_t rss0 = qlora::bench::proc_status_bytes("VmRSS");
+  const int64_t rss0 = qlora::io::proc_status_bytes("VmRSS");
   const double first = step_s(in);
-  const int64_t peak = qlora::bench::proc_status_bytes("VmHWM") - rss0;
+  const int64_t peak = qlora::io::proc_status_bytes("VmHWM") - rss0;
   step_s(in);
   std::vector<double> t;
   for (int i = 0; i < a.reps; ++i) t.push_back(step_s(in));
