@@ -4,7 +4,7 @@
   Checks           counts PASS/FAIL lines; compare() prints max|diff| against a tolerance
   randomize_norms  random norm weights and biases (HF initialises them to 1 / 0, which would hide a
                    norm or bias we skip or apply the wrong way)
-  nf4_roundtrip_projections  each decoder *_proj.weight replaced by torchao's to_nf4 dequantized
+  nf4_roundtrip_projections  each decoder *_proj.weight (and Qwen3.5's in_proj_*) replaced by torchao's to_nf4 dequantized
   save_sharded     save_pretrained split into >= 2 shards (model.safetensors.index.json)
   run_tool         runs a tests/tools program, returns the tensors it wrote; stderr in the error
 """
@@ -82,7 +82,7 @@ def nf4_roundtrip_projections(model):
     from torchao.dtypes.nf4tensor import to_nf4
     with torch.no_grad():
         for n, p in model.named_parameters():
-            if n.startswith("model.layers.") and n.endswith("_proj.weight"):
+            if n.startswith("model.layers.") and (n.endswith("_proj.weight") or ".in_proj_" in n):
                 if p.numel() % NF4_NUMEL_MULTIPLE:
                     raise ValueError(f"{n}: numel {p.numel()} is not a multiple of {NF4_NUMEL_MULTIPLE} (torchao)")
                 p.copy_(to_nf4(p.detach().clone()).get_original_weight())

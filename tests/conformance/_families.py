@@ -13,7 +13,8 @@ import torch
 from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig,
                           LlamaForCausalLM, MistralConfig, MistralForCausalLM, Olmo2Config, Olmo2ForCausalLM,
                           Olmo3Config, Olmo3ForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM,
-                          Qwen3Config, Qwen3ForCausalLM, SmolLM3Config, SmolLM3ForCausalLM)
+                          Qwen3Config, Qwen3ForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig, SmolLM3Config,
+                          SmolLM3ForCausalLM)
 
 from _common import randomize_norms
 
@@ -40,6 +41,15 @@ OLMO3_ROPE = {"full_attention": {"rope_type": "yarn", "factor": 4.0, "original_m
                                  "rope_theta": 10000.0},
               "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
 OLMO3_PLAIN_ROPE = {k: {"rope_type": "default", "rope_theta": 10000.0} for k in OLMO3_ROPE}
+# Qwen3.5: layers 0-2 Gated DeltaNet, layer 3 full attention (the class's every-fourth rule). 64 value
+# heads of 8 (each of the 4 key heads of 32 serves 16) make in_proj_b/a [64, 256] whole NF4 blocks;
+# in_proj_qkv [768, 256], in_proj_z [512, 256], out_proj [256, 512]; q_proj [512, 256] holds each
+# head's query and gate; rotary on 16 of head_dim 64.
+QWEN35 = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+              num_hidden_layers=4, linear_num_key_heads=4, linear_key_head_dim=32, linear_num_value_heads=64,
+              linear_value_head_dim=8, linear_conv_kernel_dim=4, tie_word_embeddings=False)
+QWEN35_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
+                  "out_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def _set(suffix, value):
@@ -110,6 +120,11 @@ CASES = {
                         tie_word_embeddings=False),
                    ablations=[("no sliding window", {"sliding_window": 4 * SEQ}, None),
                               ("no YaRN", {"rope_parameters": OLMO3_PLAIN_ROPE}, None)]),
+    "qwen3_5": _case(Qwen3_5TextConfig, Qwen3_5ForCausalLM, QWEN35, targets=QWEN35_TARGETS,
+                     ablations=[("no decay (A_log -30)", {}, _set("A_log", -30.0)),
+                                ("dt_bias 0", {}, _set("dt_bias", 0.0)),
+                                ("conv taps 1/4", {}, _set("conv1d.weight", 0.25)),
+                                ("rotary over all of head_dim", {"partial_rotary_factor": 1.0}, None)]),
 }
 
 

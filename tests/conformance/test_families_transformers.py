@@ -3,7 +3,8 @@
 
 For each tiny random model of _families.CASES (Llama as the control that loads today, Qwen2 untied/tied, Qwen3, Gemma 2, Gemma 3 text with
 mixed layer types and per-type RoPE bases, plus a linear-scaled global RoPE, Mistral and Phi-3 with a
-sliding window shorter than the sequence, SmolLM3 with a NoPE layer, OLMo 2 and OLMo 3 with YaRN on its full layers), written by transformers' save_pretrained in >= 2 shards:
+sliding window shorter than the sequence, SmolLM3 with a NoPE layer, OLMo 2 and OLMo 3 with YaRN on its full layers, Qwen3.5 with three Gated DeltaNet
+layers and a gated, partially rotary attention layer), written by transformers' save_pretrained in >= 2 shards:
   reference  each ablation of the case (a feature switched off) moves transformers' logits by far
              more than the tolerance, so the case exercises that feature (needs no tool)
   fp32       logits of a batch of 2 rows of SEQ tokens
@@ -57,7 +58,7 @@ GEN_NEW = 16                 # new tokens: 5 + 16 and 12 + 16 both pass the wind
 # step are closer than two tolerances (each side may be off by one, so such a pair can swap).
 GEN_CASES = {"llama": {}, "qwen2_untied": {}, "gemma2": {"tie_word_embeddings": False},
              "gemma3": {"tie_word_embeddings": False}, "mistral_sliding": {}, "phi3": {},
-             "smollm3": {}, "olmo2": {}, "olmo3": {}}
+             "smollm3": {}, "olmo2": {}, "olmo3": {}, "qwen3_5": {}}
 # Tied Gemma embeddings (scaled by 16) make a random model repeat its input token forever, which
 # would test nothing about the cache; untied, the greedy continuation varies.
 

@@ -272,9 +272,10 @@ MergedModelWriter::MergedModelWriter(const std::string& dir, const models::Llama
   for (size_t i = 0; i < model.layers.size(); ++i) {
     current_unit = static_cast<int64_t>(i);
     const modules::DecoderLayer& L = model.layers[i];
-    for (const models::NormRow& n : arch.layer_norms) plain(key(models::hf_key(n, current_unit)), L.*n.member);
+    for (const models::NormRow& n : arch.layer_norms)
+      if (models::in_layer(n.mixer, c, current_unit)) plain(key(models::hf_key(n, current_unit)), L.*n.member);
     for (const models::ProjectionRow& row : arch.projections) {
-      if (!row.member) continue;
+      if (!row.member || !models::in_layer(row.mixer, c, current_unit)) continue;
       projection(key(models::hf_key(row, current_unit)), L.*row.member);
       if ((L.*row.member).bias.defined()) plain(key(models::hf_bias_key(row, current_unit)), (L.*row.member).bias);
     }

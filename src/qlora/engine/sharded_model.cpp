@@ -144,8 +144,9 @@ void ShardedLlama::shard_layer(int64_t index, modules::DecoderLayer& L, const mo
   std::vector<Member> ms;
   std::vector<modules::LoraLinear*> projs;
   std::vector<std::string> stems;
+  // What this layer holds (a Qwen3.5 layer holds its mixer's rows only), read right after loading.
   for (const models::ProjectionRow& row : arch.projections) {
-    if (!row.member) continue;
+    if (!row.member || (L.*row.member).out_features == 0) continue;
     add_nf4(ms, row.peft_name, L.*row.member);
     modules::LoraLinear& l = L.*row.member;
     if (l.bias.defined()) ms.push_back({std::string(row.peft_name) + ".bias", l.bias, [&l](const at::Tensor& v) { l.bias = v; }});
@@ -154,6 +155,7 @@ void ShardedLlama::shard_layer(int64_t index, modules::DecoderLayer& L, const mo
   }
   for (const models::NormRow& nr : arch.layer_norms) {
     at::Tensor modules::DecoderLayer::*member = nr.member;
+    if (!(L.*member).defined()) continue;
     ms.push_back({nr.name, L.*member, [&L, member](const at::Tensor& v) { L.*member = v; }});
   }
   frozen_.push_back(make_frozen("layer" + std::to_string(index), ms, n, me, L.post_attention_layernorm.device()));

@@ -20,6 +20,7 @@ const char* arch_name(Family f) {
     case Family::kPhi3: return "phi3";
     case Family::kSmolLM3: return "smollm3";
     case Family::kOlmo2: return "olmo2";
+    case Family::kQwen35: return "qwen35";
   }
   throw std::logic_error("arch_name: unknown family");
 }
@@ -162,6 +163,12 @@ Metadata common_keys(const LlamaConfig& c, const std::string& a, int64_t context
 }  // namespace
 
 ArchPlan plan_architecture(const LlamaConfig& c, const std::string& where) {
+  if (c.family == Family::kQwen35)
+    throw std::invalid_argument(
+        where + ": config key 'model_type': " + c.model_type +
+        " (Qwen3.5): llama.cpp's qwen35 architecture lays the Gated DeltaNet out as its own ssm_* tensors, which "
+        "this GGUF writer does not write yet, so no GGUF is written; the merged export (model/) loads in "
+        "transformers and converts with llama.cpp's convert_hf_to_gguf.py");
   check_activation_and_biases(c, where);
   check_rope(c, where);
   if (is_gemma(c.family)) check_gemma(c, where);

@@ -100,10 +100,58 @@ const Architecture& olmo2_architecture() {
   return a;
 }
 
+// Qwen3.5: attention layers with the output gate in q_proj and per-head (1 + w) q/k norms, Gated
+// DeltaNet layers with their own projections, conv, decay parameters and gated norm; one MLP for both.
+const Architecture& qwen35_architecture() {
+  static const Architecture a = [] {
+    std::vector<ProjectionRow> llama = llama_rows(Bias::kIfAttentionBias, Bias::kIfAttentionBias);
+    std::vector<ProjectionRow> rows;
+    for (size_t i = 0; i < 4; ++i) {  // q, k, v, o
+      rows.push_back(llama[i]);
+      rows.back().mixer = Mixer::kAttention;
+    }
+    rows[0].out = Dim::kQHeadsGated;
+    const auto linear = [](const char* short_name, const char* peft, const char* module,
+                           modules::LoraLinear DecoderLayer::*member, Dim out, Dim in) {
+      return ProjectionRow{short_name, peft, module, member, out, in, {}, Bias::kNone, Mixer::kLinear};
+    };
+    rows.push_back(linear("linear_qkv", "in_proj_qkv", "model.layers.{i}.linear_attn.in_proj_qkv",
+                          &DecoderLayer::in_proj_qkv, Dim::kLinearQkv, Dim::kHidden));
+    rows.push_back(linear("linear_z", "in_proj_z", "model.layers.{i}.linear_attn.in_proj_z", &DecoderLayer::in_proj_z,
+                          Dim::kLinearValue, Dim::kHidden));
+    rows.push_back(linear("linear_b", "in_proj_b", "model.layers.{i}.linear_attn.in_proj_b", &DecoderLayer::in_proj_b,
+                          Dim::kLinearHeads, Dim::kHidden));
+    rows.push_back(linear("linear_a", "in_proj_a", "model.layers.{i}.linear_attn.in_proj_a", &DecoderLayer::in_proj_a,
+                          Dim::kLinearHeads, Dim::kHidden));
+    rows.push_back(linear("linear_out", "out_proj", "model.layers.{i}.linear_attn.out_proj", &DecoderLayer::out_proj,
+                          Dim::kHidden, Dim::kLinearValue));
+    rows.insert(rows.end(), llama.begin() + 4, llama.end());  // gate, up, down, output
+    NormRow q_norm = kQNorm, k_norm = kKNorm;
+    q_norm.mixer = k_norm.mixer = Mixer::kAttention;
+    const std::vector<NormRow> norms = {
+        kInputNorm,
+        kPostAttnNorm,
+        q_norm,
+        k_norm,
+        {"linear_attn.conv1d", "model.layers.{i}.linear_attn.conv1d", &DecoderLayer::conv1d, Dim::kLinearQkv,
+         Mixer::kLinear, false, {Dim::kOne, Dim::kConvKernel}},
+        {"linear_attn.A_log", "model.layers.{i}.linear_attn.A_log", &DecoderLayer::A_log, Dim::kLinearHeads,
+         Mixer::kLinear, true},
+        {"linear_attn.dt_bias", "model.layers.{i}.linear_attn.dt_bias", &DecoderLayer::dt_bias, Dim::kLinearHeads,
+         Mixer::kLinear, true},
+        {"linear_attn.norm", "model.layers.{i}.linear_attn.norm", &DecoderLayer::linear_norm, Dim::kLinearHeadDim,
+         Mixer::kLinear},
+    };
+    return make("qwen3_5", rows, norms);
+  }();
+  return a;
+}
+
 const Architecture* const kAllArchitectures[] = {&llama_architecture(),  &qwen2_architecture(),
                                                  &qwen3_architecture(),  &gemma2_architecture(),
                                                  &gemma3_architecture(), &phi3_architecture(),
-                                                 &smollm3_architecture(), &olmo2_architecture()};
+                                                 &smollm3_architecture(), &olmo2_architecture(),
+                                                 &qwen35_architecture()};
 
 }  // namespace
 
@@ -123,6 +171,7 @@ const Architecture& architecture_of(const LlamaConfig& config) {
     case Family::kPhi3: return phi3_architecture();
     case Family::kSmolLM3: return smollm3_architecture();
     case Family::kOlmo2: return olmo2_architecture();
+    case Family::kQwen35: return qwen35_architecture();
   }
   throw std::logic_error("architecture_of: unknown family");
 }
@@ -182,7 +231,9 @@ std::string hf_module(const char* pattern, int64_t layer) {
 }
 
 std::string hf_key(const ProjectionRow& row, int64_t layer) { return hf_module(row.hf_module, layer) + ".weight"; }
-std::string hf_key(const NormRow& row, int64_t layer) { return hf_module(row.hf_module, layer) + ".weight"; }
+std::string hf_key(const NormRow& row, int64_t layer) {
+  return hf_module(row.hf_module, layer) + (row.bare ? "" : ".weight");
+}
 std::string hf_bias_key(const ProjectionRow& row, int64_t layer) { return hf_module(row.hf_module, layer) + ".bias"; }
 
 const ProjectionRow& output_projection(const Architecture& arch) {
@@ -248,8 +299,25 @@ int64_t dim_size(Dim d, const LlamaConfig& c) {
     case Dim::kHeadDim: return c.head_dim;
     case Dim::kQkv: return (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim;
     case Dim::kGateUp: return 2 * c.intermediate_size;
+    case Dim::kQHeadsGated: return 2 * c.num_attention_heads * c.head_dim;
+    case Dim::kLinearQkv: return c.gated_delta.conv_dim();
+    case Dim::kLinearValue: return c.gated_delta.value_dim();
+    case Dim::kLinearHeads: return c.gated_delta.num_value_heads;
+    case Dim::kLinearHeadDim: return c.gated_delta.value_head_dim;
+    case Dim::kOne: return 1;
+    case Dim::kConvKernel: return c.gated_delta.conv_kernel;
   }
   throw std::logic_error("dim_size: unknown Dim");
+}
+
+bool in_layer(Mixer mixer, const LlamaConfig& c, int64_t layer) {
+  return mixer == Mixer::kAny || (mixer == Mixer::kLinear) == c.is_linear(layer);
+}
+
+std::vector<int64_t> norm_shape(const NormRow& row, const LlamaConfig& c) {
+  std::vector<int64_t> shape{dim_size(row.size, c)};
+  for (Dim d : row.tail) shape.push_back(dim_size(d, c));
+  return shape;
 }
 
 std::vector<int64_t> projection_shape(const ProjectionRow& row, const LlamaConfig& c) {

@@ -29,7 +29,18 @@ enum class Dim {
   kHeadDim,       // head_dim (Qwen3 / Gemma 3 q_norm, k_norm)
   kQkv,           // (num_attention_heads + 2 * num_key_value_heads) * head_dim (Phi-3 qkv_proj)
   kGateUp,        // 2 * intermediate_size (Phi-3 gate_up_proj)
+  kQHeadsGated,   // 2 * num_attention_heads * head_dim (Qwen3.5's q_proj: each head's query, then its gate)
+  kLinearQkv,     // the Gated DeltaNet's q, k, v channels: 2 * key heads * key dim + value heads * value dim
+  kLinearValue,   // linear_num_value_heads * linear_value_head_dim
+  kLinearHeads,   // linear_num_value_heads (in_proj_b, in_proj_a, A_log, dt_bias)
+  kLinearHeadDim, // linear_value_head_dim (the gated norm)
+  kOne,           // 1 (the depthwise conv weight's input-channel dim)
+  kConvKernel,    // linear_conv_kernel_dim
 };
+
+// Which layers hold a row: every layer, or only those whose mixer is attention or (Qwen3.5) the
+// Gated DeltaNet (LlamaConfig::is_linear).
+enum class Mixer { kAny, kAttention, kLinear };
 
 // Whether a projection has a (frozen) bias, <module>.bias.
 enum class Bias {
@@ -54,17 +65,22 @@ struct ProjectionRow {
   // every Llama row is.
   std::vector<const char*> fused_parts;
   Bias bias = Bias::kNone;
+  Mixer mixer = Mixer::kAny;
 };
 
+// A layer's frozen dense tensor: a norm weight, or (Qwen3.5's DeltaNet) its conv weight, A_log, dt_bias.
 struct NormRow {
   const char* name;       // "input_layernorm": its name inside a layer (shard-group member names)
   const char* hf_module;  // "model.layers.{i}.input_layernorm"; the weight is <module>.weight
   at::Tensor modules::DecoderLayer::*member;
-  Dim size = Dim::kHidden;  // the weight is [size]
+  Dim size = Dim::kHidden;  // the weight is [size, tail...]
+  Mixer mixer = Mixer::kAny;
+  bool bare = false;  // the key is hf_module itself, a parameter rather than a module (A_log)
+  std::vector<Dim> tail = {};
 };
 
 struct Architecture {
-  const char* family;  // "llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "smollm3", "olmo2"
+  const char* family;  // "llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "smollm3", "olmo2", "qwen3_5"
   // A decoder layer's projections in forward order (the order adapters are initialised, exported
   // and sharded in), then the output projection.
   std::vector<ProjectionRow> projections;
@@ -114,6 +130,11 @@ std::vector<std::string> layer_peft_names(const Architecture& arch);
 std::vector<modules::LoraLinear*> layer_projections(const Architecture& arch, modules::DecoderLayer& layer);
 std::vector<const modules::LoraLinear*> layer_projections(const Architecture& arch,
                                                           const modules::DecoderLayer& layer);
+
+// Whether layer `layer` holds a row of this mixer under `config`.
+bool in_layer(Mixer mixer, const LlamaConfig& config, int64_t layer);
+// [size, tail...] of a layer tensor under a config.
+std::vector<int64_t> norm_shape(const NormRow& row, const LlamaConfig& config);
 
 // Size of a Dim under a config.
 int64_t dim_size(Dim d, const LlamaConfig& config);

@@ -76,9 +76,10 @@ struct Loader {
   DecoderLayer layer(const Architecture& arch, const LlamaConfig& c, int64_t i, const std::set<std::string>& targets,
                      at::Generator& gen) const {
     DecoderLayer L;
-    for (const NormRow& n : arch.layer_norms) L.*n.member = dense(hf_key(n, i), {dim_size(n.size, c)});
+    for (const NormRow& n : arch.layer_norms)
+      if (in_layer(n.mixer, c, i)) L.*n.member = dense(hf_key(n, i), norm_shape(n, c));
     for (const ProjectionRow& row : arch.projections) {
-      if (!row.member) continue;
+      if (!row.member || !in_layer(row.mixer, c, i)) continue;
       LoraLinear& p = L.*row.member;
       const std::vector<int64_t> shape = projection_shape(row, c);
       p = projection(hf_key(row, i), shape);
@@ -110,6 +111,8 @@ modules::LayerDims LlamaModel::dims(int64_t layer) const {
   d.attention.softcap = c.attn_logit_softcapping.value_or(0.0);
   if (c.is_sliding(layer)) d.attention.window = *c.sliding_window;
   d.rope = c.uses_rope(layer);
+  d.output_gate = c.attn_output_gate;
+  d.gated_delta = c.gated_delta;
   return d;
 }
 
@@ -158,8 +161,8 @@ LlamaModel load_llama(const std::string& checkpoint_dir, const LlamaLoadOptions&
     m.lm_head = modules::lora_linear_dense(ld.dense(hf_key(head, 0), projection_shape(head, c), frozen));
   }
   if (targets.count(head.peft_name)) ld.add_adapter(m.lm_head, gen);
-  m.inv_freq = modules::rope_inv_freq(c.head_dim, c.rope()).to(opt.device);
-  if (c.local_rope) m.inv_freq_local = modules::rope_inv_freq(c.head_dim, *c.local_rope).to(opt.device);
+  m.inv_freq = modules::rope_inv_freq(c.rope_dim(), c.rope()).to(opt.device);
+  if (c.local_rope) m.inv_freq_local = modules::rope_inv_freq(c.rope_dim(), *c.local_rope).to(opt.device);
   return m;
 }
 
@@ -189,10 +192,13 @@ void add_backward_hooks(const at::Tensor& out, UnitHooks* hooks, int64_t u, bool
 // attn_mask: undefined (causal) or [batch, seq, seq] bool.
 at::Tensor hidden_states(const LlamaModel& m, const at::Tensor& tokens, const at::Tensor& positions,
                          const at::Tensor& attn_mask, modules::KvCache* cache) {
-  if (cache && cache->k.empty()) {
-    cache->k.resize(m.layers.size());
-    cache->v.resize(m.layers.size());
-  }
+  if (cache && cache->layers.empty()) cache->layers.resize(m.layers.size());
+  // Packed rows: where each sample sits, for the Gated DeltaNet layers (attention reads the mask).
+  const bool linear = !m.config.linear_layers.empty();
+  const modules::Segments segments = linear && positions.dim() == 2
+                                         ? modules::segments_from_positions(positions, m.config.gated_delta.conv_kernel)
+                                         : modules::Segments{};
+  const modules::Segments* segs = segments.gather.defined() ? &segments : nullptr;
   // [seq, head_dim] or [batch, seq, head_dim]
   const modules::RopeTables rope_global = modules::rope_tables(
       m.inv_freq, positions, m.compute_dtype, modules::rope_attention_scaling(m.config.rope()));
@@ -216,28 +222,30 @@ at::Tensor hidden_states(const LlamaModel& m, const at::Tensor& tokens, const at
     const modules::RopeTables& rope = m.config.is_sliding(i) ? rope_local : rope_global;
     if (hooks) hooks->before_forward(i, false);
     if (cache) {
-      h = modules::decoder_layer_forward(layer, d, h, rope, m.training, &cache->k[i], &cache->v[i]);
+      h = modules::decoder_layer_forward(layer, d, h, rope, m.training, &cache->layers[i]);
     } else if (checkpoint) {
       const bool train = m.training;
       // Captured by value: the backward replays this closure after hidden_states has returned. The
       // hooks are held by the model, which outlives its backward.
       h = modules::checkpointed(
-          [&layer, d, rope, attn_mask, train, hooks, i](const at::Tensor& x) {
+          [&layer, d, rope, attn_mask, segments, train, hooks, i](const at::Tensor& x) {
             const bool replay = at::GradMode::is_enabled();  // the forward pass runs without grad
             if (hooks && replay) hooks->before_forward(i, true);
-            at::Tensor y = modules::decoder_layer_forward(layer, d, x, rope, train, nullptr, nullptr, attn_mask);
+            at::Tensor y = modules::decoder_layer_forward(layer, d, x, rope, train, nullptr, attn_mask,
+                                                          segments.gather.defined() ? &segments : nullptr);
             if (hooks && replay) hooks->after_forward(i, true);
             return y;
           },
           h, layer.trainable());
     } else {
-      h = modules::decoder_layer_forward(layer, d, h, rope, m.training, nullptr, nullptr, attn_mask);
+      h = modules::decoder_layer_forward(layer, d, h, rope, m.training, nullptr, attn_mask, segs);
     }
     if (hooks) {
       hooks->after_forward(i, false);
       add_backward_hooks(h, hooks, i, /*feeds_next=*/true);
     }
   }
+  if (cache) cache->seen += tokens.size(1);
   return h;  // [batch, seq, hidden]
 }
 
@@ -382,7 +390,8 @@ std::vector<std::pair<std::string, at::Tensor>> LlamaModel::lora_parameters() co
   const KeyLayout names = peft_layout(config);
   for (size_t i = 0; i < layers.size(); ++i) {
     for (const ProjectionRow& row : arch.projections)
-      if (row.member) add(layout_key(names, hf_module(row.hf_module, static_cast<int64_t>(i))), layers[i].*row.member);
+      if (row.member && in_layer(row.mixer, config, static_cast<int64_t>(i)))
+        add(layout_key(names, hf_module(row.hf_module, static_cast<int64_t>(i))), layers[i].*row.member);
   }
   add(layout_key(names, output_projection(arch).hf_module), lm_head);
   return out;

@@ -97,9 +97,6 @@ modules::RopeParams parse_rope_dict(const json& r, const json& top, const std::s
   std::string type = "default";
   if (present(r, "rope_type")) type = get_str(r, "rope_type", w);
   else if (present(r, "type")) type = get_str(r, "type", w);
-  if (present(r, "partial_rotary_factor") && get_num(r, "partial_rotary_factor", w) != 1.0) {
-    fail(w, key + ".partial_rotary_factor", "partial rotary embeddings are not supported (only 1.0)");
-  }
   if (type == "default") return p;
   if (type == "linear") {
     p.linear_factor = get_num(r, "factor", w);
@@ -127,6 +124,24 @@ modules::RopeParams parse_rope_dict(const json& r, const json& top, const std::s
   return p;
 }
 
+// partial_rotary_factor, at the top level or in the RoPE dict: Qwen3.5 rotates the first quarter of
+// head_dim by default (its class sets 0.25); the other families rotate all of it and take only 1.
+void parse_partial_rotary(const json& j, const char* rope_key, const std::string& where, LlamaConfig& c) {
+  const bool partial_ok = c.family == Family::kQwen35;
+  std::string key = "partial_rotary_factor";
+  double factor = partial_ok ? 0.25 : 1.0;
+  if (present(j, "partial_rotary_factor")) factor = get_num(j, "partial_rotary_factor", where);
+  if (present(j, rope_key) && j.at(rope_key).is_object() && present(j.at(rope_key), "partial_rotary_factor")) {
+    key = std::string(rope_key) + ".partial_rotary_factor";
+    factor = get_num(j.at(rope_key), "partial_rotary_factor", where);
+  }
+  if (!partial_ok && factor != 1.0) fail(where, key, "partial rotary embeddings are not supported here (only 1.0)");
+  if (!(factor > 0 && factor <= 1)) fail(where, key, "must be in (0, 1]");
+  const auto dim = static_cast<int64_t>(static_cast<double>(c.head_dim) * factor);  // transformers' int()
+  if (dim <= 0 || dim % 2 != 0) fail(where, key, "head_dim x factor must be a positive even number, got " + std::to_string(dim));
+  c.rotary_dim = dim == c.head_dim ? 0 : dim;
+}
+
 // RoPE: transformers <= 4.x wrote rope_theta at top level and scaling in rope_scaling; 5.x writes
 // one rope_parameters dict holding rope_theta and rope_type, or (Gemma 3) one dict per layer type.
 // Gemma 3's older form: rope_theta + rope_scaling for global layers, rope_local_base_freq for local.
@@ -135,10 +150,8 @@ void parse_rope(const json& j, const std::string& where, LlamaConfig& c) {
   const bool gemma3 = c.family == Family::kGemma3, olmo = c.family == Family::kOlmo2;
   modules::RopeParams global{get_num(j, "rope_theta", where, gemma3 ? 1e6 : 10000.0), std::nullopt, 1.0};
   modules::RopeParams local{olmo ? global.theta : get_num(j, "rope_local_base_freq", where, 10000.0), std::nullopt, 1.0};
-  if (present(j, "partial_rotary_factor") && get_num(j, "partial_rotary_factor", where) != 1.0) {
-    fail(where, "partial_rotary_factor", "partial rotary embeddings are not supported (only 1.0)");
-  }
   const char* key = present(j, "rope_parameters") ? "rope_parameters" : "rope_scaling";
+  parse_partial_rotary(j, key, where, c);
   if (present(j, key)) {
     const json& r = j.at(key);
     const std::string w = where + " (" + key + ")";
@@ -166,14 +179,15 @@ constexpr FamilyName kFamilies[] = {{"llama", Family::kLlama},   {"mistral", Fam
                                     {"qwen2", Family::kQwen2},   {"qwen3", Family::kQwen3},
                                     {"gemma2", Family::kGemma2}, {"gemma3_text", Family::kGemma3},
                                     {"phi3", Family::kPhi3},     {"smollm3", Family::kSmolLM3},
-                                    {"olmo2", Family::kOlmo2},   {"olmo3", Family::kOlmo2}};
+                                    {"olmo2", Family::kOlmo2},   {"olmo3", Family::kOlmo2},
+                                    {"qwen3_5_text", Family::kQwen35}};
 
 // model_type -> family; another multimodal checkpoint or another family is refused by name.
 Family parse_family(const json& j, const std::string& where, const std::string& type) {
   if (present(j, "vision_config") || present(j, "text_config")) {
     fail(where, present(j, "vision_config") ? "vision_config" : "text_config",
          "'" + type + "' is a multimodal checkpoint (a vision tower beside the language model); of those only "
-         "gemma3's language model is supported, otherwise text-only decoders (" + supported_model_types() + ")");
+         "gemma3's and qwen3_5's language models are supported, otherwise text-only decoders (" + supported_model_types() + ")");
   }
   for (const FamilyName& f : kFamilies)
     if (type == f.model_type) return f.family;
@@ -207,17 +221,28 @@ void parse_sliding(const json& j, const std::string& where, LlamaConfig& c) {
   }
   const int64_t n = c.num_hidden_layers;
   c.sliding_layers.assign(static_cast<size_t>(n), false);
+  if (f == Family::kQwen35) {
+    window.reset();  // Qwen3.5 never slides; its other mixer is the Gated DeltaNet
+    c.linear_layers.assign(static_cast<size_t>(n), false);
+    if (!present(j, "layer_types")) {  // the class's rule: every full_attention_interval-th layer attends
+      const int64_t every = get_int(j, "full_attention_interval", where, 4);
+      if (every <= 0) fail(where, "full_attention_interval", "must be positive");
+      for (int64_t i = 0; i < n; ++i) c.linear_layers[static_cast<size_t>(i)] = (i + 1) % every != 0;
+    }
+  }
   if (present(j, "layer_types")) {
     const json& t = j.at("layer_types");
     if (!t.is_array() || static_cast<int64_t>(t.size()) != n) {
       fail(where, "layer_types", "expected a list of " + std::to_string(n) + " layer types (num_hidden_layers)");
     }
+    const bool qwen35 = f == Family::kQwen35;
     for (int64_t i = 0; i < n; ++i) {
       const json& v = t.at(static_cast<size_t>(i));
-      if (v == "sliding_attention") c.sliding_layers[static_cast<size_t>(i)] = true;
+      if (v == "sliding_attention" && !qwen35) c.sliding_layers[static_cast<size_t>(i)] = true;
+      else if (v == "linear_attention" && qwen35) c.linear_layers[static_cast<size_t>(i)] = true;
       else if (v != "full_attention")
-        fail(where, "layer_types", "entry " + std::to_string(i) + " is " + v.dump() +
-                                       " (supported: \"full_attention\", \"sliding_attention\")");
+        fail(where, "layer_types", "entry " + std::to_string(i) + " is " + v.dump() + " (supported: \"full_attention\", " +
+                                       (qwen35 ? "\"linear_attention\")" : "\"sliding_attention\")"));
     }
   } else if (window) {
     const int64_t pattern = get_int(j, "sliding_window_pattern", where, 6);
@@ -277,6 +302,17 @@ void parse_family_numerics(const json& j, const std::string& where, LlamaConfig&
     c.attention_bias = get_bool(j, "attention_bias", where, false);
   }
   if (get_bool(j, "mlp_bias", where, false)) fail(where, "mlp_bias", "MLP biases are not supported");
+  if (f == Family::kQwen35) {
+    c.norm_plus_one = true;  // every RMSNorm but the DeltaNet's gated one scales by (1 + w)
+    c.attn_output_gate = true;
+    modules::GatedDeltaDims& g = c.gated_delta;
+    g.conv_kernel = get_int(j, "linear_conv_kernel_dim", where, 4);
+    g.key_head_dim = get_int(j, "linear_key_head_dim", where, 128);
+    g.value_head_dim = get_int(j, "linear_value_head_dim", where, 128);
+    g.num_key_heads = get_int(j, "linear_num_key_heads", where, 16);
+    g.num_value_heads = get_int(j, "linear_num_value_heads", where, 32);
+    return;
+  }
   if (!is_gemma(f)) return;
   c.norm_plus_one = true;
   c.embed_scale = std::sqrt(static_cast<double>(c.hidden_size));
@@ -311,6 +347,19 @@ void LlamaConfig::validate(const std::string& where) const {
   if (sliding_window && *sliding_window <= 0) fail(where, "sliding_window", "must be positive or null");
   if (!sliding_layers.empty() && static_cast<int64_t>(sliding_layers.size()) != num_hidden_layers)
     fail(where, "layer_types", "needs one entry per layer");
+  if (rotary_dim < 0 || rotary_dim > head_dim || rotary_dim % 2 != 0)
+    fail(where, "partial_rotary_factor", "the rotary part of head_dim must be even and at most head_dim");
+  if (std::find(linear_layers.begin(), linear_layers.end(), true) == linear_layers.end()) return;
+  const modules::GatedDeltaDims& g = gated_delta;
+  positive(g.conv_kernel, "linear_conv_kernel_dim");
+  positive(g.key_head_dim, "linear_key_head_dim");
+  positive(g.value_head_dim, "linear_value_head_dim");
+  positive(g.num_key_heads, "linear_num_key_heads");
+  positive(g.num_value_heads, "linear_num_value_heads");
+  if (g.num_value_heads % g.num_key_heads != 0)
+    fail(where, "linear_num_value_heads", "must be a multiple of linear_num_key_heads (" +
+                                              std::to_string(g.num_key_heads) + "), got " +
+                                              std::to_string(g.num_value_heads));
 }
 
 namespace {
@@ -329,7 +378,8 @@ LlamaConfig parse_text_config(const json& j, const std::string& where) {
   if (c.num_attention_heads <= 0) fail(where, "num_attention_heads", "must be positive");
   if (c.num_hidden_layers <= 0) fail(where, "num_hidden_layers", "must be positive");
   // Gemma's classes default head_dim to 256 rather than hidden / heads.
-  c.head_dim = get_int(j, "head_dim", where, is_gemma(c.family) ? 256 : c.hidden_size / c.num_attention_heads);
+  const bool head_256 = is_gemma(c.family) || c.family == Family::kQwen35;
+  c.head_dim = get_int(j, "head_dim", where, head_256 ? 256 : c.hidden_size / c.num_attention_heads);
   c.rms_norm_eps =
       get_num(j, "rms_norm_eps", where, c.family == Family::kPhi3 || c.family == Family::kOlmo2 ? 1e-5 : 1e-6);
   c.max_position_embeddings = get_int(j, "max_position_embeddings", where, 2048);
@@ -360,24 +410,43 @@ json gemma3_text_defaults() {
           {"bos_token_id", 2},           {"eos_token_id", 1}};
 }
 
-// A gemma3 (Gemma3ForConditionalGeneration) config.json: the language model is text_config; the
-// vision tower's settings are nobody's business here (its weights are copied, never computed).
-LlamaConfig parse_gemma3_multimodal(const json& j, const std::string& where) {
+// Qwen3_5Config's text_config (Qwen3_5TextConfig): the class defaults our parser does not share
+// (head_dim 256, the linear_* sizes, partial rotary 0.25 and the layer pattern are the parser's own).
+json qwen35_text_defaults() {
+  return {{"model_type", "qwen3_5_text"}, {"vocab_size", 248320},     {"hidden_size", 4096},
+          {"intermediate_size", 12288},   {"num_hidden_layers", 32},  {"num_attention_heads", 16},
+          {"num_key_value_heads", 4},     {"max_position_embeddings", 32768}};
+}
+
+// A checkpoint whose language model sits beside a vision tower: the language model is text_config
+// (of model_type text_type); the tower's settings are nobody's business here (its weights are
+// copied, never computed).
+struct MultimodalForm {
+  const char* model_type;
+  const char* text_type;
+  json (*text_defaults)();
+  bool tie_default;  // the class's tie_word_embeddings
+};
+constexpr MultimodalForm kMultimodal[] = {{kGemma3Multimodal, "gemma3_text", gemma3_text_defaults, true},
+                                          {kQwen35Multimodal, "qwen3_5_text", qwen35_text_defaults, false}};
+
+LlamaConfig parse_multimodal(const json& j, const std::string& where, const MultimodalForm& form) {
   if (!present(j, "text_config"))
-    fail(where, "text_config", "missing (a gemma3 config keeps its language model's settings there)");
+    fail(where, "text_config",
+         std::string("missing (a ") + form.model_type + " config keeps its language model's settings there)");
   const json& t = j.at("text_config");
   if (!t.is_object()) fail(where, "text_config", "expected an object, got " + t.dump());
-  json text = gemma3_text_defaults();
+  json text = form.text_defaults();
   text.update(t);
-  // The model class ties its head by the top-level key (Gemma3Config.tie_word_embeddings), and
-  // its generation stops at the top-level eos_token_id (the Hub's lists <end_of_turn> too).
-  text["tie_word_embeddings"] = get_bool(j, "tie_word_embeddings", where, true);
+  // The model class ties its head by the top-level key, and its generation stops at the top-level
+  // eos_token_id when there is one (Gemma 3's lists <end_of_turn> too).
+  text["tie_word_embeddings"] = get_bool(j, "tie_word_embeddings", where, form.tie_default);
   if (present(j, "eos_token_id")) text["eos_token_id"] = j.at("eos_token_id");
   const std::string text_where = where + " (text_config)";
-  if (get_str(text, "model_type", text_where) != "gemma3_text")
-    fail(text_where, "model_type", "expected \"gemma3_text\", got " + text.at("model_type").dump());
+  if (get_str(text, "model_type", text_where) != form.text_type)
+    fail(text_where, "model_type", std::string("expected \"") + form.text_type + "\", got " + text.at("model_type").dump());
   LlamaConfig c = parse_text_config(text, text_where);
-  c.model_type = kGemma3Multimodal;
+  c.model_type = form.model_type;
   c.multimodal = true;
   return c;
 }
@@ -392,7 +461,9 @@ LlamaConfig parse_llama_config(const std::string& json_text, const std::string& 
     throw std::invalid_argument(where + ": not valid JSON: " + e.what());
   }
   if (!j.is_object()) throw std::invalid_argument(where + ": expected a JSON object");
-  if (get_str(j, "model_type", where) == kGemma3Multimodal) return parse_gemma3_multimodal(j, where);
+  const std::string type = get_str(j, "model_type", where);
+  for (const MultimodalForm& form : kMultimodal)
+    if (type == form.model_type) return parse_multimodal(j, where, form);
   return parse_text_config(j, where);
 }
 
@@ -413,7 +484,8 @@ std::vector<int64_t> load_generation_eos_ids(const std::string& dir) {
 std::string supported_model_types() {
   std::string out;
   for (const FamilyName& f : kFamilies) out += (out.empty() ? "" : ", ") + std::string(f.model_type);
-  return out + ", " + kGemma3Multimodal;
+  for (const MultimodalForm& form : kMultimodal) out += std::string(", ") + form.model_type;
+  return out;
 }
 
 LlamaConfig load_llama_config(const std::string& path) {

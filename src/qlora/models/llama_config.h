@@ -12,6 +12,11 @@
 //   smollm3         SmolLM3: Llama's block, no RoPE on the layers no_rope_layers marks (NoPE)
 //   olmo2, olmo3    OLMo 2/3: no input norms, post-norms closing each branch, q/k RMSNorm over all
 //                   heads; OLMo 3 slides on three of four layers, YaRN RoPE on its full layers
+//   qwen3_5_text    Qwen3.5: three of four layers are Gated DeltaNet (linear_attention), the rest
+//                   full attention with a sigmoid output gate packed into q_proj, (1 + w) q/k norms
+//                   and rotary on the first partial_rotary_factor of head_dim; (1 + w) norms
+//   qwen3_5         the Hub's Qwen3.5 (Qwen3_5ForConditionalGeneration): the qwen3_5_text language
+//                   model of its text_config beside a vision tower (copied, never computed)
 //   gemma3          the Hub's Gemma 3 4B/12B/27B (Gemma3ForConditionalGeneration): the gemma3_text
 //                   language model of its text_config; the vision tower is never computed (its
 //                   weights are copied into merged exports), its weights' prefixes: key_layout.h
@@ -30,9 +35,11 @@ namespace qlora::models {
 
 using modules::Llama3RopeScaling;
 
-enum class Family { kLlama, kQwen2, kQwen3, kGemma2, kGemma3, kPhi3, kSmolLM3, kOlmo2 };
+enum class Family { kLlama, kQwen2, kQwen3, kGemma2, kGemma3, kPhi3, kSmolLM3, kOlmo2, kQwen35 };
 // The multimodal Gemma 3's model_type; its language model is Family::kGemma3.
 inline constexpr const char* kGemma3Multimodal = "gemma3";
+// The multimodal Qwen3.5's model_type; its language model is Family::kQwen35.
+inline constexpr const char* kQwen35Multimodal = "qwen3_5";
 using modules::MlpActivation;
 
 struct LlamaConfig {
@@ -68,6 +75,15 @@ struct LlamaConfig {
   // SmolLM3's NoPE layers: queries and keys are not rotated there (one entry a layer; empty: every
   // layer rotates).
   std::vector<bool> nope_layers;
+  // Qwen3.5: the layers whose mixer is a Gated DeltaNet (layer_types "linear_attention"; one entry
+  // a layer, empty: every layer is attention), and that mixer's sizes.
+  std::vector<bool> linear_layers;
+  modules::GatedDeltaDims gated_delta;
+  // Rotary embeddings turn the first rotary_dim of each head's head_dim (Qwen3.5: a quarter); the
+  // rest passes through. 0: all of head_dim.
+  int64_t rotary_dim = 0;
+  // Qwen3.5: q_proj also yields a per-head gate; attention's output is multiplied by its sigmoid.
+  bool attn_output_gate = false;
 
   MlpActivation activation = MlpActivation::kSilu;
   bool attention_bias = false;     // q/k/v/o biases (Llama/Qwen3 attention_bias); Qwen2: q/k/v always
@@ -84,6 +100,10 @@ struct LlamaConfig {
   bool uses_rope(int64_t layer) const {
     return nope_layers.empty() || !nope_layers.at(static_cast<size_t>(layer));
   }
+  bool is_linear(int64_t layer) const {
+    return !linear_layers.empty() && linear_layers.at(static_cast<size_t>(layer));
+  }
+  int64_t rope_dim() const { return rotary_dim > 0 ? rotary_dim : head_dim; }
   modules::RopeParams rope() const { return {rope_theta, rope_scaling, rope_linear_factor, rope_yarn}; }
   // Throws std::invalid_argument (prefixed with `where`) when sizes are inconsistent.
   void validate(const std::string& where) const;

@@ -13,6 +13,7 @@
 #include <ATen/ops/scaled_dot_product_attention.h>
 #include <ATen/ops/gelu.h>
 #include <ATen/ops/matmul.h>
+#include <ATen/ops/sigmoid.h>
 #include <ATen/ops/silu.h>
 #include <ATen/ops/softmax.h>
 #include <ATen/ops/tanh.h>
@@ -29,6 +30,7 @@
 #include <stdexcept>
 
 #include "qlora/modules/blocked_attention.h"
+#include "qlora/modules/gated_delta_net.h"
 #include "qlora/ops/rmsnorm_ops.h"
 #include "qlora/ops/rope_ops.h"
 #include "qlora/ops/swiglu_ops.h"
@@ -172,6 +174,12 @@ struct RopeFunction : public torch::autograd::Function<RopeFunction> {
 }  // namespace
 
 at::Tensor apply_rope(const at::Tensor& x, const RopeTables& rope) {
+  // Partial rotary (Qwen3.5): the tables cover the first dims of each head; the rest pass through.
+  const int64_t rot = rope.cos.size(-1), d = x.size(-1);
+  if (rot < d) {
+    const RopeTables part = rope;
+    return at::cat({apply_rope(x.narrow(-1, 0, rot).contiguous(), part), x.narrow(-1, rot, d - rot)}, -1);
+  }
   // [seq, d] tables broadcast against the last two dims of x; per-row [b, seq, d] tables need a
   // heads dim inserted to become [b, 1, seq, d].
   if (rope.cos.dim() == 3) return RopeFunction::apply(x, rope.cos.unsqueeze(1), rope.sin.unsqueeze(1));
@@ -280,8 +288,8 @@ at::Tensor masked_attention(const at::Tensor& q, const at::Tensor& k, const at::
 
 std::vector<at::Tensor> DecoderLayer::trainable() const {
   std::vector<at::Tensor> out;
-  for (const LoraLinear* p : {&q_proj, &k_proj, &v_proj, &qkv_proj, &o_proj, &gate_proj, &up_proj, &gate_up_proj,
-                              &down_proj}) {
+  for (const LoraLinear* p : {&q_proj, &k_proj, &v_proj, &qkv_proj, &o_proj, &in_proj_qkv, &in_proj_z, &in_proj_b,
+                              &in_proj_a, &out_proj, &gate_proj, &up_proj, &gate_up_proj, &down_proj}) {
     if (p->has_lora()) {
       out.push_back(p->lora_a);
       out.push_back(p->lora_b);
@@ -346,22 +354,20 @@ std::array<at::Tensor, 3> project_qkv(const DecoderLayer& layer, const LayerDims
     k = qkv[1];
     v = qkv[2];
   }
-  return {q.view({b, s, dims.num_heads, d}), k.view({b, s, dims.num_kv_heads, d}), v.view({b, s, dims.num_kv_heads, d})};
+  const int64_t qd = dims.output_gate ? 2 * d : d;  // Qwen3.5: each head's query, then its gate
+  return {q.view({b, s, dims.num_heads, qd}), k.view({b, s, dims.num_kv_heads, d}), v.view({b, s, dims.num_kv_heads, d})};
 }
 
-}  // namespace
-
-at::Tensor decoder_layer_forward(const DecoderLayer& layer, const LayerDims& dims, const at::Tensor& h,
-                                 const RopeTables& rope, bool training, at::Tensor* cache_k,
-                                 at::Tensor* cache_v, const at::Tensor& attn_mask) {
-  if (attn_mask.defined() && cache_k) {
-    throw std::invalid_argument("decoder_layer_forward: an attention mask cannot be combined with a KV cache");
+// The attention mixer over the layer's normed input x [b, s, hidden]: returns o_proj's output.
+at::Tensor attention_mixer(const DecoderLayer& layer, const LayerDims& dims, const at::Tensor& x,
+                           const RopeTables& rope, bool training, LayerCache* cache, const at::Tensor& attn_mask) {
+  const int64_t b = x.size(0), s = x.size(1);
+  auto [q, k, v] = project_qkv(layer, dims, x, training);  // [b, s, heads, d]
+  at::Tensor gate;                                           // Qwen3.5: [b, s, heads * d]
+  if (dims.output_gate) {  // q: [b, s, heads, 2d], each head's query and then its gate
+    gate = q.narrow(-1, dims.head_dim, dims.head_dim).reshape({b, s, dims.num_heads * dims.head_dim});
+    q = q.narrow(-1, 0, dims.head_dim).contiguous();
   }
-  const int64_t b = h.size(0), s = h.size(1);
-  // OLMo 2/3 normalise no layer input: their norms close each branch instead.
-  const bool post_norms_only = !layer.input_layernorm.defined();
-  at::Tensor x = post_norms_only ? h : layer_norm(dims, h, layer.input_layernorm);  // [b, s, hidden]
-  auto [q, k, v] = project_qkv(layer, dims, x, training);      // [b, s, heads, d]
   // Before RoPE: per head (Qwen3, Gemma 3: a [head_dim] weight) or over all heads at once (OLMo).
   const auto qk_norm = [&](const at::Tensor& t, const at::Tensor& w) {
     return w.size(0) == t.size(-1) ? layer_norm(dims, t, w) : layer_norm(dims, t.flatten(2), w).view(t.sizes());
@@ -375,22 +381,38 @@ at::Tensor decoder_layer_forward(const DecoderLayer& layer, const LayerDims& dim
     k = apply_rope(k, rope);
   }
   v = v.transpose(1, 2);
-  if (cache_k) {
-    if (cache_k->defined()) {
-      *cache_k = at::cat({*cache_k, k}, 2);  // [b, kv_heads, past + s, d]
-      *cache_v = at::cat({*cache_v, v}, 2);
+  if (cache) {
+    if (cache->k.defined()) {
+      cache->k = at::cat({cache->k, k}, 2);  // [b, kv_heads, past + s, d]
+      cache->v = at::cat({cache->v, v}, 2);
     } else {
-      *cache_k = k;
-      *cache_v = v;
+      cache->k = k;
+      cache->v = v;
     }
-    k = *cache_k;
-    v = *cache_v;
+    k = cache->k;
+    v = cache->v;
   }
   const AttentionOptions& ao = dims.attention;
   at::Tensor attn = (attn_mask.defined() ? masked_attention(q, k, v, attn_mask, ao) : causal_attention(q, k, v, ao))
                         .transpose(1, 2)
                         .reshape({b, s, dims.num_heads * dims.head_dim});  // [b, s, heads * d]
-  at::Tensor out = lora_linear_forward(layer.o_proj, attn, training);    // [b, s, hidden]
+  if (gate.defined()) attn = attn * at::sigmoid(gate);
+  return lora_linear_forward(layer.o_proj, attn, training);  // [b, s, hidden]
+}
+
+}  // namespace
+
+at::Tensor decoder_layer_forward(const DecoderLayer& layer, const LayerDims& dims, const at::Tensor& h,
+                                 const RopeTables& rope, bool training, LayerCache* cache,
+                                 const at::Tensor& attn_mask, const Segments* segments) {
+  if (attn_mask.defined() && cache) {
+    throw std::invalid_argument("decoder_layer_forward: an attention mask cannot be combined with a KV cache");
+  }
+  // OLMo 2/3 normalise no layer input: their norms close each branch instead.
+  const bool post_norms_only = !layer.input_layernorm.defined();
+  at::Tensor x = post_norms_only ? h : layer_norm(dims, h, layer.input_layernorm);  // [b, s, hidden]
+  at::Tensor out = layer.is_linear() ? gated_delta_net_forward(layer, dims, x, training, cache, segments)
+                                     : attention_mixer(layer, dims, x, rope, training, cache, attn_mask);
   // Gemma's sandwich: post_attention_layernorm closes the attention branch, pre_feedforward opens
   // the MLP's. OLMo's closes it and the MLP's input is not normalised. Llama's
   // post_attention_layernorm is the MLP's input norm.

@@ -49,11 +49,23 @@ RopeTables rope_tables(const at::Tensor& inv_freq, const at::Tensor& positions, 
 // Rotate-half RoPE: x * cos + rotate_half(x) * sin. x: [batch, heads, seq, head_dim].
 at::Tensor apply_rope(const at::Tensor& x, const RopeTables& rope);
 
-// Per-layer K/V for generation: keys/values for every position seen so far.
+// One layer's state for generation: an attention layer's keys/values for every position seen so
+// far, or a Gated DeltaNet layer's conv window and recurrent state.
+struct LayerCache {
+  at::Tensor k, v;  // [batch, kv_heads, past, head_dim]
+  at::Tensor conv;   // [batch, conv channels, conv_kernel - 1]: the last inputs of the causal conv
+  at::Tensor state;  // [batch, value heads, key_head_dim, value_head_dim] fp32
+};
+
+// Every layer's state, and how many positions it has seen.
 struct KvCache {
-  std::vector<at::Tensor> k, v;  // per layer: [batch, kv_heads, past, head_dim]
-  int64_t length() const { return k.empty() || !k[0].defined() ? 0 : k[0].size(2); }
-  void reset() { k.clear(); v.clear(); }
+  std::vector<LayerCache> layers;
+  int64_t seen = 0;
+  int64_t length() const { return seen; }
+  void reset() {
+    layers.clear();
+    seen = 0;
+  }
 };
 
 // How a layer's attention scores are formed beyond q.k: the scale (default 1/sqrt(head_dim);
@@ -97,6 +109,13 @@ struct DecoderLayer {
   // Phi-3's fused projections, used instead of q/k/v and gate/up when set: qkv_proj stacks q, k
   // and v along its output, gate_up_proj stacks gate and up.
   LoraLinear qkv_proj, gate_up_proj;
+  // Qwen3.5's Gated DeltaNet layers, instead of attention (modules/gated_delta_net.h): projections to
+  // the conv's q/k/v channels, the output gate z, beta's and the decay's logits, and back to hidden;
+  // the depthwise conv weight [channels, 1, kernel], A_log and dt_bias [value heads], and the gated
+  // norm's weight [value_head_dim].
+  LoraLinear in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj;
+  at::Tensor conv1d, A_log, dt_bias, linear_norm;
+  bool is_linear() const { return in_proj_qkv.out_features > 0; }
   // The trainable tensors of this layer (LoRA A/B of every adapted projection).
   std::vector<at::Tensor> trainable() const;
 };
@@ -109,7 +128,24 @@ struct LayerDims {
   MlpActivation activation = MlpActivation::kSilu;
   AttentionOptions attention;
   bool rope = true;  // false: q and k are not rotated (SmolLM3's NoPE layers)
+  bool output_gate = false;  // Qwen3.5: q_proj yields [query, gate] per head; output *= sigmoid(gate)
+  GatedDeltaDims gated_delta;  // a Gated DeltaNet layer's sizes
 };
+
+// Where each packed sample sits, for the mixer that carries state along a row (the Gated DeltaNet):
+// the samples of all rows are laid end to end in one row, each padded with zeros to a whole number
+// of the gated delta rule's chunks and by at least conv_kernel - 1 tokens, so neither the conv
+// window nor the recurrent state passes from one sample to the next (the last padding slot of each
+// sample decays the state to zero). A sample starts where its position is 0, as transformers
+// derives cu_seqlens from position_ids.
+struct Segments {
+  at::Tensor gather;   // [total] int64: the flat [batch * seq] token each slot takes, or batch * seq
+                       // (a zero row appended) for padding
+  at::Tensor reset;    // [total] bool: true at each sample's last padding slot
+  at::Tensor scatter;  // [batch * seq] int64: the slot each token's output comes from
+};
+// positions: [batch, seq] int64.
+Segments segments_from_positions(const at::Tensor& positions, int64_t conv_kernel);
 
 // The family's RMSNorm: rms_norm, or rms_norm_plus_one when dims.norm_plus_one.
 at::Tensor layer_norm(const LayerDims& dims, const at::Tensor& x, const at::Tensor& weight);
@@ -119,12 +155,13 @@ at::Tensor layer_norm(const LayerDims& dims, const at::Tensor& x, const at::Tens
 at::Tensor gated_mlp(const DecoderLayer& layer, const LayerDims& dims, const at::Tensor& x, bool training);
 
 // One pre-norm decoder layer. h: [batch, seq, hidden]; rope tables for the seq positions.
-// cache_k/cache_v (optional, together): this layer's cache entries, extended in place.
+// cache (optional): this layer's cache entry, extended in place.
 // attn_mask (optional, [batch, seq, seq] bool, true = may attend): replaces plain causal attention
-// (packed rows); it cannot be combined with a cache.
+// (packed rows); it cannot be combined with a cache. A Gated DeltaNet layer reads `segments`
+// instead (null: each row is one sequence).
 at::Tensor decoder_layer_forward(const DecoderLayer& layer, const LayerDims& dims, const at::Tensor& h,
-                                 const RopeTables& rope, bool training, at::Tensor* cache_k = nullptr,
-                                 at::Tensor* cache_v = nullptr, const at::Tensor& attn_mask = at::Tensor());
+                                 const RopeTables& rope, bool training, LayerCache* cache = nullptr,
+                                 const at::Tensor& attn_mask = at::Tensor(), const Segments* segments = nullptr);
 
 // Activation checkpointing: runs `fn(h)` without recording a graph, keeping only h; backward
 // replays fn with grad enabled (and the RNG state of the forward, so dropout masks agree) and

@@ -34,6 +34,19 @@ struct RopeParams {
   std::optional<YarnRope> yarn;
 };
 
+// Qwen3.5's Gated DeltaNet mixer (its linear-attention layers), as the HF config names it: q and k
+// have num_key_heads heads of key_head_dim, v and the output num_value_heads of value_head_dim
+// (a multiple of the key heads: each key head serves value/key consecutive value heads); a causal
+// depthwise conv of conv_kernel taps runs over the concatenated q, k, v projections.
+struct GatedDeltaDims {
+  int64_t num_key_heads = 0, num_value_heads = 0;
+  int64_t key_head_dim = 0, value_head_dim = 0;
+  int64_t conv_kernel = 4;
+  int64_t key_dim() const { return num_key_heads * key_head_dim; }
+  int64_t value_dim() const { return num_value_heads * value_head_dim; }
+  int64_t conv_dim() const { return 2 * key_dim() + value_dim(); }  // q, k, v channels
+};
+
 // The gated MLP's activation: HF "silu" (Llama, Qwen, Phi-3) or "gelu_pytorch_tanh" (Gemma).
 enum class MlpActivation { kSilu, kGeluTanh };
 

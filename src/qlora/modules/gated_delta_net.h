@@ -1,0 +1,25 @@
+// Qwen3.5's Gated DeltaNet mixer (its "linear_attention" layers), as transformers'
+// Qwen3_5GatedDeltaNet computes it, over a layer's normed input:
+//   in_proj_qkv -> causal depthwise conv (conv1d, kernel K, no bias) -> SiLU -> q | k | v;
+//   beta = sigmoid(in_proj_b x); g = -exp(A_log) * softplus(in_proj_a x + dt_bias) (fp32);
+//   o = gated delta rule (ops/gated_delta_ops.h: q, k L2-normalised, q scaled by 1/sqrt(dk));
+//   out_proj(rms_norm(o) * w * silu(in_proj_z x)) per value head (the gated norm: plain w, not 1 + w).
+// The state along a row (conv window, recurrent state) starts at zero for each sequence: per row,
+// or per packed sample (Segments), or from a generation cache, which it then extends.
+#pragma once
+#include <ATen/core/Tensor.h>
+
+#include "qlora/modules/layers.h"
+
+namespace qlora::modules {
+
+// x: [batch, seq, hidden], the layer's normed input. cache (optional): the layer's conv window and
+// recurrent state, read and updated (not with segments). Returns [batch, seq, hidden].
+at::Tensor gated_delta_net_forward(const DecoderLayer& layer, const LayerDims& dims, const at::Tensor& x,
+                                   bool training, LayerCache* cache, const Segments* segments);
+
+// The gated norm alone (transformers' Qwen3_5RMSNormGated): normalise o in fp32, cast to o's
+// dtype, times weight, times silu(z) in fp32, cast back. o, z: [..., dv]; weight: [dv].
+at::Tensor gated_rms_norm(const at::Tensor& o, const at::Tensor& z, const at::Tensor& weight, double eps);
+
+}  // namespace qlora::modules
