@@ -17,7 +17,7 @@
 //       turn, each run's figures and their medians ("median_of_runs").
 //   build/bench_train_step --shape NAME [--seq 128] [--steps 1] [--layers N] [--r 8 --alpha 16]
 //                          [--no-activation-checkpointing]
-//       NAME: llama2-7b|llama3.1-8b|mistral-7b|qwen2.5-7b|qwen3-8b|gemma2-9b|gemma3-12b|phi3-mini
+//       NAME: llama2-7b|llama3.1-8b|mistral-7b|qwen2.5-7b|qwen3-8b|qwen3.5-9b|gemma2-9b|gemma3-12b|phi3-mini
 //       (bench/model_shapes.h, parsed from each model's config.json; --llama2-7b is --shape
 //       llama2-7b), all its layers unless --layers, built in memory with random NF4 weights
 //       (writing and re-reading 13-18 GB of bf16 would dominate the run); reports seconds per

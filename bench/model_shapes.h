@@ -79,6 +79,19 @@ inline constexpr ModelShape kModelShapes[] = {
       "rope_local_base_freq": 10000.0, "sliding_window": 1024, "sliding_window_pattern": 6,
       "attn_logit_softcapping": null, "final_logit_softcapping": null, "vocab_size": 262208,
       "bos_token_id": 2, "eos_token_id": [1, 106]})"},
+    // Qwen/Qwen3.5-9B's text_config (the Hub's config is Qwen3_5ForConditionalGeneration; its language
+    // model as a text-only qwen3_5_text config.json). Values as a public test pins them against the Hub
+    // file (medrl's QWEN35_9B_EXPECTATIONS TEXT_CONFIG): 4096 x 32 layers, 3 Gated DeltaNet : 1 full
+    // attention, 16 heads / 4 kv of 256 with a quarter rotary at theta 1e7, DeltaNet 16 key heads and
+    // 32 value heads of 128, conv 4, MLP 12288, vocab 248320, untied.
+    {"qwen3.5-9b", R"({"model_type": "qwen3_5_text", "attention_bias": false, "head_dim": 256,
+      "hidden_act": "silu", "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 32,
+      "num_attention_heads": 16, "num_key_value_heads": 4, "full_attention_interval": 4,
+      "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_num_key_heads": 16,
+      "linear_num_value_heads": 32, "linear_value_head_dim": 128, "max_position_embeddings": 262144,
+      "rms_norm_eps": 1e-06, "rope_parameters": {"rope_type": "default", "rope_theta": 10000000,
+      "partial_rotary_factor": 0.25, "mrope_interleaved": true, "mrope_section": [11, 11, 10]},
+      "tie_word_embeddings": false, "vocab_size": 248320, "eos_token_id": 248044})"},
     // microsoft/Phi-3-mini-4k-instruct config.json: github.com/dotnet/machinelearning
     // src/Microsoft.ML.GenAI.Phi/Resource/Config/phi-3-mini-4k-instruct-config.json @17b689a.
     {"phi3-mini", R"({"model_type": "phi3", "hidden_act": "silu", "hidden_size": 3072,

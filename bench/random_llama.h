@@ -65,15 +65,20 @@ inline models::LlamaModel random_model(
   m.embed_tokens = at::randn({c.vocab_size, h}, gen, bf16).mul_(0.02);
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
     modules::DecoderLayer L;
-    for (const models::NormRow& n : arch.layer_norms) L.*n.member = unit_norm(models::dim_size(n.size, c));
+    for (const models::NormRow& n : arch.layer_norms) {
+      if (!models::in_layer(n.mixer, c, i)) continue;
+      // Qwen3.5's DeltaNet tensors (conv, A_log, dt_bias, the plain-w gated norm): ones.
+      L.*n.member = n.mixer == models::Mixer::kLinear ? at::ones(models::norm_shape(n, c), norm_dtype)
+                                                      : unit_norm(models::dim_size(n.size, c));
+    }
     for (const models::ProjectionRow& row : arch.projections) {
-      if (!row.member) continue;
+      if (!row.member || !models::in_layer(row.mixer, c, i)) continue;
       const std::vector<int64_t> shape = models::projection_shape(row, c);  // [out, in]
       L.*row.member = random_nf4_projection(shape[0], shape[1], gen);
       if (models::has_bias(row, c)) modules::lora_linear_set_bias(L.*row.member, at::zeros({shape[0]}, norm_dtype));
     }
     for (modules::LoraLinear* p : models::layer_projections(arch, L))
-      modules::lora_linear_add_adapter(*p, r, alpha, 0.0, gen, at::kCPU);
+      if (p->out_features > 0) modules::lora_linear_add_adapter(*p, r, alpha, 0.0, gen, at::kCPU);
     m.layers.push_back(std::move(L));
     if (on_layer) on_layer(i, m.layers.back(), arch);
   }
@@ -81,8 +86,8 @@ inline models::LlamaModel random_model(
   m.lm_head = modules::lora_linear_dense(
       c.tie_word_embeddings ? m.embed_tokens
                             : at::randn(models::projection_shape(models::output_projection(arch), c), gen, bf16).mul_(0.02));
-  m.inv_freq = modules::rope_inv_freq(c.head_dim, c.rope());
-  if (c.local_rope) m.inv_freq_local = modules::rope_inv_freq(c.head_dim, *c.local_rope);
+  m.inv_freq = modules::rope_inv_freq(c.rope_dim(), c.rope());
+  if (c.local_rope) m.inv_freq_local = modules::rope_inv_freq(c.rope_dim(), *c.local_rope);
   // Per-layer activation checkpointing, as a 7B QLoRA recipe runs: without it the saved
   // activations of 32 layers (~75 MB each at seq 128 in fp32) alone take ~2.4 GB.
   m.activation_checkpointing = activation_checkpointing;

@@ -82,7 +82,8 @@ def nf4_roundtrip_projections(model):
     from torchao.dtypes.nf4tensor import to_nf4
     with torch.no_grad():
         for n, p in model.named_parameters():
-            if n.startswith("model.layers.") and (n.endswith("_proj.weight") or ".in_proj_" in n):
+            decoder = n.startswith("model.layers.") or n.startswith("model.language_model.layers.")
+            if decoder and (n.endswith("_proj.weight") or ".in_proj_" in n):
                 if p.numel() % NF4_NUMEL_MULTIPLE:
                     raise ValueError(f"{n}: numel {p.numel()} is not a multiple of {NF4_NUMEL_MULTIPLE} (torchao)")
                 p.copy_(to_nf4(p.detach().clone()).get_original_weight())

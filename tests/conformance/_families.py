@@ -13,8 +13,8 @@ import torch
 from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig,
                           LlamaForCausalLM, MistralConfig, MistralForCausalLM, Olmo2Config, Olmo2ForCausalLM,
                           Olmo3Config, Olmo3ForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM,
-                          Qwen3Config, Qwen3ForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig, SmolLM3Config,
-                          SmolLM3ForCausalLM)
+                          Qwen3Config, Qwen3ForCausalLM, Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration,
+                          Qwen3_5TextConfig, SmolLM3Config, SmolLM3ForCausalLM)
 
 from _common import randomize_norms
 
@@ -48,6 +48,17 @@ OLMO3_PLAIN_ROPE = {k: {"rope_type": "default", "rope_theta": 10000.0} for k in 
 QWEN35 = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
               num_hidden_layers=4, linear_num_key_heads=4, linear_key_head_dim=32, linear_num_value_heads=64,
               linear_value_head_dim=8, linear_conv_kernel_dim=4, tie_word_embeddings=False)
+# The Hub's form: Qwen3_5ForConditionalGeneration, the same language model beside a tiny vision tower
+# (its weights are only copied; the text logits must be the language model's).
+QWEN35_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=256,
+                     patch_size=4, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16)
+
+
+def qwen35_multimodal_config(**kw):
+    tie = kw.pop("tie_word_embeddings", False)
+    return Qwen3_5Config(text_config=kw, vision_config=QWEN35_VISION, tie_word_embeddings=tie)
+
+
 QWEN35_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
                   "out_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -125,6 +136,8 @@ CASES = {
                                 ("dt_bias 0", {}, _set("dt_bias", 0.0)),
                                 ("conv taps 1/4", {}, _set("conv1d.weight", 0.25)),
                                 ("rotary over all of head_dim", {"partial_rotary_factor": 1.0}, None)]),
+    "qwen3_5_vision": _case(qwen35_multimodal_config, Qwen3_5ForConditionalGeneration, QWEN35, targets=QWEN35_TARGETS,
+                            ablations=[("no decay (A_log -30)", {}, _set("A_log", -30.0))]),
 }
 
 

@@ -173,6 +173,77 @@ TEST(FamilyConfig, Gemma3MultimodalWithoutTextConfigIsRefusedNamingFileAndKey) {
   EXPECT_NE(e4.find("(text_config): config key 'model_type': expected \"gemma3_text\""), std::string::npos) << e4;
 }
 
+// In the form of the Hub's Qwen3.5 configs (Qwen3_5ForConditionalGeneration): the language model's
+// settings in text_config, its RoPE dict carrying the partial rotary factor and the multimodal
+// RoPE sections; the vision tower's settings beside it.
+const char* kQwen35Config9b = R"({"architectures":["Qwen3_5ForConditionalGeneration"],"model_type":"qwen3_5",
+  "tie_word_embeddings":false,"image_token_id":248056,
+  "text_config":{"model_type":"qwen3_5_text","hidden_size":4096,"intermediate_size":12288,"num_hidden_layers":8,
+  "num_attention_heads":16,"num_key_value_heads":4,"head_dim":256,"linear_num_key_heads":16,
+  "linear_num_value_heads":32,"linear_key_head_dim":128,"linear_value_head_dim":128,"linear_conv_kernel_dim":4,
+  "full_attention_interval":4,"vocab_size":248320,"eos_token_id":248044,"rms_norm_eps":1e-6,"hidden_act":"silu",
+  "max_position_embeddings":262144,"attn_output_gate":true,
+  "rope_parameters":{"rope_type":"default","rope_theta":10000000,"partial_rotary_factor":0.25,
+  "mrope_interleaved":true,"mrope_section":[11,11,10]}},
+  "vision_config":{"model_type":"qwen3_5_vision","depth":27,"hidden_size":1152}})";
+
+TEST(FamilyConfig, Qwen35MultimodalIsItsHybridTextConfig) {
+  const LlamaConfig c = parse_llama_config(kQwen35Config9b, "config.json");
+  EXPECT_EQ(c.model_type, "qwen3_5");
+  EXPECT_TRUE(c.multimodal);
+  EXPECT_EQ(c.family, Family::kQwen35);
+  EXPECT_EQ(c.head_dim, 256);
+  EXPECT_EQ(c.rope_dim(), 64);  // a quarter of head_dim rotates
+  EXPECT_DOUBLE_EQ(c.rope_theta, 1e7);
+  EXPECT_TRUE(c.norm_plus_one);
+  EXPECT_TRUE(c.attn_output_gate);
+  EXPECT_FALSE(c.tie_word_embeddings);
+  for (int64_t i = 0; i < 8; ++i) EXPECT_EQ(c.is_linear(i), (i + 1) % 4 != 0) << i;
+  EXPECT_EQ(c.gated_delta.conv_dim(), 2 * 16 * 128 + 32 * 128);
+  const Architecture& arch = architecture_of(c);
+  EXPECT_EQ(projection_shape(*find_projection(arch, "q_proj"), c), (std::vector<int64_t>{2 * 16 * 256, 4096}));
+  EXPECT_EQ(projection_shape(*find_projection(arch, "in_proj_b"), c), (std::vector<int64_t>{32, 4096}));
+  EXPECT_EQ(peft_target(arch, "linear_out"), "out_proj");
+  for (const NormRow& n : arch.layer_norms)
+    if (std::string(n.name) == "linear_attn.conv1d") EXPECT_EQ(norm_shape(n, c), (std::vector<int64_t>{8192, 1, 4}));
+    else if (std::string(n.name) == "linear_attn.A_log") EXPECT_EQ(hf_key(n, 2), "model.layers.2.linear_attn.A_log");
+  // A layer holds its own mixer's rows only.
+  EXPECT_TRUE(in_layer(find_projection(arch, "in_proj_qkv")->mixer, c, 0));
+  EXPECT_FALSE(in_layer(find_projection(arch, "in_proj_qkv")->mixer, c, 3));
+  EXPECT_TRUE(in_layer(find_projection(arch, "q_proj")->mixer, c, 3));
+  EXPECT_TRUE(in_layer(find_projection(arch, "gate_proj")->mixer, c, 0));
+}
+
+TEST(FamilyConfig, Qwen35LayerTypesAndRefusals) {
+  const auto parse = [](const std::string& extra) {
+    return parse_llama_config(R"({"model_type":"qwen3_5_text","hidden_size":64,"intermediate_size":96,
+      "num_hidden_layers":3,"num_attention_heads":4,"num_key_value_heads":2,"head_dim":16,"vocab_size":128,
+      "linear_num_key_heads":2,"linear_num_value_heads":4,"linear_key_head_dim":8,"linear_value_head_dim":8)" +
+                                  extra + "}",
+                              "q/config.json");
+  };
+  const LlamaConfig c = parse(R"(,"layer_types":["full_attention","linear_attention","full_attention"])");
+  EXPECT_FALSE(c.is_linear(0));
+  EXPECT_TRUE(c.is_linear(1));
+  EXPECT_EQ(c.rope_dim(), 4);  // the class's default factor, 0.25 of 16
+  EXPECT_EQ(parse(R"(,"partial_rotary_factor":1.0)").rope_dim(), 16);
+  const auto refused = [&](const std::string& extra, const std::string& want) {
+    try {
+      parse(extra);
+      ADD_FAILURE() << "accepted " << extra;
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << e.what();
+    }
+  };
+  refused(R"(,"layer_types":["full_attention","sliding_attention","full_attention"])", "'layer_types'");
+  refused(R"(,"linear_num_value_heads":3)", "must be a multiple of linear_num_key_heads");
+  refused(R"(,"partial_rotary_factor":0.1)", "positive even number");
+  // Other families still take only full rotary.
+  EXPECT_THROW(parse_llama_config(R"({"model_type":"qwen3","hidden_size":64,"intermediate_size":96,
+      "num_hidden_layers":1,"num_attention_heads":4,"vocab_size":128,"partial_rotary_factor":0.5})", "c"),
+               std::invalid_argument);
+}
+
 TEST(FamilyConfig, Phi3SlidesEveryLayerAndFusesTargets) {
   const LlamaConfig c = parse_llama_config(kPhi3, "cfg.json");
   EXPECT_EQ(c.family, Family::kPhi3);

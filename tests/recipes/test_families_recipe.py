@@ -21,7 +21,8 @@ The families: qwen2 (q/k/v biases, tied embeddings, LoRA on lm_head too so the e
 byte-level BPE tokenizer.json with no BOS as Qwen ships), qwen3 (q/k norms), gemma2 (four norms,
 soft-capping, query_pre_attn_scalar, alternating sliding layers), gemma3_text (q/k norms, local and
 global RoPE bases), mistral (sliding_window 8 < data.max_seq_len 128), phi3 (LoRA on the fused
-qkv_proj / gate_up_proj, asked for as q, k, v, gate, up). The sliding-window families train on
+qkv_proj / gate_up_proj, asked for as q, k, v, gate, up), qwen3_5_text (a Gated DeltaNet layer and a gated,
+partially rotary attention layer, LoRA on both mixers' projections). The sliding-window families and Qwen3.5 families train on
 packed rows, so windows meet rows holding several samples, and generate past the window (KV cache).
 
     python tests/recipes/test_families_recipe.py --qlora build/qlora --qlora-faults build/qlora_faults
@@ -95,6 +96,13 @@ FAMILIES = [
         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}), LAYER_TARGETS, LLAMA_PEFT, packing=True),
     Family("mistral", dict(sliding_window=WINDOW, tie_word_embeddings=False), LAYER_TARGETS, LLAMA_PEFT, packing=True),
     Family("phi3", dict(tie_word_embeddings=False), LAYER_TARGETS, ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]),
+    # A Gated DeltaNet layer then a gated attention layer; packed rows, so the DeltaNet's state must
+    # restart at every sample of a row.
+    Family("qwen3_5_text", dict(head_dim=16, linear_num_key_heads=2, linear_key_head_dim=16, linear_num_value_heads=4,
+                                linear_value_head_dim=16, layer_types=["linear_attention", "full_attention"],
+                                tie_word_embeddings=False),
+           LAYER_TARGETS + ["linear_qkv", "linear_z", "linear_b", "linear_a", "linear_out"],
+           LLAMA_PEFT + ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"], packing=True),
 ]
 
 
