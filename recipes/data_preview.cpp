@@ -156,7 +156,7 @@ void print_histogram(const std::vector<data::LengthBin>& bins) {
   }
 }
 
-void print_stats(const DataSet& d, const config::DataConfig& cfg) {
+void print_stats(const DataSet& d, const config::DataConfig& cfg, const data::Tokenizer& tok) {
   const data::DatasetStats st = data::dataset_stats(d.samples, cfg.packing ? cfg.max_seq_len : 0);
   const auto pct = [](int64_t part, int64_t whole) { return whole > 0 ? 100.0 * static_cast<double>(part) / static_cast<double>(whole) : 0.0; };
   std::printf("%s: %s\n", d.title.c_str(), d.path.c_str());
@@ -167,6 +167,11 @@ void print_stats(const DataSet& d, const config::DataConfig& cfg) {
   std::printf("  trained tokens    %lld (%.1f%% of tokens)\n", static_cast<long long>(st.trained_tokens), pct(st.trained_tokens, st.tokens));
   std::printf("  truncated         %lld (longer than data.max_seq_len = %lld, cut to it)\n", static_cast<long long>(st.truncated),
               static_cast<long long>(cfg.max_seq_len));
+  if (const int64_t eos = tok.eos_id(); eos >= 0)
+    std::printf("  trained EOS       %lld of %lld samples end with a trained EOS (id %lld)%s\n",
+                static_cast<long long>(data::samples_ending_trained(d.samples, eos)), static_cast<long long>(st.samples),
+                static_cast<long long>(eos),
+                tok.pad_id() == eos ? "; the pad token is the EOS: padding is never trained, this EOS is" : "");
   std::printf("  no trained token  %lld (these train on nothing)\n", static_cast<long long>(st.untrained.size()));
   for (size_t k = 0; k < std::min(st.untrained.size(), kUntrainedShown); ++k)
     std::printf("    %s\n", d.origins[static_cast<size_t>(st.untrained[k])].c_str());
@@ -294,7 +299,7 @@ int data_main(const std::vector<std::string>& args) {
   } else {
     sets.push_back(std::move(train));
   }
-  for (const auto& d : sets) print_stats(d, cfg.data);
+  for (const auto& d : sets) print_stats(d, cfg.data, tok);
   std::printf("no model loaded: qlora data reads only the tokenizer and the data\n");
   return 0;
 }

@@ -67,6 +67,27 @@ TEST(Collate, RightPadsAndShiftsPerSample) {
   EXPECT_THROW(collate({broken}, 0), std::invalid_argument);
 }
 
+// Where the tokenizer's pad token is its EOS (Qwen, Llama-3 fine-tunes, ...), the EOS that closes an
+// answer is a trained target and only the padding after it is masked: labels come from the sample,
+// never from comparing tokens with the pad id.
+TEST(Collate, PadEqualToEosStillTrainsTheClosingEos) {
+  constexpr int64_t kEos = 2;
+  Sample a = make_sample(100, 4, 1);
+  a.tokens.push_back(kEos);
+  a.labels.push_back(kEos);
+  Sample b = make_sample(200, 2, 1);
+  b.tokens.push_back(kEos);
+  b.labels.push_back(kEos);
+  const auto batch = collate({a, b}, /*pad_id=*/kEos);
+  EXPECT_EQ(at2(batch.labels, 0, 3), kEos);  // row 0's last position predicts its EOS
+  EXPECT_EQ(at2(batch.labels, 1, 1), kEos);  // so does row 1's, shorter one
+  for (int64_t i = 2; i < 5; ++i) EXPECT_EQ(at2(batch.labels, 1, i), kIgnoreIndex) << i;  // padding (tokens = EOS)
+  EXPECT_EQ(at2(batch.tokens, 1, 4), kEos);
+  const auto packed = pack_samples({a, b}, 10, kEos);
+  ASSERT_EQ(packed.size(), 1u);
+  EXPECT_EQ(std::count(packed[0].labels.begin(), packed[0].labels.end(), kEos), 2);
+}
+
 // ---- packing -----------------------------------------------------------------------------------
 
 TEST(Packing, NoLabelCrossesABoundaryAndPositionsReset) {

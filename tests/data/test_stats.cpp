@@ -42,6 +42,14 @@ TEST(DataStats, TrainedTokensAreCollatesLossTerms) {
   EXPECT_EQ(st.untrained, (std::vector<int64_t>{2}));
 }
 
+TEST(DataStats, SamplesEndingWithATrainedToken) {
+  Sample ends = make_sample(4, 1), masked = make_sample(4, 4), other = make_sample(4, 1);
+  ends.tokens.back() = ends.labels.back() = 2;     // a trained EOS closes it
+  masked.tokens.back() = 2;                        // an EOS in a masked (prompt) part
+  EXPECT_EQ(samples_ending_trained({ends, masked, other, ends}, 2), 2);
+  EXPECT_EQ(samples_ending_trained({}, 2), 0);
+}
+
 TEST(DataStats, HistogramCoversEverySampleOnce) {
   std::vector<Sample> samples;
   for (size_t n : {3, 3, 4, 7, 12, 12, 12, 30}) samples.push_back(make_sample(n, 1));

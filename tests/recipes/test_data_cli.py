@@ -63,11 +63,14 @@ def parse(out):
         text = out[s.end():sections[k + 1].start() if k + 1 < len(sections) else len(out)]
         num = lambda key: int(re.search(r"^  " + key + r" +(\d+)", text, re.M).group(1))  # noqa: E731
         packing = re.search(r"packing +(\d+) rows of (\d+) tokens, ([\d.]+)% real", text)
+        eos = re.search(r"^  trained EOS +(\d+) of (\d+) samples end with a trained EOS \(id (\d+)\)(.*)$", text, re.M)
         stats.append(dict(title=s.group(0), samples=num("samples"), tokens=num("tokens"), trained=num("trained tokens"),
                           truncated=num("truncated"), untrained=num("no trained token"),
                           untrained_lines=re.findall(r"^    (.*: line \d+)$", text, re.M),
                           packing=(int(packing.group(1)), int(packing.group(2)), float(packing.group(3))) if packing else None,
-                          histogram=[int(c) for c in re.findall(r"^ +[\d-]+ \| #* *(\d+)$", text, re.M)]))
+                          histogram=[int(c) for c in re.findall(r"^ +[\d-]+ \| #* *(\d+)$", text, re.M)],
+                          trained_eos=(int(eos.group(1)), int(eos.group(3)), "pad token is the EOS" in eos.group(4))
+                          if eos else None))
     return samples, stats
 
 
@@ -249,6 +252,10 @@ def main() -> int:
     expect("sharegpt truncated and untrained", (st["truncated"], st["untrained"]) == (2, 1), st)
     expect("sharegpt names the untrained sample", st["untrained_lines"] == [f"{sharegpt}: line 4"], st["untrained_lines"])
     expect("sharegpt histogram adds up", sum(st["histogram"]) == 5, st["histogram"])
+    # This sentencepiece model has no pad piece, so its pad is its EOS (</s>, id 2): the EOS closing
+    # each untruncated sample is still trained (truncation ends a sample with a masked EOS).
+    expect("sharegpt: pad = EOS, and the closing EOS is trained", st["trained_eos"] ==
+           (sum(1 for w in want if not w.truncated), sp.eos_id(), sp.pad_id() < 0), st["trained_eos"])
 
     r = run("-n", "0", f"data.path={sharegpt}", "data.packing=true", *overrides)
     st = parse(r.stdout)[1][0]

@@ -24,6 +24,12 @@ int64_t trained_token_count(const Sample& s) {
   return std::count_if(s.labels.begin() + 1, s.labels.end(), [](int64_t l) { return l != kIgnoreIndex; });
 }
 
+int64_t samples_ending_trained(const std::vector<Sample>& samples, int64_t token) {
+  return std::count_if(samples.begin(), samples.end(), [token](const Sample& s) {
+    return !s.tokens.empty() && s.tokens.back() == token && s.labels.back() == token;
+  });
+}
+
 DatasetStats dataset_stats(const std::vector<Sample>& samples, int64_t pack_seq_len, int64_t histogram_bins) {
   if (histogram_bins < 1) throw std::invalid_argument("dataset_stats: histogram_bins must be >= 1");
   DatasetStats st;

@@ -35,6 +35,10 @@ int64_t trained_token_count(const Sample& sample);
 
 // pack_seq_len > 0: also the packing figures (rows of that length, as pack_samples packs them;
 // every sample must fit, i.e. be truncated to it). histogram_bins >= 1.
+// How many samples end with `token` as a trained token (e.g. the EOS closing each answer; where the
+// tokenizer's pad token is its EOS, padding is never trained but this EOS must be).
+int64_t samples_ending_trained(const std::vector<Sample>& samples, int64_t token);
+
 DatasetStats dataset_stats(const std::vector<Sample>& samples, int64_t pack_seq_len = 0,
                            int64_t histogram_bins = 10);
 
