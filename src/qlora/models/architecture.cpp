@@ -44,18 +44,18 @@ std::vector<ProjectionRow> phi3_rows() {
   };
 }
 
-const NormRow kInputNorm{"input_layernorm", "model.layers.{i}.input_layernorm", &DecoderLayer::input_layernorm};
-const NormRow kPostAttnNorm{"post_attention_layernorm", "model.layers.{i}.post_attention_layernorm",
+constexpr NormRow kInputNorm{"input_layernorm", "model.layers.{i}.input_layernorm", &DecoderLayer::input_layernorm};
+constexpr NormRow kPostAttnNorm{"post_attention_layernorm", "model.layers.{i}.post_attention_layernorm",
                             &DecoderLayer::post_attention_layernorm};
-const NormRow kPreFfnNorm{"pre_feedforward_layernorm", "model.layers.{i}.pre_feedforward_layernorm",
+constexpr NormRow kPreFfnNorm{"pre_feedforward_layernorm", "model.layers.{i}.pre_feedforward_layernorm",
                           &DecoderLayer::pre_feedforward_layernorm};
-const NormRow kPostFfnNorm{"post_feedforward_layernorm", "model.layers.{i}.post_feedforward_layernorm",
+constexpr NormRow kPostFfnNorm{"post_feedforward_layernorm", "model.layers.{i}.post_feedforward_layernorm",
                            &DecoderLayer::post_feedforward_layernorm};
-const NormRow kQNorm{"q_norm", "model.layers.{i}.self_attn.q_norm", &DecoderLayer::q_norm, Dim::kHeadDim};
-const NormRow kKNorm{"k_norm", "model.layers.{i}.self_attn.k_norm", &DecoderLayer::k_norm, Dim::kHeadDim};
+constexpr NormRow kQNorm{"q_norm", "model.layers.{i}.self_attn.q_norm", &DecoderLayer::q_norm, Dim::kHeadDim};
+constexpr NormRow kKNorm{"k_norm", "model.layers.{i}.self_attn.k_norm", &DecoderLayer::k_norm, Dim::kHeadDim};
 // OLMo's q/k norms span all heads.
-const NormRow kQNormAll{"q_norm", "model.layers.{i}.self_attn.q_norm", &DecoderLayer::q_norm, Dim::kQHeads};
-const NormRow kKNormAll{"k_norm", "model.layers.{i}.self_attn.k_norm", &DecoderLayer::k_norm, Dim::kKvHeads};
+constexpr NormRow kQNormAll{"q_norm", "model.layers.{i}.self_attn.q_norm", &DecoderLayer::q_norm, Dim::kQHeads};
+constexpr NormRow kKNormAll{"k_norm", "model.layers.{i}.self_attn.k_norm", &DecoderLayer::k_norm, Dim::kKvHeads};
 
 Architecture make(const char* family, std::vector<ProjectionRow> rows, std::vector<NormRow> norms) {
   return {family, std::move(rows), std::move(norms), "model.embed_tokens.weight", "model.norm.weight"};
@@ -134,7 +134,7 @@ const Architecture& qwen35_architecture() {
         q_norm,
         k_norm,
         {"linear_attn.conv1d", "model.layers.{i}.linear_attn.conv1d", &DecoderLayer::conv1d, Dim::kLinearQkv,
-         Mixer::kLinear, false, {Dim::kOne, Dim::kConvKernel}},
+         Mixer::kLinear, false, 3, {Dim::kOne, Dim::kConvKernel}},
         {"linear_attn.A_log", "model.layers.{i}.linear_attn.A_log", &DecoderLayer::A_log, Dim::kLinearHeads,
          Mixer::kLinear, true},
         {"linear_attn.dt_bias", "model.layers.{i}.linear_attn.dt_bias", &DecoderLayer::dt_bias, Dim::kLinearHeads,
@@ -316,7 +316,7 @@ bool in_layer(Mixer mixer, const LlamaConfig& c, int64_t layer) {
 
 std::vector<int64_t> norm_shape(const NormRow& row, const LlamaConfig& c) {
   std::vector<int64_t> shape{dim_size(row.size, c)};
-  for (Dim d : row.tail) shape.push_back(dim_size(d, c));
+  for (int k = 1; k < row.rank; ++k) shape.push_back(dim_size(row.tail[k - 1], c));
   return shape;
 }
 

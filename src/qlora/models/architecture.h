@@ -73,10 +73,13 @@ struct NormRow {
   const char* name;       // "input_layernorm": its name inside a layer (shard-group member names)
   const char* hf_module;  // "model.layers.{i}.input_layernorm"; the weight is <module>.weight
   at::Tensor modules::DecoderLayer::*member;
-  Dim size = Dim::kHidden;  // the weight is [size, tail...]
+  Dim size = Dim::kHidden;  // the weight is [size] or, with rank 3, [size, tail[0], tail[1]]
   Mixer mixer = Mixer::kAny;
   bool bare = false;  // the key is hf_module itself, a parameter rather than a module (A_log)
-  std::vector<Dim> tail = {};
+  int rank = 1;       // 3: a conv weight
+  // A fixed array, not a vector: the rows are constexpr namespace-scope constants, which other
+  // files' static initialisers read (a dynamically initialised row could still be zeros then).
+  Dim tail[2] = {Dim::kOne, Dim::kOne};
 };
 
 struct Architecture {
