@@ -83,6 +83,10 @@ FAMILIES = [
     Family(None, "Qwen3-0.6B.jinja", None, "<|im_end|>", "<|im_start|>assistant\n", "<|im_end|>\n",
            kwargs={"enable_thinking": False}),
     Family(None, "QwQ-32B.jinja", None, "<|im_end|>", "<|im_start|>assistant\n", "<|im_end|>\n"),
+    # Qwen3.5 renders the last answer after an empty <think></think> block (thinking off), as its
+    # generation prompt ends: the block is masked, the answer from there trained.
+    Family(None, "Qwen3.5-9B.jinja", None, "<|im_end|>", "<|im_start|>assistant\n", "<|im_end|>\n",
+           kwargs={"enable_thinking": False}),
     Family(None, "granite-3.3-2b-instruct.jinja", "<|end_of_text|>", "<|end_of_text|>",
            "<|start_of_role|>assistant<|end_of_role|>", "<|end_of_text|>\n"),
 ]

@@ -6,6 +6,7 @@
 #include <string_view>
 
 #include "qlora/io/read_file.h"
+#include "qlora/jinja/strings.h"
 #include "qlora/jinja/template.h"
 
 namespace qlora::data {
@@ -210,7 +211,10 @@ std::vector<Segment> ChatTemplate::render_training(const std::vector<Message>& m
       const std::string with = render_spans(ojson(all.begin(), all.begin() + static_cast<std::ptrdiff_t>(i + 1)), false).text;
       const std::string where = "assistant message " + std::to_string(i + 1) + " (" + origin_ + ")";
       size_t start = head.size();
-      const std::string content = trim_ws(messages[i].content);
+      std::string content = trim_ws(messages[i].content);
+      // A template that trims as Python's str.strip() does (Qwen3.5's |trim) drops Unicode spaces too.
+      if (full.text.find(content, cursor) == std::string::npos)
+        content = jinja::py_strip(messages[i].content, std::nullopt, true, true);
       if (!starts_with(full.text, head)) {
         size_t at = full.text.find(content, cursor);
         if (content.empty()) {  // an empty answer: where a stand-in content renders, the text before it the same
