@@ -29,7 +29,7 @@ inline StepFlops step_flops_per_token(const models::LlamaConfig& c, int64_t r, i
   const models::Architecture& arch = models::architecture_of(c);
   StepFlops f;
   for (const models::ProjectionRow& row : arch.projections) {
-    const std::vector<int64_t> s = models::projection_shape(row, c);  // [out, in]
+    const std::vector<int64_t> s = models::projection_shape(row, c, 0);  // [out, in] (the shape's layers are alike)
     const double layers = row.member ? static_cast<double>(c.num_hidden_layers) : 1.0;
     f.frozen += 4.0 * static_cast<double>(s[0] * s[1]) * layers;
     if (row.member) f.lora += 6.0 * static_cast<double>(r * (s[0] + s[1])) * layers;

@@ -59,7 +59,7 @@ inline models::LlamaModel random_model(
   const auto bf16 = at::TensorOptions().dtype(at::kBFloat16);
   // A norm weight that scales by 1: w = 1, or w = 0 where the family scales by (1 + w) (Gemma).
   const auto norm_dtype = at::TensorOptions().dtype(compute_dtype);
-  auto unit_norm = [&](int64_t n) { return c.norm_plus_one ? at::zeros({n}, norm_dtype) : at::ones({n}, norm_dtype); };
+  auto unit_norm = [&](int64_t n) { return c.norm == modules::RmsScale::kOnePlusWeight ? at::zeros({n}, norm_dtype) : at::ones({n}, norm_dtype); };
   m.layers.reserve(static_cast<size_t>(c.num_hidden_layers));  // on_layer may keep references to layers
   // Drawn in bf16 and scaled in place: no fp32 [vocab, hidden] temporary.
   m.embed_tokens = at::randn({c.vocab_size, h}, gen, bf16).mul_(0.02);
@@ -68,12 +68,12 @@ inline models::LlamaModel random_model(
     for (const models::NormRow& n : arch.layer_norms) {
       if (!models::in_layer(n.mixer, c, i)) continue;
       // Qwen3.5's DeltaNet tensors (conv, A_log, dt_bias, the plain-w gated norm): ones.
-      L.*n.member = n.mixer == models::Mixer::kLinear ? at::ones(models::norm_shape(n, c), norm_dtype)
-                                                      : unit_norm(models::dim_size(n.size, c));
+      L.*n.member = n.mixer == models::Mixer::kLinear ? at::ones(models::norm_shape(n, c, i), norm_dtype)
+                                                      : unit_norm(models::dim_size(n.size, c, i));
     }
     for (const models::ProjectionRow& row : arch.projections) {
       if (!row.member || !models::in_layer(row.mixer, c, i)) continue;
-      const std::vector<int64_t> shape = models::projection_shape(row, c);  // [out, in]
+      const std::vector<int64_t> shape = models::projection_shape(row, c, i);  // [out, in]
       L.*row.member = random_nf4_projection(shape[0], shape[1], gen);
       if (models::has_bias(row, c)) modules::lora_linear_set_bias(L.*row.member, at::zeros({shape[0]}, norm_dtype));
     }
@@ -85,7 +85,7 @@ inline models::LlamaModel random_model(
   m.norm = unit_norm(h);
   m.lm_head = modules::lora_linear_dense(
       c.tie_word_embeddings ? m.embed_tokens
-                            : at::randn(models::projection_shape(models::output_projection(arch), c), gen, bf16).mul_(0.02));
+                            : at::randn(models::projection_shape(models::output_projection(arch), c, 0), gen, bf16).mul_(0.02));
   m.inv_freq = modules::rope_inv_freq(c.rope_dim(), c.rope());
   if (c.local_rope) m.inv_freq_local = modules::rope_inv_freq(c.rope_dim(), *c.local_rope);
   // Per-layer activation checkpointing, as a 7B QLoRA recipe runs: without it the saved
@@ -121,7 +121,7 @@ inline at::Tensor seeded_weight(const std::vector<int64_t>& shape, uint64_t k, a
 // embeddings, norms that scale by w, one RoPE): the layout the Python peer implements.
 inline void check_seeded_family(const models::LlamaConfig& c) {
   const models::Architecture& arch = models::architecture_of(c);
-  bool plain = !c.tie_word_embeddings && !c.norm_plus_one && !c.local_rope && arch.layer_norms.size() == 2;
+  bool plain = !c.tie_word_embeddings && c.norm == modules::RmsScale::kWeight && !c.local_rope && arch.layer_norms.size() == 2;
   for (const models::ProjectionRow& row : arch.projections)  // the output row has no member
     plain = plain && (!row.member || (row.fused_parts.empty() && !models::has_bias(row, c)));
   if (!plain)
@@ -150,11 +150,11 @@ inline models::LlamaModel seeded_model(
   m.layers.reserve(static_cast<size_t>(c.num_hidden_layers));  // on_layer may keep references to layers
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
     modules::DecoderLayer L;
-    for (const models::NormRow& n : arch.layer_norms) L.*n.member = at::ones({models::dim_size(n.size, c)}, norm_opts);
+    for (const models::NormRow& n : arch.layer_norms) L.*n.member = at::ones({models::dim_size(n.size, c, i)}, norm_opts);
     int64_t j = 0;
     for (const models::ProjectionRow& row : arch.projections) {
       if (!row.member) continue;  // the output projection: lm_head, below
-      const std::vector<int64_t> shape = models::projection_shape(row, c);  // [out, in]
+      const std::vector<int64_t> shape = models::projection_shape(row, c, i);  // [out, in]
       modules::LoraLinear& p = L.*row.member;
       p = modules::lora_linear_nf4(ops::nf4_quantize(seeded_weight(shape, k++, device)));
       modules::lora_linear_add_adapter(p, r, alpha, 0.0, cpu, device);
@@ -180,7 +180,7 @@ inline nlohmann::json seeded_spec(const models::LlamaConfig& c, int64_t r, doubl
   const std::vector<std::string> names = models::layer_peft_names(arch);
   size_t j = 0;
   for (const models::ProjectionRow& row : arch.projections)
-    if (row.member) projections.push_back({{"name", names.at(j++)}, {"shape", models::projection_shape(row, c)}});
+    if (row.member) projections.push_back({{"name", names.at(j++)}, {"shape", models::projection_shape(row, c, 0)}});
   const at::Tensor inv = modules::rope_inv_freq(c.head_dim, c.rope()).to(at::kDouble).contiguous();
   return {{"hidden", c.hidden_size}, {"layers", c.num_hidden_layers}, {"heads", c.num_attention_heads},
           {"kv_heads", c.num_key_value_heads}, {"head_dim", c.head_dim}, {"vocab", c.vocab_size},

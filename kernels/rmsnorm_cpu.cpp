@@ -41,7 +41,7 @@ template <int N, class T, class Fn> QLORA_INLINE float row_sum(int64_t n, Fn&& t
 }
 
 template <int N, class T>
-QLORA_INLINE float forward_row(int64_t n, const T* x, const T* w, float eps, bool plus_one, T* out) {
+QLORA_INLINE float forward_row(int64_t n, const T* x, const T* w, float eps, RmsScale scale, T* out) {
   using V = Vec<N>;
   const float ss = row_sum<N, T>(n, [&](int64_t i, int64_t k) QLORA_LAMBDA_INLINE {
     const typename V::F xv = V::load_n(x + i, k, 0.0f);
@@ -50,15 +50,16 @@ QLORA_INLINE float forward_row(int64_t n, const T* x, const T* w, float eps, boo
   const float rstd = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
   V::for_vectors(n, [&](int64_t i, int64_t k) QLORA_LAMBDA_INLINE {
     const typename V::F h = V::load_n(x + i, k, 0.0f) * rstd, wv = V::load_n(w + i, k, 0.0f);
-    V::store_n(out + i, plus_one ? h * (wv + 1.0f) : wv * round_as<N, T>(h), k);
+    if (scale == RmsScale::kWeight) V::store_n(out + i, wv * round_as<N, T>(h), k);
+    else V::store_n(out + i, h * (scale == RmsScale::kOnePlusWeight ? wv + 1.0f : wv), k);
   });
   return rstd;
 }
 
 template <int N, class T>
-QLORA_INLINE void backward_row(int64_t n, const T* g, const T* x, const T* w, float rstd, bool plus_one, T* gx) {
+QLORA_INLINE void backward_row(int64_t n, const T* g, const T* x, const T* w, float rstd, RmsScale scale, T* gx) {
   using V = Vec<N>;
-  const float one = plus_one ? 1.0f : 0.0f;
+  const float one = scale == RmsScale::kOnePlusWeight ? 1.0f : 0.0f;
   const float dot = row_sum<N, T>(n, [&](int64_t i, int64_t k) QLORA_LAMBDA_INLINE {
     return V::load_n(g + i, k, 0.0f) * (V::load_n(w + i, k, 0.0f) + one) * V::load_n(x + i, k, 0.0f);
   });
@@ -70,23 +71,23 @@ QLORA_INLINE void backward_row(int64_t n, const T* g, const T* x, const T* w, fl
 }
 
 template <class T>
-void forward(int64_t rows, int64_t n, const T* x, int64_t ldx, const T* w, float eps, bool plus_one, T* out,
+void forward(int64_t rows, int64_t n, const T* x, int64_t ldx, const T* w, float eps, RmsScale scale, T* out,
              int64_t ldo, float* rstd) {
   at::parallel_for(0, rows, grain_rows(n), [&](int64_t r0, int64_t r1) {
     dispatch_isa([&](auto isa) QLORA_LAMBDA_INLINE {
       for (int64_t r = r0; r < r1; ++r)
-        rstd[r] = forward_row<lanes<isa()>>(n, x + r * ldx, w, eps, plus_one, out + r * ldo);
+        rstd[r] = forward_row<lanes<isa()>>(n, x + r * ldx, w, eps, scale, out + r * ldo);
     });
   });
 }
 
 template <class T>
 void backward(int64_t rows, int64_t n, const T* g, int64_t ldg, const T* x, int64_t ldx, const T* w,
-              const float* rstd, bool plus_one, T* gx, int64_t ldgx) {
+              const float* rstd, RmsScale scale, T* gx, int64_t ldgx) {
   at::parallel_for(0, rows, grain_rows(n), [&](int64_t r0, int64_t r1) {
     dispatch_isa([&](auto isa) QLORA_LAMBDA_INLINE {
       for (int64_t r = r0; r < r1; ++r)
-        backward_row<lanes<isa()>>(n, g + r * ldg, x + r * ldx, w, rstd[r], plus_one, gx + r * ldgx);
+        backward_row<lanes<isa()>>(n, g + r * ldg, x + r * ldx, w, rstd[r], scale, gx + r * ldgx);
     });
   });
 }
@@ -94,22 +95,22 @@ void backward(int64_t rows, int64_t n, const T* g, int64_t ldg, const T* x, int6
 }  // namespace
 
 void rms_norm_forward_cpu(int64_t rows, int64_t n, const float* x, int64_t ldx, const float* w, float eps,
-                          bool plus_one, float* out, int64_t ldo, float* rstd) {
-  forward(rows, n, x, ldx, w, eps, plus_one, out, ldo, rstd);
+                          RmsScale scale, float* out, int64_t ldo, float* rstd) {
+  forward(rows, n, x, ldx, w, eps, scale, out, ldo, rstd);
 }
 void rms_norm_forward_cpu(int64_t rows, int64_t n, const uint16_t* x, int64_t ldx, const uint16_t* w, float eps,
-                          bool plus_one, uint16_t* out, int64_t ldo, float* rstd) {
-  forward(rows, n, x, ldx, w, eps, plus_one, out, ldo, rstd);
+                          RmsScale scale, uint16_t* out, int64_t ldo, float* rstd) {
+  forward(rows, n, x, ldx, w, eps, scale, out, ldo, rstd);
 }
 
 void rms_norm_backward_cpu(int64_t rows, int64_t n, const float* grad, int64_t ldg, const float* x, int64_t ldx,
-                           const float* w, const float* rstd, bool plus_one, float* gx, int64_t ldgx) {
-  backward(rows, n, grad, ldg, x, ldx, w, rstd, plus_one, gx, ldgx);
+                           const float* w, const float* rstd, RmsScale scale, float* gx, int64_t ldgx) {
+  backward(rows, n, grad, ldg, x, ldx, w, rstd, scale, gx, ldgx);
 }
 void rms_norm_backward_cpu(int64_t rows, int64_t n, const uint16_t* grad, int64_t ldg, const uint16_t* x,
-                           int64_t ldx, const uint16_t* w, const float* rstd, bool plus_one, uint16_t* gx,
+                           int64_t ldx, const uint16_t* w, const float* rstd, RmsScale scale, uint16_t* gx,
                            int64_t ldgx) {
-  backward(rows, n, grad, ldg, x, ldx, w, rstd, plus_one, gx, ldgx);
+  backward(rows, n, grad, ldg, x, ldx, w, rstd, scale, gx, ldgx);
 }
 
 }  // namespace qlora::kernels

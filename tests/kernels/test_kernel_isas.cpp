@@ -134,19 +134,21 @@ TEST_P(KernelIsas, RmsNormMatchesFloat64) {
   const int64_t n = 77;  // a vector tail on every ISA
   const at::Tensor x = rnd({2, 5, n}, 15, dtype(), 2.0), w = rnd({n}, 16, dtype()), gr = rnd({2, 5, n}, 17, dtype());
   const double eps = 1e-6;
-  for (bool plus_one : {false, true}) {
-    const std::string what = plus_one ? " (1 + w)" : " (w)";
+  using kernels::RmsScale;
+  for (RmsScale scale : {RmsScale::kWeight, RmsScale::kOnePlusWeight, RmsScale::kWeightFp32}) {
+    const bool plus_one = scale == RmsScale::kOnePlusWeight, rounded = scale == RmsScale::kWeight;
+    const std::string what = plus_one ? " (1 + w)" : rounded ? " (w)" : " (w, fp32)";
     const at::Tensor xd = f64(x), wd = plus_one ? f64(w) + 1.0 : f64(w);
     const at::Tensor rstd = (xd.pow(2).mean(-1, true) + eps).rsqrt();
-    auto [y, r] = ops::rms_norm(x, w, eps, plus_one);
+    auto [y, r] = ops::rms_norm(x, w, eps, scale);
     // A sum of 77 squares and a square root: 1e-6 of rstd.
     expect_near(r, rstd, 1e-6, 0, "rstd" + what);
-    // bf16 without plus_one rounds x * rstd before w multiplies it (transformers' order): two roundings.
-    expect_near(y, xd * rstd * wd, bf16() ? (plus_one ? 1 : 2) * kBf16Rel : 1e-6, 0, "forward" + what);
+    // bf16 in Llama's form rounds x * rstd before w multiplies it (transformers' order): two roundings.
+    expect_near(y, xd * rstd * wd, bf16() ? (rounded ? 2 : 1) * kBf16Rel : 1e-6, 0, "forward" + what);
     const at::Tensor gw = f64(gr) * wd;
     const at::Tensor want = gw * rstd - xd * rstd.pow(3) * (gw * xd).mean(-1, true);
     // gw rstd - x c cancels: 1e-6 of the row's largest terms.
-    expect_near(ops::rms_norm_backward(gr, x, w, r, plus_one), want, rel(), 1e-6, "backward" + what);
+    expect_near(ops::rms_norm_backward(gr, x, w, r, scale), want, rel(), 1e-6, "backward" + what);
   }
 }
 

@@ -87,7 +87,7 @@ TEST(Architecture, ProjectionShapesFollowTheConfig) {
   const std::vector<std::vector<int64_t>> want = {{64, 64},  {32, 64},  {32, 64}, {64, 64},
                                                   {176, 64}, {176, 64}, {64, 176}, {300, 64}};
   for (size_t j = 0; j < arch.projections.size(); ++j)
-    EXPECT_EQ(projection_shape(arch.projections[j], c), want[j]) << arch.projections[j].peft_name;
+    EXPECT_EQ(projection_shape(arch.projections[j], c, 0), want[j]) << arch.projections[j].peft_name;
 }
 
 TEST(Architecture, TargetsInBothSpellings) {

@@ -81,7 +81,7 @@ TEST(FamilyConfig, Gemma2DefaultsTieAlternatesWindowsAndSoftCaps) {
   const LlamaConfig c = parse_llama_config(kGemma2, "cfg.json");
   EXPECT_EQ(c.family, Family::kGemma2);
   EXPECT_TRUE(c.tie_word_embeddings);  // absent from the file: Gemma's default
-  EXPECT_TRUE(c.norm_plus_one);
+  EXPECT_EQ(c.norm, modules::RmsScale::kOnePlusWeight);
   EXPECT_EQ(c.activation, MlpActivation::kGeluTanh);
   EXPECT_DOUBLE_EQ(c.embed_scale, std::sqrt(3584.0));
   EXPECT_EQ(c.attn_logit_softcapping, 50.0);
@@ -195,17 +195,17 @@ TEST(FamilyConfig, Qwen35MultimodalIsItsHybridTextConfig) {
   EXPECT_EQ(c.head_dim, 256);
   EXPECT_EQ(c.rope_dim(), 64);  // a quarter of head_dim rotates
   EXPECT_DOUBLE_EQ(c.rope_theta, 1e7);
-  EXPECT_TRUE(c.norm_plus_one);
+  EXPECT_EQ(c.norm, modules::RmsScale::kOnePlusWeight);
   EXPECT_TRUE(c.attn_output_gate);
   EXPECT_FALSE(c.tie_word_embeddings);
   for (int64_t i = 0; i < 8; ++i) EXPECT_EQ(c.is_linear(i), (i + 1) % 4 != 0) << i;
   EXPECT_EQ(c.gated_delta.conv_dim(), 2 * 16 * 128 + 32 * 128);
   const Architecture& arch = architecture_of(c);
-  EXPECT_EQ(projection_shape(*find_projection(arch, "q_proj"), c), (std::vector<int64_t>{2 * 16 * 256, 4096}));
-  EXPECT_EQ(projection_shape(*find_projection(arch, "in_proj_b"), c), (std::vector<int64_t>{32, 4096}));
+  EXPECT_EQ(projection_shape(*find_projection(arch, "q_proj"), c, 3), (std::vector<int64_t>{2 * 16 * 256, 4096}));
+  EXPECT_EQ(projection_shape(*find_projection(arch, "in_proj_b"), c, 0), (std::vector<int64_t>{32, 4096}));
   EXPECT_EQ(peft_target(arch, "linear_out"), "out_proj");
   for (const NormRow& n : arch.layer_norms)
-    if (std::string(n.name) == "linear_attn.conv1d") EXPECT_EQ(norm_shape(n, c), (std::vector<int64_t>{8192, 1, 4}));
+    if (std::string(n.name) == "linear_attn.conv1d") EXPECT_EQ(norm_shape(n, c, 0), (std::vector<int64_t>{8192, 1, 4}));
     else if (std::string(n.name) == "linear_attn.A_log") EXPECT_EQ(hf_key(n, 2), "model.layers.2.linear_attn.A_log");
   // A layer holds its own mixer's rows only.
   EXPECT_TRUE(in_layer(find_projection(arch, "in_proj_qkv")->mixer, c, 0));
@@ -250,8 +250,8 @@ TEST(FamilyConfig, Phi3SlidesEveryLayerAndFusesTargets) {
   EXPECT_EQ(c.sliding_window, 2047);
   EXPECT_TRUE(c.is_sliding(0) && c.is_sliding(31));
   const Architecture& a = architecture_of(c);
-  EXPECT_EQ(projection_shape(*find_projection(a, "qkv"), c), (std::vector<int64_t>{3 * 3072, 3072}));
-  EXPECT_EQ(projection_shape(*find_projection(a, "gate_up"), c), (std::vector<int64_t>{2 * 8192, 3072}));
+  EXPECT_EQ(projection_shape(*find_projection(a, "qkv"), c, 0), (std::vector<int64_t>{3 * 3072, 3072}));
+  EXPECT_EQ(projection_shape(*find_projection(a, "gate_up"), c, 0), (std::vector<int64_t>{2 * 8192, 3072}));
   EXPECT_EQ(peft_targets(a, {"q", "k", "v", "o", "gate", "up", "down"}),
             (std::vector<std::string>{"down_proj", "gate_up_proj", "o_proj", "qkv_proj"}));
   EXPECT_EQ(peft_targets(a, {"qkv_proj", "output"}), (std::vector<std::string>{"lm_head", "qkv_proj"}));
@@ -314,7 +314,7 @@ TEST(FamilyConfig, Olmo3SlidesThreeOfFourLayersAndScalesItsFullLayersWithYarn) {
   const Architecture& a = architecture_of(c);
   EXPECT_STREQ(a.family, "olmo2");
   ASSERT_EQ(a.layer_norms.size(), 4u);  // post-attention, post-feedforward, q and k over all heads
-  EXPECT_EQ(dim_size(a.layer_norms[2].size, c), 4096);
+  EXPECT_EQ(dim_size(a.layer_norms[2].size, c, 0), 4096);
   // Without an attention_factor, transformers' 0.1 ln(factor) + 1.
   const LlamaConfig d = parse_llama_config(R"({"model_type":"olmo2","hidden_size":64,"intermediate_size":128,
     "num_hidden_layers":2,"num_attention_heads":4,"vocab_size":32,"max_position_embeddings":4096,

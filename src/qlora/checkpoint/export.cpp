@@ -269,6 +269,8 @@ MergedModelWriter::MergedModelWriter(const std::string& dir, const models::Llama
   // The table's text keys in the layout of the input files (key_layout.h).
   const auto key = [&model](const std::string& text_key) { return models::layout_key(model.key_layout, text_key); };
   plain(key(arch.embed_key), model.embed_tokens);
+  if (models::has_embed_rows(c))
+    for (const models::EmbedRow& row : arch.embed_rows) plain(key(row.hf_key), model.per_layer_inputs.*row.member);
   for (size_t i = 0; i < model.layers.size(); ++i) {
     current_unit = static_cast<int64_t>(i);
     const modules::DecoderLayer& L = model.layers[i];

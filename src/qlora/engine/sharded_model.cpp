@@ -174,10 +174,21 @@ void ShardedLlama::finish(models::LlamaModel& m) {
                        m.embed_tokens = v;
                        if (tied) m.lm_head.base_dense = v;
                      }};
-  if (!tied) frozen_[0] = make_frozen("embed", {embed}, n, me, dev);
+  // The embedding unit's group (the head's when tied): embed_tokens and what else the unit reads
+  // (Gemma 4's per-layer input projection and norm; the table stays in host memory, EmbedRow::host).
+  std::vector<Member> embed_unit = {embed};
+  if (models::has_embed_rows(m.config)) {
+    for (const models::EmbedRow& row : m.architecture().embed_rows) {
+      at::Tensor modules::PerLayerInputs::*member = row.member;
+      if (!row.host)
+        embed_unit.push_back({row.name, m.per_layer_inputs.*member,
+                              [&m, member](const at::Tensor& v) { m.per_layer_inputs.*member = v; }});
+    }
+  }
+  if (!tied) frozen_[0] = make_frozen("embed", embed_unit, n, me, dev);
   std::vector<Member> head = {{"norm", m.norm, [&m](const at::Tensor& v) { m.norm = v; }}};
   const char* head_name = models::output_projection(m.architecture()).peft_name;
-  if (tied) head.push_back(embed);
+  if (tied) head.insert(head.end(), embed_unit.begin(), embed_unit.end());
   else add_nf4(head, head_name, m.lm_head);
   frozen_.push_back(make_frozen("head", head, n, me, dev));
   add_trainable({&m.lm_head}, {head_name});

@@ -21,6 +21,7 @@ const char* arch_name(Family f) {
     case Family::kSmolLM3: return "smollm3";
     case Family::kOlmo2: return "olmo2";
     case Family::kQwen35: return "qwen35";
+    case Family::kGemma4: return "gemma4";
   }
   throw std::logic_error("arch_name: unknown family");
 }
@@ -160,15 +161,24 @@ Metadata common_keys(const LlamaConfig& c, const std::string& a, int64_t context
           {a + ".rope.freq_base", Value::f32(static_cast<float>(c.rope_theta))}};
 }
 
+// Families whose llama.cpp layout this writer does not produce: why, for the refusal.
+const char* unwritten_layout(Family f) {
+  if (f == Family::kQwen35)
+    return " (Qwen3.5): llama.cpp's qwen35 architecture lays the Gated DeltaNet out as its own ssm_* tensors";
+  if (f == Family::kGemma4)
+    return " (Gemma 4): llama.cpp's gemma4 architecture has its own tensors for the per-layer inputs, the "
+           "full layers' head size and the KV-shared layers";
+  return nullptr;
+}
+
 }  // namespace
 
 ArchPlan plan_architecture(const LlamaConfig& c, const std::string& where) {
-  if (c.family == Family::kQwen35)
-    throw std::invalid_argument(
-        where + ": config key 'model_type': " + c.model_type +
-        " (Qwen3.5): llama.cpp's qwen35 architecture lays the Gated DeltaNet out as its own ssm_* tensors, which "
-        "this GGUF writer does not write yet, so no GGUF is written; the merged export (model/) loads in "
-        "transformers and converts with llama.cpp's convert_hf_to_gguf.py");
+  if (const char* why = unwritten_layout(c.family))
+    throw std::invalid_argument(where + ": config key 'model_type': " + c.model_type + why +
+                                ", which this GGUF writer does not write yet, so no GGUF is written; the merged "
+                                "export (model/) loads in transformers and converts with llama.cpp's "
+                                "convert_hf_to_gguf.py");
   check_activation_and_biases(c, where);
   check_rope(c, where);
   if (is_gemma(c.family)) check_gemma(c, where);

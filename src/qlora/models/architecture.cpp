@@ -147,11 +147,51 @@ const Architecture& qwen35_architecture() {
   return a;
 }
 
+// Gemma 4: Gemma 3's block with w-scaled norms (the config's), KV-shared layers without k/v
+// projections and k_norm, full layers without v_proj under attention_k_eq_v, and per-layer inputs: a
+// gate and a projection (LoRA targets "ple_gate", "ple_proj"; peft wraps them as it wraps any
+// nn.Linear), their norm and a layer_scalar in each layer, and the embedding unit's table, projection
+// and norm (frozen: the embedding unit has no backward, so per_layer_model_projection is no target).
+const Architecture& gemma4_architecture() {
+  static const Architecture a = [] {
+    std::vector<ProjectionRow> rows = llama_rows(Bias::kIfAttentionBias, Bias::kIfAttentionBias);
+    rows[1].mixer = Mixer::kOwnKv;  // k_proj
+    rows[2].mixer = Mixer::kOwnV;   // v_proj
+    const auto per_layer = [](const char* short_name, const char* peft, const char* module,
+                              modules::LoraLinear DecoderLayer::*member, Dim out, Dim in) {
+      return ProjectionRow{short_name, peft, module, member, out, in, {}, Bias::kNone, Mixer::kPerLayerInput};
+    };
+    rows.insert(rows.end() - 1, per_layer("ple_gate", "per_layer_input_gate", "model.layers.{i}.per_layer_input_gate",
+                                          &DecoderLayer::per_layer_input_gate, Dim::kPerLayer, Dim::kHidden));
+    rows.insert(rows.end() - 1, per_layer("ple_proj", "per_layer_projection", "model.layers.{i}.per_layer_projection",
+                                          &DecoderLayer::per_layer_projection, Dim::kHidden, Dim::kPerLayer));
+    NormRow k_norm = kKNorm;
+    k_norm.mixer = Mixer::kOwnKv;
+    const std::vector<NormRow> norms = {
+        kInputNorm, kPostAttnNorm, kPreFfnNorm, kPostFfnNorm, kQNorm, k_norm,
+        {"post_per_layer_input_norm", "model.layers.{i}.post_per_layer_input_norm",
+         &DecoderLayer::post_per_layer_input_norm, Dim::kHidden, Mixer::kPerLayerInput},
+        {"layer_scalar", "model.layers.{i}.layer_scalar", &DecoderLayer::layer_scalar, Dim::kOne, Mixer::kAny, true},
+    };
+    Architecture arch = make("gemma4", rows, norms);
+    using modules::PerLayerInputs;
+    arch.embed_rows = {
+        {"embed_tokens_per_layer", "model.embed_tokens_per_layer.weight", &PerLayerInputs::table,
+         {Dim::kPerLayerVocab, Dim::kPerLayerAll}, true},
+        {"per_layer_model_projection", "model.per_layer_model_projection.weight", &PerLayerInputs::projection,
+         {Dim::kPerLayerAll, Dim::kHidden}},
+        {"per_layer_projection_norm", "model.per_layer_projection_norm.weight", &PerLayerInputs::norm, {Dim::kPerLayer}},
+    };
+    return arch;
+  }();
+  return a;
+}
+
 const Architecture* const kAllArchitectures[] = {&llama_architecture(),  &qwen2_architecture(),
                                                  &qwen3_architecture(),  &gemma2_architecture(),
                                                  &gemma3_architecture(), &phi3_architecture(),
                                                  &smollm3_architecture(), &olmo2_architecture(),
-                                                 &qwen35_architecture()};
+                                                 &qwen35_architecture(), &gemma4_architecture()};
 
 }  // namespace
 
@@ -172,6 +212,7 @@ const Architecture& architecture_of(const LlamaConfig& config) {
     case Family::kSmolLM3: return smollm3_architecture();
     case Family::kOlmo2: return olmo2_architecture();
     case Family::kQwen35: return qwen35_architecture();
+    case Family::kGemma4: return gemma4_architecture();
   }
   throw std::logic_error("architecture_of: unknown family");
 }
@@ -289,14 +330,14 @@ std::vector<const modules::LoraLinear*> layer_projections(const Architecture& ar
   return projections_of<const DecoderLayer, const modules::LoraLinear>(arch, layer);
 }
 
-int64_t dim_size(Dim d, const LlamaConfig& c) {
+int64_t dim_size(Dim d, const LlamaConfig& c, int64_t layer) {
   switch (d) {
     case Dim::kHidden: return c.hidden_size;
-    case Dim::kQHeads: return c.num_attention_heads * c.head_dim;
-    case Dim::kKvHeads: return c.num_key_value_heads * c.head_dim;
-    case Dim::kIntermediate: return c.intermediate_size;
+    case Dim::kQHeads: return c.num_attention_heads * c.layer_head_dim(layer);
+    case Dim::kKvHeads: return c.layer_kv_heads(layer) * c.layer_head_dim(layer);
+    case Dim::kIntermediate: return c.layer_intermediate(layer);
     case Dim::kVocab: return c.vocab_size;
-    case Dim::kHeadDim: return c.head_dim;
+    case Dim::kHeadDim: return c.layer_head_dim(layer);
     case Dim::kQkv: return (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim;
     case Dim::kGateUp: return 2 * c.intermediate_size;
     case Dim::kQHeadsGated: return 2 * c.num_attention_heads * c.head_dim;
@@ -306,22 +347,41 @@ int64_t dim_size(Dim d, const LlamaConfig& c) {
     case Dim::kLinearHeadDim: return c.gated_delta.value_head_dim;
     case Dim::kOne: return 1;
     case Dim::kConvKernel: return c.gated_delta.conv_kernel;
+    case Dim::kPerLayer: return c.per_layer_input_dim;
+    case Dim::kPerLayerAll: return c.num_hidden_layers * c.per_layer_input_dim;
+    case Dim::kPerLayerVocab: return c.per_layer_input_vocab;
   }
   throw std::logic_error("dim_size: unknown Dim");
 }
 
 bool in_layer(Mixer mixer, const LlamaConfig& c, int64_t layer) {
-  return mixer == Mixer::kAny || (mixer == Mixer::kLinear) == c.is_linear(layer);
+  switch (mixer) {
+    case Mixer::kAny: return true;
+    case Mixer::kAttention: return !c.is_linear(layer);
+    case Mixer::kLinear: return c.is_linear(layer);
+    case Mixer::kOwnKv: return !c.is_linear(layer) && !c.is_kv_shared(layer);
+    case Mixer::kOwnV: return in_layer(Mixer::kOwnKv, c, layer) && !(c.attention_k_eq_v && !c.is_sliding(layer));
+    case Mixer::kPerLayerInput: return c.per_layer_input_dim > 0;
+  }
+  throw std::logic_error("in_layer: unknown Mixer");
 }
 
-std::vector<int64_t> norm_shape(const NormRow& row, const LlamaConfig& c) {
-  std::vector<int64_t> shape{dim_size(row.size, c)};
-  for (int k = 1; k < row.rank; ++k) shape.push_back(dim_size(row.tail[k - 1], c));
+std::vector<int64_t> norm_shape(const NormRow& row, const LlamaConfig& c, int64_t layer) {
+  std::vector<int64_t> shape{dim_size(row.size, c, layer)};
+  for (int k = 1; k < row.rank; ++k) shape.push_back(dim_size(row.tail[k - 1], c, layer));
   return shape;
 }
 
-std::vector<int64_t> projection_shape(const ProjectionRow& row, const LlamaConfig& c) {
-  return {dim_size(row.out, c), dim_size(row.in, c)};
+std::vector<int64_t> embed_shape(const EmbedRow& row, const LlamaConfig& c) {
+  std::vector<int64_t> shape;
+  for (Dim d : row.shape) shape.push_back(dim_size(d, c, 0));
+  return shape;
+}
+
+bool has_embed_rows(const LlamaConfig& c) { return c.per_layer_input_dim > 0; }
+
+std::vector<int64_t> projection_shape(const ProjectionRow& row, const LlamaConfig& c, int64_t layer) {
+  return {dim_size(row.out, c, layer), dim_size(row.in, c, layer)};
 }
 
 }  // namespace qlora::models

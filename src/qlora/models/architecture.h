@@ -15,11 +15,13 @@
 
 #include "qlora/models/llama_config.h"
 #include "qlora/modules/layers.h"
+#include "qlora/modules/per_layer_inputs.h"
 
 namespace qlora::models {
 
 // A projection's sizes, named by the config value they come from, so one table serves every
-// checkpoint of the family.
+// checkpoint of the family. Sizes are a layer's (LlamaConfig::layer_head_dim ...): Gemma 4's full
+// attention layers and KV-shared layers have their own.
 enum class Dim {
   kHidden,        // hidden_size
   kQHeads,        // num_attention_heads * head_dim
@@ -36,11 +38,16 @@ enum class Dim {
   kLinearHeadDim, // linear_value_head_dim (the gated norm)
   kOne,           // 1 (the depthwise conv weight's input-channel dim)
   kConvKernel,    // linear_conv_kernel_dim
+  kPerLayer,       // hidden_size_per_layer_input (Gemma 4)
+  kPerLayerAll,    // num_hidden_layers * hidden_size_per_layer_input
+  kPerLayerVocab,  // vocab_size_per_layer_input
 };
 
 // Which layers hold a row: every layer, or only those whose mixer is attention or (Qwen3.5) the
-// Gated DeltaNet (LlamaConfig::is_linear).
-enum class Mixer { kAny, kAttention, kLinear };
+// Gated DeltaNet (LlamaConfig::is_linear); Gemma 4's attention layers with K/V of their own (not
+// KV-shared), those with a V of their own too (not full layers under attention_k_eq_v), and every
+// layer when the model has per-layer inputs.
+enum class Mixer { kAny, kAttention, kLinear, kOwnKv, kOwnV, kPerLayerInput };
 
 // Whether a projection has a (frozen) bias, <module>.bias.
 enum class Bias {
@@ -82,6 +89,17 @@ struct NormRow {
   Dim tail[2] = {Dim::kOne, Dim::kOne};
 };
 
+// A frozen model tensor of the embedding unit besides embed_tokens (Gemma 4's per-layer inputs).
+struct EmbedRow {
+  const char* name;    // "per_layer_model_projection": its name in the embedding unit's shard group
+  const char* hf_key;  // "model.per_layer_model_projection.weight"
+  at::Tensor modules::PerLayerInputs::*member;
+  std::vector<Dim> shape;
+  // Kept in host memory as the checkpoint stores it, never sharded or gathered: a table of which a
+  // step reads only its batch's rows.
+  bool host = false;
+};
+
 struct Architecture {
   const char* family;  // "llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "smollm3", "olmo2", "qwen3_5"
   // A decoder layer's projections in forward order (the order adapters are initialised, exported
@@ -90,6 +108,8 @@ struct Architecture {
   std::vector<NormRow> layer_norms;  // in checkpoint order
   const char* embed_key;             // "model.embed_tokens.weight"
   const char* final_norm_key;        // "model.norm.weight"
+  // Held when the config has per-layer inputs (LlamaConfig::per_layer_input_dim); empty for most.
+  std::vector<EmbedRow> embed_rows = {};
 };
 
 // Llama-2, Llama-3/3.1 and Mistral (same weights; Mistral differs only in config values).
@@ -136,12 +156,15 @@ std::vector<const modules::LoraLinear*> layer_projections(const Architecture& ar
 
 // Whether layer `layer` holds a row of this mixer under `config`.
 bool in_layer(Mixer mixer, const LlamaConfig& config, int64_t layer);
-// [size, tail...] of a layer tensor under a config.
-std::vector<int64_t> norm_shape(const NormRow& row, const LlamaConfig& config);
+// [size, tail...] of layer `layer`'s tensor under a config.
+std::vector<int64_t> norm_shape(const NormRow& row, const LlamaConfig& config, int64_t layer);
+// An embedding-unit tensor's shape; whether the config holds it.
+std::vector<int64_t> embed_shape(const EmbedRow& row, const LlamaConfig& config);
+bool has_embed_rows(const LlamaConfig& config);
 
-// Size of a Dim under a config.
-int64_t dim_size(Dim d, const LlamaConfig& config);
-// [out, in] of a projection under a config.
-std::vector<int64_t> projection_shape(const ProjectionRow& row, const LlamaConfig& config);
+// Size of a Dim in layer `layer` under a config (the output projection: any layer, e.g. 0).
+int64_t dim_size(Dim d, const LlamaConfig& config, int64_t layer);
+// [out, in] of layer `layer`'s projection under a config.
+std::vector<int64_t> projection_shape(const ProjectionRow& row, const LlamaConfig& config, int64_t layer);
 
 }  // namespace qlora::models

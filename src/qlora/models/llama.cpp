@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <memory>
 #include <set>
 #include <stdexcept>
 
@@ -23,6 +24,7 @@
 
 #include "qlora/io/quantize_checkpoint.h"
 #include "qlora/models/output_head.h"
+#include "qlora/modules/per_layer_inputs.h"
 #include "qlora/ops/nf4_ops.h"
 
 namespace qlora::models {
@@ -77,16 +79,37 @@ struct Loader {
                      at::Generator& gen) const {
     DecoderLayer L;
     for (const NormRow& n : arch.layer_norms)
-      if (in_layer(n.mixer, c, i)) L.*n.member = dense(hf_key(n, i), norm_shape(n, c));
+      if (in_layer(n.mixer, c, i)) L.*n.member = dense(hf_key(n, i), norm_shape(n, c, i));
     for (const ProjectionRow& row : arch.projections) {
       if (!row.member || !in_layer(row.mixer, c, i)) continue;
       LoraLinear& p = L.*row.member;
-      const std::vector<int64_t> shape = projection_shape(row, c);
+      const std::vector<int64_t> shape = projection_shape(row, c, i);
       p = projection(hf_key(row, i), shape);
       if (has_bias(row, c)) modules::lora_linear_set_bias(p, dense(hf_bias_key(row, i), {shape[0]}));
       if (targets.count(row.peft_name)) add_adapter(p, gen);
     }
     return L;
+  }
+  // Gemma 4's per-layer inputs: the table as the checkpoint stores it, in host memory (EmbedRow::host),
+  // the rest in the compute dtype on the device.
+  modules::PerLayerInputs per_layer_inputs(const Architecture& arch, const LlamaConfig& c) const {
+    modules::PerLayerInputs p;
+    if (!has_embed_rows(c)) return p;
+    for (const EmbedRow& row : arch.embed_rows) {
+      const std::string key = layout_key(layout, row.hf_key);
+      if (!row.host) {
+        p.*row.member = dense(row.hf_key, embed_shape(row, c));
+        continue;
+      }
+      if (!ckpt.contains(key)) throw std::invalid_argument(ckpt.path() + ": tensor '" + key + "' is missing");
+      p.*row.member = ckpt.tensor(key);  // zero-copy: the mapping's pages, read a batch's rows at a time
+      check_shape(key, (p.*row.member).sizes(), embed_shape(row, c));
+    }
+    p.layers = c.num_hidden_layers;
+    p.dim = c.per_layer_input_dim;
+    p.rms_norm_eps = c.rms_norm_eps;
+    p.norm_scale = c.norm;
+    return p;
   }
 };
 
@@ -104,8 +127,9 @@ std::set<std::string> lora_targets(const Architecture& arch, const std::vector<s
 
 modules::LayerDims LlamaModel::dims(int64_t layer) const {
   const LlamaConfig& c = config;
-  modules::LayerDims d{c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps};
-  d.norm_plus_one = c.norm_plus_one;
+  modules::LayerDims d{c.num_attention_heads, c.layer_kv_heads(layer), c.layer_head_dim(layer), c.rms_norm_eps};
+  d.norm = c.norm;
+  d.v_norm = c.family == Family::kGemma4;
   d.activation = c.activation;
   if (c.query_pre_attn_scalar) d.attention.scale = 1.0 / std::sqrt(*c.query_pre_attn_scalar);
   d.attention.softcap = c.attn_logit_softcapping.value_or(0.0);
@@ -148,6 +172,7 @@ LlamaModel load_llama(const std::string& checkpoint_dir, const LlamaLoadOptions&
 
   const int64_t h = c.hidden_size;
   m.embed_tokens = ld.dense(arch.embed_key, {c.vocab_size, h}, frozen);
+  m.per_layer_inputs = ld.per_layer_inputs(arch, c);
   m.layers.reserve(static_cast<size_t>(c.num_hidden_layers));  // layers keep their addresses
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
     m.layers.push_back(ld.layer(arch, c, i, targets, gen));
@@ -158,10 +183,10 @@ LlamaModel load_llama(const std::string& checkpoint_dir, const LlamaLoadOptions&
   if (c.tie_word_embeddings) {
     m.lm_head = modules::lora_linear_dense(m.embed_tokens);
   } else {
-    m.lm_head = modules::lora_linear_dense(ld.dense(hf_key(head, 0), projection_shape(head, c), frozen));
+    m.lm_head = modules::lora_linear_dense(ld.dense(hf_key(head, 0), projection_shape(head, c, 0), frozen));
   }
   if (targets.count(head.peft_name)) ld.add_adapter(m.lm_head, gen);
-  m.inv_freq = modules::rope_inv_freq(c.rope_dim(), c.rope()).to(opt.device);
+  m.inv_freq = modules::rope_inv_freq(c.global_rope_dim(), c.rope()).to(opt.device);
   if (c.local_rope) m.inv_freq_local = modules::rope_inv_freq(c.rope_dim(), *c.local_rope).to(opt.device);
   return m;
 }
@@ -187,58 +212,97 @@ void add_backward_hooks(const at::Tensor& out, UnitHooks* hooks, int64_t u, bool
   });
 }
 
+// Gemma 4's inputs to each layer besides h, along one forward: the per-layer inputs, and the keys and
+// values a KV-source layer hands to the layers that share them (llama_config.h: kv_source).
+struct LayerSides {
+  at::Tensor per_layer;               // [batch, seq, layers, dim]; undefined without per-layer inputs
+  std::vector<modules::SharedKv> kv;  // per layer: what it stored, if it is a KV source
+  modules::LayerExtras of(const LlamaConfig& c, int64_t i) {
+    modules::LayerExtras e;
+    if (per_layer.defined()) e.per_layer_input = per_layer.select(2, i);  // [batch, seq, dim]
+    if (c.is_kv_shared(i)) e.kv = &kv[static_cast<size_t>(c.kv_source[static_cast<size_t>(i)])];
+    else if (c.is_kv_source(i)) e.kv = &kv[static_cast<size_t>(i)];
+    return e;
+  }
+};
+
+// Layer i under activation checkpointing: only its input is kept, the replay in backward recomputes
+// the rest. A KV-shared layer's source K/V join its params, so their gradients reach the source.
+at::Tensor checkpointed_layer(const LlamaModel& m, int64_t i, const at::Tensor& h, const modules::RopeTables& rope,
+                              const at::Tensor& attn_mask, const modules::Segments& segments,
+                              const modules::LayerExtras& ex) {
+  const DecoderLayer& layer = m.layers[static_cast<size_t>(i)];
+  const modules::LayerDims d = m.dims(i);
+  const bool train = m.training;
+  UnitHooks* hooks = m.hooks.get();
+  std::vector<at::Tensor> params = layer.trainable();
+  // A copy: the replay runs after hidden_states has returned (a KV source is never checkpointed, so
+  // this layer only reads it).
+  const auto kv = ex.kv ? std::make_shared<modules::SharedKv>(*ex.kv) : nullptr;
+  if (kv)
+    for (const at::Tensor& t : {kv->k, kv->v})
+      if (t.requires_grad()) params.push_back(t);
+  const at::Tensor per_layer = ex.per_layer_input;
+  // Captured by value: the backward replays this closure after hidden_states has returned. The
+  // hooks are held by the model, which outlives its backward.
+  return modules::checkpointed(
+      [&layer, d, rope, attn_mask, segments, train, hooks, i, kv, per_layer](const at::Tensor& x) {
+        const bool replay = at::GradMode::is_enabled();  // the forward pass runs without grad
+        if (hooks && replay) hooks->before_forward(i, true);
+        const modules::LayerExtras e{per_layer, kv.get()};
+        at::Tensor y = modules::decoder_layer_forward(layer, d, x, rope, train, nullptr, attn_mask,
+                                                      segments.gather.defined() ? &segments : nullptr, &e);
+        if (hooks && replay) hooks->after_forward(i, true);
+        return y;
+      },
+      h, params);
+}
+
 // The decoder up to the last layer's output, shared by the forwards and the losses.
 // positions: [seq] (plain rows) or [batch, seq] (packed rows), already on the model's device;
 // attn_mask: undefined (causal) or [batch, seq, seq] bool.
 at::Tensor hidden_states(const LlamaModel& m, const at::Tensor& tokens, const at::Tensor& positions,
                          const at::Tensor& attn_mask, modules::KvCache* cache) {
   if (cache && cache->layers.empty()) cache->layers.resize(m.layers.size());
+  const LlamaConfig& c = m.config;
   // Packed rows: where each sample sits, for the Gated DeltaNet layers (attention reads the mask).
-  const bool linear = !m.config.linear_layers.empty();
+  const bool linear = !c.linear_layers.empty();
   const modules::Segments segments = linear && positions.dim() == 2
-                                         ? modules::segments_from_positions(positions, m.config.gated_delta.conv_kernel)
+                                         ? modules::segments_from_positions(positions, c.gated_delta.conv_kernel)
                                          : modules::Segments{};
   const modules::Segments* segs = segments.gather.defined() ? &segments : nullptr;
   // [seq, head_dim] or [batch, seq, head_dim]
-  const modules::RopeTables rope_global = modules::rope_tables(
-      m.inv_freq, positions, m.compute_dtype, modules::rope_attention_scaling(m.config.rope()));
+  const modules::RopeTables rope_global =
+      modules::rope_tables(m.inv_freq, positions, m.compute_dtype, modules::rope_attention_scaling(c.rope()));
   const modules::RopeTables rope_local =
       m.inv_freq_local.defined()
           ? modules::rope_tables(m.inv_freq_local, positions, m.compute_dtype,
-                                 modules::rope_attention_scaling(*m.config.local_rope))
+                                 modules::rope_attention_scaling(*c.local_rope))
           : rope_global;
   const bool checkpoint = m.activation_checkpointing && !cache && at::GradMode::is_enabled();
   UnitHooks* hooks = m.hooks.get();
   const int64_t num_layers = static_cast<int64_t>(m.layers.size());
+  LayerSides sides;
+  sides.kv.resize(m.layers.size());
   if (hooks) hooks->before_forward(UnitHooks::kEmbedUnit, false);
   at::Tensor h = at::embedding(m.embed_tokens, tokens.to(m.embed_tokens.device()));  // [batch, seq, hidden]
   if (h.scalar_type() != m.compute_dtype) h = h.to(m.compute_dtype);  // bf16 rows widen exactly
   // Gemma: times sqrt(hidden), rounded to the compute dtype first as transformers does.
-  if (m.config.embed_scale != 1.0) h = h * at::scalar_tensor(m.config.embed_scale, h.options());
+  if (c.embed_scale != 1.0) h = h * at::scalar_tensor(c.embed_scale, h.options());
+  if (m.per_layer_inputs.defined()) sides.per_layer = modules::per_layer_inputs_forward(m.per_layer_inputs, tokens, h);
   if (hooks) hooks->after_forward(UnitHooks::kEmbedUnit, false);
   for (int64_t i = 0; i < num_layers; ++i) {
     const DecoderLayer& layer = m.layers[i];
     const modules::LayerDims d = m.dims(i);
-    const modules::RopeTables& rope = m.config.is_sliding(i) ? rope_local : rope_global;
+    const modules::RopeTables& rope = c.is_sliding(i) ? rope_local : rope_global;
+    const modules::LayerExtras ex = sides.of(c, i);
     if (hooks) hooks->before_forward(i, false);
     if (cache) {
-      h = modules::decoder_layer_forward(layer, d, h, rope, m.training, &cache->layers[i]);
-    } else if (checkpoint) {
-      const bool train = m.training;
-      // Captured by value: the backward replays this closure after hidden_states has returned. The
-      // hooks are held by the model, which outlives its backward.
-      h = modules::checkpointed(
-          [&layer, d, rope, attn_mask, segments, train, hooks, i](const at::Tensor& x) {
-            const bool replay = at::GradMode::is_enabled();  // the forward pass runs without grad
-            if (hooks && replay) hooks->before_forward(i, true);
-            at::Tensor y = modules::decoder_layer_forward(layer, d, x, rope, train, nullptr, attn_mask,
-                                                          segments.gather.defined() ? &segments : nullptr);
-            if (hooks && replay) hooks->after_forward(i, true);
-            return y;
-          },
-          h, layer.trainable());
+      h = modules::decoder_layer_forward(layer, d, h, rope, m.training, &cache->layers[i], at::Tensor(), nullptr, &ex);
+    } else if (checkpoint && !c.is_kv_source(i)) {  // a KV source's K/V must carry their graph onwards
+      h = checkpointed_layer(m, i, h, rope, attn_mask, segments, ex);
     } else {
-      h = modules::decoder_layer_forward(layer, d, h, rope, m.training, nullptr, attn_mask, segs);
+      h = modules::decoder_layer_forward(layer, d, h, rope, m.training, nullptr, attn_mask, segs, &ex);
     }
     if (hooks) {
       hooks->after_forward(i, false);
@@ -257,9 +321,7 @@ at::Tensor head_unit(const LlamaModel& m, const at::Tensor& h, Body body) {
   UnitHooks* hooks = m.hooks.get();
   const int64_t unit = static_cast<int64_t>(m.layers.size());
   if (hooks) hooks->before_forward(unit, false);
-  const at::Tensor normed = (m.config.norm_plus_one ? modules::rms_norm_plus_one(h, m.norm, m.config.rms_norm_eps)
-                                                    : modules::rms_norm(h, m.norm, m.config.rms_norm_eps))
-                                .reshape({-1, h.size(-1)});
+  const at::Tensor normed = modules::rms_norm(h, m.norm, m.config.rms_norm_eps, m.config.norm).reshape({-1, h.size(-1)});
   const at::Tensor lora_x = m.lm_head.active() ? modules::lora_input(m.lm_head, normed, m.training) : at::Tensor();
   at::Tensor out = body(normed, lora_x);
   if (hooks) {

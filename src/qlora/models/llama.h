@@ -91,6 +91,7 @@ struct LlamaModel {
   // and bench_train_step --ce-compare measure the chunked loss against.
   bool chunked_loss = true;
   at::Tensor embed_tokens;  // [vocab, hidden], frozen, in frozen_dtype
+  modules::PerLayerInputs per_layer_inputs;  // Gemma 4's, of the embedding unit; undefined for the others
   std::vector<modules::DecoderLayer> layers;
   at::Tensor norm;                 // [hidden], frozen
   modules::LoraLinear lm_head;     // [vocab, hidden], dense (frozen_dtype); shares embed_tokens when tied

@@ -97,7 +97,16 @@ modules::RopeParams parse_rope_dict(const json& r, const json& top, const std::s
   std::string type = "default";
   if (present(r, "rope_type")) type = get_str(r, "rope_type", w);
   else if (present(r, "type")) type = get_str(r, "type", w);
+  p.proportional.reset();  // a layer type's dict says all of its RoPE (a default may have been proportional)
   if (type == "default") return p;
+  if (type == "proportional") {
+    const double f = get_num(r, "partial_rotary_factor", w, 1.0);
+    if (!(f > 0 && f <= 1)) fail(w, key + ".partial_rotary_factor", "must be in (0, 1]");
+    p.proportional = modules::ProportionalRope{f};
+    p.linear_factor = get_num(r, "factor", w, 1.0);
+    if (!(p.linear_factor > 0)) fail(w, key + ".factor", "proportional scaling needs factor > 0");
+    return p;
+  }
   if (type == "linear") {
     p.linear_factor = get_num(r, "factor", w);
     if (!(p.linear_factor > 0)) fail(w, key + ".factor", "linear scaling needs factor > 0");
@@ -108,7 +117,7 @@ modules::RopeParams parse_rope_dict(const json& r, const json& top, const std::s
     return p;
   }
   if (type != "llama3") {
-    fail(w, key + ".rope_type", "'" + type + "' is not supported (only default, linear, llama3 and yarn)");
+    fail(w, key + ".rope_type", "'" + type + "' is not supported (only default, linear, llama3, yarn and proportional)");
   }
   Llama3RopeScaling s;
   s.factor = get_num(r, "factor", w);
@@ -148,7 +157,10 @@ void parse_partial_rotary(const json& j, const char* rope_key, const std::string
 // OLMo 3 gives its sliding layers the base theta unscaled, its full layers the scaling too.
 void parse_rope(const json& j, const std::string& where, LlamaConfig& c) {
   const bool gemma3 = c.family == Family::kGemma3, olmo = c.family == Family::kOlmo2;
-  modules::RopeParams global{get_num(j, "rope_theta", where, gemma3 ? 1e6 : 10000.0), std::nullopt, 1.0};
+  const bool gemma4 = c.family == Family::kGemma4;
+  modules::RopeParams global{get_num(j, "rope_theta", where, gemma3 || gemma4 ? 1e6 : 10000.0), std::nullopt, 1.0};
+  // Gemma 4's class default for its full layers: proportional RoPE over a quarter of global_head_dim.
+  if (gemma4) global.proportional = modules::ProportionalRope{0.25};
   modules::RopeParams local{olmo ? global.theta : get_num(j, "rope_local_base_freq", where, 10000.0), std::nullopt, 1.0};
   const char* key = present(j, "rope_parameters") ? "rope_parameters" : "rope_scaling";
   parse_partial_rotary(j, key, where, c);
@@ -168,7 +180,7 @@ void parse_rope(const json& j, const std::string& where, LlamaConfig& c) {
   c.rope_scaling = global.llama3;
   c.rope_linear_factor = global.linear_factor;
   c.rope_yarn = global.yarn;
-  if (gemma3 || olmo) c.local_rope = local;
+  if (gemma3 || olmo || gemma4) c.local_rope = local;
 }
 
 struct FamilyName {
@@ -180,14 +192,14 @@ constexpr FamilyName kFamilies[] = {{"llama", Family::kLlama},   {"mistral", Fam
                                     {"gemma2", Family::kGemma2}, {"gemma3_text", Family::kGemma3},
                                     {"phi3", Family::kPhi3},     {"smollm3", Family::kSmolLM3},
                                     {"olmo2", Family::kOlmo2},   {"olmo3", Family::kOlmo2},
-                                    {"qwen3_5_text", Family::kQwen35}};
+                                    {"qwen3_5_text", Family::kQwen35}, {"gemma4_text", Family::kGemma4}};
 
 // model_type -> family; another multimodal checkpoint or another family is refused by name.
 Family parse_family(const json& j, const std::string& where, const std::string& type) {
   if (present(j, "vision_config") || present(j, "text_config")) {
     fail(where, present(j, "vision_config") ? "vision_config" : "text_config",
          "'" + type + "' is a multimodal checkpoint (a vision tower beside the language model); of those only "
-         "gemma3's and qwen3_5's language models are supported, otherwise text-only decoders (" + supported_model_types() + ")");
+         "gemma3's, gemma4's and qwen3_5's language models are supported, otherwise text-only decoders (" + supported_model_types() + ")");
   }
   for (const FamilyName& f : kFamilies)
     if (type == f.model_type) return f.family;
@@ -215,10 +227,13 @@ void parse_sliding(const json& j, const std::string& where, LlamaConfig& c) {
   std::optional<int64_t> window;
   if (present(j, "sliding_window")) window = get_int(j, "sliding_window", where);
   else if ((is_gemma(f) || c.model_type == "olmo3") && !j.contains("sliding_window")) window = 4096;
+  else if (f == Family::kGemma4 && !j.contains("sliding_window")) window = 512;
   if (qwen && !get_bool(j, "use_sliding_window", where, false)) window.reset();
-  if (get_bool(j, "use_bidirectional_attention", where, false)) {
-    fail(where, "use_bidirectional_attention", "bidirectional (encoder) attention is not supported");
-  }
+  // Gemma 4 writes "vision" (image tokens see each other; text stays causal) or "all" (an encoder).
+  const bool bidirectional = f == Family::kGemma4 && present(j, "use_bidirectional_attention")
+                                 ? get_str(j, "use_bidirectional_attention", where) != "vision"
+                                 : get_bool(j, "use_bidirectional_attention", where, false);
+  if (bidirectional) fail(where, "use_bidirectional_attention", "bidirectional (encoder) attention is not supported");
   const int64_t n = c.num_hidden_layers;
   c.sliding_layers.assign(static_cast<size_t>(n), false);
   if (f == Family::kQwen35) {
@@ -251,11 +266,14 @@ void parse_sliding(const json& j, const std::string& where, LlamaConfig& c) {
       bool s = true;  // llama/mistral/phi3: every layer
       if (f == Family::kGemma2) s = i % 2 == 0;
       if (f == Family::kGemma3) s = pattern <= 0 || (i + 1) % pattern != 0;
+      if (f == Family::kGemma4) s = (i + 1) % 6 != 0;  // its class's fixed 5:1
       if (qwen) s = i >= max_window_layers;
       if (c.model_type == "olmo3") s = (i + 1) % 4 != 0;
       c.sliding_layers[static_cast<size_t>(i)] = s;
     }
   }
+  // Gemma 4's class makes the last layer full attention whatever layer_types says (with a warning).
+  if (f == Family::kGemma4) c.sliding_layers.back() = false;
   const bool any = std::find(c.sliding_layers.begin(), c.sliding_layers.end(), true) != c.sliding_layers.end();
   if (any && !window) fail(where, "sliding_window", "layer_types has sliding layers but no window is set");
   if (any) c.sliding_window = window;
@@ -285,10 +303,98 @@ void parse_nope(const json& j, const std::string& where, LlamaConfig& c) {
 
 MlpActivation parse_activation(const json& j, const std::string& where, Family f) {
   const char* key = present(j, "hidden_activation") ? "hidden_activation" : "hidden_act";
-  const std::string act = present(j, key) ? get_str(j, key, where) : is_gemma(f) ? "gelu_pytorch_tanh" : "silu";
+  const bool gelu = is_gemma(f) || f == Family::kGemma4;
+  const std::string act = present(j, key) ? get_str(j, key, where) : gelu ? "gelu_pytorch_tanh" : "silu";
   if (act == "silu") return MlpActivation::kSilu;
   if (act == "gelu_pytorch_tanh") return MlpActivation::kGeluTanh;
   fail(where, key, "'" + act + "' is not supported (silu or gelu_pytorch_tanh)");
+}
+
+// Gemma 4's layer index keys in per_layer_config: "5", or zero-padded "05" as transformers writes them.
+int64_t layer_index(const std::string& key, int64_t n, const std::string& where) {
+  const bool digits = !key.empty() && key.size() < 10 && key.find_first_not_of("0123456789") == std::string::npos;
+  const int64_t i = digits ? std::stoll(key) : -1;
+  if (i < 0 || i >= n) fail(where, "per_layer_config." + key, "expected a layer index in [0, " + std::to_string(n) + ")");
+  return i;
+}
+
+// Gemma 4's full-attention layers' head_dim and kv heads. transformers writes per_layer_config (each
+// layer's overrides); the Hub's configs give global_head_dim (the class's default: 512) and, under
+// attention_k_eq_v, num_global_key_value_heads. Each layer type has one size, as its RoPE table does.
+void parse_gemma4_heads(const json& j, const std::string& where, LlamaConfig& c) {
+  const int64_t n = c.num_hidden_layers;
+  if (!j.contains("per_layer_config")) {
+    c.global_head_dim = get_int(j, "global_head_dim", where, 512);
+    c.global_kv_heads = c.attention_k_eq_v ? get_int(j, "num_global_key_value_heads", where, c.num_key_value_heads)
+                                           : c.num_key_value_heads;
+    return;
+  }
+  std::vector<int64_t> hd(static_cast<size_t>(n), c.head_dim), kv(static_cast<size_t>(n), c.num_key_value_heads);
+  const json& p = j.at("per_layer_config");
+  if (!p.is_null() && !p.is_object()) fail(where, "per_layer_config", "expected an object of layer index -> overrides");
+  for (const auto& [key, ov] : (p.is_null() ? json::object() : p).items()) {
+    const auto i = static_cast<size_t>(layer_index(key, n, where));
+    const std::string w = where + " (per_layer_config." + key + ")";
+    if (!ov.is_object()) fail(where, "per_layer_config." + key, "expected an object of overrides");
+    for (const auto& [attr, v] : ov.items()) {
+      if (attr == "head_dim") hd[i] = get_int(ov, "head_dim", w);
+      else if (attr == "num_key_value_heads") kv[i] = get_int(ov, "num_key_value_heads", w);
+      else fail(where, "per_layer_config." + key + "." + attr, "only head_dim and num_key_value_heads may differ per layer");
+    }
+  }
+  int64_t type_hd[2] = {-1, -1}, type_kv[2] = {-1, -1};  // [full, sliding]
+  for (int64_t i = 0; i < n; ++i) {
+    const int t = c.is_sliding(i) ? 1 : 0;
+    const auto u = static_cast<size_t>(i);
+    if (type_hd[t] < 0) type_hd[t] = hd[u], type_kv[t] = kv[u];
+    if (hd[u] != type_hd[t] || kv[u] != type_kv[t])
+      fail(where, "per_layer_config", "layer " + std::to_string(i) + "'s head_dim / num_key_value_heads differ from " +
+                                          "those of the other " + (t ? "sliding" : "full") + " attention layers");
+  }
+  if (type_hd[1] > 0) c.head_dim = type_hd[1], c.num_key_value_heads = type_kv[1];
+  c.global_head_dim = type_hd[0] > 0 ? type_hd[0] : c.head_dim;
+  c.global_kv_heads = type_kv[0] > 0 ? type_kv[0] : c.num_key_value_heads;
+}
+
+// Gemma 4's KV sharing (transformers' kv_sharing_modes): each of the last num_kv_shared_layers layers
+// attends over the keys and values of the last earlier layer of its type.
+void parse_kv_sharing(const json& j, const std::string& where, LlamaConfig& c) {
+  const int64_t n = c.num_hidden_layers, shared = get_int(j, "num_kv_shared_layers", where, 0);
+  if (shared == 0) return;
+  if (shared < 0 || shared >= n) fail(where, "num_kv_shared_layers", "must be in [0, num_hidden_layers = " + std::to_string(n) + ")");
+  const int64_t first = n - shared;
+  c.kv_source.assign(static_cast<size_t>(n), -1);
+  for (int64_t i = first; i < n; ++i) {
+    int64_t src = first - 1;
+    while (src >= 0 && c.is_sliding(src) != c.is_sliding(i)) --src;
+    if (src < 0)
+      fail(where, "num_kv_shared_layers", "layer " + std::to_string(i) + " would reuse the keys and values of an earlier " +
+                                              (c.is_sliding(i) ? "sliding" : "full") + " attention layer, and none of the first " +
+                                              std::to_string(first) + " layers is one");
+    c.kv_source[static_cast<size_t>(i)] = src;
+  }
+}
+
+// Gemma 4 (see llama_config.h); its mixture-of-experts form is refused.
+void parse_gemma4(const json& j, const std::string& where, LlamaConfig& c) {
+  if (get_bool(j, "enable_moe_block", where, false))
+    fail(where, "enable_moe_block", "Gemma 4's mixture-of-experts layers (gemma-4-26B-A4B) are not supported; fine-tune "
+                                    "a dense Gemma 4 (E2B, E4B, 31B) instead");
+  c.norm = modules::RmsScale::kWeightFp32;
+  c.embed_scale = std::sqrt(static_cast<double>(c.hidden_size));
+  c.query_pre_attn_scalar = 1.0;  // scores are q.k unscaled: q and k come out of RMSNorms
+  c.final_logit_softcapping = softcap(j, "final_logit_softcapping", where, std::nullopt);
+  c.attention_k_eq_v = get_bool(j, "attention_k_eq_v", where, false);
+  parse_gemma4_heads(j, where, c);
+  parse_kv_sharing(j, where, c);
+  c.double_wide_mlp = get_bool(j, "use_double_wide_mlp", where, false);
+  // null switches the per-layer inputs off, as 0 does; absent means the class's 256.
+  const char* ple = "hidden_size_per_layer_input";
+  c.per_layer_input_dim = !j.contains(ple) ? 256 : present(j, ple) ? get_int(j, ple, where) : 0;
+  if (c.per_layer_input_dim < 0) fail(where, ple, "must be 0 (none) or positive");
+  c.per_layer_input_vocab = get_int(j, "vocab_size_per_layer_input", where, 262144);
+  if (c.per_layer_input_dim > 0 && c.per_layer_input_vocab <= 0)
+    fail(where, "vocab_size_per_layer_input", "must be positive");
 }
 
 // What the family computes beyond a Llama block (see llama_config.h).
@@ -303,7 +409,7 @@ void parse_family_numerics(const json& j, const std::string& where, LlamaConfig&
   }
   if (get_bool(j, "mlp_bias", where, false)) fail(where, "mlp_bias", "MLP biases are not supported");
   if (f == Family::kQwen35) {
-    c.norm_plus_one = true;  // every RMSNorm but the DeltaNet's gated one scales by (1 + w)
+    c.norm = modules::RmsScale::kOnePlusWeight;  // every RMSNorm but the DeltaNet's gated one
     c.attn_output_gate = true;
     modules::GatedDeltaDims& g = c.gated_delta;
     g.conv_kernel = get_int(j, "linear_conv_kernel_dim", where, 4);
@@ -313,8 +419,9 @@ void parse_family_numerics(const json& j, const std::string& where, LlamaConfig&
     g.num_value_heads = get_int(j, "linear_num_value_heads", where, 32);
     return;
   }
+  if (f == Family::kGemma4) return parse_gemma4(j, where, c);
   if (!is_gemma(f)) return;
-  c.norm_plus_one = true;
+  c.norm = modules::RmsScale::kOnePlusWeight;
   c.embed_scale = std::sqrt(static_cast<double>(c.hidden_size));
   c.query_pre_attn_scalar = get_num(j, "query_pre_attn_scalar", where, 256.0);
   if (!(*c.query_pre_attn_scalar > 0)) fail(where, "query_pre_attn_scalar", "must be positive");
@@ -347,6 +454,10 @@ void LlamaConfig::validate(const std::string& where) const {
   if (sliding_window && *sliding_window <= 0) fail(where, "sliding_window", "must be positive or null");
   if (!sliding_layers.empty() && static_cast<int64_t>(sliding_layers.size()) != num_hidden_layers)
     fail(where, "layer_types", "needs one entry per layer");
+  if (global_head_dim < 0 || global_head_dim % 2 != 0) fail(where, "global_head_dim", "must be even and positive");
+  if (global_kv_heads > 0 && num_attention_heads % global_kv_heads != 0)
+    fail(where, "num_global_key_value_heads", "must divide num_attention_heads (" + std::to_string(num_attention_heads) +
+                                                  "), got " + std::to_string(global_kv_heads));
   if (rotary_dim < 0 || rotary_dim > head_dim || rotary_dim % 2 != 0)
     fail(where, "partial_rotary_factor", "the rotary part of head_dim must be even and at most head_dim");
   if (std::find(linear_layers.begin(), linear_layers.end(), true) == linear_layers.end()) return;
@@ -360,6 +471,19 @@ void LlamaConfig::validate(const std::string& where) const {
     fail(where, "linear_num_value_heads", "must be a multiple of linear_num_key_heads (" +
                                               std::to_string(g.num_key_heads) + "), got " +
                                               std::to_string(g.num_value_heads));
+}
+
+bool LlamaConfig::is_kv_source(int64_t layer) const {
+  return std::find(kv_source.begin(), kv_source.end(), layer) != kv_source.end();
+}
+int64_t LlamaConfig::layer_head_dim(int64_t layer) const {
+  return global_head_dim > 0 && !is_sliding(layer) ? global_head_dim : head_dim;
+}
+int64_t LlamaConfig::layer_kv_heads(int64_t layer) const {
+  return global_kv_heads > 0 && !is_sliding(layer) ? global_kv_heads : num_key_value_heads;
+}
+int64_t LlamaConfig::layer_intermediate(int64_t layer) const {
+  return double_wide_mlp && is_kv_shared(layer) ? 2 * intermediate_size : intermediate_size;
 }
 
 namespace {
@@ -378,13 +502,14 @@ LlamaConfig parse_text_config(const json& j, const std::string& where) {
   if (c.num_attention_heads <= 0) fail(where, "num_attention_heads", "must be positive");
   if (c.num_hidden_layers <= 0) fail(where, "num_hidden_layers", "must be positive");
   // Gemma's classes default head_dim to 256 rather than hidden / heads.
-  const bool head_256 = is_gemma(c.family) || c.family == Family::kQwen35;
+  const bool head_256 = is_gemma(c.family) || c.family == Family::kQwen35 || c.family == Family::kGemma4;
   c.head_dim = get_int(j, "head_dim", where, head_256 ? 256 : c.hidden_size / c.num_attention_heads);
   c.rms_norm_eps =
       get_num(j, "rms_norm_eps", where, c.family == Family::kPhi3 || c.family == Family::kOlmo2 ? 1e-5 : 1e-6);
   c.max_position_embeddings = get_int(j, "max_position_embeddings", where, 2048);
   c.tie_word_embeddings =
-      get_bool(j, "tie_word_embeddings", where, is_gemma(c.family) || c.family == Family::kSmolLM3);
+      get_bool(j, "tie_word_embeddings", where,
+               is_gemma(c.family) || c.family == Family::kSmolLM3 || c.family == Family::kGemma4);
   parse_rope(j, where, c);
   if (present(j, "bos_token_id")) c.bos_token_id = get_int(j, "bos_token_id", where);
   c.eos_token_ids = eos_ids(j, where);
@@ -418,6 +543,15 @@ json qwen35_text_defaults() {
           {"num_key_value_heads", 4},     {"max_position_embeddings", 32768}};
 }
 
+// Gemma4Config's text_config (Gemma4TextConfig): the class defaults our parser does not share (head_dim
+// 256, window 512, the RoPE pair, global_head_dim 512 and the per-layer input sizes are its own).
+json gemma4_text_defaults() {
+  return {{"model_type", "gemma4_text"}, {"vocab_size", 262144},     {"hidden_size", 2304},
+          {"intermediate_size", 9216},   {"num_hidden_layers", 30},  {"num_attention_heads", 8},
+          {"num_key_value_heads", 4},    {"max_position_embeddings", 131072},
+          {"bos_token_id", 2},           {"eos_token_id", 1}};
+}
+
 // A checkpoint whose language model sits beside a vision tower: the language model is text_config
 // (of model_type text_type); the tower's settings are nobody's business here (its weights are
 // copied, never computed).
@@ -428,7 +562,8 @@ struct MultimodalForm {
   bool tie_default;  // the class's tie_word_embeddings
 };
 constexpr MultimodalForm kMultimodal[] = {{kGemma3Multimodal, "gemma3_text", gemma3_text_defaults, true},
-                                          {kQwen35Multimodal, "qwen3_5_text", qwen35_text_defaults, false}};
+                                          {kQwen35Multimodal, "qwen3_5_text", qwen35_text_defaults, false},
+                                          {kGemma4Multimodal, "gemma4_text", gemma4_text_defaults, true}};
 
 LlamaConfig parse_multimodal(const json& j, const std::string& where, const MultimodalForm& form) {
   if (!present(j, "text_config"))

@@ -17,6 +17,13 @@
 //                   and rotary on the first partial_rotary_factor of head_dim; (1 + w) norms
 //   qwen3_5         the Hub's Qwen3.5 (Qwen3_5ForConditionalGeneration): the qwen3_5_text language
 //                   model of its text_config beside a vision tower (copied, never computed)
+//   gemma4_text     Gemma 4 (dense): w-scaled fp32 norms (not 1 + w), q/k norms and a weightless v
+//                   norm with attention scale 1, sliding layers and full layers with their own
+//                   head_dim / kv heads (global_head_dim) and proportional RoPE, per-layer input
+//                   embeddings (PLE), a layer_scalar per layer, KV sharing across the last layers,
+//                   attention_k_eq_v (v = k on full layers), double-wide MLPs on KV-shared layers
+//   gemma4          the Hub's Gemma 4 (Gemma4ForConditionalGeneration): gemma4_text's language
+//                   model of its text_config beside vision and audio towers (copied, never computed)
 //   gemma3          the Hub's Gemma 3 4B/12B/27B (Gemma3ForConditionalGeneration): the gemma3_text
 //                   language model of its text_config; the vision tower is never computed (its
 //                   weights are copied into merged exports), its weights' prefixes: key_layout.h
@@ -35,11 +42,13 @@ namespace qlora::models {
 
 using modules::Llama3RopeScaling;
 
-enum class Family { kLlama, kQwen2, kQwen3, kGemma2, kGemma3, kPhi3, kSmolLM3, kOlmo2, kQwen35 };
+enum class Family { kLlama, kQwen2, kQwen3, kGemma2, kGemma3, kPhi3, kSmolLM3, kOlmo2, kQwen35, kGemma4 };
 // The multimodal Gemma 3's model_type; its language model is Family::kGemma3.
 inline constexpr const char* kGemma3Multimodal = "gemma3";
 // The multimodal Qwen3.5's model_type; its language model is Family::kQwen35.
 inline constexpr const char* kQwen35Multimodal = "qwen3_5";
+// The multimodal Gemma 4's model_type; its language model is Family::kGemma4.
+inline constexpr const char* kGemma4Multimodal = "gemma4";
 using modules::MlpActivation;
 
 struct LlamaConfig {
@@ -84,10 +93,20 @@ struct LlamaConfig {
   int64_t rotary_dim = 0;
   // Qwen3.5: q_proj also yields a per-head gate; attention's output is multiplied by its sigmoid.
   bool attn_output_gate = false;
+  // Gemma 4: the full-attention layers' head_dim and key/value heads (0: head_dim,
+  // num_key_value_heads); their values are their keys' projection under attention_k_eq_v.
+  int64_t global_head_dim = 0, global_kv_heads = 0;
+  bool attention_k_eq_v = false;
+  // Gemma 4's KV sharing: per layer, the earlier layer whose keys and values it attends over (it
+  // has no k/v projections of its own), or -1; empty: no layer shares.
+  std::vector<int64_t> kv_source;
+  bool double_wide_mlp = false;  // KV-shared layers' MLPs are 2 * intermediate_size wide
+  // Gemma 4's per-layer input embeddings (hidden_size_per_layer_input; 0: none) and their table's rows.
+  int64_t per_layer_input_dim = 0, per_layer_input_vocab = 0;
 
   MlpActivation activation = MlpActivation::kSilu;
   bool attention_bias = false;     // q/k/v/o biases (Llama/Qwen3 attention_bias); Qwen2: q/k/v always
-  bool norm_plus_one = false;      // Gemma: RMSNorm scales by (1 + w), in fp32
+  modules::RmsScale norm = modules::RmsScale::kWeight;  // Gemma 2/3: (1 + w) in fp32; Gemma 4: w in fp32
   double embed_scale = 1.0;        // Gemma: sqrt(hidden_size), applied in the compute dtype
   std::optional<double> query_pre_attn_scalar;   // Gemma: attention scale = this^-0.5
   std::optional<double> attn_logit_softcapping;  // Gemma 2: tanh soft-cap of attention logits
@@ -104,6 +123,17 @@ struct LlamaConfig {
     return !linear_layers.empty() && linear_layers.at(static_cast<size_t>(layer));
   }
   int64_t rope_dim() const { return rotary_dim > 0 ? rotary_dim : head_dim; }
+  // The full-attention layers' rotary dims (Gemma 4: global_head_dim).
+  int64_t global_rope_dim() const { return global_head_dim > 0 ? global_head_dim : rope_dim(); }
+  bool is_kv_shared(int64_t layer) const {
+    return !kv_source.empty() && kv_source.at(static_cast<size_t>(layer)) >= 0;
+  }
+  // Whether a later layer attends over this layer's keys and values.
+  bool is_kv_source(int64_t layer) const;
+  // Layer `layer`'s sizes (Gemma 4's full layers and KV-shared layers differ; others: the globals).
+  int64_t layer_head_dim(int64_t layer) const;
+  int64_t layer_kv_heads(int64_t layer) const;
+  int64_t layer_intermediate(int64_t layer) const;
   modules::RopeParams rope() const { return {rope_theta, rope_scaling, rope_linear_factor, rope_yarn}; }
   // Throws std::invalid_argument (prefixed with `where`) when sizes are inconsistent.
   void validate(const std::string& where) const;

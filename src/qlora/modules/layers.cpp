@@ -28,6 +28,8 @@
 #include <cmath>
 #include <limits>
 #include <stdexcept>
+#include <tuple>
+#include <utility>
 
 #include "qlora/modules/blocked_attention.h"
 #include "qlora/modules/gated_delta_net.h"
@@ -47,16 +49,16 @@ using torch::autograd::variable_list;
 // CPU, where autograd through ATen's chain made ~9 passes over six nodes).
 struct RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight, double eps,
-                            bool plus_one) {
-    auto [out, rstd] = ops::rms_norm(x, weight, eps, plus_one);
+                            int64_t scale) {
+    auto [out, rstd] = ops::rms_norm(x, weight, eps, static_cast<RmsScale>(scale));
     ctx->save_for_backward({x, weight, rstd});
-    ctx->saved_data["plus_one"] = plus_one;
+    ctx->saved_data["scale"] = scale;
     return out;
   }
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
     const variable_list saved = ctx->get_saved_variables();
-    const bool plus_one = ctx->saved_data["plus_one"].toBool();
-    return {ops::rms_norm_backward(grad_outputs[0], saved[0], saved[1], saved[2], plus_one), at::Tensor(), at::Tensor(),
+    const auto scale = static_cast<RmsScale>(ctx->saved_data["scale"].toInt());
+    return {ops::rms_norm_backward(grad_outputs[0], saved[0], saved[1], saved[2], scale), at::Tensor(), at::Tensor(),
             at::Tensor()};
   }
 };
@@ -64,25 +66,25 @@ struct RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
 // The node only when it has a gradient to give: without grad mode or a grad-requiring x the plain ops
 // record nothing, and a trainable weight (never the case here) keeps autograd's op chain, which
 // differentiates both.
-at::Tensor rms_norm_any(const at::Tensor& x, const at::Tensor& weight, double eps, bool plus_one) {
-  if (!at::GradMode::is_enabled() || !x.requires_grad() || weight.requires_grad()) {
-    return ops::rms_norm(x, weight, eps, plus_one).first;
-  }
-  return RmsNormFunction::apply(x, weight, eps, plus_one);
-}
-
 }  // namespace
 
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, RmsScale scale) {
+  if (!at::GradMode::is_enabled() || !x.requires_grad() || weight.requires_grad()) {
+    return ops::rms_norm(x, weight, eps, scale).first;
+  }
+  return RmsNormFunction::apply(x, weight, eps, static_cast<int64_t>(scale));
+}
+
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  return rms_norm_any(x, weight, eps, /*plus_one=*/false);
+  return rms_norm(x, weight, eps, RmsScale::kWeight);
 }
 
 at::Tensor rms_norm_plus_one(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  return rms_norm_any(x, weight, eps, /*plus_one=*/true);
+  return rms_norm(x, weight, eps, RmsScale::kOnePlusWeight);
 }
 
 at::Tensor layer_norm(const LayerDims& dims, const at::Tensor& x, const at::Tensor& weight) {
-  return dims.norm_plus_one ? rms_norm_plus_one(x, weight, dims.rms_norm_eps) : rms_norm(x, weight, dims.rms_norm_eps);
+  return rms_norm(x, weight, dims.rms_norm_eps, dims.norm);
 }
 
 // Each step is the ATen op transformers' Python expression dispatches to (e.g. `1.0 / t` is
@@ -142,6 +144,11 @@ double rope_attention_scaling(const RopeParams& params) { return params.yarn ? p
 at::Tensor rope_inv_freq(int64_t head_dim, const RopeParams& params) {
   if (params.yarn) return yarn_inv_freq(head_dim, params.theta, *params.yarn);
   at::Tensor inv_freq = rope_inv_freq(head_dim, params.theta, params.llama3);
+  if (params.proportional) {
+    // transformers: int(factor * head_dim // 2) rotated angles (Python's float floor division).
+    const auto angles = static_cast<int64_t>(std::floor(params.proportional->partial_rotary_factor * head_dim / 2));
+    inv_freq.narrow(0, angles, head_dim / 2 - angles).zero_();
+  }
   // transformers' linear scaling: inv_freq / factor.
   return params.linear_factor == 1.0 ? inv_freq : inv_freq / params.linear_factor;
 }
@@ -289,7 +296,8 @@ at::Tensor masked_attention(const at::Tensor& q, const at::Tensor& k, const at::
 std::vector<at::Tensor> DecoderLayer::trainable() const {
   std::vector<at::Tensor> out;
   for (const LoraLinear* p : {&q_proj, &k_proj, &v_proj, &qkv_proj, &o_proj, &in_proj_qkv, &in_proj_z, &in_proj_b,
-                              &in_proj_a, &out_proj, &gate_proj, &up_proj, &gate_up_proj, &down_proj}) {
+                              &in_proj_a, &out_proj, &gate_proj, &up_proj, &gate_up_proj, &down_proj,
+                              &per_layer_input_gate, &per_layer_projection}) {
     if (p->has_lora()) {
       out.push_back(p->lora_a);
       out.push_back(p->lora_b);
@@ -336,7 +344,9 @@ at::Tensor gated_mlp(const DecoderLayer& layer, const LayerDims& dims, const at:
 
 namespace {
 
-// q [b, s, heads, d], k and v [b, s, kv_heads, d], from q/k/v_proj or Phi-3's qkv_proj.
+// q [b, s, heads, d], k and v [b, s, kv_heads, d], from q/k/v_proj or Phi-3's qkv_proj. A KV-shared
+// layer projects q only (k, v undefined); without v_proj (Gemma 4's attention_k_eq_v) v is k's
+// projection.
 std::array<at::Tensor, 3> project_qkv(const DecoderLayer& layer, const LayerDims& dims, const at::Tensor& x,
                                       bool training) {
   const int64_t b = x.size(0), s = x.size(1), d = dims.head_dim;
@@ -347,20 +357,38 @@ std::array<at::Tensor, 3> project_qkv(const DecoderLayer& layer, const LayerDims
     q = qkv.narrow(-1, 0, nq);
     k = qkv.narrow(-1, nq, nkv);
     v = qkv.narrow(-1, nq + nkv, nkv);
+  } else if (layer.kv_shared()) {
+    q = lora_linear_forward(layer.q_proj, x, training);
   } else {
-    const std::vector<at::Tensor> qkv = lora_linear_group_forward({&layer.q_proj, &layer.k_proj, &layer.v_proj}, x,
-                                                                  training);
+    std::vector<const LoraLinear*> projs = {&layer.q_proj, &layer.k_proj};
+    if (layer.v_proj.out_features > 0) projs.push_back(&layer.v_proj);
+    const std::vector<at::Tensor> qkv = lora_linear_group_forward(projs, x, training);
     q = qkv[0];
     k = qkv[1];
-    v = qkv[2];
+    v = qkv.size() > 2 ? qkv[2] : k;
   }
   const int64_t qd = dims.output_gate ? 2 * d : d;  // Qwen3.5: each head's query, then its gate
+  if (!k.defined()) return {q.view({b, s, dims.num_heads, qd}), k, v};
   return {q.view({b, s, dims.num_heads, qd}), k.view({b, s, dims.num_kv_heads, d}), v.view({b, s, dims.num_kv_heads, d})};
+}
+
+// k, v [b, kv_heads, s, d] appended to the layer's cache; returns what attention reads: all of it.
+std::pair<at::Tensor, at::Tensor> extend_cache(LayerCache* cache, const at::Tensor& k, const at::Tensor& v) {
+  if (!cache) return {k, v};
+  if (cache->k.defined()) {
+    cache->k = at::cat({cache->k, k}, 2);  // [b, kv_heads, past + s, d]
+    cache->v = at::cat({cache->v, v}, 2);
+  } else {
+    cache->k = k;
+    cache->v = v;
+  }
+  return {cache->k, cache->v};
 }
 
 // The attention mixer over the layer's normed input x [b, s, hidden]: returns o_proj's output.
 at::Tensor attention_mixer(const DecoderLayer& layer, const LayerDims& dims, const at::Tensor& x,
-                           const RopeTables& rope, bool training, LayerCache* cache, const at::Tensor& attn_mask) {
+                           const RopeTables& rope, bool training, LayerCache* cache, const at::Tensor& attn_mask,
+                           const LayerExtras* extras) {
   const int64_t b = x.size(0), s = x.size(1);
   auto [q, k, v] = project_qkv(layer, dims, x, training);  // [b, s, heads, d]
   at::Tensor gate;                                           // Qwen3.5: [b, s, heads * d]
@@ -373,24 +401,21 @@ at::Tensor attention_mixer(const DecoderLayer& layer, const LayerDims& dims, con
     return w.size(0) == t.size(-1) ? layer_norm(dims, t, w) : layer_norm(dims, t.flatten(2), w).view(t.sizes());
   };
   if (layer.q_norm.defined()) q = qk_norm(q, layer.q_norm);
-  if (layer.k_norm.defined()) k = qk_norm(k, layer.k_norm);
   q = q.transpose(1, 2);  // [b, heads, s, d]
-  k = k.transpose(1, 2);  // [b, kv_heads, s, d]
-  if (dims.rope) {
-    q = apply_rope(q, rope);
-    k = apply_rope(k, rope);
-  }
-  v = v.transpose(1, 2);
-  if (cache) {
-    if (cache->k.defined()) {
-      cache->k = at::cat({cache->k, k}, 2);  // [b, kv_heads, past + s, d]
-      cache->v = at::cat({cache->v, v}, 2);
-    } else {
-      cache->k = k;
-      cache->v = v;
-    }
-    k = cache->k;
-    v = cache->v;
+  if (dims.rope) q = apply_rope(q, rope);
+  if (layer.kv_shared()) {  // Gemma 4: an earlier layer's K/V, cache included
+    if (!extras || !extras->kv || !extras->kv->k.defined())
+      throw std::logic_error("decoder_layer_forward: a KV-shared layer needs its source layer's keys and values");
+    k = extras->kv->k;
+    v = extras->kv->v;
+  } else {
+    if (layer.k_norm.defined()) k = qk_norm(k, layer.k_norm);
+    // Gemma 4: values normed per head without a weight (a unit weight: times 1 is exact).
+    if (dims.v_norm) v = layer_norm(dims, v, at::ones({v.size(-1)}, v.options()));
+    k = k.transpose(1, 2);  // [b, kv_heads, s, d]
+    if (dims.rope) k = apply_rope(k, rope);
+    std::tie(k, v) = extend_cache(cache, k, v.transpose(1, 2));
+    if (extras && extras->kv) *extras->kv = {k, v};
   }
   const AttentionOptions& ao = dims.attention;
   at::Tensor attn = (attn_mask.defined() ? masked_attention(q, k, v, attn_mask, ao) : causal_attention(q, k, v, ao))
@@ -400,11 +425,22 @@ at::Tensor attention_mixer(const DecoderLayer& layer, const LayerDims& dims, con
   return lora_linear_forward(layer.o_proj, attn, training);  // [b, s, hidden]
 }
 
+// Gemma 4's per-layer input branch over the layer's output h [b, s, hidden]: what it adds to h.
+at::Tensor per_layer_branch(const DecoderLayer& layer, const LayerDims& dims, const at::Tensor& h,
+                            const LayerExtras* extras, bool training) {
+  if (!extras || !extras->per_layer_input.defined())
+    throw std::logic_error("decoder_layer_forward: a layer with per_layer_input_gate needs its per-layer input");
+  const at::Tensor g = lora_linear_forward(layer.per_layer_input_gate, h, training);  // [b, s, per-layer dim]
+  const at::Tensor act = dims.activation == MlpActivation::kSilu ? at::silu(g) : at::gelu(g, "tanh");
+  const at::Tensor p = lora_linear_forward(layer.per_layer_projection, act * extras->per_layer_input, training);
+  return layer_norm(dims, p, layer.post_per_layer_input_norm);  // [b, s, hidden]
+}
+
 }  // namespace
 
 at::Tensor decoder_layer_forward(const DecoderLayer& layer, const LayerDims& dims, const at::Tensor& h,
                                  const RopeTables& rope, bool training, LayerCache* cache,
-                                 const at::Tensor& attn_mask, const Segments* segments) {
+                                 const at::Tensor& attn_mask, const Segments* segments, const LayerExtras* extras) {
   if (attn_mask.defined() && cache) {
     throw std::invalid_argument("decoder_layer_forward: an attention mask cannot be combined with a KV cache");
   }
@@ -412,7 +448,7 @@ at::Tensor decoder_layer_forward(const DecoderLayer& layer, const LayerDims& dim
   const bool post_norms_only = !layer.input_layernorm.defined();
   at::Tensor x = post_norms_only ? h : layer_norm(dims, h, layer.input_layernorm);  // [b, s, hidden]
   at::Tensor out = layer.is_linear() ? gated_delta_net_forward(layer, dims, x, training, cache, segments)
-                                     : attention_mixer(layer, dims, x, rope, training, cache, attn_mask);
+                                     : attention_mixer(layer, dims, x, rope, training, cache, attn_mask, extras);
   // Gemma's sandwich: post_attention_layernorm closes the attention branch, pre_feedforward opens
   // the MLP's. OLMo's closes it and the MLP's input is not normalised. Llama's
   // post_attention_layernorm is the MLP's input norm.
@@ -423,7 +459,9 @@ at::Tensor decoder_layer_forward(const DecoderLayer& layer, const LayerDims& dim
   else x = post_norms_only ? hidden : layer_norm(dims, hidden, layer.post_attention_layernorm);
   at::Tensor mlp = gated_mlp(layer, dims, x, training);
   if (layer.post_feedforward_layernorm.defined()) mlp = layer_norm(dims, mlp, layer.post_feedforward_layernorm);
-  return hidden + mlp;
+  at::Tensor out_h = hidden + mlp;
+  if (layer.per_layer_input_gate.out_features > 0) out_h = out_h + per_layer_branch(layer, dims, out_h, extras, training);
+  return layer.layer_scalar.defined() ? out_h * layer.layer_scalar : out_h;
 }
 
 namespace {

@@ -26,6 +26,8 @@ namespace qlora::modules {
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 // HF's GemmaRMSNorm: normalise and scale by (1 + weight) in fp32, then cast to x's dtype.
 at::Tensor rms_norm_plus_one(const at::Tensor& x, const at::Tensor& weight, double eps);
+// Any of the three forms (RmsScale: Llama's, Gemma 2/3's, Gemma 4's w in fp32), one autograd node alike.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, RmsScale scale);
 
 // Inverse frequencies [head_dim / 2] fp32: 1 / theta^(2i / head_dim), then llama3 scaling if given.
 at::Tensor rope_inv_freq(int64_t head_dim, double theta,
@@ -115,7 +117,14 @@ struct DecoderLayer {
   // norm's weight [value_head_dim].
   LoraLinear in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj;
   at::Tensor conv1d, A_log, dt_bias, linear_norm;
+  // Gemma 4's per-layer input: after the MLP, gate [per-layer dim, hidden] -> act -> times the
+  // layer's per-layer input -> projection [hidden, per-layer dim] -> post_per_layer_input_norm,
+  // added to the residual; then the whole output is scaled by layer_scalar [1].
+  LoraLinear per_layer_input_gate, per_layer_projection;
+  at::Tensor post_per_layer_input_norm, layer_scalar;
   bool is_linear() const { return in_proj_qkv.out_features > 0; }
+  // Gemma 4's KV-shared layers compute queries only and attend over an earlier layer's K/V.
+  bool kv_shared() const { return q_proj.out_features > 0 && k_proj.out_features == 0; }
   // The trainable tensors of this layer (LoRA A/B of every adapted projection).
   std::vector<at::Tensor> trainable() const;
 };
@@ -124,7 +133,8 @@ struct DecoderLayer {
 struct LayerDims {
   int64_t num_heads = 0, num_kv_heads = 0, head_dim = 0;
   double rms_norm_eps = 1e-6;
-  bool norm_plus_one = false;  // Gemma's (1 + w) RMSNorm for every norm of the layer
+  RmsScale norm = RmsScale::kWeight;  // the form of every RMSNorm of the layer
+  bool v_norm = false;  // Gemma 4: values are RMS-normalised (no weight) per head, as keys are by k_norm
   MlpActivation activation = MlpActivation::kSilu;
   AttentionOptions attention;
   bool rope = true;  // false: q and k are not rotated (SmolLM3's NoPE layers)
@@ -147,21 +157,35 @@ struct Segments {
 // positions: [batch, seq] int64.
 Segments segments_from_positions(const at::Tensor& positions, int64_t conv_kernel);
 
-// The family's RMSNorm: rms_norm, or rms_norm_plus_one when dims.norm_plus_one.
+// The family's RMSNorm (dims.norm's form).
 at::Tensor layer_norm(const LayerDims& dims, const at::Tensor& x, const at::Tensor& weight);
 
 // down(act(gate(x)) * up(x)), gate and up from gate_up_proj when the layer has it.
 // x: [batch, seq, hidden].
 at::Tensor gated_mlp(const DecoderLayer& layer, const LayerDims& dims, const at::Tensor& x, bool training);
 
+// Keys and values one layer hands to later ones (Gemma 4's KV sharing): [batch, kv_heads, total, d],
+// rotated and normed, covering every position the layer has seen (its cache's too).
+struct SharedKv {
+  at::Tensor k, v;
+};
+// What a Gemma 4 layer takes besides h: its slice of the per-layer inputs [batch, seq, per-layer dim]
+// (undefined: none), and `kv`: a KV-shared layer attends over it; any other layer given one stores
+// its K/V there for the layers that reuse them.
+struct LayerExtras {
+  at::Tensor per_layer_input;
+  SharedKv* kv = nullptr;
+};
+
 // One pre-norm decoder layer. h: [batch, seq, hidden]; rope tables for the seq positions.
 // cache (optional): this layer's cache entry, extended in place.
 // attn_mask (optional, [batch, seq, seq] bool, true = may attend): replaces plain causal attention
 // (packed rows); it cannot be combined with a cache. A Gated DeltaNet layer reads `segments`
-// instead (null: each row is one sequence).
+// instead (null: each row is one sequence). extras: Gemma 4's (see LayerExtras); null: none.
 at::Tensor decoder_layer_forward(const DecoderLayer& layer, const LayerDims& dims, const at::Tensor& h,
                                  const RopeTables& rope, bool training, LayerCache* cache = nullptr,
-                                 const at::Tensor& attn_mask = at::Tensor(), const Segments* segments = nullptr);
+                                 const at::Tensor& attn_mask = at::Tensor(), const Segments* segments = nullptr,
+                                 const LayerExtras* extras = nullptr);
 
 // Activation checkpointing: runs `fn(h)` without recording a graph, keeping only h; backward
 // replays fn with grad enabled (and the RNG state of the forward, so dropout masks agree) and

@@ -3,6 +3,8 @@
 #include <cstdint>
 #include <optional>
 
+#include "kernels/rmsnorm_cpu.h"
+
 namespace qlora::modules {
 
 // rope_type "llama3" (Llama-3.1): low frequencies are divided by `factor`, high ones kept, the
@@ -25,13 +27,22 @@ struct YarnRope {
   bool truncate = true;  // round the ramp's ends outward to whole dimensions
 };
 
+// rope_type "proportional" (Gemma 4's full-attention layers): the frequencies of plain RoPE over the
+// whole head_dim, of which only the first int(partial_rotary_factor * head_dim // 2) are kept and the
+// rest are zero (those dimensions pass through unrotated), all divided by `factor` (RopeParams'
+// linear_factor).
+struct ProportionalRope {
+  double partial_rotary_factor = 1.0;
+};
+
 // One set of rotary frequencies: base theta, then at most one scaling ("llama3", "yarn", or
-// "linear": every frequency divided by linear_factor, as Gemma 3's global layers use).
+// "linear": every frequency divided by linear_factor, as Gemma 3's global layers use, or "proportional").
 struct RopeParams {
   double theta = 10000.0;
   std::optional<Llama3RopeScaling> llama3;
   double linear_factor = 1.0;
   std::optional<YarnRope> yarn;
+  std::optional<ProportionalRope> proportional;
 };
 
 // Qwen3.5's Gated DeltaNet mixer (its linear-attention layers), as the HF config names it: q and k
@@ -46,6 +57,10 @@ struct GatedDeltaDims {
   int64_t value_dim() const { return num_value_heads * value_head_dim; }
   int64_t conv_dim() const { return 2 * key_dim() + value_dim(); }  // q, k, v channels
 };
+
+// How an RMSNorm's weight scales the normed row: Llama's w * round(normed), Gemma 2/3's (1 + w) in
+// fp32, Gemma 4's w in fp32 (kernels/rmsnorm_cpu.h).
+using kernels::RmsScale;
 
 // The gated MLP's activation: HF "silu" (Llama, Qwen, Phi-3) or "gelu_pytorch_tanh" (Gemma).
 enum class MlpActivation { kSilu, kGeluTanh };

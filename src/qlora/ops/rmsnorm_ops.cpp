@@ -34,7 +34,7 @@ std::vector<int64_t> row_shape(const at::Tensor& x) {
 
 }  // namespace
 
-std::pair<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool plus_one) {
+std::pair<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, kernels::RmsScale scale) {
   check_weight("rms_norm", x, weight);
   const auto rows = rows_of(x);
   const bool recorded = at::GradMode::is_enabled() && (x.requires_grad() || weight.requires_grad());
@@ -42,7 +42,8 @@ std::pair<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor
     at::Tensor h = x.to(at::kFloat);
     const at::Tensor rstd = at::rsqrt(h.pow(2).mean(-1, /*keepdim=*/true) + eps);
     h = h * rstd;
-    if (plus_one) return {(h * (weight.to(at::kFloat) + 1.0)).to(x.scalar_type()), rstd};
+    if (scale == kernels::RmsScale::kOnePlusWeight) return {(h * (weight.to(at::kFloat) + 1.0)).to(x.scalar_type()), rstd};
+    if (scale == kernels::RmsScale::kWeightFp32) return {(h * weight.to(at::kFloat)).to(x.scalar_type()), rstd};
     return {weight * h.to(x.scalar_type()), rstd};
   }
   const int64_t n = x.size(-1);
@@ -50,13 +51,13 @@ std::pair<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor
   with_element(x, [&](auto e) {
     using T = decltype(e);
     kernels::rms_norm_forward_cpu(rows->count, n, in_ptr<T>(x), rows->ld, in_ptr<T>(weight), static_cast<float>(eps),
-                                  plus_one, out_ptr<T>(out), n, out_ptr<float>(rstd));
+                                  scale, out_ptr<T>(out), n, out_ptr<float>(rstd));
   });
   return {out, rstd};
 }
 
 at::Tensor rms_norm_backward(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& weight,
-                             const at::Tensor& rstd, bool plus_one) {
+                             const at::Tensor& rstd, kernels::RmsScale scale) {
   check_weight("rms_norm_backward", x, weight);
   if (grad.sizes() != x.sizes()) throw std::invalid_argument("rms_norm_backward: grad must have x's shape");
   const auto g = rows_of(grad), rows = rows_of(x);
@@ -65,7 +66,7 @@ at::Tensor rms_norm_backward(const at::Tensor& grad, const at::Tensor& x, const 
   if (!g || !rows || !rstd_ok || grad.scalar_type() != x.scalar_type() || !kernel_weight(x, weight) ||
       x.numel() == 0) {
     at::Tensor w = weight.to(at::kFloat);  // [n]
-    if (plus_one) w = w + 1.0;
+    if (scale == kernels::RmsScale::kOnePlusWeight) w = w + 1.0;
     at::Tensor gx = grad * w;  // gw, fp32 (a bf16 grad promotes)
     const at::Tensor c = (gx * x).mean(-1, /*keepdim=*/true) * rstd.pow(3);
     gx.mul_(rstd).addcmul_(x, c, -1.0);
@@ -76,7 +77,7 @@ at::Tensor rms_norm_backward(const at::Tensor& grad, const at::Tensor& x, const 
   with_element(x, [&](auto e) {
     using T = decltype(e);
     kernels::rms_norm_backward_cpu(rows->count, n, in_ptr<T>(grad), g->ld, in_ptr<T>(x), rows->ld, in_ptr<T>(weight),
-                                   in_ptr<float>(rstd), plus_one, out_ptr<T>(gx), n);
+                                   in_ptr<float>(rstd), scale, out_ptr<T>(gx), n);
   });
   return gx;
 }

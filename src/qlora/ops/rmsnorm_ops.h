@@ -9,14 +9,16 @@
 
 #include <utility>
 
+#include "kernels/rmsnorm_cpu.h"
+
 namespace qlora::ops {
 
 // x [..., n], weight [n]. Returns the normed x (x's dtype) and rstd [..., 1] in fp32, which
-// backward takes. plus_one: scale by (1 + weight) in fp32 (Gemma) instead of weight.
-std::pair<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool plus_one);
+// backward takes. scale: which form of the weight's product (kernels/rmsnorm_cpu.h).
+std::pair<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, kernels::RmsScale scale);
 
 // The gradient of x (x's dtype) from the output's gradient, x, weight and forward's rstd.
 at::Tensor rms_norm_backward(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& weight,
-                             const at::Tensor& rstd, bool plus_one);
+                             const at::Tensor& rstd, kernels::RmsScale scale);
 
 }  // namespace qlora::ops

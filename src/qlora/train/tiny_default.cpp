@@ -69,12 +69,12 @@ std::vector<std::pair<std::string, at::Tensor>> random_tensors(int64_t vocab) {
   std::vector<std::pair<std::string, at::Tensor>> t = {{arch.embed_key, w({vocab, kHidden})}};
   for (int64_t i = 0; i < kLayers; ++i) {
     for (const models::ProjectionRow& row : arch.projections)
-      if (row.member) t.push_back({models::hf_key(row, i), w(models::projection_shape(row, c))});
+      if (row.member) t.push_back({models::hf_key(row, i), w(models::projection_shape(row, c, i))});
     for (const models::NormRow& n : arch.layer_norms) t.push_back({models::hf_key(n, i), ones()});
   }
   t.push_back({arch.final_norm_key, ones()});
   const models::ProjectionRow& head = models::output_projection(arch);
-  t.push_back({models::hf_key(head, 0), w(models::projection_shape(head, c))});
+  t.push_back({models::hf_key(head, 0), w(models::projection_shape(head, c, 0))});
   return t;
 }
 
