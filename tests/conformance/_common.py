@@ -64,7 +64,8 @@ class Checks:
 
 
 def randomize_norms(model, seed):
-    """Norm weights ~ 1 + 0.2 N(0, 1) and biases ~ 0.1 N(0, 1), drawn from `seed`."""
+    """Norm weights ~ 1 + 0.2 N(0, 1) and biases ~ 0.1 N(0, 1), drawn from `seed`; Gemma 4's
+    layer_scalar buffers (1 at init, not in the checkpoints it ships) ~ U(0.5, 1)."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for n, p in model.named_parameters():
@@ -72,6 +73,9 @@ def randomize_norms(model, seed):
                 p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
             elif n.endswith(".bias"):
                 p.copy_(0.1 * torch.randn(p.shape, generator=g))
+        for n, b in model.named_buffers():
+            if n.endswith("layer_scalar"):
+                b.copy_(0.5 + 0.5 * torch.rand(b.shape, generator=g))
 
 
 def nf4_roundtrip_projections(model):
@@ -83,7 +87,8 @@ def nf4_roundtrip_projections(model):
     with torch.no_grad():
         for n, p in model.named_parameters():
             decoder = n.startswith("model.layers.") or n.startswith("model.language_model.layers.")
-            if decoder and (n.endswith("_proj.weight") or ".in_proj_" in n):
+            per_layer = n.endswith("per_layer_input_gate.weight") or n.endswith("per_layer_projection.weight")
+            if decoder and (n.endswith("_proj.weight") or ".in_proj_" in n or per_layer):
                 if p.numel() % NF4_NUMEL_MULTIPLE:
                     raise ValueError(f"{n}: numel {p.numel()} is not a multiple of {NF4_NUMEL_MULTIPLE} (torchao)")
                 p.copy_(to_nf4(p.detach().clone()).get_original_weight())

@@ -14,7 +14,8 @@ from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Ge
                           LlamaForCausalLM, MistralConfig, MistralForCausalLM, Olmo2Config, Olmo2ForCausalLM,
                           Olmo3Config, Olmo3ForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM,
                           Qwen3Config, Qwen3ForCausalLM, Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration,
-                          Qwen3_5TextConfig, SmolLM3Config, SmolLM3ForCausalLM)
+                          Qwen3_5TextConfig, SmolLM3Config, SmolLM3ForCausalLM, Gemma4TextConfig, Gemma4ForCausalLM,
+                          Gemma4Config, Gemma4ForConditionalGeneration)
 
 from _common import randomize_norms
 
@@ -57,6 +58,37 @@ QWEN35_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
 def qwen35_multimodal_config(**kw):
     tie = kw.pop("tie_word_embeddings", False)
     return Qwen3_5Config(text_config=kw, vision_config=QWEN35_VISION, tie_word_embeddings=tie)
+
+
+# Gemma 4: sliding layers head_dim 64 with 2 kv heads, full layers global_head_dim 128 with 1 kv head
+# whose values are its keys (attention_k_eq_v) and proportional RoPE on a quarter of it; the last two
+# layers (3 sliding, 4 full: the class makes the last layer full) reuse the K/V of layers 2 and 1 and
+# have double-wide MLPs [1024, 256]; per-layer inputs of 64 a layer (gate [64, 256], projection
+# [256, 64]); a final soft-cap. Every projection's numel is a multiple of 16384.
+GEMMA4 = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+              global_head_dim=128, num_global_key_value_heads=1, attention_k_eq_v=True, num_hidden_layers=5,
+              layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention",
+                           "full_attention"],
+              sliding_window=WINDOW, num_kv_shared_layers=2, use_double_wide_mlp=True, hidden_size_per_layer_input=64,
+              vocab_size_per_layer_input=128, final_logit_softcapping=3.0, tie_word_embeddings=False)
+GEMMA4_TARGETS = LLAMA_TARGETS + ["per_layer_input_gate", "per_layer_projection"]
+GEMMA4_PLAIN_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                     "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}
+# The Hub's form: Gemma4ForConditionalGeneration with a tiny vision tower (copied, never computed).
+GEMMA4_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                     num_key_value_heads=2, head_dim=16, patch_size=4, position_embedding_size=64)
+
+
+def gemma4_multimodal_config(**kw):
+    tie = kw.pop("tie_word_embeddings", True)
+    return Gemma4Config(text_config=kw, vision_config=GEMMA4_VISION, audio_config=None, tie_word_embeddings=tie)
+
+
+def _layer_scalar_one(model):
+    with torch.no_grad():
+        for n, b in model.named_buffers():
+            if n.endswith("layer_scalar"):
+                b.fill_(1.0)
 
 
 QWEN35_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
@@ -138,6 +170,17 @@ CASES = {
                                 ("rotary over all of head_dim", {"partial_rotary_factor": 1.0}, None)]),
     "qwen3_5_vision": _case(qwen35_multimodal_config, Qwen3_5ForConditionalGeneration, QWEN35, targets=QWEN35_TARGETS,
                             ablations=[("no decay (A_log -30)", {}, _set("A_log", -30.0))]),
+    "gemma4": _case(Gemma4TextConfig, Gemma4ForCausalLM, GEMMA4, targets=GEMMA4_TARGETS, attn="eager",
+                    ablations=[("no sliding window", {"sliding_window": 4 * SEQ}, None),
+                               ("default RoPE on full layers", {"rope_parameters": GEMMA4_PLAIN_ROPE}, None),
+                               ("per-layer projection 0", {}, _set("per_layer_projection.weight", 0.0)),
+                               ("per-layer table 0", {}, _set("embed_tokens_per_layer.weight", 0.0)),
+                               ("layer_scalar 1", {}, _layer_scalar_one),
+                               ("q norm weights 1", {}, _set("q_norm.weight", 1.0)),
+                               ("no final softcap", {"final_logit_softcapping": None}, None)]),
+    "gemma4_vision": _case(gemma4_multimodal_config, Gemma4ForConditionalGeneration,
+                           {**GEMMA4, "tie_word_embeddings": True}, targets=GEMMA4_TARGETS, attn="eager",
+                           ablations=[("per-layer projection 0", {}, _set("per_layer_projection.weight", 0.0))]),
 }
 
 

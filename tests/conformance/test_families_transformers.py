@@ -58,7 +58,7 @@ GEN_NEW = 16                 # new tokens: 5 + 16 and 12 + 16 both pass the wind
 # step are closer than two tolerances (each side may be off by one, so such a pair can swap).
 GEN_CASES = {"llama": {}, "qwen2_untied": {}, "gemma2": {"tie_word_embeddings": False},
              "gemma3": {"tie_word_embeddings": False}, "mistral_sliding": {}, "phi3": {},
-             "smollm3": {}, "olmo2": {}, "olmo3": {}, "qwen3_5": {}}
+             "smollm3": {}, "olmo2": {}, "olmo3": {}, "qwen3_5": {}, "gemma4": {}}
 # Tied Gemma embeddings (scaled by 16) make a random model repeat its input token forever, which
 # would test nothing about the cache; untied, the greedy continuation varies.
 

@@ -180,6 +180,7 @@ void parse_rope(const json& j, const std::string& where, LlamaConfig& c) {
   c.rope_scaling = global.llama3;
   c.rope_linear_factor = global.linear_factor;
   c.rope_yarn = global.yarn;
+  c.rope_proportional = global.proportional;
   if (gemma3 || olmo || gemma4) c.local_rope = local;
 }
 
@@ -332,7 +333,8 @@ void parse_gemma4_heads(const json& j, const std::string& where, LlamaConfig& c)
   std::vector<int64_t> hd(static_cast<size_t>(n), c.head_dim), kv(static_cast<size_t>(n), c.num_key_value_heads);
   const json& p = j.at("per_layer_config");
   if (!p.is_null() && !p.is_object()) fail(where, "per_layer_config", "expected an object of layer index -> overrides");
-  for (const auto& [key, ov] : (p.is_null() ? json::object() : p).items()) {
+  const json overrides = p.is_null() ? json::object() : p;  // named: items() refers to it
+  for (const auto& [key, ov] : overrides.items()) {
     const auto i = static_cast<size_t>(layer_index(key, n, where));
     const std::string w = where + " (per_layer_config." + key + ")";
     if (!ov.is_object()) fail(where, "per_layer_config." + key, "expected an object of overrides");

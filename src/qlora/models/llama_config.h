@@ -69,6 +69,7 @@ struct LlamaConfig {
   std::optional<Llama3RopeScaling> rope_scaling;  // llama3 scaling; nullopt: none
   double rope_linear_factor = 1.0;                // "linear" scaling (Gemma 3's global layers)
   std::optional<modules::YarnRope> rope_yarn;     // "yarn" scaling (OLMo 3's full layers)
+  std::optional<modules::ProportionalRope> rope_proportional;  // "proportional" (Gemma 4's full layers)
   // Gemma 3, OLMo 3: the sliding-window layers' own RoPE (Gemma 3: rope_local_base_freq, unscaled).
   // nullopt: every layer uses the RoPE above.
   std::optional<modules::RopeParams> local_rope;
@@ -134,7 +135,9 @@ struct LlamaConfig {
   int64_t layer_head_dim(int64_t layer) const;
   int64_t layer_kv_heads(int64_t layer) const;
   int64_t layer_intermediate(int64_t layer) const;
-  modules::RopeParams rope() const { return {rope_theta, rope_scaling, rope_linear_factor, rope_yarn}; }
+  modules::RopeParams rope() const {
+    return {rope_theta, rope_scaling, rope_linear_factor, rope_yarn, rope_proportional};
+  }
   // Throws std::invalid_argument (prefixed with `where`) when sizes are inconsistent.
   void validate(const std::string& where) const;
 };
