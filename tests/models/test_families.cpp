@@ -429,3 +429,87 @@ TEST(FamilyConfig, GenerationConfigEosIds) {
   EXPECT_THROW(load_generation_eos_ids(dir.string()), std::invalid_argument);
   fs::remove_all(dir);
 }
+
+namespace {
+
+// google/gemma-4-E4B config.json's text keys as the Hub writes them (no per_layer_config: the class
+// derives the full layers' sizes from global_head_dim); 42 layers, 5:1 sliding, 18 KV-shared.
+std::string gemma4_e4b_config() {
+  std::string types;
+  for (int i = 0; i < 42; ++i) types += std::string(i ? "," : "") + ((i + 1) % 6 ? "\"sliding_attention\"" : "\"full_attention\"");
+  return R"({"architectures":["Gemma4ForConditionalGeneration"],"model_type":"gemma4","eos_token_id":[1,106],
+    "text_config":{"model_type":"gemma4_text","hidden_size":2560,"intermediate_size":10240,"num_hidden_layers":42,
+    "num_attention_heads":8,"num_key_value_heads":2,"head_dim":256,"global_head_dim":512,"vocab_size":262144,
+    "vocab_size_per_layer_input":262144,"hidden_size_per_layer_input":256,"num_kv_shared_layers":18,
+    "sliding_window":512,"final_logit_softcapping":30.0,"attention_k_eq_v":false,"enable_moe_block":false,
+    "use_double_wide_mlp":false,"hidden_activation":"gelu_pytorch_tanh","rms_norm_eps":1e-6,
+    "use_bidirectional_attention":"vision","layer_types":[)" + types + R"(],
+    "rope_parameters":{"full_attention":{"partial_rotary_factor":0.25,"rope_theta":1000000.0,"rope_type":"proportional"},
+    "sliding_attention":{"rope_theta":10000.0,"rope_type":"default"}}},
+    "vision_config":{"model_type":"gemma4_vision"},"audio_config":{"model_type":"gemma4_audio"}})";
+}
+
+}  // namespace
+
+TEST(FamilyConfig, Gemma4HubFormIsItsTextConfig) {
+  const LlamaConfig c = parse_llama_config(gemma4_e4b_config(), "config.json");
+  EXPECT_EQ(c.model_type, "gemma4");
+  EXPECT_TRUE(c.multimodal);
+  EXPECT_EQ(c.family, Family::kGemma4);
+  EXPECT_TRUE(c.tie_word_embeddings);
+  EXPECT_EQ(c.norm, modules::RmsScale::kWeightFp32);
+  EXPECT_DOUBLE_EQ(*c.query_pre_attn_scalar, 1.0);  // attention scale 1
+  EXPECT_DOUBLE_EQ(*c.final_logit_softcapping, 30.0);
+  EXPECT_EQ(*c.sliding_window, 512);
+  EXPECT_TRUE(c.is_sliding(0));
+  EXPECT_FALSE(c.is_sliding(5));
+  EXPECT_EQ(c.layer_head_dim(0), 256);
+  EXPECT_EQ(c.layer_head_dim(5), 512);
+  EXPECT_EQ(c.layer_kv_heads(5), 2);  // num_global_key_value_heads counts only under attention_k_eq_v
+  ASSERT_TRUE(c.rope_proportional);
+  EXPECT_DOUBLE_EQ(c.rope_proportional->partial_rotary_factor, 0.25);
+  ASSERT_TRUE(c.local_rope);
+  EXPECT_FALSE(c.local_rope->proportional);
+  // Layers 24..41 reuse the K/V of the last sliding (22) and full (23) layers before them.
+  EXPECT_FALSE(c.is_kv_shared(23));
+  EXPECT_EQ(c.kv_source[24], 22);
+  EXPECT_EQ(c.kv_source[29], 23);
+  EXPECT_TRUE(c.is_kv_source(22));
+  EXPECT_EQ(c.per_layer_input_dim, 256);
+  const Architecture& arch = architecture_of(c);
+  EXPECT_FALSE(in_layer(find_projection(arch, "k_proj")->mixer, c, 24));
+  EXPECT_TRUE(in_layer(find_projection(arch, "v_proj")->mixer, c, 23));
+  EXPECT_EQ(projection_shape(*find_projection(arch, "q_proj"), c, 5), (std::vector<int64_t>{8 * 512, 2560}));
+  EXPECT_EQ(projection_shape(*find_projection(arch, "ple_gate"), c, 0), (std::vector<int64_t>{256, 2560}));
+  EXPECT_EQ(peft_target(arch, "ple_proj"), "per_layer_projection");
+  EXPECT_EQ(embed_shape(arch.embed_rows[0], c), (std::vector<int64_t>{262144, 42 * 256}));
+}
+
+TEST(FamilyConfig, Gemma4SavedFormAndRefusals) {
+  // What transformers' save_pretrained writes: per_layer_config overrides instead of global_head_dim.
+  const auto json_of = [](const std::string& extra) {
+    return R"({"model_type":"gemma4_text","hidden_size":64,"intermediate_size":128,
+      "num_hidden_layers":4,"num_attention_heads":4,"num_key_value_heads":2,"head_dim":16,"vocab_size":128,
+      "layer_types":["sliding_attention","full_attention","sliding_attention","sliding_attention"])" + extra + "}";
+  };
+  const auto parse = [&](const std::string& extra) { return parse_llama_config(json_of(extra), "g/config.json"); };
+  const LlamaConfig c = parse(R"(,"attention_k_eq_v":true,"num_kv_shared_layers":1,"use_double_wide_mlp":true,
+    "per_layer_config":{"01":{"head_dim":32,"num_key_value_heads":1},"03":{"head_dim":32,"num_key_value_heads":1}})");
+  EXPECT_FALSE(c.is_sliding(3));  // the class makes the last layer full
+  EXPECT_EQ(c.layer_head_dim(3), 32);
+  EXPECT_EQ(c.layer_kv_heads(1), 1);
+  EXPECT_EQ(c.kv_source[3], 1);
+  EXPECT_EQ(c.layer_intermediate(3), 256);
+  const Architecture& arch = architecture_of(c);
+  EXPECT_FALSE(in_layer(find_projection(arch, "v_proj")->mixer, c, 1));  // v = k on full layers
+  EXPECT_TRUE(in_layer(find_projection(arch, "v_proj")->mixer, c, 0));
+  EXPECT_EQ(parse(R"(,"hidden_size_per_layer_input":null)").per_layer_input_dim, 0);
+  const auto refused = [&](const std::string& extra, const std::string& key) {
+    EXPECT_NE(error_of(json_of(extra)).find("'" + key + "'"), std::string::npos) << error_of(json_of(extra));
+  };
+  refused(R"(,"enable_moe_block":true)", "enable_moe_block");
+  refused(R"(,"use_bidirectional_attention":"all")", "use_bidirectional_attention");
+  refused(R"(,"per_layer_config":{"1":{"intermediate_size":64}})", "per_layer_config.1.intermediate_size");
+  refused(R"(,"per_layer_config":{"1":{"head_dim":32}})", "per_layer_config");  // full layer 3 differs
+  refused(R"(,"num_kv_shared_layers":3)", "num_kv_shared_layers");  // no full layer before layer 1
+}
