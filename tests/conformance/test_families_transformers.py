@@ -80,10 +80,22 @@ def check_ablations(checks, name, model, tokens, ref):
                      f"max|ablated - ref| {moved:.3e} (want > {ABLATION_MARGIN:g} x atol {atol:.1e})")
 
 
+def forward_reference(model32, model64, tokens):
+    """transformers' float64 logits and the tolerance for ours: the fp32 one per unit, or twice
+    transformers' own fp32 distance from them where the case rounds worse than that (gemma4_vision:
+    tied, sqrt(hidden)-scaled embeddings put transformers' fp32 6e-4 from float64 with logits of 3)."""
+    ref = reference_logits(model64, tokens)
+    own = (reference_logits(model32, tokens) - ref).abs().max().item()
+    return ref, max(atol_for(ref, ATOL_FP32_PER_UNIT), 2.0 * own)
+
+
 def check_forwards(checks, args, name, model, ckpt, tokens):
-    """fp32, packed and decode against the fp32 reference; each step fails on its own."""
-    ref = reference_logits(model, tokens)
-    atol = atol_for(ref, ATOL_FP32_PER_UNIT)
+    """fp32, packed and decode against transformers in float64; each step fails on its own.
+
+    Against float64 the tolerance bounds our rounding alone; against transformers' fp32 it would
+    also have to hold theirs, which can be as large as ours."""
+    model64 = copy.deepcopy(model).double()
+    ref, atol = forward_reference(model, model64, tokens)
     out = lambda tag: os.path.join(args.workdir, f"{name}_{tag}.safetensors")
     try:
         checks.compare(f"{name} fp32", logits_tool(args.tool, ckpt, tokens, out("fp32")), ref, atol)
@@ -91,9 +103,10 @@ def check_forwards(checks, args, name, model, ckpt, tokens):
         checks.crashed(f"{name} fp32", e)
     try:
         cut = PACKED[0]
-        ref_packed = torch.cat([reference_logits(model, tokens[:, :cut]), reference_logits(model, tokens[:, cut:])], 1)
+        parts = [forward_reference(model, model64, t) for t in (tokens[:, :cut], tokens[:, cut:])]
+        ref_packed = torch.cat([r for r, _ in parts], 1)
         ours = logits_tool(args.tool, ckpt, tokens, out("packed"), extra=["--packed", ",".join(map(str, PACKED))])
-        checks.compare(f"{name} packed {PACKED}", ours, ref_packed, atol_for(ref_packed, ATOL_FP32_PER_UNIT))
+        checks.compare(f"{name} packed {PACKED}", ours, ref_packed, max(a for _, a in parts))
     except Exception as e:
         checks.crashed(f"{name} packed", e)
     for p in DECODE_FROM:
