@@ -22,7 +22,8 @@ byte-level BPE tokenizer.json with no BOS as Qwen ships), qwen3 (q/k norms), gem
 soft-capping, query_pre_attn_scalar, alternating sliding layers), gemma3_text (q/k norms, local and
 global RoPE bases), mistral (sliding_window 8 < data.max_seq_len 128), phi3 (LoRA on the fused
 qkv_proj / gate_up_proj, asked for as q, k, v, gate, up), qwen3_5_text (a Gated DeltaNet layer and a gated,
-partially rotary attention layer, LoRA on both mixers' projections). The sliding-window families and Qwen3.5 families train on
+partially rotary attention layer, LoRA on both mixers' projections), gemma4_text (per-layer inputs, KV
+sharing, values that are the keys, a double-wide MLP). The sliding-window families and Qwen3.5 train on
 packed rows, so windows meet rows holding several samples, and generate past the window (KV cache).
 
     python tests/recipes/test_families_recipe.py --qlora build/qlora --qlora-faults build/qlora_faults
@@ -103,6 +104,16 @@ FAMILIES = [
                                 tie_word_embeddings=False),
            LAYER_TARGETS + ["linear_qkv", "linear_z", "linear_b", "linear_a", "linear_out"],
            LLAMA_PEFT + ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"], packing=True),
+    # Per-layer inputs (a table of 512 ids x 3 layers x 16), a sliding then two full layers of
+    # another head_dim whose values are their keys; the last reuses the K/V of the one before it and
+    # has a double-wide MLP. LoRA on the per-layer gate and projection too.
+    Family("gemma4_text", dict(head_dim=16, global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
+                               num_hidden_layers=3, layer_types=["sliding_attention", "full_attention", "full_attention"],
+                               sliding_window=WINDOW, num_kv_shared_layers=1, use_double_wide_mlp=True,
+                               hidden_size_per_layer_input=16, vocab_size_per_layer_input=512,
+                               final_logit_softcapping=30.0, tie_word_embeddings=False),
+           LAYER_TARGETS + ["ple_gate", "ple_proj"], LLAMA_PEFT + ["per_layer_input_gate", "per_layer_projection"],
+           packing=True),
 ]
 
 
@@ -150,7 +161,7 @@ def build_checkpoint(family, tok, out):
     torch.manual_seed(0)
     bos = tok.bos if tok.bos is not None else tok.eos
     cfg = AutoConfig.for_model(family.model_type, vocab_size=tok.vocab, bos_token_id=bos, eos_token_id=tok.eos,
-                               pad_token_id=tok.pad, **SIZES, **family.config)
+                               pad_token_id=tok.pad, **{**SIZES, **family.config})
     model = AutoModelForCausalLM.from_config(cfg).float()
     with torch.no_grad():
         for p in model.parameters():
