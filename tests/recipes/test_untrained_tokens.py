@@ -7,10 +7,11 @@ piece of the preamble in the untied lm_head; one unused id zero in both, which m
    value of the key is refused naming it and the accepted values;
 2. "mean" trains with finite losses; the merged export's rows of those tokens are the mean of the
    trained rows of their own matrix (norm >= 1e-3 x the median row norm), every other row the base's;
-   the epoch's GGUF holds the same rows;
+   the epoch's GGUF holds the same rows; a GGUF LoRA of the adapter is refused (it cannot hold them);
 3. peft loads the adapter (trainable_token_indices, one entry per matrix) on the zeroed base and its
    logits equal the merged model's;
-4. SIGKILL + resume: the same losses and the same exported rows (the rows are recomputed at start);
+4. 2 ranks: one process's losses and rows; SIGKILL + resume: the same losses and the same exported
+   rows (every rank recomputes them at start from the whole data set);
 5. a tied base: the adapter's trainable_token_indices is a list (peft ties the head to it), the
    merged embedding holds the mean, peft's logits equal the merged model's.
 """
@@ -19,12 +20,13 @@ import json
 import math
 import os
 import shutil
+import subprocess
 
 import sentencepiece
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from recipe_common import Checks, losses, recipe_args, run_recipe, safetensors_of
+from recipe_common import RANKS_TOL, Checks, losses, max_diff, recipe_args, run_recipe, safetensors_of
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data")
 SP_TOKENIZER = os.path.join(DATA, "tokenizer", "tokenizer.model")  # 512 pieces, <unk> 0, <s> 1, </s> 2
@@ -133,9 +135,18 @@ def untied(check, a, preamble, piece, unused):
     rows_check(check, "merged embed_tokens", merged[EMBED], base[EMBED], [BOS, EOS], trained_mean(base[EMBED]))
     rows_check(check, "merged lm_head", merged[HEAD], base[HEAD], fixed, trained_mean(base[HEAD]))
     gguf_check(check, export, merged)
+    r = subprocess.run([a.qlora, "gguf", export, "--adapter", "-o", w("adapter.gguf")], capture_output=True, text=True)
+    check(r.returncode != 0 and "trainable_token_indices" in r.stderr,
+          f"qlora gguf --adapter refuses the token rows a GGUF LoRA cannot hold ({r.stderr.strip()[-200:]})")
     tti = adapter_config(export).get("trainable_token_indices")
     check(tti == {"embed_tokens": fixed, "lm_head": fixed}, f"adapter_config: trainable_token_indices {tti}")
     logits_check(check, "untied", base_dir, export)
+
+    r = run_recipe(a.qlora, w("ranks2"), *run, "model.untrained_tokens=mean", "training.batch_size=1", nproc=2)
+    two = safetensors_of(os.path.join(w("ranks2"), "epoch_0")) if r.returncode == 0 else {}
+    check(r.returncode == 0 and max_diff(losses(w("ranks2")), ls) <= RANKS_TOL and
+          all(torch.equal(two[k], merged[k]) for k in (EMBED, HEAD)),
+          f"2 ranks: one process's losses within {RANKS_TOL} and the same exported rows")
 
     r = run_recipe(a.qlora_faults, w("killed"), *run, "model.untrained_tokens=mean", "checkpoint.save_every_steps=2",
                    fault="kill_after_step=3", expect_rc=-9)
