@@ -35,6 +35,7 @@
 #include "qlora/train/faults.h"
 #include "qlora/train/preference_batch.h"
 #include "qlora/train/preference_loss.h"
+#include "qlora/train/untrained_tokens.h"
 #include "recipe_config.h"
 #include "session.h"
 
@@ -229,7 +230,8 @@ train::ValidationMetrics validate(const RecipeConfig& cfg, engine::World& world,
 }
 
 // What the reference table depends on: every pair's tokens and labels, the base's fingerprint,
-// its quantization and the compute dtype (not the adapters: the reference has them off).
+// its quantization, the compute dtype and whether untrained token rows were set to the mean (not the
+// adapters: the reference has them off).
 std::string reference_key(const Session& s, const Pairs& d, const Model& m) {
   checkpoint::Xxh64 h;
   for (const auto* set : {&d.train, &d.validation})
@@ -239,7 +241,8 @@ std::string reference_key(const Session& s, const Pairs& d, const Model& m) {
         h.update(r->labels.data(), r->labels.size() * sizeof(int64_t));
       }
   return checkpoint::fingerprint_checkpoint_dir(s.base_dir) + "-" + std::to_string(h.digest()) + "-" +
-         c10::toString(m.llama.compute_dtype) + "-base" + std::to_string(static_cast<int>(s.cfg.model.base));
+         c10::toString(m.llama.compute_dtype) + "-base" + std::to_string(static_cast<int>(s.cfg.model.base)) +
+         (m.llama.token_rows.ids.empty() ? "" : "-mean_rows" + std::to_string(m.llama.token_rows.ids.size()));
 }
 
 // dpo.precompute_reference: the tables from OUTPUT_DIR/dpo_reference.safetensors when its key is
@@ -282,7 +285,10 @@ int run_dpo(Session& s) {
   const RecipeConfig& cfg = s.cfg;
   const TextSetup text = open_text(s);
   Pairs d = setup_pairs(cfg, text, s.world.size());
-  Model m = setup_model(s, text);
+  train::TokenIdSet ids;
+  for (const auto* set : {&d.train, &d.validation})
+    for (const data::PreferencePair& x : *set) ids.add(x.chosen), ids.add(x.rejected);
+  Model m = setup_model(s, text, ids.ids());
   const int64_t pad = text.tokenizer.pad_id();
   if (cfg.dpo.precompute_reference && train::needs_reference(cfg.dpo.loss)) reference_tables(s, d, m, pad);
   RecipeParts parts;

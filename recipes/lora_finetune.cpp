@@ -23,6 +23,7 @@
 #include "qlora/train/evaluate.h"
 #include "qlora/train/faults.h"
 #include "qlora/train/tiny_default.h"
+#include "qlora/train/untrained_tokens.h"
 #include "recipe_config.h"
 #include "session.h"
 
@@ -142,7 +143,10 @@ int run_finetune(Session& s) {
   const RecipeConfig& cfg = s.cfg;
   const TextSetup text = open_text(s);
   Data d = setup_data(cfg, text, s.world.size());
-  Model m = setup_model(s, text);
+  train::TokenIdSet ids;
+  for (const auto* set : {&d.samples, &d.validation})
+    for (const data::Sample& x : *set) ids.add(x);
+  Model m = setup_model(s, text, ids.ids());
   RecipeParts parts;
   parts.sampler = d.sampler.get();
   parts.records = static_cast<int64_t>(d.samples.size());

@@ -34,6 +34,7 @@
 #include "qlora/train/faults.h"
 #include "qlora/train/output_dir.h"
 #include "qlora/train/tiny_default.h"
+#include "qlora/train/untrained_tokens.h"
 #include "recipe_config.h"
 
 namespace qlora::recipes {
@@ -129,7 +130,7 @@ TextSetup open_text(const Session& s) {
   return t;
 }
 
-Model setup_model(const Session& s, const TextSetup& text) {
+Model setup_model(const Session& s, const TextSetup& text, const std::vector<int64_t>& data_token_ids) {
   const RecipeConfig& cfg = s.cfg;
   Model m{{}, engine::ShardedLlama::begin(s.world, config::sharding_options(cfg.dist))};
   // LoRA init draws from its own generator (training.seed): the same adapters on every rank.
@@ -140,6 +141,8 @@ Model setup_model(const Session& s, const TextSetup& text) {
   };
   m.llama = models::load_llama(s.base_dir, mopts);
   fit_threads_to_model(m.llama.config, s.device);
+  // While embed_tokens and lm_head are whole: every rank has the whole data set's ids, so all do the same.
+  train::apply_untrained_tokens_policy(m.llama, data_token_ids, text.tokenizer, cfg.model.untrained_tokens, s.lead);
   m.engine->finish(m.llama);
   io::release_free_cpu_memory();  // the load's temporaries
   m.llama.training = true;
@@ -479,7 +482,7 @@ Position train(const Session& s, Model& m, const TextSetup& text, RecipeParts& p
   const checkpoint::AdapterInfo adapter_info{
       cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, models::peft_targets(m.llama.architecture(), cfg.lora.targets),
       cfg.model.name.empty() ? fs::absolute(s.base_dir).lexically_normal().string() : cfg.model.name,
-      config::prompt_format(text.options), {}, cfg.lora.use_rslora};
+      config::prompt_format(text.options), {}, cfg.lora.use_rslora, {}};  // token rows: export_epoch
   if (lead && !text.template_note.empty()) std::printf("%s\n", text.template_note.c_str());
   if (lead)
     std::printf("model %s on %s x %lld rank(s): %lld layers, %lld trainable LoRA parameters; %lld %s; "

@@ -60,7 +60,10 @@ struct Model {
   std::shared_ptr<engine::ShardedLlama> engine;
 };
 // Loads, shards and seeds (dropout's generator per rank); checks the tokenizer fits the vocabulary.
-Model setup_model(const Session& s, const TextSetup& text);
+// data_token_ids: every id the run's data (training and validation, the whole set, as every rank
+// loads it) feeds in or scores; their untrained rows get model.untrained_tokens
+// (train/untrained_tokens.h) before the model is sharded.
+Model setup_model(const Session& s, const TextSetup& text, const std::vector<int64_t>& data_token_ids);
 
 // Where the loop is: epoch and step within it (0-based), optimizer steps done.
 struct Position {

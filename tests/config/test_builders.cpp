@@ -201,6 +201,8 @@ TEST(Builders, EnumKeysAreSpelledByTheComponentsTables) {
                     [](const RecipeConfig& c) { return c.logging.progress; });
   expect_spelled_by("training.on_nonfinite", train::kNonFinitePolicyNames,
                     [](const RecipeConfig& c) { return c.training.on_nonfinite; });
+  expect_spelled_by("model.untrained_tokens", train::kUntrainedTokensPolicyNames,
+                    [](const RecipeConfig& c) { return c.model.untrained_tokens; });
   // The components parse and print with the same tables.
   EXPECT_EQ(checkpoint::merge_source_from_name("original"), checkpoint::MergeSource::Original);
   EXPECT_STREQ(checkpoint::merge_source_name(checkpoint::MergeSource::Nf4), "nf4");

@@ -58,6 +58,7 @@ TEST(Config, EmptyTextGivesStructDefaults) {
   EXPECT_TRUE(c.model.activation_checkpointing);
   EXPECT_EQ(c.model.device, "auto");
   EXPECT_EQ(c.model.tokenizer, "");
+  EXPECT_EQ(c.model.untrained_tokens, train::UntrainedTokensPolicy::kError);
 }
 
 TEST(Config, ParsesEveryKind) {
@@ -67,6 +68,7 @@ checkpoint_dir = "/m/Llama-2-7b-hf"
 dtype = "fp32"
 base = "bf16"
 activation_checkpointing = false
+untrained_tokens = "mean"
 [lora]
 rank = 16
 alpha = 32          # an integer is accepted where a float is expected
@@ -89,6 +91,7 @@ progress = "plain"
   EXPECT_EQ(c.model.dtype, at::kFloat);
   EXPECT_EQ(c.model.base, BaseFormat::BF16);
   EXPECT_FALSE(c.model.activation_checkpointing);
+  EXPECT_EQ(c.model.untrained_tokens, train::UntrainedTokensPolicy::kMean);
   EXPECT_EQ(c.lora.rank, 16);
   EXPECT_EQ(c.lora.alpha, 32.0);
   EXPECT_EQ(c.lora.targets.size(), 6u);
@@ -154,6 +157,8 @@ TEST(Config, RangeChecksNameKeyAndLine) {
   EXPECT_CONTAINS(parse_error("[training]\neval_every_steps = -1\n"), "'training.eval_every_steps' (line 2) must be >= 0");
   EXPECT_CONTAINS(parse_error("[training]\non_nonfinite = \"ignore\"\n"),
                   "invalid value 'ignore' for 'training.on_nonfinite' (line 2); allowed: stop, skip");
+  EXPECT_CONTAINS(parse_error("[model]\nuntrained_tokens = \"zero\"\n"),
+                  "invalid value 'zero' for 'model.untrained_tokens' (line 2); allowed: error, mean");
   EXPECT_CONTAINS(parse_error("[model]\ndevice = \"gpu\"\n"),
                   "'model.device' (line 2) must be \"auto\", \"cpu\", \"cuda\" or \"cuda:N\", got \"gpu\"");
   EXPECT_CONTAINS(parse_error("[model]\ndevice = \"cuda:\"\n"), "'model.device'");
@@ -225,6 +230,8 @@ TEST(Config, OverrideErrorsNameTheOverrideAndLeaveConfigUntouched) {
   EXPECT_CONTAINS(override_error(c, "lora.rank=\"8\""), "'lora.rank' expects an integer, got a string");
   EXPECT_CONTAINS(override_error(c, "lora.rank=0"), "override 'lora.rank=0': 'lora.rank' must be >= 1");
   EXPECT_CONTAINS(override_error(c, "model.base=int4"), "allowed: nf4, bf16, fp32");
+  EXPECT_CONTAINS(override_error(c, "model.untrained_tokens=Mean"), "'model.untrained_tokens'");
+  EXPECT_CONTAINS(override_error(c, "model.untrained_tokens=Mean"), "allowed: error, mean");
   EXPECT_TRUE(c == before);
 }
 
@@ -274,9 +281,10 @@ TEST(Config, HashIsStableAndScoped) {
   EXPECT_EQ(config_hash(a, HashScope::Full), config_hash(RecipeConfig{}, HashScope::Full));
   // Pinned: meta.json records it, so a change makes new checkpoints' hashes differ from older
   // ones' for the same run (resume compares the keys themselves, not the hash). New keys change
-  // it (last: #26 lora.use_rslora and lora.use_dora, #27 logging.tensorboard); restructuring must not.
-  EXPECT_EQ(config_hash(a, HashScope::Full), "aeb51bfec17ef6a8");
-  EXPECT_EQ(config_hash(a, HashScope::Exactness), "c665f31828debc10");
+  // it (last: #26 lora.use_rslora and lora.use_dora, #27 logging.tensorboard, #37 model.untrained_tokens);
+  // restructuring must not.
+  EXPECT_EQ(config_hash(a, HashScope::Full), "f7fc2013f2b84fd8");
+  EXPECT_EQ(config_hash(a, HashScope::Exactness), "7944af1325082c02");
   EXPECT_EQ(config_hash(a, HashScope::Exactness), config_hash(parse_config(to_toml(a), "x"), HashScope::Exactness));
   RecipeConfig b = a;
   b.logging.log_every_steps = 10;
@@ -292,8 +300,8 @@ TEST(Config, HashIsStableAndScoped) {
 // so the canonical text must not drift when the config code is restructured (new keys do move it).
 TEST(Config, EmbeddedDefaultHashIsPinned) {
   const RecipeConfig c = load_config((configs_dir() / "tiny_qlora.toml").string());
-  EXPECT_EQ(config_hash(c, HashScope::Full), "e5fffbd80f4021c8");
-  EXPECT_EQ(config_hash(c, HashScope::Exactness), "669720a21583e08b");
+  EXPECT_EQ(config_hash(c, HashScope::Full), "32d3063959546ef0");
+  EXPECT_EQ(config_hash(c, HashScope::Exactness), "93d3e5bc7482c423");
 }
 
 TEST(Config, ExactnessBreakingDifferences) {
@@ -315,7 +323,7 @@ TEST(Config, ExactnessBreakingDifferences) {
   int exact = 0;
   for (const KeyInfo& k : known_keys()) exact += k.affects_exactness;
   EXPECT_GT(exact, 20);
-  EXPECT_EQ(known_keys().size(), 67u);
+  EXPECT_EQ(known_keys().size(), 68u);
 }
 
 // Every file in configs/ parses, and its first line is the command that runs it.

@@ -167,6 +167,11 @@ def build_checkpoint(family, tok, out):
         for p in model.parameters():
             if p.dim() == 1:  # norms (1 or 0 at init) and biases (0): random, so each one shows
                 p.add_(0.1 * torch.randn_like(p))
+        # from_config zeroes the pad token's embedding row (padding_idx); qwen2's pad is its EOS, which
+        # the data trains on: a row a real checkpoint trained, random here too (else the run refuses
+        # it, model.untrained_tokens).
+        if tok.pad is not None:
+            model.get_input_embeddings().weight[tok.pad].normal_(0, SIZES["initializer_range"])
     model.save_pretrained(out, max_shard_size="100KB")
     tok.install(out)
     return model

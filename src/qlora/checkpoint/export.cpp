@@ -29,6 +29,9 @@ namespace qlora::checkpoint {
 
 namespace {
 
+// peft's key of a trainable-tokens module's rows, after base_model.model.<module>.
+constexpr const char* kTokenRowsSuffix = ".token_adapter.trainable_tokens_delta";
+
 const char* const kCopiedFiles[] = {"config.json", "tokenizer.model", "tokenizer.json", "tokenizer_config.json",
                                     "special_tokens_map.json", "generation_config.json"};
 
@@ -77,6 +80,20 @@ at::ScalarType model_base_dtype(const modules::LoraLinear& l) {
 }
 
 void copy_file_atomic(const fs::path& from, const fs::path& to) { io::write_file_atomic(to.string(), read_file(from)); }
+
+// A base matrix [vocab, hidden] with the rows the run replaced (LlamaModel::token_rows) written over
+// it: the exports carry the rows the model trained against, not the checkpoint's. Identity when the
+// run replaced none.
+using RowPatch = std::function<at::Tensor(const at::Tensor&)>;
+at::Tensor unchanged(const at::Tensor& w) { return w; }
+RowPatch token_rows_patch(const std::vector<int64_t>& ids, const at::Tensor& rows) {
+  if (ids.empty() || !rows.defined()) return unchanged;
+  return [ids, rows](const at::Tensor& w) {
+    at::Tensor out = w.clone();
+    out.index_copy_(0, at::tensor(ids, at::kLong).to(w.device()), rows.to(w.device(), w.scalar_type()));
+    return out;
+  };
+}
 
 }  // namespace
 
@@ -150,10 +167,16 @@ void write_peft_adapter(const std::string& dir, const std::vector<std::pair<std:
       return n.size() > tail.size() && n.compare(n.size() - tail.size(), tail.size(), tail) == 0;
     };
     const bool is_a = ends(".lora_A.weight"), is_b = ends(".lora_B.weight"), is_m = ends(".lora_magnitude_vector");
-    if (name.rfind("base_model.model.", 0) != 0 || !(is_a || is_b || is_m)) {
+    const bool is_rows = ends(kTokenRowsSuffix) && !info.trainable_token_indices.is_null();
+    if (name.rfind("base_model.model.", 0) != 0 || !(is_a || is_b || is_m || is_rows)) {
       throw ExportError("write_peft_adapter " + dir + ": '" + name +
-                        "' is not a PEFT LoRA key (base_model.model.<module>.lora_{A,B}.weight or "
-                        ".lora_magnitude_vector)");
+                        "' is not a PEFT LoRA key (base_model.model.<module>.lora_{A,B}.weight, "
+                        ".lora_magnitude_vector, or with trainable_token_indices " + kTokenRowsSuffix + ")");
+    }
+    if (is_rows) {
+      if (t.dim() != 2) throw ExportError("write_peft_adapter " + dir + ": '" + name + "' must be 2-D [ids, hidden]");
+      cpu.emplace_back(name, t.detach().to(at::kCPU, dtype).contiguous());
+      continue;
     }
     if (is_m ? !t.defined() || t.dim() != 1 : !t.defined() || t.dim() != 2 || (is_a ? t.size(0) : t.size(1)) != info.r) {
       throw ExportError("write_peft_adapter " + dir + ": '" + name + "' must be " +
@@ -170,7 +193,7 @@ void write_peft_adapter(const std::string& dir, const std::vector<std::pair<std:
       info.target_modules.empty() ? std::vector<std::string>(derived.begin(), derived.end()) : info.target_modules;
   nlohmann::json base = info.base_model_name_or_path.empty() ? nlohmann::json(nullptr)
                                                              : nlohmann::json(info.base_model_name_or_path);
-  const nlohmann::json cfg = {
+  nlohmann::json cfg = {
       {"peft_type", "LORA"},
       {"task_type", "CAUSAL_LM"},
       {"base_model_name_or_path", base},
@@ -191,6 +214,8 @@ void write_peft_adapter(const std::string& dir, const std::vector<std::pair<std:
       {"use_rslora", info.use_rslora},  // scale alpha / sqrt(r) when true, else alpha / r
       {"use_dora", dora},
   };
+  // Written only when set: older peft releases reject fields they do not know.
+  if (!info.trainable_token_indices.is_null()) cfg["trainable_token_indices"] = info.trainable_token_indices;
   // json's object keys are sorted, as PEFT's own json.dumps(sort_keys=True) writes them.
   io::write_file_atomic((fs::path(dir) / "adapter_config.json").string(), cfg.dump(2) + "\n");
 }
@@ -229,16 +254,21 @@ MergedModelWriter::MergedModelWriter(const std::string& dir, const models::Llama
   auto from_orig = [&orig](const std::string& key) {
     return [&orig, key]() { return orig.tensor(key).contiguous(); };
   };
-  // A frozen non-projection tensor: the original's bytes when it has the key, else the model's.
-  auto plain = [&](const std::string& key, const at::Tensor& t) {
+  auto patched_orig = [&orig](const std::string& key, const RowPatch& patch) {
+    return [&orig, key, patch]() { return patch(orig.tensor(key)).contiguous(); };
+  };
+  // A frozen non-projection tensor: the original's bytes when it has the key (with the replaced rows
+  // of `patch` over them), else the model's.
+  auto plain = [&](const std::string& key, const at::Tensor& t, const RowPatch& patch = unchanged) {
     if (orig.contains(key)) {
       const io::TensorInfo& ti = orig.file_of(key).info(key);
-      push({key, io::to_scalar_type(ti.dtype), ti.shape, from_orig(key)});
+      push({key, io::to_scalar_type(ti.dtype), ti.shape, patched_orig(key, patch)});
     } else {
       push({key, t.scalar_type(), t.sizes().vec(), [t]() { return t.detach().cpu().contiguous(); }});
     }
   };
-  auto projection = [&](const std::string& key, const modules::LoraLinear& l) {
+  // `patch`: the replaced rows of the output head, written over its base before any merge.
+  auto projection = [&](const std::string& key, const modules::LoraLinear& l, const RowPatch& patch = unchanged) {
     const std::vector<int64_t> shape = {l.out_features, l.in_features};
     const bool have = orig.contains(key);
     if (have && orig.file_of(key).info(key).shape != shape) {
@@ -247,8 +277,8 @@ MergedModelWriter::MergedModelWriter(const std::string& dir, const models::Llama
     const at::ScalarType out = have ? io::to_scalar_type(orig.file_of(key).info(key).dtype) : model_base_dtype(l);
     if (!l.has_lora()) {
       if (have) {
-        push({key, out, shape, from_orig(key)});
-      } else {
+        push({key, out, shape, patched_orig(key, patch)});
+      } else {  // the model's base: its rows are the replaced ones already
         push({key, out, shape, [&l, out]() { return model_base_fp32(l).to(out).cpu().contiguous(); }});
       }
       return;
@@ -258,8 +288,9 @@ MergedModelWriter::MergedModelWriter(const std::string& dir, const models::Llama
                         " does not contain");
     }
     const bool use_orig = source == MergeSource::Original;
-    push({key, out, shape, [&l, &orig, key, out, use_orig]() {
-                         const at::Tensor w = use_orig ? orig.tensor(key).to(at::kFloat) : model_base_fp32(l);  // [out, in]
+    push({key, out, shape, [&l, &orig, key, out, use_orig, patch]() {
+                         // [out, in]
+                         const at::Tensor w = patch(use_orig ? orig.tensor(key).to(at::kFloat) : model_base_fp32(l));
                          return modules::lora_merged_weight(l, w).to(out).cpu().contiguous();
                        }});
   };
@@ -268,7 +299,12 @@ MergedModelWriter::MergedModelWriter(const std::string& dir, const models::Llama
   const models::Architecture& arch = model.architecture();
   // The table's text keys in the layout of the input files (key_layout.h).
   const auto key = [&model](const std::string& text_key) { return models::layout_key(model.key_layout, text_key); };
-  plain(key(arch.embed_key), model.embed_tokens);
+  const models::LlamaModel::TokenRows& token_rows = model.token_rows;
+  const RowPatch embed_rows = token_rows_patch(token_rows.ids, token_rows.embed);
+  // A tied head's rows are the embedding's.
+  const RowPatch head_rows =
+      token_rows_patch(token_rows.ids, token_rows.head.defined() ? token_rows.head : token_rows.embed);
+  plain(key(arch.embed_key), model.embed_tokens, embed_rows);
   if (models::has_embed_rows(c))
     for (const models::EmbedRow& row : arch.embed_rows) plain(key(row.hf_key), model.per_layer_inputs.*row.member);
   for (size_t i = 0; i < model.layers.size(); ++i) {
@@ -292,13 +328,13 @@ MergedModelWriter::MergedModelWriter(const std::string& dir, const models::Llama
       const std::string embed = key(arch.embed_key);
       const at::ScalarType out = io::to_scalar_type(orig.file_of(embed).info(embed).dtype);
       const modules::LoraLinear& l = model.lm_head;
-      push({head_key, out, {l.out_features, l.in_features}, [&l, &orig, embed, out, source]() {
-                           const at::Tensor w = source == MergeSource::Original ? orig.tensor(embed).to(at::kFloat)
-                                                                                : model_base_fp32(l);
+      push({head_key, out, {l.out_features, l.in_features}, [&l, &orig, embed, out, source, head_rows]() {
+                           const bool use_orig = source == MergeSource::Original;
+                           const at::Tensor w = head_rows(use_orig ? orig.tensor(embed).to(at::kFloat) : model_base_fp32(l));
                            return modules::lora_merged_weight(l, w).to(out).cpu().contiguous();
                          }});
     } else {
-      projection(head_key, model.lm_head);
+      projection(head_key, model.lm_head, head_rows);
     }
   }
 
@@ -424,6 +460,29 @@ AdapterInfo adapter_info_for(const models::LlamaModel& model, AdapterInfo info) 
   return info;
 }
 
+// The rows the run replaced (LlamaModel::token_rows) as peft's trainable tokens: their ids in the
+// config, their rows among the adapter's tensors. A tied head: the ids as a list, for which peft
+// wraps the input embedding and ties the head to its rows; else one entry per module.
+void add_token_rows(const models::LlamaModel& model, AdapterInfo& info,
+                    std::vector<std::pair<std::string, at::Tensor>>& tensors) {
+  const models::LlamaModel::TokenRows& rows = model.token_rows;
+  if (rows.ids.empty()) return;
+  const auto module = [&model](const std::string& text_key) {  // "model.embed_tokens.weight" -> "model.embed_tokens"
+    const std::string k = models::layout_key(model.key_layout, text_key);
+    return k.substr(0, k.rfind(".weight"));
+  };
+  const auto last = [](const std::string& m) { return m.substr(m.rfind('.') + 1); };  // peft's name for the module
+  const std::string embed = module(model.architecture().embed_key);
+  tensors.emplace_back("base_model.model." + embed + kTokenRowsSuffix, rows.embed);
+  if (!rows.head.defined()) {
+    info.trainable_token_indices = rows.ids;
+    return;
+  }
+  const std::string head = module(models::hf_key(models::output_projection(model.architecture()), 0));
+  tensors.emplace_back("base_model.model." + head + kTokenRowsSuffix, rows.head);
+  info.trainable_token_indices = {{last(embed), rows.ids}, {last(head), rows.ids}};
+}
+
 void call(const std::function<void()>& f) {
   if (f) f();
 }
@@ -470,7 +529,10 @@ void export_epoch(const std::string& output_dir, int64_t epoch, const models::Ll
     fs::create_directories(output_dir);
     fs::remove_all(tmp);  // an export that crashed: incomplete by construction
     fs::create_directories(tmp);
-    write_peft_adapter((tmp / "adapter").string(), model.lora_parameters(), adapter_info_for(model, info));
+    std::vector<std::pair<std::string, at::Tensor>> tensors = model.lora_parameters();
+    AdapterInfo adapter = adapter_info_for(model, info);
+    add_token_rows(model, adapter, tensors);
+    write_peft_adapter((tmp / "adapter").string(), tensors, adapter);
     if (info.prompt) write_prompt_format(tmp.string(), *info.prompt);
   }
   call(ranks.barrier);

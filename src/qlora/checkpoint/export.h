@@ -53,6 +53,12 @@ struct AdapterInfo {
   // tower has q/k/v projections that a list of names would match too.
   std::string target_pattern;
   bool use_rslora = false;  // scale alpha / sqrt(r); use_dora follows from lora_magnitude_vector keys
+  // peft's trainable tokens (LoraConfig.trainable_token_indices), for the rows the run replaced in the
+  // base (LlamaModel::token_rows): a list of ids (the input embedding; peft ties a tied head to it)
+  // or {"embed_tokens": ids, "lm_head": ids}; null: none. Their rows are the tensors
+  // <module>.token_adapter.trainable_tokens_delta [ids, hidden], which peft writes over the base's
+  // rows. export_epoch fills it from the model.
+  nlohmann::json trainable_token_indices;
 };
 
 // <dir>/qlora.json, atomically: {"format": "qlora-export-v1", "prompt": {"format", "template"
@@ -69,7 +75,8 @@ struct ExportError : std::runtime_error {
 };
 
 // Writes <dir>/adapter_model.safetensors (the given PEFT-named tensors, e.g. from
-// LlamaModel::lora_parameters(), cast to `dtype` on the CPU) and <dir>/adapter_config.json, each
+// LlamaModel::lora_parameters(), and the trainable_tokens_delta rows info.trainable_token_indices
+// names, cast to `dtype` on the CPU) and <dir>/adapter_config.json, each
 // atomically; creates dir. adapter_config.json carries the LoraConfig fields PEFT has long
 // written (peft_type, r, lora_alpha, target_modules, lora_dropout, bias, task_type,
 // base_model_name_or_path, fan_in_fan_out, inference_mode, init_lora_weights, rank/alpha_pattern,

@@ -45,6 +45,7 @@ constexpr const auto& names_of(checkpoint::MergeSource) { return checkpoint::kMe
 constexpr const auto& names_of(train::ProgressMode) { return train::kProgressModeNames; }
 constexpr const auto& names_of(train::NonFinitePolicy) { return train::kNonFinitePolicyNames; }
 constexpr const auto& names_of(train::PreferenceLoss) { return train::kPreferenceLossNames; }
+constexpr const auto& names_of(train::UntrainedTokensPolicy) { return train::kUntrainedTokensPolicyNames; }
 
 // An optional enum key (data.template) spells its absence "none", after the table's names.
 constexpr const char* kAbsent = "none";
@@ -111,6 +112,8 @@ void visit_fields(Cfg& c, V&& v) {
   v("model", "dtype", c.model.dtype, true);
   v("model", "base", c.model.base, true);
   v("model", "activation_checkpointing", c.model.activation_checkpointing, true);
+  // "mean" changes rows the run trains against ("error" trains only where no row needs it).
+  v("model", "untrained_tokens", c.model.untrained_tokens, true);
   v("lora", "rank", c.lora.rank, true);
   v("lora", "alpha", c.lora.alpha, true);
   v("lora", "dropout", c.lora.dropout, true);

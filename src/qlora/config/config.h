@@ -23,6 +23,7 @@
 #include "qlora/train/metrics.h"
 #include "qlora/train/nonfinite.h"
 #include "qlora/train/preference_loss.h"
+#include "qlora/train/untrained_tokens.h"
 
 namespace qlora::config {
 
@@ -50,6 +51,10 @@ struct ModelConfig {
   at::ScalarType dtype = at::kBFloat16;
   BaseFormat base = BaseFormat::NF4;      // "nf4" | "bf16" | "fp32"
   bool activation_checkpointing = true;
+  // Tokens the data uses whose embedding or output row the base never trained (row norm below
+  // 1e-3 x the median row norm; Llama-3 base's reserved special tokens): "error" refuses naming
+  // them, "mean" sets those rows to the mean of the trained rows (train/untrained_tokens.h).
+  train::UntrainedTokensPolicy untrained_tokens = train::UntrainedTokensPolicy::kError;
 };
 
 struct LoraConfig {

@@ -48,6 +48,9 @@ AdapterConfig read_adapter_config(const std::string& adapter_dir) {
   if (c.contains("bias") && c["bias"] != "none") refuse("bias is " + c["bias"].dump());
   if (c.contains("modules_to_save") && !c["modules_to_save"].is_null() && !c["modules_to_save"].empty())
     refuse("modules_to_save is set");
+  if (c.contains("trainable_token_indices") && !c["trainable_token_indices"].is_null())
+    refuse("trainable_token_indices is set (token rows replaced in the base: convert the epoch's merged model, "
+           "which holds them)");
   if (!c.contains("r") || !c["r"].is_number() || !c.contains("lora_alpha") || !c["lora_alpha"].is_number())
     throw std::invalid_argument(file + ": expected numbers 'r' and 'lora_alpha'");
   for (const char* k : {"rank_pattern", "alpha_pattern"})

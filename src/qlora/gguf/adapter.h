@@ -5,7 +5,7 @@
 // row order llama.cpp's converter gives W (B's rows follow W's Q/K permutation).
 //
 // llama.cpp scales by alpha / r; an rsLoRA adapter (alpha / sqrt(r)) is written with alpha * sqrt(r)
-// so the product is the same. DoRA, bias training, modules_to_save, fan_in_fan_out and a matrix
+// so the product is the same. DoRA, bias training, modules_to_save, trainable tokens, fan_in_fan_out and a matrix
 // the architecture has no GGUF name for are refused by name before the file is opened; so is a LoRA
 // on an output head the base ties to its embedding (the base's GGUF has no output.weight for llama.cpp
 // to apply it to; the epoch's merged model, converted whole, holds the trained head).

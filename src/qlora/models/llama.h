@@ -96,6 +96,14 @@ struct LlamaModel {
   at::Tensor norm;                 // [hidden], frozen
   modules::LoraLinear lm_head;     // [vocab, hidden], dense (frozen_dtype); shares embed_tokens when tied
   at::Tensor inv_freq;             // [head_dim / 2] fp32
+  // Rows of embed_tokens and the lm_head base that the run replaced before training (the recipes'
+  // model.untrained_tokens = "mean"; train/untrained_tokens.h): the exports write these in place of
+  // the checkpoint's rows. ids ascending; embed, head: [ids, hidden], the rows as the model holds
+  // them (head undefined when the head is the tied embedding). Empty: the checkpoint's rows.
+  struct TokenRows {
+    std::vector<int64_t> ids;
+    at::Tensor embed, head;
+  } token_rows;
   at::Tensor inv_freq_local;       // Gemma 3's, OLMo 3's sliding layers' own frequencies; undefined: inv_freq
   bool activation_checkpointing = false;
   bool training = false;           // enables LoRA dropout
