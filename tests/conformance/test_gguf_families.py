@@ -462,6 +462,49 @@ def check_window(tool, work, name, case, kind):
                  f"max|diff| / max(1, max|ref|) = {diff:.2e} (< {TOL['f32']:g})")
 
 
+def check_sentencepiece_json(tool, work, dirs):
+    """A sentencepiece vocabulary shipped only as tokenizer.json (transformers' fast form: BPE with byte
+    fallback; as Hub repositories and transformers' GGUF conversion ship Gemma), for Gemma (no dummy
+    prefix) and Llama 2 (Metaspace, a dummy prefix): written as llama.cpp's "llama" vocabulary, which
+    tokenizes the corpus as sentencepiece does, and gives the model's logits."""
+    from gguf import GGUFReader
+    from transformers import AutoModelForCausalLM, GemmaTokenizerFast, LlamaTokenizerFast
+    for name, cls, special in (("gemma3", GemmaTokenizerFast, dict(bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                                                    unk_token="<unk>", mask_token=None)),
+                               ("mistral", LlamaTokenizerFast, {})):
+        if name not in dirs:
+            continue
+        d = edited_copy(dirs[name], work, name + "_tokenizer_json")
+        cls.from_pretrained(dirs[name], **special).save_pretrained(d)
+        os.remove(os.path.join(d, "tokenizer.model"))
+        # The reference is sentencepiece on the model the tokenizer.json was made from: `tokenizers`
+        # on Llama's fast form drops one of several leading spaces ("  a": one "▁" where sentencepiece
+        # and llama.cpp give two), the one text of the corpus where the two differ.
+        ref = SpTokenizer(os.path.join(dirs[name], "tokenizer.model"))
+        r, out = qlora_gguf(tool, d, "f32")
+        if not check(r.returncode == 0, f"{name} tokenizer.json only: qlora gguf: {r.stdout.strip() or r.stderr.strip()}"):
+            continue
+        kind = GGUFReader(out).fields["tokenizer.ggml.model"].contents()
+        check(kind == "llama", f"{name} tokenizer.json only: tokenizer.ggml.model is llama ({kind})")
+        check_tokenization(out, ref, f"{name} tokenizer.json only")
+        model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="eager")
+        ids = prompt_ids(ref)
+        diff = rel_diff(llama_cpp_logits(llama_cpp_model(out), ids), hf_logits(model, ids))
+        CHECKS.check(f"{name} tokenizer.json only: llama.cpp's logits equal transformers'", diff < tolerance(name, "f32"),
+                     f"max|diff| / max(1, max|ref|) = {diff:.2e} (< {tolerance(name, 'f32'):g})")
+    if "mistral" in dirs:  # Metaspace splitting at every space: llama.cpp's "llama" vocabulary never splits
+        def split_metaspace(d):
+            path = os.path.join(d, "tokenizer.json")
+            with open(path) as f:
+                tj = json.load(f)
+            tj["pre_tokenizer"]["split"] = True
+            with open(path, "w") as f:
+                json.dump(tj, f)
+        d = edited_copy(os.path.join(work, "mistral_tokenizer_json"), work, "refuse_metaspace_split")
+        split_metaspace(d)
+        refused(tool, d, "a byte-fallback tokenizer.json whose Metaspace splits", "pre-tokenizer", "Metaspace")
+
+
 def check_gemma3_multimodal(tool, work):
     """A Hub-style Gemma3ForConditionalGeneration: the language model is written (llama.cpp gives the
     multimodal model's text logits), the vision tower is not, and the log says so."""
@@ -579,6 +622,7 @@ def main():
     check_window(a.tool, a.workdir, "mistral", "mistral_sliding", "sp-llama")
     check_window(a.tool, a.workdir, "phi3", "phi3", "sp-phi3")
     check_gemma3_multimodal(a.tool, a.workdir)
+    check_sentencepiece_json(a.tool, a.workdir, dirs)
     check_full_qwen_vocab(a.tool, a.workdir)
     check_refusals(a.tool, a.workdir, dirs)
     return CHECKS.summary()

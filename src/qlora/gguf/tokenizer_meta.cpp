@@ -1,5 +1,6 @@
 #include "qlora/gguf/tokenizer_meta.h"
 
+#include <algorithm>
 #include <map>
 #include <stdexcept>
 
@@ -16,7 +17,7 @@ using json = nlohmann::json;
 using Metadata = std::vector<std::pair<std::string, Value>>;
 
 // llama.cpp's token types (llama_token_type).
-constexpr int32_t kNormal = 1, kControl = 3, kUserDefined = 4, kUnused = 5;
+constexpr int32_t kNormal = 1, kUnknown = 2, kControl = 3, kUserDefined = 4, kUnused = 5, kByte = 6;
 
 // The regexes of tokenizer.json's Split pre-tokenizers that llama.cpp names (its llama-vocab.cpp
 // keeps them as "original regex from tokenizer.json").
@@ -80,13 +81,12 @@ std::string pre_tokenizer_name(const json& tj, const std::string& where) {
 namespace {
 
 // tokenizer.ggml.* of a byte-level BPE tokenizer.json.
-void add_bpe_vocab(const std::string& file, int64_t vocab_size, Metadata& metadata) {
-  const auto text = io::read_file(file);
-  if (!text) throw std::invalid_argument(file + ": cannot read");
-  const json tj = json::parse(*text);
+void add_bpe_vocab(const json& tj, const std::string& file, int64_t vocab_size, Metadata& metadata) {
   const json& model = tj.at("model");
   if (model.value("type", "") != "BPE" || !tj.contains("decoder") || tj["decoder"].value("type", "") != "ByteLevel")
-    throw std::invalid_argument(file + ": GGUF export writes byte-level BPE tokenizers (model BPE, decoder ByteLevel)");
+    throw std::invalid_argument(file + ": GGUF export writes tokenizer.json vocabularies of byte-level BPE (model "
+                                "BPE, decoder ByteLevel) or sentencepiece's form (BPE with byte_fallback, a "
+                                "ByteFallback decoder)");
   const std::string pre = pre_tokenizer_name(tj, file);
 
   std::map<int64_t, std::string> by_id;
@@ -145,7 +145,8 @@ void apply_added_tokens(const std::string& dir, const data::Tokenizer& tok, SpVo
     v.scores[id] = -1000.0f;
   };
   if (const auto text = io::read_file(dir + "/added_tokens.json")) {
-    for (const auto& [content, id] : json::parse(*text).items())
+    const json added = json::parse(*text);  // named: items() of a temporary would dangle in the loop
+    for (const auto& [content, id] : added.items())
       if (id.is_number_integer()) set(id.get<int64_t>(), content, false);
   }
   if (!tok.config() || !tok.config()->contains("added_tokens_decoder")) return;
@@ -178,6 +179,106 @@ void add_sentencepiece_vocab(const std::string& file, const std::string& dir, co
   metadata.emplace_back("tokenizer.ggml.add_space_prefix", Value::boolean(sp.add_dummy_prefix));
 }
 
+// How a sentencepiece-style tokenizer.json (BPE with byte fallback, spaces as "▁") begins a text:
+// with a "▁" (Llama 2: Metaspace prepend_scheme first/always, or a Prepend("▁") normalizer) or not
+// (Gemma: a Replace(" ", "▁") normalizer only). Anything else splits or escapes otherwise than
+// llama.cpp's "llama" vocabulary, and is refused by name.
+bool sentencepiece_space_prefix(const json& tj, const std::string& file) {
+  const std::string space = "\xe2\x96\x81";
+  const json& norm = tj.contains("normalizer") ? tj["normalizer"] : json();
+  const json& pre = tj.contains("pre_tokenizer") ? tj["pre_tokenizer"] : json();
+  const auto is = [](const json& j, const char* type) { return j.is_object() && j.value("type", "") == type; };
+  const auto replaces_spaces = [&](const json& j) {
+    return is(j, "Replace") && j.contains("pattern") && j["pattern"].value("String", "") == " " &&
+           j.value("content", "") == space;
+  };
+  const auto prepends = [&](const json& j) { return is(j, "Prepend") && j.value("prepend", "") == space; };
+  // Gemma's Split on " " after a normalizer that left no " " splits nothing.
+  const bool no_split = pre.is_null() || (is(pre, "Split") && pre.contains("pattern") &&
+                                          pre["pattern"].value("String", "") == " " && replaces_spaces(norm));
+  if (replaces_spaces(norm) && no_split) return false;
+  if (is(norm, "Sequence") && norm.contains("normalizers") && norm["normalizers"].size() == 2 &&
+      prepends(norm["normalizers"][0]) && replaces_spaces(norm["normalizers"][1]) && pre.is_null())
+    return true;
+  if (norm.is_null() && is(pre, "Metaspace") && pre.value("replacement", "") == space && !pre.value("split", true)) {
+    const std::string scheme = pre.value("prepend_scheme", pre.value("add_prefix_space", true) ? "always" : "never");
+    if (scheme == "first" || scheme == "always") return true;
+    if (scheme == "never") return false;
+  }
+  throw std::invalid_argument(file + ": the normalizer " + norm.dump() + " and pre-tokenizer " + pre.dump() +
+                              " of this byte-fallback BPE are not a sentencepiece form llama.cpp's \"llama\" "
+                              "vocabulary splits alike (spaces as \xe2\x96\x81, Metaspace without split); no GGUF is written");
+}
+
+// tokenizer.ggml.* of a sentencepiece model that only ships as tokenizer.json (as transformers
+// writes it, and as more Hub repositories ship Gemma): llama.cpp's "llama" vocabulary. That
+// tokenizer merges the adjacent pair whose result scores highest; BPE merges the pair of lowest
+// rank: so a token's score is minus the rank of the first merge that makes it (tokens no merge
+// makes score 0, and are never a merge's result). <0xAB> pieces are byte tokens, the unknown token
+// is unknown, added tokens control (special) or user-defined, ids past both [PAD<i>].
+void add_sentencepiece_json_vocab(const json& tj, const std::string& file, int64_t vocab_size, Metadata& metadata) {
+  const json& model = tj.at("model");
+  const bool space_prefix = sentencepiece_space_prefix(tj, file);
+  std::map<std::string, int64_t> first_merge;
+  int64_t rank = 0;
+  for (const auto& m : model.value("merges", json::array())) {
+    std::string joined;
+    if (m.is_string()) {
+      const std::string pair = m.get<std::string>();
+      const size_t at = pair.find(' ');
+      joined = pair.substr(0, at) + (at == std::string::npos ? "" : pair.substr(at + 1));
+    } else {
+      joined = m.at(0).get<std::string>() + m.at(1).get<std::string>();
+    }
+    first_merge.emplace(joined, rank++);
+  }
+  SpVocab v{std::vector<std::string>(vocab_size), std::vector<float>(vocab_size, 0.0f),
+            std::vector<int32_t>(vocab_size, kUnused)};
+  for (int64_t i = 0; i < vocab_size; ++i) v.tokens[i] = "[PAD" + std::to_string(i) + "]";
+  const std::string unk = model.value("unk_token", json()).is_string() ? model["unk_token"].get<std::string>() : "";
+  for (const auto& [token, id_json] : model.at("vocab").items()) {
+    const int64_t id = id_json.get<int64_t>();
+    if (id < 0 || id >= vocab_size) continue;
+    const bool byte = token.size() == 6 && token.compare(0, 3, "<0x") == 0 && token[5] == '>';
+    v.tokens[id] = token;
+    v.types[id] = byte ? kByte : token == unk ? kUnknown : kNormal;
+    if (const auto m = first_merge.find(token); m != first_merge.end()) v.scores[id] = -static_cast<float>(m->second);
+  }
+  for (const auto& t : tj.value("added_tokens", json::array())) {
+    const int64_t id = t.at("id").get<int64_t>();
+    if (id < 0 || id >= vocab_size) continue;
+    const std::string content = t.at("content").get<std::string>();
+    const bool control = t.value("special", false) || looks_special(content);
+    v.tokens[id] = control ? content : plain_spaces(content);
+    v.types[id] = content == unk ? kUnknown : control ? kControl : kUserDefined;
+    v.scores[id] = -1000.0f;
+  }
+  metadata.emplace_back("tokenizer.ggml.model", Value::string("llama"));
+  metadata.emplace_back("tokenizer.ggml.tokens", Value::strings_array(std::move(v.tokens)));
+  metadata.emplace_back("tokenizer.ggml.scores", Value::f32_array(v.scores));
+  metadata.emplace_back("tokenizer.ggml.token_type", Value::i32_array(v.types));
+  metadata.emplace_back("tokenizer.ggml.add_space_prefix", Value::boolean(space_prefix));
+}
+
+// tokenizer.json: byte-level BPE (llama.cpp's "gpt2" vocabulary) or a sentencepiece model in
+// tokenizer.json form (BPE with byte_fallback, a ByteFallback decoder: its "llama" vocabulary).
+void add_tokenizer_json_vocab(const std::string& file, int64_t vocab_size, Metadata& metadata) {
+  const auto text = io::read_file(file);
+  if (!text) throw std::invalid_argument(file + ": cannot read");
+  const json tj = json::parse(*text);
+  const json& model = tj.at("model");
+  const json& dec = tj.contains("decoder") ? tj["decoder"] : json();
+  const json decoders = dec.is_object() && dec.value("type", "") == "Sequence" ? dec.value("decoders", json::array())
+                                                                               : json::array();
+  const bool byte_fallback_decoder = std::any_of(decoders.begin(), decoders.end(), [](const json& d) {
+    return d.is_object() && d.value("type", "") == "ByteFallback";
+  });
+  if (model.value("type", "") == "BPE" && model.value("byte_fallback", false) && byte_fallback_decoder)
+    add_sentencepiece_json_vocab(tj, file, vocab_size, metadata);
+  else
+    add_bpe_vocab(tj, file, vocab_size, metadata);
+}
+
 bool ends_with(const std::string& s, const std::string& tail) {
   return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
 }
@@ -188,10 +289,10 @@ void add_tokenizer_metadata(const std::string& dir, int64_t vocab_size, Metadata
   const std::string file = data::Tokenizer::find_file(dir);
   const data::Tokenizer tok = data::Tokenizer::open(file);
   if (ends_with(file, "tokenizer.json"))
-    io::naming_file(file, [&] { add_bpe_vocab(file, vocab_size, metadata); });
+    io::naming_file(file, [&] { add_tokenizer_json_vocab(file, vocab_size, metadata); });
   else if (ends_with(file, ".model") && !ends_with(file, "original/tokenizer.model"))
     add_sentencepiece_vocab(file, dir, tok, vocab_size, metadata);
-  else throw std::invalid_argument(file + ": GGUF export writes tokenizer.json (byte-level BPE) and sentencepiece "
+  else throw std::invalid_argument(file + ": GGUF export writes tokenizer.json (byte-level BPE or sentencepiece's form) and sentencepiece "
                                    "vocabularies; Meta's tiktoken file is not written yet");
   const auto id = [&](const char* key, int64_t v) {
     if (v >= 0) metadata.emplace_back(key, Value::u32(static_cast<uint32_t>(v)));

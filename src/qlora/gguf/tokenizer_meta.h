@@ -1,6 +1,8 @@
 // The tokenizer.* metadata of a GGUF, as llama.cpp's loader reads it, from an HF tokenizer:
 // tokenizer.ggml.model "gpt2" (byte-level BPE from tokenizer.json: tokens in id order, token types,
-// merges, the pre-tokenizer by the name llama.cpp knows it under) or "llama" (sentencepiece); the
+// merges, the pre-tokenizer by the name llama.cpp knows it under) or "llama" (a sentencepiece model,
+// from tokenizer.model or from its tokenizer.json form: BPE with byte fallback, scores from the
+// merge ranks); the
 // BOS/EOS/unknown/padding ids, whether BOS/EOS are added, and the chat template.
 //
 // A tokenizer llama.cpp would split differently is refused by name, never written: the
