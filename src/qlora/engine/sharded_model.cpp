@@ -169,7 +169,11 @@ void ShardedLlama::finish(models::LlamaModel& m) {
                                 std::to_string(m.layers.size()) + " layers were sharded");
   const int64_t n = world_.shard().size(), me = world_.shard().rank();
   const at::Device dev = m.embed_tokens.device();
-  const bool tied = m.lm_head.base_dense.defined() && m.lm_head.base_dense.is_same(m.embed_tokens);
+  // Tied: the head's base is a view of the embedding's storage (lora_linear_dense keeps a detached
+  // handle, another TensorImpl, so is_same would never see it): one copy, in the head's group.
+  const at::Tensor& hb = m.lm_head.base_dense;
+  const bool tied = hb.defined() && hb.is_alias_of(m.embed_tokens) && hb.data_ptr() == m.embed_tokens.data_ptr() &&
+                    hb.sizes() == m.embed_tokens.sizes() && hb.strides() == m.embed_tokens.strides();
   const Member embed{"embed_tokens", m.embed_tokens, [&m, tied](const at::Tensor& v) {
                        m.embed_tokens = v;
                        if (tied) m.lm_head.base_dense = v;
