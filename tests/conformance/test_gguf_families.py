@@ -13,6 +13,9 @@ family's kind, converted with `qlora gguf --type f32` and `--type f16`:
   gemma3   q/k norms, 5 local : 1 global layers with their own RoPE bases; with linear scaling; and a
            Hub-style Gemma3ForConditionalGeneration, of which only the language model is written
   phi3     fused qkv and gate_up, sliding window
+  qwen35   Qwen3.5: Gated DeltaNet layers (value heads reordered for llama.cpp, A_log as -exp, conv1d
+           squeezed, 1 + w norms), a gated full-attention layer with partial rotary; and the Hub's
+           Qwen3_5ForConditionalGeneration, of which only the language model is written
 
 For each: llama.cpp's logits on the f32 and f16 files equal transformers' within the tolerance
 beside the check, and its greedy continuation of 24 tokens is transformers'; llama.cpp tokenizes a
@@ -196,6 +199,9 @@ GEMMA3_6 = ["sliding_attention"] * 5 + ["full_attention"]  # llama.cpp's fixed 5
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
 
+QWEN35_LLAMA_CPP = dict(linear_num_key_heads=2, linear_key_head_dim=32, linear_num_value_heads=4,
+                       linear_value_head_dim=32)
+
 # name: (case in _families, overrides, tokenizer kind, sequence length for the logits check)
 FAMILIES = {
     "llama3": ("llama", dict(rope_parameters=LLAMA3_ROPE), "llama-bpe"),
@@ -212,6 +218,9 @@ FAMILIES = {
     "olmo2": ("olmo2", {}, "llama-bpe"),
     # llama.cpp's olmo2 has no YaRN for now (qlora refuses it: check_refusals).
     "olmo3": ("olmo3", dict(rope_parameters=_families.OLMO3_PLAIN_ROPE), "llama-bpe"),
+    # llama.cpp's qwen35 takes one head size for the DeltaNet's keys and values (ssm.state_size), so
+    # both are 32 here; 2 key heads of 4 value heads keep the value-head reordering exercised.
+    "qwen35": ("qwen3_5", QWEN35_LLAMA_CPP, "qwen2"),
 }
 
 
@@ -283,7 +292,16 @@ TOL = {"f32": 1e-4, "f16": 2e-2}
 TOL_GELU = {"f32": 5e-3, "f16": 2e-2}
 
 
+# Qwen3.5 in f16: rounding this random case's weights to f16 alone moves transformers' own logits by
+# 1.4e-2 of the largest (mostly the embedding and in_proj_qkv: the DeltaNet's L2-normalised 32-element
+# q/k and its recurrence amplify it), and ggml's f16 products round activations too (2.0e-2 in all).
+# A lost transform moves them by O(1) (the ablations). f32 is as tight as the others.
+TOL_QWEN35 = {"f32": 1e-4, "f16": 5e-2}
+
+
 def tolerance(name, qtype):
+    if name.startswith("qwen35"):
+        return TOL_QWEN35[qtype]
     return (TOL_GELU if name.startswith("gemma") else TOL)[qtype]
 
 
@@ -462,10 +480,27 @@ def check_window(tool, work, name, case, kind):
                  f"max|diff| / max(1, max|ref|) = {diff:.2e} (< {TOL['f32']:g})")
 
 
-def check_gemma3_multimodal(tool, work):
-    """A Hub-style Gemma3ForConditionalGeneration: the language model is written (llama.cpp gives the
+def check_multimodal(tool, d, label, model, tok, tol):
+    """A Hub-style multimodal checkpoint in d: the language model is written (llama.cpp gives the
     multimodal model's text logits), the vision tower is not, and the log says so."""
     from gguf import GGUFReader
+    r, out = qlora_gguf(tool, d, "f32")
+    if not check(r.returncode == 0 and "vision tower" in r.stderr,
+                 f"{label} multimodal: written, the log naming the vision tower ({r.stderr.strip()[:200]})"):
+        return
+    names = [t.name for t in GGUFReader(out).tensors]
+    check(not [n for n in names if "v." in n[:2] or "mm" in n or "vision" in n],
+          f"{label} multimodal: only language-model tensors ({len(names)})")
+    ids = prompt_ids(tok)
+    with torch.no_grad():
+        ref = model(input_ids=torch.tensor([ids])).logits[0].float().numpy()
+    diff = rel_diff(llama_cpp_logits(llama_cpp_model(out), ids), ref)
+    CHECKS.check(f"{label} multimodal: llama.cpp's logits equal the multimodal model's text logits", diff < tol,
+                 f"max|diff| / max(1, max|ref|) = {diff:.2e} (< {tol:g})")
+
+
+def check_gemma3_multimodal(tool, work):
+    """A Hub-style Gemma3ForConditionalGeneration."""
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
     d = os.path.join(work, "gemma3_multimodal")
     tok = tokenizer_for("sp-gemma", d)
@@ -480,20 +515,16 @@ def check_gemma3_multimodal(tool, work):
     model = Gemma3ForConditionalGeneration(cfg).float().eval()
     _families.randomize_norms(model, 0)
     model.save_pretrained(d)
-    r, out = qlora_gguf(tool, d, "f32")
-    if not check(r.returncode == 0 and "vision tower" in r.stderr,
-                 f"gemma3 multimodal: written, the log naming the vision tower ({r.stderr.strip()[:200]})"):
-        return
-    names = [t.name for t in GGUFReader(out).tensors]
-    check(not [n for n in names if "v." in n[:2] or "mm" in n or "vision" in n],
-          f"gemma3 multimodal: only language-model tensors ({len(names)})")
-    ids = prompt_ids(tok)
-    with torch.no_grad():
-        ref = model(input_ids=torch.tensor([ids])).logits[0].float().numpy()
-    diff = rel_diff(llama_cpp_logits(llama_cpp_model(out), ids), ref)
-    tol = tolerance("gemma3", "f32")
-    CHECKS.check("gemma3 multimodal: llama.cpp's logits equal the multimodal model's text logits", diff < tol,
-                 f"max|diff| / max(1, max|ref|) = {diff:.2e} (< {tol:g})")
+    check_multimodal(tool, d, "gemma3", model, tok, tolerance("gemma3", "f32"))
+
+
+def check_qwen35_multimodal(tool, work):
+    """The Hub's Qwen3_5ForConditionalGeneration (its language model under model.language_model.)."""
+    d = os.path.join(work, "qwen35_multimodal")
+    tok = tokenizer_for("qwen2", d)
+    model = _families.build("qwen3_5_vision", 0, vocab_size=len(tok), max_position_embeddings=256, **QWEN35_LLAMA_CPP)
+    model.save_pretrained(d)
+    check_multimodal(tool, d, "qwen35", model, tok, tolerance("qwen35", "f32"))
 
 
 def refused(tool, d, label, *words):
@@ -536,6 +567,11 @@ def check_refusals(tool, work, dirs):
             "smollm3 with NoPE layers other than every fourth", "no_rope_layers", "layer 1")
     refused(tool, edited_copy(dirs["olmo3"], work, "refuse_olmo3_yarn", lambda c: c.update(
         rope_parameters=_families.OLMO3_ROPE)), "olmo3 with YaRN", "rope_parameters", "YaRN")
+    refused(tool, edited_copy(dirs["qwen35"], work, "refuse_qwen35_head_dims", lambda c: c.update(
+        linear_value_head_dim=16)), "qwen35 with other DeltaNet key and value head sizes", "linear_value_head_dim")
+    refused(tool, edited_copy(dirs["qwen35"], work, "refuse_qwen35_layers", lambda c: c.update(
+        layer_types=["linear_attention"] * 2 + ["full_attention"] * 2)), "qwen35 with full attention on another pattern",
+        "layer_types", "layer 3")
     refused(tool, edited_copy(dirs["qwen2"], work, "refuse_vocab_size", lambda c: c.update(vocab_size=10**12)),
             "a vocab_size the embedding does not have (10^12 entries would be written)", "vocab_size", "rows")
     from safetensors.torch import load_file, save_file
@@ -579,6 +615,7 @@ def main():
     check_window(a.tool, a.workdir, "mistral", "mistral_sliding", "sp-llama")
     check_window(a.tool, a.workdir, "phi3", "phi3", "sp-phi3")
     check_gemma3_multimodal(a.tool, a.workdir)
+    check_qwen35_multimodal(a.tool, a.workdir)
     check_full_qwen_vocab(a.tool, a.workdir)
     check_refusals(a.tool, a.workdir, dirs)
     return CHECKS.summary()

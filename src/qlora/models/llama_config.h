@@ -84,6 +84,10 @@ struct LlamaConfig {
   int64_t rotary_dim = 0;
   // Qwen3.5: q_proj also yields a per-head gate; attention's output is multiplied by its sigmoid.
   bool attn_output_gate = false;
+  // Qwen3.5: the rope dict's mrope_section (rotary frequencies per position axis: text, height,
+  // width). Text positions are the same on every axis, so a text model's RoPE does not depend on it;
+  // GGUF writes it (rope.dimension_sections). Empty: the config has none.
+  std::vector<int64_t> mrope_section;
 
   MlpActivation activation = MlpActivation::kSilu;
   bool attention_bias = false;     // q/k/v/o biases (Llama/Qwen3 attention_bias); Qwen2: q/k/v always
