@@ -1,6 +1,7 @@
-// A tensor's values on their way into a GGUF: the value transforms arch.h's TensorPlan names (llama.cpp's
-// Q/K row order, Qwen3.5's value-head order, ...), and the rows encoded in a ggml type and streamed into the writer, a few MB at a time (the model GGUF and the LoRA adapter
-// GGUF both write through here).
+// A tensor's values on their way into a GGUF: the value transforms arch.h's TensorPlan names
+// (llama.cpp's Q/K row order, Qwen3.5's value-head order, ...), and the rows encoded in a ggml type
+// and streamed into the writer, a few MB at a time (the model GGUF and the LoRA adapter GGUF both
+// write through here).
 #pragma once
 
 #include <ATen/core/Tensor.h>
