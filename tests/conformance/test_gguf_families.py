@@ -20,9 +20,9 @@ family's kind, converted with `qlora gguf --type f32` and `--type f16`:
 For each: llama.cpp's logits on the f32 and f16 files equal transformers' within the tolerance
 beside the check, and its greedy continuation of 24 tokens is transformers'; llama.cpp tokenizes a
 varied corpus as the reference tokenizer does (each tokenizer kind, plus the full real Qwen
-vocabulary); transformers' own GGUF loader reads our files where it knows the architecture; a random
-PEFT LoRA over every linear layer, written by `qlora gguf --adapter`, gives peft's logits in
-llama.cpp on the base's f32 file. Each
+vocabulary); Qwen3.5's q4_k_m file is llama-quantize's of our f32 file; transformers' own GGUF
+loader reads our files where it knows the architecture; a random PEFT LoRA over every linear layer,
+written by `qlora gguf --adapter`, gives peft's logits in llama.cpp on the base's f32 file. Each
 refusal (unknown model_type, unsupported RoPE, what llama.cpp would compute differently, a tensor
 without a GGUF name, an unknown pre-tokenizer) is checked once, with no file left behind.
 
@@ -376,6 +376,29 @@ def check_adapter(tool, name, d, model, tok, base_gguf):
                  diff < tol < moved, f"{diff:.2e} (< {tol:g}; the adapter moves them by {moved:.2e})")
 
 
+def check_llama_quantize_mix(tool, name, d, f32_path):
+    """`qlora gguf --type q4_k_m` gives every tensor the type and bytes llama.cpp's own quantizer makes
+    of our f32 file (for Qwen3.5: ssm_conv1d kept in f32, ssm_out's 128-wide rows in q5_0)."""
+    import ctypes
+
+    import llama_cpp
+    from gguf import GGUFReader
+    r, ours_path = qlora_gguf(tool, d, "q4_k_m")
+    if not check(r.returncode == 0, f"{name}: qlora gguf --type q4_k_m: {r.stderr.strip()[:200]}"):
+        return
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype, params.pure, params.nthread = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M, False, 2
+    theirs_path = os.path.join(d, "llama-quantize-q4_k_m.gguf")
+    rc = llama_cpp.llama_model_quantize(f32_path.encode(), theirs_path.encode(), ctypes.byref(params))
+    theirs = {x.name: x for x in GGUFReader(theirs_path).tensors}
+    ours = {x.name: x for x in GGUFReader(ours_path).tensors}
+    differ = [n for n in ours if n not in theirs or theirs[n].tensor_type != ours[n].tensor_type or
+              not np.array_equal(np.asarray(theirs[n].data).view(np.uint8), np.asarray(ours[n].data).view(np.uint8))]
+    check(rc == 0 and len(theirs) == len(ours) and not differ,
+          f"{name}: our q4_k_m file is llama-quantize's of our f32 file, type and bytes ({len(ours)} tensors; "
+          f"differ: {differ[:4]})")
+
+
 def check_tied_head_adapter(tool, work, d, model):
     """A LoRA on a tied head (lm_head in the targets, tie_word_embeddings): the base's GGUF has no
     output.weight to apply it to (llama.cpp 0.3.36 crashed on such an adapter), so `qlora gguf --adapter`
@@ -622,6 +645,8 @@ def main():
         check_adapter(a.tool, name, d, model, tok, paths["f32"])
         if name == "qwen2":  # tied embeddings
             check_tied_head_adapter(a.tool, a.workdir, d, model)
+        if name == "qwen35":  # tensors no other family has (ssm_*): llama-quantize's mix of them
+            check_llama_quantize_mix(a.tool, name, d, paths["f32"])
     check_window(a.tool, a.workdir, "mistral", "mistral_sliding", "sp-llama")
     check_window(a.tool, a.workdir, "phi3", "phi3", "sp-phi3")
     check_gemma3_multimodal(a.tool, a.workdir)
