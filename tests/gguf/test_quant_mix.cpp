@@ -146,8 +146,10 @@ TEST(GgufQuantMix, TensorsLlamaCppNeverQuantizes) {
   const auto m = mix(t, GgmlType::Q4_K, ModelFacts{"llama", 1, 8, 8, 0});
   EXPECT_EQ(m.at("blk.0.ffn_gate_inp.weight"), GgmlType::F16);
   EXPECT_EQ(m.at("blk.0.attn_q_norm.weight"), GgmlType::F32);
-  EXPECT_EQ(m.at("blk.0.ssm_conv1d.weight"), GgmlType::F16);
+  // The converter writes it in f32 and llama-quantize keeps it; ggml_ssm_conv reads f32 only.
+  EXPECT_EQ(m.at("blk.0.ssm_conv1d.weight"), GgmlType::F32);
   EXPECT_EQ(m.at("token_embd.weight"), GgmlType::Q6_K);  // tied: the head
+  EXPECT_EQ(mix(t, GgmlType::F16, ModelFacts{"qwen35", 1, 8, 8, 0}).at("blk.0.ssm_conv1d.weight"), GgmlType::F32);
 }
 
 }  // namespace

@@ -200,6 +200,7 @@ TEST(FamilyConfig, Qwen35MultimodalIsItsHybridTextConfig) {
   EXPECT_FALSE(c.tie_word_embeddings);
   for (int64_t i = 0; i < 8; ++i) EXPECT_EQ(c.is_linear(i), (i + 1) % 4 != 0) << i;
   EXPECT_EQ(c.gated_delta.conv_dim(), 2 * 16 * 128 + 32 * 128);
+  EXPECT_EQ(c.mrope_section, (std::vector<int64_t>{11, 11, 10}));  // GGUF's rope.dimension_sections
   const Architecture& arch = architecture_of(c);
   EXPECT_EQ(projection_shape(*find_projection(arch, "q_proj"), c, 3), (std::vector<int64_t>{2 * 16 * 256, 4096}));
   EXPECT_EQ(projection_shape(*find_projection(arch, "in_proj_b"), c, 0), (std::vector<int64_t>{32, 4096}));
@@ -238,6 +239,8 @@ TEST(FamilyConfig, Qwen35LayerTypesAndRefusals) {
   refused(R"(,"layer_types":["full_attention","sliding_attention","full_attention"])", "'layer_types'");
   refused(R"(,"linear_num_value_heads":3)", "must be a multiple of linear_num_key_heads");
   refused(R"(,"partial_rotary_factor":0.1)", "positive even number");
+  EXPECT_TRUE(c.mrope_section.empty());
+  refused(R"(,"rope_parameters":{"rope_type":"default","mrope_section":[11,-1]})", "rope_parameters.mrope_section");
   // Other families still take only full rotary.
   EXPECT_THROW(parse_llama_config(R"({"model_type":"qwen3","hidden_size":64,"intermediate_size":96,
       "num_hidden_layers":1,"num_attention_heads":4,"vocab_size":128,"partial_rotary_factor":0.5})", "c"),

@@ -96,7 +96,7 @@ std::vector<Pair> pairs_of(const io::SafetensorsFile& f, const models::LlamaConf
     const std::string weight = module + ".weight";
     std::optional<TensorPlan> target;
     if (models::is_language_model_key(layout, weight)) target = gguf_tensor(models::text_key(layout, weight), c);
-    if (!target || target->add != 0.0f)
+    if (!target || target->add != 0.0f || target->neg_exp || target->squeeze)
       throw std::invalid_argument(f.path() + ": '" + key + "' adapts '" + weight +
                                   "', which has no GGUF matrix a LoRA adapter can apply to");
     if (tied_head && target->name == "output.weight")
@@ -149,9 +149,14 @@ size_t write_adapter_gguf(const std::string& adapter_dir, const std::string& bas
   Writer out(out_path, std::move(metadata), specs);
   size_t i = 0;
   for (const Pair& p : pairs) {
-    write_tensor(out, f.tensor(p.a_key), specs[i++].type);
+    // A's columns are W's columns, B's rows W's rows: each takes W's reordering along its own dimension.
+    const auto& regroup = p.target.regroup;
+    at::Tensor a = f.tensor(p.a_key);
+    if (regroup && regroup->dim == 1) a = regroup_heads(a, *regroup);
+    write_tensor(out, a, specs[i++].type);
     at::Tensor b = f.tensor(p.b_key);
-    if (p.target.permute_heads > 0) b = unrotate(b, p.target.permute_heads);  // B's rows are W's rows
+    if (p.target.permute_heads > 0) b = unrotate(b, p.target.permute_heads);
+    if (regroup && regroup->dim == 0) b = regroup_heads(b, *regroup);
     write_tensor(out, b, specs[i++].type);
   }
   out.commit();

@@ -144,6 +144,77 @@ std::vector<float> llama3_divisors(const LlamaConfig& c) {
   return out;
 }
 
+// llama.cpp's qwen35 attends on layer i when (i + 1) % full_attention_interval == 0 and runs the
+// Gated DeltaNet elsewhere: the interval the config's layers follow (its first full layer + 1).
+int64_t full_attention_interval(const LlamaConfig& c, const std::string& where) {
+  int64_t every = c.num_hidden_layers + 1;  // no full layer at all
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i)
+    if (!c.is_linear(i)) {
+      every = i + 1;
+      break;
+    }
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i)
+    if (c.is_linear(i) != ((i + 1) % every != 0))
+      refuse(where, c, "layer_types", "layer " + std::to_string(i) + " is " + (c.is_linear(i) ? "linear" : "full") +
+                                          " attention where llama.cpp attends on every " + std::to_string(every) +
+                                          "th layer only (full_attention_interval)");
+  return every;
+}
+
+void check_qwen35(const LlamaConfig& c, const std::string& where) {
+  const modules::GatedDeltaDims& g = c.gated_delta;
+  if (g.key_head_dim != g.value_head_dim)
+    refuse(where, c, "linear_value_head_dim", std::to_string(g.value_head_dim) + " != linear_key_head_dim " +
+                                                  std::to_string(g.key_head_dim) + ": llama.cpp's qwen35 takes one "
+                                                  "head size (ssm.state_size) for the DeltaNet's keys and values");
+  if (c.mrope_section.size() > 4)
+    refuse(where, c, "rope_parameters.mrope_section", "llama.cpp reads at most 4 sections");
+  full_attention_interval(c, where);
+}
+
+// The Gated DeltaNet's sizes as llama.cpp's qwen35 reads them (its converter's names: state size is
+// the head size, group count the key heads, time step rank the value heads).
+void add_qwen35_keys(const LlamaConfig& c, const std::string& where, ArchPlan& p) {
+  const modules::GatedDeltaDims& g = c.gated_delta;
+  const auto u32 = [](int64_t v) { return Value::u32(static_cast<uint32_t>(v)); };
+  std::vector<int32_t> sections(c.mrope_section.begin(), c.mrope_section.end());
+  if (sections.empty()) sections = {11, 11, 10};  // the converter's default when the config has none
+  sections.resize(4, 0);
+  const std::pair<const char*, Value> keys[] = {
+      {"ssm.conv_kernel", u32(g.conv_kernel)},
+      {"ssm.state_size", u32(g.key_head_dim)},
+      {"ssm.group_count", u32(g.num_key_heads)},
+      {"ssm.time_step_rank", u32(g.num_value_heads)},
+      {"ssm.inner_size", u32(g.value_head_dim * g.num_value_heads)},
+      {"full_attention_interval", u32(full_attention_interval(c, where))},
+      {"rope.dimension_sections", Value::i32_array(sections)}};
+  for (const auto& [key, v] : keys) p.metadata.emplace_back(p.arch + "." + key, v);
+}
+
+// A Gated DeltaNet tensor ("linear_attn.<part>") of layer `layer`, as llama.cpp's converter writes it.
+std::optional<TensorPlan> qwen35_linear_tensor(const std::string& layer, const std::string& part, const LlamaConfig& c) {
+  const modules::GatedDeltaDims& g = c.gated_delta;
+  const int64_t per_group = g.num_value_heads / g.num_key_heads, qk = 2 * g.key_head_dim * g.num_key_heads;
+  const auto regroup = [&](int dim, int64_t offset, int64_t head_dim) -> std::optional<HeadRegroup> {
+    if (per_group == 1) return std::nullopt;  // one value head a key head: the orders agree
+    return HeadRegroup{dim, offset, g.num_key_heads, per_group, head_dim};
+  };
+  const std::string blk = "blk." + layer + ".";
+  const int64_t dv = g.value_head_dim;
+  TensorPlan t;
+  if (part == "in_proj_qkv.weight") t = {blk + "attn_qkv.weight", 0, 0.0f, regroup(0, qk, dv)};
+  else if (part == "in_proj_z.weight") t = {blk + "attn_gate.weight", 0, 0.0f, regroup(0, 0, dv)};
+  else if (part == "in_proj_b.weight") t = {blk + "ssm_beta.weight", 0, 0.0f, regroup(0, 0, 1)};
+  else if (part == "in_proj_a.weight") t = {blk + "ssm_alpha.weight", 0, 0.0f, regroup(0, 0, 1)};
+  else if (part == "out_proj.weight") t = {blk + "ssm_out.weight", 0, 0.0f, regroup(1, 0, dv)};
+  else if (part == "norm.weight") t = {blk + "ssm_norm.weight"};  // the gated norm: plain w
+  else if (part == "dt_bias") t = {blk + "ssm_dt.bias", 0, 0.0f, regroup(0, 0, 1)};
+  else if (part == "A_log") t = {blk + "ssm_a", 0, 0.0f, regroup(0, 0, 1), true};
+  else if (part == "conv1d.weight") t = {blk + "ssm_conv1d.weight", 0, 0.0f, regroup(0, qk, dv), false, true};
+  else return std::nullopt;
+  return t;
+}
+
 // The keys every family writes, and the context length the file declares.
 Metadata common_keys(const LlamaConfig& c, const std::string& a, int64_t context) {
   const auto u32 = [](int64_t v) { return Value::u32(static_cast<uint32_t>(v)); };
@@ -152,7 +223,7 @@ Metadata common_keys(const LlamaConfig& c, const std::string& a, int64_t context
           {a + ".embedding_length", u32(c.hidden_size)},
           {a + ".block_count", u32(c.num_hidden_layers)},
           {a + ".feed_forward_length", u32(c.intermediate_size)},
-          {a + ".rope.dimension_count", u32(c.head_dim)},
+          {a + ".rope.dimension_count", u32(c.rope_dim())},
           {a + ".attention.head_count", u32(c.num_attention_heads)},
           {a + ".attention.head_count_kv", u32(c.num_key_value_heads)},
           {a + ".attention.key_length", u32(c.head_dim)},
@@ -163,8 +234,6 @@ Metadata common_keys(const LlamaConfig& c, const std::string& a, int64_t context
 
 // Families whose llama.cpp layout this writer does not produce: why, for the refusal.
 const char* unwritten_layout(Family f) {
-  if (f == Family::kQwen35)
-    return " (Qwen3.5): llama.cpp's qwen35 architecture lays the Gated DeltaNet out as its own ssm_* tensors";
   if (f == Family::kGemma4)
     return " (Gemma 4): llama.cpp's gemma4 architecture has its own tensors for the per-layer inputs, the "
            "full layers' head size and the KV-shared layers";
@@ -184,6 +253,7 @@ ArchPlan plan_architecture(const LlamaConfig& c, const std::string& where) {
   if (is_gemma(c.family)) check_gemma(c, where);
   if (c.family == Family::kSmolLM3) check_nope(c, where);
   if (c.family == Family::kOlmo2) check_olmo(c, where);
+  if (c.family == Family::kQwen35) check_qwen35(c, where);
   const bool qwen = c.family == Family::kQwen2 || c.family == Family::kQwen3 || c.family == Family::kSmolLM3;
   if (qwen && c.sliding_window)
     refuse(where, c, "use_sliding_window", "true: llama.cpp's " + std::string(arch_name(c.family)) + " has no sliding-window attention");
@@ -216,22 +286,26 @@ ArchPlan plan_architecture(const LlamaConfig& c, const std::string& where) {
     add("attn_logit_softcapping", Value::f32(static_cast<float>(*c.attn_logit_softcapping)));
     add("final_logit_softcapping", Value::f32(static_cast<float>(*c.final_logit_softcapping)));
   }
+  if (c.family == Family::kQwen35) add_qwen35_keys(c, where, p);
   return p;
 }
 
 std::optional<TensorPlan> gguf_tensor(const std::string& hf, const LlamaConfig& c) {
   if (hf == "model.embed_tokens.weight") return TensorPlan{"token_embd.weight"};
-  const float norm_add = is_gemma(c.family) ? 1.0f : 0.0f;
+  const float norm_add = c.norm_plus_one ? 1.0f : 0.0f;  // Gemma, Qwen3.5: RMSNorm scales by 1 + w
   if (hf == "model.norm.weight") return TensorPlan{"output_norm.weight", 0, norm_add};
   if (hf == "lm_head.weight") return TensorPlan{"output.weight"};
+  static const std::regex linear(R"(model\.layers\.(\d+)\.linear_attn\.(.+))");
+  std::smatch lm;
+  if (c.family == Family::kQwen35 && std::regex_match(hf, lm, linear)) return qwen35_linear_tensor(lm[1], lm[2], c);
   static const std::regex layer(R"(model\.layers\.(\d+)\.(.+)\.(weight|bias))");
   std::smatch m;
   if (!std::regex_match(hf, m, layer)) return std::nullopt;
   const std::string part = m[2], kind = m[3];
   const Family f = c.family;
   const bool gemma = is_gemma(f), phi3 = f == Family::kPhi3;
-  const bool olmo = f == Family::kOlmo2;
-  const bool qk_norms = f == Family::kQwen3 || f == Family::kGemma3 || olmo;
+  const bool olmo = f == Family::kOlmo2, qwen35 = f == Family::kQwen35;
+  const bool qk_norms = f == Family::kQwen3 || f == Family::kGemma3 || olmo || qwen35;
   struct Row {
     const char* hf;
     const char* gguf;
@@ -248,7 +322,7 @@ std::optional<TensorPlan> gguf_tensor(const std::string& hf, const LlamaConfig& 
       {"mlp.gate_up_proj", "ffn_up", phi3},  // gate and up stacked, as llama.cpp's phi3 splits it
       {"mlp.down_proj", "ffn_down", true},
       {"input_layernorm", "attn_norm", true},
-      {"post_attention_layernorm", gemma || olmo ? "post_attention_norm" : "ffn_norm", true},
+      {"post_attention_layernorm", gemma || olmo || qwen35 ? "post_attention_norm" : "ffn_norm", true},
       {"pre_feedforward_layernorm", "ffn_norm", gemma},
       {"post_feedforward_layernorm", "post_ffw_norm", gemma || olmo},
       {"self_attn.q_norm", "attn_q_norm", qk_norms},

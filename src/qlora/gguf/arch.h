@@ -20,6 +20,18 @@
 //   phi3            "phi3": fused attn_qkv and ffn_up (gate and up stacked, gate first) as they are;
 //                   llama.cpp reads its window but applies none, so a window shorter than the context
 //                   becomes the context_length, as for Mistral.
+//   qwen3_5_text    "qwen35" (text-only, or the language model of a Qwen3_5ForConditionalGeneration):
+//                   the ssm.* sizes and full_attention_interval; rope.dimension_count is the rotary
+//                   part of head_dim and rope.dimension_sections the config's mrope_section (or
+//                   [11, 11, 10, 0]), which text positions make plain NeoX RoPE. Every norm but the
+//                   DeltaNet's gated one stored as 1 + w; q_proj (query and gate per head) as it is;
+//                   in_proj_qkv/z/b/a -> attn_qkv, attn_gate, ssm_beta, ssm_alpha; conv1d squeezed to
+//                   ssm_conv1d (f32 in every file type: ggml_ssm_conv reads f32 only); A_log stored as
+//                   ssm_a = -exp(A_log); dt_bias as ssm_dt.bias; out_proj as ssm_out. Value heads go
+//                   from HF's order (grouped by key head) to llama.cpp's tiled one wherever they index
+//                   rows or columns (HeadRegroup). llama.cpp takes one head size for keys and values
+//                   and full attention on every full_attention_interval-th layer, so a config that
+//                   differs is refused. The MTP block (mtp.*) is not written.
 //
 // What cannot be described exactly (another activation, biases where llama.cpp loads none, a
 // RoPE scaling the architecture does not read, a window llama.cpp would not apply) is refused with
@@ -38,11 +50,26 @@ namespace qlora::gguf {
 
 using Metadata = std::vector<std::pair<std::string, Value>>;
 
+// Qwen3.5's Gated DeltaNet value heads, from HF's order (grouped by the key head they share:
+// k0v0 k0v1 .. k1v0 k1v1 ..) to llama.cpp's tiled one (k0v0 k1v0 .. k0v1 k1v1 ..), which lets
+// ggml repeat the key heads by broadcasting: along rows (dim 0) or columns (dim 1), from element
+// `offset` on (in_proj_qkv and conv1d: past q and k).
+struct HeadRegroup {
+  int dim = 0;
+  int64_t offset = 0;
+  int64_t groups = 0;     // key heads
+  int64_t per_group = 0;  // value heads a key head
+  int64_t head_dim = 0;   // elements a value head (1: one per head, as in_proj_b/a, A_log, dt_bias)
+};
+
 // Where an HF tensor goes and what the converter does to its values on the way.
 struct TensorPlan {
   std::string name;           // "blk.3.attn_q.weight"
   int64_t permute_heads = 0;  // llama's Q/K rows: HF's rotate-half halves interleaved over this many heads
-  float add = 0.0f;           // Gemma's norms: stored as w + 1
+  float add = 0.0f;           // Gemma's and Qwen3.5's norms: stored as w + 1
+  std::optional<HeadRegroup> regroup;
+  bool neg_exp = false;  // Qwen3.5's A_log: stored as -exp(A_log)
+  bool squeeze = false;  // Qwen3.5's conv1d [channels, 1, kernel]: stored as [channels, kernel]
 };
 
 // A tensor the GGUF holds that the checkpoint does not (Llama-3's RoPE frequency divisors).
@@ -63,7 +90,8 @@ struct ArchPlan {
 ArchPlan plan_architecture(const models::LlamaConfig& c, const std::string& where);
 
 // The GGUF tensor of a text-only HF key ("model.layers.3.self_attn.q_proj.weight",
-// "lm_head.weight", ".bias" keys); nullopt when the architecture has no such tensor.
+// "lm_head.weight", ".bias" keys, Qwen3.5's "model.layers.0.linear_attn.A_log"); nullopt when the
+// architecture has no such tensor.
 std::optional<TensorPlan> gguf_tensor(const std::string& hf, const models::LlamaConfig& c);
 
 }  // namespace qlora::gguf

@@ -70,7 +70,7 @@ Plan plan_gguf(const io::CheckpointDir& ckpt, const models::LlamaConfig& c, cons
       throw std::invalid_argument(dir + "/config.json: vocab_size is " + std::to_string(c.vocab_size) + ", but '" +
                                   s.key + "' has " + std::to_string(info.shape.empty() ? 0 : info.shape[0]) +
                                   " rows; no GGUF is written");
-    p.specs.push_back({mapped->name, info.shape});
+    p.specs.push_back({mapped->name, planned_shape(info.shape, *mapped)});
     p.from_checkpoint.emplace_back(s.key, *mapped);
   }
   set_types(p.specs, {p.arch.arch, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, 0}, options.type);
@@ -95,9 +95,7 @@ size_t write_gguf(const std::string& dir, const std::string& out_path, const Con
   const size_t first = plan.arch.extra.size();
   for (size_t i = 0; i < plan.from_checkpoint.size(); ++i) {
     const auto& [key, t] = plan.from_checkpoint[i];
-    at::Tensor x = ckpt.tensor(key);
-    if (t.permute_heads > 0) x = unrotate(x, t.permute_heads);
-    if (t.add != 0.0f) x = x.to(at::kFloat) + t.add;
+    at::Tensor x = planned_values(ckpt.tensor(key), t);
     write_tensor(out, x, plan.specs[first + i].type);
     x = at::Tensor();
     ckpt.file_of(key).release(key);  // its mapped pages leave the resident set

@@ -3,10 +3,11 @@
 // llama.cpp's loader reads them, the tokenizer (tokenizer_meta.h), and every weight in the chosen
 // type, streamed one tensor at a time (peak memory: the largest tensor in fp32, plus its encoding).
 //
-// Families: llama/mistral, qwen2, qwen3, gemma2, gemma3 (text-only, or the language model of a
-// Gemma3ForConditionalGeneration, whose vision tower is skipped with a log line), phi3; each as
-// the llama.cpp architecture, metadata keys, tensor names and value transforms arch.h lists.
-// Types: f32, f16, bf16 (1-D tensors stay f32, as llama.cpp's converter keeps them); q8_0, q4_0,
+// Families: llama/mistral, qwen2, qwen3, gemma2, gemma3 and qwen3_5 (text-only, or the language model
+// of a Gemma3ForConditionalGeneration / Qwen3_5ForConditionalGeneration, whose vision tower is skipped
+// with a log line), phi3, smollm3, olmo2/3; each as the llama.cpp architecture, metadata keys, tensor
+// names and value transforms arch.h lists.
+// Types: f32, f16, bf16 (1-D tensors and ssm_conv1d stay f32, as llama.cpp's converter keeps them); q8_0, q4_0,
 // q4_k_m, q5_k_m, q6_k with each tensor in the type llama-quantize's default mix gives it
 // (quant_mix.h: e.g. the output head in q6_K, q6_K for some layers' attn_v/ffn_down in the _m
 // mixes, q5_0/q5_1/q8_0 where rows are not whole 256-blocks), the same bytes as llama-quantize

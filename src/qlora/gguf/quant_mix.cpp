@@ -147,7 +147,7 @@ std::vector<GgmlType> choose_types(const std::vector<TensorSpec>& tensors, const
   });
   for (size_t i : order) {
     const TensorSpec& t = tensors[i];
-    if (t.shape.size() < 2) types[i] = GgmlType::F32;
+    if (t.shape.size() < 2 || has(t.name, "ssm_conv1d")) types[i] = GgmlType::F32;
     else if (!quantized) types[i] = main;
     else if (!quantizable(t)) types[i] = GgmlType::F16;
     else types[i] = fallback(s.mixed(t), t.shape.back());

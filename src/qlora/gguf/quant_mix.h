@@ -2,7 +2,9 @@
 // default (no --pure, no importance matrix, no overrides: llama_tensor_get_type in
 // src/llama-quant.cpp) for the file type whose main type is given:
 //
-//   1-D tensors (norms, biases): f32. f32/f16/bf16 files: every matrix in that type.
+//   1-D tensors (norms, biases) and ssm_conv1d (which llama.cpp's converter always writes in f32 and
+//   llama-quantize keeps; ggml_ssm_conv reads f32 only): f32. f32/f16/bf16 files: every other matrix in
+//   that type.
 //   Matrices llama.cpp never quantizes (norm weights, expert routers, position embeddings): f16.
 //   The output head (token_embd when the embeddings are tied, i.e. there is no output.weight):
 //   q6_K; q8_0 where its rows are not whole blocks of the main type (and in q8_0 files).

@@ -28,6 +28,11 @@ constexpr const char* kQwen2Regex =
     "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|"
     "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
 
+// Qwen3.5's: Qwen2's with combining marks (\p{M}) kept inside words.
+constexpr const char* kQwen35Regex =
+    "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?[\\p{L}\\p{M}]+|\\p{N}| ?[^\\s\\p{L}\\p{M}\\p{N}]+[\\r\\n]*|"
+    "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
+
 bool is_byte_level(const json& p, bool use_regex) {
   return p.is_object() && p.value("type", "") == "ByteLevel" && !p.value("add_prefix_space", false) &&
          p.value("use_regex", true) == use_regex;
@@ -69,11 +74,12 @@ std::string pre_tokenizer_name(const json& tj, const std::string& where) {
     if (norm.is_null() && split_regex(a) == kLlama3Regex && is_byte_level(b, false)) name = "llama-bpe";
     // llama.cpp does not apply Qwen's NFC normalizer: text already in NFC (nearly all) tokenizes alike.
     if ((norm.is_null() || nfc) && split_regex(a) == kQwen2Regex && is_byte_level(b, false)) name = "qwen2";
+    if ((norm.is_null() || nfc) && split_regex(a) == kQwen35Regex && is_byte_level(b, false)) name = "qwen35";
   }
   if (name.empty()) {
     throw std::invalid_argument(where + ": the pre-tokenizer " + pre.dump() + " (normalizer " + norm.dump() +
                                 ") is not one llama.cpp splits the same way under a name qlora knows "
-                                "(gpt-2, smollm, llama-bpe, qwen2); no GGUF is written");
+                                "(gpt-2, smollm, llama-bpe, qwen2, qwen35); no GGUF is written");
   }
   return name;
 }

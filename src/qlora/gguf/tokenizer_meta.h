@@ -6,7 +6,7 @@
 // BOS/EOS/unknown/padding ids, whether BOS/EOS are added, and the chat template.
 //
 // A tokenizer llama.cpp would split differently is refused by name, never written: the
-// pre-tokenizer must be one of those llama.cpp names (gpt-2, smollm, llama-bpe, qwen2) exactly,
+// pre-tokenizer must be one of those llama.cpp names (gpt-2, smollm, llama-bpe, qwen2, qwen35) exactly,
 // with no normalizer (Qwen's NFC excepted). A sentencepiece tokenizer.model becomes llama.cpp's
 // "llama" vocabulary (pieces, scores, types, add_space_prefix), with HF's added tokens from
 // added_tokens.json and tokenizer_config.json's added_tokens_decoder (Phi-3's chat tokens past the

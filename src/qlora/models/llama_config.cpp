@@ -151,6 +151,23 @@ void parse_partial_rotary(const json& j, const char* rope_key, const std::string
   c.rotary_dim = dim == c.head_dim ? 0 : dim;
 }
 
+// Qwen3.5's rope_parameters.mrope_section (or rope_scaling's): a list of non-negative integers.
+std::vector<int64_t> mrope_section(const json& j, const std::string& where) {
+  std::vector<int64_t> out;
+  for (const char* key : {"rope_parameters", "rope_scaling"}) {
+    if (!present(j, key) || !j.at(key).is_object() || !present(j.at(key), "mrope_section")) continue;
+    const json& s = j.at(key).at("mrope_section");
+    const std::string name = std::string(key) + ".mrope_section";
+    if (!s.is_array()) fail(where, name, "expected a list of integers, got " + s.dump());
+    for (const json& v : s) {
+      if (!v.is_number_integer() || v.get<int64_t>() < 0) fail(where, name, "entries must be non-negative integers");
+      out.push_back(v.get<int64_t>());
+    }
+    break;
+  }
+  return out;
+}
+
 // RoPE: transformers <= 4.x wrote rope_theta at top level and scaling in rope_scaling; 5.x writes
 // one rope_parameters dict holding rope_theta and rope_type, or (Gemma 3) one dict per layer type.
 // Gemma 3's older form: rope_theta + rope_scaling for global layers, rope_local_base_freq for local.
@@ -419,6 +436,7 @@ void parse_family_numerics(const json& j, const std::string& where, LlamaConfig&
     g.value_head_dim = get_int(j, "linear_value_head_dim", where, 128);
     g.num_key_heads = get_int(j, "linear_num_key_heads", where, 16);
     g.num_value_heads = get_int(j, "linear_num_value_heads", where, 32);
+    c.mrope_section = mrope_section(j, where);
     return;
   }
   if (f == Family::kGemma4) return parse_gemma4(j, where, c);

@@ -104,6 +104,10 @@ struct LlamaConfig {
   bool double_wide_mlp = false;  // KV-shared layers' MLPs are 2 * intermediate_size wide
   // Gemma 4's per-layer input embeddings (hidden_size_per_layer_input; 0: none) and their table's rows.
   int64_t per_layer_input_dim = 0, per_layer_input_vocab = 0;
+  // Qwen3.5: the rope dict's mrope_section (rotary frequencies per position axis: text, height,
+  // width). Text positions are the same on every axis, so a text model's RoPE does not depend on it;
+  // GGUF writes it (rope.dimension_sections). Empty: the config has none.
+  std::vector<int64_t> mrope_section;
 
   MlpActivation activation = MlpActivation::kSilu;
   bool attention_bias = false;     // q/k/v/o biases (Llama/Qwen3 attention_bias); Qwen2: q/k/v always
