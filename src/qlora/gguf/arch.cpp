@@ -292,7 +292,7 @@ ArchPlan plan_architecture(const LlamaConfig& c, const std::string& where) {
 
 std::optional<TensorPlan> gguf_tensor(const std::string& hf, const LlamaConfig& c) {
   if (hf == "model.embed_tokens.weight") return TensorPlan{"token_embd.weight"};
-  const float norm_add = c.norm_plus_one ? 1.0f : 0.0f;  // Gemma, Qwen3.5: RMSNorm scales by 1 + w
+  const float norm_add = c.norm == modules::RmsScale::kOnePlusWeight ? 1.0f : 0.0f;  // Gemma 2/3, Qwen3.5: 1 + w
   if (hf == "model.norm.weight") return TensorPlan{"output_norm.weight", 0, norm_add};
   if (hf == "lm_head.weight") return TensorPlan{"output.weight"};
   static const std::regex linear(R"(model\.layers\.(\d+)\.linear_attn\.(.+))");
