@@ -16,19 +16,44 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <vector>
+
 namespace qlora::ops::gated_delta {
 
-// The operands, fp32 contiguous, heads and batch flattened into one leading dim: q, k [BH, N, C, dk]
-// (q already normalised and scaled), v [BH, N, C, dv], g and beta [BH, N, C]. Padding tokens carry
+// The operands, fp32 contiguous, chunk-major (a block of chunks is one contiguous slice), heads and
+// batch flattened into one dim: q, k [N, BH, C, dk]
+// (q already normalised and scaled), v [N, BH, C, dv], g and beta [N, BH, C]. Padding tokens carry
 // g = beta = 0 and zero vectors, which leave the state as it is.
 struct Chunks {
   at::Tensor q, k, v, g, beta;
 };
 
+// Each chunk's matrices, computed from its own tokens (the notation above).
+struct Local {
+  at::Tensor e;     // E                     [N, BH, C, C], 0 above the diagonal
+  at::Tensor ae;    // ((beta*K) K^T) .* E   [N, BH, C, C] (A is its strict lower part)
+  at::Tensor p;     // (Q K^T) .* E          [N, BH, C, C]
+  at::Tensor t;     // T = (I + A)^-1        [N, BH, C, C], unit lower triangular
+  at::Tensor u, w;  // T (beta*V), T (beta*exp(gam)*K): [N, BH, C, dv], [N, BH, C, dk]
+};
+
+// What backward reads back from the forward, per chunk: memory linear in the sequence, and no
+// chunk's matrices computed twice.
+struct Saved {
+  at::Tensor starts;  // [N, BH, dk, dv]: the state entering each chunk
+  at::Tensor delta;   // [N, BH, C, dv]: Delta = U - W S0
+  Local local;
+
+  std::vector<at::Tensor> list() const { return {starts, delta, local.e, local.ae, local.p, local.t, local.u, local.w}; }
+  static Saved of(const std::vector<at::Tensor>& l, size_t i) {
+    return {l[i], l[i + 1], {l[i + 2], l[i + 3], l[i + 4], l[i + 5], l[i + 6], l[i + 7]}};
+  }
+};
+
 struct Forward {
-  at::Tensor out;     // [BH, N, C, dv]
-  at::Tensor starts;  // [BH, N, dk, dv]: the state entering each chunk (what backward recomputes from)
-  at::Tensor final;   // [BH, dk, dv]
+  at::Tensor out;  // [N, BH, C, dv]
+  Saved saved;
+  at::Tensor final;  // [BH, dk, dv]
 };
 
 // state0 [BH, dk, dv] fp32, or undefined for zeros.
@@ -39,7 +64,7 @@ struct Grads {
   at::Tensor state0;            // [BH, dk, dv]
 };
 
-// d_out [BH, N, C, dv]; d_final [BH, dk, dv] or undefined (no gradient reached the final state).
-Grads chunked_backward(const Chunks& x, const at::Tensor& starts, const at::Tensor& d_out, const at::Tensor& d_final);
+// d_out [N, BH, C, dv]; d_final [BH, dk, dv] or undefined (no gradient reached the final state).
+Grads chunked_backward(const Chunks& x, const Saved& saved, const at::Tensor& d_out, const at::Tensor& d_final);
 
 }  // namespace qlora::ops::gated_delta

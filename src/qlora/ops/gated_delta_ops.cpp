@@ -54,15 +54,23 @@ Dims check_dims(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
   return d;
 }
 
-// [batch, seq, heads, n] (any dtype) -> [batch*heads, chunks, C, n] fp32, zero-padded at the end.
+// [batch, seq, heads, n] (any dtype) -> [chunks, batch*heads, C, n] fp32, zero-padded at the end.
 at::Tensor to_chunks(const at::Tensor& t, const Dims& d) {
-  const at::Tensor h = at::constant_pad_nd(t.to(at::kFloat).transpose(1, 2), {0, 0, 0, d.pad});  // [b, h, T', n]
-  return h.reshape({-1, d.chunks, kGatedDeltaChunk, t.size(3)});
+  const int64_t heads = t.size(2), n = t.size(3);
+  const at::Tensor h = at::constant_pad_nd(t.to(at::kFloat), {0, 0, 0, 0, 0, d.pad});  // [b, T', h, n]
+  return h.reshape({d.batch, d.chunks, kGatedDeltaChunk, heads, n})
+      .permute({1, 0, 3, 2, 4})
+      .reshape({d.chunks, d.batch * heads, kGatedDeltaChunk, n})
+      .contiguous();  // the reshape is a view when batch is 1
 }
 
-// The inverse of to_chunks, padding dropped: [batch*heads, chunks, C, n] -> [batch, seq, heads, n].
+// The inverse of to_chunks, padding dropped: [chunks, batch*heads, C, n] -> [batch, seq, heads, n].
 at::Tensor from_chunks(const at::Tensor& t, const Dims& d) {
-  return t.reshape({d.batch, -1, d.chunks * kGatedDeltaChunk, t.size(3)}).narrow(2, 0, d.seq).transpose(1, 2);
+  const int64_t n = t.size(3);
+  return t.reshape({d.chunks, d.batch, -1, kGatedDeltaChunk, n})
+      .permute({1, 0, 3, 2, 4})
+      .reshape({d.batch, d.chunks * kGatedDeltaChunk, -1, n})
+      .narrow(1, 0, d.seq);
 }
 
 // q or k as the recurrence reads it: fp32, L2-normalised if asked, times scale.
@@ -107,7 +115,9 @@ struct GatedDeltaFunction : public torch::autograd::Function<GatedDeltaFunction>
                                const at::Tensor& g, const at::Tensor& beta, const at::Tensor& state0, bool l2) {
     const Dims d = check_dims(q, k, v, g, beta, state0);
     const gated_delta::Forward f = gated_delta::chunked_forward(prepare(q, k, v, g, beta, l2, d), flat_state(state0, d));
-    ctx->save_for_backward({q, k, v, g, beta, state0, f.starts});
+    variable_list keep{q, k, v, g, beta, state0};
+    for (const at::Tensor& t : f.saved.list()) keep.push_back(t);
+    ctx->save_for_backward(keep);
     ctx->saved_data["l2"] = l2;
     return {from_chunks(f.out, d).to(q.scalar_type()).contiguous(), f.final.view({d.batch, d.v_heads, d.dk, d.dv})};
   }
@@ -119,9 +129,10 @@ struct GatedDeltaFunction : public torch::autograd::Function<GatedDeltaFunction>
     const Dims d = check_dims(q, k, v, g, beta, state0);
     const at::Tensor d_out = grads[0].defined()
                                  ? to_chunks(grads[0], d)
-                                 : at::zeros({d.batch * d.v_heads, d.chunks, kGatedDeltaChunk, d.dv}, s[6].options());
+                                 : at::zeros({d.chunks, d.batch * d.v_heads, kGatedDeltaChunk, d.dv}, s[6].options());
     const gated_delta::Grads gr =
-        gated_delta::chunked_backward(prepare(q, k, v, g, beta, l2, d), s[6], d_out, flat_state(grads[1], d));
+        gated_delta::chunked_backward(prepare(q, k, v, g, beta, l2, d), gated_delta::Saved::of(s, 6), d_out,
+                                       flat_state(grads[1], d));
     const double scale = 1.0 / std::sqrt(static_cast<double>(d.dk));
     const at::Tensor d_state0 =
         state0.numel() != 0 ? gr.state0.view({d.batch, d.v_heads, d.dk, d.dv}).to(state0.scalar_type()) : at::Tensor();

@@ -10,8 +10,8 @@
 // [batch, v_heads, dk, dv] in fp32 (undefined otherwise).
 //
 // Backward gives the gradients of q, k, v, g, beta and the initial state (each in its own dtype),
-// recomputing each chunk's terms from the state saved at each chunk boundary: memory stays linear
-// in the sequence (ops/gated_delta_chunks.h has the math).
+// recomputing each chunk's terms from what the forward saved per chunk (the entering state, T and
+// Delta; ops/gated_delta_chunks.h): memory stays linear in the sequence.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -20,7 +20,7 @@
 
 namespace qlora::ops {
 
-inline constexpr int64_t kGatedDeltaChunk = 64;
+inline constexpr int64_t kGatedDeltaChunk = 32;
 
 std::pair<at::Tensor, at::Tensor> chunk_gated_delta_rule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                          const at::Tensor& g, const at::Tensor& beta,
