@@ -1,9 +1,11 @@
 // The chunked gated delta rule (ops/gated_delta_ops.h) against the recurrent definition written here
 // token by token in float64 (transformers' torch_recurrent_gated_delta_rule states it), values and
 // autograd gradients of q, k, v, g, beta and the initial state: sequence lengths around the chunk
-// size, grouped key heads, dk != dv, with and without an initial state, fp32 and bf16 inputs.
+// size, grouped key heads, dk != dv, with and without an initial state, fp32 and bf16 inputs; and,
+// where a CUDA device is present, the op on CUDA against the same op on the CPU.
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/detail/CUDAHooksInterface.h>
 #include <gtest/gtest.h>
 #include <torch/csrc/autograd/autograd.h>
 
@@ -127,19 +129,47 @@ TEST_P(GatedDelta, ValuesAndGradientsMatchFloat64Recurrence) {
 
 std::vector<Case> cases() {
   std::vector<Case> all;
-  for (int64_t seq : {1, 63, 64, 65, 200})
+  constexpr int64_t c = ops::kGatedDeltaChunk;
+  for (int64_t seq : {int64_t{1}, c - 1, c, c + 1, int64_t{200}})
     for (bool state0 : {false, true}) all.push_back({2, seq, 2, 4, 16, 32, state0, true, at::kFloat, 1.0});
-  for (int64_t seq : {1, 65, 200}) all.push_back({2, seq, 2, 4, 16, 32, true, true, at::kBFloat16, 1.0});
+  for (int64_t seq : {int64_t{1}, c + 1, int64_t{200}}) all.push_back({2, seq, 2, 4, 16, 32, true, true, at::kBFloat16, 1.0});
   all.push_back({1, 130, 3, 3, 32, 8, false, true, at::kFloat, 1.0});   // no grouping, dv < dk
   all.push_back({1, 70, 1, 2, 128, 128, true, true, at::kFloat, 1.0});  // Qwen3.5's head dims
   all.push_back({1, 100, 2, 2, 16, 16, true, false, at::kFloat, 1.0});  // no L2 norm
   all.push_back({1, 150, 1, 2, 16, 16, true, true, at::kFloat, 20.0});  // decay to ~0 within a chunk
-  all.push_back({1, 600, 1, 2, 16, 8, true, true, at::kFloat, 0.05});  // 10 chunks: across the blocks of 4
+  all.push_back({1, 600, 1, 2, 16, 8, true, true, at::kFloat, 0.05});  // across the blocks of 8 chunks
   return all;
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, GatedDelta, ::testing::ValuesIn(cases()),
                          [](const ::testing::TestParamInfo<Case>& i) { return name_of(i.param); });
+
+// The op is ATen calls only, so it runs on CUDA as it is: there it must agree with the CPU. fp32: no
+// TF32 (torch's default for matmul), so only the GEMMs' summation order differs: 1e-4 of the scale.
+// bf16: the same bf16 inputs on both sides and fp32 inside; the output's one bf16 rounding (2^-9)
+// may fall either way: 1e-2.
+TEST(GatedDeltaOp, CudaEqualsCpu) {
+  if (!at::hasCUDA() || at::detail::getCUDAHooks().deviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+  for (const at::ScalarType dt : {at::kFloat, at::kBFloat16}) {
+    const Case c{1, 300, 2, 4, 128, 128, true, true, dt, 1.0};
+    const Inputs in = make_inputs(c);
+    std::vector<at::Tensor> cpu = leaves(in, dt), gpu;
+    for (const at::Tensor& t : cpu) gpu.push_back(t.detach().to(at::kCUDA).requires_grad_());
+    const Inputs a = from_leaves(cpu), b = from_leaves(gpu);
+    const auto [out, fin] = ops::chunk_gated_delta_rule(a.q, a.k, a.v, a.g, a.beta, a.state0, true, c.l2);
+    const auto [gout, gfin] = ops::chunk_gated_delta_rule(b.q, b.k, b.v, b.g, b.beta, b.state0, true, c.l2);
+    const double tol = dt == at::kBFloat16 ? 1e-2 : 1e-4;
+    expect_close(gout.cpu(), out.to(at::kDouble), tol, "out");
+    expect_close(gfin.cpu(), fin.to(at::kDouble), 1e-4, "final state");
+    const at::Tensor w_out = rnd(out.sizes(), 7), w_fin = rnd(fin.sizes(), 8);
+    const auto grads = torch::autograd::grad({(out.to(at::kFloat) * w_out).sum() + (fin * w_fin).sum()}, cpu);
+    const auto ggrads = torch::autograd::grad(
+        {(gout.to(at::kFloat) * w_out.to(at::kCUDA)).sum() + (gfin * w_fin.to(at::kCUDA)).sum()}, gpu);
+    for (size_t i = 0; i < grads.size(); ++i)
+      expect_close(ggrads[i].cpu(), grads[i].to(at::kDouble), dt == at::kBFloat16 ? 1e-2 : 2e-4,
+                   "gradient " + std::to_string(i));
+  }
+}
 
 TEST(GatedDeltaOp, FinalStateOnlyWhenAskedAndShapesChecked) {
   const Case c{1, 5, 2, 4, 8, 4, false, true, at::kFloat, 1.0};
