@@ -19,7 +19,7 @@ using torch::autograd::variable_list;
 constexpr double kL2Eps = 1e-6;  // transformers' l2norm (and fla's) default
 
 struct Dims {
-  int64_t batch, seq, k_heads, v_heads, dk, dv, chunks, pad;
+  int64_t batch, seq, k_heads, v_heads, dk, dv, chunks;
 };
 
 [[noreturn]] void fail(const std::string& what) {
@@ -37,7 +37,7 @@ Dims check_dims(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
   if (q.dim() != 4 || v.dim() != 4 || q.sizes() != k.sizes())
     fail("q and k must be [batch, seq, k_heads, dk] and v [batch, seq, v_heads, dv], got q " + shape_of(q) + ", k " +
          shape_of(k) + ", v " + shape_of(v));
-  Dims d{q.size(0), q.size(1), q.size(2), v.size(2), q.size(3), v.size(3), 0, 0};
+  Dims d{q.size(0), q.size(1), q.size(2), v.size(2), q.size(3), v.size(3), 0};
   if (v.size(0) != d.batch || v.size(1) != d.seq) fail("v " + shape_of(v) + " must share q's batch and seq");
   if (d.seq == 0 || d.k_heads == 0 || d.v_heads % d.k_heads != 0)
     fail("needs seq >= 1 and v_heads a multiple of k_heads, got q " + shape_of(q) + ", v " + shape_of(v));
@@ -50,27 +50,33 @@ Dims check_dims(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
   for (const at::Tensor* t : {&q, &k, &v, &g, &beta})
     if (!at::isFloatingType(t->scalar_type())) fail("q, k, v, g and beta must be floating point");
   d.chunks = (d.seq + kGatedDeltaChunk - 1) / kGatedDeltaChunk;
-  d.pad = d.chunks * kGatedDeltaChunk - d.seq;
   return d;
 }
 
-// [batch, seq, heads, n] (any dtype) -> [chunks, batch*heads, C, n] fp32, zero-padded at the end.
-at::Tensor to_chunks(const at::Tensor& t, const Dims& d) {
-  const int64_t heads = t.size(2), n = t.size(3);
-  const at::Tensor h = at::constant_pad_nd(t.to(at::kFloat), {0, 0, 0, 0, 0, d.pad});  // [b, T', h, n]
-  return h.reshape({d.batch, d.chunks, kGatedDeltaChunk, heads, n})
-      .permute({1, 0, 3, 2, 4})
-      .reshape({d.chunks, d.batch * heads, kGatedDeltaChunk, n})
-      .contiguous();  // the reshape is a view when batch is 1
+// [batch, seq, heads, n] (any dtype) -> [chunks, batch*heads*rep, C, n] fp32, each head repeated
+// rep times (consecutively), zero-padded at the end: one pass over the data.
+at::Tensor to_chunks(const at::Tensor& t, const Dims& d, int64_t rep = 1) {
+  constexpr int64_t c = kGatedDeltaChunk;
+  const int64_t b = d.batch, heads = t.size(2), n = t.size(3), full = d.seq / c, tail = d.seq % c;
+  at::Tensor out = at::empty({d.chunks, b, heads, rep, c, n}, t.options().dtype(at::kFloat));
+  const at::Tensor to = out.permute({1, 0, 4, 2, 3, 5});                       // [b, chunks, C, heads, rep, n]
+  const at::Tensor from = t.unsqueeze(3).expand({b, d.seq, heads, rep, n});  // [b, seq, heads, rep, n]
+  if (full) to.narrow(1, 0, full).copy_(from.narrow(1, 0, full * c).view({b, full, c, heads, rep, n}));
+  if (tail) {
+    to.select(1, full).narrow(1, 0, tail).copy_(from.narrow(1, full * c, tail));
+    to.select(1, full).narrow(1, tail, c - tail).zero_();
+  }
+  return out.view({d.chunks, b * heads * rep, c, n});
 }
 
-// The inverse of to_chunks, padding dropped: [chunks, batch*heads, C, n] -> [batch, seq, heads, n].
-at::Tensor from_chunks(const at::Tensor& t, const Dims& d) {
+// The inverse of to_chunks (without the repeat), padding dropped: [chunks, batch*heads, C, n] ->
+// [batch, seq, heads, n] in dtype, contiguous.
+at::Tensor from_chunks(const at::Tensor& t, const Dims& d, at::ScalarType dtype) {
   const int64_t n = t.size(3);
-  return t.reshape({d.chunks, d.batch, -1, kGatedDeltaChunk, n})
-      .permute({1, 0, 3, 2, 4})
-      .reshape({d.batch, d.chunks * kGatedDeltaChunk, -1, n})
-      .narrow(1, 0, d.seq);
+  const at::Tensor src = t.view({d.chunks, d.batch, -1, kGatedDeltaChunk, n})
+                             .permute({1, 0, 3, 2, 4})
+                             .reshape({d.batch, d.chunks * kGatedDeltaChunk, -1, n});  // a view when batch is 1
+  return src.narrow(1, 0, d.seq).to(dtype, /*non_blocking=*/false, /*copy=*/true, at::MemoryFormat::Contiguous);
 }
 
 // q or k as the recurrence reads it: fp32, L2-normalised if asked, times scale.
@@ -80,10 +86,15 @@ at::Tensor qk_used(const at::Tensor& x, bool l2, double scale) {
   return scale == 1.0 ? h : h * scale;
 }
 
-// The gradient of x from that of qk_used(x) summed over the value heads sharing x's key head.
-// Through y = x r with r = (|x|^2 + eps)^-1/2: dx = r (dy - y (y . dy)).
-at::Tensor qk_grad(const at::Tensor& dy_rep, const at::Tensor& x, bool l2, double scale, const Dims& d) {
-  at::Tensor dy = dy_rep.reshape({d.batch, d.seq, d.k_heads, -1, d.dk}).sum(3) * scale;
+// The gradient of x from that of qk_used(x) (chunked, per value head), summed over the value heads
+// sharing x's key head. Through y = x r with r = (|x|^2 + eps)^-1/2: dx = r (dy - y (y . dy)).
+at::Tensor qk_grad(const at::Tensor& dy_chunks, const at::Tensor& x, bool l2, double scale, const Dims& d) {
+  const int64_t rep = d.v_heads / d.k_heads;
+  const at::Tensor summed =
+      rep == 1 ? dy_chunks
+               : dy_chunks.view({d.chunks, d.batch * d.k_heads, rep, kGatedDeltaChunk, d.dk}).sum(2);
+  at::Tensor dy = from_chunks(summed, d, at::kFloat);
+  if (scale != 1.0) dy.mul_(scale);
   if (!l2) return dy.to(x.scalar_type());
   const at::Tensor h = x.to(at::kFloat);
   const at::Tensor r = at::rsqrt(h.square().sum(-1, /*keepdim=*/true) + kL2Eps);
@@ -94,10 +105,9 @@ at::Tensor qk_grad(const at::Tensor& dy_rep, const at::Tensor& x, bool l2, doubl
 gated_delta::Chunks prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                             const at::Tensor& beta, bool l2, const Dims& d) {
   const int64_t rep = d.v_heads / d.k_heads;
-  const auto heads = [&](const at::Tensor& t) { return rep == 1 ? t : t.repeat_interleave(rep, 2); };
   gated_delta::Chunks x;
-  x.q = to_chunks(heads(qk_used(q, l2, 1.0 / std::sqrt(static_cast<double>(d.dk)))), d);
-  x.k = to_chunks(heads(qk_used(k, l2, 1.0)), d);
+  x.q = to_chunks(qk_used(q, l2, 1.0 / std::sqrt(static_cast<double>(d.dk))), d, rep);
+  x.k = to_chunks(qk_used(k, l2, 1.0), d, rep);
   x.v = to_chunks(v, d);
   x.g = to_chunks(g.unsqueeze(-1), d).squeeze(-1);
   x.beta = to_chunks(beta.unsqueeze(-1), d).squeeze(-1);
@@ -119,7 +129,7 @@ struct GatedDeltaFunction : public torch::autograd::Function<GatedDeltaFunction>
     for (const at::Tensor& t : f.saved.list()) keep.push_back(t);
     ctx->save_for_backward(keep);
     ctx->saved_data["l2"] = l2;
-    return {from_chunks(f.out, d).to(q.scalar_type()).contiguous(), f.final.view({d.batch, d.v_heads, d.dk, d.dv})};
+    return {from_chunks(f.out, d, q.scalar_type()), f.final.view({d.batch, d.v_heads, d.dk, d.dv})};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -136,11 +146,11 @@ struct GatedDeltaFunction : public torch::autograd::Function<GatedDeltaFunction>
     const double scale = 1.0 / std::sqrt(static_cast<double>(d.dk));
     const at::Tensor d_state0 =
         state0.numel() != 0 ? gr.state0.view({d.batch, d.v_heads, d.dk, d.dv}).to(state0.scalar_type()) : at::Tensor();
-    return {qk_grad(from_chunks(gr.q, d), q, l2, scale, d),
-            qk_grad(from_chunks(gr.k, d), k, l2, 1.0, d),
-            from_chunks(gr.v, d).to(v.scalar_type()),
-            from_chunks(gr.g.unsqueeze(-1), d).squeeze(-1).to(g.scalar_type()),
-            from_chunks(gr.beta.unsqueeze(-1), d).squeeze(-1).to(beta.scalar_type()),
+    return {qk_grad(gr.q, q, l2, scale, d),
+            qk_grad(gr.k, k, l2, 1.0, d),
+            from_chunks(gr.v, d, v.scalar_type()),
+            from_chunks(gr.g.unsqueeze(-1), d, g.scalar_type()).squeeze(-1),
+            from_chunks(gr.beta.unsqueeze(-1), d, beta.scalar_type()).squeeze(-1),
             d_state0,
             at::Tensor()};
   }
