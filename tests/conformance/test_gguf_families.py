@@ -225,8 +225,8 @@ FAMILIES = {
     "phi3": ("phi3", dict(sliding_window=None), "sp-phi3"),
     "smollm3": ("smollm3", dict(tie_word_embeddings=True), "llama-bpe"),
     "olmo2": ("olmo2", {}, "llama-bpe"),
-    # llama.cpp's olmo2 has no YaRN for now (qlora refuses it: check_refusals).
-    "olmo3": ("olmo3", dict(rope_parameters=_families.OLMO3_PLAIN_ROPE), "llama-bpe"),
+    # YaRN on the full layers (rope.scaling.* keys), plain RoPE on the sliding ones, as llama.cpp's olmo2 does.
+    "olmo3": ("olmo3", {}, "llama-bpe"),
     # llama.cpp's qwen35 takes one head size for the DeltaNet's keys and values (ssm.state_size), so
     # both are 32 here; 2 key heads of 4 value heads keep the value-head reordering exercised.
     "qwen35": ("qwen3_5", QWEN35_LLAMA_CPP, "qwen35"),
@@ -641,8 +641,12 @@ def check_refusals(tool, work, dirs):
         "qwen2 with a sliding window", "use_sliding_window")
     refused(tool, edited_copy(dirs["smollm3"], work, "refuse_smollm3_nope", lambda c: c.update(no_rope_layers=[1, 0, 1, 1])),
             "smollm3 with NoPE layers other than every fourth", "no_rope_layers", "layer 1")
-    refused(tool, edited_copy(dirs["olmo3"], work, "refuse_olmo3_yarn", lambda c: c.update(
-        rope_parameters=_families.OLMO3_ROPE)), "olmo3 with YaRN", "rope_parameters", "YaRN")
+    refused(tool, edited_copy(dirs["qwen3"], work, "refuse_qwen3_yarn", lambda c: c.update(
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+                         "rope_theta": 10000.0})), "qwen3 with YaRN", "rope_parameters", "YaRN")
+    refused(tool, edited_copy(dirs["olmo3"], work, "refuse_olmo3_yarn_scale", lambda c: c.update(rope_parameters={
+        **_families.OLMO3_ROPE, "full_attention": {**_families.OLMO3_ROPE["full_attention"], "attention_factor": 2.0}})),
+        "olmo3 with a YaRN attention_factor llama.cpp does not take", "attention_factor")
     refused(tool, edited_copy(dirs["qwen35"], work, "refuse_qwen35_head_dims", lambda c: c.update(
         linear_value_head_dim=16)), "qwen35 with other DeltaNet key and value head sizes", "linear_value_head_dim")
     refused(tool, edited_copy(dirs["qwen35"], work, "refuse_qwen35_layers", lambda c: c.update(

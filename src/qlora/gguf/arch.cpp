@@ -82,9 +82,17 @@ void check_nope(const LlamaConfig& c, const std::string& where) {
 }
 
 void check_rope(const LlamaConfig& c, const std::string& where) {
-  if (c.rope_yarn)
-    refuse(where, c, "rope_parameters", "YaRN RoPE scaling is not written to GGUF yet (train and export the merged "
+  if (c.rope_yarn && c.family != Family::kOlmo2)
+    refuse(where, c, "rope_parameters", "YaRN RoPE scaling is written for OLMo 3 only (train and export the merged "
                                         "model; convert it with llama.cpp's convert_hf_to_gguf.py)");
+  if (c.rope_yarn) {
+    const modules::YarnRope& y = *c.rope_yarn;
+    // llama.cpp scales attention by 1 + 0.1 ln(factor) itself (ggml's rope_yarn), which is
+    // transformers' default attention_factor; and always rounds the ramp's ends outward.
+    if (std::abs(y.attention_factor - (0.1 * std::log(y.factor) + 1.0)) > 1e-6)
+      refuse(where, c, "rope_parameters.attention_factor", "llama.cpp's YaRN takes 0.1 ln(factor) + 1 only");
+    if (!y.truncate) refuse(where, c, "rope_parameters.truncate", "false: llama.cpp's YaRN rounds the ramp's ends");
+  }
   if (c.rope_scaling && c.family != Family::kLlama)
     refuse(where, c, "rope_scaling", "llama3 RoPE scaling is read by llama.cpp's llama architecture only");
   const bool linear_ok = c.family == Family::kLlama || c.family == Family::kQwen2 || c.family == Family::kQwen3 ||
@@ -278,6 +286,14 @@ ArchPlan plan_architecture(const LlamaConfig& c, const std::string& where) {
     add("rope.scaling.factor", Value::f32(static_cast<float>(c.rope_linear_factor)));
   }
   if (c.rope_scaling) p.extra.push_back({"rope_freqs.weight", llama3_divisors(c)});
+  if (c.rope_yarn) {  // OLMo 3's full layers (check_rope); its sliding layers stay unscaled in llama.cpp too
+    add("rope.scaling.type", Value::string("yarn"));
+    add("rope.scaling.factor", Value::f32(static_cast<float>(c.rope_yarn->factor)));
+    add("rope.scaling.original_context_length",
+        Value::u32(static_cast<uint32_t>(c.rope_yarn->original_max_position_embeddings)));
+    add("rope.scaling.yarn_beta_fast", Value::f32(static_cast<float>(c.rope_yarn->beta_fast)));
+    add("rope.scaling.yarn_beta_slow", Value::f32(static_cast<float>(c.rope_yarn->beta_slow)));
+  }
   const bool olmo = c.family == Family::kOlmo2;
   if ((is_gemma(c.family) || c.family == Family::kPhi3 || olmo) && c.sliding_window)
     add("attention.sliding_window", Value::u32(static_cast<uint32_t>(*c.sliding_window)));
