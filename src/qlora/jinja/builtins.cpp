@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <map>
+#include <set>
 
 #include "qlora/jinja/budget.h"
 #include "qlora/jinja/strings.h"
@@ -280,10 +281,13 @@ Value f_round(const Value& v, Args& a) {
   return Value::real((method == "floor" ? std::floor(x) : std::ceil(x)) / scale);
 }
 
-// jinja2's |safe makes a Markup string, and Markup + str HTML-escapes the str (functionary v3.1
-// builds its tool list that way): refused by name rather than rendered without the escaping.
-Value f_safe(const Value&, Args&) {
-  throw std::runtime_error("the 'safe' filter (HTML Markup) is not supported by qlora's chat-template interpreter");
+// jinja2's |safe: Markup(str(value)). What a Markup does differently from a str (+ escapes the
+// other operand) is in operators.cpp; filters that would keep or drop the mark are in apply_filter.
+Value f_safe(const Value& v, Args& a) {
+  bind(a, {}, "safe");
+  Value out = Value::string(v.is_string() ? v.s : to_str(v));
+  out.markup = true;
+  return out;
 }
 
 Value f_unique(const Value& v, Args& a) {
@@ -495,9 +499,30 @@ const std::map<std::string, TestFn>& tests() {
 bool has_filter(const std::string& name) { return filters().count(name) > 0; }
 bool has_test(const std::string& name) { return tests().count(name) > 0; }
 
+// With autoescape off (transformers' environment), these filters give a Markup operand back as a
+// Markup (soft_str keeps it; its upper/lower/strip return Markup), these read it as its text, and
+// the rest would return a Markup or a str in ways not modelled here: refused rather than guessed.
+const std::set<std::string>& keeps_markup() {
+  static const std::set<std::string> s{"safe", "string", "upper", "lower", "capitalize", "trim"};
+  return s;
+}
+const std::set<std::string>& reads_markup_as_text() {
+  static const std::set<std::string> s{"tojson", "length", "count", "list", "first", "last", "default", "d"};
+  return s;
+}
+
 Value apply_filter(const std::string& name, const Value& value, Args& args) {
   auto it = filters().find(name);
   if (it == filters().end()) throw std::runtime_error("no filter named '" + name + "'");
+  if (value.markup) {
+    if (keeps_markup().count(name) && args.positional.empty() && args.keyword.empty()) {
+      Value out = it->second(value, args);
+      out.markup = out.is_string();
+      return out;
+    }
+    if (!reads_markup_as_text().count(name))
+      throw std::runtime_error("the '" + name + "' filter on a |safe (Markup) string is not supported");
+  }
   // jinja2's filters read an undefined operand as empty (length 0, "" for text); |default and
   // |tojson see it as it is (tojson then fails, as json.dumps does).
   return it->second(value, args);

@@ -168,7 +168,14 @@ Value method(const Value& obj, const std::string& name) {
   }
   if (obj.is_string() && in(kStringMethods, name)) {
     std::string s = obj.s;
-    return Value::function(name, [s, name](Args& a) { return string_method(s, name, a); });
+    const bool markup = obj.markup;
+    return Value::function(name, [s, name, markup](Args& a) {
+      Value out = string_method(s, name, a);
+      // Markup's text-returning methods return Markup and escape their arguments: not modelled.
+      if (markup && (out.is_string() || out.is_sequence()))
+        throw std::runtime_error("the string method '" + name + "' on a |safe (Markup) string is not supported");
+      return out;
+    });
   }
   if (obj.is_mapping() && in(kDictMethods, name)) {
     return Value::function(name, [obj, name](Args& a) { return dict_method(obj, name, a); });

@@ -15,6 +15,10 @@ int64_t as_int(const Value& v) { return v.kind == Kind::kInt ? v.i : v.b; }
 bool both_int(const Value& a, const Value& b) { return a.kind != Kind::kFloat && b.kind != Kind::kFloat; }
 
 [[noreturn]] void unsupported(const std::string& op, const Value& a, const Value& b) {
+  // Python's own wording: str + x and list + x name the left type's rule.
+  if (op == "+" && (a.is_string() || a.is_sequence()) && !b.is_undefined())
+    throw std::runtime_error(std::string("can only concatenate ") + type_name(a) + " (not \"" + type_name(b) + "\") to " +
+                             type_name(a));
   throw std::runtime_error("unsupported operand type(s) for " + op + ": '" + type_name(a) + "' and '" + type_name(b) + "'");
 }
 
@@ -113,6 +117,32 @@ void slice_indices(int64_t n, const Value& start, const Value& stop, const Value
   e = clamp(stop, s > 0 ? n : -1);
 }
 
+// markupsafe's escape(): the five characters HTML gives meaning to.
+std::string html_escape(const std::string& s) {
+  std::string out;
+  out.reserve(s.size());
+  for (char c : s) {
+    switch (c) {
+      case '&': out += "&amp;"; break;
+      case '<': out += "&lt;"; break;
+      case '>': out += "&gt;"; break;
+      case '\'': out += "&#39;"; break;
+      case '"': out += "&#34;"; break;
+      default: out += c;
+    }
+  }
+  return out;
+}
+
+// Markup + str and str + Markup: the plain operand is escaped, the result is a Markup.
+Value markup_concat(const Value& a, const Value& b) {
+  const std::string x = a.markup ? a.s : html_escape(a.s), y = b.markup ? b.s : html_escape(b.s);
+  budget_append(x.size(), y.size());
+  Value out = Value::string(x + y);
+  out.markup = true;
+  return out;
+}
+
 }  // namespace
 
 Value binary_op(const std::string& op, const Value& a, const Value& b) {
@@ -125,6 +155,7 @@ Value binary_op(const std::string& op, const Value& a, const Value& b) {
   if (b.is_undefined()) undefined_error(b);
   if (op == "+") {
     if (a.is_string() && b.is_string()) {
+      if (a.markup || b.markup) return markup_concat(a, b);
       budget_append(a.s.size(), b.s.size());
       return Value::string(a.s + b.s);
     }
@@ -136,6 +167,7 @@ Value binary_op(const std::string& op, const Value& a, const Value& b) {
       return a.kind == Kind::kTuple ? Value::make_tuple(std::move(out)) : Value::make_list(std::move(out));
     }
   }
+  if (a.markup || b.markup) throw std::runtime_error("'" + op + "' on a |safe (Markup) string is not supported");
   if (op == "*") {
     if ((a.is_string() || a.is_sequence()) && (b.kind == Kind::kInt || b.kind == Kind::kBool)) return repeat(a, as_int(b));
     if ((b.is_string() || b.is_sequence()) && (a.kind == Kind::kInt || a.kind == Kind::kBool)) return repeat(b, as_int(a));
@@ -146,6 +178,7 @@ Value binary_op(const std::string& op, const Value& a, const Value& b) {
 
 Value slice_of(const Value& v, const Value& start, const Value& stop, const Value& step) {
   if (v.is_undefined()) undefined_error(v);
+  if (v.markup) throw std::runtime_error("slicing a |safe (Markup) string is not supported");
   if (!v.is_string() && !v.is_sequence()) throw std::runtime_error(std::string("'") + type_name(v) + "' object is not subscriptable");
   List items = iterate(v);
   int64_t b, e, s;
@@ -162,6 +195,7 @@ Value slice_of(const Value& v, const Value& start, const Value& stop, const Valu
 
 Value get_item(const Value& obj, const Value& key) {
   if (obj.is_undefined()) undefined_error(obj);
+  if (obj.markup) throw std::runtime_error("indexing a |safe (Markup) string is not supported");
   if (obj.is_mapping() || obj.kind == Kind::kNamespace) {
     const Value* found = key.is_string() ? obj.dict->find(key.s) : nullptr;
     if (found) return *found;

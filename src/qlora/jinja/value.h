@@ -55,6 +55,9 @@ struct Value {
   // A kList that jinja2 would hand out as a generator (map, select, selectattr, items...): always
   // truthy, no len(); templates pass it on to |list, |first, |join or a for loop.
   bool generator = false;
+  // A kString made by |safe: jinja2's Markup, whose + HTML-escapes a plain string operand
+  // (operators.cpp). Printed, compared and measured as its text.
+  bool markup = false;
 
   static Value undefined(std::string name = {});
   static Value none();
