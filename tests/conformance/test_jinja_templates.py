@@ -40,6 +40,19 @@ TOOL_CALL_CONV = [{"role": "user", "content": "Weather in Paris?"},
                       "name": "get_weather", "arguments": {"city": "Paris <FR> & 'co'", "opts": {"unit": "C", "days": [1, 2]},
                                                            "tags": ["a", "b&c"]}}}]},
                   {"role": "tool", "content": "18 C & sunny"}]
+# Two calls in one turn: arguments with numbers, booleans, null, nested lists and quotes (Qwen3.5 prints
+# mappings and lists through |tojson|safe, the rest through |string), then arguments given as a JSON
+# string, OpenAI's wire form (Qwen3.5's `arguments|items` refuses it, on both sides).
+TOOL_CALL_CONV2 = [{"role": "user", "content": "Plan <it>."},
+                   {"role": "assistant", "content": "Sure & done.", "tool_calls": [
+                       {"type": "function", "function": {"name": "plan", "arguments": {
+                           "n": 3, "ok": True, "none": None, "grid": [[1, "<2>"], []], "q": "say \"hi\" & 'bye'",
+                           "deep": {"a": {"b": ["é", "&"]}}}}},
+                       {"type": "function", "function": {"name": "echo", "arguments": {"text": "<p>&amp;</p>"}}}]},
+                   {"role": "tool", "content": "{\"ok\": true}"}, {"role": "tool", "content": "<p>&amp;</p>"}]
+TOOL_CALL_JSON_STRING = [{"role": "user", "content": "Hi"},
+                         {"role": "assistant", "content": "", "tool_calls": [
+                             {"type": "function", "function": {"name": "f", "arguments": "{\"x\": \"<y>\"}"}}]}]
 MARKUP_TEMPLATE = (
     "{{ '<a>'|safe + '<b>' }}|{{ '<x>' + '&'|safe }}|{{ '<'|safe ~ '<' }}|{{ ('a<'|safe)|upper + '>' }}|"
     "{{ ('x'|safe)|string + '&' }}|{{ ('q&'|safe)|length }}|{{ ('\"'|safe)|tojson }}|"
@@ -99,6 +112,8 @@ def contexts(name):
     yield {**SPECIALS, "messages": tool_conv, "tools": TOOLS, "add_generation_prompt": True}
     yield {**SPECIALS, "messages": tool_conv, "tools": HTML_TOOLS, "add_generation_prompt": True}
     yield {**SPECIALS, "messages": TOOL_CALL_CONV, "tools": TOOLS, "add_generation_prompt": True}
+    yield {**SPECIALS, "messages": TOOL_CALL_CONV2, "tools": TOOLS, "add_generation_prompt": False}
+    yield {**SPECIALS, "messages": TOOL_CALL_JSON_STRING, "tools": TOOLS, "add_generation_prompt": False}
 
 
 class FixedClock(datetime.datetime):

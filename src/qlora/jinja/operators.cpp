@@ -7,6 +7,7 @@
 
 #include "qlora/jinja/budget.h"
 #include "qlora/jinja/builtins.h"
+#include "qlora/jinja/markup.h"
 
 namespace qlora::jinja {
 namespace {
@@ -16,7 +17,8 @@ bool both_int(const Value& a, const Value& b) { return a.kind != Kind::kFloat &&
 
 [[noreturn]] void unsupported(const std::string& op, const Value& a, const Value& b) {
   // Python's own wording: str + x and list + x name the left type's rule.
-  if (op == "+" && (a.is_string() || a.is_sequence()) && !b.is_undefined())
+  // (A Markup's + gives NotImplemented instead, so Python words it as any other operator.)
+  if (op == "+" && ((a.is_string() && !a.markup) || a.is_sequence()) && !b.is_undefined())
     throw std::runtime_error(std::string("can only concatenate ") + type_name(a) + " (not \"" + type_name(b) + "\") to " +
                              type_name(a));
   throw std::runtime_error("unsupported operand type(s) for " + op + ": '" + type_name(a) + "' and '" + type_name(b) + "'");
@@ -35,7 +37,9 @@ Value repeat(const Value& seq, int64_t n) {
     std::string out;
     out.reserve(n > 0 ? seq.s.size() * static_cast<size_t>(n) : 0);
     for (int64_t k = 0; k < n; ++k) out += seq.s;
-    return Value::string(out);
+    Value v = Value::string(out);
+    v.markup = seq.markup;
+    return v;
   }
   budget_repeat(n, string_bytes(*seq.list), seq.list->size());
   List out;
@@ -117,32 +121,6 @@ void slice_indices(int64_t n, const Value& start, const Value& stop, const Value
   e = clamp(stop, s > 0 ? n : -1);
 }
 
-// markupsafe's escape(): the five characters HTML gives meaning to.
-std::string html_escape(const std::string& s) {
-  std::string out;
-  out.reserve(s.size());
-  for (char c : s) {
-    switch (c) {
-      case '&': out += "&amp;"; break;
-      case '<': out += "&lt;"; break;
-      case '>': out += "&gt;"; break;
-      case '\'': out += "&#39;"; break;
-      case '"': out += "&#34;"; break;
-      default: out += c;
-    }
-  }
-  return out;
-}
-
-// Markup + str and str + Markup: the plain operand is escaped, the result is a Markup.
-Value markup_concat(const Value& a, const Value& b) {
-  const std::string x = a.markup ? a.s : html_escape(a.s), y = b.markup ? b.s : html_escape(b.s);
-  budget_append(x.size(), y.size());
-  Value out = Value::string(x + y);
-  out.markup = true;
-  return out;
-}
-
 }  // namespace
 
 Value binary_op(const std::string& op, const Value& a, const Value& b) {
@@ -154,8 +132,8 @@ Value binary_op(const std::string& op, const Value& a, const Value& b) {
   if (a.is_undefined()) undefined_error(a);
   if (b.is_undefined()) undefined_error(b);
   if (op == "+") {
+    if (a.is_string() && b.is_string() && (a.markup || b.markup)) return markup_concat(a, b);
     if (a.is_string() && b.is_string()) {
-      if (a.markup || b.markup) return markup_concat(a, b);
       budget_append(a.s.size(), b.s.size());
       return Value::string(a.s + b.s);
     }
@@ -167,7 +145,6 @@ Value binary_op(const std::string& op, const Value& a, const Value& b) {
       return a.kind == Kind::kTuple ? Value::make_tuple(std::move(out)) : Value::make_list(std::move(out));
     }
   }
-  if (a.markup || b.markup) throw std::runtime_error("'" + op + "' on a |safe (Markup) string is not supported");
   if (op == "*") {
     if ((a.is_string() || a.is_sequence()) && (b.kind == Kind::kInt || b.kind == Kind::kBool)) return repeat(a, as_int(b));
     if ((b.is_string() || b.is_sequence()) && (a.kind == Kind::kInt || a.kind == Kind::kBool)) return repeat(b, as_int(a));
@@ -178,7 +155,6 @@ Value binary_op(const std::string& op, const Value& a, const Value& b) {
 
 Value slice_of(const Value& v, const Value& start, const Value& stop, const Value& step) {
   if (v.is_undefined()) undefined_error(v);
-  if (v.markup) throw std::runtime_error("slicing a |safe (Markup) string is not supported");
   if (!v.is_string() && !v.is_sequence()) throw std::runtime_error(std::string("'") + type_name(v) + "' object is not subscriptable");
   List items = iterate(v);
   int64_t b, e, s;
@@ -188,14 +164,15 @@ Value slice_of(const Value& v, const Value& start, const Value& stop, const Valu
   if (v.is_string()) {
     std::string text;
     for (const Value& c : out) text += c.s;
-    return Value::string(text);
+    Value sliced = Value::string(text);
+    sliced.markup = v.markup;  // Markup.__getitem__
+    return sliced;
   }
   return v.kind == Kind::kTuple ? Value::make_tuple(std::move(out)) : Value::make_list(std::move(out));
 }
 
 Value get_item(const Value& obj, const Value& key) {
   if (obj.is_undefined()) undefined_error(obj);
-  if (obj.markup) throw std::runtime_error("indexing a |safe (Markup) string is not supported");
   if (obj.is_mapping() || obj.kind == Kind::kNamespace) {
     const Value* found = key.is_string() ? obj.dict->find(key.s) : nullptr;
     if (found) return *found;
@@ -207,11 +184,11 @@ Value get_item(const Value& obj, const Value& key) {
     const List& items = obj.is_string() ? chars : *obj.list;
     int64_t n = static_cast<int64_t>(items.size()), k = as_int(key);
     if (k < 0) k += n;
-    if (k < 0 || k >= n) return Value::undefined(std::string("'") + type_name(obj) + " object' has no element " + to_str(key));
-    return items[k];
+    if (k < 0 || k >= n) return Value::undefined("'" + object_type_name(obj) + " object' has no element " + to_str(key));
+    return obj.markup ? as_markup(items[k]) : items[k];
   }
   if (key.is_string()) return get_attr(obj, key.s);
-  return Value::undefined(std::string("'") + type_name(obj) + " object' has no element " + to_repr(key));
+  return Value::undefined("'" + object_type_name(obj) + " object' has no element " + to_repr(key));
 }
 
 Value get_attr(const Value& obj, const std::string& name) {
