@@ -96,7 +96,7 @@ std::vector<Pair> pairs_of(const io::SafetensorsFile& f, const models::LlamaConf
     const std::string weight = module + ".weight";
     std::optional<TensorPlan> target;
     if (models::is_language_model_key(layout, weight)) target = gguf_tensor(models::text_key(layout, weight), c);
-    if (!target || target->add != 0.0f || target->neg_exp || target->squeeze)
+    if (!target || target->add != 0.0f || target->neg_exp || target->squeeze || target->no_lora)
       throw std::invalid_argument(f.path() + ": '" + key + "' adapts '" + weight +
                                   "', which has no GGUF matrix a LoRA adapter can apply to");
     if (tied_head && target->name == "output.weight")
