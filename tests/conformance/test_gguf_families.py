@@ -410,6 +410,25 @@ def check_adapter(tool, name, d, model, tok, base_gguf):
                  diff < tol < moved, f"{diff:.2e} (< {tol:g}; the adapter moves them by {moved:.2e})")
 
 
+def check_gemma4_projection_adapter(tool, d, model):
+    """A LoRA on Gemma 4's per_layer_model_projection: llama.cpp multiplies that matrix without applying
+    a LoRA, so `qlora gguf --adapter` refuses it by name and writes nothing."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+    torch.manual_seed(3)
+    peft_model = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                                                                 target_modules=["per_layer_model_projection"]))
+    adapter = os.path.join(d, "model_projection_adapter")
+    peft_model.save_pretrained(adapter)
+    out = adapter + ".gguf"
+    r = subprocess.run([tool, "gguf", adapter, "--adapter", "--base", d, "--type", "f32", "-o", out],
+                       capture_output=True, text=True)
+    msg = r.stderr.strip()
+    check(r.returncode != 0 and "per_layer_model_projection" in msg and not os.path.exists(out)
+          and not os.path.exists(out + ".tmp"), f"refused: a LoRA on gemma4's per_layer_model_projection: {msg[:300]}")
+
+
 def check_llama_quantize_mix(tool, name, d, f32_path):
     """`qlora gguf --type q4_k_m` gives every tensor the type and bytes llama.cpp's own quantizer makes
     of our f32 file (for Qwen3.5: ssm_conv1d kept in f32, ssm_out's 128-wide rows in q5_0)."""
@@ -762,6 +781,8 @@ def main():
         else:
             check_transformers_loader(name, paths["f32"], model)
         check_adapter(a.tool, name, d, model, tok, paths["f32"])
+        if name == "gemma4":
+            check_gemma4_projection_adapter(a.tool, d, model)
         if name == "qwen2":  # tied embeddings
             check_tied_head_adapter(a.tool, a.workdir, d, model)
         if name == "qwen35":  # tensors no other family has (ssm_*): llama-quantize's mix of them
