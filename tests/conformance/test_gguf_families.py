@@ -324,11 +324,11 @@ TOL_GELU = {"f32": 5e-3, "f16": 2e-2}
 TOL_QWEN35 = {"f32": 1e-4, "f16": 5e-2}
 
 
-# Gemma 4: three GeLUs a layer (the MLP's and the per-layer inputs' gate) read from ggml's f16 table
-# move this random case's f32 logits by ~5e-3 of the largest (3.4e-3 left once transformers' GeLU
-# rounds as the table does); in f16, rounding the weights alone moves transformers' own by 5.3e-2.
-# A lost feature moves them by O(1) (the ablations).
-TOL_GEMMA4 = {"f32": 1e-2, "f16": 1e-1}
+# Gemma 4: this random case amplifies a perturbation about a hundredfold (rounding its weights to f16,
+# 5e-4 relative, moves transformers' own logits by 5.3e-2 of the largest), and its GeLUs (the MLP's and
+# the per-layer inputs' gate) read ggml's f16 table: its f32 logits land at 5.0e-3, the Hub form's
+# (tied head, other weights) at 8.7e-3. A lost feature moves them by O(1) (the ablations).
+TOL_GEMMA4 = {"f32": 2e-2, "f16": 1e-1}
 # Its random LoRA (B non-zero, scale 2) grows the activations and with them the table's rounding: an
 # adapter on any one target alone lands at 0.7-1.5e-2, on all of them at 1.6e-2; the adapter moves the
 # logits by 1.5 or more.
