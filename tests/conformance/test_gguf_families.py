@@ -647,13 +647,14 @@ def check_gemma3_multimodal(tool, work):
     check_multimodal(tool, d, "gemma3", model, tok, tolerance("gemma3", "f32"))
 
 
-def check_qwen35_multimodal(tool, work):
-    """The Hub's Qwen3_5ForConditionalGeneration (its language model under model.language_model.)."""
-    d = os.path.join(work, "qwen35_multimodal")
-    tok = tokenizer_for("qwen35", d)
-    model = _families.build("qwen3_5_vision", 0, vocab_size=len(tok), max_position_embeddings=256, **QWEN35_LLAMA_CPP)
+def check_hub_multimodal(tool, work, label, case, kind, **overrides):
+    """The Hub's Qwen3_5ForConditionalGeneration or Gemma4ForConditionalGeneration (its language model
+    under model.language_model.), built from _families' `case`."""
+    d = os.path.join(work, label + "_multimodal")
+    tok = tokenizer_for(kind, d)
+    model = _families.build(case, 0, **vocab_sizes(case, tok), max_position_embeddings=256, **overrides)
     model.save_pretrained(d)
-    check_multimodal(tool, d, "qwen35", model, tok, tolerance("qwen35", "f32"))
+    check_multimodal(tool, d, label, model, tok, tolerance(label, "f32"))
 
 
 def check_olmo3_attention_factor(tool, work, src):
@@ -671,16 +672,6 @@ def check_olmo3_attention_factor(tool, work, src):
     diff = rel_diff(llama_cpp_logits(llama_cpp_model(out), ids), ref)
     CHECKS.check("olmo3 attention_factor 1.6: llama.cpp's logits equal transformers'", diff < TOL["f32"],
                  f"max|diff| / max(1, max|ref|) = {diff:.2e} (< {TOL['f32']:g})")
-
-
-def check_gemma4_multimodal(tool, work):
-    """The Hub's Gemma4ForConditionalGeneration (its language model under model.language_model.)."""
-    d = os.path.join(work, "gemma4_multimodal")
-    tok = tokenizer_for("sp-gemma", d)
-    model = _families.build("gemma4_vision", 0, **vocab_sizes("gemma4", tok), max_position_embeddings=256,
-                            layer_types=GEMMA4_LAYERS)
-    model.save_pretrained(d)
-    check_multimodal(tool, d, "gemma4", model, tok, tolerance("gemma4", "f32"))
 
 
 def refused(tool, d, label, *words):
@@ -791,8 +782,8 @@ def main():
     check_window(a.tool, a.workdir, "phi3", "phi3", "sp-phi3")
     check_gemma3_multimodal(a.tool, a.workdir)
     check_sentencepiece_json(a.tool, a.workdir, dirs)
-    check_qwen35_multimodal(a.tool, a.workdir)
-    check_gemma4_multimodal(a.tool, a.workdir)
+    check_hub_multimodal(a.tool, a.workdir, "qwen35", "qwen3_5_vision", "qwen35", **QWEN35_LLAMA_CPP)
+    check_hub_multimodal(a.tool, a.workdir, "gemma4", "gemma4_vision", "sp-gemma", layer_types=GEMMA4_LAYERS)
     if "olmo3" in dirs:
         check_olmo3_attention_factor(a.tool, a.workdir, dirs["olmo3"])
     check_full_qwen_vocab(a.tool, a.workdir)

@@ -313,7 +313,8 @@ void add_gemma4_keys(const LlamaConfig& c, ArchPlan& p) {
       {"embedding_length_per_layer_input", u32(c.per_layer_input_dim)}};
   for (const auto& [key, v] : keys) set_key(p.metadata, p.arch + "." + key, v);
   if (c.final_logit_softcapping)
-    set_key(p.metadata, p.arch + ".final_logit_softcapping", Value::f32(static_cast<float>(*c.final_logit_softcapping)));
+    set_key(p.metadata, p.arch + ".final_logit_softcapping",
+            Value::f32(static_cast<float>(*c.final_logit_softcapping)));
   p.extra.push_back({"rope_freqs.weight", gemma4_rope_divisors(c)});
 }
 
@@ -337,7 +338,8 @@ std::optional<TensorPlan> gemma4_tensor(const std::string& hf) {
   static const std::regex in_layer(R"(model\.layers\.(\d+)\.(.+))");
   std::smatch m;
   if (!std::regex_match(hf, m, in_layer)) return std::nullopt;
-  if (const auto it = layer.find(m[2].str()); it != layer.end()) return TensorPlan{"blk." + m[1].str() + "." + it->second};
+  if (const auto it = layer.find(m[2].str()); it != layer.end())
+    return TensorPlan{"blk." + m[1].str() + "." + it->second};
   return std::nullopt;
 }
 
