@@ -133,7 +133,8 @@ GrpoTerms grpo_loss(const GrpoInputs& in, const GrpoOptions& o) {
   }
   if (o.beta != 0.0) {
     const at::Tensor d = in.ref_logps.to(logps.dtype()) - logps;
-    const at::Tensor kl = at::exp(d) - d - 1.0;  // k3, >= 0
+    at::Tensor kl = at::exp(d) - d - 1.0;  // k3, >= 0
+    if (o.use_bias_correction_kl) kl = kl * w;
     per_token = per_token + kl * o.beta;
     t.mean_kl = logged_mean(kl.detach(), mask);
   }

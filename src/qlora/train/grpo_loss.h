@@ -10,7 +10,9 @@
 //               completion's scored tokens, one w_i per completion (sequence level: GSPO)
 //   per token   −min(w·A, clip(w, 1 − ε, 1 + ε_high)·A)        (grpo, dr_grpo, dapo, bnpo)
 //               −min(w, ε_high)·A·log π(t), the min without gradient   (cispo: ε_high is its ε_max)
-//               + β·(e^(ref − log π) − (ref − log π) − 1)      (k3 KL to the reference, when β ≠ 0)
+//               + β·(e^(ref − log π) − (ref − log π) − 1)·[w]  (k3 KL to the reference, when β ≠ 0;
+//               times w, with its gradient, under use_bias_correction_kl: TRL 1.16's default, which
+//               makes the KL's gradient the unbiased reverse-KL one, DeepSeek-V3.2)
 //   loss        grpo: mean over completions of Σ_t m·ℓ / Σ_t m;  bnpo: Σ m·ℓ / Σ m;
 //               dr_grpo: Σ m·ℓ / (B · max_completion_length);  dapo, cispo: Σ m·ℓ / num_items, the
 //               scored tokens of the whole generation batch (TRL's num_items_in_batch; here: this
@@ -18,7 +20,7 @@
 // TRL divides grpo, bnpo and dr_grpo by its gradient-accumulation steps and scales dapo/cispo's
 // num_items per window; here each call is one micro-batch and the caller does that scaling.
 // Left out (TRL 1.16 has them, the issue does not ask for them): sapo, luspo, vespo, delta
-// (two-sided clipping), use_bias_correction_kl, top_entropy_quantile, the vLLM IS correction.
+// (two-sided clipping), top_entropy_quantile, the entropy bonus, the vLLM IS correction.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -56,6 +58,7 @@ struct GrpoOptions {
   double beta = 0.0;                   // 0: no KL term and no reference pass
   int64_t num_iterations = 1;          // > 1: the loss needs the old policy's log-probs
   bool mask_truncated_completions = false;
+  bool use_bias_correction_kl = true;  // the KL term weighted by the importance ratio
   int64_t max_completion_length = 256;  // dr_grpo's constant denominator (and the rollout's cap)
 
   double clip_high() const { return epsilon_high.value_or(epsilon); }
@@ -85,7 +88,7 @@ struct GrpoTerms {
   at::Tensor loss;            // 0-dim, with the graph of inputs.logps
   at::Tensor per_token_loss;  // [B, C] (or [B, 1] at sequence level without KL), detached, unmasked
   at::Tensor ratio;           // w: [B, C] or [B, 1], detached
-  at::Tensor mean_kl;         // masked mean of the k3 KL, detached (beta != 0; else undefined)
+  at::Tensor mean_kl;         // masked mean of the KL term over beta, detached (beta != 0; else undefined)
   at::Tensor clip_ratio;      // fraction of scored tokens whose ratio was clipped (TRL's clip_ratio/region_mean)
 };
 
