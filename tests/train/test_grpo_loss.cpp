@@ -149,14 +149,24 @@ TEST(GrpoLoss, DenominatorsOfEachLossType) {
   EXPECT_NEAR(loss(GrpoLossType::kDapo), -0.4, kTol);  // the generation batch's tokens
 }
 
-TEST(GrpoLoss, KlIsZeroAtTheReference) {
+TEST(GrpoLoss, KlTermAndItsBiasCorrection) {
   GrpoOptions o = options(GrpoLossType::kDapo);
   o.beta = 0.5;
   GrpoInputs in = inputs(at::tensor({-1.0f, -2.0f}).view({1, 2}), at::tensor({0.0f}));
   in.ref_logps = in.logps.detach();
   EXPECT_EQ(grpo_loss(in, o).mean_kl.item<double>(), 0.0);
-  in.ref_logps = in.logps.detach() + 1.0;  // k3 = e − 2 per token
-  EXPECT_NEAR(grpo_loss(in, o).loss.item<double>(), 0.5 * (std::exp(1.0) - 2.0), kTol);
+  in.ref_logps = in.logps.detach() + 1.0;  // k3 = e − 2 per token, d k3 / d logπ = 1 − e
+  const double e = std::exp(1.0);
+  for (bool corrected : {true, false}) {
+    o.use_bias_correction_kl = corrected;
+    in.logps.mutable_grad() = at::Tensor();
+    const GrpoTerms t = grpo_loss(in, o);
+    t.loss.backward();
+    EXPECT_NEAR(t.loss.item<double>(), 0.5 * (e - 2.0), kTol);  // on-policy: w = 1 either way
+    // Corrected, the term is k3·w and w = e^(logπ − old) adds k3 to the derivative: (1 − e) + (e − 2) = −1.
+    const double per_token = 0.5 * (corrected ? -1.0 : 1.0 - e) / 2;  // beta · d/dlogπ over dapo's 2 tokens
+    EXPECT_TRUE(at::allclose(in.logps.grad(), at::full({1, 2}, per_token), 0, kTol)) << corrected << in.logps.grad();
+  }
 }
 
 TEST(GrpoLoss, MissingInputsAreNamed) {

@@ -117,9 +117,10 @@ at::Tensor grpo_loss_mask(const at::Tensor& completion_mask, const at::Tensor& t
 GrpoTerms grpo_loss(const GrpoInputs& in, const GrpoOptions& o) {
   check_inputs(in, o);
   const at::Tensor& logps = in.logps;  // [B, C]
-  const at::Tensor old = in.old_logps.defined() ? in.old_logps.to(logps.dtype()) : logps.detach();
-  const at::Tensor mask = in.mask.to(logps.dtype());
-  const at::Tensor adv = in.advantages.to(logps.dtype()).unsqueeze(1);  // [B, 1]
+  const auto like_logps = [&](const at::Tensor& t) { return t.to(logps.device(), logps.scalar_type()); };
+  const at::Tensor old = in.old_logps.defined() ? like_logps(in.old_logps) : logps.detach();
+  const at::Tensor mask = like_logps(in.mask);
+  const at::Tensor adv = like_logps(in.advantages).unsqueeze(1);  // [B, 1]
   const at::Tensor w = at::exp(log_importance_weights(logps - old, mask, o.importance_sampling_level));
   const double high = o.clip_high();
   GrpoTerms t;
@@ -132,7 +133,7 @@ GrpoTerms grpo_loss(const GrpoInputs& in, const GrpoOptions& o) {
     clipped = ((w < 1.0 - o.epsilon) & (adv < 0)) | ((w > 1.0 + high) & (adv > 0));
   }
   if (o.beta != 0.0) {
-    const at::Tensor d = in.ref_logps.to(logps.dtype()) - logps;
+    const at::Tensor d = like_logps(in.ref_logps) - logps;
     at::Tensor kl = at::exp(d) - d - 1.0;  // k3, >= 0
     if (o.use_bias_correction_kl) kl = kl * w;
     per_token = per_token + kl * o.beta;
