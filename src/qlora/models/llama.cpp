@@ -385,9 +385,12 @@ at::Tensor logits_of(const LlamaModel& m, const at::Tensor& h) {
       .view({h.size(0), h.size(1), -1});
 }
 
+// What loss_of sums over: the whole batch, each row, or each token.
+enum class LossPer { kBatch, kRow, kToken };
+
 // The summed token cross-entropy of h's logits against labels [batch, seq] (see LlamaModel::loss),
-// or per row ([batch], LlamaModel::row_losses).
-at::Tensor loss_of(const LlamaModel& m, const at::Tensor& h, const at::Tensor& labels, bool per_row = false) {
+// per row ([batch], LlamaModel::row_losses) or per token ([batch * seq], LlamaModel::token_losses).
+at::Tensor loss_of(const LlamaModel& m, const at::Tensor& h, const at::Tensor& labels, LossPer per = LossPer::kBatch) {
   if (!labels.defined() || labels.scalar_type() != at::kLong || labels.sizes() != h.sizes().slice(0, 2)) {
     throw std::invalid_argument("LlamaModel::loss: labels must be int64 [batch, seq] like tokens " +
                                 c10::str(h.sizes().slice(0, 2)) + ", got " +
@@ -396,11 +399,12 @@ at::Tensor loss_of(const LlamaModel& m, const at::Tensor& h, const at::Tensor& l
   const int64_t chunk = m.loss_chunk_tokens > 0 ? m.loss_chunk_tokens : default_loss_chunk_tokens(std::min(m.config.vocab_size, m.lm_head_chunk_rows));
   return head_unit(m, h, [&](const at::Tensor& normed, const at::Tensor& lora_x) {
     const at::Tensor flat = labels.reshape({-1}).to(normed.device());  // [batch * seq]
-    if (per_row) {
-      const int64_t b = labels.size(0);
-      const at::Tensor rows = at::arange(b, flat.options()).repeat_interleave(labels.size(1));  // [batch * seq]
-      return m.chunked_loss ? chunked_segment_loss(output_head(m), normed, lora_x, flat, rows, b, chunk)
-                            : full_segment_loss(output_head(m), normed, lora_x, flat, rows, b);
+    if (per != LossPer::kBatch) {
+      const int64_t b = per == LossPer::kRow ? labels.size(0) : flat.size(0);
+      const at::Tensor segs = per == LossPer::kRow ? at::arange(b, flat.options()).repeat_interleave(labels.size(1))
+                                                   : at::arange(b, flat.options());  // [batch * seq]
+      return m.chunked_loss ? chunked_segment_loss(output_head(m), normed, lora_x, flat, segs, b, chunk)
+                            : full_segment_loss(output_head(m), normed, lora_x, flat, segs, b);
     }
     return m.chunked_loss ? chunked_token_loss(output_head(m), normed, lora_x, flat, chunk)
                           : full_token_loss(output_head(m), normed, lora_x, flat);
@@ -437,7 +441,13 @@ at::Tensor LlamaModel::loss(const at::Tensor& tokens, const at::Tensor& position
 
 at::Tensor LlamaModel::row_losses(const at::Tensor& tokens, const at::Tensor& labels) const {
   const at::Tensor positions = plain_positions(*this, tokens, 0);  // [seq]
-  return loss_of(*this, hidden_states(*this, tokens, positions, at::Tensor(), nullptr), labels, /*per_row=*/true);
+  return loss_of(*this, hidden_states(*this, tokens, positions, at::Tensor(), nullptr), labels, LossPer::kRow);
+}
+
+at::Tensor LlamaModel::token_losses(const at::Tensor& tokens, const at::Tensor& labels) const {
+  const at::Tensor positions = plain_positions(*this, tokens, 0);  // [seq]
+  return loss_of(*this, hidden_states(*this, tokens, positions, at::Tensor(), nullptr), labels, LossPer::kToken)
+      .view(labels.sizes());
 }
 
 std::vector<std::pair<std::string, at::Tensor>> LlamaModel::lora_parameters() const {

@@ -134,6 +134,10 @@ struct LlamaModel {
   // The same summed per row: [batch] fp32, row b = -(log-probability of its scored labels), the
   // sequence log-probabilities of preference losses; its backward weighs each row by its gradient.
   at::Tensor row_losses(const at::Tensor& tokens, const at::Tensor& labels) const;
+  // The same per token: [batch, seq] fp32, each scored label's cross-entropy (0 where unscored), the
+  // per-token log-probabilities GRPO weighs one by one. Still no [tokens, vocab] logits; with an
+  // adapter on the output head its gradients are kept per token, so that case costs memory.
+  at::Tensor token_losses(const at::Tensor& tokens, const at::Tensor& labels) const;
 
   // Trainable tensors with PEFT names, e.g.
   // base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight ([r, in]) / .lora_B.weight
