@@ -58,6 +58,7 @@ TEST(Config, EmptyTextGivesStructDefaults) {
   EXPECT_TRUE(c.model.activation_checkpointing);
   EXPECT_EQ(c.model.device, "auto");
   EXPECT_EQ(c.model.tokenizer, "");
+  EXPECT_EQ(c.data.split, "train");
   EXPECT_EQ(c.model.untrained_tokens, train::UntrainedTokensPolicy::kError);
 }
 
@@ -202,6 +203,11 @@ TEST(Config, OverridesParseTomlValuesAndBareStrings) {
   apply_override(c, "data.template_kwargs={enable_thinking=false}");
   apply_override(c, "data.add_bos=true");
   apply_override(c, "data.add_eos=\"auto\"");
+  apply_override(c, "data.split=validation");
+  EXPECT_EQ(c.data.split, "validation");
+  RecipeConfig hub;  // a Hub id with a revision, unquoted: taken verbatim
+  apply_override(hub, "model.checkpoint_dir=Qwen/Qwen2.5-7B-Instruct@refs/pr/3");
+  EXPECT_EQ(hub.model.checkpoint_dir, "Qwen/Qwen2.5-7B-Instruct@refs/pr/3");
   EXPECT_EQ(c.data.template_kwargs, nlohmann::ordered_json({{"enable_thinking", false}}));
   EXPECT_EQ(c.data.add_bos, std::optional<bool>(true));
   EXPECT_FALSE(c.data.add_eos.has_value());
