@@ -117,7 +117,7 @@ std::string describe(const HubId& id, HubRepoType type) {
 
 // huggingface_hub's IncompleteSnapshotError: the cached tree listing of the commit names files the
 // snapshot lacks. A listing it would ignore (missing, unreadable, another format_version, an
-// entry with an invalid Xet hash) is ignored here too.
+// entry without size or blob_id or with an invalid Xet hash) is ignored here too.
 void check_tree_listing(const HubId& id, HubRepoType type, const fs::path& storage, const std::string& commit,
                         const fs::path& snapshot) {
   const fs::path listing = storage / "trees" / (commit + ".json");
@@ -128,6 +128,7 @@ void check_tree_listing(const HubId& id, HubRepoType type, const fs::path& stora
     const auto j = nlohmann::json::parse(*text);
     if (j.value("format_version", nlohmann::json()) != 1) return;
     for (const auto& [path, info] : j.at("files").items()) {
+      if (!info.contains("size") || !info.contains("blob_id")) return;
       if (info.contains("xet_hash") && !info["xet_hash"].is_null()) {
         const auto& x = info["xet_hash"].get_ref<const std::string&>();
         if (x.size() != 64 || x.find_first_not_of("0123456789abcdefABCDEF") != std::string::npos) return;
@@ -169,7 +170,7 @@ fs::path hub_cache_dir() {
     home = h;
   } else {
     const char* xdg = env("XDG_CACHE_HOME");
-    home = (fs::path(xdg ? std::string(xdg) : expand_user("~") + "/.cache") / "huggingface").string();
+    home = ((xdg ? fs::path(xdg) : fs::path(expand_user("~")) / ".cache") / "huggingface").string();
   }
   return expand((fs::path(expand(home)) / "hub").string());
 }
