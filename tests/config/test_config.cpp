@@ -287,9 +287,9 @@ TEST(Config, HashIsStableAndScoped) {
   EXPECT_EQ(config_hash(a, HashScope::Full), config_hash(RecipeConfig{}, HashScope::Full));
   // Pinned: meta.json records it, so a change makes new checkpoints' hashes differ from older
   // ones' for the same run (resume compares the keys themselves, not the hash). New keys change
-  // it (last: #26 lora.use_rslora and lora.use_dora, #27 logging.tensorboard, #37 model.untrained_tokens);
-  // restructuring must not.
-  EXPECT_EQ(config_hash(a, HashScope::Full), "f7fc2013f2b84fd8");
+  // it (last: #26 lora.use_rslora and lora.use_dora, #27 logging.tensorboard, #37 model.untrained_tokens,
+  // #38 data.split); restructuring must not.
+  EXPECT_EQ(config_hash(a, HashScope::Full), "ab82d496ce52b097");
   EXPECT_EQ(config_hash(a, HashScope::Exactness), "7944af1325082c02");
   EXPECT_EQ(config_hash(a, HashScope::Exactness), config_hash(parse_config(to_toml(a), "x"), HashScope::Exactness));
   RecipeConfig b = a;
@@ -306,7 +306,7 @@ TEST(Config, HashIsStableAndScoped) {
 // so the canonical text must not drift when the config code is restructured (new keys do move it).
 TEST(Config, EmbeddedDefaultHashIsPinned) {
   const RecipeConfig c = load_config((configs_dir() / "tiny_qlora.toml").string());
-  EXPECT_EQ(config_hash(c, HashScope::Full), "32d3063959546ef0");
+  EXPECT_EQ(config_hash(c, HashScope::Full), "635bf0cd3f38ca79");
   EXPECT_EQ(config_hash(c, HashScope::Exactness), "93d3e5bc7482c423");
 }
 
@@ -329,7 +329,7 @@ TEST(Config, ExactnessBreakingDifferences) {
   int exact = 0;
   for (const KeyInfo& k : known_keys()) exact += k.affects_exactness;
   EXPECT_GT(exact, 20);
-  EXPECT_EQ(known_keys().size(), 68u);
+  EXPECT_EQ(known_keys().size(), 69u);
 }
 
 // Every file in configs/ parses, and its first line is the command that runs it.

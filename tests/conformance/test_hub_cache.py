@@ -186,7 +186,7 @@ def check_recipe(work, qlora):
     second = os.path.join(work, "run_model")
     r = run_recipe(qlora, second, *short, "model.checkpoint_dir=org/tiny-base@main", "data.path=org/tiny-tasks",
                    "data.split=test", timeout=300)
-    adapter = os.path.join(second, "epoch_0", "adapter_config.json")
+    adapter = os.path.join(second, "epoch_0", "adapter", "adapter_config.json")
     named = json.load(open(adapter)).get("base_model_name_or_path") if os.path.exists(adapter) else None
     check(r.returncode == 0 and len(step_rows(second)) == 2 and named == "org/tiny-base",
           f"model.checkpoint_dir=org/tiny-base@main, data.split=test: 2 steps, base_model_name_or_path {named!r}")
