@@ -69,9 +69,12 @@ def put_snapshot(cache, repo_id, repo_type, files, revisions, listing=False):
     return commit
 
 
-def tool(*args, env=None):
-    r = subprocess.run([TOOL, *args], capture_output=True, text=True, env=env, timeout=60)
-    return json.loads(r.stdout)
+def tool(*requests):
+    """hub_tool's answers to (args, env) requests, env {NAME: value or None (unset)}: one process."""
+    lines = "".join(json.dumps({"args": list(args), "env": env or {}}) + "\n" for args, env in requests)
+    r = subprocess.run([TOOL], input=lines, capture_output=True, text=True, timeout=60)
+    answers = [json.loads(line) for line in r.stdout.splitlines()]
+    return answers if len(answers) == len(requests) else [{"error": r.stderr[-300:]}] * len(requests)
 
 
 def hub_snapshot(repo_id, revision, cache, repo_type="model"):
@@ -95,17 +98,18 @@ def check_snapshots(work):
     check(set(repos) == {"org/model", "gpt2", "org/broken", "org/tasks"} and
           {"main", "v1.0", "dev", "refs/pr/3"} <= set().union(*(r.refs for r in repos["org/model"].revisions)),
           "huggingface_hub's scan_cache_dir reads the cache these helpers wrote")
-    for rid, rev in [("org/model", None), ("org/model", "v1.0"), ("org/model", "dev"), ("org/model", "refs/pr/3"),
-                     ("org/model", a), ("org/model", b), ("gpt2", None), ("gpt2", c), ("org/model", "nope"),
-                     ("org/model", "0" * 40), ("org/absent", None), ("org/broken", None)]:
+    cases = [("org/model", None), ("org/model", "v1.0"), ("org/model", "dev"), ("org/model", "refs/pr/3"),
+             ("org/model", a), ("org/model", b), ("gpt2", None), ("gpt2", c), ("org/model", "nope"),
+             ("org/model", "0" * 40), ("org/absent", None), ("org/broken", None)]
+    specs = [rid + (f"@{rev}" if rev else "") for rid, rev in cases]
+    answers = tool(*[(("snapshot", spec, cache), None) for spec in specs],
+                   (("data", "org/tasks", "train"), {"HF_HUB_CACHE": cache}))
+    for (rid, rev), spec, got in zip(cases, specs, answers):
         want = hub_snapshot(rid, rev, cache)
-        spec = rid + (f"@{rev}" if rev else "")
-        got = tool("snapshot", spec, cache)
-        ok = got.get("dir") == want if os.path.sep in want else "error" in got
+        ok = got.get("dir") == want if os.path.sep in want else f"'{rid}'" in got.get("error", "")
         check(ok, f"snapshot {spec}: huggingface_hub {want!r}, qlora {got}")
     want = hub_snapshot("org/tasks", None, cache, "dataset")
-    got = tool("data", "org/tasks", "train", env={**os.environ, "HF_HUB_CACHE": cache})
-    check(got.get("file") == os.path.join(want, "train.jsonl"), f"data set org/tasks: {want} vs {got}")
+    check(answers[-1].get("file") == os.path.join(want, "train.jsonl"), f"data set org/tasks: {want} vs {answers[-1]}")
 
 
 ENV_KEYS = ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME", "HOME")
@@ -123,15 +127,20 @@ def check_environment(work):
         os.path.join(work, "hubcache"): {"HOME": home, "HF_HOME": "/nowhere", "HUGGINGFACE_HUB_CACHE": "/nowhere",
                                          "QLORA_T": work, "HF_HUB_CACHE": "${QLORA_T}/hubcache"},
     }
+    requests = []
     for cache_dir, env in layouts.items():
         put_snapshot(cache_dir, "org/model", "model", {"config.json": cache_dir.encode()}, ["main"])
         full = {k: v for k, v in os.environ.items() if k not in ENV_KEYS}
         full.update(env)
         py = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, env=full, timeout=60)
         hub_cache, hub_dir = json.loads(py.stdout) if py.returncode == 0 else (py.stderr[-300:], None)
-        got = tool("model", "org/model", env=full)
-        check(hub_dir is not None and got.get("dir") == hub_dir and tool("cache", env=full)["cache"] == hub_cache,
-              f"environment {env}: huggingface_hub cache {hub_cache}, snapshot {hub_dir}; qlora {got}")
+        requests.append((cache_dir, env, hub_cache, hub_dir))
+    tool_env = [{**{k: None for k in ENV_KEYS}, **env} for _, env, _, _ in requests]
+    answers = tool(*[(a, e) for e in tool_env for a in (("cache",), ("model", "org/model"))])
+    for k, (cache_dir, env, hub_cache, hub_dir) in enumerate(requests):
+        cache, got = answers[2 * k], answers[2 * k + 1]
+        check(hub_dir is not None and got.get("dir") == hub_dir and cache.get("cache") == hub_cache,
+              f"environment {env}: huggingface_hub cache {hub_cache}, snapshot {hub_dir}; qlora {cache}, {got}")
 
 
 LAYOUTS = [
@@ -148,16 +157,15 @@ LAYOUTS = [
 
 def check_splits(work):
     from datasets.data_files import DataFilesDict, get_data_patterns
-    for i, files in enumerate(LAYOUTS):
-        base = os.path.join(work, "layouts", str(i))
+    bases = [os.path.join(work, "layouts", str(i)) for i in range(len(LAYOUTS))]
+    for base, files in zip(bases, LAYOUTS):
         for f in files:
             os.makedirs(os.path.dirname(os.path.join(base, f)), exist_ok=True)
             with open(os.path.join(base, f), "w") as out:
                 out.write("{}\n")
-        patterns = get_data_patterns(base)
-        theirs = DataFilesDict.from_patterns(patterns, base_path=base)
+    for base, files, got in zip(bases, LAYOUTS, tool(*[(("splits", base), None) for base in bases])):
+        theirs = DataFilesDict.from_patterns(get_data_patterns(base), base_path=base)
         want = {s: sorted({os.path.relpath(p, base) for p in fl}) for s, fl in theirs.items()}
-        got = tool("splits", base)
         check(got.get("splits") == want and got.get("order") == list(theirs),
               f"layout {files}: datasets {want}, qlora {got}")
 

@@ -1,14 +1,19 @@
-// Answers what conformance.hub_cache asks of qlora's Hub cache resolution, one JSON line per call,
-// with the process's environment (HF_HUB_CACHE, HF_HOME, XDG_CACHE_HOME, HOME):
+// Answers what conformance.hub_cache asks of qlora's Hub cache resolution. Requests come as JSON
+// lines on stdin, {"args": [...], "env": {NAME: value or null}}, each answered by one JSON line on
+// stdout, after setting (null: unsetting) its "env" variables (HF_HUB_CACHE, HF_HOME, HOME, ...):
+// one process for all of them, as LibTorch takes most of a second to load.
 //
-//   hub_tool cache                       {"cache": hub_cache_dir()}
-//   hub_tool model VALUE                 {"dir": resolve_local_or_hub(VALUE, model)} or {"error": message}
-//   hub_tool snapshot ID[@REV] DIR       {"dir": hub_snapshot_dir(ID, model, DIR)} or {"error": message}
-//   hub_tool splits DIR                  {"splits": {split: [file, ...]}, "order": [split, ...]} or {"error"}
-//   hub_tool data VALUE SPLIT            {"file": resolve_data_file(VALUE, SPLIT)} or {"error": message}
+//   ["cache"]                       {"cache": hub_cache_dir()}
+//   ["model", VALUE]                {"dir": resolve_local_or_hub(VALUE, model)} or {"error": message}
+//   ["snapshot", ID[@REV], DIR]     {"dir": hub_snapshot_dir(ID, model, DIR)} or {"error": message}
+//   ["splits", DIR]                 {"splits": {split: [file, ...]}, "order": [split, ...]} or {"error"}
+//   ["data", VALUE, SPLIT]          {"file": resolve_data_file(VALUE, SPLIT)} or {"error": message}
 #include <cstdio>
+#include <cstdlib>
+#include <iostream>
 #include <exception>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -20,41 +25,44 @@ using namespace qlora;
 
 namespace {
 
-ordered_json answer(int argc, char** argv) {
-  const std::string cmd = argv[1];
-  if (cmd == "cache" && argc == 2) return {{"cache", io::hub_cache_dir().string()}};
-  if (cmd == "model" && argc == 3)
-    return {{"dir", io::resolve_local_or_hub(argv[2], io::HubRepoType::kModel, "model.checkpoint_dir")}};
-  if (cmd == "snapshot" && argc == 4) {
-    const auto id = io::parse_hub_id(argv[2]);
-    if (!id) return {{"error", std::string("not a Hub id: ") + argv[2]}};
-    return {{"dir", io::hub_snapshot_dir(*id, io::HubRepoType::kModel, argv[3]).string()}};
+ordered_json answer(const std::vector<std::string>& a) {
+  const std::string cmd = a.empty() ? "" : a[0];
+  if (cmd == "cache" && a.size() == 1) return {{"cache", io::hub_cache_dir().string()}};
+  if (cmd == "model" && a.size() == 2)
+    return {{"dir", io::resolve_local_or_hub(a[1], io::HubRepoType::kModel, "model.checkpoint_dir")}};
+  if (cmd == "snapshot" && a.size() == 3) {
+    const auto id = io::parse_hub_id(a[1]);
+    if (!id) return {{"error", "not a Hub id: " + a[1]}};
+    return {{"dir", io::hub_snapshot_dir(*id, io::HubRepoType::kModel, a[2]).string()}};
   }
-  if (cmd == "splits" && argc == 3) {
+  if (cmd == "splits" && a.size() == 2) {
     ordered_json splits = ordered_json::object(), order = ordered_json::array();
-    for (const auto& [name, files] : data::data_splits(argv[2])) {
+    for (const auto& [name, files] : data::data_splits(a[1])) {
       splits[name] = files;
       order.push_back(name);
     }
     return {{"splits", splits}, {"order", order}};
   }
-  if (cmd == "data" && argc == 4) return {{"file", data::resolve_data_file(argv[2], argv[3], "data.path")}};
-  throw std::invalid_argument("usage: hub_tool cache | model VALUE | snapshot ID DIR | splits DIR | data VALUE SPLIT");
+  if (cmd == "data" && a.size() == 3) return {{"file", data::resolve_data_file(a[1], a[2], "data.path")}};
+  throw std::invalid_argument("unknown request; expected cache | model VALUE | snapshot ID DIR | splits DIR | data VALUE SPLIT");
 }
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  if (argc < 2) {
-    std::fprintf(stderr, "usage: hub_tool cache | model VALUE | snapshot ID DIR | splits DIR | data VALUE SPLIT\n");
-    return 2;
+int main() {
+  std::string line;
+  while (std::getline(std::cin, line)) {
+    ordered_json out;
+    try {
+      const auto request = nlohmann::json::parse(line);
+      const nlohmann::json env = request.value("env", nlohmann::json::object());
+      for (const auto& [name, value] : env.items())
+        value.is_null() ? ::unsetenv(name.c_str()) : ::setenv(name.c_str(), value.get<std::string>().c_str(), 1);
+      out = answer(request.at("args").get<std::vector<std::string>>());
+    } catch (const std::exception& e) {
+      out = {{"error", e.what()}};
+    }
+    std::printf("%s\n", out.dump().c_str());
   }
-  ordered_json out;
-  try {
-    out = answer(argc, argv);
-  } catch (const std::exception& e) {
-    out = {{"error", e.what()}};
-  }
-  std::printf("%s\n", out.dump().c_str());
   return 0;
 }
