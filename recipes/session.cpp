@@ -480,9 +480,10 @@ Position train(const Session& s, Model& m, const TextSetup& text, RecipeParts& p
   train::Progress progress(cfg.logging.progress);
   // base_model_name_or_path: the base's Hub name (base_model_name), else its absolute path (PEFT would resolve a
   // relative one against the loader's working directory). qlora.json: how `qlora generate` renders prompts.
+  const std::string base_name = base_model_name(cfg);
   const checkpoint::AdapterInfo adapter_info{
       cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, models::peft_targets(m.llama.architecture(), cfg.lora.targets),
-      base_model_name(cfg).empty() ? fs::absolute(s.base_dir).lexically_normal().string() : base_model_name(cfg),
+      base_name.empty() ? fs::absolute(s.base_dir).lexically_normal().string() : base_name,
       config::prompt_format(text.options), {}, cfg.lora.use_rslora, {}};  // token rows: export_epoch
   if (lead && !text.template_note.empty()) std::printf("%s\n", text.template_note.c_str());
   if (lead)
