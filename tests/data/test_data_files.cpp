@@ -29,9 +29,14 @@ fs::path tree(const std::vector<std::string>& files) {
 
 DataSplits splits_of(const std::vector<std::string>& files) {
   const fs::path d = tree(files);
-  DataSplits s = data_splits(d);
-  fs::remove_all(d);
-  return s;
+  try {
+    DataSplits s = data_splits(d);
+    fs::remove_all(d);
+    return s;
+  } catch (...) {
+    fs::remove_all(d);
+    throw;
+  }
 }
 
 std::string error_of(const std::string& value, const std::string& split) {
