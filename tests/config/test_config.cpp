@@ -58,6 +58,7 @@ TEST(Config, EmptyTextGivesStructDefaults) {
   EXPECT_TRUE(c.model.activation_checkpointing);
   EXPECT_EQ(c.model.device, "auto");
   EXPECT_EQ(c.model.tokenizer, "");
+  EXPECT_EQ(c.data.split, "train");
   EXPECT_EQ(c.model.untrained_tokens, train::UntrainedTokensPolicy::kError);
 }
 
@@ -202,6 +203,11 @@ TEST(Config, OverridesParseTomlValuesAndBareStrings) {
   apply_override(c, "data.template_kwargs={enable_thinking=false}");
   apply_override(c, "data.add_bos=true");
   apply_override(c, "data.add_eos=\"auto\"");
+  apply_override(c, "data.split=validation");
+  EXPECT_EQ(c.data.split, "validation");
+  RecipeConfig hub;  // a Hub id with a revision, unquoted: taken verbatim
+  apply_override(hub, "model.checkpoint_dir=Qwen/Qwen2.5-7B-Instruct@refs/pr/3");
+  EXPECT_EQ(hub.model.checkpoint_dir, "Qwen/Qwen2.5-7B-Instruct@refs/pr/3");
   EXPECT_EQ(c.data.template_kwargs, nlohmann::ordered_json({{"enable_thinking", false}}));
   EXPECT_EQ(c.data.add_bos, std::optional<bool>(true));
   EXPECT_FALSE(c.data.add_eos.has_value());
@@ -281,9 +287,9 @@ TEST(Config, HashIsStableAndScoped) {
   EXPECT_EQ(config_hash(a, HashScope::Full), config_hash(RecipeConfig{}, HashScope::Full));
   // Pinned: meta.json records it, so a change makes new checkpoints' hashes differ from older
   // ones' for the same run (resume compares the keys themselves, not the hash). New keys change
-  // it (last: #26 lora.use_rslora and lora.use_dora, #27 logging.tensorboard, #37 model.untrained_tokens);
-  // restructuring must not.
-  EXPECT_EQ(config_hash(a, HashScope::Full), "f7fc2013f2b84fd8");
+  // it (last: #26 lora.use_rslora and lora.use_dora, #27 logging.tensorboard, #37 model.untrained_tokens,
+  // #38 data.split); restructuring must not.
+  EXPECT_EQ(config_hash(a, HashScope::Full), "ab82d496ce52b097");
   EXPECT_EQ(config_hash(a, HashScope::Exactness), "7944af1325082c02");
   EXPECT_EQ(config_hash(a, HashScope::Exactness), config_hash(parse_config(to_toml(a), "x"), HashScope::Exactness));
   RecipeConfig b = a;
@@ -300,7 +306,7 @@ TEST(Config, HashIsStableAndScoped) {
 // so the canonical text must not drift when the config code is restructured (new keys do move it).
 TEST(Config, EmbeddedDefaultHashIsPinned) {
   const RecipeConfig c = load_config((configs_dir() / "tiny_qlora.toml").string());
-  EXPECT_EQ(config_hash(c, HashScope::Full), "32d3063959546ef0");
+  EXPECT_EQ(config_hash(c, HashScope::Full), "635bf0cd3f38ca79");
   EXPECT_EQ(config_hash(c, HashScope::Exactness), "93d3e5bc7482c423");
 }
 
@@ -323,7 +329,7 @@ TEST(Config, ExactnessBreakingDifferences) {
   int exact = 0;
   for (const KeyInfo& k : known_keys()) exact += k.affects_exactness;
   EXPECT_GT(exact, 20);
-  EXPECT_EQ(known_keys().size(), 68u);
+  EXPECT_EQ(known_keys().size(), 69u);
 }
 
 // Every file in configs/ parses, and its first line is the command that runs it.

@@ -121,6 +121,7 @@ void visit_fields(Cfg& c, V&& v) {
   v("lora", "use_rslora", c.lora.use_rslora, true);
   v("lora", "use_dora", c.lora.use_dora, true);
   v("data", "path", c.data.path, false);
+  v("data", "split", c.data.split, false);  // a location too: the file it picks is fingerprinted
   v("data", "val_path", c.data.val_path, false);
   v("data", "val_fraction", c.data.val_fraction, true);  // what it holds out is not trained on
   v("data", "format", c.data.format, true);

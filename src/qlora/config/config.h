@@ -37,7 +37,9 @@ struct ConfigError : std::runtime_error {
 enum class BaseFormat { NF4, BF16, FP32 };
 
 struct ModelConfig {
-  std::string checkpoint_dir;  // HF directory; empty = the embedded tiny default model
+  // HF directory, or a Hub id ("org/name", "org/name@revision") found in the local Hugging Face
+  // cache (io/hub_cache.h; a path that exists wins); empty = the embedded tiny default model.
+  std::string checkpoint_dir;
   // What adapter_config.json records as base_model_name_or_path: a hub id ("meta-llama/Llama-2-7b-hf")
   // where the base will be found under that name; empty = checkpoint_dir as an absolute path.
   std::string name;
@@ -70,7 +72,11 @@ struct LoraConfig {
 };
 
 struct DataConfig {
-  std::string path;  // empty = the embedded tiny default data set
+  // A JSON / JSONL file; a directory or a Hub data set id ("yahma/alpaca-cleaned[@revision]", found
+  // in the local Hugging Face cache) whose `split` file is chosen by the Hub's file naming
+  // (data/data_files.h); empty = the embedded tiny default data set.
+  std::string path;
+  std::string split = "train";  // the split of a directory or Hub data set in `path`
   // Validation data: a file of the same format, or (val_path empty) a seeded val_fraction of `path`
   // held out of training. Neither: no validation.
   std::string val_path;
