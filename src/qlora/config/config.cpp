@@ -9,6 +9,7 @@
 
 #include <toml++/toml.h>
 
+#include <algorithm>
 #include <cctype>
 #include <cerrno>
 #include <cmath>
@@ -46,6 +47,7 @@ constexpr const auto& names_of(train::ProgressMode) { return train::kProgressMod
 constexpr const auto& names_of(train::NonFinitePolicy) { return train::kNonFinitePolicyNames; }
 constexpr const auto& names_of(train::PreferenceLoss) { return train::kPreferenceLossNames; }
 constexpr const auto& names_of(train::UntrainedTokensPolicy) { return train::kUntrainedTokensPolicyNames; }
+constexpr const auto& names_of(train::RewardKind) { return train::kRewardKindNames; }
 
 // An optional enum key (data.template) spells its absence "none", after the table's names.
 constexpr const char* kAbsent = "none";
@@ -93,7 +95,7 @@ bool enum_set(std::optional<E>& out, std::string_view name) {
 }
 
 const char* const kSections[] = {"model",      "lora",    "data", "optim", "training",
-                                 "checkpoint", "logging", "dist", "dpo"};
+                                 "checkpoint", "logging", "dist", "dpo",   "grpo"};
 
 // ---- the key table ----------------------------------------------------------------------------
 // Exactness: a key is "exact" when changing it between a checkpoint and its resume changes the
@@ -179,7 +181,14 @@ void visit_fields(Cfg& c, V&& v) {
   // Precomputed or per step, the reference log-probabilities are the same numbers.
   v("dpo", "precompute_reference", c.dpo.precompute_reference, false);
   v("dpo", "max_prompt_len", c.dpo.max_prompt_len, true);
+  v("grpo", "rewards", c.grpo.rewards, true);
+  // The command's text, not its program's contents: editing the script between resumes is the user's call.
+  v("grpo", "reward_command", c.grpo.reward_command, true);
+  v("grpo", "reward_command_weight", c.grpo.reward_command_weight, true);
+  v("grpo", "reward_timeout_s", c.grpo.reward_timeout_s, false);
 }
+
+using RewardSpecs = std::vector<train::RewardSpec>;
 
 template <class T>
 constexpr bool is_string_like = std::is_same_v<T, std::string> || is_named<T>;
@@ -194,6 +203,7 @@ std::string type_name() {
   else if constexpr (std::is_same_v<T, std::string>) return "a string";
   else if constexpr (is_named<T>) return "a string (one of " + enum_allowed(T{}) + ")";
   else if constexpr (std::is_same_v<T, std::vector<std::string>>) return "an array of strings";
+  else if constexpr (std::is_same_v<T, RewardSpecs>) return "an array of tables ([[grpo.rewards]] kind = ...)";
   else return "an array of 2 numbers";
 }
 
@@ -256,6 +266,20 @@ nlohmann::ordered_json toml_to_json(const toml::node& n, const Origin& o, const 
   fail(o, "key '" + key + "'" + at_line(o, n) + ": a date/time cannot be a template argument");
 }
 
+void read_rewards(const toml::array& a, RewardSpecs& out, const Origin& o, const std::string& key);
+
+// Every key a grpo.rewards table may hold, in train::reward_keys' order; each kind takes some.
+template <class Spec, class V>
+void visit_reward_keys(Spec& r, V&& v) {
+  v("kind", r.kind);
+  v("weight", r.weight);
+  v("field", r.field);
+  v("tolerance", r.tolerance);
+  v("pattern", r.pattern);
+  v("target", r.target);
+  v("max", r.max);
+}
+
 template <class T>
 void read_field(const toml::node& n, T& out, const Origin& o, const std::string& key) {
   auto wrong_type = [&]() {
@@ -300,6 +324,10 @@ void read_field(const toml::node& n, T& out, const Origin& o, const std::string&
       values.push_back(s->get());
     }
     out = std::move(values);
+  } else if constexpr (std::is_same_v<T, RewardSpecs>) {
+    auto a = n.as_array();
+    if (!a) wrong_type();
+    read_rewards(*a, out, o, key);
   } else {
     auto a = n.as_array();
     if (!a || a->size() != out.size()) wrong_type();
@@ -308,6 +336,36 @@ void read_field(const toml::node& n, T& out, const Origin& o, const std::string&
       if (!read_number(*a->get(i), values[i])) wrong_type();
     out = values;
   }
+}
+
+// grpo.rewards: each table's kind first, then only that kind's keys (train::reward_keys).
+void read_rewards(const toml::array& a, RewardSpecs& out, const Origin& o, const std::string& key) {
+  RewardSpecs specs(a.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    const std::string at = key + "[" + std::to_string(i) + "]";
+    const toml::table* t = a.get(i)->as_table();
+    if (!t)
+      fail(o, "key '" + at + "'" + at_line(o, *a.get(i)) + " expects a table ({ kind = \"" +
+                  io::enum_names(train::kRewardKindNames) + "\", weight = ... }), got " + node_type_name(*a.get(i)));
+    train::RewardSpec& r = specs[i];
+    const toml::node* kind = t->get("kind");
+    if (!kind) fail(o, "key '" + at + ".kind'" + at_line(o, *a.get(i)) + " is missing; one of " + enum_allowed(r.kind));
+    read_field(*kind, r.kind, o, at + ".kind");
+    const std::vector<std::string> keys = train::reward_keys(r.kind);
+    for (auto&& [k, node] : *t) {
+      const std::string name(k.str()), full = at + "." + name;
+      visit_reward_keys(r, [&, &node = node](const char* k2, auto& member) {
+        if (name == k2 && name != "kind") read_field(node, member, o, full);
+      });
+      if (std::find(keys.begin(), keys.end(), name) == keys.end()) {
+        std::string known;
+        for (const std::string& s : keys) known += (known.empty() ? "" : ", ") + s;
+        fail(o, "unknown key '" + full + "'" + at_line(o, node) + " for kind \"" + enum_name(r.kind) +
+                    "\"; its keys: " + known);
+      }
+    }
+  }
+  out = std::move(specs);
 }
 
 // ---- emitting -----------------------------------------------------------------------------
@@ -372,7 +430,19 @@ std::string value_text(const T& v) {
   else if constexpr (std::is_same_v<T, double>) return format_double(v);
   else if constexpr (std::is_same_v<T, std::string>) return quote(v);
   else if constexpr (is_named<T>) return quote(enum_name(v));
-  else {
+  else if constexpr (std::is_same_v<T, RewardSpecs>) {
+    std::string out;
+    for (const train::RewardSpec& r : v) {
+      std::string table;
+      const std::vector<std::string> keys = train::reward_keys(r.kind);
+      visit_reward_keys(r, [&](const char* k, const auto& member) {
+        if (std::find(keys.begin(), keys.end(), k) != keys.end())
+          table += (table.empty() ? "" : ", ") + std::string(k) + " = " + value_text(member);
+      });
+      out += (out.empty() ? "" : ", ") + ("{ " + table + " }");
+    }
+    return "[" + out + "]";
+  } else {
     std::string out = "[";
     for (size_t i = 0; i < v.size(); ++i) {
       if (i) out += ", ";
@@ -539,6 +609,16 @@ void validate(const RecipeConfig& c, const Origin& o, const LineMap& lines) {
   check(c.dist.shard_size >= 0, "dist.shard_size", ">= 0 (0 = world size)", i(c.dist.shard_size));
   check(c.dist.collective_timeout_s >= 1, "dist.collective_timeout_s", ">= 1",
         i(c.dist.collective_timeout_s));
+  check(std::isfinite(c.grpo.reward_command_weight), "grpo.reward_command_weight", "a finite number",
+        d(c.grpo.reward_command_weight));
+  check(c.grpo.reward_timeout_s >= 1, "grpo.reward_timeout_s", ">= 1 (seconds)", i(c.grpo.reward_timeout_s));
+  try {
+    train::validate_rewards(c.grpo.rewards);
+  } catch (const std::invalid_argument& e) {
+    const auto it = lines.find("grpo.rewards");
+    const bool line = o.has_lines && it != lines.end() && it->second;
+    fail(o, e.what() + (line ? " (grpo.rewards at line " + std::to_string(it->second) + ")" : std::string()));
+  }
 }
 
 toml::table parse_toml(std::string_view text, const std::string& source, const Origin& o) {

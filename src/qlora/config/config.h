@@ -23,6 +23,7 @@
 #include "qlora/train/metrics.h"
 #include "qlora/train/nonfinite.h"
 #include "qlora/train/preference_loss.h"
+#include "qlora/train/rewards.h"
 #include "qlora/train/untrained_tokens.h"
 
 namespace qlora::config {
@@ -183,6 +184,20 @@ struct DpoConfig {
   int64_t max_prompt_len = 0;
 };
 
+// `qlora run lora_grpo` (the others ignore it): what a completion's reward is, the weighted sum of
+// the built-in rewards and the user's program (train/rewards.h, train/reward_command.h).
+//   [[grpo.rewards]]                        or  rewards = [{ kind = "answer" }, ...]
+//   kind = "answer"   # field = "answer", tolerance = 1e-6
+//   kind = "regex"    # pattern = "^<think>.*?</think>"
+//   kind = "length"   # target = 200, max = 256 (tokens)
+//   weight = 1.0      # every kind
+struct GrpoConfig {
+  std::vector<train::RewardSpec> rewards;
+  std::string reward_command;  // run by /bin/sh; empty: none
+  double reward_command_weight = 1.0;
+  int64_t reward_timeout_s = 60;  // per batch of completions; then the program's process group is killed
+};
+
 struct RecipeConfig {
   ModelConfig model;
   LoraConfig lora;
@@ -193,6 +208,7 @@ struct RecipeConfig {
   LoggingConfig logging;
   DistConfig dist;
   DpoConfig dpo;
+  GrpoConfig grpo;
 };
 
 // Reads and parses a file; errors name the file.
