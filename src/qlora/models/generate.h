@@ -54,7 +54,8 @@ std::vector<Completion> generate_batch(const LlamaModel& model, const std::vecto
 
 // The seed of the sequence at `global_index` among all ranks' sequences of a step, from the run's
 // seed: a fixed mix of the two, so a completion depends on its place in the step and not on
-// which rank or batch samples it.
+// which rank or batch samples it. Across steps, count on (step * sequences per step + place), so
+// that a resumed run draws what the uninterrupted one would have.
 uint64_t sequence_seed(uint64_t seed, int64_t global_index);
 
 // One sampling decision. logits: [vocab] float32 on the CPU. temperature 0 = argmax (first index
