@@ -23,10 +23,14 @@
 
 #include "bench/machine.h"
 #include "bench/run_json.h"
+#include "qlora/engine/omp_wait_policy.h"
 #include "qlora/io/cpu_memory.h"
 #include "qlora/models/generate.h"
 
 using nlohmann::json;
+
+// libgomp's short spin, as qlora's programs run (engine/omp_wait_policy.h); the peer inherits it.
+QLORA_OMP_WAIT_POLICY_PREINIT;
 
 namespace {
 
