@@ -26,7 +26,7 @@ struct GenerateOptions {
 // element, so callers can tell "stopped" from "ran out of max_new_tokens". Generation also ends
 // at the config's max_position_embeddings (RoPE positions beyond it were never trained).
 // Runs without autograd and with dropout off, whatever model.training says; the model is not
-// modified. prompt: token ids, non-empty, each in [0, vocab).
+// modified. prompt: token ids, non-empty, each in [0, vocab). It is generate_batch of one sequence.
 std::vector<int64_t> generate(const LlamaModel& model, const std::vector<int64_t>& prompt,
                               const GenerateOptions& options);
 
