@@ -267,7 +267,7 @@ at::Tensor hidden_states(const LlamaModel& m, const at::Tensor& tokens, const at
   const LlamaConfig& c = m.config;
   // Packed rows: where each sample sits, for the Gated DeltaNet layers (attention reads the mask).
   const bool linear = !c.linear_layers.empty();
-  const modules::Segments segments = linear && positions.dim() == 2
+  const modules::Segments segments = linear && positions.dim() == 2 && !cache
                                          ? modules::segments_from_positions(positions, c.gated_delta.conv_kernel)
                                          : modules::Segments{};
   const modules::Segments* segs = segments.gather.defined() ? &segments : nullptr;
@@ -298,7 +298,7 @@ at::Tensor hidden_states(const LlamaModel& m, const at::Tensor& tokens, const at
     const modules::LayerExtras ex = sides.of(c, i);
     if (hooks) hooks->before_forward(i, false);
     if (cache) {
-      h = modules::decoder_layer_forward(layer, d, h, rope, m.training, &cache->layers[i], at::Tensor(), nullptr, &ex);
+      h = modules::decoder_layer_forward(layer, d, h, rope, m.training, &cache->layers[i], attn_mask, nullptr, &ex);
     } else if (checkpoint && !c.is_kv_source(i)) {  // a KV source's K/V must carry their graph onwards
       h = checkpointed_layer(m, i, h, rope, attn_mask, segments, ex);
     } else {
@@ -347,18 +347,20 @@ void check_tokens(const LlamaModel& m, const at::Tensor& tokens) {
 }
 
 // The packed rows' positions and mask on the model's device, checked (see LlamaModel::forward).
+// past: the key slots a cache already holds (0 without one).
 std::pair<at::Tensor, at::Tensor> packed_inputs(const LlamaModel& m, const at::Tensor& tokens,
-                                                const at::Tensor& position_ids, const at::Tensor& attn_mask) {
+                                                const at::Tensor& position_ids, const at::Tensor& attn_mask,
+                                                int64_t past = 0) {
   check_tokens(m, tokens);
-  const int64_t b = tokens.size(0), seq = tokens.size(1);
+  const int64_t b = tokens.size(0), seq = tokens.size(1), keys = past + seq;
   if (!position_ids.defined() || position_ids.scalar_type() != at::kLong || position_ids.sizes() != tokens.sizes()) {
     throw std::invalid_argument("LlamaModel::forward: position_ids must be int64 [batch, seq] like tokens " +
                                 c10::str(tokens.sizes()));
   }
   if (!attn_mask.defined() || attn_mask.scalar_type() != at::kBool || attn_mask.dim() != 3 ||
-      attn_mask.size(0) != b || attn_mask.size(1) != seq || attn_mask.size(2) != seq) {
-    throw std::invalid_argument("LlamaModel::forward: attn_mask must be bool [batch, seq, seq] = [" +
-                                std::to_string(b) + ", " + std::to_string(seq) + ", " + std::to_string(seq) + "]");
+      attn_mask.size(0) != b || attn_mask.size(1) != seq || attn_mask.size(2) != keys) {
+    throw std::invalid_argument("LlamaModel::forward: attn_mask must be bool [batch, seq, past + seq] = [" +
+                                std::to_string(b) + ", " + std::to_string(seq) + ", " + std::to_string(keys) + "]");
   }
   const at::Device dev = m.embed_tokens.device();
   const at::Tensor mask = attn_mask.to(dev);  // [b, s, s]
@@ -420,12 +422,15 @@ at::Tensor LlamaModel::forward(const at::Tensor& tokens, modules::KvCache* cache
 
 at::Tensor LlamaModel::forward(const at::Tensor& tokens, const at::Tensor& position_ids,
                                const at::Tensor& attn_mask, modules::KvCache* cache) const {
-  if (cache) {
+  if (cache && !config.linear_layers.empty() && tokens.size(1) > 1) {
+    // A Gated DeltaNet layer reads no mask: with a cache it would carry padding or another
+    // sample into a row's state.
     throw std::invalid_argument(
-        "LlamaModel::forward: packed rows (position_ids + attn_mask) cannot use a KV cache; packing is training-only");
+        "LlamaModel::forward: a model with Gated DeltaNet layers takes position_ids + attn_mask with a KV cache "
+        "one token per row only (prefill each sequence without them)");
   }
-  const auto [positions, mask] = packed_inputs(*this, tokens, position_ids, attn_mask);
-  return logits_of(*this, hidden_states(*this, tokens, positions, mask, nullptr));
+  const auto [positions, mask] = packed_inputs(*this, tokens, position_ids, attn_mask, cache ? cache->length() : 0);
+  return logits_of(*this, hidden_states(*this, tokens, positions, mask, cache));
 }
 
 at::Tensor LlamaModel::loss(const at::Tensor& tokens, const at::Tensor& labels) const {

@@ -118,8 +118,12 @@ struct LlamaModel {
   // only within itself. tokens, position_ids: [batch, seq] int64, positions restarting at 0 per
   // sample (they drive RoPE); attn_mask: [batch, seq, seq] bool, true where query i may attend to
   // key j (e.g. data::block_causal_mask), with at least one true per row (give padding a
-  // causal block of its own). Returns logits [batch, seq, vocab] float32. `cache` exists only to
-  // reject it with a clear error: packing is training-only and has no KV-cache path.
+  // causal block of its own). Returns logits [batch, seq, vocab] float32.
+  // With a cache (a generation batch, models/generate.h): the tokens continue each row, position_ids
+  // are each row's own positions and attn_mask is [batch, seq, past + seq] over the cached key slots
+  // and the new ones (false on a row's left padding).
+  // A model with Gated DeltaNet layers takes one token per row here (those layers read no mask: each
+  // row's state is its own, so a row prefilled alone never needs padding).
   at::Tensor forward(const at::Tensor& tokens, const at::Tensor& position_ids, const at::Tensor& attn_mask,
                      modules::KvCache* cache = nullptr) const;
 
