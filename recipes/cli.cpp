@@ -71,7 +71,8 @@ const Command kCommands[] = {
      "                          per input line, {\"ids\": [...]} as qlora tokenizes it; --decode:\n"
      "                          lines of id lists (JSON or comma-separated) to {\"text\": ...}\n"},
     {"quantize",
-     "  quantize [IN OUT]       every 2-D float *_proj.weight of a safetensors file or HF\n"
+     "  quantize [IN OUT] [--out DIR]\n"
+     "                          every 2-D float *_proj.weight of a safetensors file or HF\n"
      "                          checkpoint directory becomes NF4 (qlora-nf4-v1), the rest is\n"
      "                          copied; no arguments: the bundled tiny example\n"},
     {"dequantize",

@@ -18,7 +18,7 @@ COMMANDS = {
     "plot": ["-o"],
     "ls": [],
     "tokenize": ["--tokenizer", "--text", "--decode"],
-    "quantize": ["IN OUT"],
+    "quantize": ["IN OUT", "--out"],
     "dequantize": ["--dtype"],
     "gguf": ["--type", "-o", "--name", "--adapter"],
 }
