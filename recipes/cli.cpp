@@ -47,8 +47,8 @@ const Command kCommands[] = {
      "                          every key, its default and what it does: `qlora config`\n"},
     {"config",
      "  config [--config FILE] [lora_finetune|lora_dpo] [section.key=value ...]\n"
-     "                          the complete resolved configuration: every key, its value and\n"
-     "                          its default\n"},
+     "                          the complete resolved configuration: every key, its value, its\n"
+     "                          default and one line of what it does\n"},
     {"data",
      "  data [--config FILE] [section.key=value ...] [-n N]\n"
      "                          the data as lora_finetune sees it, no model loaded: the first N\n"
@@ -147,6 +147,7 @@ int config_main(std::vector<std::string> args) {
   for (size_t i = 0; i < values.size(); ++i) {
     const std::string line = values[i].first + " = " + values[i].second;
     std::printf("%-*s  # default: %s\n", static_cast<int>(width), line.c_str(), defaults[i].second.c_str());
+    std::printf("%*s    %s\n", static_cast<int>(width), "", std::string(qlora::config::key_description(values[i].first)).c_str());
   }
   return 0;
 }

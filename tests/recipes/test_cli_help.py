@@ -60,14 +60,21 @@ def schema_keys():
     return keys
 
 
+descriptions = {}
+
+
 def config_lines(exe, *args):
     r = qlora(exe, "config", *args)
     check(r.returncode == 0, f"qlora config {args} exits 0: {r.stderr}")
-    out = {}
+    out, last = {}, None
     for line in r.stdout.splitlines():
         m = re.match(r"^(\w+\.\w+) = (.*?)\s+# default: (.*)$", line)
         if m:
-            out[m.group(1)] = (m.group(2), m.group(3))
+            last = m.group(1)
+            out[last] = (m.group(2), m.group(3))
+        elif last and line.strip():  # the key's description, on the line after it
+            descriptions[last] = line.strip()
+            last = None
     return out
 
 
@@ -75,6 +82,7 @@ def test_config(exe, workdir):
     lines = config_lines(exe)
     for key in schema_keys():
         check(key in lines, f"qlora config prints {key}")
+        check(descriptions.get(key), f"qlora config describes {key} (src/qlora/config/key_docs.cpp)")
     check(lines["lora.rank"][1] == "8", f"lora.rank's default is 8: {lines['lora.rank']}")
     over = config_lines(exe, "lora_finetune", "lora.rank=32", "optim.lr=0.001")
     check(over["lora.rank"] == ("32", "8"), f"override lora.rank=32: {over['lora.rank']}")

@@ -230,6 +230,9 @@ std::vector<KeyInfo> known_keys();
 // (`qlora config` prints them beside the defaults).
 std::vector<std::pair<std::string, std::string>> key_values(const RecipeConfig& cfg);
 
+// One line of what "section.key" does (key_docs.cpp); empty for a key without one.
+std::string_view key_description(std::string_view key);
+
 bool operator==(const RecipeConfig& a, const RecipeConfig& b);
 inline bool operator!=(const RecipeConfig& a, const RecipeConfig& b) { return !(a == b); }
 
