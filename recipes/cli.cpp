@@ -190,7 +190,9 @@ int qlora_cli(int argc, char** argv) {
   try {
     return dispatch(cmd, args);
   } catch (const std::invalid_argument& e) {  // the command line itself: the command's usage follows
-    std::fprintf(stderr, "qlora %s: error: %s\n\nusage: qlora\n%s", cmd.c_str(), e.what(), command->usage);
+    const bool has_usage = std::string(e.what()).find("usage: ") != std::string::npos;  // plot's, generate's
+    std::fprintf(stderr, "qlora %s: error: %s\n", cmd.c_str(), e.what());
+    if (!has_usage) std::fprintf(stderr, "\nusage: qlora\n%s", command->usage);
     return 1;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "qlora %s: error: %s\n", cmd.c_str(), e.what());
