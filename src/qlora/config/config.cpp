@@ -742,6 +742,14 @@ std::vector<KeyInfo> known_keys() {
   return out;
 }
 
+std::vector<std::pair<std::string, std::string>> key_values(const RecipeConfig& cfg) {
+  std::vector<std::pair<std::string, std::string>> out;
+  visit_fields(cfg, [&](const char* s, const char* k, const auto& m, bool) {
+    out.emplace_back(std::string(s) + "." + k, value_text(m));
+  });
+  return out;
+}
+
 bool operator==(const RecipeConfig& a, const RecipeConfig& b) { return to_toml(a) == to_toml(b); }
 
 }  // namespace qlora::config

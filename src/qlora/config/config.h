@@ -13,6 +13,7 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -246,6 +247,13 @@ struct KeyInfo {
   bool affects_exactness;
 };
 std::vector<KeyInfo> known_keys();
+
+// Every key of cfg as {"section.key", value as to_toml writes it}, in known_keys' order
+// (`qlora config` prints them beside the defaults).
+std::vector<std::pair<std::string, std::string>> key_values(const RecipeConfig& cfg);
+
+// One line of what "section.key" does (key_docs.cpp); empty for a key without one.
+std::string_view key_description(std::string_view key);
 
 bool operator==(const RecipeConfig& a, const RecipeConfig& b);
 inline bool operator!=(const RecipeConfig& a, const RecipeConfig& b) { return !(a == b); }
