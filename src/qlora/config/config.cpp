@@ -48,6 +48,9 @@ constexpr const auto& names_of(train::NonFinitePolicy) { return train::kNonFinit
 constexpr const auto& names_of(train::PreferenceLoss) { return train::kPreferenceLossNames; }
 constexpr const auto& names_of(train::UntrainedTokensPolicy) { return train::kUntrainedTokensPolicyNames; }
 constexpr const auto& names_of(train::RewardKind) { return train::kRewardKindNames; }
+constexpr const auto& names_of(train::GrpoLossType) { return train::kGrpoLossTypeNames; }
+constexpr const auto& names_of(train::ImportanceSamplingLevel) { return train::kImportanceSamplingLevelNames; }
+constexpr const auto& names_of(train::RewardScaling) { return train::kRewardScalingNames; }
 
 // An optional enum key (data.template) spells its absence "none", after the table's names.
 constexpr const char* kAbsent = "none";
@@ -186,6 +189,20 @@ void visit_fields(Cfg& c, V&& v) {
   v("grpo", "reward_command", c.grpo.reward_command, true);
   v("grpo", "reward_command_weight", c.grpo.reward_command_weight, true);
   v("grpo", "reward_timeout_s", c.grpo.reward_timeout_s, false);
+  v("grpo", "num_generations", c.grpo.num_generations, true);
+  v("grpo", "max_completion_length", c.grpo.max_completion_length, true);
+  v("grpo", "temperature", c.grpo.temperature, true);
+  v("grpo", "top_p", c.grpo.top_p, true);
+  v("grpo", "top_k", c.grpo.top_k, true);
+  v("grpo", "loss_type", c.grpo.loss_type, true);
+  v("grpo", "importance_sampling_level", c.grpo.importance_sampling_level, true);
+  v("grpo", "scale_rewards", c.grpo.scale_rewards, true);
+  v("grpo", "epsilon", c.grpo.epsilon, true);
+  v("grpo", "epsilon_high", c.grpo.epsilon_high, true);
+  v("grpo", "beta", c.grpo.beta, true);
+  v("grpo", "num_iterations", c.grpo.num_iterations, true);
+  v("grpo", "mask_truncated_completions", c.grpo.mask_truncated_completions, true);
+  v("grpo", "use_bias_correction_kl", c.grpo.use_bias_correction_kl, true);
 }
 
 using RewardSpecs = std::vector<train::RewardSpec>;
@@ -612,6 +629,19 @@ void validate(const RecipeConfig& c, const Origin& o, const LineMap& lines) {
   check(std::isfinite(c.grpo.reward_command_weight), "grpo.reward_command_weight", "a finite number",
         d(c.grpo.reward_command_weight));
   check(c.grpo.reward_timeout_s >= 1, "grpo.reward_timeout_s", ">= 1 (seconds)", i(c.grpo.reward_timeout_s));
+  check(c.grpo.temperature > 0 && std::isfinite(c.grpo.temperature), "grpo.temperature", "> 0",
+        d(c.grpo.temperature));
+  check(c.grpo.top_p > 0 && c.grpo.top_p <= 1, "grpo.top_p", "in (0, 1]", d(c.grpo.top_p));
+  check(c.grpo.top_k >= 0, "grpo.top_k", ">= 0 (0: no cut)", i(c.grpo.top_k));
+  check(c.grpo.epsilon_high >= 0, "grpo.epsilon_high", ">= 0 (0: epsilon)", d(c.grpo.epsilon_high));
+  check(c.data.max_seq_len <= 0 || c.grpo.max_completion_length < c.data.max_seq_len,
+        "grpo.max_completion_length", "below data.max_seq_len (the prompt needs room)",
+        i(c.grpo.max_completion_length));
+  try {
+    train::validate(c.grpo.options());
+  } catch (const std::invalid_argument& e) {
+    fail(o, e.what());
+  }
   try {
     train::validate_rewards(c.grpo.rewards);
   } catch (const std::invalid_argument& e) {
@@ -751,5 +781,21 @@ std::vector<std::pair<std::string, std::string>> key_values(const RecipeConfig& 
 }
 
 bool operator==(const RecipeConfig& a, const RecipeConfig& b) { return to_toml(a) == to_toml(b); }
+
+train::GrpoOptions GrpoConfig::options() const {
+  train::GrpoOptions o;
+  o.loss_type = loss_type;
+  o.importance_sampling_level = importance_sampling_level;
+  o.scale_rewards = scale_rewards;
+  o.num_generations = num_generations;
+  o.epsilon = epsilon;
+  if (epsilon_high > 0) o.epsilon_high = epsilon_high;
+  o.beta = beta;
+  o.num_iterations = num_iterations;
+  o.mask_truncated_completions = mask_truncated_completions;
+  o.use_bias_correction_kl = use_bias_correction_kl;
+  o.max_completion_length = max_completion_length;
+  return o;
+}
 
 }  // namespace qlora::config

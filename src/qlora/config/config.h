@@ -23,6 +23,7 @@
 #include "qlora/optim/schedule.h"
 #include "qlora/train/metrics.h"
 #include "qlora/train/nonfinite.h"
+#include "qlora/train/grpo_loss.h"
 #include "qlora/train/preference_loss.h"
 #include "qlora/train/rewards.h"
 #include "qlora/train/untrained_tokens.h"
@@ -192,11 +193,29 @@ struct DpoConfig {
 //   kind = "regex"    # pattern = "^<think>.*?</think>"
 //   kind = "length"   # target = 200, max = 256 (tokens)
 //   weight = 1.0      # every kind
+// The rollouts and the objective take TRL 1.16's GRPOConfig names and defaults (train/grpo_loss.h).
+// training.batch_size counts prompts per micro-batch per rank; each brings num_generations completions.
 struct GrpoConfig {
   std::vector<train::RewardSpec> rewards;
   std::string reward_command;  // run by /bin/sh; empty: none
   double reward_command_weight = 1.0;
   int64_t reward_timeout_s = 60;  // per batch of completions; then the program's process group is killed
+  int64_t num_generations = 8;    // completions per prompt (the group)
+  int64_t max_completion_length = 256;  // new tokens per completion; a prompt keeps data.max_seq_len minus this
+  double temperature = 1.0;
+  double top_p = 1.0;
+  int64_t top_k = 0;  // 0: no top-k cut
+  train::GrpoLossType loss_type = train::GrpoLossType::kDapo;
+  train::ImportanceSamplingLevel importance_sampling_level = train::ImportanceSamplingLevel::kToken;
+  train::RewardScaling scale_rewards = train::RewardScaling::kGroup;
+  double epsilon = 0.2;
+  double epsilon_high = 0.0;  // 0: epsilon
+  double beta = 0.0;          // KL to the reference (adapters off); 0: no reference pass
+  int64_t num_iterations = 1;  // updates per generation batch (> 1: the old policy's log-probs)
+  bool mask_truncated_completions = false;
+  bool use_bias_correction_kl = true;
+
+  train::GrpoOptions options() const;
 };
 
 struct RecipeConfig {

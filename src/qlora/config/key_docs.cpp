@@ -9,7 +9,7 @@ namespace qlora::config {
 namespace {
 
 constexpr std::pair<std::string_view, std::string_view> kKeyDocs[] = {
-    {"model.checkpoint_dir", "HF checkpoint directory of the base; empty: the embedded tiny default model"},
+    {"model.checkpoint_dir", "HF checkpoint directory or Hub id (org/name[@revision], from the local Hugging Face cache) of the base; empty: the embedded tiny default model"},
     {"model.name", "base_model_name_or_path the adapter records (a Hub id); empty: checkpoint_dir"},
     {"model.tokenizer", "tokenizer file; empty: the checkpoint's tokenizer.model or tokenizer.json"},
     {"model.device", "auto | cpu | cuda | cuda:N (auto: the first CUDA device, else the CPU)"},
@@ -23,7 +23,8 @@ constexpr std::pair<std::string_view, std::string_view> kKeyDocs[] = {
     {"lora.targets", "projections that get adapters: q, k, v, o, gate, up, down, output (qkv, gate_up)"},
     {"lora.use_rslora", "rank-stabilised LoRA: scale alpha / sqrt(rank)"},
     {"lora.use_dora", "DoRA: a trainable magnitude per output row of each adapted projection"},
-    {"data.path", "training data file; empty: the embedded tiny default data set"},
+    {"data.path", "training data: a file, a directory of split files, or a Hub data set id in the local cache; empty: the embedded tiny default data set"},
+    {"data.split", "the split read from a directory or Hub data set (its files named as the Hub names splits)"},
     {"data.val_path", "validation data file of the same format"},
     {"data.val_fraction", "without val_path: this seeded fraction of path held out for validation"},
     {"data.format", "record format: instruct | chat | text | preference"},
@@ -77,6 +78,24 @@ constexpr std::pair<std::string_view, std::string_view> kKeyDocs[] = {
     {"dpo.simpo_gamma", "SimPO target reward margin"},
     {"dpo.precompute_reference", "reference log-probabilities computed once before training"},
     {"dpo.max_prompt_len", "prompt tokens kept of an over-long pair; 0: half of data.max_seq_len"},
+    {"grpo.rewards", "built-in rewards (lora_grpo), summed with weights: answer | regex | length"},
+    {"grpo.reward_command", "a program (run by /bin/sh) reading JSONL completions, writing one reward per line"},
+    {"grpo.reward_command_weight", "weight of reward_command's reward in the sum"},
+    {"grpo.reward_timeout_s", "seconds reward_command may take per batch before it is killed"},
+    {"grpo.num_generations", "completions sampled per prompt (the group its advantages compare)"},
+    {"grpo.max_completion_length", "new tokens per completion at most (then truncated)"},
+    {"grpo.temperature", "sampling temperature of the rollouts"},
+    {"grpo.top_p", "nucleus sampling: the smallest set of tokens with this much probability"},
+    {"grpo.top_k", "sample among the k likeliest tokens; 0: all"},
+    {"grpo.loss_type", "objective normalisation as TRL names it: grpo | dr_grpo | dapo | bnpo | cispo"},
+    {"grpo.importance_sampling_level", "importance ratio per token, or per sequence (GSPO): token | sequence"},
+    {"grpo.scale_rewards", "advantages divided by the reward std of the group | batch | none"},
+    {"grpo.epsilon", "lower clip of the importance ratio (1 - epsilon)"},
+    {"grpo.epsilon_high", "upper clip (1 + epsilon_high; cispo: its cap); 0: epsilon"},
+    {"grpo.beta", "weight of the KL to the reference (adapters off); 0: no reference pass"},
+    {"grpo.num_iterations", "policy updates per batch of rollouts (> 1: against the old policy's log-probs)"},
+    {"grpo.mask_truncated_completions", "leave completions cut by max_completion_length out of the loss"},
+    {"grpo.use_bias_correction_kl", "weight the KL term by the importance ratio (TRL 1.16's default)"},
 };
 
 }  // namespace
