@@ -399,17 +399,19 @@ at::Tensor loss_of(const LlamaModel& m, const at::Tensor& h, const at::Tensor& l
                                 (labels.defined() ? c10::str(labels.sizes()) : std::string("none")));
   }
   const int64_t chunk = m.loss_chunk_tokens > 0 ? m.loss_chunk_tokens : default_loss_chunk_tokens(std::min(m.config.vocab_size, m.lm_head_chunk_rows));
+  OutputHead head = output_head(m);
+  head.temperature = m.logit_temperature;
   return head_unit(m, h, [&](const at::Tensor& normed, const at::Tensor& lora_x) {
     const at::Tensor flat = labels.reshape({-1}).to(normed.device());  // [batch * seq]
     if (per != LossPer::kBatch) {
       const int64_t b = per == LossPer::kRow ? labels.size(0) : flat.size(0);
       const at::Tensor segs = per == LossPer::kRow ? at::arange(b, flat.options()).repeat_interleave(labels.size(1))
                                                    : at::arange(b, flat.options());  // [batch * seq]
-      return m.chunked_loss ? chunked_segment_loss(output_head(m), normed, lora_x, flat, segs, b, chunk)
-                            : full_segment_loss(output_head(m), normed, lora_x, flat, segs, b);
+      return m.chunked_loss ? chunked_segment_loss(head, normed, lora_x, flat, segs, b, chunk)
+                            : full_segment_loss(head, normed, lora_x, flat, segs, b);
     }
-    return m.chunked_loss ? chunked_token_loss(output_head(m), normed, lora_x, flat, chunk)
-                          : full_token_loss(output_head(m), normed, lora_x, flat);
+    return m.chunked_loss ? chunked_token_loss(head, normed, lora_x, flat, chunk)
+                          : full_token_loss(head, normed, lora_x, flat);
   });
 }
 

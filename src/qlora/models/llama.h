@@ -90,6 +90,9 @@ struct LlamaModel {
   // false: loss() forms the whole [tokens, vocab] logits, as forward() does; the reference the tests
   // and bench_train_step --ce-compare measure the chunked loss against.
   bool chunked_loss = true;
+  // loss(), row_losses() and token_losses() score logits / logit_temperature (OutputHead::temperature):
+  // GRPO's log-probabilities at its sampling temperature. forward() and generation ignore it.
+  double logit_temperature = 1.0;
   at::Tensor embed_tokens;  // [vocab, hidden], frozen, in frozen_dtype
   modules::PerLayerInputs per_layer_inputs;  // Gemma 4's, of the embedding unit; undefined for the others
   std::vector<modules::DecoderLayer> layers;
