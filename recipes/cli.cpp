@@ -18,6 +18,7 @@ int quantize_main(const std::vector<std::string>& args);
 int dequantize_main(const std::vector<std::string>& args);
 int lora_finetune_main(const std::vector<std::string>& args);
 int lora_dpo_main(const std::vector<std::string>& args);
+int lora_grpo_main(const std::vector<std::string>& args);
 int generate_main(const std::vector<std::string>& args);
 int tokenize_main(const std::vector<std::string>& args);
 int plot_main(const std::vector<std::string>& args);
@@ -44,9 +45,12 @@ const Command kCommands[] = {
      "      lora_dpo --config FILE [section.key=value ...]\n"
      "                          preference tuning (dpo.loss: sigmoid, ipo, hinge, orpo, simpo) on\n"
      "                          data.format = \"preference\" pairs; same ranks, resume and exports\n"
+     "      lora_grpo --config FILE [section.key=value ...]\n"
+     "                          RL with verifiable rewards (grpo.loss_type: grpo, dr_grpo, dapo,\n"
+     "                          bnpo, cispo) on data.format = \"prompt\" records; grpo.rewards\n"
      "                          every key, its default and what it does: `qlora config`\n"},
     {"config",
-     "  config [--config FILE] [lora_finetune|lora_dpo] [section.key=value ...]\n"
+     "  config [--config FILE] [lora_finetune|lora_dpo|lora_grpo] [section.key=value ...]\n"
      "                          the complete resolved configuration: every key, its value, its\n"
      "                          default and one line of what it does\n"},
     {"data",
@@ -99,6 +103,10 @@ const Command* find_command(const std::string& name) {
   return nullptr;
 }
 
+bool is_recipe(const std::string& name) {
+  return name == "lora_finetune" || name == "lora_dpo" || name == "lora_grpo";
+}
+
 bool asks_for_help(const std::vector<std::string>& args) {
   return std::any_of(args.begin(), args.end(), [](const std::string& a) { return a == "--help" || a == "-h"; });
 }
@@ -111,7 +119,7 @@ int run_main(std::vector<std::string> args) {
       throw std::invalid_argument("--nproc-per-node inside a job that already has ranks (WORLD_SIZE > 1, set by "
                                   "torchrun, Slurm or `qlora run --nproc-per-node`): run `qlora run <recipe> ...` "
                                   "in each rank instead");
-    if (args[0] != "lora_finetune" && args[0] != "lora_dpo") throw std::invalid_argument("unknown recipe '" + args[0] + "' (see `qlora ls`)");
+    if (!is_recipe(args[0])) throw std::invalid_argument("unknown recipe '" + args[0] + "' (see `qlora ls`)");
     args.insert(args.begin(), "run");
     return qlora::engine::launch(launch, std::filesystem::read_symlink("/proc/self/exe").string(), args);
   }
@@ -119,6 +127,7 @@ int run_main(std::vector<std::string> args) {
   args.erase(args.begin());
   if (recipe == "lora_finetune") return qlora::recipes::lora_finetune_main(args);
   if (recipe == "lora_dpo") return qlora::recipes::lora_dpo_main(args);
+  if (recipe == "lora_grpo") return qlora::recipes::lora_grpo_main(args);
   throw std::invalid_argument("unknown recipe '" + recipe + "' (see `qlora ls`)");
 }
 
@@ -126,6 +135,7 @@ int ls_main(const std::vector<std::string>& args) {
   if (!args.empty()) throw std::invalid_argument("unknown option '" + args[0] + "'");
   std::printf("recipes:\n  lora_finetune    QLoRA fine-tuning (one process, or N ranks with --nproc-per-node)\n"
               "  lora_dpo         preference tuning: DPO, IPO, hinge, ORPO, SimPO (data.format = \"preference\")\n"
+              "  lora_grpo        RL with verifiable rewards: GRPO, DAPO, Dr. GRPO, GSPO, CISPO (data.format = \"prompt\")\n"
               "\nconfigs (%s/configs):\n",
               QLORA_SOURCE_DIR);
   std::vector<std::string> names;
@@ -139,7 +149,7 @@ int ls_main(const std::vector<std::string>& args) {
 // `qlora config`: every key of the resolved configuration beside its default; a recipe name
 // first is accepted (both recipes read the same schema).
 int config_main(std::vector<std::string> args) {
-  if (!args.empty() && (args[0] == "lora_finetune" || args[0] == "lora_dpo")) args.erase(args.begin());
+  if (!args.empty() && is_recipe(args[0])) args.erase(args.begin());
   const auto values = qlora::config::key_values(qlora::recipes::load_recipe_config(args));
   const auto defaults = qlora::config::key_values(qlora::config::RecipeConfig{});
   size_t width = 0;

@@ -30,7 +30,6 @@
 #include "qlora/io/safetensors.h"
 #include "qlora/data/batching.h"
 #include "qlora/data/preference.h"
-#include "qlora/data/split.h"
 #include "qlora/train/evaluate.h"
 #include "qlora/train/faults.h"
 #include "qlora/train/preference_batch.h"
@@ -61,17 +60,7 @@ Pairs setup_pairs(const RecipeConfig& cfg, const TextSetup& text, int64_t ranks)
   p.train = data::load_preference_pairs(text.path, text.tokenizer, text.options, config::preference_options(cfg));
   if (const std::string val = val_data_path(cfg); !val.empty())
     p.validation = data::load_preference_pairs(val, text.tokenizer, text.options, config::preference_options(cfg));
-  if (cfg.data.val_fraction > 0) {
-    const data::SplitIndices split = data::split_validation(static_cast<int64_t>(p.train.size()), cfg.data.val_fraction,
-                                                            static_cast<uint64_t>(cfg.training.seed));
-    std::vector<data::PreferencePair> kept;
-    for (int64_t i : split.val) p.validation.push_back(p.train[static_cast<size_t>(i)]);
-    for (int64_t i : split.train) kept.push_back(p.train[static_cast<size_t>(i)]);
-    p.train = std::move(kept);
-  }
-  if (cfg.training.eval_every_steps > 0 && p.validation.empty())
-    throw std::invalid_argument("training.eval_every_steps = " + std::to_string(cfg.training.eval_every_steps) +
-                                " needs validation data: set data.val_path or data.val_fraction");
+  hold_out_validation(cfg, p.train, p.validation);
   p.sampler = std::make_unique<data::Sampler>(
       config::sampler_options(cfg.data, cfg.training, static_cast<int64_t>(p.train.size()), ranks));
   return p;

@@ -55,27 +55,12 @@ struct Data {
   }
 };
 
-// Samples `keep` of `all`, in order.
-std::vector<data::Sample> pick(const std::vector<data::Sample>& all, const std::vector<int64_t>& keep) {
-  std::vector<data::Sample> out;
-  for (int64_t i : keep) out.push_back(all[static_cast<size_t>(i)]);
-  return out;
-}
-
 // The validation set: data.val_path (the embedded default: its held-out file), or data.val_fraction
 // of the training records held out (seeded by training.seed, the same on any number of ranks);
 // empty without either.
 void split_validation(const RecipeConfig& cfg, Data& d) {
   if (const std::string val = val_data_path(cfg); !val.empty()) d.validation = data::load_dataset(val, d.text->tokenizer, d.text->options);
-  if (cfg.data.val_fraction > 0) {
-    const data::SplitIndices split = data::split_validation(static_cast<int64_t>(d.samples.size()),
-                                                            cfg.data.val_fraction, static_cast<uint64_t>(cfg.training.seed));
-    d.validation = pick(d.samples, split.val);
-    d.samples = pick(d.samples, split.train);
-  }
-  if (cfg.training.eval_every_steps > 0 && d.validation.empty())
-    throw std::invalid_argument("training.eval_every_steps = " + std::to_string(cfg.training.eval_every_steps) +
-                                " needs validation data: set data.val_path or data.val_fraction");
+  hold_out_validation(cfg, d.samples, d.validation);
 }
 
 Data setup_data(const RecipeConfig& cfg, const TextSetup& text, int64_t ranks) {

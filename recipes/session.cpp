@@ -178,7 +178,7 @@ Optimizer setup_optimizer(const RecipeConfig& cfg, const Model& m, const std::st
                           int64_t ranks) {
   Optimizer o;
   o.adamw = std::make_unique<optim::AdamW>(m.engine->param_shards(), config::adamw_options(cfg.optim));
-  o.steps_per_epoch = d.sampler->batches_per_epoch() / cfg.training.grad_accum;
+  o.steps_per_epoch = d.sampler->batches_per_epoch() / cfg.training.grad_accum * d.steps_per_batch;
   if (cfg.training.max_steps_per_epoch > 0) o.steps_per_epoch = std::min(o.steps_per_epoch, cfg.training.max_steps_per_epoch);
   if (o.steps_per_epoch < 1)
     throw std::invalid_argument("data set " + path + " has " + std::to_string(d.records) + " " + d.records_name +
@@ -341,6 +341,7 @@ Position resume(const RecipeConfig& cfg, const Loaded& loaded, c10::Device devic
   if (ck.legacy_single_process && lead)
     std::printf("%s is in the single-process format of earlier releases: converted on load\n", where.c_str());
   d.sampler->load_state_json(ck.meta.at("sampler").dump(), where);
+  if (d.load_state) d.load_state(ck, remesh, where);
   const Position p{ck.meta.at("epoch"), ck.meta.at("step_in_epoch"), ck.meta.at("global_step")};
   if (lead)
     std::printf("resumed from %s (epoch %lld, step %lld)\n", where.c_str(), (long long)p.epoch + 1,
@@ -405,6 +406,8 @@ void save_checkpoint(const Session& ses, const Model& m, const Optimizer& o, con
   s.tensors = engine::train_state(*m.engine, *o.adamw);
   s.tensors.push_back({"rng.cpu", train::generator_state(c10::kCPU)});
   if (device.is_cuda()) s.tensors.push_back({"rng.cuda", train::generator_state(device)});
+  if (d.save_state)
+    for (auto& t : d.save_state()) s.tensors.push_back(std::move(t));
   s.meta = {{"epoch", p.epoch},
             {"step_in_epoch", p.step_in_epoch},
             {"global_step", p.global_step},

@@ -10,14 +10,18 @@
 
 #include <functional>
 #include <memory>
+#include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
+#include "qlora/checkpoint/resume.h"
 #include "qlora/config/config.h"
 #include "qlora/data/dataset.h"
 #include "qlora/data/sampler.h"
+#include "qlora/data/split.h"
 #include "qlora/data/tokenizer.h"
 #include "qlora/engine/process_group.h"
 #include "qlora/engine/sharded_model.h"
@@ -90,7 +94,33 @@ struct RecipeParts {
   // Validation now (collective: every rank computes, rank 0 logs what it returns). Empty: the run
   // has no validation data.
   std::function<train::ValidationMetrics(const Position&)> validate;
+  // Optimizer steps each of the sampler's global batches feeds (GRPO's num_iterations: its rollouts
+  // are used for that many updates); an epoch is batches_per_epoch / grad_accum times this.
+  int64_t steps_per_batch = 1;
+  // The recipe's own state a resumed run needs (GRPO's rollouts still to be reused), saved with each
+  // resume checkpoint as this rank's tensors (names prefixed by the recipe); restored from this
+  // rank's saved tensors when the mesh is the same, else from every rank's (`remesh`). Empty: none.
+  std::function<std::vector<std::pair<std::string, at::Tensor>>()> save_state;
+  std::function<void(const checkpoint::ResumeCheckpoint& ck, bool remesh, const std::string& where)> load_state;
 };
+
+// The validation records: `validation` (data.val_path's, as the caller loaded them) plus, with
+// data.val_fraction, that seeded fraction of `train` moved out of it (the same split on any number
+// of ranks). training.eval_every_steps without validation data is an error.
+template <class Record>
+void hold_out_validation(const config::RecipeConfig& cfg, std::vector<Record>& train, std::vector<Record>& validation) {
+  if (cfg.data.val_fraction > 0) {
+    const data::SplitIndices split = data::split_validation(static_cast<int64_t>(train.size()), cfg.data.val_fraction,
+                                                            static_cast<uint64_t>(cfg.training.seed));
+    std::vector<Record> kept;
+    for (int64_t i : split.val) validation.push_back(train[static_cast<size_t>(i)]);
+    for (int64_t i : split.train) kept.push_back(train[static_cast<size_t>(i)]);
+    train = std::move(kept);
+  }
+  if (cfg.training.eval_every_steps > 0 && validation.empty())
+    throw std::invalid_argument("training.eval_every_steps = " + std::to_string(cfg.training.eval_every_steps) +
+                                " needs validation data: set data.val_path or data.val_fraction");
+}
 
 // Backward of one micro-batch's loss (already divided by what the whole step normalises by);
 // gradients are reduced across ranks after the last one.

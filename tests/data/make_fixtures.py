@@ -355,6 +355,19 @@ def tiny_tasks(train_path: str, heldout_path: str) -> None:
                 f.write(json.dumps(r) + "\n")
 
 
+def tiny_prompts(train_path: str, heldout_path: str) -> None:
+    """GRPO's prompts (data.format = "prompt", configs/tiny_qlora_grpo.toml): the sums of
+    tiny_tasks.jsonl (the first 512) and of tiny_tasks_heldout.jsonl (all 50) as one user message,
+    rendered by the run's template, with the sum as the answer its reward checks."""
+    for src, dst, n in (("tiny_tasks.jsonl", train_path, 512), ("tiny_tasks_heldout.jsonl", heldout_path, 50)):
+        with open(os.path.join(HERE, src)) as f:
+            sums = [r for r in map(json.loads, f) if r["instruction"] == TASK_ADD][:n]
+        with open(dst, "w") as f:
+            for r in sums:
+                prompt = [{"role": "user", "content": f"{r['instruction']}\n{r['input']}"}]
+                f.write(json.dumps({"prompt": prompt, "answer": r["output"]}) + "\n")
+
+
 def _proto_fields(buf: bytes):
     """(field, wire type, raw value) of a protobuf message: just enough to rename pieces."""
     def varint(i):
@@ -438,7 +451,8 @@ def tiny_default_tokenizer(out_dir: str) -> None:
 
 if __name__ == "__main__":
     import sys
-    wanted = set(sys.argv[1:]) or {"tiny_llama", "tokenizer", "tokenizer_tiktoken", "tiny_tasks", "tokenizer_chars"}
+    wanted = set(sys.argv[1:]) or {"tiny_llama", "tokenizer", "tokenizer_tiktoken", "tiny_tasks", "tiny_prompts",
+                                   "tokenizer_chars"}
     if "tiny_llama" in wanted:
         tiny_llama(os.path.join(HERE, "tiny_llama"))
     if "tokenizer" in wanted:
@@ -447,5 +461,7 @@ if __name__ == "__main__":
         tiny_tiktoken(os.path.join(HERE, "tokenizer_tiktoken"))
     if "tiny_tasks" in wanted:
         tiny_tasks(os.path.join(HERE, "tiny_tasks.jsonl"), os.path.join(HERE, "tiny_tasks_heldout.jsonl"))
+    if "tiny_prompts" in wanted:
+        tiny_prompts(os.path.join(HERE, "tiny_prompts.jsonl"), os.path.join(HERE, "tiny_prompts_heldout.jsonl"))
     if "tokenizer_chars" in wanted:
         tiny_default_tokenizer(os.path.join(HERE, "tokenizer_chars"))

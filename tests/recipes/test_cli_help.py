@@ -48,7 +48,7 @@ def test_help(exe):
         check(r.returncode != 0, f"qlora {cmd} --no-such-option fails")
         check("--no-such-option" in r.stderr and "usage:" in r.stderr and cmd in r.stderr,
               f"qlora {cmd} --no-such-option names the option and prints the usage: {r.stderr}")
-    for recipe in ("lora_finetune", "lora_dpo"):
+    for recipe in ("lora_finetune", "lora_dpo", "lora_grpo"):
         r = qlora(exe, "run", recipe, "--help")
         check(r.returncode == 0 and "qlora config" in r.stdout, f"qlora run {recipe} --help points to qlora config")
 

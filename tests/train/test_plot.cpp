@@ -107,6 +107,24 @@ TEST(PlotSvg, OneElementPerSeriesAndRun) {
   EXPECT_NE(svg.find("data-run=\"b &amp; c\" data-series=\"skipped\" data-count=\"1\""), std::string::npos);
   EXPECT_EQ(svg.find("data-run=\"b &amp; c\" data-series=\"val_loss\""), std::string::npos);
   EXPECT_NE(svg.find("data-panel=\"tokens_per_second\""), std::string::npos);
+  EXPECT_EQ(svg.find("data-panel=\"reward\""), std::string::npos);  // no GRPO metrics: no reward panels
+}
+
+// lora_grpo's metrics.jsonl: the reward and completion-length panels, training and validation.
+TEST(PlotSvg, RewardAndCompletionLengthOfGrpo) {
+  const std::string path = write_temp("plot_grpo.jsonl",
+      R"({"step": 1, "loss": 0.1, "reward": 0.25, "completions/mean_length": 4.5})" "\n"
+      R"({"step": 2, "loss": 0.2, "reward": 0.5, "completions/mean_length": 3.0})" "\n"
+      R"({"step": 2, "epoch": 0, "val_reward": 0.4, "val_completions/mean_length": 3.5, "val_tokens": 7})" "\n");
+  const RunCurves c = read_run_curves(path, "grpo");
+  ASSERT_EQ(c.reward.size(), 2u);
+  EXPECT_DOUBLE_EQ(c.reward[1].value, 0.5);
+  ASSERT_EQ(c.val_reward.size(), 1u);
+  EXPECT_DOUBLE_EQ(c.val_completion_length[0].value, 3.5);
+  EXPECT_TRUE(c.val_loss.empty());  // a GRPO validation row has no val_loss
+  const std::string svg = render_curves_svg({c});
+  EXPECT_NE(svg.find("data-run=\"grpo\" data-series=\"val_reward\" data-count=\"1\""), std::string::npos);
+  EXPECT_NE(svg.find("data-panel=\"completion_length\""), std::string::npos);
 }
 
 }  // namespace

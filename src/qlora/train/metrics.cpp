@@ -27,7 +27,8 @@ nlohmann::json StepMetrics::to_json() const {
 }
 
 nlohmann::json ValidationMetrics::to_json() const {
-  nlohmann::json j = {{"step", step}, {"epoch", epoch}, {"val_loss", loss}};
+  nlohmann::json j = {{"step", step}, {"epoch", epoch}};
+  if (!std::isnan(loss)) j["val_loss"] = loss;  // NaN: the recipe validates by other measures (GRPO's reward)
   if (perplexity >= 0) j["val_perplexity"] = perplexity;
   j["val_tokens"] = tokens;
   for (const auto& [k, v] : extra.items()) j["val_" + k] = v;
@@ -36,8 +37,16 @@ nlohmann::json ValidationMetrics::to_json() const {
 
 namespace {
 // Recipe metrics shown on the progress line, by their short names.
-constexpr std::pair<const char*, const char*> kProgressMetrics[] = {{"rewards/accuracies", "acc"},
-                                                                    {"rewards/margins", "margin"}};
+constexpr std::pair<const char*, const char*> kProgressMetrics[] = {
+    {"rewards/accuracies", "acc"}, {"rewards/margins", "margin"}, {"reward", "reward"}, {"completions/mean_length", "len"}};
+// " val_loss X", or nothing where the recipe has no validation loss (NaN).
+std::string val_loss_text(const ValidationMetrics& v) {
+  if (std::isnan(v.loss)) return "";
+  char buf[48];
+  std::snprintf(buf, sizeof buf, " val_loss %.4f", v.loss);
+  return buf;
+}
+
 std::string shown_extra(const nlohmann::ordered_json& extra) {
   std::string out;
   char buf[64];
@@ -186,8 +195,9 @@ void Progress::validation(const ValidationMetrics& v) {
                   (long long)(v.epoch + 1), (long long)num_epochs_, (long long)v.step, v.loss, v.perplexity,
                   (long long)v.tokens);
   else
-    std::snprintf(buf, sizeof buf, "epoch %lld/%lld step %lld val_loss %.4f%s (%lld tokens)", (long long)(v.epoch + 1),
-                  (long long)num_epochs_, (long long)v.step, v.loss, shown_extra(v.extra).c_str(), (long long)v.tokens);
+    std::snprintf(buf, sizeof buf, "epoch %lld/%lld step %lld%s%s (%lld tokens)", (long long)(v.epoch + 1),
+                  (long long)num_epochs_, (long long)v.step, val_loss_text(v).c_str(), shown_extra(v.extra).c_str(),
+                  (long long)v.tokens);
   write_line(buf);
 }
 
@@ -201,7 +211,7 @@ void Progress::end_epoch() {
   if (last_validation_) {
     const ValidationMetrics& v = *last_validation_;
     if (v.perplexity >= 0) std::snprintf(buf, sizeof buf, ", val_loss %.4f ppl %.2f", v.loss, v.perplexity);
-    else std::snprintf(buf, sizeof buf, ", val_loss %.4f%s", v.loss, shown_extra(v.extra).c_str());
+    else std::snprintf(buf, sizeof buf, ",%s%s", val_loss_text(v).c_str(), shown_extra(v.extra).c_str());
     text += buf;
   }
   write_line(text + ", " + format_duration(elapsed));

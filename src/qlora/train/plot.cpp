@@ -43,13 +43,18 @@ void add_row(RunCurves& c, const json& row, const std::string& where) {
   add_point(c.val_reward_margins, row, "val_rewards/margins", where);
   add_point(c.reward_accuracies, row, "rewards/accuracies", where);
   add_point(c.val_reward_accuracies, row, "val_rewards/accuracies", where);
+  add_point(c.reward, row, "reward", where);
+  add_point(c.val_reward, row, "val_reward", where);
+  add_point(c.completion_length, row, "completions/mean_length", where);
+  add_point(c.val_completion_length, row, "val_completions/mean_length", where);
 }
 
 // Every series of a run (R: RunCurves or const RunCurves).
 template <class R>
 auto all_series(R& c) {
   return std::vector{&c.loss, &c.val_loss, &c.lr, &c.tokens_per_second, &c.reward_margins, &c.val_reward_margins,
-                     &c.reward_accuracies, &c.val_reward_accuracies};
+                     &c.reward_accuracies, &c.val_reward_accuracies, &c.reward, &c.val_reward,
+                     &c.completion_length, &c.val_completion_length};
 }
 
 bool is_blank(std::string_view s) {
@@ -327,11 +332,12 @@ std::string tick_label(double value, const PlotAxis& axis) {
 std::string render_curves_svg(const std::vector<RunCurves>& runs) {
   if (runs.empty()) throw std::invalid_argument("render_curves_svg: no runs");
   double last = 0;
-  bool rewards = false;
+  bool rewards = false, rl = false;
   for (const RunCurves& r : runs) {
     for (const auto* s : all_series(r))
       if (!s->empty()) last = std::max(last, s->back().step);
     rewards |= !r.reward_margins.empty() || !r.val_reward_margins.empty();
+    rl |= !r.reward.empty() || !r.val_reward.empty();
   }
   const PlotAxis x = nice_linear_axis(0, std::max(last, 1.0), 8);
   std::vector<PanelSpec> panels = {
@@ -345,6 +351,13 @@ std::string render_curves_svg(const std::vector<RunCurves>& runs) {
     panels.push_back({"reward_accuracies", "Reward accuracy (chosen above rejected)", "accuracy",
                       {&RunCurves::reward_accuracies, &RunCurves::val_reward_accuracies},
                       {"rewards/accuracies", "val_rewards/accuracies"}, true});
+  }
+  if (rl) {
+    panels.push_back({"reward", "Reward (mean per completion)", "reward", {&RunCurves::reward, &RunCurves::val_reward},
+                      {"reward", "val_reward"}, false});
+    panels.push_back({"completion_length", "Completion length", "tokens",
+                      {&RunCurves::completion_length, &RunCurves::val_completion_length},
+                      {"completions/mean_length", "val_completions/mean_length"}, true});
   }
 
   std::string body;

@@ -26,10 +26,13 @@ struct RunCurves {
   std::vector<double> skipped_steps;  // rows marked "skipped": true (a non-finite step dropped)
   // Preference tuning (lora_dpo): rewards/margins and rewards/accuracies, training and validation.
   std::vector<CurvePoint> reward_margins, val_reward_margins, reward_accuracies, val_reward_accuracies;
+  // RL with rewards (lora_grpo): the mean reward and completion length, training and validation.
+  std::vector<CurvePoint> reward, val_reward, completion_length, val_completion_length;
 };
 
 // Reads a metrics.jsonl: one JSON object a line with an integer "step"; "loss", "val_loss",
-// "lr", "tokens_per_second" and "[val_]rewards/margins|accuracies" each give a point where they are finite numbers (absent, null or
+// "lr", "tokens_per_second", "[val_]rewards/margins|accuracies", "[val_]reward" and
+// "[val_]completions/mean_length" each give a point where they are finite numbers (absent, null or
 // non-finite: no point; a skipped row gives no loss). Throws std::invalid_argument naming the
 // file and the 1-based line of a malformed line; a last line without its newline that does not
 // parse is a row still being written and is left out. A file without rows is an error too.
