@@ -61,18 +61,18 @@ GRAD_RTOL = 1e-3
 
 # GRPOConfig's fields (and the grpo.* keys grpo_tool's cases take).
 Case = namedtuple("Case", "loss_type importance_sampling_level scale_rewards beta num_iterations epsilon epsilon_high "
-                          "mask_truncated_completions use_bias_correction_kl", defaults=[True])
+                          "mask_truncated_completions use_bias_correction_kl temperature", defaults=[True, 1.0])
 # A covering subset of loss_type x importance_sampling_level x scale_rewards x beta (the product is 60
 # trainers, too slow): every loss_type at both levels, each once without and once with beta, each
 # scale_rewards value at both levels, num_iterations 1 (ratio 1) and 2 (our old log-probs),
 # mask_truncated_completions on and off, epsilon_high unset and set, use_bias_correction_kl on (TRL's
-# default) and off.
+# default) and off, temperature 1 and not (TRL's log-probs of logits / temperature, the reference's too).
 CASES = {
     "grpo_token": Case("grpo", "token", "group", 0.0, 2, 0.2, None, False),
-    "grpo_sequence_kl": Case("grpo", "sequence", "batch", 0.05, 2, 0.2, None, True),
+    "grpo_sequence_kl": Case("grpo", "sequence", "batch", 0.05, 2, 0.2, None, True, temperature=0.7),
     "dr_grpo_token_kl": Case("dr_grpo", "token", "none", 0.1, 2, 0.2, None, False, False),
     "dr_grpo_sequence": Case("dr_grpo", "sequence", "group", 0.0, 2, 0.2, 0.28, False),
-    "dapo_token": Case("dapo", "token", "batch", 0.0, 2, 0.2, 0.28, True),
+    "dapo_token": Case("dapo", "token", "batch", 0.0, 2, 0.2, 0.28, True, temperature=1.3),
     "dapo_sequence_kl": Case("dapo", "sequence", "none", 0.04, 2, 0.2, None, False),
     "dapo_token_onpolicy_kl": Case("dapo", "token", "group", 0.04, 1, 0.2, None, False),
     "bnpo_token_kl": Case("bnpo", "token", "group", 0.1, 2, 0.1, 0.3, False),

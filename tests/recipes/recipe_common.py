@@ -66,17 +66,18 @@ def run_recipe(exe, out, *overrides, nproc=1, fault=None, expect_rc=0, timeout=6
 
 
 def metrics_rows(out):
-    """Every row of OUT/metrics.jsonl: optimizer steps and validations (rows with val_loss)."""
+    """Every row of OUT/metrics.jsonl: optimizer steps and validations (rows with val_tokens; GRPO's
+    have no val_loss)."""
     with open(os.path.join(out, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
 
 
 def step_rows(out):
-    return [r for r in metrics_rows(out) if "val_loss" not in r]
+    return [r for r in metrics_rows(out) if "val_tokens" not in r]
 
 
 def val_rows(out):
-    return [r for r in metrics_rows(out) if "val_loss" in r]
+    return [r for r in metrics_rows(out) if "val_tokens" in r]
 
 
 def losses(out):

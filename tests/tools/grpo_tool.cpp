@@ -1,6 +1,7 @@
 // grpo_tool: GRPO micro-batches of the recipe's own path (train/grpo_batch.h, train/grpo_loss.h) on
 // given completions and rewards, for tests/conformance/test_grpo_trl.py to compare with TRL:
 //   grpo_tool --checkpoint DIR --rollout ROLLOUT.json --cases CASES.json --out DIR [--seed N]
+// A case's "temperature" divides the logits of every log-prob (LlamaModel::logit_temperature).
 // ROLLOUT.json: {"stop_ids": [ids], "rows": [{"prompt": [ids], "completion": [ids], "reward": r or null,
 // "old_logps": [one a completion token], optional}, ...]}, groups of num_generations consecutive rows;
 // a null reward is unscorable (TRL's None). No BOS or EOS is added. A completion is truncated when its
@@ -86,7 +87,7 @@ tr::GrpoOptions options_of(const nlohmann::json& c) {
   namespace io = qlora::io;
   tr::GrpoOptions o;
   for (const auto& [key, v] : c.items()) {
-    if (key == "name") continue;
+    if (key == "name" || key == "temperature") continue;  // temperature: the model's (run_case)
     if (key == "loss_type") o.loss_type = io::enum_from_name(tr::kGrpoLossTypeNames, v.get<std::string>(), "grpo.loss_type");
     else if (key == "importance_sampling_level")
       o.importance_sampling_level = io::enum_from_name(tr::kImportanceSamplingLevelNames, v.get<std::string>(),
@@ -108,8 +109,9 @@ tr::GrpoOptions options_of(const nlohmann::json& c) {
 }
 
 // One case on the model: its terms, backward, and what it wrote. Leaves the adapters' grads reset.
-void run_case(const qlora::models::LlamaModel& m, const Rollout& r, const tr::CompletionBatch& b,
-              const tr::GrpoOptions& o, const std::string& out) {
+void run_case(qlora::models::LlamaModel m, const Rollout& r, const tr::CompletionBatch& b,
+              const tr::GrpoOptions& o, double temperature, const std::string& out) {
+  m.logit_temperature = temperature;  // a shallow copy: the same adapters
   tr::GrpoInputs in;
   in.advantages = tr::grpo_advantages(r.rewards, o.num_generations, o.scale_rewards);
   in.mask = tr::grpo_loss_mask(b.completion_mask, b.truncated, o.mask_truncated_completions);
@@ -166,7 +168,7 @@ int main(int argc, char** argv) {
       try {
         const tr::GrpoOptions o = options_of(c);
         if (o.num_iterations > 1 && !r.old_logps.defined()) throw std::invalid_argument("num_iterations > 1 needs the rows' old_logps");
-        run_case(m, r, b, o, out + "/" + name);
+        run_case(m, r, b, o, c.value("temperature", 1.0), out + "/" + name);
       } catch (const std::exception& e) {
         throw std::runtime_error("case " + name + ": " + e.what());
       }

@@ -1,0 +1,118 @@
+"""`qlora run lora_grpo` end to end through the real binary, on configs/tiny_qlora_grpo.toml (the
+embedded tiny base asked 512 sums in the Alpaca layout it never saw, rewarded by the numeric answer):
+
+1. the embedded default learns: the greedy answers to the 50 held-out sums (val_reward: the fraction
+   answered right) rise from the starting model's (a run whose first validation comes before any
+   update: optim.lr so small that no adapter moves) by a clear margin; metrics.jsonl has TRL's
+   reward and completion names; `qlora plot` draws the reward and completion length;
+2. every loss type, sequence-level importance sampling, batch-scaled rewards and beta != 0 (with its
+   KL logged) run with finite losses;
+3. 2 ranks give one process's rewards exactly (the same completions: each is seeded by its place in
+   the step) and its losses and adapters within RANKS_TOL;
+4. a run killed by SIGKILL with its rollouts half reused (num_iterations 2) resumes to the
+   uninterrupted run's losses exactly and byte-identical adapters;
+5. the reward program: its failure stops the run naming the command, and the checkpoint saved before
+   stays and resumes; a prompt longer than the context is refused naming its line; lora_grpo refuses
+   another recipe's data format.
+"""
+import os
+import subprocess
+
+from recipe_common import (RANKS_TOL, Checks, adapter, losses, max_diff, max_tensor_diff, recipe_args, run_recipe,
+                           step_rows, val_rows)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CONFIG = os.path.join(ROOT, "configs", "tiny_qlora_grpo.toml")
+DATA = [f"data.path={ROOT}/tests/data/tiny_prompts.jsonl", f"data.val_path={ROOT}/tests/data/tiny_prompts_heldout.jsonl"]
+# Below this the margin of 1 is noise: the held-out set is 50 sums.
+MARGIN = 0.2
+
+
+def grpo(exe, out, *overrides, **kw):
+    return run_recipe(exe, out, "--config", CONFIG, *DATA, "logging.progress=plain", *overrides, recipe="lora_grpo", **kw)
+
+
+def learns(a, check, w):
+    r = grpo(a.qlora, w("before"), "training.max_steps_per_epoch=1", "optim.lr=1e-30")
+    before = val_rows(w("before"))[0]["val_reward"] if r.returncode == 0 else float("nan")
+    r = grpo(a.qlora, w("full"))
+    check(r.returncode == 0, "the tiny GRPO run exits 0")
+    after = val_rows(w("full"))[-1]["val_reward"] if r.returncode == 0 else float("nan")
+    print(f"held-out sums answered right (greedy): {before * 50:.0f}/50 before, {after * 50:.0f}/50 after")
+    check(after >= before + MARGIN, f"held-out reward rises from {before:.2f} to {after:.2f} (>= +{MARGIN})")
+    first = step_rows(w("full"))[0]
+    names = ["reward", "reward_std", "rewards/answer/mean", "completions/mean_length", "completions/max_length",
+             "completions/clipped_ratio", "clip_ratio/region_mean", "entropy", "frac_reward_zero_std"]
+    check(all(k in first for k in names), f"metrics.jsonl has TRL's names: {sorted(first)}")
+    svg = os.path.join(w("full"), "curves.svg")
+    p = subprocess.run([a.qlora, "plot", w("full"), "--out", svg], capture_output=True, text=True)
+    check(p.returncode == 0 and 'data-panel="reward"' in open(svg).read() and 'data-panel="completion_length"' in
+          open(svg).read(), f"qlora plot draws the reward and completion length {p.stderr}")
+
+
+def objectives(a, check, w):
+    short = ["training.max_steps_per_epoch=2", "training.batch_size=4"]
+    for name, extra in (("grpo", ["grpo.loss_type=grpo"]), ("dr_grpo", ["grpo.loss_type=dr_grpo"]),
+                        ("bnpo", ["grpo.loss_type=bnpo"]), ("cispo", ["grpo.loss_type=cispo", "grpo.epsilon_high=5"]),
+                        ("gspo", ["grpo.importance_sampling_level=sequence", "grpo.scale_rewards=batch"]),
+                        ("kl", ["grpo.beta=0.04", "grpo.num_iterations=2", "grpo.temperature=0.7"])):
+        r = grpo(a.qlora, w(name), *short, *extra)
+        rows = step_rows(w(name)) if r.returncode == 0 else []
+        ok = len(rows) == 2 and all(abs(x["loss"]) < 1e3 for x in rows)
+        check(ok and (name != "kl" or all("kl" in x for x in rows)), f"{name}: 2 steps with finite losses")
+
+
+def ranks_and_resume(a, check, w):
+    short = ["training.max_steps_per_epoch=6", "checkpoint.save_every_steps=3", "grpo.num_iterations=2",
+             "training.batch_size=4"]
+    r = grpo(a.qlora, w("ref"), *short)
+    ref = losses(w("ref"))
+    check(r.returncode == 0 and len(ref) == 6, "the short run exits 0 after 6 steps")
+    r = grpo(a.qlora, w("ranks2"), *short[:-1], "training.batch_size=2", nproc=2)
+    rewards = lambda out: [x["reward"] for x in step_rows(out)]  # noqa: E731
+    check(r.returncode == 0 and rewards(w("ranks2")) == rewards(w("ref")), "2 ranks: the same rewards (same completions)")
+    check(max_diff(losses(w("ranks2")), ref) <= RANKS_TOL, f"2 ranks: losses within {RANKS_TOL} of one process's")
+    check(max_tensor_diff(adapter(w("ranks2")), adapter(w("ref"))) <= RANKS_TOL, "2 ranks: adapters agree")
+    r = grpo(a.qlora_faults, w("killed"), *short, fault="kill_after_step=4", expect_rc=-9)
+    check(r.returncode == -9, "the run dies by SIGKILL at step 4 (its checkpoint of step 3 holds a half-used rollout)")
+    r = grpo(a.qlora, w("killed"), *short, "checkpoint.resume=true")
+    check(r.returncode == 0 and losses(w("killed")) == ref, "resume after the kill: losses equal the uninterrupted run's")
+    check(max_tensor_diff(adapter(w("killed")), adapter(w("ref"))) == 0, "resume after the kill: adapters byte-identical")
+
+
+def refusals(a, check, w):
+    # The program fails on its third batch (step 3): the checkpoint of step 2 stays and resumes.
+    counter = w("calls")
+    cmd = (f"n=$(cat {counter} 2>/dev/null || echo 0); echo $((n+1)) > {counter}; "
+           f"if [ $n -ge 2 ]; then echo boom >&2; exit 3; fi; while read l; do echo 0.5; done")
+    short = ["training.max_steps_per_epoch=4", "checkpoint.save_every_steps=2", "training.batch_size=2",
+             f"grpo.reward_command={cmd}"]
+    r = grpo(a.qlora, w("command"), *short, expect_rc=1)
+    check(r.returncode == 1 and "exit" in r.stderr and "boom" in r.stderr and "grpo.reward_command" in r.stderr or
+          cmd[:20] in r.stderr, f"a failing reward command stops the run, naming it: {r.stderr[-400:]}")
+    os.remove(counter)
+    r = grpo(a.qlora, w("command"), *short, "checkpoint.resume=true")
+    check(r.returncode == 0 and "resumed from" in r.stdout and len(losses(w("command"))) == 4,
+          "the checkpoint saved before the failure resumes")
+    r = grpo(a.qlora, w("long"), "data.max_seq_len=16", "grpo.max_completion_length=8", expect_rc=1)
+    check(r.returncode == 1 and "line 1" in r.stderr and "grpo.max_completion_length" in r.stderr,
+          f"a prompt longer than the context is refused naming its line: {r.stderr[-300:]}")
+    r = grpo(a.qlora, w("pairs"), f"data.path={ROOT}/tests/data/tiny_preferences.jsonl", "data.val_path=",
+             "data.format=preference", expect_rc=1)
+    check(r.returncode == 1 and 'data.format = \\"prompt\\"' in r.stderr or "data.format" in r.stderr,
+          "lora_grpo refuses preference pairs, naming data.format")
+
+
+def main():
+    a = recipe_args()
+    check = Checks()
+    w = lambda name: os.path.join(a.workdir, name)  # noqa: E731
+    learns(a, check, w)
+    objectives(a, check, w)
+    ranks_and_resume(a, check, w)
+    refusals(a, check, w)
+    return check.summary()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
