@@ -299,10 +299,9 @@ void preview_prompts(const config::RecipeConfig& cfg, const data::Tokenizer& tok
   std::printf("rewards: %s\n\n", rewards_line(cfg.grpo).c_str());
   const train::Rewards rewards = config::grpo_rewards(cfg.grpo);
   const std::string path = train_data_path(cfg);
-  const std::vector<data::PromptRecord> prompts = data::load_prompts(path, tok, options);
+  const std::vector<data::PromptRecord> prompts = load_grpo_prompts(path, tok, options, rewards);
   int64_t tokens = 0, longest = 0, shortest = INT64_MAX;
   for (const data::PromptRecord& p : prompts) {
-    rewards.check_record(p.record, p.origin);
     const auto n = static_cast<int64_t>(p.tokens.size());
     tokens += n, longest = std::max(longest, n), shortest = std::min(shortest, n);
   }
@@ -314,8 +313,10 @@ void preview_prompts(const config::RecipeConfig& cfg, const data::Tokenizer& tok
   std::printf("  prompt tokens     %lld (per prompt: min %lld, mean %.1f, max %lld)\n", static_cast<long long>(tokens),
               static_cast<long long>(shortest), static_cast<double>(tokens) / static_cast<double>(prompts.size()),
               static_cast<long long>(longest));
-  std::printf("  completion room   %lld tokens for the longest prompt (data.max_seq_len = %lld)\n\n",
-              static_cast<long long>(cfg.data.max_seq_len - longest), static_cast<long long>(cfg.data.max_seq_len));
+  std::printf("  completion room   %lld tokens for the longest prompt (data.max_seq_len = %lld); completions "
+              "take up to grpo.max_completion_length = %lld\n\n",
+              static_cast<long long>(cfg.data.max_seq_len - longest), static_cast<long long>(cfg.data.max_seq_len),
+              static_cast<long long>(cfg.grpo.max_completion_length));
 }
 
 }  // namespace

@@ -54,25 +54,6 @@ struct Prompts {
   std::vector<int64_t> stop_ids;           // EOS, the end of turn: where a completion ends
 };
 
-// Every record of `path`, each with room for a whole completion and what its rewards read.
-std::vector<data::PromptRecord> load(const std::string& path, const RecipeConfig& cfg, const TextSetup& text,
-                                     const train::Rewards& rewards) {
-  data::DatasetOptions o = text.options;
-  o.max_seq_len = 0;  // the room is checked here, naming both keys
-  std::vector<data::PromptRecord> out = data::load_prompts(path, text.tokenizer, o);
-  const int64_t room = cfg.data.max_seq_len > 0 ? cfg.data.max_seq_len - cfg.grpo.max_completion_length
-                                                : std::numeric_limits<int64_t>::max();
-  for (const data::PromptRecord& p : out) {
-    if (static_cast<int64_t>(p.tokens.size()) > room)
-      throw std::invalid_argument(p.origin + ": the prompt is " + std::to_string(p.tokens.size()) +
-                                  " tokens; data.max_seq_len = " + std::to_string(cfg.data.max_seq_len) +
-                                  " less grpo.max_completion_length = " + std::to_string(cfg.grpo.max_completion_length) +
-                                  " leaves " + std::to_string(room) + " for a prompt (shorten it, or raise data.max_seq_len)");
-    rewards.check_record(p.record, p.origin);
-  }
-  return out;
-}
-
 Prompts setup_prompts(const Session& s, const TextSetup& text, const train::Rewards& rewards) {
   const RecipeConfig& cfg = s.cfg;
   if (cfg.data.format != data::DatasetKind::kPrompt)
@@ -83,8 +64,9 @@ Prompts setup_prompts(const Session& s, const TextSetup& text, const train::Rewa
     throw std::invalid_argument("qlora run lora_grpo needs a reward: set grpo.rewards (e.g. [{ kind = \"answer\" }]) "
                                 "or grpo.reward_command");
   Prompts p;
-  p.train = load(text.path, cfg, text, rewards);
-  if (const std::string val = val_data_path(cfg); !val.empty()) p.validation = load(val, cfg, text, rewards);
+  p.train = load_grpo_prompts(text.path, text.tokenizer, text.options, rewards);
+  if (const std::string val = val_data_path(cfg); !val.empty())
+    p.validation = load_grpo_prompts(val, text.tokenizer, text.options, rewards);
   hold_out_validation(cfg, p.train, p.validation);
   p.sampler = std::make_unique<data::Sampler>(
       config::sampler_options(cfg.data, cfg.training, static_cast<int64_t>(p.train.size()), s.world.size()));
@@ -112,9 +94,10 @@ struct Gathered {
 };
 
 // Sequences of `records` (each `per_prompt` times, the k-th seeded by seed_of(prompt, k)), as one
-// batch (under a Gathered base).
+// batch (under a Gathered base). A completion stops at o.max_new_tokens or where prompt and
+// completion fill `context` tokens (data.max_seq_len; 0: no limit), whichever comes first.
 std::vector<models::Completion> sample(const Model& m, const std::vector<const data::PromptRecord*>& records,
-                                       int64_t per_prompt, const models::GenerateOptions& o,
+                                       int64_t per_prompt, const models::GenerateOptions& o, int64_t context,
                                        const std::function<uint64_t(int64_t, int64_t)>& seed_of) {
   std::vector<std::vector<int64_t>> prompts;
   std::vector<models::BatchSequence> seqs;
@@ -123,6 +106,8 @@ std::vector<models::Completion> sample(const Model& m, const std::vector<const d
     for (int64_t k = 0; k < per_prompt; ++k) {
       models::BatchSequence q{static_cast<int64_t>(i), o};
       q.options.seed = seed_of(static_cast<int64_t>(i), k);
+      const auto room = context - static_cast<int64_t>(records[i]->tokens.size());  // >= 1: data/prompts.h checks
+      if (context > 0) q.options.max_new_tokens = std::min(o.max_new_tokens, room);
       seqs.push_back(std::move(q));
     }
   }
@@ -195,7 +180,7 @@ Rollout make_rollout(const Session& s, Model& m, Prompts& d, const TextSetup& te
   std::vector<models::Completion> sampled;
   {
     const Gathered base(*m.engine);
-    sampled = sample(m, mine, G, o, seed_of);
+    sampled = sample(m, mine, G, o, cfg.data.max_seq_len, seed_of);
   }
 
   std::vector<std::string> texts;
@@ -333,7 +318,8 @@ train::ValidationMetrics Grpo::validate(const Position& p) {
   const Gathered base(*m.engine);
   for (size_t c0 = 0; c0 < mine.size(); c0 += chunk) {
     const std::vector<const data::PromptRecord*> part(mine.begin() + c0, mine.begin() + std::min(mine.size(), c0 + chunk));
-    const std::vector<models::Completion> out = sample(m, part, 1, greedy, [](int64_t, int64_t) { return 0; });
+    const std::vector<models::Completion> out =
+        sample(m, part, 1, greedy, s.cfg.data.max_seq_len, [](int64_t, int64_t) { return 0; });
     std::vector<std::string> texts;
     std::vector<train::RewardInput> inputs;
     for (size_t i = 0; i < out.size(); ++i) texts.push_back(completion_text(text.tokenizer, d, *part[i], out[i].ids));
@@ -435,8 +421,7 @@ void Grpo::load_state(const checkpoint::ResumeCheckpoint& ck, bool remesh, const
 int run_grpo(Session& s) {
   const RecipeConfig& cfg = s.cfg;
   const TextSetup text = open_text(s);
-  train::Rewards rewards(cfg.grpo.rewards, cfg.grpo.reward_command, cfg.grpo.reward_command_weight,
-                         static_cast<double>(cfg.grpo.reward_timeout_s));
+  train::Rewards rewards = config::grpo_rewards(cfg.grpo);
   Prompts d = setup_prompts(s, text, rewards);
   train::TokenIdSet ids;
   for (const auto* set : {&d.train, &d.validation})
@@ -471,6 +456,13 @@ int run_grpo(Session& s) {
 }
 
 }  // namespace
+
+std::vector<data::PromptRecord> load_grpo_prompts(const std::string& path, const data::Tokenizer& tok,
+                                                  const data::DatasetOptions& options, const train::Rewards& rewards) {
+  std::vector<data::PromptRecord> out = data::load_prompts(path, tok, options);
+  for (const data::PromptRecord& p : out) rewards.check_record(p.record, p.origin);
+  return out;
+}
 
 int lora_grpo_main(const std::vector<std::string>& args) { return run_recipe("lora_grpo", args, run_grpo); }
 

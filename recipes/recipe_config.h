@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "qlora/config/config.h"
+#include "qlora/data/prompts.h"
 
 namespace qlora::recipes {
 
@@ -30,6 +31,13 @@ std::string train_data_path(const config::RecipeConfig& cfg);
 // The validation data file: data.val_path; for the embedded default's data (data.path "") without
 // data.val_fraction, the bundled held-out file; else "" (none, or the val_fraction split).
 std::string val_data_path(const config::RecipeConfig& cfg);
+
+// GRPO's prompt records of `path` (data.format = "prompt", data/prompts.h), each refused naming its
+// line when it fills data.max_seq_len (no room for a completion) or lacks what `rewards` read
+// (lora_grpo.cpp; `qlora data` previews the same records).
+std::vector<data::PromptRecord> load_grpo_prompts(const std::string& path,
+                                                  const data::Tokenizer& tok, const data::DatasetOptions& options,
+                                                  const train::Rewards& rewards);
 
 // model.tokenizer, else the checkpoint's tokenizer.model, original/tokenizer.model or tokenizer.json
 // (Tokenizer::find_file's order; Llama-3 repositories keep Meta's tiktoken file under original/).

@@ -313,6 +313,31 @@ TEST(Config, GrpoRewards) {
   EXPECT_CONTAINS(parse_error("[grpo]\nreward_command_weight = nan\n"), "'grpo.reward_command_weight' (line 2) must be a finite number");
 }
 
+// The rollout and objective keys: TRL's defaults, parsed, handed to the loss, refused naming the key.
+TEST(Config, GrpoObjectiveKeys) {
+  const RecipeConfig d;
+  EXPECT_EQ(d.grpo.loss_type, train::GrpoLossType::kDapo);
+  EXPECT_EQ(d.grpo.num_generations, 8);
+  EXPECT_FALSE(d.grpo.options().epsilon_high.has_value());
+  const RecipeConfig c = parse_config(
+      "[grpo]\nloss_type = \"cispo\"\nimportance_sampling_level = \"sequence\"\nscale_rewards = \"none\"\n"
+      "epsilon_high = 5.0\nbeta = 0.04\nnum_iterations = 2\ntemperature = 0.7\ntop_k = 20\n",
+      "t.toml");
+  const train::GrpoOptions o = c.grpo.options();
+  EXPECT_EQ(o.loss_type, train::GrpoLossType::kCispo);
+  EXPECT_EQ(o.importance_sampling_level, train::ImportanceSamplingLevel::kSequence);
+  EXPECT_EQ(o.scale_rewards, train::RewardScaling::kNone);
+  EXPECT_EQ(o.clip_high(), 5.0);
+  EXPECT_EQ(o.beta, 0.04);
+  EXPECT_EQ(o.num_iterations, 2);
+  EXPECT_TRUE(parse_config(to_toml(c), "back") == c);
+  EXPECT_CONTAINS(parse_error("[grpo]\nloss_type = \"ppo\"\n"),
+                  "invalid value 'ppo' for 'grpo.loss_type' (line 2); allowed: grpo, dr_grpo, dapo, bnpo, cispo");
+  EXPECT_CONTAINS(parse_error("[grpo]\ntop_p = 0\n"), "'grpo.top_p' (line 2) must be in (0, 1]");
+  EXPECT_CONTAINS(parse_error("[grpo]\ntemperature = 0\n"), "'grpo.temperature' (line 2) must be > 0");
+  EXPECT_CONTAINS(parse_error("[grpo]\nnum_generations = 1\n"), "'grpo.num_generations'");
+}
+
 // Found by fuzz_config: 300 dotted levels parse, but written back as nested inline tables they pass
 // TOML's 256-level limit, so the config a resume checkpoint keeps would not parse again.
 TEST(Config, DeeplyNestedTemplateKwargsAreRefusedByName) {
@@ -335,8 +360,8 @@ TEST(Config, HashIsStableAndScoped) {
   // it (last: #26 lora.use_rslora and lora.use_dora, #27 logging.tensorboard, #37 model.untrained_tokens,
   // #38 data.split, #39 grpo.*);
   // restructuring must not.
-  EXPECT_EQ(config_hash(a, HashScope::Full), "ZZZZ");
-  EXPECT_EQ(config_hash(a, HashScope::Exactness), "WWWW");
+  EXPECT_EQ(config_hash(a, HashScope::Full), "b5f8e40528313d03");
+  EXPECT_EQ(config_hash(a, HashScope::Exactness), "c6ee2497b05c3864");
   EXPECT_EQ(config_hash(a, HashScope::Exactness), config_hash(parse_config(to_toml(a), "x"), HashScope::Exactness));
   RecipeConfig b = a;
   b.logging.log_every_steps = 10;
@@ -352,8 +377,8 @@ TEST(Config, HashIsStableAndScoped) {
 // so the canonical text must not drift when the config code is restructured (new keys do move it).
 TEST(Config, EmbeddedDefaultHashIsPinned) {
   const RecipeConfig c = load_config((configs_dir() / "tiny_qlora.toml").string());
-  EXPECT_EQ(config_hash(c, HashScope::Full), "XXXX");
-  EXPECT_EQ(config_hash(c, HashScope::Exactness), "YYYY");
+  EXPECT_EQ(config_hash(c, HashScope::Full), "d0442749aee16735");
+  EXPECT_EQ(config_hash(c, HashScope::Exactness), "276d8482e7f80a31");
 }
 
 TEST(Config, ExactnessBreakingDifferences) {
@@ -404,9 +429,12 @@ TEST(Config, ShippedConfigsParseAndNameTheirCommand) {
     size_t i = 3;
     if (argv[i] == "--nproc-per-node") i += 2;  // the sharded recipe's launcher flag
     ASSERT_GT(argv.size(), i + 2) << first;
-    // A DPO config names lora_dpo and says so in its name; every other config is lora_finetune's.
-    EXPECT_EQ(argv[i], name.find("_dpo") != std::string::npos ? "lora_dpo" : "lora_finetune") << first;
+    // A DPO (GRPO) config names lora_dpo (lora_grpo) and says so in its name; every other config is
+    // lora_finetune's.
+    const bool dpo = name.find("_dpo") != std::string::npos, grpo = name.find("_grpo") != std::string::npos;
+    EXPECT_EQ(argv[i], dpo ? "lora_dpo" : grpo ? "lora_grpo" : "lora_finetune") << first;
     if (argv[i] == "lora_dpo") EXPECT_EQ(cfg.data.format, data::DatasetKind::kPreference) << first;
+    if (argv[i] == "lora_grpo") EXPECT_EQ(cfg.data.format, data::DatasetKind::kPrompt) << first;
     EXPECT_EQ(argv[i + 1], "--config") << first;
     EXPECT_EQ(argv[i + 2], "configs/" + name) << first;
     // What follows are overrides the CLI will apply: they must apply cleanly.
@@ -416,6 +444,6 @@ TEST(Config, ShippedConfigsParseAndNameTheirCommand) {
   for (const char* expected : {"tiny_qlora.toml", "llama2_7b_qlora_single_device.toml",
                                "llama2_7b_qlora.toml", "llama3_8b_qlora_single_device.toml",
                                "mistral_7b_qlora_single_device.toml", "tiny_qlora_dpo.toml",
-                               "llama3_8b_qlora_dpo.toml", "qwen2_5_7b_qlora_dpo.toml"})
+                               "llama3_8b_qlora_dpo.toml", "qwen2_5_7b_qlora_dpo.toml", "tiny_qlora_grpo.toml"})
     EXPECT_TRUE(std::binary_search(names.begin(), names.end(), expected)) << expected;
 }

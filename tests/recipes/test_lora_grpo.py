@@ -13,7 +13,7 @@ embedded tiny base asked 512 sums in the Alpaca layout it never saw, rewarded by
    uninterrupted run's losses exactly and byte-identical adapters (on the same ranks; another number
    is refused for that checkpoint); between rollouts a 1-process checkpoint resumes on 2 ranks;
 5. the reward program: its failure stops the run naming the command, and the checkpoint saved before
-   stays and resumes; a prompt longer than the context is refused naming its line; lora_grpo refuses
+   stays and resumes; a prompt that fills the context is refused naming its line; lora_grpo refuses
    another recipe's data format.
 """
 import os
@@ -108,9 +108,9 @@ def refusals(a, check, w):
     r = grpo(a.qlora, w("command"), *short, "checkpoint.resume=true")
     check(r.returncode == 0 and "resumed from" in r.stdout and len(losses(w("command"))) == 4,
           "the checkpoint saved before the failure resumes")
-    r = grpo(a.qlora, w("long"), "data.max_seq_len=16", "grpo.max_completion_length=8", expect_rc=1)
-    check(r.returncode == 1 and "line 1" in r.stderr and "grpo.max_completion_length" in r.stderr,
-          f"a prompt longer than the context is refused naming its line: {r.stderr[-300:]}")
+    r = grpo(a.qlora, w("long"), "data.max_seq_len=10", expect_rc=1)
+    check(r.returncode == 1 and "tiny_prompts.jsonl: line 1" in r.stderr and "data.max_seq_len = 10" in r.stderr,
+          f"a prompt that fills the context is refused naming its line: {r.stderr[-300:]}")
     r = grpo(a.qlora, w("pairs"), f"data.path={ROOT}/tests/data/tiny_preferences.jsonl", "data.val_path=",
              "data.format=preference", expect_rc=1)
     check(r.returncode == 1 and 'data.format = "prompt"' in r.stderr, "lora_grpo refuses preference pairs, naming "

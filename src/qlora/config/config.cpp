@@ -634,9 +634,6 @@ void validate(const RecipeConfig& c, const Origin& o, const LineMap& lines) {
   check(c.grpo.top_p > 0 && c.grpo.top_p <= 1, "grpo.top_p", "in (0, 1]", d(c.grpo.top_p));
   check(c.grpo.top_k >= 0, "grpo.top_k", ">= 0 (0: no cut)", i(c.grpo.top_k));
   check(c.grpo.epsilon_high >= 0, "grpo.epsilon_high", ">= 0 (0: epsilon)", d(c.grpo.epsilon_high));
-  check(c.data.max_seq_len <= 0 || c.grpo.max_completion_length < c.data.max_seq_len,
-        "grpo.max_completion_length", "below data.max_seq_len (the prompt needs room)",
-        i(c.grpo.max_completion_length));
   try {
     train::validate(c.grpo.options());
   } catch (const std::invalid_argument& e) {
