@@ -312,7 +312,7 @@ def run_case(checks, tool, workdir, name, case, base_dir, pairs_path, pairs):
 
 
 # ctest's SKIP_RETURN_CODE: TRL is absent only where no registry can install it (the GPU image,
-# docs/gpu.md); setup installs it everywhere else (requirements.txt), so there the test runs.
+# docs/gpu.md); setup installs it everywhere else (requirements-test.txt, setup.sh --tests), so there the test runs.
 SKIP = 77
 
 
@@ -321,7 +321,7 @@ def main():
         import datasets
         import trl  # noqa: F401
     except ImportError as e:
-        print(f"SKIP: TRL is not installed here ({e}); scripts/setup.sh installs it from requirements.txt")
+        print(f"SKIP: TRL is not installed here ({e}); scripts/setup.sh --tests installs it from requirements-test.txt")
         return SKIP
     datasets.disable_progress_bars()
     args = parse_tool_args()
