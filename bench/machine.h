@@ -2,6 +2,8 @@
 // (the process's memory figures: io/cpu_memory.h, proc_status_bytes and peak_rss_bytes).
 #pragma once
 
+#include <nlohmann/json.hpp>
+
 #include <fstream>
 #include <string>
 
@@ -22,5 +24,9 @@ inline std::string load_average() {
   f >> one >> five >> fifteen;
   return one + " " + five + " " + fifteen;
 }
+
+// The machine object of a bench's JSON: {"cpu": ..., "load_average": ...} (a bench adds its
+// "load_average_after" when it ends, and what else it knows, e.g. the ISA).
+inline nlohmann::json machine_json() { return {{"cpu", cpu_model()}, {"load_average", load_average()}}; }
 
 }  // namespace qlora::bench

@@ -5,12 +5,16 @@
 // trained tokens, how many samples truncation cut and how many have no trained token left, the
 // packing efficiency and a histogram of sample lengths. For preference pairs (data.format =
 // "preference", lora_dpo): the first N pairs as prompt, chosen and rejected response, and per set the
-// pairs, their prompt and response tokens, and how many truncation cut (the rule stated).
+// pairs, their prompt and response tokens, and how many truncation cut (the rule stated). For GRPO's
+// prompts (data.format = "prompt", lora_grpo): the rewards configured, the first N prompts as the
+// model reads them with the fields the rewards read, and the prompts' token counts; every record is
+// checked against the rewards (an answer reward's field).
 //
 //   qlora data [--config FILE] [section.key=value ...] [-n N | --samples N]
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -21,6 +25,7 @@
 #include "qlora/config/builders.h"
 #include "qlora/data/dataset.h"
 #include "qlora/data/preference.h"
+#include "qlora/data/prompts.h"
 #include "qlora/data/split.h"
 #include "qlora/data/stats.h"
 #include "qlora/data/tokenizer.h"
@@ -261,6 +266,58 @@ void preview_pairs(const config::RecipeConfig& cfg, const data::Tokenizer& tok, 
   }
 }
 
+// ---------------------------------------------------------------- GRPO prompts
+
+std::string rewards_line(const config::GrpoConfig& grpo) {
+  const std::vector<std::string> names = config::grpo_rewards(grpo).names();
+  std::string out;
+  char weight[32];
+  for (size_t k = 0; k < names.size(); ++k) {
+    const double w = k < grpo.rewards.size() ? grpo.rewards[k].weight : grpo.reward_command_weight;
+    std::snprintf(weight, sizeof weight, "%g", w);
+    out += (out.empty() ? "" : " + ") + std::string(weight) + " x " + names[k];
+  }
+  if (!grpo.reward_command.empty()) out += " (command: " + grpo.reward_command + ")";
+  return out.empty() ? "none set (grpo.rewards, grpo.reward_command)" : out;
+}
+
+void print_prompt(const data::PromptRecord& p, size_t i, size_t n, bool color) {
+  std::printf("--- prompt %zu/%zu (%s): %zu tokens\n", i + 1, n, p.origin.c_str(), p.tokens.size());
+  if (color) std::fputs("\033[2m", stdout);
+  std::printf("%s%s%s", kMasked.open, p.text.c_str(), kMasked.close);
+  if (color) std::fputs("\033[0m", stdout);
+  nlohmann::json fields = p.record;
+  fields.erase("prompt");
+  std::string text = fields.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+  if (text.size() > 200) text = text.substr(0, 200) + "...";
+  std::printf("\nfields    %s\n\n", text.c_str());
+}
+
+// lora_grpo's data: prompts the policy completes, checked against the rewards that score them.
+void preview_prompts(const config::RecipeConfig& cfg, const data::Tokenizer& tok, const data::DatasetOptions& options,
+                     int64_t samples, bool color) {
+  std::printf("rewards: %s\n\n", rewards_line(cfg.grpo).c_str());
+  const train::Rewards rewards = config::grpo_rewards(cfg.grpo);
+  const std::string path = train_data_path(cfg);
+  const std::vector<data::PromptRecord> prompts = data::load_prompts(path, tok, options);
+  int64_t tokens = 0, longest = 0, shortest = INT64_MAX;
+  for (const data::PromptRecord& p : prompts) {
+    rewards.check_record(p.record, p.origin);
+    const auto n = static_cast<int64_t>(p.tokens.size());
+    tokens += n, longest = std::max(longest, n), shortest = std::min(shortest, n);
+  }
+  std::printf("%s prompt, as the model reads it %s\n\n", kMasked.open, kMasked.close);
+  for (size_t i = 0; i < std::min(prompts.size(), static_cast<size_t>(samples)); ++i)
+    print_prompt(prompts[i], i, prompts.size(), color);
+  std::printf("train: %s\n", path.c_str());
+  std::printf("  prompts           %zu\n", prompts.size());
+  std::printf("  prompt tokens     %lld (per prompt: min %lld, mean %.1f, max %lld)\n", static_cast<long long>(tokens),
+              static_cast<long long>(shortest), static_cast<double>(tokens) / static_cast<double>(prompts.size()),
+              static_cast<long long>(longest));
+  std::printf("  completion room   %lld tokens for the longest prompt (data.max_seq_len = %lld)\n\n",
+              static_cast<long long>(cfg.data.max_seq_len - longest), static_cast<long long>(cfg.data.max_seq_len));
+}
+
 }  // namespace
 
 int data_main(const std::vector<std::string>& args) {
@@ -277,8 +334,9 @@ int data_main(const std::vector<std::string>& args) {
   std::printf("; tokenizer %s\n\n", tokenizer_path.c_str());
 
   const bool color = isatty(fileno(stdout)) && std::getenv("NO_COLOR") == nullptr;
-  if (options.kind == data::DatasetKind::kPreference) {
-    preview_pairs(cfg, tok, options, a.samples, color);
+  if (options.kind == data::DatasetKind::kPreference || options.kind == data::DatasetKind::kPrompt) {
+    if (options.kind == data::DatasetKind::kPreference) preview_pairs(cfg, tok, options, a.samples, color);
+    else preview_prompts(cfg, tok, options, a.samples, color);
     std::printf("no model loaded: qlora data reads only the tokenizer and the data\n");
     return 0;
   }

@@ -104,33 +104,21 @@ data::TemplateKind recorded_template(const std::string& dir, const std::optional
   }
 }
 
-// The record rendered by the template with a stand-in answer: the segments before the answer
-// are the prompt (up to the opened answer turn), and what the answer segment holds after the
-// stand-in is the template's end of turn ("<|im_end|>\n"; Qwen3's <think> block comes before it).
+// The record rendered by the template up to the opened answer turn, and the template's end of turn.
 std::pair<std::vector<data::Segment>, std::string> render_prompt(data::TemplateKind kind, const PromptRequest& r) {
-  const std::string stand_in = "qlora-answer";
-  std::vector<data::Segment> all;
-  if (r.instruction) {
-    all = data::render_instruct(kind, {*r.instruction, r.input.value_or(""), stand_in});
-  } else {
-    if (kind == data::TemplateKind::kAlpaca && (r.system || r.messages.size() > 1))
-      throw std::invalid_argument("the alpaca template renders one instruction: give one --message (no --system and "
-                                  "no earlier turns), or --instruction [--input]");
-    if (r.system && kind == data::TemplateKind::kMistralV03)
-      throw std::invalid_argument("--system: the run's template mistral-v0.3 drops system messages from what it trains "
-                                  "on (as Mistral's own template does), so the model never saw one");
-    std::vector<data::Message> m;
-    if (r.system) m.push_back({"system", *r.system});
-    for (size_t k = 0; k < r.messages.size(); ++k) m.push_back({k % 2 == 0 ? "user" : "assistant", r.messages[k]});
-    m.push_back({"assistant", stand_in});
-    all = data::render_chat(kind, m);
-  }
-  const auto answer = std::find_if(all.rbegin(), all.rend(), [](const data::Segment& s) { return !s.is_prompt; });
-  if (answer == all.rend() || answer->text.find(stand_in) == std::string::npos)
-    throw std::logic_error("generate: the template rendered no answer segment");
-  std::string end_of_turn = answer->text.substr(answer->text.rfind(stand_in) + stand_in.size());
-  all.erase(std::prev(answer.base()), all.end());
-  return {std::move(all), std::move(end_of_turn)};
+  const std::string stand_in(data::kAnswerStandIn);
+  if (r.instruction) return data::cut_at_answer(data::render_instruct(kind, {*r.instruction, r.input.value_or(""), stand_in}));
+  if (kind == data::TemplateKind::kAlpaca && (r.system || r.messages.size() > 1))
+    throw std::invalid_argument("the alpaca template renders one instruction: give one --message (no --system and "
+                                "no earlier turns), or --instruction [--input]");
+  if (r.system && kind == data::TemplateKind::kMistralV03)
+    throw std::invalid_argument("--system: the run's template mistral-v0.3 drops system messages from what it trains "
+                                "on (as Mistral's own template does), so the model never saw one");
+  std::vector<data::Message> m;
+  if (r.system) m.push_back({"system", *r.system});
+  for (size_t k = 0; k < r.messages.size(); ++k) m.push_back({k % 2 == 0 ? "user" : "assistant", r.messages[k]});
+  m.push_back({"assistant", stand_in});
+  return data::cut_at_answer(data::render_chat(kind, m));
 }
 
 // The model's own template: the one the run recorded (template "auto"), else the one the

@@ -80,6 +80,8 @@ int dequantize_main(const std::vector<std::string>& args) {
       else if (d == "fp16") dtype = at::kHalf;
       else if (d == "fp32") dtype = at::kFloat;
       else usage_error("--dtype must be bf16, fp16 or fp32, got '" + d + "'");
+    } else if (args[i].size() > 1 && args[i][0] == '-') {
+      usage_error("unknown option '" + args[i] + "'");
     } else {
       pos.push_back(args[i]);
     }

@@ -3,7 +3,9 @@
 #include <cstdio>
 #include <stdexcept>
 
+#include "qlora/data/data_files.h"
 #include "qlora/data/tokenizer.h"
+#include "qlora/io/hub_cache.h"
 #include "qlora/train/tiny_default.h"
 
 namespace qlora::recipes {
@@ -32,11 +34,20 @@ config::RecipeConfig load_recipe_config(const std::vector<std::string>& args) {
 }
 
 std::string base_model_dir(const config::RecipeConfig& cfg) {
-  return cfg.model.checkpoint_dir.empty() ? cfg.checkpoint.output_dir + "/tiny_base" : cfg.model.checkpoint_dir;
+  if (cfg.model.checkpoint_dir.empty()) return cfg.checkpoint.output_dir + "/tiny_base";
+  return io::resolve_local_or_hub(cfg.model.checkpoint_dir, io::HubRepoType::kModel, "model.checkpoint_dir");
+}
+
+std::string base_model_name(const config::RecipeConfig& cfg) {
+  if (!cfg.model.name.empty()) return cfg.model.name;
+  const std::string& dir = cfg.model.checkpoint_dir;
+  const auto id = io::parse_hub_id(dir);
+  return id && base_model_dir(cfg) != dir ? id->repo_id : "";
 }
 
 std::string train_data_path(const config::RecipeConfig& cfg) {
-  return cfg.data.path.empty() ? train::bundled_train_path() : cfg.data.path;
+  if (cfg.data.path.empty()) return train::bundled_train_path();
+  return data::resolve_data_file(cfg.data.path, cfg.data.split, "data.path");
 }
 
 std::string val_data_path(const config::RecipeConfig& cfg) {

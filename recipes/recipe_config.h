@@ -14,11 +14,17 @@ namespace qlora::recipes {
 // (configs/tiny_qlora.toml, compiled in). Anything else is an error naming it.
 config::RecipeConfig load_recipe_config(const std::vector<std::string>& args);
 
-// The checkpoint the run trains: model.checkpoint_dir, or for the embedded default the tiny base
-// under checkpoint.output_dir (written on first use by train::ensure_tiny_base).
+// The checkpoint the run trains: model.checkpoint_dir (a Hub id: its snapshot in the local Hugging
+// Face cache, io/hub_cache.h), or for the embedded default the tiny base under
+// checkpoint.output_dir (written on first use by train::ensure_tiny_base).
 std::string base_model_dir(const config::RecipeConfig& cfg);
 
-// The training data file: data.path, or for the embedded default the bundled tiny_tasks.jsonl.
+// The base's Hub name, for base_model_name_or_path and export file names: model.name, else the
+// repo id when model.checkpoint_dir is a Hub id found in the cache, else "".
+std::string base_model_name(const config::RecipeConfig& cfg);
+
+// The training data file: data.path (a directory or Hub data set id: its data.split file,
+// data/data_files.h), or for the embedded default the bundled tiny_tasks.jsonl.
 std::string train_data_path(const config::RecipeConfig& cfg);
 
 // The validation data file: data.val_path; for the embedded default's data (data.path "") without

@@ -90,7 +90,7 @@ bool check_resumable(const nlohmann::json& meta, const RecipeConfig& cfg, c10::D
 
 // checkpoint.gguf: what rank 0 adds to each epoch's export before committing it (the GGUF files and
 // their Modelfiles). Checked now, before training, so that no epoch's export fails for the model
-// or its tokenizer. The files are named after model.name (a hub id), else the base's directory.
+// or its tokenizer. The files are named after the base's Hub name (base_model_name), else its directory.
 std::function<void(const std::string&)> gguf_files(const RecipeConfig& cfg, const std::string& base_dir) {
   if (cfg.checkpoint.gguf.empty()) return {};
   try {
@@ -100,7 +100,8 @@ std::function<void(const std::string&)> gguf_files(const RecipeConfig& cfg, cons
   }
   std::vector<gguf::GgmlType> types;
   for (const std::string& t : cfg.checkpoint.gguf) types.push_back(gguf::type_from_name(t));
-  std::string name = fs::path(cfg.model.name.empty() ? base_dir : cfg.model.name).lexically_normal().filename().string();
+  const std::string named = base_model_name(cfg);
+  std::string name = fs::path(named.empty() ? base_dir : named).lexically_normal().filename().string();
   if (name.empty() || name == "." || name == "..") name = "model";
   return [types, name](const std::string& dir) {
     for (const std::string& path : gguf::write_gguf_files(dir, types, name))
@@ -477,11 +478,12 @@ Position train(const Session& s, Model& m, const TextSetup& text, RecipeParts& p
   std::optional<train::MetricsLog> metrics;
   if (lead) metrics.emplace(out_dir, start.global_step, cfg.logging.tensorboard);
   train::Progress progress(cfg.logging.progress);
-  // base_model_name_or_path: model.name (a hub id), else the base's absolute path (PEFT would resolve a
+  // base_model_name_or_path: the base's Hub name (base_model_name), else its absolute path (PEFT would resolve a
   // relative one against the loader's working directory). qlora.json: how `qlora generate` renders prompts.
+  const std::string base_name = base_model_name(cfg);
   const checkpoint::AdapterInfo adapter_info{
       cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, models::peft_targets(m.llama.architecture(), cfg.lora.targets),
-      cfg.model.name.empty() ? fs::absolute(s.base_dir).lexically_normal().string() : cfg.model.name,
+      base_name.empty() ? fs::absolute(s.base_dir).lexically_normal().string() : base_name,
       config::prompt_format(text.options), {}, cfg.lora.use_rslora, {}};  // token rows: export_epoch
   if (lead && !text.template_note.empty()) std::printf("%s\n", text.template_note.c_str());
   if (lead)

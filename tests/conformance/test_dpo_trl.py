@@ -14,7 +14,6 @@ import json
 import math
 import os
 import sys
-import warnings
 from collections import namedtuple
 from types import SimpleNamespace
 
@@ -24,10 +23,9 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from _common import Checks, parse_tool_args, randomize_norms, run_checked
-
-# transformers 5.23 deprecates TrainingArguments.gradient_checkpointing, which TRL's configs still set.
-warnings.filterwarnings("ignore", category=FutureWarning, message=".*gradient_checkpointing.*")
+from _common import run_checked
+from _trl import (adapter_params, compare_grads, load_adapter_weights, tiny_base, tiny_tokenizer, trl_lora_config,
+                  trl_main)
 
 # Summed response logps of ~5 nats a token over <= 8 tokens: fp32 rounding of our forward vs torch's is
 # ~1e-6 a token, so 1e-4 leaves ~10x margin, while one token too many or too few (a prompt token, a
@@ -58,15 +56,7 @@ CASES = {
 
 def make_inputs(workdir):
     """The tiny base checkpoint and the pairs file; returns (base_dir, pairs_path, pairs)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-    base_dir, pairs_path = os.path.join(workdir, "base"), os.path.join(workdir, "pairs.json")
-    torch.manual_seed(SEED)
-    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      rms_norm_eps=1e-5, tie_word_embeddings=False)
-    model = LlamaForCausalLM(cfg).to(torch.float32)
-    randomize_norms(model, SEED)
-    model.save_pretrained(base_dir)
+    base_dir, pairs_path = tiny_base(workdir, SEED), os.path.join(workdir, "pairs.json")
     g = torch.Generator().manual_seed(SEED)
     ids = lambda n: torch.randint(2, 128, (n,), generator=g).tolist()  # 0/1 are the tokenizer's pad/eos
     pairs = [{"prompt": ids(p), "chosen": ids(c), "rejected": ids(r)} for p, c, r in LENGTHS]
@@ -77,15 +67,6 @@ def make_inputs(workdir):
 
 def counts(pairs, key):
     return torch.tensor([float(len(p[key])) for p in pairs])
-
-
-def tiny_tokenizer():
-    """DPOTrainer insists on a tokenizer (pad/eos in its vocab); ours is built here, never downloaded."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(128)}, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", eos_token="t1")
 
 
 def collate(checks, name, collator, pairs):
@@ -101,36 +82,11 @@ def collate(checks, name, collator, pairs):
     return batch
 
 
-def adapter_params(checks, name, model, adapter_dir):
-    """{adapter file key: parameter}, after checking the model holds exactly the file's tensors."""
-    from peft import get_peft_model_state_dict
-    saved = load_file(os.path.join(adapter_dir, "adapter_model.safetensors"))
-    state = get_peft_model_state_dict(model)
-    same = state.keys() == saved.keys() and all(torch.equal(state[k], saved[k]) for k in saved)
-    checks.check(f"{name} TRL-side model holds our adapter", same, f"{len(saved)} tensors")
-    by_storage = {p.data_ptr(): p for p in model.parameters()}
-    return {k: by_storage[v.data_ptr()] for k, v in state.items()}
-
-
-def compare_grads(checks, name, ours, params):
-    """Every grad.<key> against d(TRL's loss)/d(param), each within GRAD_RTOL of its largest entry."""
-    keys = sorted(k[len("grad."):] for k in ours if k.startswith("grad."))
-    if not checks.check(f"{name} one grad per adapter tensor", keys == sorted(params), f"{len(keys)} grads"):
-        return
-    refs = {k: params[k].grad if params[k].grad is not None else torch.zeros_like(params[k]) for k in keys}
-    rel = {k: (ours["grad." + k] - g).abs().max().item() / max(g.abs().max().item(), 1e-12) for k, g in refs.items()}
-    where = max(keys, key=lambda k: rel[k] if math.isfinite(rel[k]) else math.inf)
-    largest = max(g.abs().max().item() for g in refs.values())
-    checks.check(f"{name} LoRA gradients", math.isfinite(rel[where]) and rel[where] <= GRAD_RTOL and largest > 0,
-                 f"worst max|diff|/max|ref| {rel[where]:.2e} at {where} (rtol {GRAD_RTOL:g}, max|grad| {largest:.3e})")
-
-
 def dpo_trainer(case, base_dir, adapter_dir, workdir):
     """DPOTrainer on a fresh PEFT adapter of our config (reference = adapters disabled, as TRL does for a
     new adapter), then our initial weights loaded into it. A PeftModel passed in instead would get a
     frozen copy "ref" of the adapter as reference (trl/trainer/dpo_trainer.py:666-694), not the base."""
     from datasets import Dataset
-    from peft import LoraConfig, set_peft_model_state_dict
     from transformers import AutoModelForCausalLM
     from trl import DPOConfig, DPOTrainer
     types, weights = [case.loss], None
@@ -141,13 +97,11 @@ def dpo_trainer(case, base_dir, adapter_dir, workdir):
     args = DPOConfig(output_dir=os.path.join(workdir, "trl"), use_cpu=True, bf16=False, fp16=False,
                      gradient_checkpointing=False, max_length=None, report_to="none", beta=case.beta,
                      loss_type=types, loss_weights=weights, label_smoothing=case.eps, seed=SEED)
-    lora = LoraConfig.from_pretrained(adapter_dir)
-    lora.inference_mode = False
     dummy = Dataset.from_list([{"prompt": "t2", "chosen": " t3", "rejected": " t4"}])  # required, unused
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     trainer = DPOTrainer(model=base, args=args, train_dataset=dummy, processing_class=tiny_tokenizer(),
-                         peft_config=lora)
-    set_peft_model_state_dict(trainer.model, load_file(os.path.join(adapter_dir, "adapter_model.safetensors")))
+                         peft_config=trl_lora_config(adapter_dir))
+    load_adapter_weights(trainer.model, adapter_dir)
     trainer.model.train()  # metrics under "train"; dropout is 0 anyway
     return trainer
 
@@ -235,7 +189,7 @@ def check_dpo(checks, name, case, ours, adapter_dir, base_dir, workdir, pairs):
             checks.compare(f"{name} TRL padded vs unpadded {side} logps", seen["policy"][i],
                            unpadded_logps(trainer.model, pairs, side), LOGP_ATOL / 10)
     checks.compare(f"{name} loss (TRL end to end)", ours["loss"], loss, dpo_loss_atol(case, loss.item(), n_min))
-    compare_grads(checks, name, ours, params)
+    compare_grads(checks, name, ours, params, GRAD_RTOL)
     check_dpo_formula(checks, name, trainer, batch, ours)
 
 
@@ -291,7 +245,7 @@ def check_ref_free(checks, name, case, ours, adapter_dir, base_dir, pairs):
     avg = LOGP_ATOL / min(nc.min().item(), nr.min().item())
     atol = LOGP_ATOL + 4 * case.beta * avg if case.loss == "orpo" else 2 * case.beta * avg
     checks.compare(f"{name} loss (TRL end to end)", ours["loss"], loss.detach(), atol)
-    compare_grads(checks, name, ours, params)
+    compare_grads(checks, name, ours, params, GRAD_RTOL)
 
 
 def run_case(checks, tool, workdir, name, case, base_dir, pairs_path, pairs):
@@ -311,28 +265,10 @@ def run_case(checks, tool, workdir, name, case, base_dir, pairs_path, pairs):
         check_dpo(checks, name, case, ours, adapter_dir, base_dir, out, pairs)
 
 
-# ctest's SKIP_RETURN_CODE: TRL is absent only where no registry can install it (the GPU image,
-# docs/gpu.md); setup installs it everywhere else (requirements-test.txt, setup.sh --tests), so there the test runs.
-SKIP = 77
-
-
 def main():
-    try:
-        import datasets
-        import trl  # noqa: F401
-    except ImportError as e:
-        print(f"SKIP: TRL is not installed here ({e}); scripts/setup.sh --tests installs it from requirements-test.txt")
-        return SKIP
-    datasets.disable_progress_bars()
-    args = parse_tool_args()
-    checks = Checks()
-    base_dir, pairs_path, pairs = make_inputs(args.workdir)
-    for name, case in CASES.items():
-        try:
-            run_case(checks, args.tool, args.workdir, name, case, base_dir, pairs_path, pairs)
-        except Exception as e:
-            checks.crashed(name, e)
-    return checks.summary()
+    return trl_main(CASES, lambda args: make_inputs(args.workdir),
+                    lambda checks, args, name, case, *inputs: run_case(checks, args.tool, args.workdir, name, case,
+                                                                       *inputs))
 
 
 if __name__ == "__main__":

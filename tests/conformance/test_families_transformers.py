@@ -15,7 +15,10 @@ layers and a gated, partially rotary attention layer), written by transformers' 
   nf4        the base projections in NF4: the reference gets each decoder *_proj.weight replaced by
              torchao's to_nf4(w).get_original_weight(), our tool runs with --nf4
 Then greedy generation (models::generate through llama_logits --generate) equals transformers'
-generate(do_sample=False) for prompts shorter and longer than the window, prompt + new tokens > window.
+generate(do_sample=False) for prompts shorter and longer than the window, prompt + new tokens > window;
+and so does batched generation (models::generate_batch, --batch-lengths): all those prompts, of both
+lengths, in one batch with GEN_GROUP sequences each (left-padded key slots, per-row positions, each
+prompt's cache shared by its sequences), each sequence against the same prompt's reference.
 Where torch sees a CUDA device, each case's forward also runs there on both sides (llama_logits
 --device cuda against transformers on CUDA): in fp32, and in bf16 (a copy of the model cast to bf16).
 
@@ -54,6 +57,7 @@ PACKED = [11, 9]             # sums to SEQ; each sample longer than the window
 DECODE_FROM = [5, 12]        # prefill lengths for the KV-cache check: below and above the window
 GEN_PROMPTS = [5, 12]        # greedy generation prompt lengths
 GEN_NEW = 16                 # new tokens: 5 + 16 and 12 + 16 both pass the window of 8
+GEN_GROUP = 2                # batched generation: sequences per prompt (GRPO's num_generations)
 # Greedy ids must be equal. A divergence is excused only where transformers' top-2 logits at that
 # step are closer than two tolerances (each side may be off by one, so such a pair can swap).
 GEN_CASES = {"llama": {}, "qwen2_untied": {}, "gemma2": {"tie_word_embeddings": False},
@@ -188,6 +192,7 @@ def check_generation(checks, args, name, seed):
     ckpt = os.path.join(args.workdir, f"{name}_gen")
     save_sharded(model, ckpt)
     g = torch.Generator().manual_seed(seed)
+    batch = []  # (prompt [P], reference ids, gaps, tie gap) of every prompt, for the batched check
     for plen in GEN_PROMPTS:
         prompts = torch.randint(0, F.COMMON["vocab_size"], (2, plen), generator=g)
         window = f" (window {F.WINDOW})" if "sliding_window" in F.CASES[name]["kw"] else ""
@@ -198,6 +203,7 @@ def check_generation(checks, args, name, seed):
             # The reference's cached generate against its own full forward: a check of the reference.
             compare_ids(checks, f"{label} row {r}: transformers cache = no cache",
                         greedy_without_cache(model, prompts[r:r + 1], GEN_NEW)[0], refs[r][0], refs[r][1], 2 * atol)
+            batch.append((prompts[r], refs[r][0], refs[r][1], 2 * atol))
         try:
             out = os.path.join(args.workdir, f"{name}_gen{plen}.safetensors")
             ours = run_tool([args.tool, "--checkpoint", ckpt, "--tokens", tokens_arg(prompts), "--dtype", "fp32",
@@ -206,6 +212,26 @@ def check_generation(checks, args, name, seed):
                 compare_ids(checks, f"{label} row {r}", ours[r], refs[r][0], refs[r][1], 2 * atol)
         except Exception as e:
             checks.crashed(label, e)
+    check_batched_generation(checks, args, name, ckpt, batch)
+
+
+def check_batched_generation(checks, args, name, ckpt, batch):
+    """One generate_batch over prompts of different lengths, GEN_GROUP sequences each."""
+    label = f"{name} generate_batch {'+'.join(str(len(p)) for p, *_ in batch)} x{GEN_GROUP}"
+    try:
+        width = max(len(p) for p, *_ in batch)
+        rows = torch.zeros(len(batch), width, dtype=torch.long)  # the tail past each length is unused
+        for r, (p, *_) in enumerate(batch):
+            rows[r, :len(p)] = p
+        out = os.path.join(args.workdir, f"{name}_gen_batch.safetensors")
+        ours = run_tool([args.tool, "--checkpoint", ckpt, "--tokens", tokens_arg(rows), "--dtype", "fp32",
+                         "--generate", GEN_NEW, "--batch-lengths", ",".join(str(len(p)) for p, *_ in batch),
+                         "--generations", GEN_GROUP, "--out", out], out)["ids"]
+        for i in range(len(batch) * GEN_GROUP):
+            _, ref, gaps, tie = batch[i // GEN_GROUP]
+            compare_ids(checks, f"{label} sequence {i}", ours[i], ref, gaps, tie)
+    except Exception as e:
+        checks.crashed(label, e)
 
 
 def main():

@@ -13,9 +13,14 @@ family's kind, converted with `qlora gguf --type f32` and `--type f16`:
   gemma3   q/k norms, 5 local : 1 global layers with their own RoPE bases; with linear scaling; and a
            Hub-style Gemma3ForConditionalGeneration, of which only the language model is written
   phi3     fused qkv and gate_up, sliding window
+  olmo3    post-norms, q/k norms over all heads, 3 sliding : 1 full layers, YaRN on the full ones
   qwen35   Qwen3.5: Gated DeltaNet layers (value heads reordered for llama.cpp, A_log as -exp, conv1d
            squeezed, 1 + w norms), a gated full-attention layer with partial rotary; and the Hub's
            Qwen3_5ForConditionalGeneration, of which only the language model is written
+  gemma4   Gemma 4: sliding and full layers of their own head sizes and kv heads, keys as values on
+           the full layers (attention_k_eq_v), proportional RoPE, KV-shared layers with double-wide
+           MLPs, per-layer inputs, layer scalars, a final soft-cap; and the Hub's
+           Gemma4ForConditionalGeneration, of which only the language model is written
 
 For each: llama.cpp's logits on the f32 and f16 files equal transformers' within the tolerance
 beside the check, and its greedy continuation of 24 tokens is transformers'; llama.cpp tokenizes a
@@ -211,6 +216,8 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "lo
 QWEN35_LLAMA_CPP = dict(linear_num_key_heads=2, linear_key_head_dim=32, linear_num_value_heads=4,
                        linear_value_head_dim=32)
 
+GEMMA4_LAYERS = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+
 # name: (case in _families, overrides, tokenizer kind, sequence length for the logits check)
 FAMILIES = {
     "llama3": ("llama", dict(rope_parameters=LLAMA3_ROPE), "llama-bpe"),
@@ -225,11 +232,14 @@ FAMILIES = {
     "phi3": ("phi3", dict(sliding_window=None), "sp-phi3"),
     "smollm3": ("smollm3", dict(tie_word_embeddings=True), "llama-bpe"),
     "olmo2": ("olmo2", {}, "llama-bpe"),
-    # llama.cpp's olmo2 has no YaRN for now (qlora refuses it: check_refusals).
-    "olmo3": ("olmo3", dict(rope_parameters=_families.OLMO3_PLAIN_ROPE), "llama-bpe"),
+    # YaRN on the full layers (rope.scaling.* keys; llama.cpp's olmo2 leaves the sliding ones unscaled).
+    "olmo3": ("olmo3", {}, "llama-bpe"),
     # llama.cpp's qwen35 takes one head size for the DeltaNet's keys and values (ssm.state_size), so
     # both are 32 here; 2 key heads of 4 value heads keep the value-head reordering exercised.
     "qwen35": ("qwen3_5", QWEN35_LLAMA_CPP, "qwen35"),
+    # llama.cpp's gemma4 has its KV-shared layers read the last non-shared layer (full layers) and the
+    # one before it (sliding layers), as Gemma 4's checkpoints lay them out: layers 2 full, 1 sliding.
+    "gemma4": ("gemma4", dict(layer_types=GEMMA4_LAYERS), "sp-gemma"),
 }
 
 
@@ -238,9 +248,15 @@ def build_family(name, work, seed=0):
     case, overrides, kind = FAMILIES[name]
     d = os.path.join(work, name)
     tok = tokenizer_for(kind, d)
-    model = _families.build(case, seed, vocab_size=len(tok), max_position_embeddings=256, **overrides)
+    model = _families.build(case, seed, **vocab_sizes(case, tok), max_position_embeddings=256, **overrides)
     model.save_pretrained(d)
     return d, model, tok
+
+
+def vocab_sizes(case, tok):
+    """The tokenizer's vocabulary size, for Gemma 4 its per-layer table's too (llama.cpp's gemma4 takes
+    one row of it a token)."""
+    return dict(vocab_size=len(tok), **(dict(vocab_size_per_layer_input=len(tok)) if case.startswith("gemma4") else {}))
 
 
 def qlora_gguf(tool, d, qtype, out=None):
@@ -308,9 +324,22 @@ TOL_GELU = {"f32": 5e-3, "f16": 2e-2}
 TOL_QWEN35 = {"f32": 1e-4, "f16": 5e-2}
 
 
+# Gemma 4: this random case amplifies a perturbation about a hundredfold (rounding its weights to f16,
+# 5e-4 relative, moves transformers' own logits by 5.3e-2 of the largest), and its GeLUs (the MLP's and
+# the per-layer inputs' gate) read ggml's f16 table: its f32 logits land at 5.0e-3, the Hub form's
+# (tied head, other weights) at 8.7e-3. A lost feature moves them by O(1) (the ablations).
+TOL_GEMMA4 = {"f32": 2e-2, "f16": 1e-1}
+# Its random LoRA (B non-zero, scale 2) grows the activations and with them the table's rounding: an
+# adapter on any one target alone lands at 0.7-1.5e-2, on all of them at 1.6e-2; the adapter moves the
+# logits by 1.5 or more.
+TOL_GEMMA4_ADAPTER = 3e-2
+
+
 def tolerance(name, qtype):
     if name.startswith("qwen35"):
         return TOL_QWEN35[qtype]
+    if name.startswith("gemma4"):
+        return TOL_GEMMA4[qtype]
     return (TOL_GELU if name.startswith("gemma") else TOL)[qtype]
 
 
@@ -322,6 +351,8 @@ def check_ablations(name, model, ids, ref):
         if set(abl_overrides) & set(overrides):
             continue  # a feature this case sets aside for llama.cpp (e.g. the window: check_window)
         kw = {"vocab_size": model.config.vocab_size, "max_position_embeddings": 256, **overrides, **abl_overrides}
+        if case.startswith("gemma4"):
+            kw["vocab_size_per_layer_input"] = model.config.vocab_size
         other = _families.ablated(case, model, kw, edit)
         moved = rel_diff(hf_logits(other, ids), ref)
         CHECKS.check(f"{name}: ablation '{label}' moves the reference logits beyond 10x the f32 tolerance",
@@ -358,7 +389,10 @@ def check_adapter(tool, name, d, model, tok, base_gguf):
 
     from peft import LoraConfig, get_peft_model
     torch.manual_seed(1)
-    peft_model = get_peft_model(copy.deepcopy(model), LoraConfig(r=8, lora_alpha=16, target_modules="all-linear",
+    # Gemma 4: every linear layer but per_layer_model_projection, which llama.cpp multiplies without a
+    # LoRA (qlora refuses one there).
+    targets = _families.GEMMA4_TARGETS if name.startswith("gemma4") else "all-linear"
+    peft_model = get_peft_model(copy.deepcopy(model), LoraConfig(r=8, lora_alpha=16, target_modules=targets,
                                                                  init_lora_weights=False)).eval()
     adapter = os.path.join(d, "adapter")
     peft_model.save_pretrained(adapter)
@@ -371,9 +405,28 @@ def check_adapter(tool, name, d, model, tok, base_gguf):
     ref = hf_logits(peft_model, ids)
     diff = rel_diff(llama_cpp_logits(llama_cpp_model(base_gguf, lora_path=out), ids), ref)
     moved = rel_diff(hf_logits(model, ids), ref)
-    tol = tolerance(name, "f32")
+    tol = TOL_GEMMA4_ADAPTER if name.startswith("gemma4") else tolerance(name, "f32")
     CHECKS.check(f"{name}: llama.cpp with our LoRA GGUF on the base's f32 file gives peft's logits",
                  diff < tol < moved, f"{diff:.2e} (< {tol:g}; the adapter moves them by {moved:.2e})")
+
+
+def check_gemma4_projection_adapter(tool, d, model):
+    """A LoRA on Gemma 4's per_layer_model_projection: llama.cpp multiplies that matrix without applying
+    a LoRA, so `qlora gguf --adapter` refuses it by name and writes nothing."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+    torch.manual_seed(3)
+    peft_model = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                                                                 target_modules=["per_layer_model_projection"]))
+    adapter = os.path.join(d, "model_projection_adapter")
+    peft_model.save_pretrained(adapter)
+    out = adapter + ".gguf"
+    r = subprocess.run([tool, "gguf", adapter, "--adapter", "--base", d, "--type", "f32", "-o", out],
+                       capture_output=True, text=True)
+    msg = r.stderr.strip()
+    check(r.returncode != 0 and "per_layer_model_projection" in msg and not os.path.exists(out)
+          and not os.path.exists(out + ".tmp"), f"refused: a LoRA on gemma4's per_layer_model_projection: {msg[:300]}")
 
 
 def check_llama_quantize_mix(tool, name, d, f32_path):
@@ -594,13 +647,31 @@ def check_gemma3_multimodal(tool, work):
     check_multimodal(tool, d, "gemma3", model, tok, tolerance("gemma3", "f32"))
 
 
-def check_qwen35_multimodal(tool, work):
-    """The Hub's Qwen3_5ForConditionalGeneration (its language model under model.language_model.)."""
-    d = os.path.join(work, "qwen35_multimodal")
-    tok = tokenizer_for("qwen35", d)
-    model = _families.build("qwen3_5_vision", 0, vocab_size=len(tok), max_position_embeddings=256, **QWEN35_LLAMA_CPP)
+def check_hub_multimodal(tool, work, label, case, kind, **overrides):
+    """The Hub's Qwen3_5ForConditionalGeneration or Gemma4ForConditionalGeneration (its language model
+    under model.language_model.), built from _families' `case`."""
+    d = os.path.join(work, label + "_multimodal")
+    tok = tokenizer_for(kind, d)
+    model = _families.build(case, 0, **vocab_sizes(case, tok), max_position_embeddings=256, **overrides)
     model.save_pretrained(d)
-    check_multimodal(tool, d, "qwen35", model, tok, tolerance("qwen35", "f32"))
+    check_multimodal(tool, d, label, model, tok, tolerance(label, "f32"))
+
+
+def check_olmo3_attention_factor(tool, work, src):
+    """OLMo 3's YaRN with an attention_factor other than llama.cpp's own 1 + 0.1 ln(factor): written as
+    rope.scaling.attn_factor (the quotient llama.cpp multiplies in), llama.cpp gives transformers' logits."""
+    from transformers import AutoModelForCausalLM
+    d = edited_copy(src, work, "olmo3_attention_factor", lambda c: c["rope_parameters"]["full_attention"].update(
+        attention_factor=1.6))
+    r, out = qlora_gguf(tool, d, "f32")
+    if not check(r.returncode == 0, f"olmo3 attention_factor 1.6: qlora gguf: {r.stderr.strip()[:200]}"):
+        return
+    model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    ids = list(range(1, _families.SEQ + 6))
+    ref = hf_logits(model, ids)
+    diff = rel_diff(llama_cpp_logits(llama_cpp_model(out), ids), ref)
+    CHECKS.check("olmo3 attention_factor 1.6: llama.cpp's logits equal transformers'", diff < TOL["f32"],
+                 f"max|diff| / max(1, max|ref|) = {diff:.2e} (< {TOL['f32']:g})")
 
 
 def refused(tool, d, label, *words):
@@ -625,6 +696,12 @@ def edited_copy(src, work, name, edit_config=None):
     return d
 
 
+def gemma4_layer_types(cfg, types):
+    """Gemma 4's config.json with other layer types (per_layer_config gives the full layers' sizes)."""
+    full = next(iter(cfg["per_layer_config"].values()))
+    cfg.update(layer_types=types, per_layer_config={str(i): full for i, t in enumerate(types) if t == "full_attention"})
+
+
 def check_refusals(tool, work, dirs):
     refused(tool, edited_copy(dirs["llama3"], work, "refuse_model_type", lambda c: c.update(model_type="gpt_neox")),
             "an unknown model_type", "model_type", "gpt_neox")
@@ -641,13 +718,22 @@ def check_refusals(tool, work, dirs):
         "qwen2 with a sliding window", "use_sliding_window")
     refused(tool, edited_copy(dirs["smollm3"], work, "refuse_smollm3_nope", lambda c: c.update(no_rope_layers=[1, 0, 1, 1])),
             "smollm3 with NoPE layers other than every fourth", "no_rope_layers", "layer 1")
-    refused(tool, edited_copy(dirs["olmo3"], work, "refuse_olmo3_yarn", lambda c: c.update(
-        rope_parameters=_families.OLMO3_ROPE)), "olmo3 with YaRN", "rope_parameters", "YaRN")
+    refused(tool, edited_copy(dirs["qwen3"], work, "refuse_qwen3_yarn", lambda c: c.update(
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+                         "rope_theta": 10000.0})), "qwen3 with YaRN", "rope_parameters", "YaRN")
+    refused(tool, edited_copy(dirs["olmo3"], work, "refuse_olmo3_yarn_truncate", lambda c: c["rope_parameters"][
+        "full_attention"].update(truncate=False)), "olmo3 with YaRN's truncate false", "rope_parameters.truncate")
+    refused(tool, edited_copy(dirs["olmo3"], work, "refuse_olmo3_yarn_beta", lambda c: c["rope_parameters"][
+        "full_attention"].update(beta_fast=16)), "olmo3 with YaRN's beta_fast not 32", "rope_parameters.beta_fast")
     refused(tool, edited_copy(dirs["qwen35"], work, "refuse_qwen35_head_dims", lambda c: c.update(
         linear_value_head_dim=16)), "qwen35 with other DeltaNet key and value head sizes", "linear_value_head_dim")
     refused(tool, edited_copy(dirs["qwen35"], work, "refuse_qwen35_layers", lambda c: c.update(
         layer_types=["linear_attention"] * 2 + ["full_attention"] * 2)), "qwen35 with full attention on another pattern",
         "layer_types", "layer 3")
+    if "gemma4" in dirs:
+        refused(tool, edited_copy(dirs["gemma4"], work, "refuse_gemma4_kv_sharing", lambda c: gemma4_layer_types(
+            c, _families.GEMMA4["layer_types"])), "gemma4 with KV-shared layers reading other layers than llama.cpp's",
+            "num_kv_shared_layers", "layer 3")
     refused(tool, edited_copy(dirs["qwen2"], work, "refuse_vocab_size", lambda c: c.update(vocab_size=10**12)),
             "a vocab_size the embedding does not have (10^12 entries would be written)", "vocab_size", "rows")
     from safetensors.torch import load_file, save_file
@@ -684,8 +770,13 @@ def main():
         d, model, tok, paths = got
         dirs[name] = d
         check_tokenization(paths["f32"], tok, f"{name} ({FAMILIES[name][2]})")
-        check_transformers_loader(name, paths["f32"], model)
+        if name.startswith("gemma4"):  # its GGUF reader takes one feed_forward_length, not one a layer
+            print(f"SKIP {name}: transformers' GGUF loader cannot read per-layer feed_forward_length arrays")
+        else:
+            check_transformers_loader(name, paths["f32"], model)
         check_adapter(a.tool, name, d, model, tok, paths["f32"])
+        if name == "gemma4":
+            check_gemma4_projection_adapter(a.tool, d, model)
         if name == "qwen2":  # tied embeddings
             check_tied_head_adapter(a.tool, a.workdir, d, model)
         if name == "qwen35":  # tensors no other family has (ssm_*): llama-quantize's mix of them
@@ -694,7 +785,10 @@ def main():
     check_window(a.tool, a.workdir, "phi3", "phi3", "sp-phi3")
     check_gemma3_multimodal(a.tool, a.workdir)
     check_sentencepiece_json(a.tool, a.workdir, dirs)
-    check_qwen35_multimodal(a.tool, a.workdir)
+    check_hub_multimodal(a.tool, a.workdir, "qwen35", "qwen3_5_vision", "qwen35", **QWEN35_LLAMA_CPP)
+    check_hub_multimodal(a.tool, a.workdir, "gemma4", "gemma4_vision", "sp-gemma", layer_types=GEMMA4_LAYERS)
+    if "olmo3" in dirs:
+        check_olmo3_attention_factor(a.tool, a.workdir, dirs["olmo3"])
     check_full_qwen_vocab(a.tool, a.workdir)
     check_refusals(a.tool, a.workdir, dirs)
     return CHECKS.summary()

@@ -30,6 +30,35 @@ SPECIALS = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city.",
                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                                                           "required": ["city"]}}}]
+# A tool whose name and description hold the characters Markup + str escapes (functionary's tool list).
+HTML_TOOLS = [{"type": "function", "function": {"name": "a<b>&c", "description": "Say 'hi' & \"bye\" <now>.",
+                                                "parameters": {"type": "object", "properties": {}}}}]
+# An assistant turn calling a tool with dict, list and string arguments (Qwen3.5 renders the first two
+# through |tojson|safe), then the tool's answer.
+TOOL_CALL_CONV = [{"role": "user", "content": "Weather in Paris?"},
+                  {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
+                      "name": "get_weather", "arguments": {"city": "Paris <FR> & 'co'", "opts": {"unit": "C", "days": [1, 2]},
+                                                           "tags": ["a", "b&c"]}}}]},
+                  {"role": "tool", "content": "18 C & sunny"}]
+# Two calls in one turn: arguments with numbers, booleans, null, nested lists and quotes (Qwen3.5 prints
+# mappings and lists through |tojson|safe, the rest through |string), then arguments given as a JSON
+# string, OpenAI's wire form (Qwen3.5's `arguments|items` refuses it, on both sides).
+TOOL_CALL_CONV2 = [{"role": "user", "content": "Plan <it>."},
+                   {"role": "assistant", "content": "Sure & done.", "tool_calls": [
+                       {"type": "function", "function": {"name": "plan", "arguments": {
+                           "n": 3, "ok": True, "none": None, "grid": [[1, "<2>"], []], "q": "say \"hi\" & 'bye'",
+                           "deep": {"a": {"b": ["é", "&"]}}}}},
+                       {"type": "function", "function": {"name": "echo", "arguments": {"text": "<p>&amp;</p>"}}}]},
+                   {"role": "tool", "content": "{\"ok\": true}"}, {"role": "tool", "content": "<p>&amp;</p>"}]
+TOOL_CALL_JSON_STRING = [{"role": "user", "content": "Hi"},
+                         {"role": "assistant", "content": "", "tool_calls": [
+                             {"type": "function", "function": {"name": "f", "arguments": "{\"x\": \"<y>\"}"}}]}]
+MARKUP_TEMPLATE = (
+    "{{ '<a>'|safe + '<b>' }}|{{ '<x>' + '&'|safe }}|{{ '<'|safe ~ '<' }}|{{ ('a<'|safe)|upper + '>' }}|"
+    "{{ ('x'|safe)|string + '&' }}|{{ ('q&'|safe)|length }}|{{ ('\"'|safe)|tojson }}|"
+    "{% set m = {'k': '<v>'}|tojson|safe %}{{ m + '<' }}|{{ 5|safe + '&' }}|{{ ('a'|safe) == 'a' }}|"
+    "{{ 'a' in ('ab'|safe) }}|{{ (' p '|safe)|trim + \"'\" }}|{{ ('s'|safe).startswith('s') }}"
+)
 
 
 def conversations():
@@ -76,8 +105,15 @@ def contexts(name):
             if "Qwen3" in name:
                 yield {**ctx, "enable_thinking": False}
                 yield {**ctx, "enable_thinking": True}
+    if name == "markup.jinja":
+        yield {**SPECIALS, "messages": [], "tools": None, "add_generation_prompt": False}
+        return
     tool_conv = [{"role": "user", "content": "Weather in Paris?"}]
     yield {**SPECIALS, "messages": tool_conv, "tools": TOOLS, "add_generation_prompt": True}
+    yield {**SPECIALS, "messages": tool_conv, "tools": HTML_TOOLS, "add_generation_prompt": True}
+    yield {**SPECIALS, "messages": TOOL_CALL_CONV, "tools": TOOLS, "add_generation_prompt": True}
+    yield {**SPECIALS, "messages": TOOL_CALL_CONV2, "tools": TOOLS, "add_generation_prompt": False}
+    yield {**SPECIALS, "messages": TOOL_CALL_JSON_STRING, "tools": TOOLS, "add_generation_prompt": False}
 
 
 class FixedClock(datetime.datetime):
@@ -100,9 +136,9 @@ def reference(template, ctx):
         return {"error": str(e), "type": type(e).__name__}
 
 
-# Templates whose tool contexts need jinja2's Markup (|safe, whose + HTML-escapes the other operand):
-# qlora refuses |safe by name rather than render something else.
-REFUSED = {"meetkai-functionary-medium-v3.1.jinja": "the 'safe' filter (HTML Markup) is not supported"}
+# Templates qlora refuses by name in their tool contexts rather than render something else: none now
+# (|safe is modelled: Markup + str escapes the str).
+REFUSED = {}
 
 
 def main():
@@ -121,7 +157,10 @@ def main():
     unicode_case = os.path.join(a.workdir, "unicode-case.jinja")
     with open(unicode_case, "w", encoding="utf-8") as f:
         f.write(UNICODE_TEMPLATE)
-    paths = [os.path.join(TEMPLATES, n) for n in names] + [extra, unicode_case]
+    markup = os.path.join(a.workdir, "markup.jinja")  # jinja2's Markup (|safe) rules, one line
+    with open(markup, "w", encoding="utf-8") as f:
+        f.write(MARKUP_TEMPLATE)
+    paths = [os.path.join(TEMPLATES, n) for n in names] + [extra, unicode_case, markup]
     for path in paths:
         name = os.path.basename(path)
         with open(path, encoding="utf-8") as f:

@@ -63,7 +63,7 @@ TEST(Budget, RealTemplatesRenderFarInsideTheDefaultBudget) {
         max_steps = std::max(max_steps, r.steps_used);
         max_bytes = std::max(max_bytes, r.bytes_used);
         max_text = std::max(max_text, static_cast<int64_t>(r.text.size()));
-      } catch (const TemplateError&) {  // a template that refuses this conversation (roles, |safe)
+      } catch (const TemplateError&) {  // a template that refuses this conversation (its roles)
       }
     }
     std::printf("%d turns: at most %lld steps (%s), %lld bytes of strings, %lld bytes of text\n", turns,

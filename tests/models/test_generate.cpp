@@ -121,12 +121,107 @@ TEST(SampleNextToken, NucleusKeepsOnlyTheTopMass) {
   const at::Tensor logits = at::tensor({0.6f, 0.3f, 0.1f}).log();
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(3);
   std::set<int64_t> seen;
-  for (int i = 0; i < 400; ++i) seen.insert(sample_next_token(logits, 1.0, 0.7, gen));
+  for (int i = 0; i < 400; ++i) seen.insert(sample_next_token(logits, 1.0, 0.7, 0, gen));
   EXPECT_EQ(seen, (std::set<int64_t>{0, 1}));
-  for (int i = 0; i < 50; ++i) EXPECT_EQ(sample_next_token(logits, 1.0, 0.5, gen), 0);
+  for (int i = 0; i < 50; ++i) EXPECT_EQ(sample_next_token(logits, 1.0, 0.5, 0, gen), 0);
   seen.clear();
-  for (int i = 0; i < 400; ++i) seen.insert(sample_next_token(logits, 1.0, 1.0, gen));
+  for (int i = 0; i < 400; ++i) seen.insert(sample_next_token(logits, 1.0, 1.0, 0, gen));
   EXPECT_EQ(seen, (std::set<int64_t>{0, 1, 2}));
   // Greedy picks the first of tied maxima, as argmax does.
-  EXPECT_EQ(sample_next_token(at::tensor({1.0f, 3.0f, 3.0f}), 0.0, 1.0, gen), 1);
+  EXPECT_EQ(sample_next_token(at::tensor({1.0f, 3.0f, 3.0f}), 0.0, 1.0, 0, gen), 1);
+}
+
+TEST(SampleNextToken, TopKKeepsOnlyTheKMostLikelyBeforeTopP) {
+  // probs 0.5, 0.3, 0.2: top_k 2 keeps {0, 1}; top_k 1 is greedy; top_k 2 then top_p 0.6 keeps
+  // {0} (0.5 / 0.8 = 0.625 of the kept mass already reaches 0.6, though 0.5 alone would not).
+  const at::Tensor logits = at::tensor({0.5f, 0.3f, 0.2f}).log();
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(5);
+  std::set<int64_t> seen;
+  for (int i = 0; i < 400; ++i) seen.insert(sample_next_token(logits, 1.0, 1.0, 2, gen));
+  EXPECT_EQ(seen, (std::set<int64_t>{0, 1}));
+  for (int i = 0; i < 50; ++i) EXPECT_EQ(sample_next_token(logits, 1.0, 1.0, 1, gen), 0);
+  for (int i = 0; i < 50; ++i) EXPECT_EQ(sample_next_token(logits, 1.0, 0.6, 2, gen), 0);
+  seen.clear();
+  for (int i = 0; i < 400; ++i) seen.insert(sample_next_token(logits, 1.0, 1.0, 3, gen));  // k = vocab: all
+  EXPECT_EQ(seen, (std::set<int64_t>{0, 1, 2}));
+  EXPECT_THROW(sample_next_token(logits, 1.0, 1.0, -1, gen), std::invalid_argument);
+}
+
+namespace {
+
+// GRPO's shape: 3 prompts of different lengths x 2 completions, greedy and sampled ones mixed
+// (temperature, top-k, top-p), each seeded from (run seed, global index) as a rank would.
+const std::vector<std::vector<int64_t>> kPrompts = {{1, 17, 200, 3, 45}, {9, 8, 7}, {4, 5, 6, 7, 8, 9, 10, 11, 12}};
+
+std::vector<BatchSequence> rollout_sequences(int64_t max_new) {
+  std::vector<BatchSequence> seqs;
+  for (int64_t i = 0; i < 6; ++i) {
+    BatchSequence s;
+    s.prompt = i / 2;
+    s.options.max_new_tokens = max_new;
+    if (i % 2 == 1 || i == 4) {  // the rest greedy
+      s.options.temperature = 1.3;
+      s.options.top_p = 0.9;
+      s.options.top_k = i == 4 ? 20 : 0;
+    }
+    s.options.seed = sequence_seed(42, i);
+    seqs.push_back(s);
+  }
+  return seqs;
+}
+
+}  // namespace
+
+TEST(GenerateBatch, EachSequenceEqualsItAloneAndSplitsAnyWay) {
+  const std::vector<BatchSequence> seqs = rollout_sequences(12);
+  const std::vector<Completion> all = generate_batch(model(), kPrompts, seqs);
+  ASSERT_EQ(all.size(), seqs.size());
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    SCOPED_TRACE(i);
+    EXPECT_EQ(all[i].ids, generate(model(), kPrompts[static_cast<size_t>(seqs[i].prompt)], seqs[i].options));
+    EXPECT_EQ(all[i].ids.size(), 12u);
+    EXPECT_FALSE(all[i].stopped);
+  }
+  // The sampled completions of one prompt differ from its greedy one (the draws are not vacuous).
+  EXPECT_NE(all[0].ids, all[1].ids);
+  // Two "ranks", each with its share of the sequences (rank 1 also in another order).
+  const std::vector<BatchSequence> first(seqs.begin(), seqs.begin() + 3);
+  const std::vector<BatchSequence> second = {seqs[5], seqs[3], seqs[4]};
+  const std::vector<Completion> a = generate_batch(model(), kPrompts, first);
+  const std::vector<Completion> b = generate_batch(model(), kPrompts, second);
+  for (size_t i = 0; i < 3; ++i) EXPECT_EQ(a[i].ids, all[i].ids) << i;
+  EXPECT_EQ(b[0].ids, all[5].ids);
+  EXPECT_EQ(b[1].ids, all[3].ids);
+  EXPECT_EQ(b[2].ids, all[4].ids);
+}
+
+TEST(GenerateBatch, FinishedSequencesLeaveWithoutChangingTheOthers) {
+  std::vector<BatchSequence> seqs = rollout_sequences(12);
+  const std::vector<Completion> free_run = generate_batch(model(), kPrompts, seqs);
+  // Sequence 2 (prompt 1, greedy) stops at its 4th token; sequence 4 ends after 3 tokens;
+  // sequence 5 has nothing to generate.
+  seqs[2].options.stop_ids = {free_run[2].ids[3]};
+  seqs[4].options.max_new_tokens = 3;
+  seqs[5].options.max_new_tokens = 0;
+  const std::vector<Completion> got = generate_batch(model(), kPrompts, seqs);
+  const auto first = std::find(free_run[2].ids.begin(), free_run[2].ids.end(), free_run[2].ids[3]);
+  EXPECT_EQ(got[2].ids, std::vector<int64_t>(free_run[2].ids.begin(), first + 1));
+  EXPECT_TRUE(got[2].stopped);
+  EXPECT_EQ(got[4].ids, std::vector<int64_t>(free_run[4].ids.begin(), free_run[4].ids.begin() + 3));
+  EXPECT_FALSE(got[4].stopped);
+  EXPECT_TRUE(got[5].ids.empty());
+  for (const size_t i : {0u, 1u, 3u}) EXPECT_EQ(got[i].ids, free_run[i].ids) << i;
+}
+
+TEST(GenerateBatch, RejectsBadSequencesAndSeedsDependOnBothParts) {
+  std::vector<BatchSequence> seqs = rollout_sequences(4);
+  seqs[3].prompt = 3;
+  EXPECT_THROW(generate_batch(model(), kPrompts, seqs), std::invalid_argument);
+  seqs[3].prompt = 1;
+  seqs[3].options.top_k = -1;
+  EXPECT_THROW(generate_batch(model(), kPrompts, seqs), std::invalid_argument);
+  EXPECT_TRUE(generate_batch(model(), kPrompts, {}).empty());
+  EXPECT_NE(sequence_seed(1, 0), sequence_seed(0, 1));
+  EXPECT_NE(sequence_seed(0, 0), sequence_seed(0, 1));
+  EXPECT_EQ(sequence_seed(3, 7), sequence_seed(3, 7));
 }

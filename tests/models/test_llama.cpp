@@ -376,8 +376,15 @@ TEST(LlamaModel, PackedForwardRejectsBadInputs) {
   LlamaModel m = load_llama(tiny_llama(), {});
   at::NoGradGuard ng;
   const Packed p = make_packed();
-  modules::KvCache cache;
-  EXPECT_THROW(m.forward(p.tokens, p.positions, p.mask, &cache), std::invalid_argument);
+  {  // Not bad: packed rows into a cache (a generation batch's path) give the packed logits.
+    modules::KvCache cache;
+    EXPECT_LT(max_abs(m.forward(p.tokens, p.positions, p.mask, &cache) - m.forward(p.tokens, p.positions, p.mask)), 1e-5);
+    EXPECT_EQ(cache.length(), p.tokens.size(1));
+    // The next slot's mask must cover the cached keys too.
+    EXPECT_THROW(m.forward(p.tokens.narrow(1, 0, 1), p.positions.narrow(1, 0, 1), p.mask.narrow(1, 0, 1).narrow(2, 0, 1),
+                           &cache),
+                 std::invalid_argument);
+  }
   EXPECT_THROW(m.forward(p.tokens, p.positions.narrow(1, 0, 15), p.mask), std::invalid_argument);
   EXPECT_THROW(m.forward(p.tokens, p.positions, p.mask.to(at::kFloat)), std::invalid_argument);
   EXPECT_THROW(m.forward(p.tokens, p.positions, p.mask.narrow(0, 0, 1)), std::invalid_argument);

@@ -13,7 +13,11 @@
   - preference pairs (configs/tiny_qlora_dpo.toml): each shown pair's prompt is the Alpaca prompt of
     its record and its responses the record's chosen and rejected answers; pair counts of the train
     and validation files; with a short data.max_seq_len, every prompt keeps at most
-    dpo.max_prompt_len tokens and the cuts are counted.
+    dpo.max_prompt_len tokens and the cuts are counted;
+  - GRPO prompts (data.format = "prompt"): the rewards line, a string prompt shown as written with
+    sentencepiece's token count (+ BOS), a conversation rendered by the Alpaca template up to its
+    response header, the other fields shown; a record without the answer reward's field is refused
+    naming its line and grpo.rewards[0].field.
 Prints "N passed, M failed".
 
     python tests/recipes/test_data_cli.py --qlora build/qlora [--workdir build/cli_data]
@@ -126,6 +130,34 @@ def check_pairs(run, expect):
     cut = re.findall(r"^  truncated +(\d+) prompts cut", r.stdout, re.M)
     expect("pairs: prompts keep at most dpo.max_prompt_len tokens, cuts counted", r.returncode == 0 and len(prompts) == 40
            and max(prompts) <= 12 and cut and int(cut[0]) > 0 and "(its start cut)" in r.stdout, (r.stderr, prompts, cut))
+
+
+def check_prompts(run, expect, work, sp):
+    """`qlora data` on GRPO prompt records with an answer reward."""
+    path = os.path.join(work, "prompts.jsonl")
+    recs = [{"prompt": "Add the numbers.\n35 + 4\n", "answer": 39, "level": 1},
+            {"prompt": [{"role": "user", "content": "Reverse the word.\n\nkite"}], "answer": "etik"}]
+    with open(path, "w") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in recs))
+    over = ["data.format=prompt", f"data.path={path}", "data.template=alpaca", 'grpo.rewards=[{kind="answer", weight=2}]']
+    r = run(*over)
+    expect("prompts: runs", r.returncode == 0, r.stderr)
+    expect("prompts: the rewards", "rewards: 2 x answer\n" in r.stdout, r.stdout[:500])
+    shown = re.findall(r"^--- prompt (\d+)/(\d+) \((.*?)\): (\d+) tokens\n\[-(.*?)-\]\nfields +([^\n]*)$", r.stdout, re.S | re.M)
+    expect("prompts: both shown", [(i, n) for i, n, *_ in shown] == [("1", "2"), ("2", "2")], r.stdout[:1500])
+    if len(shown) == 2:
+        text = recs[0]["prompt"]
+        expect("prompts: a string as written, BOS + its tokens", shown[0][4] == text and
+               int(shown[0][3]) == len(sp.encode(text)) + 1, shown[0])
+        expect("prompts: the other fields", json.loads(shown[0][5]) == {"answer": 39, "level": 1}, shown[0][5])
+        expect("prompts: a conversation up to the response header",
+               shown[1][4] == ALPACA.format(instruction="Reverse the word.\n\nkite"), shown[1][4])
+    expect("prompts: counted", re.search(r"^  prompts +2$", r.stdout, re.M), r.stdout[-600:])
+    with open(path, "a") as f:
+        f.write(json.dumps({"prompt": "x", "solution": 3}) + "\n")
+    r = run(*over)
+    expect("prompts: a record without the answer is named", r.returncode != 0 and
+           f"{path}: line 3: grpo.rewards[0].field = \"answer\"" in r.stderr, r.stderr)
 
 
 def main() -> int:
@@ -276,6 +308,7 @@ def main() -> int:
            r.stderr)
 
     check_pairs(run, expect)
+    check_prompts(run, expect, work, sp_default)
 
     failed = results.count(False)
     print(f"{len(results) - failed} passed, {failed} failed")

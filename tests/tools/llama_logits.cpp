@@ -1,14 +1,17 @@
 // llama_logits: runs our forward (any family load_llama reads) on given token ids and writes the
 // logits, so Python conformance tests can compare them with transformers.
 //   llama_logits --checkpoint DIR --tokens 1,2,3[;4,5,6] [--nf4] [--dtype fp32|bf16] [--device cpu|cuda]
-//                [--packed 5,7 | --decode-from P | --generate N] --out FILE
+//                [--packed 5,7 | --decode-from P | --generate N [--batch-lengths 5,12 [--generations G]]]
+//                --out FILE
 // Writes FILE (safetensors) with "logits": float32 [batch, seq, vocab].
 // --packed: each row holds samples of these lengths (summing to seq), run through the packed
 //   training forward (positions restarting per sample, block-causal mask).
 // --decode-from P: the KV-cache path: one forward over the first P tokens, then one per token, the
 //   logits of all steps concatenated (equal to the plain forward's when the cache is right).
 // --generate N: instead of logits, "ids": int64 [batch, N], each row's greedy continuation by
-//   models::generate (KV cache), no stop ids.
+//   models::generate (KV cache), no stop ids. With --batch-lengths (one per row): one
+//   models::generate_batch over G greedy sequences per row, row r's prompt its first L_r tokens;
+//   "ids": int64 [batch * G, N], row r's sequences at rows r*G .. r*G+G-1.
 #include <ATen/ops/cat.h>
 #include <ATen/ops/tensor.h>
 #include <c10/core/GradMode.h>
@@ -31,7 +34,8 @@ namespace {
 [[noreturn]] void usage(const std::string& why) {
   std::cerr << "llama_logits: " << why << "\n"
             << "usage: llama_logits --checkpoint DIR --tokens 1,2,3[;4,5,6] [--nf4] [--dtype fp32|bf16] [--device D]"
-               " [--packed 5,7 | --decode-from P | --generate N] --out FILE\n";
+               " [--packed 5,7 | --decode-from P | --generate N [--batch-lengths L,.. [--generations G]]]"
+               " --out FILE\n";
   std::exit(2);
 }
 
@@ -86,11 +90,46 @@ std::pair<at::Tensor, at::Tensor> packed_inputs(const std::vector<int64_t>& leng
   return {position_ids, qlora::data::block_causal_mask(document_ids)};
 }
 
+// --generate N [--batch-lengths ...]: the greedy continuations as "ids" in `out` (see the header).
+void write_generation(const qlora::models::LlamaModel& model, const at::Tensor& ids, int64_t generate_n,
+                      const std::vector<int64_t>& batch_lengths, int64_t generations, const std::string& out) {
+  if (!batch_lengths.empty() && static_cast<int64_t>(batch_lengths.size()) != ids.size(0))
+    usage("--batch-lengths: one per row");
+  qlora::models::GenerateOptions g;  // greedy, no stop ids
+  g.max_new_tokens = generate_n;
+  std::vector<std::vector<int64_t>> prompts;
+  for (int64_t r = 0; r < ids.size(0); ++r) {
+    const at::Tensor row = ids[r].cpu().contiguous();
+    const int64_t len = batch_lengths.empty() ? row.numel() : batch_lengths[static_cast<size_t>(r)];
+    if (len < 1 || len > row.numel()) usage("--batch-lengths: each must be in [1, row length]");
+    prompts.emplace_back(row.data_ptr<int64_t>(), row.data_ptr<int64_t>() + len);
+  }
+  std::vector<std::vector<int64_t>> results;
+  if (batch_lengths.empty()) {
+    for (const auto& prompt : prompts) results.push_back(qlora::models::generate(model, prompt, g));
+  } else {
+    std::vector<qlora::models::BatchSequence> seqs;
+    for (int64_t i = 0; i < ids.size(0) * generations; ++i) seqs.push_back({i / generations, g});
+    for (auto& c : qlora::models::generate_batch(model, prompts, seqs)) results.push_back(std::move(c.ids));
+  }
+  std::vector<int64_t> all;
+  for (const std::vector<int64_t>& got : results) {
+    if (static_cast<int64_t>(got.size()) != generate_n)
+      throw std::runtime_error("generate returned " + std::to_string(got.size()) + " ids, wanted " +
+                               std::to_string(generate_n));
+    all.insert(all.end(), got.begin(), got.end());
+  }
+  const int64_t rows = static_cast<int64_t>(results.size());
+  const at::Tensor t = at::tensor(all, at::TensorOptions().dtype(at::kLong)).view({rows, generate_n});
+  qlora::io::save_safetensors(out, {{"ids", t}});
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   std::string checkpoint, tokens, out, packed;
-  int64_t generate_n = -1, decode_from = -1;
+  int64_t generate_n = -1, decode_from = -1, generations = 1;
+  std::vector<int64_t> batch_lengths;
   qlora::models::LlamaLoadOptions opt;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -105,6 +144,8 @@ int main(int argc, char** argv) {
     else if (a == "--device") opt.device = at::Device(value());
     else if (a == "--packed") packed = value();
     else if (a == "--generate") generate_n = parse_ints(value(), "--generate").at(0);
+    else if (a == "--batch-lengths") batch_lengths = parse_ints(value(), "--batch-lengths");
+    else if (a == "--generations") generations = parse_ints(value(), "--generations").at(0);
     else if (a == "--decode-from") decode_from = parse_ints(value(), "--decode-from").at(0);
     else if (a == "--dtype") {
       const std::string d = value();
@@ -123,20 +164,7 @@ int main(int argc, char** argv) {
     const qlora::models::LlamaModel model = qlora::models::load_llama(checkpoint, opt);
     at::NoGradGuard no_grad;
     if (generate_n >= 0) {
-      qlora::models::GenerateOptions g;  // greedy, no stop ids
-      g.max_new_tokens = generate_n;
-      std::vector<int64_t> all;
-      for (int64_t r = 0; r < ids.size(0); ++r) {
-        const at::Tensor row = ids[r].cpu().contiguous();
-        const std::vector<int64_t> prompt(row.data_ptr<int64_t>(), row.data_ptr<int64_t>() + row.numel());
-        const std::vector<int64_t> got = qlora::models::generate(model, prompt, g);
-        if (static_cast<int64_t>(got.size()) != generate_n)
-          throw std::runtime_error("generate returned " + std::to_string(got.size()) + " ids, wanted " +
-                                   std::to_string(generate_n));
-        all.insert(all.end(), got.begin(), got.end());
-      }
-      const at::Tensor t = at::tensor(all, at::TensorOptions().dtype(at::kLong)).view({ids.size(0), generate_n});
-      qlora::io::save_safetensors(out, {{"ids", t}});
+      write_generation(model, ids, generate_n, batch_lengths, generations, out);
       return 0;
     }
     at::Tensor logits;  // [batch, seq, vocab] fp32

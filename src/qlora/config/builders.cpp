@@ -108,4 +108,9 @@ engine::ShardingOptions sharding_options(const DistConfig& dist) {
   return o;
 }
 
+train::Rewards grpo_rewards(const GrpoConfig& grpo) {
+  return train::Rewards(grpo.rewards, grpo.reward_command, grpo.reward_command_weight,
+                        static_cast<double>(grpo.reward_timeout_s));
+}
+
 }  // namespace qlora::config

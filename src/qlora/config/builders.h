@@ -19,6 +19,7 @@
 #include "qlora/models/llama.h"
 #include "qlora/optim/adamw.h"
 #include "qlora/optim/schedule.h"
+#include "qlora/train/rewards.h"
 
 namespace qlora::config {
 
@@ -60,5 +61,9 @@ optim::AdamWOptions adamw_options(const OptimConfig& optim_cfg);
 optim::LrSchedule lr_schedule(const OptimConfig& optim_cfg, int64_t total_steps);
 
 engine::ShardingOptions sharding_options(const DistConfig& dist);
+
+// The [grpo] section's rewards, compiled: grpo.rewards, grpo.reward_command with its weight and
+// timeout.
+train::Rewards grpo_rewards(const GrpoConfig& grpo);
 
 }  // namespace qlora::config

@@ -9,6 +9,7 @@
 
 #include <toml++/toml.h>
 
+#include <algorithm>
 #include <cctype>
 #include <cerrno>
 #include <cmath>
@@ -46,6 +47,10 @@ constexpr const auto& names_of(train::ProgressMode) { return train::kProgressMod
 constexpr const auto& names_of(train::NonFinitePolicy) { return train::kNonFinitePolicyNames; }
 constexpr const auto& names_of(train::PreferenceLoss) { return train::kPreferenceLossNames; }
 constexpr const auto& names_of(train::UntrainedTokensPolicy) { return train::kUntrainedTokensPolicyNames; }
+constexpr const auto& names_of(train::RewardKind) { return train::kRewardKindNames; }
+constexpr const auto& names_of(train::GrpoLossType) { return train::kGrpoLossTypeNames; }
+constexpr const auto& names_of(train::ImportanceSamplingLevel) { return train::kImportanceSamplingLevelNames; }
+constexpr const auto& names_of(train::RewardScaling) { return train::kRewardScalingNames; }
 
 // An optional enum key (data.template) spells its absence "none", after the table's names.
 constexpr const char* kAbsent = "none";
@@ -93,7 +98,7 @@ bool enum_set(std::optional<E>& out, std::string_view name) {
 }
 
 const char* const kSections[] = {"model",      "lora",    "data", "optim", "training",
-                                 "checkpoint", "logging", "dist", "dpo"};
+                                 "checkpoint", "logging", "dist", "dpo",   "grpo"};
 
 // ---- the key table ----------------------------------------------------------------------------
 // Exactness: a key is "exact" when changing it between a checkpoint and its resume changes the
@@ -121,6 +126,7 @@ void visit_fields(Cfg& c, V&& v) {
   v("lora", "use_rslora", c.lora.use_rslora, true);
   v("lora", "use_dora", c.lora.use_dora, true);
   v("data", "path", c.data.path, false);
+  v("data", "split", c.data.split, false);  // a location too: the file it picks is fingerprinted
   v("data", "val_path", c.data.val_path, false);
   v("data", "val_fraction", c.data.val_fraction, true);  // what it holds out is not trained on
   v("data", "format", c.data.format, true);
@@ -178,7 +184,28 @@ void visit_fields(Cfg& c, V&& v) {
   // Precomputed or per step, the reference log-probabilities are the same numbers.
   v("dpo", "precompute_reference", c.dpo.precompute_reference, false);
   v("dpo", "max_prompt_len", c.dpo.max_prompt_len, true);
+  v("grpo", "rewards", c.grpo.rewards, true);
+  // The command's text, not its program's contents: editing the script between resumes is the user's call.
+  v("grpo", "reward_command", c.grpo.reward_command, true);
+  v("grpo", "reward_command_weight", c.grpo.reward_command_weight, true);
+  v("grpo", "reward_timeout_s", c.grpo.reward_timeout_s, false);
+  v("grpo", "num_generations", c.grpo.num_generations, true);
+  v("grpo", "max_completion_length", c.grpo.max_completion_length, true);
+  v("grpo", "temperature", c.grpo.temperature, true);
+  v("grpo", "top_p", c.grpo.top_p, true);
+  v("grpo", "top_k", c.grpo.top_k, true);
+  v("grpo", "loss_type", c.grpo.loss_type, true);
+  v("grpo", "importance_sampling_level", c.grpo.importance_sampling_level, true);
+  v("grpo", "scale_rewards", c.grpo.scale_rewards, true);
+  v("grpo", "epsilon", c.grpo.epsilon, true);
+  v("grpo", "epsilon_high", c.grpo.epsilon_high, true);
+  v("grpo", "beta", c.grpo.beta, true);
+  v("grpo", "num_iterations", c.grpo.num_iterations, true);
+  v("grpo", "mask_truncated_completions", c.grpo.mask_truncated_completions, true);
+  v("grpo", "use_bias_correction_kl", c.grpo.use_bias_correction_kl, true);
 }
+
+using RewardSpecs = std::vector<train::RewardSpec>;
 
 template <class T>
 constexpr bool is_string_like = std::is_same_v<T, std::string> || is_named<T>;
@@ -193,6 +220,7 @@ std::string type_name() {
   else if constexpr (std::is_same_v<T, std::string>) return "a string";
   else if constexpr (is_named<T>) return "a string (one of " + enum_allowed(T{}) + ")";
   else if constexpr (std::is_same_v<T, std::vector<std::string>>) return "an array of strings";
+  else if constexpr (std::is_same_v<T, RewardSpecs>) return "an array of tables ([[grpo.rewards]] kind = ...)";
   else return "an array of 2 numbers";
 }
 
@@ -255,6 +283,20 @@ nlohmann::ordered_json toml_to_json(const toml::node& n, const Origin& o, const 
   fail(o, "key '" + key + "'" + at_line(o, n) + ": a date/time cannot be a template argument");
 }
 
+void read_rewards(const toml::array& a, RewardSpecs& out, const Origin& o, const std::string& key);
+
+// Every key a grpo.rewards table may hold, in train::reward_keys' order; each kind takes some.
+template <class Spec, class V>
+void visit_reward_keys(Spec& r, V&& v) {
+  v("kind", r.kind);
+  v("weight", r.weight);
+  v("field", r.field);
+  v("tolerance", r.tolerance);
+  v("pattern", r.pattern);
+  v("target", r.target);
+  v("max", r.max);
+}
+
 template <class T>
 void read_field(const toml::node& n, T& out, const Origin& o, const std::string& key) {
   auto wrong_type = [&]() {
@@ -299,6 +341,10 @@ void read_field(const toml::node& n, T& out, const Origin& o, const std::string&
       values.push_back(s->get());
     }
     out = std::move(values);
+  } else if constexpr (std::is_same_v<T, RewardSpecs>) {
+    auto a = n.as_array();
+    if (!a) wrong_type();
+    read_rewards(*a, out, o, key);
   } else {
     auto a = n.as_array();
     if (!a || a->size() != out.size()) wrong_type();
@@ -307,6 +353,36 @@ void read_field(const toml::node& n, T& out, const Origin& o, const std::string&
       if (!read_number(*a->get(i), values[i])) wrong_type();
     out = values;
   }
+}
+
+// grpo.rewards: each table's kind first, then only that kind's keys (train::reward_keys).
+void read_rewards(const toml::array& a, RewardSpecs& out, const Origin& o, const std::string& key) {
+  RewardSpecs specs(a.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    const std::string at = key + "[" + std::to_string(i) + "]";
+    const toml::table* t = a.get(i)->as_table();
+    if (!t)
+      fail(o, "key '" + at + "'" + at_line(o, *a.get(i)) + " expects a table ({ kind = \"" +
+                  io::enum_names(train::kRewardKindNames) + "\", weight = ... }), got " + node_type_name(*a.get(i)));
+    train::RewardSpec& r = specs[i];
+    const toml::node* kind = t->get("kind");
+    if (!kind) fail(o, "key '" + at + ".kind'" + at_line(o, *a.get(i)) + " is missing; one of " + enum_allowed(r.kind));
+    read_field(*kind, r.kind, o, at + ".kind");
+    const std::vector<std::string> keys = train::reward_keys(r.kind);
+    for (auto&& [k, node] : *t) {
+      const std::string name(k.str()), full = at + "." + name;
+      visit_reward_keys(r, [&, &node = node](const char* k2, auto& member) {
+        if (name == k2 && name != "kind") read_field(node, member, o, full);
+      });
+      if (std::find(keys.begin(), keys.end(), name) == keys.end()) {
+        std::string known;
+        for (const std::string& s : keys) known += (known.empty() ? "" : ", ") + s;
+        fail(o, "unknown key '" + full + "'" + at_line(o, node) + " for kind \"" + enum_name(r.kind) +
+                    "\"; its keys: " + known);
+      }
+    }
+  }
+  out = std::move(specs);
 }
 
 // ---- emitting -----------------------------------------------------------------------------
@@ -371,7 +447,19 @@ std::string value_text(const T& v) {
   else if constexpr (std::is_same_v<T, double>) return format_double(v);
   else if constexpr (std::is_same_v<T, std::string>) return quote(v);
   else if constexpr (is_named<T>) return quote(enum_name(v));
-  else {
+  else if constexpr (std::is_same_v<T, RewardSpecs>) {
+    std::string out;
+    for (const train::RewardSpec& r : v) {
+      std::string table;
+      const std::vector<std::string> keys = train::reward_keys(r.kind);
+      visit_reward_keys(r, [&](const char* k, const auto& member) {
+        if (std::find(keys.begin(), keys.end(), k) != keys.end())
+          table += (table.empty() ? "" : ", ") + std::string(k) + " = " + value_text(member);
+      });
+      out += (out.empty() ? "" : ", ") + ("{ " + table + " }");
+    }
+    return "[" + out + "]";
+  } else {
     std::string out = "[";
     for (size_t i = 0; i < v.size(); ++i) {
       if (i) out += ", ";
@@ -538,6 +626,29 @@ void validate(const RecipeConfig& c, const Origin& o, const LineMap& lines) {
   check(c.dist.shard_size >= 0, "dist.shard_size", ">= 0 (0 = world size)", i(c.dist.shard_size));
   check(c.dist.collective_timeout_s >= 1, "dist.collective_timeout_s", ">= 1",
         i(c.dist.collective_timeout_s));
+  check(std::isfinite(c.grpo.reward_command_weight), "grpo.reward_command_weight", "a finite number",
+        d(c.grpo.reward_command_weight));
+  check(c.grpo.reward_timeout_s >= 1, "grpo.reward_timeout_s", ">= 1 (seconds)", i(c.grpo.reward_timeout_s));
+  check(c.grpo.temperature > 0 && std::isfinite(c.grpo.temperature), "grpo.temperature", "> 0",
+        d(c.grpo.temperature));
+  check(c.grpo.top_p > 0 && c.grpo.top_p <= 1, "grpo.top_p", "in (0, 1]", d(c.grpo.top_p));
+  check(c.grpo.top_k >= 0, "grpo.top_k", ">= 0 (0: no cut)", i(c.grpo.top_k));
+  check(c.grpo.epsilon_high >= 0, "grpo.epsilon_high", ">= 0 (0: epsilon)", d(c.grpo.epsilon_high));
+  check(c.data.max_seq_len <= 0 || c.grpo.max_completion_length < c.data.max_seq_len,
+        "grpo.max_completion_length", "below data.max_seq_len (the prompt needs room)",
+        i(c.grpo.max_completion_length));
+  try {
+    train::validate(c.grpo.options());
+  } catch (const std::invalid_argument& e) {
+    fail(o, e.what());
+  }
+  try {
+    train::validate_rewards(c.grpo.rewards);
+  } catch (const std::invalid_argument& e) {
+    const auto it = lines.find("grpo.rewards");
+    const bool line = o.has_lines && it != lines.end() && it->second;
+    fail(o, e.what() + (line ? " (grpo.rewards at line " + std::to_string(it->second) + ")" : std::string()));
+  }
 }
 
 toml::table parse_toml(std::string_view text, const std::string& source, const Origin& o) {
@@ -661,6 +772,30 @@ std::vector<KeyInfo> known_keys() {
   return out;
 }
 
+std::vector<std::pair<std::string, std::string>> key_values(const RecipeConfig& cfg) {
+  std::vector<std::pair<std::string, std::string>> out;
+  visit_fields(cfg, [&](const char* s, const char* k, const auto& m, bool) {
+    out.emplace_back(std::string(s) + "." + k, value_text(m));
+  });
+  return out;
+}
+
 bool operator==(const RecipeConfig& a, const RecipeConfig& b) { return to_toml(a) == to_toml(b); }
+
+train::GrpoOptions GrpoConfig::options() const {
+  train::GrpoOptions o;
+  o.loss_type = loss_type;
+  o.importance_sampling_level = importance_sampling_level;
+  o.scale_rewards = scale_rewards;
+  o.num_generations = num_generations;
+  o.epsilon = epsilon;
+  if (epsilon_high > 0) o.epsilon_high = epsilon_high;
+  o.beta = beta;
+  o.num_iterations = num_iterations;
+  o.mask_truncated_completions = mask_truncated_completions;
+  o.use_bias_correction_kl = use_bias_correction_kl;
+  o.max_completion_length = max_completion_length;
+  return o;
+}
 
 }  // namespace qlora::config

@@ -13,6 +13,7 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -22,7 +23,9 @@
 #include "qlora/optim/schedule.h"
 #include "qlora/train/metrics.h"
 #include "qlora/train/nonfinite.h"
+#include "qlora/train/grpo_loss.h"
 #include "qlora/train/preference_loss.h"
+#include "qlora/train/rewards.h"
 #include "qlora/train/untrained_tokens.h"
 
 namespace qlora::config {
@@ -37,7 +40,9 @@ struct ConfigError : std::runtime_error {
 enum class BaseFormat { NF4, BF16, FP32 };
 
 struct ModelConfig {
-  std::string checkpoint_dir;  // HF directory; empty = the embedded tiny default model
+  // HF directory, or a Hub id ("org/name", "org/name@revision") found in the local Hugging Face
+  // cache (io/hub_cache.h; a path that exists wins); empty = the embedded tiny default model.
+  std::string checkpoint_dir;
   // What adapter_config.json records as base_model_name_or_path: a hub id ("meta-llama/Llama-2-7b-hf")
   // where the base will be found under that name; empty = checkpoint_dir as an absolute path.
   std::string name;
@@ -70,7 +75,11 @@ struct LoraConfig {
 };
 
 struct DataConfig {
-  std::string path;  // empty = the embedded tiny default data set
+  // A JSON / JSONL file; a directory or a Hub data set id ("yahma/alpaca-cleaned[@revision]", found
+  // in the local Hugging Face cache) whose `split` file is chosen by the Hub's file naming
+  // (data/data_files.h); empty = the embedded tiny default data set.
+  std::string path;
+  std::string split = "train";  // the split of a directory or Hub data set in `path`
   // Validation data: a file of the same format, or (val_path empty) a seeded val_fraction of `path`
   // held out of training. Neither: no validation.
   std::string val_path;
@@ -177,6 +186,38 @@ struct DpoConfig {
   int64_t max_prompt_len = 0;
 };
 
+// `qlora run lora_grpo` (the others ignore it): what a completion's reward is, the weighted sum of
+// the built-in rewards and the user's program (train/rewards.h, train/reward_command.h).
+//   [[grpo.rewards]]                        or  rewards = [{ kind = "answer" }, ...]
+//   kind = "answer"   # field = "answer", tolerance = 1e-6
+//   kind = "regex"    # pattern = "^<think>.*?</think>"
+//   kind = "length"   # target = 200, max = 256 (tokens)
+//   weight = 1.0      # every kind
+// The rollouts and the objective take TRL 1.16's GRPOConfig names and defaults (train/grpo_loss.h).
+// training.batch_size counts prompts per micro-batch per rank; each brings num_generations completions.
+struct GrpoConfig {
+  std::vector<train::RewardSpec> rewards;
+  std::string reward_command;  // run by /bin/sh; empty: none
+  double reward_command_weight = 1.0;
+  int64_t reward_timeout_s = 60;  // per batch of completions; then the program's process group is killed
+  int64_t num_generations = 8;    // completions per prompt (the group)
+  int64_t max_completion_length = 256;  // new tokens per completion; a prompt keeps data.max_seq_len minus this
+  double temperature = 1.0;
+  double top_p = 1.0;
+  int64_t top_k = 0;  // 0: no top-k cut
+  train::GrpoLossType loss_type = train::GrpoLossType::kDapo;
+  train::ImportanceSamplingLevel importance_sampling_level = train::ImportanceSamplingLevel::kToken;
+  train::RewardScaling scale_rewards = train::RewardScaling::kGroup;
+  double epsilon = 0.2;
+  double epsilon_high = 0.0;  // 0: epsilon
+  double beta = 0.0;          // KL to the reference (adapters off); 0: no reference pass
+  int64_t num_iterations = 1;  // updates per generation batch (> 1: the old policy's log-probs)
+  bool mask_truncated_completions = false;
+  bool use_bias_correction_kl = true;
+
+  train::GrpoOptions options() const;
+};
+
 struct RecipeConfig {
   ModelConfig model;
   LoraConfig lora;
@@ -187,6 +228,7 @@ struct RecipeConfig {
   LoggingConfig logging;
   DistConfig dist;
   DpoConfig dpo;
+  GrpoConfig grpo;
 };
 
 // Reads and parses a file; errors name the file.
@@ -224,6 +266,13 @@ struct KeyInfo {
   bool affects_exactness;
 };
 std::vector<KeyInfo> known_keys();
+
+// Every key of cfg as {"section.key", value as to_toml writes it}, in known_keys' order
+// (`qlora config` prints them beside the defaults).
+std::vector<std::pair<std::string, std::string>> key_values(const RecipeConfig& cfg);
+
+// One line of what "section.key" does (key_docs.cpp); empty for a key without one.
+std::string_view key_description(std::string_view key);
 
 bool operator==(const RecipeConfig& a, const RecipeConfig& b);
 inline bool operator!=(const RecipeConfig& a, const RecipeConfig& b) { return !(a == b); }

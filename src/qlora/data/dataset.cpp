@@ -137,7 +137,7 @@ std::string resolve_dataset_options(DatasetOptions& o, const Tokenizer& tokenize
     if (auto t = ChatTemplate::find(tokenizer, template_kwargs)) {
       note = "data.template = \"auto\": the model's own chat template, " + t->origin();
       o.chat_template = std::make_shared<const ChatTemplate>(std::move(*t));
-    } else if (o.kind == DatasetKind::kInstruct || o.kind == DatasetKind::kPreference) {
+    } else if (o.kind == DatasetKind::kInstruct || o.kind == DatasetKind::kPreference || o.kind == DatasetKind::kPrompt) {
       o.prompt_template = TemplateKind::kAlpaca;
       note = "data.template = \"auto\": " + tokenizer.path() + " ships no chat template; alpaca";
     } else {

@@ -27,10 +27,11 @@ enum class DatasetKind {
   kChat,      // {"messages": [{"role", "content"}, ...]} or ShareGPT {"conversations": [{"from", "value"}, ...]}
   kText,      // {"text"}: plain language modelling, every token trained
   kPreference,  // {"prompt", "chosen", "rejected"} or conversational pairs: `qlora run lora_dpo` (preference.h)
+  kPrompt,      // {"prompt": text or messages, "answer", ...}: GRPO's prompts, `qlora run lora_grpo` (prompts.h)
 };
 inline constexpr io::EnumName<DatasetKind> kDatasetKindNames[] = {
     {DatasetKind::kInstruct, "instruct"}, {DatasetKind::kChat, "chat"}, {DatasetKind::kText, "text"},
-    {DatasetKind::kPreference, "preference"}};
+    {DatasetKind::kPreference, "preference"}, {DatasetKind::kPrompt, "prompt"}};
 // Throws std::invalid_argument listing the names.
 DatasetKind dataset_kind_from_name(std::string_view name);
 const char* dataset_kind_name(DatasetKind kind);

@@ -37,6 +37,7 @@ std::optional<FormatGuess> guess_other_format(const json& record, DatasetKind co
   else if (has("instruction", &json::is_string)) g = FormatGuess{DatasetKind::kInstruct, "instruction"};
   else if (has("text", &json::is_string)) g = FormatGuess{DatasetKind::kText, "text"};
   else if (record.contains("chosen") && record.contains("rejected")) g = FormatGuess{DatasetKind::kPreference, "chosen"};
+  else if (record.contains("prompt")) g = FormatGuess{DatasetKind::kPrompt, "prompt"};
   if (g && g->kind == configured) return std::nullopt;
   return g;
 }
@@ -163,6 +164,8 @@ std::vector<Segment> render_record(const json& j, const DatasetOptions& o) {
       return {Segment{required_field(j, o.kind, o.text_field, "data.text_field"), false}};
     case DatasetKind::kPreference:
       throw std::invalid_argument("preference pairs are not single samples: they train with `qlora run lora_dpo`");
+    case DatasetKind::kPrompt:
+      throw std::invalid_argument("prompt records have no answer to train on: they are GRPO's prompts (data/prompts.h)");
   }
   throw std::logic_error("render_record: unhandled dataset kind");
 }

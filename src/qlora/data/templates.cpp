@@ -1,5 +1,7 @@
 #include "qlora/data/templates.h"
 
+#include <algorithm>
+#include <iterator>
 #include <stdexcept>
 
 namespace qlora::data {
@@ -307,6 +309,15 @@ std::vector<Segment> render_chat(TemplateKind kind, const std::vector<Message>& 
     case TemplateKind::kMistralV03: return mistral_v03(m);
   }
   throw std::logic_error("render_chat: unhandled template");
+}
+
+std::pair<std::vector<Segment>, std::string> cut_at_answer(std::vector<Segment> all) {
+  const auto answer = std::find_if(all.rbegin(), all.rend(), [](const Segment& s) { return !s.is_prompt; });
+  const size_t at = answer == all.rend() ? std::string::npos : answer->text.rfind(kAnswerStandIn);
+  if (at == std::string::npos) throw std::logic_error("the template rendered no answer segment holding the stand-in");
+  std::string end_of_turn = answer->text.substr(at + kAnswerStandIn.size());
+  all.erase(std::prev(answer.base()), all.end());
+  return {std::move(all), std::move(end_of_turn)};
 }
 
 std::string join_segments(const std::vector<Segment>& segments) {

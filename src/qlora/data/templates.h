@@ -5,6 +5,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "qlora/io/enum_names.h"
@@ -95,6 +96,13 @@ std::vector<Segment> render_chat(TemplateKind kind, const std::vector<Message>& 
 // the last answer for alpaca and llama2-chat (whose answers end with add_eos' EOS). What serves a
 // model trained on `kind` writes it (the GGUF export's tokenizer.chat_template).
 std::string template_jinja(TemplateKind kind);
+
+// A record rendered with kAnswerStandIn as its (last) answer, cut there: the segments before that
+// answer (the prompt up to the opened answer turn: what transformers' add_generation_prompt renders)
+// and what the template writes after the stand-in (its end of turn, "<|im_end|>\n"; Qwen3's <think>
+// block comes before the stand-in). Throws std::logic_error when the last answer segment lacks it.
+inline constexpr std::string_view kAnswerStandIn = "qlora-answer";
+std::pair<std::vector<Segment>, std::string> cut_at_answer(std::vector<Segment> rendered);
 
 // All segment texts joined, e.g. to show a rendered prompt.
 std::string join_segments(const std::vector<Segment>& segments);

@@ -99,4 +99,13 @@ void TextRegex::for_each_match(std::string_view text, const std::function<void(s
   }
 }
 
+bool TextRegex::search(std::string_view text) const {
+  MatchData m(code_->code);
+  const int rc = pcre2_match(code_->code, reinterpret_cast<PCRE2_SPTR>(text.data()), text.size(), 0, PCRE2_NO_UTF_CHECK,
+                             m.md, nullptr);
+  if (rc == PCRE2_ERROR_NOMATCH) return false;
+  if (rc < 0) throw std::runtime_error(what_ + ": " + pcre2_message(rc) + " on a text of " + std::to_string(text.size()) + " bytes");
+  return true;
+}
+
 }  // namespace qlora::data

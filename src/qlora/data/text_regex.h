@@ -1,5 +1,5 @@
 // Pre-tokenizer regexes (PCRE2) written for tiktoken's Rust regex engine or HF tokenizers'
-// Oniguruma. UTF-8 checks and repair (utf8_valid, utf8_replace_invalid) come with it from
+// Oniguruma, and the GRPO format rewards' patterns (train/rewards.h). UTF-8 checks and repair (utf8_valid, utf8_replace_invalid) come with it from
 // qlora/jinja/utf8.h, the one home of UTF-8.
 #pragma once
 
@@ -27,6 +27,11 @@ class TextRegex {
   // whole subject, so a lookahead such as (?!\S) does not see past it. `text` must be valid
   // UTF-8. Empty matches are stepped over by one character.
   void for_each_match(std::string_view text, const std::function<void(size_t, size_t)>& on_match) const;
+
+  // Whether the pattern matches anywhere in `text` (valid UTF-8). PCRE2 backtracks, but its match
+  // and depth limits (10^7 steps by default) bound the work on any text: a pattern that reaches
+  // them throws std::runtime_error naming `what` instead of running on.
+  bool search(std::string_view text) const;
 
  private:
   struct Code;

@@ -1,4 +1,5 @@
 #include "qlora/engine/launcher.h"
+#include "qlora/io/subprocess.h"
 
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -89,13 +90,6 @@ void emit(Stream& s, const char* data, size_t n, bool flush_all) {
     s.pending.clear();
   }
   std::fflush(stderr);
-}
-
-std::string describe(int status) {
-  if (WIFEXITED(status)) return "exited with code " + std::to_string(WEXITSTATUS(status));
-  if (WIFSIGNALED(status)) return std::string("was killed by signal ") + std::to_string(WTERMSIG(status)) + " (" +
-                                  strsignal(WTERMSIG(status)) + ")";
-  return "stopped";
 }
 
 }  // namespace
@@ -243,7 +237,7 @@ int launch(const LaunchOptions& o, const std::string& exe, const std::vector<std
       --running;
       const bool ok = WIFEXITED(c.status) && WEXITSTATUS(c.status) == 0;
       if (!ok && !stopping) {
-        std::fprintf(stderr, "[launcher] rank %d %s; stopping the other ranks\n", c.rank, describe(c.status).c_str());
+        std::fprintf(stderr, "[launcher] rank %d %s; stopping the other ranks\n", c.rank, io::describe_exit(c.status).c_str());
         exit_code = WIFEXITED(c.status) ? WEXITSTATUS(c.status) : 128 + WTERMSIG(c.status);
         stopping = true;
         stop_all(SIGTERM);

@@ -319,7 +319,7 @@ void ShardedLlama::before_forward(int64_t unit, bool recompute) {
 }
 
 void ShardedLlama::after_forward(int64_t unit, bool recompute) {
-  if (recompute || !opt_.reshard_after_forward) return;
+  if (recompute || !opt_.reshard_after_forward || held_) return;
   const bool training = at::GradMode::is_enabled();
   // Backward starts with the head and the last layer: keep them rather than regather at once.
   if (training && unit >= num_layers_ - 1) return;
@@ -455,9 +455,11 @@ void ShardedLlama::release_unit(int64_t unit) { release(group_of(unit)); }
 void ShardedLlama::unshard_all() {
   for (auto& g : frozen_)
     if (g) ensure(*g);
+  held_ = true;
 }
 
 void ShardedLlama::reshard_all() {
+  held_ = false;
   for (auto& g : frozen_)
     if (g) release(*g);
 }

@@ -107,7 +107,9 @@ class ShardedLlama : public models::UnitHooks, public std::enable_shared_from_th
   WorkPtr gather_unit_to(int64_t unit, int root);
   void release_unit(int64_t unit);
 
-  // Gathers every frozen group and keeps it (export); reshard_all() releases them.
+  // Gathers every frozen group and keeps it, through forwards too, until reshard_all() releases
+  // them: exports, and GRPO's rollouts (a decode step per token would otherwise gather every layer,
+  // and ranks whose sequences ended would have to keep stepping to join those collectives).
   void unshard_all();
   void reshard_all();
   const ShardStats& stats() const { return stats_; }
@@ -143,6 +145,7 @@ class ShardedLlama : public models::UnitHooks, public std::enable_shared_from_th
   std::vector<at::Tensor> adapters_;  // the model's LoRA tensors (views of the groups' full buffers)
   std::vector<size_t> ready_order_;
   bool sync_ = true;
+  bool held_ = false;  // unshard_all(): no release until reshard_all()
   int64_t num_layers_ = 0;  // layers sharded so far; all of them after finish()
   ShardStats stats_;
 };

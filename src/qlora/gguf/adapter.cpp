@@ -96,9 +96,10 @@ std::vector<Pair> pairs_of(const io::SafetensorsFile& f, const models::LlamaConf
     const std::string weight = module + ".weight";
     std::optional<TensorPlan> target;
     if (models::is_language_model_key(layout, weight)) target = gguf_tensor(models::text_key(layout, weight), c);
-    if (!target || target->add != 0.0f || target->neg_exp || target->squeeze)
-      throw std::invalid_argument(f.path() + ": '" + key + "' adapts '" + weight +
-                                  "', which has no GGUF matrix a LoRA adapter can apply to");
+    if (!target || target->add != 0.0f || target->neg_exp || target->squeeze || target->no_lora)
+      throw std::invalid_argument(f.path() + ": '" + key + "' adapts '" + weight + "', which has no GGUF matrix a " +
+                                  "LoRA adapter can apply to" +
+                                  (target && target->no_lora ? " (llama.cpp multiplies it without its LoRA)" : ""));
     if (tied_head && target->name == "output.weight")
       throw std::invalid_argument(
           f.path() + ": '" + key + "' adapts the output head, which the base model ties to its token embedding " +

@@ -1,6 +1,9 @@
 #include "qlora/gguf/arch.h"
 
+#include <algorithm>
 #include <cmath>
+#include <functional>
+#include <map>
 #include <regex>
 #include <stdexcept>
 
@@ -27,6 +30,8 @@ const char* arch_name(Family f) {
 }
 
 bool is_gemma(Family f) { return f == Family::kGemma2 || f == Family::kGemma3; }
+// Gemma 2, 3 and 4: GeGLU, four norms a block.
+bool is_gemma_like(Family f) { return is_gemma(f) || f == Family::kGemma4; }
 
 // A refusal: the config key, what it holds, and why llama.cpp would compute something else.
 [[noreturn]] void refuse(const std::string& where, const LlamaConfig& c, const std::string& key,
@@ -50,7 +55,7 @@ std::string sliding_mismatch(const LlamaConfig& c, int64_t period) {
 
 void check_activation_and_biases(const LlamaConfig& c, const std::string& where) {
   const bool gelu = c.activation == models::MlpActivation::kGeluTanh;
-  if (gelu != is_gemma(c.family))
+  if (gelu != is_gemma_like(c.family))
     refuse(where, c, "hidden_act", std::string("the MLP activation is ") + (gelu ? "gelu_pytorch_tanh" : "silu") +
                                        ", the architecture's is the other one");
   if (c.attention_bias) refuse(where, c, "attention_bias", "llama.cpp loads no attention biases for this family");
@@ -82,9 +87,16 @@ void check_nope(const LlamaConfig& c, const std::string& where) {
 }
 
 void check_rope(const LlamaConfig& c, const std::string& where) {
-  if (c.rope_yarn)
-    refuse(where, c, "rope_parameters", "YaRN RoPE scaling is not written to GGUF yet (train and export the merged "
-                                        "model; convert it with llama.cpp's convert_hf_to_gguf.py)");
+  // YaRN: llama.cpp's olmo2 applies it to the full layers only, as OLMo 3 does; ggml rounds the
+  // ramp's ends outward to whole dimensions, as transformers' truncate does.
+  if (c.rope_yarn && c.family != Family::kOlmo2)
+    refuse(where, c, "rope_parameters", "YaRN RoPE scaling is written for OLMo 3 (llama.cpp's olmo2) only");
+  if (c.rope_yarn && !c.rope_yarn->truncate)
+    refuse(where, c, "rope_parameters.truncate", "false: ggml's YaRN rounds the ramp's ends to whole dimensions");
+  // llama.cpp takes the betas from its context parameters (32 and 1 unless a user sets them), not the file.
+  if (c.rope_yarn && (c.rope_yarn->beta_fast != 32.0 || c.rope_yarn->beta_slow != 1.0))
+    refuse(where, c, c.rope_yarn->beta_fast != 32.0 ? "rope_parameters.beta_fast" : "rope_parameters.beta_slow",
+           "llama.cpp's YaRN ramp runs between beta_fast 32 and beta_slow 1 whatever the file says");
   if (c.rope_scaling && c.family != Family::kLlama)
     refuse(where, c, "rope_scaling", "llama3 RoPE scaling is read by llama.cpp's llama architecture only");
   const bool linear_ok = c.family == Family::kLlama || c.family == Family::kQwen2 || c.family == Family::kQwen3 ||
@@ -215,6 +227,122 @@ std::optional<TensorPlan> qwen35_linear_tensor(const std::string& layer, const s
   return t;
 }
 
+// Gemma 4's full layers' head size (global_head_dim; head_dim when the config gives none).
+int64_t gemma4_full_head_dim(const LlamaConfig& c) { return c.global_head_dim > 0 ? c.global_head_dim : c.head_dim; }
+
+// What llama.cpp's gemma4 fixes: plain RoPE over all of head_dim on sliding layers, no scaling on full
+// ones (their proportional share is the rope_freqs tensor), one per-layer table row a token, and the
+// layers the KV-shared ones read: the last non-shared layer for full layers, the one before it for
+// sliding layers (as Gemma 4's checkpoints lay them out).
+void check_gemma4(const LlamaConfig& c, const std::string& where) {
+  if (!c.sliding_window) refuse(where, c, "sliding_window", "null: llama.cpp's gemma4 always has sliding layers");
+  const modules::RopeParams local = c.local_rope.value_or(modules::RopeParams{});
+  const bool local_partial = local.proportional && local.proportional->partial_rotary_factor != 1.0;
+  if (local.linear_factor != 1.0 || local.llama3 || local.yarn || local_partial)
+    refuse(where, c, "rope_parameters.sliding_attention",
+           "llama.cpp's gemma4 rotates sliding layers with plain RoPE over all of head_dim, unscaled");
+  if (c.rope_linear_factor != 1.0 || c.rope_scaling || c.rope_yarn)
+    refuse(where, c, "rope_parameters.full_attention",
+           "llama.cpp's gemma4 reads no RoPE scaling for its full layers (only the proportional rotary share)");
+  if (c.per_layer_input_dim > 0 && c.per_layer_input_vocab != c.vocab_size)
+    refuse(where, c, "vocab_size_per_layer_input",
+           std::to_string(c.per_layer_input_vocab) + " != vocab_size " + std::to_string(c.vocab_size) +
+               ": llama.cpp's gemma4 takes one per-layer table row a token");
+  const auto n = static_cast<int64_t>(c.kv_source.size());
+  int64_t first = n;
+  while (first > 0 && c.is_kv_shared(first - 1)) --first;
+  for (int64_t i = first; i < n; ++i) {
+    const int64_t theirs = first - (c.is_sliding(i) ? 2 : 1), ours = c.kv_source[static_cast<size_t>(i)];
+    if (ours != theirs)
+      refuse(where, c, "num_kv_shared_layers",
+             "layer " + std::to_string(i) + " reuses layer " + std::to_string(ours) + "'s keys and values where " +
+                 "llama.cpp's gemma4 reads layer " + std::to_string(theirs) + "'s (shared full layers read the last " +
+                 "non-shared layer, shared sliding ones the layer before it: layer_types must make those a full " +
+                 "and a sliding layer)");
+  }
+}
+
+// The rope_freqs tensor of llama.cpp's gemma4, read by its full layers only: ggml's NeoX RoPE over
+// all of global_head_dim, each frequency divided by its entry; 1e30 stops the angles past the
+// proportional share (those dimensions pass through, as transformers' zeroed frequencies do).
+std::vector<float> gemma4_rope_divisors(const LlamaConfig& c) {
+  const int64_t half = gemma4_full_head_dim(c) / 2;
+  int64_t angles = half;
+  if (c.rope_proportional)  // transformers' int(factor * head_dim // 2)
+    angles = static_cast<int64_t>(std::floor(c.rope_proportional->partial_rotary_factor * static_cast<double>(half)));
+  std::vector<float> out(static_cast<size_t>(half), 1e30f);
+  std::fill(out.begin(), out.begin() + angles, 1.0f);
+  return out;
+}
+
+// Replaces key `key` of `m` (or appends it).
+void set_key(Metadata& m, const std::string& key, Value v) {
+  for (auto& kv : m)
+    if (kv.first == key) return void(kv.second = std::move(v));
+  m.emplace_back(key, std::move(v));
+}
+
+// Gemma 4's per-layer sizes and sharing as llama.cpp's gemma4 reads them: the full layers' head
+// size as key_length (the sliding ones' as *_swa), per-layer kv heads and MLP widths as arrays where
+// they differ, the sliding layers as a bool array.
+void add_gemma4_keys(const LlamaConfig& c, ArchPlan& p) {
+  const auto u32 = [](int64_t v) { return Value::u32(static_cast<uint32_t>(v)); };
+  const int64_t n = c.num_hidden_layers, full = gemma4_full_head_dim(c);
+  std::vector<bool> swa;
+  std::vector<int32_t> kv, ff;
+  for (int64_t i = 0; i < n; ++i) {
+    swa.push_back(c.is_sliding(i));
+    kv.push_back(static_cast<int32_t>(c.layer_kv_heads(i)));
+    ff.push_back(static_cast<int32_t>(c.layer_intermediate(i)));
+  }
+  const bool kv_differ = std::adjacent_find(kv.begin(), kv.end(), std::not_equal_to<>()) != kv.end();
+  int64_t shared = 0;
+  for (int64_t i = 0; i < n; ++i) shared += c.is_kv_shared(i) ? 1 : 0;
+  const std::pair<const char*, Value> keys[] = {
+      {"attention.key_length", u32(full)},
+      {"attention.value_length", u32(full)},
+      {"attention.key_length_swa", u32(c.head_dim)},
+      {"attention.value_length_swa", u32(c.head_dim)},
+      {"rope.dimension_count", u32(full)},
+      {"rope.dimension_count_swa", u32(c.rope_dim())},
+      {"rope.freq_base_swa", Value::f32(static_cast<float>(c.local_rope.value_or(modules::RopeParams{}).theta))},
+      {"attention.head_count_kv", kv_differ ? Value::i32_array(kv) : u32(c.num_key_value_heads)},
+      {"feed_forward_length", c.double_wide_mlp ? Value::i32_array(ff) : u32(c.intermediate_size)},
+      {"attention.sliding_window_pattern", Value::bool_array(swa)},
+      {"attention.shared_kv_layers", u32(shared)},
+      {"embedding_length_per_layer_input", u32(c.per_layer_input_dim)}};
+  for (const auto& [key, v] : keys) set_key(p.metadata, p.arch + "." + key, v);
+  if (c.final_logit_softcapping)
+    set_key(p.metadata, p.arch + ".final_logit_softcapping",
+            Value::f32(static_cast<float>(*c.final_logit_softcapping)));
+  p.extra.push_back({"rope_freqs.weight", gemma4_rope_divisors(c)});
+}
+
+// Gemma 4's tensors beyond Gemma 3's block (llama.cpp's names): the per-layer inputs' table,
+// projection and norm, and in each layer their gate, projection and norm and the layer_scalar.
+std::optional<TensorPlan> gemma4_tensor(const std::string& hf) {
+  static const std::map<std::string, std::string> model = {
+      {"model.embed_tokens_per_layer.weight", "per_layer_token_embd.weight"},
+      {"model.per_layer_model_projection.weight", "per_layer_model_proj.weight"},
+      {"model.per_layer_projection_norm.weight", "per_layer_proj_norm.weight"}};
+  static const std::map<std::string, std::string> layer = {
+      {"per_layer_input_gate.weight", "inp_gate.weight"},
+      {"per_layer_projection.weight", "proj.weight"},
+      {"post_per_layer_input_norm.weight", "post_norm.weight"},
+      {"layer_scalar", "layer_output_scale.weight"}};
+  if (const auto it = model.find(hf); it != model.end()) {
+    TensorPlan t{it->second};
+    t.no_lora = it->first == "model.per_layer_model_projection.weight";
+    return t;
+  }
+  static const std::regex in_layer(R"(model\.layers\.(\d+)\.(.+))");
+  std::smatch m;
+  if (!std::regex_match(hf, m, in_layer)) return std::nullopt;
+  if (const auto it = layer.find(m[2].str()); it != layer.end())
+    return TensorPlan{"blk." + m[1].str() + "." + it->second};
+  return std::nullopt;
+}
+
 // The keys every family writes, and the context length the file declares.
 Metadata common_keys(const LlamaConfig& c, const std::string& a, int64_t context) {
   const auto u32 = [](int64_t v) { return Value::u32(static_cast<uint32_t>(v)); };
@@ -232,23 +360,28 @@ Metadata common_keys(const LlamaConfig& c, const std::string& a, int64_t context
           {a + ".rope.freq_base", Value::f32(static_cast<float>(c.rope_theta))}};
 }
 
-// Families whose llama.cpp layout this writer does not produce: why, for the refusal.
-const char* unwritten_layout(Family f) {
-  if (f == Family::kGemma4)
-    return " (Gemma 4): llama.cpp's gemma4 architecture has its own tensors for the per-layer inputs, the "
-           "full layers' head size and the KV-shared layers";
-  return nullptr;
+// YaRN as the converter writes it (yarn_* keys: the attention factor as transformers resolved it,
+// the betas). llama.cpp itself scales cos and sin by 1 + 0.1 ln(factor) (1 for factor <= 1) times
+// rope.scaling.attn_factor, and reads neither yarn_attn_factor nor the betas: an attention factor
+// other than its own is written as that key's quotient.
+template <typename Add>
+void add_yarn_keys(const modules::YarnRope& y, const Add& add) {
+  add("rope.scaling.type", Value::string("yarn"));
+  add("rope.scaling.factor", Value::f32(static_cast<float>(y.factor)));
+  add("rope.scaling.original_context_length", Value::u32(static_cast<uint32_t>(y.original_max_position_embeddings)));
+  add("rope.scaling.yarn_attn_factor", Value::f32(static_cast<float>(y.attention_factor)));
+  add("rope.scaling.yarn_beta_fast", Value::f32(static_cast<float>(y.beta_fast)));
+  add("rope.scaling.yarn_beta_slow", Value::f32(static_cast<float>(y.beta_slow)));
+  const double own = y.factor <= 1.0 ? 1.0 : 1.0 + 0.1 * std::log(y.factor);
+  if (std::abs(y.attention_factor / own - 1.0) > 1e-7)
+    add("rope.scaling.attn_factor", Value::f32(static_cast<float>(y.attention_factor / own)));
 }
 
 }  // namespace
 
 ArchPlan plan_architecture(const LlamaConfig& c, const std::string& where) {
-  if (const char* why = unwritten_layout(c.family))
-    throw std::invalid_argument(where + ": config key 'model_type': " + c.model_type + why +
-                                ", which this GGUF writer does not write yet, so no GGUF is written; the merged "
-                                "export (model/) loads in transformers and converts with llama.cpp's "
-                                "convert_hf_to_gguf.py");
   check_activation_and_biases(c, where);
+  if (c.family == Family::kGemma4) check_gemma4(c, where);
   check_rope(c, where);
   if (is_gemma(c.family)) check_gemma(c, where);
   if (c.family == Family::kSmolLM3) check_nope(c, where);
@@ -278,8 +411,9 @@ ArchPlan plan_architecture(const LlamaConfig& c, const std::string& where) {
     add("rope.scaling.factor", Value::f32(static_cast<float>(c.rope_linear_factor)));
   }
   if (c.rope_scaling) p.extra.push_back({"rope_freqs.weight", llama3_divisors(c)});
+  if (c.rope_yarn) add_yarn_keys(*c.rope_yarn, add);
   const bool olmo = c.family == Family::kOlmo2;
-  if ((is_gemma(c.family) || c.family == Family::kPhi3 || olmo) && c.sliding_window)
+  if ((is_gemma_like(c.family) || c.family == Family::kPhi3 || olmo) && c.sliding_window)
     add("attention.sliding_window", Value::u32(static_cast<uint32_t>(*c.sliding_window)));
   if (olmo && c.sliding_window) add("attention.sliding_window_pattern", Value::u32(4));
   if (c.family == Family::kGemma2) {
@@ -287,6 +421,7 @@ ArchPlan plan_architecture(const LlamaConfig& c, const std::string& where) {
     add("final_logit_softcapping", Value::f32(static_cast<float>(*c.final_logit_softcapping)));
   }
   if (c.family == Family::kQwen35) add_qwen35_keys(c, where, p);
+  if (c.family == Family::kGemma4) add_gemma4_keys(c, p);
   return p;
 }
 
@@ -298,14 +433,16 @@ std::optional<TensorPlan> gguf_tensor(const std::string& hf, const LlamaConfig& 
   static const std::regex linear(R"(model\.layers\.(\d+)\.linear_attn\.(.+))");
   std::smatch lm;
   if (c.family == Family::kQwen35 && std::regex_match(hf, lm, linear)) return qwen35_linear_tensor(lm[1], lm[2], c);
+  if (c.family == Family::kGemma4)
+    if (auto t = gemma4_tensor(hf)) return t;
   static const std::regex layer(R"(model\.layers\.(\d+)\.(.+)\.(weight|bias))");
   std::smatch m;
   if (!std::regex_match(hf, m, layer)) return std::nullopt;
   const std::string part = m[2], kind = m[3];
   const Family f = c.family;
-  const bool gemma = is_gemma(f), phi3 = f == Family::kPhi3;
+  const bool gemma = is_gemma_like(f), phi3 = f == Family::kPhi3;
   const bool olmo = f == Family::kOlmo2, qwen35 = f == Family::kQwen35;
-  const bool qk_norms = f == Family::kQwen3 || f == Family::kGemma3 || olmo || qwen35;
+  const bool qk_norms = f == Family::kQwen3 || f == Family::kGemma3 || f == Family::kGemma4 || olmo || qwen35;
   struct Row {
     const char* hf;
     const char* gguf;

@@ -32,6 +32,20 @@
 //                   rows or columns (HeadRegroup). llama.cpp takes one head size for keys and values
 //                   and full attention on every full_attention_interval-th layer, so a config that
 //                   differs is refused. The MTP block (mtp.*) is not written.
+//   olmo2, olmo3    "olmo2": post-norms, q/k norms over all heads; OLMo 3's window on three of four
+//                   layers and its full layers' YaRN as rope.scaling.* keys (llama.cpp's olmo2 leaves
+//                   the sliding layers unscaled, as OLMo 3 does).
+//   gemma4_text     "gemma4" (text-only, or the language model of a Gemma4ForConditionalGeneration):
+//                   Gemma 3's block with plain w norms (no + 1), a weightless v norm and attention
+//                   scale 1 (llama.cpp's own); the full layers' head size, kv heads and MLP widths
+//                   (key_length, head_count_kv and feed_forward_length arrays, *_swa for the sliding
+//                   layers), the sliding layers as a bool array, shared_kv_layers; the full layers'
+//                   proportional RoPE as a rope_freqs tensor (1 a rotated frequency, 1e30 the rest);
+//                   full layers without v_proj under attention_k_eq_v are written so (llama.cpp then
+//                   takes the keys as values); the per-layer inputs (per_layer_token_embd,
+//                   per_layer_model_proj, per_layer_proj_norm; blk.N.inp_gate, proj, post_norm) and
+//                   layer_scalar as blk.N.layer_output_scale. llama.cpp fixes the layers KV-shared
+//                   layers read, so a config that differs is refused.
 //
 // What cannot be described exactly (another activation, biases where llama.cpp loads none, a
 // RoPE scaling the architecture does not read, a window llama.cpp would not apply) is refused with
@@ -70,6 +84,7 @@ struct TensorPlan {
   std::optional<HeadRegroup> regroup;
   bool neg_exp = false;  // Qwen3.5's A_log: stored as -exp(A_log)
   bool squeeze = false;  // Qwen3.5's conv1d [channels, 1, kernel]: stored as [channels, kernel]
+  bool no_lora = false;  // llama.cpp multiplies it without applying a LoRA (Gemma 4's per_layer_model_proj)
 };
 
 // A tensor the GGUF holds that the checkpoint does not (Llama-3's RoPE frequency divisors).

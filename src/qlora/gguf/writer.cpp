@@ -77,6 +77,10 @@ Value Value::strings_array(std::vector<std::string> v) {
 }
 Value Value::i32_array(const std::vector<int32_t>& v) { return scalar_array(ValueType::I32, v); }
 Value Value::f32_array(const std::vector<float>& v) { return scalar_array(ValueType::F32, v); }
+Value Value::bool_array(const std::vector<bool>& v) {
+  std::vector<uint8_t> bytes(v.begin(), v.end());  // one byte each, 0 or 1
+  return scalar_array(ValueType::BOOL, bytes);
+}
 
 uint64_t TensorSpec::nbytes() const {
   if (shape.empty()) throw std::invalid_argument("GGUF tensor " + name + " has no dimensions");

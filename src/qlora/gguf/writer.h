@@ -41,6 +41,7 @@ struct Value {
   static Value strings_array(std::vector<std::string> v);
   static Value i32_array(const std::vector<int32_t>& v);
   static Value f32_array(const std::vector<float>& v);
+  static Value bool_array(const std::vector<bool>& v);
 };
 
 struct TensorSpec {

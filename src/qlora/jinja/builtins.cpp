@@ -8,6 +8,7 @@
 #include <map>
 
 #include "qlora/jinja/budget.h"
+#include "qlora/jinja/markup.h"
 #include "qlora/jinja/strings.h"
 
 namespace qlora::jinja {
@@ -68,7 +69,7 @@ Value get_path(const Value& obj, const std::string& path) {
     } else if (cur.is_undefined()) {
       undefined_error(cur);
     } else {
-      cur = Value::undefined(std::string("'") + type_name(cur) + " object' has no attribute '" + part + "'");
+      cur = Value::undefined("'" + object_type_name(cur) + " object' has no attribute '" + part + "'");
     }
     if (dot == std::string::npos) return cur;
     start = dot + 1;
@@ -80,9 +81,16 @@ Value sort_key(const Value& v, bool case_sensitive) {
   return v.is_string() && !case_sensitive ? Value::string(py_lower(v.s)) : v;
 }
 
+// The filters that call the value's own str method (soft_str(v).upper() ...) keep a Markup one.
+Value same_kind(const Value& v, std::string text) {
+  Value out = Value::string(std::move(text));
+  out.markup = v.is_string() && v.markup;
+  return out;
+}
+
 Value f_trim(const Value& v, Args& a) {
   auto p = bind(a, {"chars"}, "trim");
-  return Value::string(py_strip(to_str(v), opt_str(p[0]), true, true));
+  return same_kind(v, py_strip(to_str(v), opt_str(p[0]), true, true));
 }
 
 Value f_tojson(const Value& v, Args& a) {
@@ -130,10 +138,10 @@ Value f_join(const Value& v, Args& a) {
   return Value::string(out);
 }
 
-Value f_upper(const Value& v, Args&) { return Value::string(py_upper(to_str(v))); }
-Value f_lower(const Value& v, Args&) { return Value::string(py_lower(to_str(v))); }
-Value f_capitalize(const Value& v, Args&) { return Value::string(py_capitalize(to_str(v))); }
-Value f_title(const Value& v, Args&) { return Value::string(jinja_title(to_str(v))); }
+Value f_upper(const Value& v, Args&) { return same_kind(v, py_upper(to_str(v))); }
+Value f_lower(const Value& v, Args&) { return same_kind(v, py_lower(to_str(v))); }
+Value f_capitalize(const Value& v, Args&) { return same_kind(v, py_capitalize(to_str(v))); }
+Value f_title(const Value& v, Args&) { return Value::string(jinja_title(to_str(v))); }  // a str, even of a Markup
 
 Value f_replace(const Value& v, Args& a) {
   auto p = bind(a, {"old", "new", "count"}, "replace");
@@ -202,7 +210,8 @@ Value f_first(const Value& v, Args&) {
 }
 Value f_last(const Value& v, Args&) {
   List items = iterate(v);
-  return items.empty() ? Value::undefined("No last item, sequence was empty.") : items.back();
+  if (items.empty()) return Value::undefined("No last item, sequence was empty.");
+  return v.markup ? as_markup(items.back()) : items.back();  // reversed() indexes: a Markup's item is one
 }
 
 Value f_default(const Value& v, Args& a) {
@@ -211,7 +220,7 @@ Value f_default(const Value& v, Args& a) {
   return use_default ? arg_or(p[0], Value::string("")) : v;
 }
 
-Value f_string(const Value& v, Args&) { return Value::string(to_str(v)); }
+Value f_string(const Value& v, Args&) { return v.is_string() ? v : Value::string(to_str(v)); }  // soft_str
 
 // Python's int(str): optional sign, digits with single underscores, surrounding whitespace.
 std::optional<int64_t> parse_int(const std::string& text, int base) {
@@ -280,11 +289,13 @@ Value f_round(const Value& v, Args& a) {
   return Value::real((method == "floor" ? std::floor(x) : std::ceil(x)) / scale);
 }
 
-// jinja2's |safe makes a Markup string, and Markup + str HTML-escapes the str (functionary v3.1
-// builds its tool list that way): refused by name rather than rendered without the escaping.
-Value f_safe(const Value&, Args&) {
-  throw std::runtime_error("the 'safe' filter (HTML Markup) is not supported by qlora's chat-template interpreter");
+// |safe: Markup(v), the text of str(v) (markup.h says what a Markup changes).
+Value f_safe(const Value& v, Args& a) {
+  bind(a, {}, "safe");
+  return Value::make_markup(to_str(v));
 }
+Value f_escape(const Value& v, Args&) { return escape_value(v); }
+Value f_striptags(const Value& v, Args&) { return Value::string(strip_tags(to_str(v))); }
 
 Value f_unique(const Value& v, Args& a) {
   auto p = bind(a, {"case_sensitive", "attribute"}, "unique");
@@ -308,7 +319,7 @@ Value f_reverse(const Value& v, Args&) {
   if (!v.is_string()) return list_of(std::move(items), true);
   std::string out;
   for (const Value& c : items) out += c.s;
-  return Value::string(out);
+  return same_kind(v, out);  // Markup[::-1] is a Markup
 }
 
 Value f_sort(const Value& v, Args& a) {
@@ -362,7 +373,7 @@ Value f_indent(const Value& v, Args& a) {
     budget_append(out.size(), indentation.size());
     out = indentation + out;
   }
-  return Value::string(out);
+  return same_kind(v, out);
 }
 
 Value f_wordcount(const Value& v, Args&) {
@@ -414,7 +425,8 @@ const std::map<std::string, FilterFn>& filters() {
       {"replace", f_replace}, {"select", f_select}, {"reject", f_reject}, {"selectattr", f_selectattr},
       {"rejectattr", f_rejectattr}, {"map", f_map}, {"list", f_list}, {"first", f_first}, {"last", f_last},
       {"default", f_default}, {"d", f_default}, {"string", f_string}, {"int", f_int}, {"float", f_float},
-      {"abs", f_abs}, {"round", f_round}, {"safe", f_safe}, {"unique", f_unique}, {"reverse", f_reverse},
+      {"abs", f_abs}, {"round", f_round}, {"safe", f_safe}, {"escape", f_escape}, {"e", f_escape},
+      {"striptags", f_striptags}, {"unique", f_unique}, {"reverse", f_reverse},
       {"sort", f_sort}, {"dictsort", f_dictsort}, {"indent", f_indent}, {"wordcount", f_wordcount},
       {"min", f_min}, {"max", f_max}, {"sum", f_sum}};
   return table;

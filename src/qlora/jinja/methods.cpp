@@ -5,6 +5,7 @@
 
 #include "qlora/jinja/budget.h"
 #include "qlora/jinja/builtins.h"
+#include "qlora/jinja/markup.h"
 #include "qlora/jinja/strings.h"
 
 namespace qlora::jinja {
@@ -126,6 +127,23 @@ Value string_method(const std::string& s, const std::string& name, Args& a) {
   throw std::logic_error("unhandled string method " + name);
 }
 
+// A Markup's methods (markupsafe): what str's would give, as Markup, after escaping the arguments
+// Markup escapes: replace's new text, join's items, format's fields. Predicates are str's own.
+Value markup_method(const std::string& s, const std::string& name, Args& a) {
+  Args escaped = a;
+  if (name == "replace" && escaped.positional.size() > 1) escaped.positional[1] = escape_value(escaped.positional[1]);
+  if (name == "join" && !escaped.positional.empty()) {
+    List items = iterate(escaped.positional[0]);
+    for (Value& e : items) e = escape_value(e);
+    escaped.positional[0] = Value::make_list(std::move(items));
+  }
+  if (name == "format") {
+    for (Value& v : escaped.positional) v = escape_value(v);
+    for (auto& kv : escaped.keyword) kv.second = escape_value(kv.second);
+  }
+  return as_markup(string_method(s, name, escaped));
+}
+
 Value dict_method(const Value& d, const std::string& name, Args& a) {
   if (name == "items" || name == "keys" || name == "values") {
     budget_steps(static_cast<int64_t>(d.dict->items.size()));
@@ -168,6 +186,7 @@ Value method(const Value& obj, const std::string& name) {
   }
   if (obj.is_string() && in(kStringMethods, name)) {
     std::string s = obj.s;
+    if (obj.markup) return Value::function(name, [s, name](Args& a) { return markup_method(s, name, a); });
     return Value::function(name, [s, name](Args& a) { return string_method(s, name, a); });
   }
   if (obj.is_mapping() && in(kDictMethods, name)) {
@@ -188,7 +207,7 @@ Value method(const Value& obj, const std::string& name) {
       return Value::integer(n);
     });
   }
-  return Value::undefined(std::string("'") + type_name(obj) + " object' has no attribute '" + name + "'");
+  return Value::undefined("'" + object_type_name(obj) + " object' has no attribute '" + name + "'");
 }
 
 namespace {

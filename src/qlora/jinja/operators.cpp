@@ -7,6 +7,7 @@
 
 #include "qlora/jinja/budget.h"
 #include "qlora/jinja/builtins.h"
+#include "qlora/jinja/markup.h"
 
 namespace qlora::jinja {
 namespace {
@@ -15,6 +16,11 @@ int64_t as_int(const Value& v) { return v.kind == Kind::kInt ? v.i : v.b; }
 bool both_int(const Value& a, const Value& b) { return a.kind != Kind::kFloat && b.kind != Kind::kFloat; }
 
 [[noreturn]] void unsupported(const std::string& op, const Value& a, const Value& b) {
+  // Python's own wording: str + x and list + x name the left type's rule.
+  // (A Markup's + gives NotImplemented instead, so Python words it as any other operator.)
+  if (op == "+" && ((a.is_string() && !a.markup) || a.is_sequence()) && !b.is_undefined())
+    throw std::runtime_error(std::string("can only concatenate ") + type_name(a) + " (not \"" + type_name(b) + "\") to " +
+                             type_name(a));
   throw std::runtime_error("unsupported operand type(s) for " + op + ": '" + type_name(a) + "' and '" + type_name(b) + "'");
 }
 
@@ -31,7 +37,9 @@ Value repeat(const Value& seq, int64_t n) {
     std::string out;
     out.reserve(n > 0 ? seq.s.size() * static_cast<size_t>(n) : 0);
     for (int64_t k = 0; k < n; ++k) out += seq.s;
-    return Value::string(out);
+    Value v = Value::string(out);
+    v.markup = seq.markup;
+    return v;
   }
   budget_repeat(n, string_bytes(*seq.list), seq.list->size());
   List out;
@@ -124,6 +132,7 @@ Value binary_op(const std::string& op, const Value& a, const Value& b) {
   if (a.is_undefined()) undefined_error(a);
   if (b.is_undefined()) undefined_error(b);
   if (op == "+") {
+    if (a.is_string() && b.is_string() && (a.markup || b.markup)) return markup_concat(a, b);
     if (a.is_string() && b.is_string()) {
       budget_append(a.s.size(), b.s.size());
       return Value::string(a.s + b.s);
@@ -155,7 +164,9 @@ Value slice_of(const Value& v, const Value& start, const Value& stop, const Valu
   if (v.is_string()) {
     std::string text;
     for (const Value& c : out) text += c.s;
-    return Value::string(text);
+    Value sliced = Value::string(text);
+    sliced.markup = v.markup;  // Markup.__getitem__
+    return sliced;
   }
   return v.kind == Kind::kTuple ? Value::make_tuple(std::move(out)) : Value::make_list(std::move(out));
 }
@@ -173,11 +184,11 @@ Value get_item(const Value& obj, const Value& key) {
     const List& items = obj.is_string() ? chars : *obj.list;
     int64_t n = static_cast<int64_t>(items.size()), k = as_int(key);
     if (k < 0) k += n;
-    if (k < 0 || k >= n) return Value::undefined(std::string("'") + type_name(obj) + " object' has no element " + to_str(key));
-    return items[k];
+    if (k < 0 || k >= n) return Value::undefined("'" + object_type_name(obj) + " object' has no element " + to_str(key));
+    return obj.markup ? as_markup(items[k]) : items[k];
   }
   if (key.is_string()) return get_attr(obj, key.s);
-  return Value::undefined(std::string("'") + type_name(obj) + " object' has no element " + to_repr(key));
+  return Value::undefined("'" + object_type_name(obj) + " object' has no element " + to_repr(key));
 }
 
 Value get_attr(const Value& obj, const std::string& name) {

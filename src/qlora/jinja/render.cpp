@@ -354,6 +354,8 @@ class Renderer {
         for (size_t k = 0; k + 1 < e.children.size(); k += 2) {
           Value key = sub(k);
           if (!key.is_string()) throw std::runtime_error("dict keys other than strings are outside the subset");
+          // Python would keep the key a Markup (its repr says so); our keys are plain strings.
+          if (key.markup) throw std::runtime_error("Markup (|safe, |escape) dict keys are outside the subset");
           d.dict->set(key.s, sub(k + 1));
         }
         return d;

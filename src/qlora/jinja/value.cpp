@@ -63,6 +63,11 @@ Value Value::string(std::string s) {
   v.s = std::move(s);
   return v;
 }
+Value Value::make_markup(std::string s) {
+  Value v = string(std::move(s));
+  v.markup = true;
+  return v;
+}
 Value Value::make_list(List items) {
   Value v;
   v.kind = Kind::kList;
@@ -99,7 +104,7 @@ const char* type_name(const Value& v) {
     case Kind::kBool: return "bool";
     case Kind::kInt: return "int";
     case Kind::kFloat: return "float";
-    case Kind::kString: return "str";
+    case Kind::kString: return v.markup ? "Markup" : "str";
     case Kind::kList: return "list";
     case Kind::kTuple: return "tuple";
     case Kind::kDict: return "dict";
@@ -108,6 +113,8 @@ const char* type_name(const Value& v) {
   }
   return "?";
 }
+
+std::string object_type_name(const Value& v) { return v.markup ? "markupsafe.Markup" : type_name(v); }
 
 bool truthy(const Value& v) {
   switch (v.kind) {
@@ -273,7 +280,7 @@ std::string string_repr(const std::string& s) {
 
 std::string to_repr(const Value& v) {
   switch (v.kind) {
-    case Kind::kString: return string_repr(v.s);
+    case Kind::kString: return v.markup ? "Markup(" + string_repr(v.s) + ")" : string_repr(v.s);
     case Kind::kList:
     case Kind::kTuple: {
       bool tuple = v.kind == Kind::kTuple;

@@ -55,6 +55,9 @@ struct Value {
   // A kList that jinja2 would hand out as a generator (map, select, selectattr, items...): always
   // truthy, no len(); templates pass it on to |list, |first, |join or a for loop.
   bool generator = false;
+  // A kString that jinja2 holds as markupsafe's Markup (from |safe or |escape): it prints as is,
+  // but `+` and its methods HTML-escape the plain strings they take in (markup.h).
+  bool markup = false;
 
   static Value undefined(std::string name = {});
   static Value none();
@@ -62,6 +65,7 @@ struct Value {
   static Value integer(int64_t v);
   static Value real(double v);
   static Value string(std::string v);
+  static Value make_markup(std::string v);
   static Value make_list(List items = {});
   static Value make_tuple(List items);
   static Value make_dict();
@@ -78,6 +82,9 @@ struct Value {
 
 // Python's type name (for error messages as Python words them).
 const char* type_name(const Value& v);
+// The type as jinja2's Undefined messages name it ("'str object' has no attribute ..."): a Markup's
+// type is outside builtins, so it is module-qualified.
+std::string object_type_name(const Value& v);
 bool truthy(const Value& v);
 // Python ==.
 bool equal(const Value& a, const Value& b);

@@ -267,7 +267,7 @@ at::Tensor hidden_states(const LlamaModel& m, const at::Tensor& tokens, const at
   const LlamaConfig& c = m.config;
   // Packed rows: where each sample sits, for the Gated DeltaNet layers (attention reads the mask).
   const bool linear = !c.linear_layers.empty();
-  const modules::Segments segments = linear && positions.dim() == 2
+  const modules::Segments segments = linear && positions.dim() == 2 && !cache
                                          ? modules::segments_from_positions(positions, c.gated_delta.conv_kernel)
                                          : modules::Segments{};
   const modules::Segments* segs = segments.gather.defined() ? &segments : nullptr;
@@ -298,7 +298,7 @@ at::Tensor hidden_states(const LlamaModel& m, const at::Tensor& tokens, const at
     const modules::LayerExtras ex = sides.of(c, i);
     if (hooks) hooks->before_forward(i, false);
     if (cache) {
-      h = modules::decoder_layer_forward(layer, d, h, rope, m.training, &cache->layers[i], at::Tensor(), nullptr, &ex);
+      h = modules::decoder_layer_forward(layer, d, h, rope, m.training, &cache->layers[i], attn_mask, nullptr, &ex);
     } else if (checkpoint && !c.is_kv_source(i)) {  // a KV source's K/V must carry their graph onwards
       h = checkpointed_layer(m, i, h, rope, attn_mask, segments, ex);
     } else {
@@ -347,18 +347,20 @@ void check_tokens(const LlamaModel& m, const at::Tensor& tokens) {
 }
 
 // The packed rows' positions and mask on the model's device, checked (see LlamaModel::forward).
+// past: the key slots a cache already holds (0 without one).
 std::pair<at::Tensor, at::Tensor> packed_inputs(const LlamaModel& m, const at::Tensor& tokens,
-                                                const at::Tensor& position_ids, const at::Tensor& attn_mask) {
+                                                const at::Tensor& position_ids, const at::Tensor& attn_mask,
+                                                int64_t past = 0) {
   check_tokens(m, tokens);
-  const int64_t b = tokens.size(0), seq = tokens.size(1);
+  const int64_t b = tokens.size(0), seq = tokens.size(1), keys = past + seq;
   if (!position_ids.defined() || position_ids.scalar_type() != at::kLong || position_ids.sizes() != tokens.sizes()) {
     throw std::invalid_argument("LlamaModel::forward: position_ids must be int64 [batch, seq] like tokens " +
                                 c10::str(tokens.sizes()));
   }
   if (!attn_mask.defined() || attn_mask.scalar_type() != at::kBool || attn_mask.dim() != 3 ||
-      attn_mask.size(0) != b || attn_mask.size(1) != seq || attn_mask.size(2) != seq) {
-    throw std::invalid_argument("LlamaModel::forward: attn_mask must be bool [batch, seq, seq] = [" +
-                                std::to_string(b) + ", " + std::to_string(seq) + ", " + std::to_string(seq) + "]");
+      attn_mask.size(0) != b || attn_mask.size(1) != seq || attn_mask.size(2) != keys) {
+    throw std::invalid_argument("LlamaModel::forward: attn_mask must be bool [batch, seq, past + seq] = [" +
+                                std::to_string(b) + ", " + std::to_string(seq) + ", " + std::to_string(keys) + "]");
   }
   const at::Device dev = m.embed_tokens.device();
   const at::Tensor mask = attn_mask.to(dev);  // [b, s, s]
@@ -385,25 +387,31 @@ at::Tensor logits_of(const LlamaModel& m, const at::Tensor& h) {
       .view({h.size(0), h.size(1), -1});
 }
 
+// What loss_of sums over: the whole batch, each row, or each token.
+enum class LossPer { kBatch, kRow, kToken };
+
 // The summed token cross-entropy of h's logits against labels [batch, seq] (see LlamaModel::loss),
-// or per row ([batch], LlamaModel::row_losses).
-at::Tensor loss_of(const LlamaModel& m, const at::Tensor& h, const at::Tensor& labels, bool per_row = false) {
+// per row ([batch], LlamaModel::row_losses) or per token ([batch * seq], LlamaModel::token_losses).
+at::Tensor loss_of(const LlamaModel& m, const at::Tensor& h, const at::Tensor& labels, LossPer per = LossPer::kBatch) {
   if (!labels.defined() || labels.scalar_type() != at::kLong || labels.sizes() != h.sizes().slice(0, 2)) {
     throw std::invalid_argument("LlamaModel::loss: labels must be int64 [batch, seq] like tokens " +
                                 c10::str(h.sizes().slice(0, 2)) + ", got " +
                                 (labels.defined() ? c10::str(labels.sizes()) : std::string("none")));
   }
   const int64_t chunk = m.loss_chunk_tokens > 0 ? m.loss_chunk_tokens : default_loss_chunk_tokens(std::min(m.config.vocab_size, m.lm_head_chunk_rows));
+  OutputHead head = output_head(m);
+  head.temperature = m.logit_temperature;
   return head_unit(m, h, [&](const at::Tensor& normed, const at::Tensor& lora_x) {
     const at::Tensor flat = labels.reshape({-1}).to(normed.device());  // [batch * seq]
-    if (per_row) {
-      const int64_t b = labels.size(0);
-      const at::Tensor rows = at::arange(b, flat.options()).repeat_interleave(labels.size(1));  // [batch * seq]
-      return m.chunked_loss ? chunked_segment_loss(output_head(m), normed, lora_x, flat, rows, b, chunk)
-                            : full_segment_loss(output_head(m), normed, lora_x, flat, rows, b);
+    if (per != LossPer::kBatch) {
+      const int64_t b = per == LossPer::kRow ? labels.size(0) : flat.size(0);
+      const at::Tensor segs = per == LossPer::kRow ? at::arange(b, flat.options()).repeat_interleave(labels.size(1))
+                                                   : at::arange(b, flat.options());  // [batch * seq]
+      return m.chunked_loss ? chunked_segment_loss(head, normed, lora_x, flat, segs, b, chunk)
+                            : full_segment_loss(head, normed, lora_x, flat, segs, b);
     }
-    return m.chunked_loss ? chunked_token_loss(output_head(m), normed, lora_x, flat, chunk)
-                          : full_token_loss(output_head(m), normed, lora_x, flat);
+    return m.chunked_loss ? chunked_token_loss(head, normed, lora_x, flat, chunk)
+                          : full_token_loss(head, normed, lora_x, flat);
   });
 }
 
@@ -416,12 +424,15 @@ at::Tensor LlamaModel::forward(const at::Tensor& tokens, modules::KvCache* cache
 
 at::Tensor LlamaModel::forward(const at::Tensor& tokens, const at::Tensor& position_ids,
                                const at::Tensor& attn_mask, modules::KvCache* cache) const {
-  if (cache) {
+  if (cache && !config.linear_layers.empty() && tokens.size(1) > 1) {
+    // A Gated DeltaNet layer reads no mask: with a cache it would carry padding or another
+    // sample into a row's state.
     throw std::invalid_argument(
-        "LlamaModel::forward: packed rows (position_ids + attn_mask) cannot use a KV cache; packing is training-only");
+        "LlamaModel::forward: a model with Gated DeltaNet layers takes position_ids + attn_mask with a KV cache "
+        "one token per row only (prefill each sequence without them)");
   }
-  const auto [positions, mask] = packed_inputs(*this, tokens, position_ids, attn_mask);
-  return logits_of(*this, hidden_states(*this, tokens, positions, mask, nullptr));
+  const auto [positions, mask] = packed_inputs(*this, tokens, position_ids, attn_mask, cache ? cache->length() : 0);
+  return logits_of(*this, hidden_states(*this, tokens, positions, mask, cache));
 }
 
 at::Tensor LlamaModel::loss(const at::Tensor& tokens, const at::Tensor& labels) const {
@@ -437,7 +448,13 @@ at::Tensor LlamaModel::loss(const at::Tensor& tokens, const at::Tensor& position
 
 at::Tensor LlamaModel::row_losses(const at::Tensor& tokens, const at::Tensor& labels) const {
   const at::Tensor positions = plain_positions(*this, tokens, 0);  // [seq]
-  return loss_of(*this, hidden_states(*this, tokens, positions, at::Tensor(), nullptr), labels, /*per_row=*/true);
+  return loss_of(*this, hidden_states(*this, tokens, positions, at::Tensor(), nullptr), labels, LossPer::kRow);
+}
+
+at::Tensor LlamaModel::token_losses(const at::Tensor& tokens, const at::Tensor& labels) const {
+  const at::Tensor positions = plain_positions(*this, tokens, 0);  // [seq]
+  return loss_of(*this, hidden_states(*this, tokens, positions, at::Tensor(), nullptr), labels, LossPer::kToken)
+      .view(labels.sizes());
 }
 
 std::vector<std::pair<std::string, at::Tensor>> LlamaModel::lora_parameters() const {

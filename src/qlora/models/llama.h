@@ -90,6 +90,9 @@ struct LlamaModel {
   // false: loss() forms the whole [tokens, vocab] logits, as forward() does; the reference the tests
   // and bench_train_step --ce-compare measure the chunked loss against.
   bool chunked_loss = true;
+  // loss(), row_losses() and token_losses() score logits / logit_temperature (OutputHead::temperature):
+  // GRPO's log-probabilities at its sampling temperature. forward() and generation ignore it.
+  double logit_temperature = 1.0;
   at::Tensor embed_tokens;  // [vocab, hidden], frozen, in frozen_dtype
   modules::PerLayerInputs per_layer_inputs;  // Gemma 4's, of the embedding unit; undefined for the others
   std::vector<modules::DecoderLayer> layers;
@@ -118,8 +121,12 @@ struct LlamaModel {
   // only within itself. tokens, position_ids: [batch, seq] int64, positions restarting at 0 per
   // sample (they drive RoPE); attn_mask: [batch, seq, seq] bool, true where query i may attend to
   // key j (e.g. data::block_causal_mask), with at least one true per row (give padding a
-  // causal block of its own). Returns logits [batch, seq, vocab] float32. `cache` exists only to
-  // reject it with a clear error: packing is training-only and has no KV-cache path.
+  // causal block of its own). Returns logits [batch, seq, vocab] float32.
+  // With a cache (a generation batch, models/generate.h): the tokens continue each row, position_ids
+  // are each row's own positions and attn_mask is [batch, seq, past + seq] over the cached key slots
+  // and the new ones (false on a row's left padding).
+  // A model with Gated DeltaNet layers takes one token per row here (those layers read no mask: each
+  // row's state is its own, so a row prefilled alone never needs padding).
   at::Tensor forward(const at::Tensor& tokens, const at::Tensor& position_ids, const at::Tensor& attn_mask,
                      modules::KvCache* cache = nullptr) const;
 
@@ -134,6 +141,10 @@ struct LlamaModel {
   // The same summed per row: [batch] fp32, row b = -(log-probability of its scored labels), the
   // sequence log-probabilities of preference losses; its backward weighs each row by its gradient.
   at::Tensor row_losses(const at::Tensor& tokens, const at::Tensor& labels) const;
+  // The same per token: [batch, seq] fp32, each scored label's cross-entropy (0 where unscored), the
+  // per-token log-probabilities GRPO weighs one by one. Still no [tokens, vocab] logits; with an
+  // adapter on the output head its gradients are kept per token, so that case costs memory.
+  at::Tensor token_losses(const at::Tensor& tokens, const at::Tensor& labels) const;
 
   // Trainable tensors with PEFT names, e.g.
   // base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight ([r, in]) / .lora_B.weight

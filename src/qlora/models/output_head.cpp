@@ -87,7 +87,7 @@ at::Tensor block_logits(const OutputHead& head, const ChunkRows& c, const at::Te
   at::Tensor y = at::linear(c.h, w, l.bias.defined() ? l.bias.narrow(0, r0, n) : at::Tensor());  // [T, n]
   if (l.active()) y = (y + at::linear(c.xa, l.lora_b.detach().narrow(0, r0, n)) * l.scale).to(c.h.scalar_type());
   if (head.softcap != 0.0) y = at::tanh(y / head.softcap) * head.softcap;
-  return y.to(at::kFloat);
+  return head.temperature != 1.0 ? y.to(at::kFloat) / head.temperature : y.to(at::kFloat);
 }
 
 // Where each token's label falls in vocab rows [r0, r0 + n): whether it does ([T, 1] bool) and its
@@ -100,9 +100,9 @@ LabelColumn label_column(const at::Tensor& labels, int64_t r0, int64_t n) {
   return {(lb >= r0).logical_and_(lb < r0 + n), (lb - r0).clamp_(0, n - 1)};
 }
 
-// d softcap(y) / dy from the capped logits z (with a cap): 1 - (z / cap)^2.
+// d softcap(y) / dy from the logits z (with a cap): 1 - (c / cap)^2, c = z · temperature the capped value.
 at::Tensor softcap_slope(const OutputHead& head, const at::Tensor& z) {
-  return 1.0 - (z / head.softcap).square();
+  return 1.0 - ((head.temperature != 1.0 ? z * head.temperature : z) / head.softcap).square();
 }
 
 // One chunk's per-token losses and the gradients of their sum wrt h (dh [T, hidden] fp32) and wrt
@@ -134,6 +134,7 @@ ChunkScore score_chunk(const OutputHead& head, const HeadRows& rows, const Chunk
     const at::Tensor rescale = ops::online_softmax_(z, p, m, s);  // [T, 1], 0 on the first block
     if (!dh && !dxa) continue;
     if (head.softcap != 0.0) p.mul_(softcap_slope(head, z));
+    if (head.temperature != 1.0) p.mul_(1.0 / head.temperature);
     // dh: fp32 GEMMs into the running sum; a bf16 head as a bf16 GEMM (fp32 accumulation) whose
     // block sum is added in fp32, never widening the block of W.
     if (dh && w.scalar_type() == at::kFloat) acc_h.mul_(rescale).addmm_(p, w);
@@ -144,7 +145,8 @@ ChunkScore score_chunk(const OutputHead& head, const HeadRows& rows, const Chunk
   r.lse = (m + s.log()).squeeze(1);  // [T]
   r.loss = r.lse - zl;
   if (!dh && !dxa) return r;
-  const at::Tensor label_slope = head.softcap != 0.0 ? softcap_slope(head, zl).unsqueeze(1) : at::ones({1, 1}, f32);
+  at::Tensor label_slope = head.softcap != 0.0 ? softcap_slope(head, zl).unsqueeze(1) : at::ones({1, 1}, f32);
+  if (head.temperature != 1.0) label_slope = label_slope / head.temperature;
   if (dh) r.dh = acc_h.div_(s).sub_(rows.rows(c.labels, at::kFloat).mul_(label_slope));
   if (dxa) r.dxa = acc_xa.div_(s).sub_(l.lora_b.detach().index_select(0, c.labels).mul(label_slope));
   return r;
@@ -163,6 +165,7 @@ void add_lora_b_grad(const OutputHead& head, const HeadRows& rows, const ChunkRo
     const LabelColumn lc = label_column(c.labels, r0, n);
     g.scatter_add_(1, lc.column, at::where(lc.in_block, -1.0, 0.0).to(at::kFloat));
     if (head.softcap != 0.0) g.mul_(softcap_slope(head, z));
+    if (head.temperature != 1.0) g.mul_(1.0 / head.temperature);
     db.narrow(0, r0, n).addmm_(g.t(), c.xa);
   }
 }
@@ -295,7 +298,7 @@ at::Tensor output_logits(const OutputHead& head, const at::Tensor& h, const at::
   // As lora_linear_forward: the fp32 update added to the base output, the sum cast back.
   if (l.active()) y = (y + modules::lora_update(l, lora_x)).to(h.scalar_type());
   if (head.softcap != 0.0) y = at::tanh(y / head.softcap) * head.softcap;
-  return y.to(at::kFloat);
+  return head.temperature != 1.0 ? y.to(at::kFloat) / head.temperature : y.to(at::kFloat);
 }
 
 int64_t default_loss_chunk_tokens(int64_t block_rows) {

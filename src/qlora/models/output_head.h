@@ -18,11 +18,14 @@ struct OutputHead {
   const modules::LoraLinear* proj = nullptr;
   int64_t widen_rows = 4096;
   double softcap = 0.0;  // 0: none; else cap * tanh(logits / cap), in the compute dtype
+  // The fp32 logits (after the soft-cap) divided by this: GRPO's log-probabilities at its sampling
+  // temperature, as TRL computes them. 1: none (no division, so no rounding).
+  double temperature = 1.0;
 };
 
 // h: [..., hidden] in the compute dtype; lora_x: the LoRA path's input (modules::lora_input of h),
 // undefined when the head has no adapter. Returns the logits [..., vocab] fp32:
-// softcap((base(h) + lora_update(lora_x)) in h's dtype), then widened to fp32.
+// softcap((base(h) + lora_update(lora_x)) in h's dtype), then widened to fp32 (and / temperature).
 at::Tensor output_logits(const OutputHead& head, const at::Tensor& h, const at::Tensor& lora_x);
 
 // The byte budget of one [tokens, vocab block] fp32 logits block of the chunked loss; its other

@@ -275,21 +275,22 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
 
 at::Tensor masked_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const at::Tensor& attn_mask, const AttentionOptions& opt) {
-  const int64_t b = q.size(0), heads = q.size(1), seq = q.size(2);
+  const int64_t b = q.size(0), heads = q.size(1), seq = q.size(2), total = k.size(2);
   if (heads % k.size(1) != 0) throw std::invalid_argument("masked_attention: kv heads must divide query heads");
-  if (k.size(2) != seq) throw std::invalid_argument("masked_attention: keys must cover exactly the query positions");
+  if (total < seq) throw std::invalid_argument("masked_attention: keys must cover at least the query positions");
   if (attn_mask.scalar_type() != at::kBool || attn_mask.dim() != 3 || attn_mask.size(0) != b ||
-      attn_mask.size(1) != seq || attn_mask.size(2) != seq) {
-    throw std::invalid_argument("masked_attention: attn_mask must be bool [batch, seq, seq] = [" + std::to_string(b) +
-                                ", " + std::to_string(seq) + ", " + std::to_string(seq) + "], got " +
+      attn_mask.size(1) != seq || attn_mask.size(2) != total) {
+    throw std::invalid_argument("masked_attention: attn_mask must be bool [batch, seq, keys] = [" + std::to_string(b) +
+                                ", " + std::to_string(seq) + ", " + std::to_string(total) + "], got " +
                                 c10::str(attn_mask.sizes()) + " " + c10::toString(attn_mask.scalar_type()));
   }
   const int64_t n_rep = heads / k.size(1);
-  at::Tensor kk = repeat_kv(k, n_rep), vv = repeat_kv(v, n_rep);  // [b, heads, seq, d]
-  // [b, 1, s, s]: one mask per row, shared by all heads. Not is_causal: the mask already holds
+  at::Tensor kk = repeat_kv(k, n_rep), vv = repeat_kv(v, n_rep);  // [b, heads, total, d]
+  // [b, 1, s, total]: one mask per row, shared by all heads. Not is_causal: the mask already holds
   // the causal structure (and SDPA rejects is_causal together with an explicit mask).
   at::Tensor mask = attn_mask.unsqueeze(1);
-  if (opt.window > 0 && opt.window < seq) mask = mask.logical_and(causal_window_mask(seq, seq, opt.window, q.options()));
+  if (opt.window > 0 && opt.window < total)
+    mask = mask.logical_and(causal_window_mask(seq, total, opt.window, q.options()));
   return attend(q, kk, vv, mask, /*is_causal=*/false, opt);
 }
 
@@ -441,9 +442,6 @@ at::Tensor per_layer_branch(const DecoderLayer& layer, const LayerDims& dims, co
 at::Tensor decoder_layer_forward(const DecoderLayer& layer, const LayerDims& dims, const at::Tensor& h,
                                  const RopeTables& rope, bool training, LayerCache* cache,
                                  const at::Tensor& attn_mask, const Segments* segments, const LayerExtras* extras) {
-  if (attn_mask.defined() && cache) {
-    throw std::invalid_argument("decoder_layer_forward: an attention mask cannot be combined with a KV cache");
-  }
   // OLMo 2/3 normalise no layer input: their norms close each branch instead.
   const bool post_norms_only = !layer.input_layernorm.defined();
   at::Tensor x = post_norms_only ? h : layer_norm(dims, h, layer.input_layernorm);  // [b, s, hidden]

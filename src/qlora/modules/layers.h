@@ -86,12 +86,14 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
                             const AttentionOptions& opt = {});
 
 // Attention under an explicit boolean mask (true = query i may attend to key j), e.g. the
-// block-causal mask of packed rows. q [batch, heads, seq, d], k/v [batch, kv_heads, seq, d],
-// attn_mask [batch, seq, seq] bool; every query row must allow at least one key (an all-false row
-// would softmax to NaN). K/V heads are expanded as in causal_attention. A window in `opt` is
-// applied on top of the mask, by row distance (packed samples are contiguous, so within a sample
-// that is the position distance). On the CPU a mask that hides every future key (as packing's
-// does) runs the blocked attention. Returns [batch, heads, seq, d].
+// block-causal mask of packed rows, or with a KV cache the left padding of a generation batch.
+// q [batch, heads, seq, d], k/v [batch, kv_heads, total, d] with the queries at the last seq of the
+// total key slots, attn_mask [batch, seq, total] bool; every query row must allow at least one key
+// (an all-false row would softmax to NaN). K/V heads are expanded as in causal_attention. A window
+// in `opt` is applied on top of the mask, by slot distance (packed samples and a padded row's
+// tokens are contiguous, so within a sample that is the position distance). On the CPU a mask
+// without a cache that hides every future key (as packing's does) runs the blocked attention.
+// Returns [batch, heads, seq, d].
 at::Tensor masked_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const at::Tensor& attn_mask, const AttentionOptions& opt = {});
 
@@ -179,8 +181,8 @@ struct LayerExtras {
 
 // One pre-norm decoder layer. h: [batch, seq, hidden]; rope tables for the seq positions.
 // cache (optional): this layer's cache entry, extended in place.
-// attn_mask (optional, [batch, seq, seq] bool, true = may attend): replaces plain causal attention
-// (packed rows); it cannot be combined with a cache. A Gated DeltaNet layer reads `segments`
+// attn_mask (optional, [batch, seq, past + seq] bool, true = may attend): replaces plain causal
+// attention (packed rows; with a cache, a generation batch's padded key slots). A Gated DeltaNet layer reads `segments`
 // instead (null: each row is one sequence). extras: Gemma 4's (see LayerExtras); null: none.
 at::Tensor decoder_layer_forward(const DecoderLayer& layer, const LayerDims& dims, const at::Tensor& h,
                                  const RopeTables& rope, bool training, LayerCache* cache = nullptr,

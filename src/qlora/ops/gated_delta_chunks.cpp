@@ -13,7 +13,7 @@ namespace {
 
 // Chunks per block: each pass works on this many chunks at once (batched matmuls over heads and
 // chunks), so its transient [C, C] and [C, d] terms are bounded by the block, not the sequence.
-constexpr int64_t kBlockChunks = 8;
+constexpr int64_t kBlockChunks = 4;
 
 // What each chunk computes from its own tokens alone (the header's notation), for all chunks at once:
 // the per-token decays and decayed q and k, cheap enough to recompute in backward, and the chunk's
@@ -23,6 +23,7 @@ struct Terms {
   at::Tensor to_end;       // exp(gam_C - gam)    [N, BH, C, 1]
   at::Tensor chunk_decay;  // exp(gam_C)          [N, BH, 1, 1]
   at::Tensor qg, kd;       // exp(gam)*Q, exp(gam_C - gam)*K
+  at::Tensor u, w;         // T (beta*V), T (beta*exp(gam)*K): [N, BH, C, dv], [N, BH, C, dk]
   Local m;
 };
 
@@ -92,19 +93,21 @@ Terms chunk_terms(const Chunks& x, const Local* saved) {
   tm.chunk_decay = decay_exp(gam_end).unsqueeze(-1);
   tm.qg = x.q * tm.decay;
   tm.kd = x.k * tm.to_end;
-  if (saved) {
-    tm.m = *saved;
-    return tm;
-  }
-  Local& m = tm.m;
-  m.e = pairwise_decay(gam);
   const at::Tensor beta = x.beta.unsqueeze(-1);  // [N, BH, C, 1]
-  const at::Tensor kt = x.k.transpose(-1, -2);
-  m.ae = bmm4(x.k * beta, kt).mul_(m.e);
-  m.p = bmm4(x.q, kt).mul_(m.e);
-  m.t = unit_lower_inverse(m.ae.tril(-1));
-  m.u = bmm4(m.t, x.v * beta);
-  m.w = bmm4(m.t, x.k * (beta * tm.decay));
+  Local& m = tm.m;
+  if (saved) {
+    m = *saved;
+  } else {
+    m.e = pairwise_decay(gam);
+    const at::Tensor kt = x.k.transpose(-1, -2);
+    m.ae = bmm4(x.k * beta, kt).mul_(m.e);
+    m.p = bmm4(x.q, kt).mul_(m.e);
+    m.t = unit_lower_inverse(m.ae.tril(-1));
+  }
+  // Recomputed rather than saved: two [C, C] x [C, d] products per chunk cost less than keeping
+  // two more [C, d] tensors per chunk between forward and backward.
+  tm.u = bmm4(m.t, x.v * beta);
+  tm.w = bmm4(m.t, x.k * (beta * tm.decay));
   return tm;
 }
 
@@ -135,7 +138,7 @@ Chunks slice(const Chunks& x, int64_t first, int64_t count) {
 Saved slice(const Saved& x, int64_t first, int64_t count) {
   const auto part = [&](const at::Tensor& t) { return t.narrow(0, first, count); };
   const Local& m = x.local;
-  return {part(x.starts), part(x.delta), {part(m.e), part(m.ae), part(m.p), part(m.t), part(m.u), part(m.w)}};
+  return {part(x.starts), part(x.delta), {part(m.e), part(m.ae), part(m.p), part(m.t)}};
 }
 
 // One block's share of the forward scan: writes its saved tensors and returns its outputs and
@@ -143,15 +146,14 @@ Saved slice(const Saved& x, int64_t first, int64_t count) {
 at::Tensor forward_block(const Chunks& xb, at::Tensor& s, const Saved& saved) {
   const Terms tm = chunk_terms(xb, nullptr);
   const Local &m = tm.m, &keep = saved.local;
-  for (const auto& [to, from] : {std::pair{keep.e, m.e}, {keep.ae, m.ae}, {keep.p, m.p}, {keep.t, m.t}, {keep.u, m.u},
-                                 {keep.w, m.w}})
+  for (const auto& [to, from] : {std::pair{keep.e, m.e}, {keep.ae, m.ae}, {keep.p, m.p}, {keep.t, m.t}})
     to.copy_(from);
   const at::Tensor &starts = saved.starts, &delta = saved.delta;
   // The only sequential part: Delta = U - W S, then S <- exp(gam_C) S + Kd^T Delta.
   for (int64_t i = 0; i < xb.v.size(0); ++i) {
     starts.select(0, i).copy_(s);
     at::Tensor d = delta.select(0, i);  // [BH, C, dv]
-    at::baddbmm_out(d, m.u.select(0, i), m.w.select(0, i), s, 1.0, -1.0);
+    at::baddbmm_out(d, tm.u.select(0, i), tm.w.select(0, i), s, 1.0, -1.0);
     s.mul_(tm.chunk_decay.select(0, i)).baddbmm_(tm.kd.select(0, i).transpose(1, 2), d);
   }
   return chunk_outputs(tm, starts, delta);
@@ -166,7 +168,7 @@ Forward chunked_forward(const Chunks& x, const at::Tensor& state0) {
   const auto square = [&] { return at::empty({n, bh, c, c}, x.v.options()); };
   Forward f{at::empty_like(x.v),
             {at::empty({n, bh, dk, dv}, x.v.options()), at::empty_like(x.v),
-             {square(), square(), square(), square(), at::empty_like(x.v), at::empty_like(x.k)}},
+             {square(), square(), square(), square()}},
             at::Tensor()};
   for (int64_t first = 0; first < n; first += kBlockChunks) {
     const int64_t count = std::min(kBlockChunks, n - first);
@@ -201,7 +203,7 @@ StateGrads backward_scan(const Terms& tm, const at::Tensor& starts, const at::Te
     ends.select(0, i).copy_(ds);
     at::Tensor dd = sg.d_delta.select(0, i);
     at::baddbmm_out(dd, from_out.select(0, i), tm.kd.select(0, i), ds);
-    ds.mul_(tm.chunk_decay.select(0, i)).add_(read.select(0, i)).baddbmm_(tm.m.w.select(0, i).transpose(1, 2), dd, 1.0, -1.0);
+    ds.mul_(tm.chunk_decay.select(0, i)).add_(read.select(0, i)).baddbmm_(tm.w.select(0, i).transpose(1, 2), dd, 1.0, -1.0);
   }
   sg.dkd = bmm4(delta, ends.transpose(-1, -2));
   sg.carried = (starts * ends).sum({-2, -1});
@@ -219,8 +221,8 @@ SolveGrads solve_grads(const Terms& tm, const at::Tensor& du, const at::Tensor& 
   SolveGrads sv;
   sv.dxu = bmm4(tt, du);
   sv.dxw = bmm4(tt, dw);
-  sv.da = -at::baddbmm(bmm4(sv.dxu, tm.m.u.transpose(-1, -2)).flatten(0, 1), sv.dxw.flatten(0, 1),
-                       tm.m.w.transpose(-1, -2).flatten(0, 1))
+  sv.da = -at::baddbmm(bmm4(sv.dxu, tm.u.transpose(-1, -2)).flatten(0, 1), sv.dxw.flatten(0, 1),
+                       tm.w.transpose(-1, -2).flatten(0, 1))
                .view_as(tm.m.t)
                .tril(-1);
   return sv;

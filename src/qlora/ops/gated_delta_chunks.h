@@ -34,19 +34,18 @@ struct Local {
   at::Tensor ae;    // ((beta*K) K^T) .* E   [N, BH, C, C] (A is its strict lower part)
   at::Tensor p;     // (Q K^T) .* E          [N, BH, C, C]
   at::Tensor t;     // T = (I + A)^-1        [N, BH, C, C], unit lower triangular
-  at::Tensor u, w;  // T (beta*V), T (beta*exp(gam)*K): [N, BH, C, dv], [N, BH, C, dk]
 };
 
 // What backward reads back from the forward, per chunk: memory linear in the sequence, and no
-// chunk's matrices computed twice.
+// chunk's [C, C] matrices (the inverse above all) computed twice.
 struct Saved {
   at::Tensor starts;  // [N, BH, dk, dv]: the state entering each chunk
   at::Tensor delta;   // [N, BH, C, dv]: Delta = U - W S0
   Local local;
 
-  std::vector<at::Tensor> list() const { return {starts, delta, local.e, local.ae, local.p, local.t, local.u, local.w}; }
+  std::vector<at::Tensor> list() const { return {starts, delta, local.e, local.ae, local.p, local.t}; }
   static Saved of(const std::vector<at::Tensor>& l, size_t i) {
-    return {l[i], l[i + 1], {l[i + 2], l[i + 3], l[i + 4], l[i + 5], l[i + 6], l[i + 7]}};
+    return {l[i], l[i + 1], {l[i + 2], l[i + 3], l[i + 4], l[i + 5]}};
   }
 };
 
