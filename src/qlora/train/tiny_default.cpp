@@ -233,7 +233,7 @@ class DirLock {
 };
 
 // The pre-trained base shipped in the repository (src/qlora/train/tiny_base_v<kBaseVersion>/, made by
-// scripts/make_tiny_base.sh), so that a fresh machine skips the pre-training.
+// scripts/make_tiny_base.sh), so that pre-training happens once per repository, not per machine.
 // QLORA_NO_SHIPPED_BASE=1 ignores it (that script, to pre-train anew).
 fs::path shipped_base() {
   if (const char* e = std::getenv("QLORA_NO_SHIPPED_BASE"); e && *e && std::string(e) != "0") return {};
@@ -241,11 +241,13 @@ fs::path shipped_base() {
   return is_complete(dir) ? dir : fs::path{};
 }
 
-// The pre-trained base: the per-machine cache if there, else the shipped one, else made and cached.
+// The pre-trained base: the shipped one, else (a binary away from its source tree, or
+// QLORA_NO_SHIPPED_BASE) the per-machine cache, made first if missing. The shipped one comes first
+// so that every machine fine-tunes the same bits, not a base its own CPU pre-trained earlier.
 fs::path pretrained_base() {
+  if (fs::path shipped = shipped_base(); !shipped.empty()) return shipped;
   const fs::path cache = tiny_base_cache_dir();
   if (is_complete(cache)) return cache;
-  if (fs::path shipped = shipped_base(); !shipped.empty()) return shipped;
   fs::create_directories(cache.parent_path());
   DirLock lock(cache.string() + ".lock");
   if (is_complete(cache)) return cache;  // another process made it while we waited
