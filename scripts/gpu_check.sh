@@ -201,7 +201,7 @@ step_crash() {
   mkdir -p "$dir"
   say "crash: qlora run lora_finetune with an empty cache (pre-trains the tiny base), at most 60 s"
   local rc=0 start=$SECONDS
-  QLORA_CACHE_DIR=$dir/cache RUN_LIMIT_S=60 run_logged "$(out_dir)/crash_check.log" \
+  QLORA_NO_SHIPPED_BASE=1 QLORA_CACHE_DIR=$dir/cache RUN_LIMIT_S=60 run_logged "$(out_dir)/crash_check.log" \
     "$build/qlora" run lora_finetune checkpoint.output_dir="$dir/out" logging.progress=plain || rc=$?
   # 137 is also what the kernel's OOM killer gives: only a stop at the limit counts as "no crash".
   if ((rc == 137 && SECONDS - start >= 59)); then say "no crash within 60 s (stopped)"; return 0; fi

@@ -107,12 +107,14 @@ for spec in "${wheels[@]}"; do  # drop other versions left by earlier pins
   done
 done
 
-# The pre-trained tiny default base, as qlora caches it (src/qlora/train/tiny_default.cpp): made
-# here by a one-step run of the embedded default if this machine has none yet (minutes, once).
+# The pre-trained tiny default base, as qlora caches it (src/qlora/train/tiny_default.cpp): the
+# shipped one (src/qlora/train/tiny_base_v<N>/, which qlora finds in its source tree anyway), else
+# made here by a one-step run of the embedded default if this machine has none yet (minutes, once).
 version=$(sed -n 's/^constexpr int kBaseVersion = \([0-9]*\);/\1/p' "$repo/src/qlora/train/tiny_default.cpp")
 [[ -n $version ]] || { echo "gpu_prepare: no kBaseVersion in src/qlora/train/tiny_default.cpp" >&2; exit 1; }
 base=tiny_base_v$version
 cache=${QLORA_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/qlora}
+[[ -f $repo/src/qlora/train/$base/model.safetensors ]] && cache=$repo/src/qlora/train
 if [[ ! -f $deps/cache/$base/model.safetensors ]]; then
   if [[ ! -f $cache/$base/model.safetensors ]]; then
     [[ -x $repo/build/qlora ]] || { echo "gpu_prepare: build qlora first (bash scripts/setup.sh)" >&2; exit 1; }

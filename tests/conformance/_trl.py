@@ -22,7 +22,7 @@ from _common import randomize_norms
 warnings.filterwarnings("ignore", category=FutureWarning, message=".*gradient_checkpointing.*")
 
 # ctest's SKIP_RETURN_CODE: TRL is absent only where no registry can install it (the GPU image,
-# docs/gpu.md); setup installs it everywhere else (requirements.txt), so there the test runs.
+# docs/gpu.md); setup installs it everywhere else (requirements-test.txt, setup.sh --tests), so there the test runs.
 SKIP = 77
 VOCAB = 128
 
@@ -32,7 +32,7 @@ def trl_missing():
         import datasets
         import trl  # noqa: F401
     except ImportError as e:
-        return f"SKIP: TRL is not installed here ({e}); scripts/setup.sh installs it from requirements.txt"
+        return f"SKIP: TRL is not installed here ({e}); scripts/setup.sh --tests installs it from requirements-test.txt"
     datasets.disable_progress_bars()
     return None
 

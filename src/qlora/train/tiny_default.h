@@ -2,8 +2,10 @@
 // checkpoint directory (so the real loading path runs), the bundled tokenizer and data set.
 //
 // The base is pre-trained, as a real base model is: a few minutes of full-parameter training on
-// plain text ("Add the numbers.\n35 + 4\n39", "Reverse the word.\nkite\netik"), once per machine,
-// cached (see tiny_base_cache_dir). The LoRA fine-tune then teaches it the Alpaca instruction format, and
+// plain text ("Add the numbers.\n35 + 4\n39", "Reverse the word.\nkite\netik"), once per
+// repository: the result ships in src/qlora/train/tiny_base_v<N>/ (scripts/make_tiny_base.sh makes it;
+// recipe.tiny_base_shipped checks it); without it, once per machine, cached (see tiny_base_cache_dir).
+// The LoRA fine-tune then teaches it the Alpaca instruction format, and
 // since the character-level tokenizer (tests/data/tokenizer_chars) spells every word and number
 // a character at a time, the skills carry over to the held-out file's words and sums, which
 // neither the pretraining nor the training file contains.
@@ -34,9 +36,9 @@ std::string tiny_base_cache_dir();
 void write_random_tiny_base(const std::string& dir, const std::string& tokenizer, int64_t vocab);
 
 // Writes <dir> (config.json, model.safetensors, tokenizer.model) unless it already holds a
-// complete checkpoint (a resumed run keeps the base it started with): a copy of the cached
-// pre-trained base, pre-training it first when the cache has none (a few minutes; concurrent
-// processes wait for one another through a lock file). Deterministic on one machine: one thread,
+// complete checkpoint (a resumed run keeps the base it started with): a copy of the shipped
+// pre-trained base, else of the cached one, pre-training it first when the cache has none (a few
+// minutes; concurrent processes wait for one another through a lock file). Deterministic on one machine: one thread,
 // fixed seeds (another CPU's kernels give other bits).
 // Committed atomically. Returns dir.
 std::string ensure_tiny_base(const std::string& dir);
