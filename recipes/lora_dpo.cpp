@@ -288,12 +288,7 @@ int run_dpo(Session& s) {
   if (!d.validation.empty())
     parts.validate = [&](const Position& p) { return validate(cfg, s.world, m, d, pad, p, s.device); };
   const Position p = train(s, m, text, parts);
-  const std::string& out = cfg.checkpoint.output_dir;
-  if (s.lead)
-    std::printf("done: %lld steps of %s; metrics in %s/metrics.jsonl (qlora plot %s); exports in %s/epoch_*; try\n"
-                "  qlora generate --checkpoint %s/epoch_%lld --message \"...\"\n",
-                (long long)p.global_step, io::enum_name(train::kPreferenceLossNames, cfg.dpo.loss), out.c_str(),
-                out.c_str(), out.c_str(), out.c_str(), (long long)cfg.training.epochs - 1);
+  print_done(s, p, io::enum_name(train::kPreferenceLossNames, cfg.dpo.loss));
   return 0;
 }
 

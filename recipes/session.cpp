@@ -547,6 +547,15 @@ Position train(const Session& s, Model& m, const TextSetup& text, RecipeParts& p
   return p;
 }
 
+void print_done(const Session& s, const Position& p, const std::string& what) {
+  if (!s.lead) return;
+  const std::string& out = s.cfg.checkpoint.output_dir;
+  std::printf("done: %lld steps of %s; metrics in %s/metrics.jsonl (qlora plot %s); exports in %s/epoch_*; try\n"
+              "  qlora generate --checkpoint %s/epoch_%lld --message \"...\"\n",
+              (long long)p.global_step, what.c_str(), out.c_str(), out.c_str(), out.c_str(), out.c_str(),
+              (long long)s.cfg.training.epochs - 1);
+}
+
 int run_recipe(const std::string& name, const std::vector<std::string>& args, const std::function<int(Session&)>& body) {
   RecipeConfig cfg = load_recipe_config(args);
   const engine::RankEnv env = engine::rank_env_from_environment();

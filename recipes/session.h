@@ -130,6 +130,10 @@ void backward_micro_batch(Model& m, const at::Tensor& loss, bool last);
 // checkpoints, per-epoch exports) and returns the final position. Collective.
 Position train(const Session& s, Model& m, const TextSetup& text, RecipeParts& parts);
 
+// Rank 0's last line of a run: the steps (of `what`, e.g. the loss), where the metrics and exports
+// are, and the command that tries the last export.
+void print_done(const Session& s, const Position& p, const std::string& what);
+
 // The rank's entry: config from args, compute dtype resolved, world joined, `body` run; an
 // error is printed naming the culprit ranks and gives exit status 1.
 int run_recipe(const std::string& name, const std::vector<std::string>& args,
