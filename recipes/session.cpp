@@ -544,7 +544,7 @@ Position train(const Session& s, Model& m, const TextSetup& text, RecipeParts& p
   return p;
 }
 
-int run_recipe(const std::string& name, const std::vector<std::string>& args, const std::function<int(Session&)>& body) {
+int run_recipe(const std::string& name, const ConfigArgs& args, const std::function<int(Session&)>& body) {
   RecipeConfig cfg = load_recipe_config(args);
   const engine::RankEnv env = engine::rank_env_from_environment();
   c10::Device device = train::resolve_device(cfg.model.device);

@@ -24,6 +24,7 @@
 #include "qlora/models/llama.h"
 #include "qlora/train/metrics.h"
 #include "qlora/train/output_dir.h"
+#include "recipe_config.h"
 
 namespace qlora::recipes {
 
@@ -100,9 +101,8 @@ void backward_micro_batch(Model& m, const at::Tensor& loss, bool last);
 // checkpoints, per-epoch exports) and returns the final position. Collective.
 Position train(const Session& s, Model& m, const TextSetup& text, RecipeParts& parts);
 
-// The rank's entry: config from args, compute dtype resolved, world joined, `body` run; an
-// error is printed naming the culprit ranks and gives exit status 1.
-int run_recipe(const std::string& name, const std::vector<std::string>& args,
-               const std::function<int(Session&)>& body);
+// The rank's entry: config from --config and overrides, compute dtype resolved, world joined,
+// `body` run; an error is printed naming the culprit ranks and gives exit status 1.
+int run_recipe(const std::string& name, const ConfigArgs& args, const std::function<int(Session&)>& body);
 
 }  // namespace qlora::recipes

