@@ -177,8 +177,9 @@ int qlora_cli(int argc, char** argv) {
   } catch (const CLI::CallForHelp&) {  // --help or -h: the usage of the command it follows
     std::fputs(app.help().c_str(), stdout);
     return 0;
-  } catch (const CLI::ParseError& e) {
-    return fail(app, e.what(), true);
+  } catch (const CLI::ParseError& e) {  // an unknown argument is named first, before a missing one
+    const std::vector<std::string> unknown = app.remaining(true);
+    return fail(app, unknown.empty() ? e.what() : CLI::ExtrasError(unknown).what(), true);
   }
   const auto it = std::find_if(commands.begin(), commands.end(), [](const auto& c) { return c.first->parsed(); });
   if (it == commands.end() || !it->second) {  // no command: the usage on stderr; `qlora help`: on stdout

@@ -15,6 +15,10 @@ namespace qlora::recipes {
 // Runs the command with the values its options were parsed into; returns the exit status.
 using Command = std::function<int()>;
 
+// A number option's check that it is not negative (CLI11's NonNegativeNumber prints DBL_MAX).
+inline const CLI::Validator kNotNegative(
+    [](std::string& v) { return v.rfind('-', 0) == 0 ? "must be 0 or more, got " + v : std::string(); }, "");
+
 // `qlora CMD`'s options, added to `cmd` (whose name and description cli.cpp sets).
 Command generate_command(CLI::App& cmd);
 Command tokenize_command(CLI::App& cmd);

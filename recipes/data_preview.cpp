@@ -348,7 +348,7 @@ int preview(const PreviewArgs& a) {
 Command data_command(CLI::App& cmd) {
   auto a = std::make_shared<PreviewArgs>();
   add_config_args(cmd, a->config);
-  cmd.add_option("-n,--samples", a->samples, "the first N samples to show")->type_name("N")->check(CLI::NonNegativeNumber);
+  cmd.add_option("-n,--samples", a->samples, "the first N samples to show")->type_name("N")->check(kNotNegative);
   return [a] { return preview(*a); };
 }
 

@@ -268,8 +268,8 @@ Command generate_command(CLI::App& cmd) {
                                                   "user turn to answer")->expected(1)->allow_extra_args(false);
   cmd.add_flag("--print-prompt", g->print_prompt, "print {\"text\", \"ids\"} of the prompt and stop");
   cmd.add_option("--max-new-tokens", g->opt.max_new_tokens, "tokens to generate at most")->type_name("N")
-      ->check(CLI::NonNegativeNumber);
-  cmd.add_option("--temperature", g->opt.temperature, "0: greedy")->type_name("T")->check(CLI::NonNegativeNumber);
+      ->check(kNotNegative);
+  cmd.add_option("--temperature", g->opt.temperature, "0: greedy")->type_name("T")->check(kNotNegative);
   cmd.add_option("--top-p", g->opt.top_p, "nucleus mass in (0, 1]")->type_name("P");
   cmd.add_option("--seed", g->opt.seed, "seeds the sampling")->type_name("S");
   cmd.add_flag("--nf4", g->nf4, "the base weights in NF4, as training held them");
