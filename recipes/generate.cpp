@@ -265,7 +265,7 @@ Command generate_command(CLI::App& cmd) {
   text("--input", g->prompt.input, "the record's input (with --instruction)");
   text("--system", g->prompt.system, "the conversation's system message (with --message)");
   cmd.add_option("--message", g->prompt.messages, "a turn, alternating user, assistant, user, ...; the last is the\n"
-                                                  "user turn to answer")->expected(1)->allow_extra_args(false);
+                                                  "user turn to answer")->expected(1)->take_all()->allow_extra_args(false);
   cmd.add_flag("--print-prompt", g->print_prompt, "print {\"text\", \"ids\"} of the prompt and stop");
   cmd.add_option("--max-new-tokens", g->opt.max_new_tokens, "tokens to generate at most")->type_name("N")
       ->check(kNotNegative);
