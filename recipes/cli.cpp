@@ -1,212 +1,199 @@
-// The `qlora` command line: a subcommand per recipe (recipes/main.cpp is the binary's main; the
-// test binary tests/tools/qlora_faults.cpp runs the same command line with a fault plan).
+// The `qlora` command line: one CLI11 app with a subcommand per command (cli.h); recipes/main.cpp is
+// the binary's main, and tests/tools/qlora_faults.cpp runs the same command line with a fault plan.
+#include "cli.h"
+
+#include <algorithm>
 #include <cstdio>
 #include <exception>
-#include <algorithm>
 #include <filesystem>
+#include <memory>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "qlora/config/config.h"
 #include "qlora/engine/launcher.h"
-#include "recipe_config.h"
 #include "qlora/io/cpu_memory.h"
 
 namespace qlora::recipes {
-int quantize_main(const std::vector<std::string>& args);
-int dequantize_main(const std::vector<std::string>& args);
-int lora_finetune_main(const std::vector<std::string>& args);
-int lora_dpo_main(const std::vector<std::string>& args);
-int lora_grpo_main(const std::vector<std::string>& args);
-int generate_main(const std::vector<std::string>& args);
-int tokenize_main(const std::vector<std::string>& args);
-int plot_main(const std::vector<std::string>& args);
-int data_main(const std::vector<std::string>& args);
-int gguf_main(const std::vector<std::string>& args);
-int qlora_cli(int argc, char** argv);
-}  // namespace qlora::recipes
-
 namespace {
 
-// One entry per subcommand: its name and its usage, as `qlora --help` lists it and as
-// `qlora CMD --help` (or an error in CMD's arguments) prints it.
-struct Command {
+struct Recipe {
   const char* name;
-  const char* usage;
+  const char* about;  // one line, as `qlora ls` and `qlora run --help` list it
+  int (*main)(const ConfigArgs&);
 };
 
-const Command kCommands[] = {
-    {"run",
-     "  run [--nproc-per-node N [--nnodes M --node-rank K --master-addr A --master-port P]]\n"
-     "      lora_finetune [--config FILE] [section.key=value ...]\n"
-     "                          QLoRA fine-tuning; no --config: the embedded tiny default;\n"
-     "                          N > 1: N ranks on this node, sharded FSDP-style\n"
-     "      lora_dpo --config FILE [section.key=value ...]\n"
-     "                          preference tuning (dpo.loss: sigmoid, ipo, hinge, orpo, simpo) on\n"
-     "                          data.format = \"preference\" pairs; same ranks, resume and exports\n"
-     "      lora_grpo --config FILE [section.key=value ...]\n"
-     "                          RL with verifiable rewards (grpo.loss_type: grpo, dr_grpo, dapo,\n"
-     "                          bnpo, cispo) on data.format = \"prompt\" records; grpo.rewards\n"
-     "                          every key, its default and what it does: `qlora config`\n"},
-    {"config",
-     "  config [--config FILE] [lora_finetune|lora_dpo|lora_grpo] [section.key=value ...]\n"
-     "                          the complete resolved configuration: every key, its value, its\n"
-     "                          default and one line of what it does\n"},
-    {"data",
-     "  data [--config FILE] [section.key=value ...] [-n N]\n"
-     "                          the data as lora_finetune sees it, no model loaded: the first N\n"
-     "                          samples (3) with trained text marked, token counts, truncated and\n"
-     "                          untrained samples, packing efficiency, a length histogram\n"},
-    {"generate",
-     "  generate --checkpoint DIR (--prompt TEXT | --instruction TEXT [--input TEXT] |\n"
-     "           [--system TEXT] --message TEXT [--message TEXT ...]) [--print-prompt]\n"
-     "           [--max-new-tokens N] [--temperature T] [--top-p P] [--seed S] [--nf4]\n"
-     "                          text from an exported epoch (out/.../epoch_N); --instruction and\n"
-     "                          --message render the template the run trained with (qlora.json)\n"},
-    {"plot",
-     "  plot OUT_DIR [OUT_DIR ...] [-o FILE.svg]\n"
-     "                          training/validation loss, lr and tokens/s over steps from each\n"
-     "                          run's metrics.jsonl, runs overlaid, as one SVG (default\n"
-     "                          OUT_DIR/plot.svg; ./plot.svg for several runs)\n"},
-    {"ls", "  ls                      recipes and shipped configs\n"},
-    {"tokenize",
-     "  tokenize --tokenizer FILE_OR_MODEL_DIR (--text TEXT | --file FILE) [--decode]\n"
-     "                          per input line, {\"ids\": [...]} as qlora tokenizes it; --decode:\n"
-     "                          lines of id lists (JSON or comma-separated) to {\"text\": ...}\n"},
-    {"quantize",
-     "  quantize [IN OUT] [--out DIR]\n"
-     "                          every 2-D float *_proj.weight of a safetensors file or HF\n"
-     "                          checkpoint directory becomes NF4 (qlora-nf4-v1), the rest is\n"
-     "                          copied; no arguments: the bundled tiny example\n"},
-    {"dequantize",
-     "  dequantize IN OUT [--dtype bf16|fp16|fp32]\n"
-     "                          the inverse: NF4 tensors back to plain tensors\n"},
-    {"gguf",
-     "  gguf DIR [--type f32|f16|bf16|q8_0|q4_0|...] [-o FILE] [--name NAME]\n"
-     "                          an HF checkpoint directory (an exported epoch) as one GGUF file\n"
-     "                          for llama.cpp / Ollama (default DIR/<dir name>-<type>.gguf)\n"
-     "  gguf DIR --adapter [--base BASE] [--type f32|f16|bf16|q8_0] [-o FILE]\n"
-     "                          the PEFT adapter of an exported epoch as a GGUF LoRA\n"},
-    {"help", "  help                    this text\n"},
+const Recipe kRecipes[] = {
+    {"lora_finetune", "QLoRA fine-tuning (one process, or N ranks with --nproc-per-node)", lora_finetune_main},
+    {"lora_dpo", "preference tuning: DPO, IPO, hinge, ORPO, SimPO (data.format = \"preference\")", lora_dpo_main},
+    {"lora_grpo", "RL with verifiable rewards: GRPO, DAPO, Dr. GRPO, GSPO, CISPO (data.format = \"prompt\")",
+     lora_grpo_main},
 };
 
-std::string full_usage() {
-  std::string u = "usage: qlora <command> [args]   (qlora <command> --help: that command's usage)\n\ncommands:\n";
-  for (const Command& c : kCommands) u += c.usage;
-  return u;
+// `qlora run [launcher options] RECIPE ...`: this process runs the recipe, or starts this node's ranks
+// of it (engine/launcher.h), each running `qlora run RECIPE` with the same config arguments.
+int launch_recipe(const engine::LaunchOptions& launch, const Recipe& recipe, const ConfigArgs& config) {
+  engine::check_launch_options(launch);
+  if (launch.nproc_per_node * launch.nnodes == 1) return recipe.main(config);
+  if (engine::launched_as_rank())
+    throw std::invalid_argument("--nproc-per-node inside a job that already has ranks (WORLD_SIZE > 1, set by "
+                                "torchrun, Slurm or `qlora run --nproc-per-node`): run `qlora run <recipe> ...` "
+                                "in each rank instead");
+  std::vector<std::string> args = {"run", recipe.name};
+  if (!config.path.empty()) args.insert(args.end(), {"--config", config.path});
+  args.insert(args.end(), config.overrides.begin(), config.overrides.end());
+  return engine::launch(launch, std::filesystem::read_symlink("/proc/self/exe").string(), args);
 }
 
-const Command* find_command(const std::string& name) {
-  for (const Command& c : kCommands)
-    if (name == c.name) return &c;
-  return nullptr;
-}
-
-bool is_recipe(const std::string& name) {
-  return name == "lora_finetune" || name == "lora_dpo" || name == "lora_grpo";
-}
-
-bool asks_for_help(const std::vector<std::string>& args) {
-  return std::any_of(args.begin(), args.end(), [](const std::string& a) { return a == "--help" || a == "-h"; });
-}
-
-int run_main(std::vector<std::string> args) {
-  const qlora::engine::LaunchOptions launch = qlora::engine::parse_launch_args(args);
-  if (args.empty()) throw std::invalid_argument("qlora run needs a recipe name (see `qlora ls`)");
-  if (launch.nproc_per_node * launch.nnodes > 1) {
-    if (qlora::engine::launched_as_rank())
-      throw std::invalid_argument("--nproc-per-node inside a job that already has ranks (WORLD_SIZE > 1, set by "
-                                  "torchrun, Slurm or `qlora run --nproc-per-node`): run `qlora run <recipe> ...` "
-                                  "in each rank instead");
-    if (!is_recipe(args[0])) throw std::invalid_argument("unknown recipe '" + args[0] + "' (see `qlora ls`)");
-    args.insert(args.begin(), "run");
-    return qlora::engine::launch(launch, std::filesystem::read_symlink("/proc/self/exe").string(), args);
+Command run_command(CLI::App& run) {
+  auto launch = std::make_shared<engine::LaunchOptions>();
+  run.add_option("--nproc-per-node", launch->nproc_per_node, "N ranks on this node (N > 1: sharded FSDP-style)")
+      ->type_name("N")->check(CLI::Range(1, 1024));
+  run.add_option("--nnodes", launch->nnodes, "M nodes, each running this command")->type_name("M")->check(CLI::Range(1, 65536));
+  run.add_option("--node-rank", launch->node_rank, "this node's rank K (0 <= K < M)")->type_name("K")->check(CLI::Range(0, 65535));
+  run.add_option("--master-addr", launch->master_addr, "node 0's address")->type_name("A");
+  run.add_option("--master-port", launch->master_port, "node 0's port, the same on every node (needed for M > 1)")
+      ->type_name("P")->check(CLI::Range(1, 65535))->default_str("");  // 0: a free port (one node)
+  auto config = std::make_shared<ConfigArgs>();
+  std::vector<std::pair<const CLI::App*, const Recipe*>> recipes;
+  for (const Recipe& r : kRecipes) {
+    CLI::App* sub = run.add_subcommand(r.name, r.about);
+    add_config_args(*sub, *config);
+    recipes.emplace_back(sub, &r);
   }
-  const std::string recipe = args[0];
-  args.erase(args.begin());
-  if (recipe == "lora_finetune") return qlora::recipes::lora_finetune_main(args);
-  if (recipe == "lora_dpo") return qlora::recipes::lora_dpo_main(args);
-  if (recipe == "lora_grpo") return qlora::recipes::lora_grpo_main(args);
-  throw std::invalid_argument("unknown recipe '" + recipe + "' (see `qlora ls`)");
+  run.require_subcommand(0, 1);
+  run.footer("qlora run RECIPE [--config FILE] [section.key=value ...]: no --config runs the embedded\n"
+             "tiny default; every key, its default and what it does: `qlora config`");
+  return [launch, config, recipes] {
+    const auto it = std::find_if(recipes.begin(), recipes.end(), [](const auto& r) { return r.first->parsed(); });
+    if (it == recipes.end()) throw std::invalid_argument("qlora run needs a recipe (see `qlora ls`)");
+    return launch_recipe(*launch, *it->second, *config);
+  };
 }
 
-int ls_main(const std::vector<std::string>& args) {
-  if (!args.empty()) throw std::invalid_argument("unknown option '" + args[0] + "'");
-  std::printf("recipes:\n  lora_finetune    QLoRA fine-tuning (one process, or N ranks with --nproc-per-node)\n"
-              "  lora_dpo         preference tuning: DPO, IPO, hinge, ORPO, SimPO (data.format = \"preference\")\n"
-              "  lora_grpo        RL with verifiable rewards: GRPO, DAPO, Dr. GRPO, GSPO, CISPO (data.format = \"prompt\")\n"
-              "\nconfigs (%s/configs):\n",
-              QLORA_SOURCE_DIR);
-  std::vector<std::string> names;
-  for (const auto& e : std::filesystem::directory_iterator(QLORA_SOURCE_DIR "/configs"))
-    if (e.path().extension() == ".toml") names.push_back(e.path().filename().string());
-  std::sort(names.begin(), names.end());
-  for (const auto& n : names) std::printf("  configs/%s\n", n.c_str());
-  return 0;
+Command ls_command(CLI::App&) {
+  return [] {
+    std::printf("recipes:\n");
+    for (const Recipe& r : kRecipes) std::printf("  %-16s %s\n", r.name, r.about);
+    std::printf("\nconfigs (%s/configs):\n", QLORA_SOURCE_DIR);
+    std::vector<std::string> names;
+    for (const auto& e : std::filesystem::directory_iterator(QLORA_SOURCE_DIR "/configs"))
+      if (e.path().extension() == ".toml") names.push_back(e.path().filename().string());
+    std::sort(names.begin(), names.end());
+    for (const auto& n : names) std::printf("  configs/%s\n", n.c_str());
+    return 0;
+  };
 }
 
 // `qlora config`: every key of the resolved configuration beside its default; a recipe name
 // first is accepted (both recipes read the same schema).
-int config_main(std::vector<std::string> args) {
-  if (!args.empty() && is_recipe(args[0])) args.erase(args.begin());
-  const auto values = qlora::config::key_values(qlora::recipes::load_recipe_config(args));
-  const auto defaults = qlora::config::key_values(qlora::config::RecipeConfig{});
+int print_config(ConfigArgs a) {
+  if (!a.overrides.empty() && std::any_of(std::begin(kRecipes), std::end(kRecipes),
+                                          [&](const Recipe& r) { return a.overrides[0] == r.name; }))
+    a.overrides.erase(a.overrides.begin());
+  const auto values = config::key_values(load_recipe_config(a));
+  const auto defaults = config::key_values(config::RecipeConfig{});
   size_t width = 0;
   for (const auto& [key, value] : values) width = std::max(width, key.size() + 3 + value.size());
   for (size_t i = 0; i < values.size(); ++i) {
     const std::string line = values[i].first + " = " + values[i].second;
     std::printf("%-*s  # default: %s\n", static_cast<int>(width), line.c_str(), defaults[i].second.c_str());
-    std::printf("%*s    %s\n", static_cast<int>(width), "", std::string(qlora::config::key_description(values[i].first)).c_str());
+    std::printf("%*s    %s\n", static_cast<int>(width), "", std::string(config::key_description(values[i].first)).c_str());
   }
   return 0;
 }
 
-int dispatch(const std::string& cmd, const std::vector<std::string>& args) {
-  if (cmd == "run") return run_main(args);
-  if (cmd == "config") return config_main(args);
-  if (cmd == "generate") return qlora::recipes::generate_main(args);
-  if (cmd == "ls") return ls_main(args);
-  if (cmd == "quantize") return qlora::recipes::quantize_main(args);
-  if (cmd == "dequantize") return qlora::recipes::dequantize_main(args);
-  if (cmd == "tokenize") return qlora::recipes::tokenize_main(args);
-  if (cmd == "plot") return qlora::recipes::plot_main(args);
-  if (cmd == "data") return qlora::recipes::data_main(args);
-  return qlora::recipes::gguf_main(args);
+Command config_command(CLI::App& cmd) {
+  auto a = std::make_shared<ConfigArgs>();
+  add_config_args(cmd, *a);
+  return [a] { return print_config(*a); };
+}
+
+// Each command, in the order `qlora --help` lists them; "help" has no command of its own.
+struct Entry {
+  const char* name;
+  const char* about;
+  Command (*add)(CLI::App&);
+};
+
+const Entry kCommands[] = {
+    {"run", "a recipe (lora_finetune, lora_dpo, lora_grpo) from a TOML config, on one process or N ranks", run_command},
+    {"config", "the complete resolved configuration of --config FILE and overrides (a recipe\n"
+               "name first is accepted): every key, its value, its default and what it does", config_command},
+    {"data", "the data as lora_finetune sees it, no model loaded: the first N samples with\n"
+             "trained text marked, token counts, truncated and untrained samples, packing\n"
+             "efficiency, a length histogram", data_command},
+    {"generate", "text from an exported epoch (out/.../epoch_N); --instruction and --message\n"
+                 "render the template the run trained with (qlora.json)", generate_command},
+    {"plot", "training/validation loss, lr and tokens/s over steps from each run's\n"
+             "metrics.jsonl, runs overlaid, as one SVG", plot_command},
+    {"ls", "recipes and shipped configs", ls_command},
+    {"tokenize", "per input line, {\"ids\": [...]} as qlora tokenizes it; --decode: lines of\n"
+                 "id lists to {\"text\": ...}", tokenize_command},
+    {"quantize", "every 2-D float *_proj.weight of a safetensors file or HF checkpoint\n"
+                 "directory becomes NF4 (qlora-nf4-v1), the rest is copied", quantize_command},
+    {"dequantize", "the inverse: NF4 tensors back to plain tensors", dequantize_command},
+    {"gguf", "an HF checkpoint directory (an exported epoch) as one GGUF file for\n"
+             "llama.cpp / Ollama, or with --adapter its PEFT adapter as a GGUF LoRA", gguf_command},
+    {"help", "this text", nullptr},
+};
+
+std::string top_help(const CLI::App& app) {
+  return app.get_formatter()->make_help(&app, app.get_name(), CLI::AppFormatMode::Normal);
+}
+
+// "qlora gguf" for `qlora gguf ...`: the chain of subcommands the command line selected.
+std::string command_path(const CLI::App& app) {
+  std::string path = app.get_name();
+  for (const CLI::App* a = &app; !a->get_subcommands().empty();) {
+    a = a->get_subcommands().front();
+    path += " " + a->get_name();
+  }
+  return path;
+}
+
+// An error; one in the command line itself (`with_usage`) is followed by the command's usage.
+int fail(const CLI::App& app, const char* what, bool with_usage) {
+  std::fprintf(stderr, "%s: error: %s\n", command_path(app).c_str(), what);
+  if (with_usage) std::fprintf(stderr, "\n%s", app.help().c_str());
+  return 1;
 }
 
 }  // namespace
 
-namespace qlora::recipes {
-
 int qlora_cli(int argc, char** argv) {
-  qlora::io::tune_cpu_memory();
-  std::vector<std::string> args(argv + 1, argv + argc);
-  if (args.empty() || args[0] == "help" || args[0] == "--help" || args[0] == "-h") {
-    std::fputs(full_usage().c_str(), args.empty() ? stderr : stdout);
-    return args.empty() ? 2 : 0;
-  }
-  const std::string cmd = args[0];
-  args.erase(args.begin());
-  const Command* command = find_command(cmd);
-  if (!command || cmd == "help") {
-    std::fprintf(stderr, "qlora: unknown command '%s'\n\n%s", cmd.c_str(), full_usage().c_str());
-    return 2;
-  }
-  if (asks_for_help(args)) {
-    std::printf("usage: qlora\n%s", command->usage);
-    return 0;
+  io::tune_cpu_memory();
+  CLI::App app("QLoRA fine-tuning of decoder LLMs (`qlora COMMAND --help`: that command's usage)", "qlora");
+  app.get_formatter()->label("Usage", "usage");
+  app.option_defaults()->always_capture_default();
+  app.require_subcommand(0, 1);
+  std::vector<std::pair<const CLI::App*, Command>> commands;
+  for (const Entry& e : kCommands) {
+    CLI::App* cmd = app.add_subcommand(e.name, e.about);
+    commands.emplace_back(cmd, e.add ? e.add(*cmd) : Command());
   }
   try {
-    return dispatch(cmd, args);
-  } catch (const std::invalid_argument& e) {  // the command line itself: the command's usage follows
-    const bool has_usage = std::string(e.what()).find("usage: ") != std::string::npos;  // plot's, generate's
-    std::fprintf(stderr, "qlora %s: error: %s\n", cmd.c_str(), e.what());
-    if (!has_usage) std::fprintf(stderr, "\nusage: qlora\n%s", command->usage);
-    return 1;
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp&) {  // --help or -h: the usage of the command it follows
+    std::fputs(app.help().c_str(), stdout);
+    return 0;
+  } catch (const CLI::ParseError& e) {  // an unknown argument is named first, before a missing one
+    const std::vector<std::string> unknown = app.remaining(true);
+    return fail(app, unknown.empty() ? e.what() : CLI::ExtrasError(unknown).what(), true);
+  }
+  const auto it = std::find_if(commands.begin(), commands.end(), [](const auto& c) { return c.first->parsed(); });
+  if (it == commands.end() || !it->second) {  // no command: the usage on stderr; `qlora help`: on stdout
+    std::fputs(top_help(app).c_str(), it == commands.end() ? stderr : stdout);
+    return it == commands.end() ? 2 : 0;
+  }
+  try {
+    return it->second();
+  } catch (const std::invalid_argument& e) {  // the command's arguments: its usage follows
+    return fail(app, e.what(), true);
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "qlora %s: error: %s\n", cmd.c_str(), e.what());
-    return 1;
+    return fail(app, e.what(), false);
   }
 }
 

@@ -18,6 +18,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -30,7 +31,7 @@
 #include "qlora/data/stats.h"
 #include "qlora/data/tokenizer.h"
 #include "qlora/train/tiny_default.h"
-#include "recipe_config.h"
+#include "cli.h"
 
 namespace qlora::recipes {
 namespace {
@@ -45,26 +46,9 @@ constexpr int kHistogramWidth = 40;  // characters of the longest bar
 constexpr size_t kUntrainedShown = 5;
 
 struct PreviewArgs {
-  std::vector<std::string> config_args;  // --config and overrides, for load_recipe_config
+  ConfigArgs config;
   int64_t samples = 3;
 };
-
-PreviewArgs parse_preview_args(const std::vector<std::string>& args) {
-  PreviewArgs a;
-  for (size_t i = 0; i < args.size(); ++i) {
-    if (args[i] != "-n" && args[i] != "--samples") {
-      a.config_args.push_back(args[i]);
-      continue;
-    }
-    const std::string flag = args[i];
-    if (i + 1 >= args.size()) throw std::invalid_argument(flag + " needs a number of samples");
-    const std::string& v = args[++i];
-    if (v.empty() || v.size() > 12 || v.find_first_not_of("0123456789") != std::string::npos)
-      throw std::invalid_argument(flag + " " + v + ": expected a number of samples (0 or more)");
-    a.samples = std::stoll(v);
-  }
-  return a;
-}
 
 // The embedded default's tokenizer lives in the tiny base its first run writes (a copy of the
 // bundled one): before that run, the bundled file itself, so that nothing has to be written here.
@@ -319,11 +303,8 @@ void preview_prompts(const config::RecipeConfig& cfg, const data::Tokenizer& tok
               static_cast<long long>(cfg.grpo.max_completion_length));
 }
 
-}  // namespace
-
-int data_main(const std::vector<std::string>& args) {
-  const PreviewArgs a = parse_preview_args(args);
-  const config::RecipeConfig cfg = load_recipe_config(a.config_args);
+int preview(const PreviewArgs& a) {
+  const config::RecipeConfig cfg = load_recipe_config(a.config);
   const std::string tokenizer_path = preview_tokenizer(cfg);
   const data::Tokenizer tok = data::Tokenizer::open(tokenizer_path);
   std::string note;
@@ -361,6 +342,15 @@ int data_main(const std::vector<std::string>& args) {
   for (const auto& d : sets) print_stats(d, cfg.data, tok);
   std::printf("no model loaded: qlora data reads only the tokenizer and the data\n");
   return 0;
+}
+
+}  // namespace
+
+Command data_command(CLI::App& cmd) {
+  auto a = std::make_shared<PreviewArgs>();
+  add_config_args(cmd, a->config);
+  cmd.add_option("-n,--samples", a->samples, "the first N samples to show")->type_name("N")->check(kNotNegative);
+  return [a] { return preview(*a); };
 }
 
 }  // namespace qlora::recipes

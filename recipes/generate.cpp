@@ -21,6 +21,7 @@
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
+#include <memory>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -37,32 +38,11 @@
 #include "qlora/models/generate.h"
 #include "qlora/models/llama.h"
 #include "qlora/train/device.h"
+#include "cli.h"
 
 namespace qlora::recipes {
 
 namespace {
-
-[[noreturn]] void generate_usage_error(const std::string& what) {
-  throw std::invalid_argument(what +
-                              "\nusage: qlora generate --checkpoint DIR (--prompt TEXT | --instruction TEXT [--input TEXT]"
-                              " | [--system TEXT] --message TEXT [--message TEXT ...]) [--print-prompt]"
-                              " [--max-new-tokens N] [--temperature T] [--top-p P] [--seed S] [--nf4]"
-                              " [--device auto|cpu|cuda[:N]] [--template-kwargs JSON]");
-}
-
-// std::stoll/stod accept trailing junk ("12abc"); a CLI number should be all number.
-template <typename T, typename F>
-T parse_number(const std::string& flag, const std::string& s, F parse) {
-  size_t used = 0;
-  T v{};
-  try {
-    v = parse(s, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  if (used == 0 || used != s.size()) generate_usage_error(flag + " expects a number, got '" + s + "'");
-  return v;
-}
 
 // What the command line asks to feed the model: a raw prompt, or a record for the recorded template.
 struct PromptRequest {
@@ -75,17 +55,17 @@ struct PromptRequest {
 
 void check_request(const PromptRequest& r) {
   if (r.raw && r.templated())
-    generate_usage_error("--prompt is fed as it is; it does not combine with --instruction, --input, --system or "
-                         "--message, which render the run's template");
-  if (!r.raw && !r.templated()) generate_usage_error("give --prompt TEXT, --instruction TEXT or --message TEXT");
-  if (r.input && !r.instruction) generate_usage_error("--input needs --instruction");
+    throw std::invalid_argument("--prompt is fed as it is; it does not combine with --instruction, --input, --system or "
+                                "--message, which render the run's template");
+  if (!r.raw && !r.templated()) throw std::invalid_argument("give --prompt TEXT, --instruction TEXT or --message TEXT");
+  if (r.input && !r.instruction) throw std::invalid_argument("--input needs --instruction");
   if (r.instruction && (r.system || !r.messages.empty()))
-    generate_usage_error("--instruction renders an instruct record; --system and --message render a conversation: "
-                         "give one or the other");
-  if (r.system && r.messages.empty()) generate_usage_error("--system needs --message");
+    throw std::invalid_argument("--instruction renders an instruct record; --system and --message render a conversation: "
+                                "give one or the other");
+  if (r.system && r.messages.empty()) throw std::invalid_argument("--system needs --message");
   if (!r.messages.empty() && r.messages.size() % 2 == 0)
-    generate_usage_error("--message alternates user, assistant, user, ...: give an odd number, the last being the "
-                         "user turn the model answers (got " + std::to_string(r.messages.size()) + ")");
+    throw std::invalid_argument("--message alternates user, assistant, user, ...: give an odd number, the last being the "
+                                "user turn the model answers (got " + std::to_string(r.messages.size()) + ")");
 }
 
 // The template the export recorded; errors say why it cannot render (none recorded, plain text).
@@ -173,7 +153,7 @@ Prompt build_prompt(const PromptRequest& r, const std::string& dir, const data::
       ids.insert(ids.begin(), tok.bos_id());
     return {text, std::move(ids), t->end_of_turn()};
   }
-  if (!template_kwargs.empty()) generate_usage_error("--template-kwargs needs the model's own chat template");
+  if (!template_kwargs.empty()) throw std::invalid_argument("--template-kwargs needs the model's own chat template");
   const data::TemplateKind kind = recorded_template(dir, pf);
   std::pair<std::vector<data::Segment>, std::string> rendered;
   try {
@@ -190,61 +170,25 @@ Prompt build_prompt(const PromptRequest& r, const std::string& dir, const data::
 }
 
 struct GenerateArgs {
-  std::string dir, device = "auto";
+  std::string dir, device = "auto", template_kwargs;
   bool nf4 = false, print_prompt = false;
-  nlohmann::ordered_json template_kwargs = nlohmann::ordered_json::object();
   models::GenerateOptions opt;
   PromptRequest prompt;
 };
 
-GenerateArgs parse_args(const std::vector<std::string>& args) {
-  GenerateArgs g;
-  std::string& dir = g.dir;
-  PromptRequest& req = g.prompt;
-  models::GenerateOptions& opt = g.opt;
-  for (size_t i = 0; i < args.size(); ++i) {
-    const std::string& a = args[i];
-    auto value = [&]() -> const std::string& {
-      if (i + 1 >= args.size()) generate_usage_error(a + " needs a value");
-      return args[++i];
-    };
-    if (a == "--checkpoint") dir = value();
-    else if (a == "--prompt") req.raw = value();
-    else if (a == "--instruction") req.instruction = value();
-    else if (a == "--input") req.input = value();
-    else if (a == "--system") req.system = value();
-    else if (a == "--message") req.messages.push_back(value());
-    else if (a == "--print-prompt") g.print_prompt = true;
-    else if (a == "--max-new-tokens")
-      opt.max_new_tokens = parse_number<long long>(a, value(), [](const std::string& s, size_t* n) { return std::stoll(s, n); });
-    else if (a == "--temperature")
-      opt.temperature = parse_number<double>(a, value(), [](const std::string& s, size_t* n) { return std::stod(s, n); });
-    else if (a == "--top-p")
-      opt.top_p = parse_number<double>(a, value(), [](const std::string& s, size_t* n) { return std::stod(s, n); });
-    else if (a == "--seed")
-      opt.seed = parse_number<unsigned long long>(a, value(), [](const std::string& s, size_t* n) { return std::stoull(s, n); });
-    else if (a == "--nf4") g.nf4 = true;
-    else if (a == "--template-kwargs") {
-      g.template_kwargs = nlohmann::ordered_json::parse(value(), nullptr, false);
-      if (!g.template_kwargs.is_object())
-        generate_usage_error("--template-kwargs expects a JSON object, e.g. '{\"enable_thinking\": false}'");
-    }
-    else if (a == "--device") g.device = value();
-    else generate_usage_error("unknown option '" + a + "'");
-  }
-  if (dir.empty()) generate_usage_error("--checkpoint DIR is required");
-  check_request(req);
-  if (opt.max_new_tokens < 0) generate_usage_error("--max-new-tokens must be >= 0");
-  if (opt.temperature < 0) generate_usage_error("--temperature must be >= 0");
-  if (!(opt.top_p > 0 && opt.top_p <= 1)) generate_usage_error("--top-p must be in (0, 1]");
-  return g;
+// What the options' own checks leave: how they combine, --top-p's open end; the --template-kwargs object.
+nlohmann::ordered_json checked_template_kwargs(const GenerateArgs& g) {
+  check_request(g.prompt);
+  if (!(g.opt.top_p > 0 && g.opt.top_p <= 1)) throw std::invalid_argument("--top-p must be in (0, 1]");
+  const auto kwargs = nlohmann::ordered_json::parse(g.template_kwargs.empty() ? "{}" : g.template_kwargs, nullptr, false);
+  if (!kwargs.is_object())
+    throw std::invalid_argument("--template-kwargs expects a JSON object, e.g. '{\"enable_thinking\": false}'");
+  return kwargs;
 }
 
-}  // namespace
-
-int generate_main(const std::vector<std::string>& args) {
+int generate(GenerateArgs& g) {
   namespace fs = std::filesystem;
-  GenerateArgs g = parse_args(args);
+  const nlohmann::ordered_json template_kwargs = checked_template_kwargs(g);
   const std::string& dir = g.dir;
   models::GenerateOptions& opt = g.opt;
 
@@ -258,7 +202,7 @@ int generate_main(const std::vector<std::string>& args) {
   // what was looked for (an export copies the run's tokenizer beside the model).
   const std::string tok_path = data::Tokenizer::find_file(dir);
   const data::Tokenizer tok = data::Tokenizer::open(tok_path);
-  const Prompt prompt = build_prompt(g.prompt, dir, tok, g.template_kwargs);
+  const Prompt prompt = build_prompt(g.prompt, dir, tok, template_kwargs);
   if (g.print_prompt) {
     std::printf("%s\n", nlohmann::json{{"text", prompt.text}, {"ids", prompt.ids}}.dump().c_str());
     return 0;
@@ -306,6 +250,33 @@ int generate_main(const std::vector<std::string>& args) {
   std::fprintf(stderr, "qlora generate: %zu prompt tokens, %zu new tokens in %.2f s (%.1f tok/s), load %.2f s\n",
                ids.size(), out.size(), gen_s, gen_s > 0 ? out.size() / gen_s : 0.0, load_s);
   return 0;
+}
+
+}  // namespace
+
+Command generate_command(CLI::App& cmd) {
+  auto g = std::make_shared<GenerateArgs>();
+  const auto text = [&cmd](const char* name, std::optional<std::string>& to, const char* what) {
+    cmd.add_option_function<std::string>(name, [&to](const std::string& v) { to = v; }, what)->type_name("TEXT");
+  };
+  cmd.add_option("--checkpoint", g->dir, "an exported epoch (out/.../epoch_N)")->type_name("DIR")->required();
+  text("--prompt", g->prompt.raw, "the prompt as it is (BOS where the tokenizer adds one)");
+  text("--instruction", g->prompt.instruction, "an instruct record, rendered by the run's template");
+  text("--input", g->prompt.input, "the record's input (with --instruction)");
+  text("--system", g->prompt.system, "the conversation's system message (with --message)");
+  cmd.add_option("--message", g->prompt.messages, "a turn, alternating user, assistant, user, ...; the last is the\n"
+                                                  "user turn to answer")->expected(1)->take_all()->allow_extra_args(false);
+  cmd.add_flag("--print-prompt", g->print_prompt, "print {\"text\", \"ids\"} of the prompt and stop");
+  cmd.add_option("--max-new-tokens", g->opt.max_new_tokens, "tokens to generate at most")->type_name("N")
+      ->check(kNotNegative);
+  cmd.add_option("--temperature", g->opt.temperature, "0: greedy")->type_name("T")->check(kNotNegative);
+  cmd.add_option("--top-p", g->opt.top_p, "nucleus mass in (0, 1]")->type_name("P");
+  cmd.add_option("--seed", g->opt.seed, "seeds the sampling")->type_name("S");
+  cmd.add_flag("--nf4", g->nf4, "the base weights in NF4, as training held them");
+  cmd.add_option("--device", g->device, "auto|cpu|cuda[:N]");
+  cmd.add_option("--template-kwargs", g->template_kwargs, "a JSON object overriding the chat template's recorded\n"
+                                                          "keyword arguments")->type_name("JSON");
+  return [g] { return generate(*g); };
 }
 
 }  // namespace qlora::recipes

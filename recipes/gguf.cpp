@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -19,6 +20,7 @@
 #include "qlora/gguf/convert.h"
 #include "qlora/gguf/modelfile.h"
 #include "qlora/io/cpu_memory.h"
+#include "cli.h"
 
 namespace qlora::recipes {
 namespace {
@@ -28,30 +30,6 @@ struct GgufArgs {
   std::string dir, out, type = "f16", name, base;
   bool adapter = false;
 };
-
-GgufArgs parse_gguf_args(const std::vector<std::string>& args) {
-  GgufArgs a;
-  for (size_t i = 0; i < args.size(); ++i) {
-    const auto value = [&]() -> const std::string& {
-      if (i + 1 >= args.size()) throw std::invalid_argument(args[i] + " needs a value");
-      return args[++i];
-    };
-    if (args[i] == "--type") a.type = value();
-    else if (args[i] == "-o" || args[i] == "--out") a.out = value();
-    else if (args[i] == "--name") a.name = value();
-    else if (args[i] == "--adapter") a.adapter = true;
-    else if (args[i] == "--base") a.base = value();
-    else if (!args[i].empty() && args[i][0] == '-') throw std::invalid_argument("unknown option " + args[i]);
-    else if (a.dir.empty()) a.dir = args[i];
-    else throw std::invalid_argument("one checkpoint directory, got '" + a.dir + "' and '" + args[i] + "'");
-  }
-  if (a.dir.empty())
-    throw std::invalid_argument("usage: qlora gguf DIR [--type " + gguf::type_names() +
-                                "] [-o FILE] [--name NAME]\n       qlora gguf DIR --adapter [--base BASE] "
-                                "[--type f32|f16|bf16|q8_0] [-o FILE]");
-  if (!a.base.empty() && !a.adapter) throw std::invalid_argument("--base goes with --adapter");
-  return a;
-}
 
 std::string dir_name(const std::string& dir) {
   const std::string base = fs::path(dir).lexically_normal().filename().string();
@@ -98,11 +76,7 @@ int adapter_main(const GgufArgs& a) {
   return 0;
 }
 
-}  // namespace
-
-int gguf_main(const std::vector<std::string>& args) {
-  const GgufArgs a = parse_gguf_args(args);
-  if (a.adapter) return adapter_main(a);
+int model_main(const GgufArgs& a) {
   gguf::ConvertOptions o;
   o.type = gguf::type_from_name(a.type);
   o.name = a.name;
@@ -113,6 +87,23 @@ int gguf_main(const std::vector<std::string>& args) {
   const std::string modelfile = gguf::write_modelfile(a.dir, out);
   std::printf("%s: for Ollama, ollama create NAME -f %s\n", modelfile.c_str(), modelfile.c_str());
   return 0;
+}
+
+}  // namespace
+
+Command gguf_command(CLI::App& cmd) {
+  auto a = std::make_shared<GgufArgs>();
+  cmd.add_option("DIR", a->dir, "an HF checkpoint directory (an exported epoch); with --adapter, an\n"
+                                "exported epoch or a PEFT adapter directory")->required();
+  cmd.add_option("--type", a->type, "the tensors' type: " + gguf::type_names() + "\n(--adapter: f32|f16|bf16|q8_0)");
+  cmd.add_option("-o,--out", a->out, "the GGUF file (default DIR/<dir name>-<type>.gguf, with an Ollama\n"
+                                     "Modelfile beside it; --adapter: DIR/<base name>-lora-<type>.gguf)")->type_name("FILE");
+  cmd.add_option("--name", a->name, "general.name (default: the directory's name)");
+  CLI::Option* adapter = cmd.add_flag("--adapter", a->adapter, "the PEFT adapter of DIR, as a GGUF LoRA for\n"
+                                            "llama.cpp's --lora and Ollama's ADAPTER");
+  cmd.add_option("--base", a->base, "the checkpoint the adapter was trained on (default: the epoch's\n"
+                                    "merged model, else the adapter's base_model_name_or_path)")->type_name("BASE")->needs(adapter);
+  return [a] { return a->adapter ? adapter_main(*a) : model_main(*a); };
 }
 
 }  // namespace qlora::recipes

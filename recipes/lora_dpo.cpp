@@ -294,6 +294,6 @@ int run_dpo(Session& s) {
 
 }  // namespace
 
-int lora_dpo_main(const std::vector<std::string>& args) { return run_recipe("lora_dpo", args, run_dpo); }
+int lora_dpo_main(const ConfigArgs& args) { return run_recipe("lora_dpo", args, run_dpo); }
 
 }  // namespace qlora::recipes

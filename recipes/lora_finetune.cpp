@@ -160,6 +160,6 @@ int run_finetune(Session& s) {
 
 }  // namespace
 
-int lora_finetune_main(const std::vector<std::string>& args) { return run_recipe("lora_finetune", args, run_finetune); }
+int lora_finetune_main(const ConfigArgs& args) { return run_recipe("lora_finetune", args, run_finetune); }
 
 }  // namespace qlora::recipes

@@ -459,6 +459,6 @@ std::vector<data::PromptRecord> load_grpo_prompts(const std::string& path, const
   return out;
 }
 
-int lora_grpo_main(const std::vector<std::string>& args) { return run_recipe("lora_grpo", args, run_grpo); }
+int lora_grpo_main(const ConfigArgs& args) { return run_recipe("lora_grpo", args, run_grpo); }
 
 }  // namespace qlora::recipes

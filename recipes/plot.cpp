@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -15,14 +16,11 @@
 
 #include "qlora/io/durable_file.h"
 #include "qlora/train/plot.h"
+#include "cli.h"
 
 namespace qlora::recipes {
 
 namespace {
-
-[[noreturn]] void plot_usage_error(const std::string& what) {
-  throw std::invalid_argument(what + "\nusage: qlora plot OUT_DIR [OUT_DIR ...] [-o FILE.svg]");
-}
 
 // The run's metrics.jsonl and its legend name (the directory's, as given: "out/tiny/" -> "tiny").
 std::pair<std::string, std::string> locate_metrics(const std::string& arg) {
@@ -39,23 +37,7 @@ std::pair<std::string, std::string> locate_metrics(const std::string& arg) {
   return {metrics.string(), name.empty() ? arg : name};
 }
 
-}  // namespace
-
-int plot_main(const std::vector<std::string>& args) {
-  std::vector<std::string> dirs;
-  std::string out;
-  for (size_t i = 0; i < args.size(); ++i) {
-    if (args[i] == "-o" || args[i] == "--output") {
-      if (i + 1 >= args.size()) plot_usage_error(args[i] + " needs a file name");
-      out = args[++i];
-    } else if (!args[i].empty() && args[i][0] == '-') {
-      plot_usage_error("unknown option '" + args[i] + "'");
-    } else {
-      dirs.push_back(args[i]);
-    }
-  }
-  if (dirs.empty()) plot_usage_error("give at least one run directory");
-
+int plot(const std::vector<std::string>& dirs, std::string out) {
   std::vector<train::RunCurves> runs;
   for (const auto& d : dirs) {
     auto [path, name] = locate_metrics(d);
@@ -71,6 +53,17 @@ int plot_main(const std::vector<std::string>& args) {
   for (const auto& r : runs) steps = std::max(steps, r.loss.size());
   std::printf("wrote %s (%zu run%s, up to %zu steps)\n", out.c_str(), runs.size(), runs.size() == 1 ? "" : "s", steps);
   return 0;
+}
+
+}  // namespace
+
+Command plot_command(CLI::App& cmd) {
+  auto dirs = std::make_shared<std::vector<std::string>>();
+  auto out = std::make_shared<std::string>();
+  cmd.add_option("OUT_DIR", *dirs, "a run's checkpoint.output_dir (or its metrics.jsonl), one per run")->required();
+  cmd.add_option("-o,--output", *out, "the picture (default OUT_DIR/plot.svg; ./plot.svg for several runs)")
+      ->type_name("FILE.svg");
+  return [dirs, out] { return plot(*dirs, *out); };
 }
 
 }  // namespace qlora::recipes

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <memory>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -11,6 +12,7 @@
 
 #include "qlora/io/cpu_memory.h"
 #include "qlora/io/quantize_checkpoint.h"
+#include "cli.h"
 
 namespace qlora::recipes {
 
@@ -30,69 +32,61 @@ void print_report(const char* verb, const io::ConvertReport& r, double seconds) 
 
 void log_line(const std::string& line) { std::printf("%s\n", line.c_str()); std::fflush(stdout); }
 
-[[noreturn]] void usage_error(const std::string& what) {
-  throw std::invalid_argument(what + " (see `qlora help`)");
+struct ConvertArgs {
+  std::string in, out, out_option, dtype;
+};
+
+int quantize(ConvertArgs a) {
+  if (!a.out_option.empty() && !a.out.empty())
+    throw std::invalid_argument("give OUT either as an argument or with --out, not both");
+  if (a.out.empty()) a.out = a.out_option;
+  if (a.in.empty()) {
+    a.in = data_dir() + "/tiny_llama";
+    if (a.out.empty()) a.out = "out/tiny_llama_nf4";
+    std::printf("No input given: quantizing the bundled example checkpoint %s\n", a.in.c_str());
+  } else if (a.out.empty()) {
+    throw std::invalid_argument("expected IN and OUT, or nothing for the bundled example");
+  }
+  std::printf("qlora quantize: %s -> %s\n", a.in.c_str(), a.out.c_str());
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto report = io::quantize_checkpoint(a.in, a.out, log_line);
+  print_report("quantized to NF4:", report,
+               std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  std::printf("wrote %s\n", a.out.c_str());
+  return 0;
+}
+
+int dequantize(const ConvertArgs& a) {
+  std::optional<at::ScalarType> dtype;  // none: each tensor's stored dtype
+  if (a.dtype == "bf16") dtype = at::kBFloat16;
+  if (a.dtype == "fp16") dtype = at::kHalf;
+  if (a.dtype == "fp32") dtype = at::kFloat;
+  std::printf("qlora dequantize: %s -> %s\n", a.in.c_str(), a.out.c_str());
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto report = io::dequantize_checkpoint(a.in, a.out, dtype, log_line);
+  print_report("dequantized", report,
+               std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  return 0;
 }
 
 }  // namespace
 
-int quantize_main(const std::vector<std::string>& args) {
-  std::string in, out;
-  std::vector<std::string> pos;
-  for (size_t i = 0; i < args.size(); ++i) {
-    if (args[i] == "--out") {
-      if (i + 1 >= args.size()) usage_error("--out needs a directory");
-      out = args[++i];
-    } else if (!args[i].empty() && args[i][0] == '-') {
-      usage_error("unknown option '" + args[i] + "'");
-    } else {
-      pos.push_back(args[i]);
-    }
-  }
-  if (pos.size() == 2) {
-    in = pos[0];
-    if (out.empty()) out = pos[1];
-    else usage_error("give OUT either as an argument or with --out, not both");
-  } else if (pos.empty()) {
-    in = data_dir() + "/tiny_llama";
-    if (out.empty()) out = "out/tiny_llama_nf4";
-    std::printf("No input given: quantizing the bundled example checkpoint %s\n", in.c_str());
-  } else {
-    usage_error("expected IN and OUT, or nothing for the bundled example");
-  }
-  std::printf("qlora quantize: %s -> %s\n", in.c_str(), out.c_str());
-  const auto t0 = std::chrono::steady_clock::now();
-  const auto report = io::quantize_checkpoint(in, out, log_line);
-  print_report("quantized to NF4:", report,
-               std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-  std::printf("wrote %s\n", out.c_str());
-  return 0;
+Command quantize_command(CLI::App& cmd) {
+  auto a = std::make_shared<ConvertArgs>();
+  cmd.add_option("IN", a->in, "a safetensors file or HF checkpoint directory");
+  cmd.add_option("OUT", a->out, "the NF4 copy (a file or directory, as IN)");
+  cmd.add_option("--out", a->out_option, "OUT, as an option")->type_name("DIR");
+  cmd.footer("no IN OUT: the bundled tiny example, to out/tiny_llama_nf4 (or --out DIR)");
+  return [a] { return quantize(*a); };
 }
 
-int dequantize_main(const std::vector<std::string>& args) {
-  std::vector<std::string> pos;
-  std::optional<at::ScalarType> dtype;
-  for (size_t i = 0; i < args.size(); ++i) {
-    if (args[i] == "--dtype") {
-      if (i + 1 >= args.size()) usage_error("--dtype needs bf16, fp16 or fp32");
-      const std::string d = args[++i];
-      if (d == "bf16") dtype = at::kBFloat16;
-      else if (d == "fp16") dtype = at::kHalf;
-      else if (d == "fp32") dtype = at::kFloat;
-      else usage_error("--dtype must be bf16, fp16 or fp32, got '" + d + "'");
-    } else if (args[i].size() > 1 && args[i][0] == '-') {
-      usage_error("unknown option '" + args[i] + "'");
-    } else {
-      pos.push_back(args[i]);
-    }
-  }
-  if (pos.size() != 2) usage_error("expected IN and OUT");
-  std::printf("qlora dequantize: %s -> %s\n", pos[0].c_str(), pos[1].c_str());
-  const auto t0 = std::chrono::steady_clock::now();
-  const auto report = io::dequantize_checkpoint(pos[0], pos[1], dtype, log_line);
-  print_report("dequantized", report,
-               std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-  return 0;
+Command dequantize_command(CLI::App& cmd) {
+  auto a = std::make_shared<ConvertArgs>();
+  cmd.add_option("IN", a->in, "a checkpoint with NF4 tensors (qlora quantize's)")->required();
+  cmd.add_option("OUT", a->out, "the plain copy")->required();
+  cmd.add_option("--dtype", a->dtype, "the plain tensors' dtype (default: each tensor's stored dtype)")
+      ->check(CLI::IsMember({"bf16", "fp16", "fp32"}));
+  return [a] { return dequantize(*a); };
 }
 
 }  // namespace qlora::recipes

@@ -3,6 +3,8 @@
 #include <cstdio>
 #include <stdexcept>
 
+#include <CLI/CLI.hpp>
+
 #include "qlora/data/data_files.h"
 #include "qlora/data/tokenizer.h"
 #include "qlora/io/hub_cache.h"
@@ -12,24 +14,17 @@ namespace qlora::recipes {
 
 extern const char* const kEmbeddedTinyConfig;  // configs/tiny_qlora.toml, compiled in
 
-config::RecipeConfig load_recipe_config(const std::vector<std::string>& args) {
-  std::string path;
-  std::vector<std::string> overrides;
-  for (size_t i = 0; i < args.size(); ++i) {
-    if (args[i] == "--config") {
-      if (i + 1 >= args.size()) throw std::invalid_argument("--config needs a file");
-      path = args[++i];
-    } else if (args[i].find('=') != std::string::npos && args[i][0] != '-') {
-      overrides.push_back(args[i]);
-    } else {
-      throw std::invalid_argument("unexpected argument '" + args[i] +
-                                  "'; expected --config FILE and section.key=value overrides");
-    }
-  }
-  config::RecipeConfig cfg = path.empty() ? config::parse_config(kEmbeddedTinyConfig, "<embedded tiny_qlora.toml>")
-                                          : config::load_config(path);
-  if (path.empty()) std::printf("No --config: running the embedded default (configs/tiny_qlora.toml)\n");
-  for (const auto& o : overrides) config::apply_override(cfg, o);
+void add_config_args(CLI::App& cmd, ConfigArgs& a) {
+  cmd.add_option("--config", a.path, "the recipe's TOML config (none: the embedded tiny default)")->type_name("FILE");
+  cmd.add_option("section.key=value", a.overrides,
+                 "config keys to override, e.g. lora.rank=32; every key, its default and\nwhat it does: `qlora config`");
+}
+
+config::RecipeConfig load_recipe_config(const ConfigArgs& a) {
+  config::RecipeConfig cfg = a.path.empty() ? config::parse_config(kEmbeddedTinyConfig, "<embedded tiny_qlora.toml>")
+                                            : config::load_config(a.path);
+  if (a.path.empty()) std::printf("No --config: running the embedded default (configs/tiny_qlora.toml)\n");
+  for (const auto& o : a.overrides) config::apply_override(cfg, o);
   return cfg;
 }
 

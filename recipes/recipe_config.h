@@ -9,11 +9,24 @@
 #include "qlora/config/config.h"
 #include "qlora/data/prompts.h"
 
+namespace CLI {
+class App;
+}
+
 namespace qlora::recipes {
 
-// "--config FILE" and "section.key=value" overrides; no --config: the embedded tiny default
-// (configs/tiny_qlora.toml, compiled in). Anything else is an error naming it.
-config::RecipeConfig load_recipe_config(const std::vector<std::string>& args);
+// What a command that reads a config takes: `--config FILE` and `section.key=value ...` overrides.
+struct ConfigArgs {
+  std::string path;  // "": the embedded tiny default
+  std::vector<std::string> overrides;
+};
+
+// Adds --config FILE and the positional overrides to `cmd` (recipes/cli.h), parsed into `a`.
+void add_config_args(CLI::App& cmd, ConfigArgs& a);
+
+// The config of --config FILE (none: the embedded tiny default, configs/tiny_qlora.toml compiled
+// in) with the overrides applied; a malformed override is an error naming it.
+config::RecipeConfig load_recipe_config(const ConfigArgs& a);
 
 // The checkpoint the run trains: model.checkpoint_dir (a Hub id: its snapshot in the local Hugging
 // Face cache, io/hub_cache.h), or for the embedded default the tiny base under

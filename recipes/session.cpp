@@ -556,7 +556,7 @@ void print_done(const Session& s, const Position& p, const std::string& what) {
               (long long)s.cfg.training.epochs - 1);
 }
 
-int run_recipe(const std::string& name, const std::vector<std::string>& args, const std::function<int(Session&)>& body) {
+int run_recipe(const std::string& name, const ConfigArgs& args, const std::function<int(Session&)>& body) {
   RecipeConfig cfg = load_recipe_config(args);
   const engine::RankEnv env = engine::rank_env_from_environment();
   c10::Device device = train::resolve_device(cfg.model.device);

@@ -28,6 +28,7 @@
 #include "qlora/models/llama.h"
 #include "qlora/train/metrics.h"
 #include "qlora/train/output_dir.h"
+#include "recipe_config.h"
 
 namespace qlora::recipes {
 
@@ -134,9 +135,8 @@ Position train(const Session& s, Model& m, const TextSetup& text, RecipeParts& p
 // are, and the command that tries the last export.
 void print_done(const Session& s, const Position& p, const std::string& what);
 
-// The rank's entry: config from args, compute dtype resolved, world joined, `body` run; an
-// error is printed naming the culprit ranks and gives exit status 1.
-int run_recipe(const std::string& name, const std::vector<std::string>& args,
-               const std::function<int(Session&)>& body);
+// The rank's entry: config from --config and overrides, compute dtype resolved, world joined,
+// `body` run; an error is printed naming the culprit ranks and gives exit status 1.
+int run_recipe(const std::string& name, const ConfigArgs& args, const std::function<int(Session&)>& body);
 
 }  // namespace qlora::recipes

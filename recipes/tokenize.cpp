@@ -8,6 +8,7 @@
 // Decoding reads per line a JSON list of ids or comma-separated ids and prints {"text": "..."}.
 #include <cstdio>
 #include <fstream>
+#include <memory>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -16,6 +17,7 @@
 #include <nlohmann/json.hpp>
 
 #include "qlora/data/tokenizer.h"
+#include "cli.h"
 
 namespace qlora::recipes {
 namespace {
@@ -24,24 +26,6 @@ struct TokenizeArgs {
   std::string tokenizer, text, file;
   bool has_text = false, decode = false;
 };
-
-TokenizeArgs parse_tokenize_args(const std::vector<std::string>& args) {
-  TokenizeArgs a;
-  for (size_t i = 0; i < args.size(); ++i) {
-    const auto value = [&]() -> const std::string& {
-      if (i + 1 >= args.size()) throw std::invalid_argument(args[i] + " needs a value");
-      return args[++i];
-    };
-    if (args[i] == "--tokenizer") a.tokenizer = value();
-    else if (args[i] == "--text") a.text = value(), a.has_text = true;
-    else if (args[i] == "--file") a.file = value();
-    else if (args[i] == "--decode") a.decode = true;
-    else throw std::invalid_argument("unknown argument '" + args[i] + "' (expected --tokenizer, --text, --file, --decode)");
-  }
-  if (a.tokenizer.empty()) throw std::invalid_argument("--tokenizer FILE_OR_MODEL_DIR is required");
-  if (a.has_text == !a.file.empty()) throw std::invalid_argument("give exactly one of --text TEXT and --file FILE");
-  return a;
-}
 
 // "[1, 2]" or "1,2" (or "1, 2"); `where` names the file and line for errors.
 std::vector<int64_t> parse_ids(const std::string& line, const std::string& where) {
@@ -61,10 +45,8 @@ std::vector<int64_t> parse_ids(const std::string& line, const std::string& where
   return ids;
 }
 
-}  // namespace
-
-int tokenize_main(const std::vector<std::string>& args) {
-  const TokenizeArgs a = parse_tokenize_args(args);
+int tokenize(const TokenizeArgs& a) {
+  if (a.has_text == !a.file.empty()) throw std::invalid_argument("give exactly one of --text TEXT and --file FILE");
   const auto tok = data::Tokenizer::open(a.tokenizer);
   std::string input = a.text;
   const std::string source = a.has_text ? std::string("--text") : a.file;
@@ -102,6 +84,21 @@ int tokenize_main(const std::vector<std::string>& args) {
     std::puts(out.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
   }
   return 0;
+}
+
+}  // namespace
+
+Command tokenize_command(CLI::App& cmd) {
+  auto a = std::make_shared<TokenizeArgs>();
+  cmd.add_option("--tokenizer", a->tokenizer, "tokenizer.model, tokenizer.json or a model directory holding one")
+      ->type_name("FILE_OR_MODEL_DIR")->required();
+  const CLI::Option* text = cmd.add_option("--text", a->text, "the input, its lines tokenized one by one");
+  cmd.add_option("--file", a->file, "the input, from a file")->type_name("FILE");
+  cmd.add_flag("--decode", a->decode, "input lines are id lists (JSON or comma-separated): print their text");
+  return [a, text] {
+    a->has_text = text->count() > 0;
+    return tokenize(*a);
+  };
 }
 
 }  // namespace qlora::recipes

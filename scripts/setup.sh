@@ -4,7 +4,7 @@
 #   bash scripts/setup.sh --tests   everything: the test packages too, and all targets (tests, benchmarks)
 # Idempotent and quick when everything is already there:
 #   1. Debian packages: compilers, CMake, ccache, toml++, sentencepiece, PCRE2, ICU, xxHash,
-#      nlohmann-json, and gloo's headers for c10d's ProcessGroupGloo, which the torch wheel lacks (its
+#      nlohmann-json, CLI11 (the command line), and gloo's headers for c10d's ProcessGroupGloo, which the torch wheel lacks (its
 #      library is never linked); with --tests also GoogleTest and Google Benchmark. The CUDA toolkit is
 #      used if present, never installed.
 #   2. .venv with requirements.txt (the pinned PyPI torch wheel: LibTorch, which qlora builds and links
@@ -34,7 +34,7 @@ done
 # --- 1. Debian packages ----------------------------------------------------------------------
 PKGS=(g++ cmake make ccache pkg-config nlohmann-json3-dev
       libtomlplusplus-dev libsentencepiece-dev libgloo-dev
-      libpcre2-dev libicu-dev libxxhash-dev)
+      libpcre2-dev libicu-dev libxxhash-dev libcli11-dev)
 [ "$TESTS" = 1 ] && PKGS+=(libgtest-dev libbenchmark-dev)
 bash scripts/install_debs.sh "${PKGS[@]}"
 

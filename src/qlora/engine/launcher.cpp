@@ -24,23 +24,6 @@ extern char** environ;
 #include <vector>
 
 namespace qlora::engine {
-namespace {
-
-int parse_int(const std::string& flag, const std::string& v, int lo, int hi) {
-  size_t used = 0;
-  long x = 0;
-  try {
-    x = std::stol(v, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  if (used == 0 || used != v.size() || x < lo || x > hi)
-    throw std::invalid_argument(flag + " expects an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) +
-                                "], got '" + v + "'");
-  return static_cast<int>(x);
-}
-
-}  // namespace
 
 // torchrun does the same; the small window before rank 0 binds the port is accepted.
 int free_tcp_port(const std::string& addr) {
@@ -94,30 +77,13 @@ void emit(Stream& s, const char* data, size_t n, bool flush_all) {
 
 }  // namespace
 
-LaunchOptions parse_launch_args(std::vector<std::string>& args) {
-  LaunchOptions o;
-  bool port_given = false;
-  size_t i = 0;
-  for (; i < args.size() && args[i].rfind("--", 0) == 0; ++i) {
-    const std::string& flag = args[i];
-    if (i + 1 >= args.size()) throw std::invalid_argument(flag + " needs a value");
-    const std::string& v = args[++i];
-    if (flag == "--nproc-per-node") o.nproc_per_node = parse_int(flag, v, 1, 1024);
-    else if (flag == "--nnodes") o.nnodes = parse_int(flag, v, 1, 65536);
-    else if (flag == "--node-rank") o.node_rank = parse_int(flag, v, 0, 65535);
-    else if (flag == "--master-addr") o.master_addr = v;
-    else if (flag == "--master-port") { o.master_port = parse_int(flag, v, 1, 65535); port_given = true; }
-    else throw std::invalid_argument("unknown launcher flag '" + flag +
-                                     "' (known: --nproc-per-node --nnodes --node-rank --master-addr --master-port)");
-  }
-  args.erase(args.begin(), args.begin() + static_cast<std::ptrdiff_t>(i));
+void check_launch_options(const LaunchOptions& o) {
   if (o.node_rank >= o.nnodes)
     throw std::invalid_argument("--node-rank " + std::to_string(o.node_rank) + " must be below --nnodes " +
                                 std::to_string(o.nnodes));
-  if (o.nnodes > 1 && !port_given)
+  if (o.nnodes > 1 && o.master_port == 0)
     throw std::invalid_argument("--nnodes " + std::to_string(o.nnodes) +
                                 " needs --master-port (the same on every node) and --master-addr of node 0");
-  return o;
 }
 
 bool launched_as_rank() {

@@ -24,9 +24,9 @@ struct LaunchOptions {
   double kill_grace_s = 10.0;
 };
 
-// Consumes the launcher flags at the front of `args` (up to the recipe name) and validates them;
-// errors name the flag.
-LaunchOptions parse_launch_args(std::vector<std::string>& args);
+// What the flags' ranges alone cannot check (`qlora run` parses them, recipes/cli.cpp): the node
+// rank below the node count, and a port given for several nodes; errors name the flag.
+void check_launch_options(const LaunchOptions& o);
 
 // A TCP port on `addr` that nobody listens on right now (bind to port 0, read it, close).
 int free_tcp_port(const std::string& addr);
