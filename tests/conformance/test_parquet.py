@@ -8,7 +8,8 @@
    IPC file (pyarrow.feather) and an Arrow IPC stream (Dataset.save_to_disk's file): the records
    qlora reads (hub_tool's read_json_records) equal datasets.load_dataset(...)'s rows, row for row;
 2. a damaged Parquet file (truncated), and a JSON file named .parquet: a clear error naming the file,
-   from hub_tool and from `qlora run` (exit code 1, not a crash);
+   from hub_tool and from `qlora run` (exit code 1, not a crash); files with 16 bytes overwritten at
+   ~24 places inside (footer intact): the records or an error naming the file, never a crash;
 3. training: `qlora run lora_finetune` (the embedded default, 2 steps) on the bundled tiny_tasks as
    Parquet shards (data.path = their directory) logs the same losses as on the JSONL file itself.
 Prints "N passed, M failed".
@@ -165,6 +166,18 @@ def check_damaged(work, qlora):
         (answer,) = tool(["records", path])
         err = answer.get("error", "")
         check(path in err and "Parquet" in err, f"{what}: an error naming it: {err[:200]!r}")
+    # Damaged inside (footer intact): every answer is the records or an error naming the file, never a crash.
+    requests, paths = [], []
+    for k, at in enumerate(range(4, len(data) - 64, max(1, (len(data) - 68) // 24))):
+        paths.append(os.path.join(work, f"damaged_{k}.parquet"))
+        with open(paths[-1], "wb") as f:
+            f.write(data[:at] + b"\xff" * 16 + data[at + 16:])
+        requests.append(["records", paths[-1]])
+    answers = tool(*requests)
+    bad = [(p, a) for p, a in zip(paths, answers) if "records" not in a and p not in a.get("error", "")]
+    errors = sum("error" in a for a in answers)
+    check(not bad, f"{len(paths)} files with 16 bytes overwritten inside: {errors} errors naming the file, "
+                   f"{len(paths) - errors} read, no crash" + (f"; first bad answer: {bad[0]}" if bad else ""))
     r = run_recipe(qlora, os.path.join(work, "run_truncated"), "logging.progress=plain", f"data.path={truncated}",
                    expect_rc=1, timeout=120)
     msg = r.stdout + r.stderr

@@ -51,7 +51,7 @@ ordered_json answer(const std::vector<std::string>& a) {
   if (cmd == "records" && a.size() == 2) {
     ordered_json records = ordered_json::array(), origins = ordered_json::array();
     data::read_json_records(a[1], [&](const nlohmann::json& record, const std::string& origin) {
-      records.push_back(record);
+      records.push_back(ordered_json::parse(record.dump()));  // binary values as {"bytes", "subtype"}
       origins.push_back(origin);
     });
     return {{"records", records}, {"origins", origins}};

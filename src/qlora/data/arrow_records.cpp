@@ -120,10 +120,12 @@ using NextBatch = std::function<std::shared_ptr<arrow::RecordBatch>()>;
 NextBatch open_batches(const std::string& path, ArrowFileKind kind) {
   const std::shared_ptr<arrow::io::ReadableFile> file = value_of(arrow::io::ReadableFile::Open(path));
   if (kind == ArrowFileKind::kParquet) {
-    // One row group at a time, on this thread (ArrowReaderProperties' default: no thread pool).
-    std::shared_ptr<arrow::RecordBatchReader> reader =
-        value_of(value_of(parquet::arrow::OpenFile(file, arrow::default_memory_pool()))->GetRecordBatchReader());
-    return [reader] { return value_of(reader->Next()); };
+    // One row group at a time, on this thread (ArrowReaderProperties' default: no thread pool). The
+    // batch reader borrows the file reader: both live as long as the lambda.
+    std::shared_ptr<parquet::arrow::FileReader> parquet_file =
+        value_of(parquet::arrow::OpenFile(file, arrow::default_memory_pool()));
+    std::shared_ptr<arrow::RecordBatchReader> reader = value_of(parquet_file->GetRecordBatchReader());
+    return [parquet_file, reader] { return value_of(reader->Next()); };
   }
   auto options = arrow::ipc::IpcReadOptions::Defaults();
   options.use_threads = false;
