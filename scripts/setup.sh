@@ -64,6 +64,7 @@ if [ "$TESTS" = 1 ]; then
     echo "$want_t" > "$stamp_t"
   fi
 fi
+"$VENV/bin/python" -c "import pyarrow" || { say "pyarrow does not import from $VENV (requirements.txt pins it)"; exit 1; }
 
 # --- 3. Configure and build ------------------------------------------------------------------
 [ -d /usr/local/cuda/bin ] && export PATH="/usr/local/cuda/bin:$PATH"

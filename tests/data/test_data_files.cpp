@@ -1,5 +1,5 @@
 // data/data_files: splits of a data set directory by the Hub's file naming (as `datasets` applies it),
-// and data.path + data.split resolved to the one JSON / JSONL file to read. (conformance.hub_cache
+// data.path + data.split resolved to the file (or glob of shards) to read, and globs expanded. (conformance.hub_cache
 // compares the splits with datasets' own get_data_patterns on the same trees.)
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -91,12 +91,42 @@ TEST(DataFiles, ResolvesTheSplitsOneJsonFileOrSaysWhyNot) {
   const std::string no_split = error_of(d.string(), "validation");
   EXPECT_TRUE(contains(no_split, "no split 'validation'") && contains(no_split, "train, test")) << no_split;
   const fs::path pq = tree({"data/train-00000-of-00001.parquet"});
-  const std::string parquet = error_of(pq.string(), "train");
-  EXPECT_TRUE(contains(parquet, "Parquet, which qlora does not read yet") &&
-              contains(parquet, "train-00000-of-00001.parquet")) << parquet;
-  const fs::path two = tree({"train-0.jsonl", "train-1.jsonl"});
-  EXPECT_TRUE(contains(error_of(two.string(), "train"), "2 JSON/JSONL files"));
+  EXPECT_EQ(resolve_data_file(pq.string(), "train", "data.path"), (pq / "data/train-00000-of-00001.parquet").string());
   const fs::path csv = tree({"train.csv"});
-  EXPECT_TRUE(contains(error_of(csv.string(), "train"), "no JSON or JSONL file"));
-  for (const auto& p : {d, pq, two, csv}) fs::remove_all(p);
+  EXPECT_TRUE(contains(error_of(csv.string(), "train"), "no JSON, JSONL, Parquet or Arrow file"));
+  for (const auto& p : {d, pq, csv}) fs::remove_all(p);
+}
+
+TEST(DataFiles, ASplitOfSeveralFilesIsTheGlobNamingThemAlone) {
+  const fs::path d = tree({"data/train-00000-of-00002.parquet", "data/train-00001-of-00002.parquet",
+                           "data/test-00000-of-00001.parquet", "README.md"});
+  const std::string glob = resolve_data_file(d.string(), "train", "data.path");
+  EXPECT_EQ(glob, (d / "data/train-0000*-of-00002.parquet").string());
+  EXPECT_EQ(expand_data_path(glob), (std::vector<std::string>{(d / "data/train-00000-of-00002.parquet").string(),
+                                                              (d / "data/train-00001-of-00002.parquet").string()}));
+  const fs::path two = tree({"train-0.jsonl", "train-1.jsonl"});
+  EXPECT_EQ(resolve_data_file(two.string(), "train", "data.path"), (two / "train-*.jsonl").string());
+  // Files in different folders: "*" stays within one name, so no one glob names them.
+  const fs::path nested = tree({"train/a.jsonl", "train/b/c.jsonl"});
+  const std::string msg = error_of(nested.string(), "train");
+  EXPECT_TRUE(contains(msg, "no one glob names alone") && contains(msg, "c.jsonl")) << msg;
+  for (const auto& p : {d, two, nested}) fs::remove_all(p);
+}
+
+TEST(DataFiles, ExpandsDirectoriesAndGlobsToTheirDataFilesSorted) {
+  const fs::path d = tree({"b.parquet", "a.parquet", "notes.txt", "sub/c.arrow", ".hidden.parquet"});
+  EXPECT_EQ(expand_data_path(d.string()),
+            (std::vector<std::string>{(d / "a.parquet").string(), (d / "b.parquet").string(), (d / "sub/c.arrow").string()}));
+  EXPECT_EQ(expand_data_path((d / "?.parquet").string()),
+            (std::vector<std::string>{(d / "a.parquet").string(), (d / "b.parquet").string()}));
+  EXPECT_EQ(expand_data_path((d / "**/*.arrow").string()), (std::vector<std::string>{(d / "sub/c.arrow").string()}));
+  EXPECT_EQ(expand_data_path((d / "a.parquet").string()), (std::vector<std::string>{(d / "a.parquet").string()}));
+  EXPECT_EQ(expand_data_path("/nonexistent/x.jsonl"), (std::vector<std::string>{"/nonexistent/x.jsonl"}));
+  try {
+    expand_data_path((d / "*.jsonl").string());
+    ADD_FAILURE() << "a glob matching nothing was accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_TRUE(contains(e.what(), "*.jsonl") && contains(e.what(), "matches this glob")) << e.what();
+  }
+  fs::remove_all(d);
 }

@@ -8,6 +8,9 @@
 //   ["snapshot", ID[@REV], DIR]     {"dir": hub_snapshot_dir(ID, model, DIR)} or {"error": message}
 //   ["splits", DIR]                 {"splits": {split: [file, ...]}, "order": [split, ...]} or {"error"}
 //   ["data", VALUE, SPLIT]          {"file": resolve_data_file(VALUE, SPLIT)} or {"error": message}
+//   ["records", PATH]               {"records": [record, ...], "origins": [...]}: read_json_records(PATH),
+//                                   the JSON objects every record format reads (binary values as
+//                                   {"bytes": [...], "subtype": null}) or {"error": message}
 #include <cstdio>
 #include <cstdlib>
 #include <iostream>
@@ -18,6 +21,7 @@
 #include <nlohmann/json.hpp>
 
 #include "qlora/data/data_files.h"
+#include "qlora/data/dataset.h"
 #include "qlora/io/hub_cache.h"
 
 using nlohmann::ordered_json;
@@ -44,7 +48,16 @@ ordered_json answer(const std::vector<std::string>& a) {
     return {{"splits", splits}, {"order", order}};
   }
   if (cmd == "data" && a.size() == 3) return {{"file", data::resolve_data_file(a[1], a[2], "data.path")}};
-  throw std::invalid_argument("unknown request; expected cache | model VALUE | snapshot ID DIR | splits DIR | data VALUE SPLIT");
+  if (cmd == "records" && a.size() == 2) {
+    ordered_json records = ordered_json::array(), origins = ordered_json::array();
+    data::read_json_records(a[1], [&](const nlohmann::json& record, const std::string& origin) {
+      records.push_back(ordered_json::parse(record.dump()));  // binary values as {"bytes", "subtype"}
+      origins.push_back(origin);
+    });
+    return {{"records", records}, {"origins", origins}};
+  }
+  throw std::invalid_argument(
+      "unknown request; expected cache | model VALUE | snapshot ID DIR | splits DIR | data VALUE SPLIT | records PATH");
 }
 
 }  // namespace

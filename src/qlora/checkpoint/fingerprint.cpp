@@ -11,6 +11,7 @@
 #include <string_view>
 #include <vector>
 
+#include "qlora/data/data_files.h"
 #include "qlora/io/checkpoint_dir.h"
 #include "qlora/checkpoint/resume.h"
 #include "qlora/checkpoint/xxh64.h"
@@ -100,6 +101,17 @@ void add_weight_file(Xxh64& h, const io::SafetensorsFile& f) {
 
 std::string fingerprint_file(const std::string& path) { return xxh64_hex(xxh64_file(path)); }
 
+std::string fingerprint_data(const std::string& path) {
+  const std::vector<std::string> files = data::expand_data_path(path);
+  if (files.size() == 1) return fingerprint_file(files.front());
+  Xxh64 h(0);
+  for (const std::string& f : files) {
+    add_field(h, basename_of(f));
+    add_field(h, fingerprint_file(f));
+  }
+  return xxh64_hex(h.digest());
+}
+
 std::string fingerprint_checkpoint_dir(const std::string& dir) {
   const std::string sep = !dir.empty() && dir.back() == '/' ? "" : "/";
   const std::string config = dir + sep + "config.json";
@@ -118,7 +130,7 @@ std::string fingerprint_checkpoint_dir(const std::string& dir) {
 nlohmann::json input_fingerprints(const std::string& data_path, const std::string& base_dir,
                                   const std::string& tokenizer_path) {
   return {{"data_path", data_path},
-          {"data_fingerprint", fingerprint_file(data_path)},
+          {"data_fingerprint", fingerprint_data(data_path)},
           {"base_dir", base_dir},
           {"base_fingerprint", fingerprint_checkpoint_dir(base_dir)},
           {"tokenizer_path", tokenizer_path},

@@ -17,6 +17,10 @@ namespace qlora::checkpoint {
 // std::runtime_error naming the file.
 std::string fingerprint_file(const std::string& path);
 
+// The data a data path names (data::expand_data_path): one file, its fingerprint_file; several (a
+// glob or directory of Parquet shards), XXH64 over each file's name and fingerprint_file, in order.
+std::string fingerprint_data(const std::string& path);
+
 // An HF checkpoint directory (found as CheckpointDir finds it: model.safetensors, or the shards
 // named by model.safetensors.index.json), without reading its weights.
 // Covers:
@@ -38,7 +42,7 @@ std::string fingerprint_file(const std::string& path);
 // Errors (std::runtime_error, SafetensorsError for malformed weight files) name the file.
 std::string fingerprint_checkpoint_dir(const std::string& dir);
 
-// The resume-meta record of a run's inputs: data_path, data_fingerprint (fingerprint_file),
+// The resume-meta record of a run's inputs: data_path, data_fingerprint (fingerprint_data),
 // base_dir and base_fingerprint (fingerprint_checkpoint_dir), tokenizer_path and
 // tokenizer_fingerprint (the tokenizer the run reads, which may live outside base_dir:
 // original/tokenizer.model, model.tokenizer).

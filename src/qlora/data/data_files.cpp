@@ -1,7 +1,9 @@
 #include "qlora/data/data_files.h"
 
 #include <algorithm>
+#include <iterator>
 #include <map>
+#include <optional>
 #include <regex>
 #include <set>
 #include <stdexcept>
@@ -40,6 +42,8 @@ std::regex glob_regex(const std::string& glob) {
       ++i;
     } else if (c == '*') {
       re += "[^/]*";
+    } else if (c == '?') {
+      re += "[^/]";
     } else if (c == '[') {
       const size_t close = glob.find(']', i);
       re += glob.substr(i, close - i + 1);
@@ -146,30 +150,59 @@ bool has_extension(const std::string& file, const char* ext) {
   return file.size() > e.size() && file.compare(file.size() - e.size(), e.size(), e) == 0;
 }
 
+// The extensions qlora reads: JSON and JSONL (dataset.h), Parquet and Arrow IPC (arrow_records.h).
+bool is_data_file(const std::string& file) {
+  for (const char* ext : {".json", ".jsonl", ".parquet", ".arrow", ".feather"})
+    if (has_extension(file, ext)) return true;
+  return false;
+}
+
 std::string listed(const fs::path& dir, const std::vector<std::string>& files) {
   std::string out;
   for (size_t i = 0; i < files.size(); ++i) out += (i ? ", " : "") + (dir / files[i]).string();
   return out;
 }
 
-// The one JSON / JSONL file of a split, or an error saying why there is none to read.
+bool has_glob_chars(const std::string& s) { return s.find_first_of("*?[") != std::string::npos; }
+
+// One glob (relative to the data set's directory) naming exactly `files` among the directory's
+// data files: their common prefix, "*", their common suffix (the shards of a split); nullopt where
+// no such glob names them alone.
+std::optional<std::string> glob_of(const std::vector<std::string>& files, const std::vector<std::string>& all) {
+  std::string prefix = files.front(), suffix = files.front();
+  size_t shortest = prefix.size();
+  for (const auto& f : files) {
+    prefix.resize(static_cast<size_t>(std::mismatch(prefix.begin(), prefix.end(), f.begin(), f.end()).first -
+                                      prefix.begin()));
+    suffix.erase(0, static_cast<size_t>(suffix.rend() - std::mismatch(suffix.rbegin(), suffix.rend(), f.rbegin(),
+                                                                      f.rend()).first));
+    shortest = std::min(shortest, f.size());
+  }
+  suffix.erase(0, std::min(suffix.size(), prefix.size() + suffix.size() - std::min(prefix.size() + suffix.size(), shortest)));
+  const std::string glob = prefix + "*" + suffix;
+  if (has_glob_chars(prefix + suffix) || matching(all, {glob}) != files) return std::nullopt;
+  return glob;
+}
+
+// The data file of a split, or a glob naming its several files (read one after the other), or an
+// error saying why there is none to read.
 std::string split_file(const fs::path& dir, const std::string& split, const std::vector<std::string>& files,
                        const std::string& key) {
-  std::vector<std::string> json, parquet;
-  for (const auto& f : files) {
-    if (has_extension(f, ".json") || has_extension(f, ".jsonl")) json.push_back(f);
-    else if (has_extension(f, ".parquet")) parquet.push_back(f);
-  }
+  std::vector<std::string> data;
+  std::copy_if(files.begin(), files.end(), std::back_inserter(data), is_data_file);
   const std::string where = key + ": split '" + split + "' of " + dir.string();
-  if (json.empty() && !parquet.empty())
-    throw std::invalid_argument(where + " is Parquet, which qlora does not read yet (JSON and JSONL only); found " +
-                                listed(dir, parquet));
-  if (json.empty())
-    throw std::invalid_argument(where + " has no JSON or JSONL file (qlora reads those); found " + listed(dir, files));
-  if (json.size() > 1)
-    throw std::invalid_argument(where + " has " + std::to_string(json.size()) + " JSON/JSONL files (" +
-                                listed(dir, json) + "); qlora reads one file per split: set " + key + " to one of them");
-  return (dir / json.front()).string();
+  if (data.empty())
+    throw std::invalid_argument(where + " has no JSON, JSONL, Parquet or Arrow file (qlora reads those); found " +
+                                listed(dir, files));
+  if (data.size() == 1) return (dir / data.front()).string();
+  std::vector<std::string> all;
+  for (auto& f : candidate_files(dir))
+    if (is_data_file(f)) all.push_back(std::move(f));
+  const auto glob = glob_of(data, all);
+  if (!glob)
+    throw std::invalid_argument(where + " has " + std::to_string(data.size()) + " data files (" + listed(dir, data) +
+                                ") that no one glob names alone; set " + key + " to a file or a glob of them");
+  return (dir / *glob).string();
 }
 
 }  // namespace
@@ -196,6 +229,29 @@ std::string resolve_data_file(const std::string& value, const std::string& split
   }
   throw std::invalid_argument(key + " = \"" + value + "\": " + dir.string() + " has no split '" + split +
                               "' (its splits: " + names + "); set data.split to one of them");
+}
+
+std::vector<std::string> expand_data_path(const std::string& path) {
+  std::error_code ec;
+  if (fs::is_regular_file(path, ec)) return {path};
+  std::string base = path, pattern;
+  if (fs::is_directory(path, ec)) {
+    pattern = "**";
+  } else if (const size_t wild = path.find_first_of("*?["); wild != std::string::npos) {
+    const size_t slash = path.rfind('/', wild);
+    base = slash == std::string::npos ? "." : path.substr(0, slash == 0 ? 1 : slash);
+    pattern = slash == std::string::npos ? path : path.substr(slash + 1);
+  } else {
+    return {path};  // missing: its reader says so, naming it
+  }
+  if (!fs::is_directory(base, ec)) throw std::invalid_argument(path + ": no such directory " + base);
+  std::vector<std::string> out;
+  for (const auto& f : matching(candidate_files(base), {pattern}))
+    if (is_data_file(f)) out.push_back(base == "." ? f : (fs::path(base) / f).string());
+  if (out.empty())
+    throw std::invalid_argument(path + ": no JSON, JSONL, Parquet or Arrow file " +
+                                (pattern == "**" ? "in this directory" : "matches this glob"));
+  return out;
 }
 
 }  // namespace qlora::data

@@ -25,11 +25,19 @@ namespace qlora::data {
 using DataSplits = std::vector<std::pair<std::string, std::vector<std::string>>>;
 DataSplits data_splits(const std::filesystem::path& dir);
 
-// The JSON / JSONL file of `split` of data set `value` (config key `key`, e.g. "data.path"): an
-// existing file is itself; a directory, or a Hub data set id found in the Hugging Face cache
-// (io/hub_cache.h), is looked up by data_splits. Errors name the directory, the split and the
-// splits there are; a split held in Parquet says qlora does not read Parquet yet and lists the
-// files; one of several files is not chosen for the user (qlora reads one file per split).
+// The data file (JSON, JSONL, Parquet, Arrow IPC) of `split` of data set `value` (config key `key`,
+// e.g. "data.path"): an existing file or a glob is itself; a directory, or a Hub data set id found
+// in the Hugging Face cache (io/hub_cache.h), is looked up by data_splits, and a split of several
+// files (Parquet shards) becomes the glob "<dir>/<common prefix>*<common suffix>" that names them
+// and no other data file there. Errors name the directory, the split and the splits there are, or
+// the files no one glob names alone.
 std::string resolve_data_file(const std::string& value, const std::string& split, const std::string& key);
+
+// The files a data path names, in order: an existing file is itself; a directory, every data file
+// below it (by extension: .json, .jsonl, .parquet, .arrow, .feather; hidden ones left out), sorted;
+// a path with a glob in it ("*" within a name, "**/" any folders, "?", "[...]"), the data files it
+// matches, sorted. Anything else is returned as it is, for its reader to say it is missing. Throws
+// std::invalid_argument naming the path when a directory or glob names no data file.
+std::vector<std::string> expand_data_path(const std::string& path);
 
 }  // namespace qlora::data

@@ -1,5 +1,7 @@
 #include "qlora/data/dataset.h"
+#include "qlora/data/arrow_records.h"
 #include "qlora/data/chat_template.h"
+#include "qlora/data/data_files.h"
 #include "qlora/data/record_formats.h"
 #include "qlora/io/read_file.h"
 
@@ -75,16 +77,12 @@ DatasetKind dataset_kind_from_name(std::string_view name) {
 
 const char* dataset_kind_name(DatasetKind kind) { return io::enum_name(kDatasetKindNames, kind); }
 
-void read_json_records(const std::string& path,
-                       const std::function<void(const json& record, const std::string& origin)>& take) {
+namespace {
+
+using TakeRecord = std::function<void(const json& record, const std::string& origin)>;
+
+void read_json_file(const std::string& path, const TakeRecord& take) {
   const std::string text = read_file(path);
-  auto take_one = [&take](const json& j, const std::string& origin) {
-    try {
-      take(j, origin);
-    } catch (const std::invalid_argument& e) {
-      throw std::invalid_argument(origin + ": " + e.what());
-    }
-  };
   if (looks_like_array(path, text)) {
     json doc;
     try {
@@ -102,7 +100,7 @@ void read_json_records(const std::string& path,
     for (size_t k = 0; k < doc.size(); ++k) {
       std::string origin = path + ": record " + std::to_string(k + 1);
       if (k < starts.size()) origin += " (line " + std::to_string(line_of_offset(text, starts[k])) + ")";
-      take_one(doc[k], origin);
+      take(doc[k], origin);
     }
     return;
   }
@@ -117,7 +115,23 @@ void read_json_records(const std::string& path,
     } catch (const json::parse_error& e) {
       throw std::invalid_argument(origin + ": bad JSON: " + e.what());
     }
-    take_one(j, origin);
+    take(j, origin);
+  }
+}
+
+}  // namespace
+
+void read_json_records(const std::string& path, const TakeRecord& take) {
+  auto take_one = [&take](const json& j, const std::string& origin) {
+    try {
+      take(j, origin);
+    } catch (const std::invalid_argument& e) {
+      throw std::invalid_argument(origin + ": " + e.what());
+    }
+  };
+  for (const std::string& file : expand_data_path(path)) {
+    if (arrow_file_kind(file) != ArrowFileKind::kNone) read_arrow_records(file, take_one);
+    else read_json_file(file, take_one);
   }
 }
 

@@ -1,4 +1,4 @@
-// Local JSON / JSONL datasets → tokenized samples with loss masks.
+// Local JSON / JSONL / Parquet / Arrow datasets → tokenized samples with loss masks.
 #pragma once
 
 #include <cstdint>
@@ -77,15 +77,16 @@ struct RenderedRecord {
   std::vector<Segment> segments;
 };
 
-// Each record of a JSON array (".json") or JSONL file (any other extension: the first non-space
-// byte decides, '[' meaning an array), in order, with its origin ("<file>: line N", "<file>:
-// record K (line N)"); an std::invalid_argument `take` throws is prefixed with the origin. Bad JSON
-// names the file and line; blank JSONL lines are skipped.
+// Each record of the files `path` names (expand_data_path: a file, a directory, a glob), file by
+// file, in order, with its origin: a JSON array (".json") or JSONL file (any other extension: the
+// first non-space byte decides, '[' meaning an array) gives "<file>: line N" or "<file>: record K
+// (line N)"; a Parquet or Arrow IPC file (arrow_records.h) one JSON object a row, "<file>: row N".
+// An std::invalid_argument `take` throws is prefixed with the origin. Bad JSON names the file and
+// line; blank JSONL lines are skipped; a damaged Parquet / Arrow file is a std::runtime_error naming it.
 void read_json_records(const std::string& path,
                        const std::function<void(const nlohmann::json& record, const std::string& origin)>& take);
 
-// Reads a JSON array of objects (".json") or one object per line (".jsonl"; any other
-// extension: the first non-space byte decides, '[' meaning an array). A malformed record
+// Reads the records of read_json_records (JSON arrays, JSONL, Parquet, Arrow IPC). A malformed record
 // throws std::invalid_argument naming the file, the 1-based line (and the record index for
 // arrays) and what is wrong; a record of another format than options.kind says which format it
 // looks like and the data.format to set (record_formats.h). Blank JSONL lines are skipped.
