@@ -201,7 +201,7 @@ struct GrpoConfig {
   double reward_command_weight = 1.0;
   int64_t reward_timeout_s = 60;  // per batch of completions; then the program's process group is killed
   int64_t num_generations = 8;    // completions per prompt (the group)
-  int64_t max_completion_length = 256;  // new tokens per completion; a prompt keeps data.max_seq_len minus this
+  int64_t max_completion_length = 256;  // new tokens per completion at most (also: prompt + completion <= data.max_seq_len)
   double temperature = 1.0;
   double top_p = 1.0;
   int64_t top_k = 0;  // 0: no top-k cut
