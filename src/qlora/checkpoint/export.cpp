@@ -415,7 +415,7 @@ void MergedModelWriter::write_extras(const std::string& tokenizer_path) const {
   const std::string& dir = impl_->dir;
   const std::string& base_checkpoint_dir = impl_->base_dir;
   if (impl_->names.size() > 1) {
-    io::write_safetensors_index((fs::path(dir) / "model.safetensors.index.json").string(), impl_->weight_map,
+    io::write_safetensors_index((fs::path(dir) / io::kSafetensorsIndexName).string(), impl_->weight_map,
                             static_cast<uint64_t>(impl_->total));
   }
   // Config and tokenizer files: the base checkpoint's, then an explicit tokenizer overriding them.

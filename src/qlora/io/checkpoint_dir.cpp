@@ -15,11 +15,10 @@
 namespace qlora::io {
 namespace {
 
-constexpr const char* kIndexName = "model.safetensors.index.json";
 constexpr const char* kSingleName = "model.safetensors";
 constexpr uintmax_t kMaxIndexBytes = 100ull << 20;  // an index is a few hundred KiB at most
 
-[[noreturn]] void fail(const std::string& path, const std::string& what) {
+[[noreturn]] void fail_dir(const std::string& path, const std::string& what) {
   throw SafetensorsError("checkpoint '" + path + "': " + what);
 }
 
@@ -41,29 +40,29 @@ std::string basename_of(const std::string& path) { return path.substr(path.find_
 void check_shard_name(const std::string& where, const std::string& tensor, const std::string& shard) {
   if (shard.empty() || shard.find_first_of(std::string("/\\\0", 3)) != std::string::npos ||
       shard.find("..") != std::string::npos)
-    fail(where, "weight_map entry '" + tensor + "' names shard '" + shard +
+    fail_dir(where, "weight_map entry '" + tensor + "' names shard '" + shard +
                     "'; expected a bare file name (no '/', '\\' or '..')");
 }
 
 std::map<std::string, std::string> read_weight_map(const std::string& index_path) {
   struct stat st {};
-  if (file_kind(index_path, &st) != 'r') fail(index_path, "not a readable regular file");
+  if (file_kind(index_path, &st) != 'r') fail_dir(index_path, "not a readable regular file");
   const uintmax_t size = static_cast<uintmax_t>(st.st_size);
-  if (size > kMaxIndexBytes) fail(index_path, "index is " + std::to_string(size) + " bytes, over the 100 MiB limit");
+  if (size > kMaxIndexBytes) fail_dir(index_path, "index is " + std::to_string(size) + " bytes, over the 100 MiB limit");
   std::ifstream in(index_path, std::ios::binary);
   std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  if (!in) fail(index_path, "cannot read");
+  if (!in) fail_dir(index_path, "cannot read");
   nlohmann::json index = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (index.is_discarded()) fail(index_path, "not valid JSON");
+  if (index.is_discarded()) fail_dir(index_path, "not valid JSON");
   auto wm = index.is_object() ? index.find("weight_map") : index.end();
-  if (wm == index.end() || !wm->is_object()) fail(index_path, "expected an object with a \"weight_map\" object");
+  if (wm == index.end() || !wm->is_object()) fail_dir(index_path, "expected an object with a \"weight_map\" object");
   std::map<std::string, std::string> weight_map;
   for (const auto& [tensor, shard] : wm->items()) {
-    if (!shard.is_string()) fail(index_path, "weight_map entry '" + tensor + "' must be a shard file name string");
+    if (!shard.is_string()) fail_dir(index_path, "weight_map entry '" + tensor + "' must be a shard file name string");
     check_shard_name(index_path, tensor, shard.get<std::string>());
     weight_map[tensor] = shard.get<std::string>();
   }
-  if (weight_map.empty()) fail(index_path, "weight_map is empty");
+  if (weight_map.empty()) fail_dir(index_path, "weight_map is empty");
   return weight_map;
 }
 
@@ -79,24 +78,24 @@ CheckpointDir CheckpointDir::open(const std::string& path) {
     file_paths.push_back(path);
   } else if (kind == 'd') {
     struct stat st {};
-    if (::stat(join(path, kIndexName).c_str(), &st) == 0) {
+    if (::stat(join(path, kSafetensorsIndexName).c_str(), &st) == 0) {
       ckpt.sharded_ = true;
-      weight_map = read_weight_map(join(path, kIndexName));
+      weight_map = read_weight_map(join(path, kSafetensorsIndexName));
       std::set<std::string> shards;
       for (const auto& [tensor, shard] : weight_map) shards.insert(shard);
       for (const std::string& shard : shards) {
         const std::string shard_path = join(path, shard);
         if (file_kind(shard_path) != 'r')
-          fail(path, std::string(kIndexName) + " names shard '" + shard + "', which is not a file in the directory");
+          fail_dir(path, std::string(kSafetensorsIndexName) + " names shard '" + shard + "', which is not a file in the directory");
         file_paths.push_back(shard_path);
       }
     } else if (file_kind(join(path, kSingleName)) == 'r') {
       file_paths.push_back(join(path, kSingleName));
     } else {
-      fail(path, std::string("directory holds neither ") + kIndexName + " nor " + kSingleName);
+      fail_dir(path, std::string("directory holds neither ") + kSafetensorsIndexName + " nor " + kSingleName);
     }
   } else {
-    fail(path, "no such file or directory");
+    fail_dir(path, "no such file or directory");
   }
 
   for (const std::string& fp : file_paths) {
@@ -105,7 +104,7 @@ CheckpointDir CheckpointDir::open(const std::string& path) {
     for (const TensorInfo& t : ckpt.files_[i].tensors()) {
       auto [it, fresh] = ckpt.owner_.emplace(t.name, i);
       if (!fresh)
-        fail(path, "tensor '" + t.name + "' is present in two shards: '" + ckpt.files_[it->second].path() +
+        fail_dir(path, "tensor '" + t.name + "' is present in two shards: '" + ckpt.files_[it->second].path() +
                        "' and '" + fp + "'");
       ckpt.names_.push_back(t.name);
     }
@@ -117,15 +116,15 @@ CheckpointDir CheckpointDir::open(const std::string& path) {
   for (const auto& [tensor, shard] : weight_map) {
     auto it = ckpt.owner_.find(tensor);
     if (it == ckpt.owner_.end())
-      fail(path, "tensor '" + tensor + "' is listed in the index for shard '" + shard + "' but absent from it");
+      fail_dir(path, "tensor '" + tensor + "' is listed in the index for shard '" + shard + "' but absent from it");
     const std::string actual = basename_of(ckpt.files_[it->second].path());
     if (actual != shard)
-      fail(path, "tensor '" + tensor + "' is listed in the index for shard '" + shard + "' but stored in '" +
+      fail_dir(path, "tensor '" + tensor + "' is listed in the index for shard '" + shard + "' but stored in '" +
                      actual + "'");
   }
   for (const auto& [tensor, i] : ckpt.owner_)
     if (!weight_map.count(tensor))
-      fail(path, "tensor '" + tensor + "' in shard '" + ckpt.files_[i].path() + "' is not listed in the index");
+      fail_dir(path, "tensor '" + tensor + "' in shard '" + ckpt.files_[i].path() + "' is not listed in the index");
   return ckpt;
 }
 
@@ -137,7 +136,7 @@ std::vector<std::string> CheckpointDir::files() const {
 
 const SafetensorsFile& CheckpointDir::file_of(std::string_view tensor) const {
   auto it = owner_.find(tensor);
-  if (it == owner_.end()) fail(path_, "no tensor named '" + std::string(tensor) + "'");
+  if (it == owner_.end()) fail_dir(path_, "no tensor named '" + std::string(tensor) + "'");
   return files_[it->second];
 }
 

@@ -13,6 +13,9 @@
 
 namespace qlora::io {
 
+// The index file of a sharded checkpoint, as transformers names it.
+inline constexpr const char* kSafetensorsIndexName = "model.safetensors.index.json";
+
 class CheckpointDir {
  public:
   // Reads every shard's header up front (mmap, no tensor data): a stale or inconsistent index

@@ -14,8 +14,6 @@ namespace fs = std::filesystem;
 
 namespace {
 
-constexpr const char* kIndexName = "model.safetensors.index.json";
-
 bool ends_with(const std::string& s, const std::string& suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
@@ -153,10 +151,10 @@ ConvertReport convert(const std::string& in, const std::string& out, bool quanti
   }
   if (to_dir) {
     if (ckpt.is_sharded())
-      write_safetensors_index((fs::path(out) / kIndexName).string(), weight_map, total);
+      write_safetensors_index((fs::path(out) / kSafetensorsIndexName).string(), weight_map, total);
     for (const auto& entry : fs::directory_iterator(in)) {  // config.json, tokenizer files, ...
       const std::string fname = entry.path().filename().string();
-      if (!entry.is_regular_file() || ends_with(fname, ".safetensors") || fname == kIndexName) continue;
+      if (!entry.is_regular_file() || ends_with(fname, ".safetensors") || fname == kSafetensorsIndexName) continue;
       fs::copy_file(entry.path(), fs::path(out) / fname, fs::copy_options::overwrite_existing);
       report.files_written.push_back((fs::path(out) / fname).string());
     }

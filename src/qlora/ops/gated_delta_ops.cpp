@@ -26,27 +26,21 @@ struct Dims {
   throw std::invalid_argument("chunk_gated_delta_rule: " + what);
 }
 
-std::string shape_of(const at::Tensor& t) {
-  std::string s = "[";
-  for (int64_t i = 0; i < t.dim(); ++i) s += (i ? ", " : "") + std::to_string(t.size(i));
-  return s + "]";
-}
-
 Dims check_dims(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                 const at::Tensor& beta, const at::Tensor& state0) {
   if (q.dim() != 4 || v.dim() != 4 || q.sizes() != k.sizes())
-    fail("q and k must be [batch, seq, k_heads, dk] and v [batch, seq, v_heads, dv], got q " + shape_of(q) + ", k " +
-         shape_of(k) + ", v " + shape_of(v));
+    fail("q and k must be [batch, seq, k_heads, dk] and v [batch, seq, v_heads, dv], got q " + c10::str(q.sizes()) + ", k " +
+         c10::str(k.sizes()) + ", v " + c10::str(v.sizes()));
   Dims d{q.size(0), q.size(1), q.size(2), v.size(2), q.size(3), v.size(3), 0};
-  if (v.size(0) != d.batch || v.size(1) != d.seq) fail("v " + shape_of(v) + " must share q's batch and seq");
+  if (v.size(0) != d.batch || v.size(1) != d.seq) fail("v " + c10::str(v.sizes()) + " must share q's batch and seq");
   if (d.seq == 0 || d.k_heads == 0 || d.v_heads % d.k_heads != 0)
-    fail("needs seq >= 1 and v_heads a multiple of k_heads, got q " + shape_of(q) + ", v " + shape_of(v));
+    fail("needs seq >= 1 and v_heads a multiple of k_heads, got q " + c10::str(q.sizes()) + ", v " + c10::str(v.sizes()));
   const std::vector<int64_t> per_token{d.batch, d.seq, d.v_heads};
   if (g.sizes() != per_token || beta.sizes() != per_token)
-    fail("g and beta must be [batch, seq, v_heads], got g " + shape_of(g) + ", beta " + shape_of(beta));
+    fail("g and beta must be [batch, seq, v_heads], got g " + c10::str(g.sizes()) + ", beta " + c10::str(beta.sizes()));
   const std::vector<int64_t> state{d.batch, d.v_heads, d.dk, d.dv};
   if (state0.defined() && state0.numel() != 0 && state0.sizes() != state)
-    fail("initial_state must be [batch, v_heads, dk, dv], got " + shape_of(state0));
+    fail("initial_state must be [batch, v_heads, dk, dv], got " + c10::str(state0.sizes()));
   for (const at::Tensor* t : {&q, &k, &v, &g, &beta})
     if (!at::isFloatingType(t->scalar_type())) fail("q, k, v, g and beta must be floating point");
   d.chunks = (d.seq + kGatedDeltaChunk - 1) / kGatedDeltaChunk;

@@ -11,21 +11,15 @@ namespace qlora::ops {
 
 namespace {
 
-std::string shape_of(const at::Tensor& t) {
-  std::string s = "[";
-  for (int64_t d = 0; d < t.dim(); ++d) s += (d ? ", " : "") + std::to_string(t.size(d));
-  return s + "]";
-}
-
 // Throws unless a [m, k] and b [k, n] are 2-D with matching inner sizes.
 void check_pair(const char* op, const at::Tensor& a, const at::Tensor& b) {
   if (a.dim() != 2 || b.dim() != 2 || a.size(1) != b.size(0))
-    throw std::invalid_argument(std::string(op) + ": cannot multiply " + shape_of(a) + " by " + shape_of(b));
+    throw std::invalid_argument(std::string(op) + ": cannot multiply " + c10::str(a.sizes()) + " by " + c10::str(b.sizes()));
 }
 
 void check_out(const char* op, const at::Tensor& out, int64_t rows, int64_t cols) {
   if (out.dim() != 2 || out.size(0) != rows || out.size(1) != cols)
-    throw std::invalid_argument(std::string(op) + ": output is " + shape_of(out) + ", expected [" +
+    throw std::invalid_argument(std::string(op) + ": output is " + c10::str(out.sizes()) + ", expected [" +
                                 std::to_string(rows) + ", " + std::to_string(cols) + "]");
 }
 
@@ -61,8 +55,8 @@ at::Tensor narrow_product(const at::Tensor& x, const at::Tensor& w, double alpha
 
 at::Tensor narrow_reduction(const at::Tensor& u, const at::Tensor& x, double alpha) {
   if (u.dim() != 2 || x.dim() != 2 || u.size(0) != x.size(0))
-    throw std::invalid_argument("narrow_reduction: cannot multiply the transpose of " + shape_of(u) + " by " +
-                                shape_of(x));
+    throw std::invalid_argument("narrow_reduction: cannot multiply the transpose of " + c10::str(u.sizes()) + " by " +
+                                c10::str(x.sizes()));
   if (!kernel_ok({&u, &x}, {})) return at::empty({u.size(1), x.size(1)}, x.options()).addmm_(u.t(), x, 0.0, alpha);
   at::Tensor g = at::empty({u.size(1), x.size(1)}, x.options());
   kernels::narrow_reduction_cpu(u.size(0), u.size(1), x.size(1), u.const_data_ptr<float>(), u.stride(0),
