@@ -2,12 +2,14 @@
 // in one batch, each prompt prefilled once, the KV cache) beside transformers' generate on the
 // same model and batch (bench/rollout_peer.py), measured in the same run. The peer writes a random
 // Llama of the given shape (~100M by default: hidden 768, MLP 2048, 12 layers of 12 heads, vocab
-// 32000) to a temporary directory; both sides load it in fp32 and generate greedily (no EOS, so
-// every sequence makes --new tokens) for --prompts prompts of different lengths x --generations
-// each. Prints one JSON object: the CPU, both sides' median seconds and tokens/s, the speedup and
-// how many sequences came out token for token equal.
+// 32000) to a temporary directory. --base nf4 (the default, as lora_grpo's rollouts run): ours
+// loads the decoder projections as NF4, and the peer multiplies by the same values dense (torchao's
+// NF4 round trip of each, in fp32); --base dense: both load fp32. Both generate greedily (no EOS,
+// so every sequence makes --new tokens) for --prompts prompts of different lengths x
+// --generations each. Prints one JSON object: the CPU, both sides' median seconds and tokens/s,
+// the speedup and how many sequences came out token for token equal.
 //
-//   build/bench_rollout [--hidden 768 --inter 2048 --layers 12 --heads 12 --vocab 32000]
+//   build/bench_rollout [--hidden 768 --inter 2048 --layers 12 --heads 12 --vocab 32000] [--base nf4|dense]
 //                       [--prompts 8] [--generations 4] [--new 64] [--reps 2] [--threads N] [--no-peer]
 #include <ATen/Parallel.h>
 #include <nlohmann/json.hpp>
@@ -38,7 +40,7 @@ struct Args {
   int64_t hidden = 768, inter = 2048, layers = 12, heads = 12, vocab = 32000;
   int64_t prompts = 8, generations = 4, new_tokens = 64;
   int reps = 2, threads = 0;
-  bool peer = true;
+  bool peer = true, nf4 = true;
 };
 
 Args parse(int argc, char** argv) {
@@ -60,6 +62,11 @@ Args parse(int argc, char** argv) {
     else if (s == "--reps") a.reps = std::stoi(next());
     else if (s == "--threads") a.threads = std::stoi(next());
     else if (s == "--no-peer") a.peer = false;
+    else if (s == "--base") {
+      const std::string b = next();
+      if (b != "nf4" && b != "dense") throw std::invalid_argument("--base is nf4 or dense, not " + b);
+      a.nf4 = b == "nf4";
+    }
     else throw std::invalid_argument("unknown argument " + s);
   }
   if (a.prompts < 1 || a.generations < 1 || a.new_tokens < 1 || a.reps < 1)
@@ -82,7 +89,8 @@ std::string shape_flags(const Args& a) {
 
 // Ours: the median of --reps timed generate_batch calls after a short warm-up; the last ids.
 json ours(const Args& a, const std::string& dir, std::vector<std::vector<int64_t>>& ids) {
-  qlora::models::LlamaLoadOptions lo;  // fp32, dense: the peer's model exactly
+  qlora::models::LlamaLoadOptions lo;  // fp32 compute, the decoder projections NF4 or dense
+  lo.base_in_nf4 = a.nf4;
   const qlora::models::LlamaModel m = qlora::models::load_llama(dir, lo);
   std::vector<std::vector<int64_t>> prompts;
   for (int64_t i = 0; i < a.prompts; ++i) prompts.push_back(prompt_ids(i, a.vocab));
@@ -109,7 +117,7 @@ json ours(const Args& a, const std::string& dir, std::vector<std::vector<int64_t
   std::vector<double> sorted = times;
   std::sort(sorted.begin(), sorted.end());
   const double s = sorted[sorted.size() / 2];
-  return {{"impl", "qlora models::generate_batch (fp32, dense base)"}, {"threads", at::get_num_threads()},
+  return {{"impl", std::string("qlora models::generate_batch (fp32, ") + (a.nf4 ? "NF4" : "dense") + " base)"}, {"threads", at::get_num_threads()},
           {"seconds", s}, {"times", times}, {"tokens", tokens}, {"tokens_per_s", double(tokens) / s}};
 }
 
@@ -128,7 +136,7 @@ json measure(const Args& a) {
       r["peer"] = qlora::bench::run_json(py + " --run " + dir.string() + " --lengths " + lengths + " --generations " +
                                          std::to_string(a.generations) + " --new " + std::to_string(a.new_tokens) +
                                          " --reps " + std::to_string(a.reps) + " --threads " +
-                                         std::to_string(a.threads) + " 2>/dev/null");
+                                         std::to_string(a.threads) + (a.nf4 ? " --nf4" : "") + " 2>/dev/null");
     }
     if (r.contains("peer") && r["peer"].contains("ids")) {
       int64_t equal = 0;
@@ -154,7 +162,7 @@ int main(int argc, char** argv) {
   } catch (const std::exception& e) {
     std::cerr << "bench_rollout: " << e.what()
               << "\nusage: bench_rollout [--hidden 768 --inter 2048 --layers 12 --heads 12 --vocab 32000]"
-                 " [--prompts 8] [--generations 4] [--new 64] [--reps 2] [--threads N] [--no-peer]\n";
+                 " [--base nf4|dense] [--prompts 8] [--generations 4] [--new 64] [--reps 2] [--threads N] [--no-peer]\n";
     return 2;
   }
   qlora::io::tune_cpu_memory();
@@ -162,7 +170,7 @@ int main(int argc, char** argv) {
   json j{{"bench", "rollout_generate"},
          {"machine", qlora::bench::machine_json()},
          {"shape", {{"hidden", a.hidden}, {"intermediate", a.inter}, {"layers", a.layers}, {"heads", a.heads},
-                    {"vocab", a.vocab}, {"dtype", "fp32"}}},
+                    {"vocab", a.vocab}, {"dtype", "fp32"}, {"base", a.nf4 ? "nf4" : "dense"}}},
          {"batch", {{"prompts", a.prompts}, {"prompt_lengths", "16 + 4 i"}, {"generations", a.generations},
                     {"new_tokens", a.new_tokens}, {"sampling", "greedy"}}},
          {"reps", a.reps}};

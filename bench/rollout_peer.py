@@ -3,8 +3,9 @@
 
     rollout_peer.py --write DIR --hidden 768 --inter 2048 --layers 12 --heads 12 --vocab 32000
         writes a random LlamaForCausalLM (seeded; bf16 on disk, half the bytes of fp32) to DIR
-    rollout_peer.py --run DIR --lengths 16,20,... --generations 4 --new 64 [--reps 2] [--threads N]
-        loads DIR in fp32 and times greedy model.generate on the batch bench_rollout runs: each
+    rollout_peer.py --run DIR --lengths 16,20,... --generations 4 --new 64 [--reps 2] [--threads N] [--nf4]
+        loads DIR in fp32 (--nf4: every decoder *_proj weight replaced by its NF4 round trip through
+        torchao, the values qlora's NF4 base multiplies by) and times greedy model.generate on the batch bench_rollout runs: each
         prompt (bench_rollout's prompt_ids) repeated --generations times, left-padded with an
         attention mask, no EOS (every sequence makes --new tokens). Prints one JSON object on its
         last line: the median seconds, tokens/s and the generated ids [sequences][new].
@@ -37,6 +38,13 @@ def run(a):
         torch.set_num_threads(a.threads)
     model = LlamaForCausalLM.from_pretrained(a.run, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None  # every sequence runs --new steps, as ours does
+    if a.nf4:
+        from torchao.dtypes import to_nf4
+        with torch.no_grad():
+            for name, mod in model.named_modules():
+                if isinstance(mod, torch.nn.Linear) and ".layers." in f".{name}" and name.endswith("_proj"):
+                    w = to_nf4(mod.weight.to(torch.bfloat16), 64, 256).get_original_weight()
+                    mod.weight.copy_(w.float())
     lengths = [int(x) for x in a.lengths.split(",")]
     width = max(lengths)
     vocab = model.config.vocab_size
@@ -59,7 +67,8 @@ def run(a):
         t, out = once(a.new)
         times.append(t)
     s = statistics.median(times)
-    print(json.dumps({"impl": f"transformers {__import__('transformers').__version__} generate (fp32, sdpa)",
+    weights = "NF4 round trip, dense fp32" if a.nf4 else "fp32"
+    print(json.dumps({"impl": f"transformers {__import__('transformers').__version__} generate ({weights}, sdpa)",
                       "threads": torch.get_num_threads(), "seconds": s, "times": times,
                       "tokens_per_s": out.numel() / s, "ids": out.tolist()}))
 
@@ -72,6 +81,7 @@ def main():
                  ("generations", 4), ("new", 64), ("reps", 2), ("threads", 0)]:
         ap.add_argument(f"--{k}", type=int, default=v)
     ap.add_argument("--lengths", default="")
+    ap.add_argument("--nf4", action="store_true")
     a = ap.parse_args()
     write(a) if a.write else run(a)
 

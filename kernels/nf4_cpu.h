@@ -18,5 +18,9 @@ void nf4_quantize_codes_cpu(nf4::Dtype d, const void* x, const void* absmax,
 void nf4_dequantize_cpu(nf4::Dtype d, nf4::Dtype out_dtype, const uint8_t* codes,
                         const int8_t* scalers, const void* factors, float mean,
                         const nf4::Layout& layout, void* out);
+// Blocks [b0, b1) alone, as fp32, into out[0, (b1 - b0) * block_size): on the calling thread, the
+// values nf4_dequantize_cpu gives them. For kernels that decode a few rows at a time.
+void nf4_dequantize_blocks_f32_cpu(nf4::Dtype d, const uint8_t* codes, const int8_t* scalers, const void* factors,
+                                   float mean, const nf4::Layout& layout, int64_t b0, int64_t b1, float* out);
 
 }  // namespace qlora::kernels

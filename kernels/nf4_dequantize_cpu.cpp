@@ -150,7 +150,7 @@ void expand16(const uint8_t* codes, int64_t nbytes, const uint16_t* table, uint1
   expand_scalar(codes, nbytes, table, out);
 }
 
-// Full blocks [b0, b1) for storage dtype D and output dtype O. Per batch of blocks: the
+// Full blocks [b0, b1) for storage dtype D and output dtype O into out (block b0 at out[0]). Per batch of blocks: the
 // scalers (vectorized across blocks), then each block's 16-entry output table (vectorized
 // across codes), then the table lookups.
 template <Dtype D, Dtype O>
@@ -177,9 +177,9 @@ QLORA_INLINE void dequantize_blocks(const uint8_t* codes, const int8_t* scalers,
     for (int64_t i = 0; i < nb; ++i) {
       const int64_t b = bb + i;
       if constexpr (sizeof(OutT) == 2)
-        expand16(codes + b * l.block_size / 2, l.block_size / 2, table[i], out + b * l.block_size);
+        expand16(codes + b * l.block_size / 2, l.block_size / 2, table[i], out + (b - b0) * l.block_size);
       else
-        expand32(codes + b * l.block_size / 2, l.block_size / 2, table[i], out + b * l.block_size);
+        expand32(codes + b * l.block_size / 2, l.block_size / 2, table[i], out + (b - b0) * l.block_size);
     }
   }
 }
@@ -188,7 +188,7 @@ QLORA_INLINE void dequantize_blocks(const uint8_t* codes, const int8_t* scalers,
 bool has_fast_path(Dtype d, Dtype o) { return d != Dtype::F16 && o != Dtype::F16; }
 
 // Full blocks [b0, b1) through dequantize_blocks for the runtime dtypes, its table loops compiled
-// for the active ISA.
+// for the active ISA; block b0 lands at out[0].
 void dequantize_fast(Dtype d, Dtype o, const uint8_t* codes, const int8_t* scalers, const void* factors, float mean,
                      const Layout& l, void* out, int64_t b0, int64_t b1) {
   dispatch_dtype(d, [&](auto dt) {
@@ -200,7 +200,8 @@ void dequantize_fast(Dtype d, Dtype o, const uint8_t* codes, const int8_t* scale
   });
 }
 
-// Any dtypes, any block (also the last, partial one): per element from the reference scaler.
+// Any dtypes, any block (also the last, partial one): per element from the reference scaler;
+// block b0 lands at out[0].
 void dequantize_blocks_generic(Dtype d, Dtype out_dtype, const uint8_t* codes,
                                const int8_t* scalers, const void* factors, float mean,
                                const Layout& l, void* out, int64_t b0, int64_t b1) {
@@ -213,7 +214,7 @@ void dequantize_blocks_generic(Dtype d, Dtype out_dtype, const uint8_t* codes,
     const int64_t i0 = b * l.block_size, n = std::min(l.block_size, l.numel - i0);
     for (int64_t i = 0; i < n; ++i) {
       const uint8_t byte = codes[(i0 + i) / 2];
-      nf4::store_from_float(out_dtype, out, i0 + i, values[i % 2 == 0 ? byte >> 4 : byte & 15]);
+      nf4::store_from_float(out_dtype, out, i0 - b0 * l.block_size + i, values[i % 2 == 0 ? byte >> 4 : byte & 15]);
     }
   }
 }
@@ -224,12 +225,19 @@ void nf4_dequantize_cpu(Dtype d, Dtype out_dtype, const uint8_t* codes, const in
                         const void* factors, float mean, const Layout& l, void* out) {
   const int64_t n_full = l.numel / l.block_size;  // blocks with no element past numel
   const bool fast = has_fast_path(d, out_dtype);
+  const auto at_block = [&](int64_t b) { return static_cast<char*>(out) + b * l.block_size * nf4::dtype_size(out_dtype); };
   at::parallel_for(0, l.n_real_blocks(), kGrainBlocks, [&](int64_t b0, int64_t b1) {
     const int64_t fast_end = fast ? std::min(b1, n_full) : b0;
-    if (fast_end > b0) dequantize_fast(d, out_dtype, codes, scalers, factors, mean, l, out, b0, fast_end);
-    dequantize_blocks_generic(d, out_dtype, codes, scalers, factors, mean, l, out,
-                              std::max(b0, fast_end), b1);
+    if (fast_end > b0) dequantize_fast(d, out_dtype, codes, scalers, factors, mean, l, at_block(b0), b0, fast_end);
+    const int64_t rest = std::max(b0, fast_end);
+    dequantize_blocks_generic(d, out_dtype, codes, scalers, factors, mean, l, at_block(rest), rest, b1);
   });
+}
+
+void nf4_dequantize_blocks_f32_cpu(Dtype d, const uint8_t* codes, const int8_t* scalers, const void* factors,
+                                   float mean, const Layout& l, int64_t b0, int64_t b1, float* out) {
+  if (has_fast_path(d, Dtype::F32)) return dequantize_fast(d, Dtype::F32, codes, scalers, factors, mean, l, out, b0, b1);
+  dequantize_blocks_generic(d, Dtype::F32, codes, scalers, factors, mean, l, out, b0, b1);
 }
 
 }  // namespace qlora::kernels

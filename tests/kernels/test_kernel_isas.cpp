@@ -12,6 +12,7 @@
 #include <tuple>
 
 #include "kernels/cpu_isa.h"
+#include "qlora/ops/decode_matmul_ops.h"
 #include "qlora/ops/narrow_ops.h"
 #include "qlora/ops/nf4_ops.h"
 #include "qlora/ops/rmsnorm_ops.h"
@@ -159,6 +160,34 @@ TEST_P(KernelIsas, Nf4DequantizeMatchesReferenceExactly) {
   const Nf4Tensor q = nf4_quantize_reference(w, "w");
   for (at::ScalarType out : {at::kFloat, at::kBFloat16})
     EXPECT_TRUE(at::equal(ops::nf4_dequantize(q, out), nf4_dequantize_reference(q, out))) << c10::toString(out);
+}
+
+// x W^T for decode steps: an NF4 W stored in the test's dtype, then a dense fp32 W; x and y fp32;
+// every tail of the tiles (weight rows past a multiple of 4 or 2, x rows past 6 or 4), strided operands.
+TEST_P(KernelIsas, DecodeMatmulMatchesFloat64) {
+  at::manual_seed(15);
+  const Nf4Tensor q = nf4_quantize_reference((at::randn({97, 192}) * 0.02).to(dtype()), "w");  // 3 blocks a row
+  const at::Tensor w = f64(ops::nf4_dequantize(q, at::kFloat));
+  for (const int64_t M : {1, 3, 5, 6, 7, 13, 32}) {
+    const at::Tensor xs = rnd({M, 200}, 16, at::kFloat), x = xs.narrow(1, 0, 192);  // row stride 200
+    at::Tensor ys = at::full({M, 100}, 7.0), y = ys.narrow(1, 0, 97);
+    ASSERT_TRUE(ops::decode_matmul_out(x, q, y)) << "M=" << M;
+    // Sums of 192 products in another order than float64: 1e-6 of the largest output.
+    expect_near(y, f64(x).mm(w.t()), 1e-6, 1e-6, "M=" + std::to_string(M));
+    EXPECT_TRUE(at::equal(ys.narrow(1, 97, 3), at::full({M, 3}, 7.0))) << "wrote past y's columns, M=" << M;
+  }
+  // A dense W, row stride 208, in place (its last group of rows short on every ISA: 97 rows).
+  const at::Tensor ws = rnd({97, 208}, 17, at::kFloat), wd = ws.narrow(1, 0, 192);
+  for (const int64_t M : {1, 7, 32}) {
+    const at::Tensor x = rnd({M, 192}, 18, at::kFloat);
+    at::Tensor y = at::empty({M, 97});
+    ASSERT_TRUE(ops::decode_matmul_out(x, wd, y)) << "dense, M=" << M;
+    expect_near(y, f64(x).mm(f64(wd).t()), 1e-6, 1e-6, "dense, M=" + std::to_string(M));
+  }
+  // Rows that split a block (130 = 2 blocks + 2): not the fused kernel's; the caller dequantizes.
+  const Nf4Tensor odd = nf4_quantize_reference(at::randn({96, 130}).to(dtype()), "odd");
+  at::Tensor y = at::zeros({2, 96});
+  EXPECT_FALSE(ops::decode_matmul_out(at::randn({2, 130}), odd, y));
 }
 
 std::string param_name(const ::testing::TestParamInfo<std::tuple<CpuIsa, at::ScalarType>>& p) {

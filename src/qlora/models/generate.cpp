@@ -166,6 +166,7 @@ void keep_rows(Batch& b, const std::vector<int64_t>& keep) {
     for (at::Tensor* t : {&c.k, &c.v, &c.conv, &c.state}) select(*t);
     for (at::Tensor* t : {&c.k, &c.v})
       if (t->defined()) *t = t->narrow(2, first, slots);
+    c.k_room = c.v_room = at::Tensor();  // k and v are copies now; generate_batch reserves again
   }
   b.cache.seen = slots;
   select(b.positions);
@@ -173,6 +174,17 @@ void keep_rows(Batch& b, const std::vector<int64_t>& keep) {
   std::vector<int64_t> seq;
   for (const int64_t r : keep) seq.push_back(b.seq[static_cast<size_t>(r)]);
   b.seq = std::move(seq);
+}
+
+// Key/value slots for every token the rows may still generate, so that each decode step writes its
+// token's keys in place (modules::reserve_kv) rather than copying the whole cache.
+void reserve(Batch& b, const std::vector<BatchSequence>& sequences, const std::vector<Completion>& out) {
+  int64_t more = 0;
+  for (const int64_t s : b.seq) {
+    const size_t i = static_cast<size_t>(s);
+    more = std::max<int64_t>(more, sequences[i].options.max_new_tokens - static_cast<int64_t>(out[i].ids.size()));
+  }
+  for (modules::LayerCache& c : b.cache.layers) modules::reserve_kv(c, b.cache.seen + more);
 }
 
 // One forward over each row's newest token ([rows] int64 on the device): extends the cache and
@@ -264,6 +276,7 @@ std::vector<Completion> generate_batch(const LlamaModel& model, const std::vecto
   std::vector<at::Generator> gens;
   for (const BatchSequence& q : sequences) gens.push_back(at::make_generator<at::CPUGeneratorImpl>(q.options.seed));
   const int64_t max_len = m.config.max_position_embeddings;
+  bool reserved = false;
   while (true) {
     const std::vector<int64_t> next = sample_rows(b, sequences, gens);
     std::vector<int64_t> keep;
@@ -280,7 +293,11 @@ std::vector<Completion> generate_batch(const LlamaModel& model, const std::vecto
     if (keep.empty()) break;
     std::vector<int64_t> kept_next;
     for (const int64_t r : keep) kept_next.push_back(next[static_cast<size_t>(r)]);
-    if (keep.size() < next.size()) keep_rows(b, keep);  // a finished row leaves the batch
+    if (keep.size() < next.size() || !reserved) {  // a finished row leaves the batch
+      if (keep.size() < next.size()) keep_rows(b, keep);
+      reserve(b, sequences, out);
+      reserved = true;
+    }
     decode_step(m, b, at::tensor(kept_next, at::kLong).to(device));
   }
   return out;

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "qlora/ops/decode_matmul_ops.h"
 #include "qlora/ops/nf4_ops.h"
 
 namespace qlora::modules {
@@ -91,6 +92,9 @@ at::Tensor nf4_row_sq_norms(const Nf4Tensor& weight) {
 
 void nf4_times_transposed_out(const at::Tensor& x2, const Nf4Tensor& weight, at::Tensor y) {
   RECORD_USER_SCOPE("qlora::base_linear");  // a phase of bench_train_step's profile
+  // A few rows (a decode step's tokens, a short prompt): W read once as NF4 for all of them, never
+  // dequantized to memory. More rows amortize dequantizing W for BLAS's faster tiles.
+  if (x2.size(0) <= kDecodeRows && ops::decode_matmul_out(x2, weight, y)) return;
   const int64_t out = weight.shape[0], chunk = chunk_rows(weight);
   for (int64_t r0 = 0; r0 < out; r0 += chunk) {
     const int64_t n = std::min(chunk, out - r0);
