@@ -44,8 +44,13 @@ QLORA_INLINE void tile(int64_t K, const float* x, int64_t ldx, const float* w, i
       for (int j = 0; j < NJ; ++j) acc[j][r] = xv * wv[j] + acc[j][r];
     }
   }
+  float out[NJ][RR];  // every lane sum (straight-line code), then the nj rows stored
+#pragma GCC unroll 4
+  for (int j = 0; j < NJ; ++j)
+#pragma GCC unroll 6
+    for (int r = 0; r < RR; ++r) out[j][r] = V::sum(acc[j][r]);
   for (int j = 0; j < nj; ++j)
-    for (int r = 0; r < RR; ++r) y[r * ldy + j] = V::sum(acc[j][r]);
+    for (int r = 0; r < RR; ++r) y[r * ldy + j] = out[j][r];
 }
 
 // Every row of x against the weight rows w (kNJ of them, row stride ldw; nj stored) into y.

@@ -170,13 +170,17 @@ template <int N> struct Vec {
   }
 
   static QLORA_INLINE F max(F a, F b) { return a > b ? a : b; }
-  // Horizontal sum and max over the lanes, halving in a fixed order.
+  // Horizontal sum and max over the lanes, halving in a fixed order: the sum adds the upper half
+  // of the lanes to the lower, as vectors (an extract and an add per halving), down to 4 lanes.
   static QLORA_INLINE float sum(F v) {
-    float s[N];
-    store(s, v);
-    for (int w = N / 2; w > 0; w /= 2)
-      for (int i = 0; i < w; ++i) s[i] += s[i + w];
-    return s[0];
+    if constexpr (N > 4) {
+      typename Vec<N / 2>::F lo, hi;
+      std::memcpy(&lo, &v, sizeof lo);
+      std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof lo, sizeof hi);
+      return Vec<N / 2>::sum(lo + hi);
+    } else {
+      return (v[0] + v[2]) + (v[1] + v[3]);
+    }
   }
   static QLORA_INLINE float max_of(F v) {
     float s[N];

@@ -31,11 +31,11 @@ ADAPTER_ATOL_PER_UNIT = 1e-4
 MERGED_ATOL_PER_UNIT = 1e-4
 # Gradients: against peft in float64, so the tolerance bounds our fp32 rounding alone. Relative to
 # the largest reference gradient of the tensor: 1e-4 of it (DoRA's norm is summed in another order
-# than peft's torch.linalg.norm: a few ulps more), or, where the case rounds worse than that, twice
-# the worst relative distance of peft's own fp32 gradients from float64 over the case's tensors
-# (gemma4: 1.8e-4, in layer 0's q_proj, into which every later layer, the KV-sharing ones included,
-# backpropagates; ours is 2.8e-4 there). A wrong scale or a
-# missing term is off by > 1e-2 of it.
+# than peft's torch.linalg.norm: a few ulps more), or, where the case rounds worse than that, three
+# times the worst relative distance of peft's own fp32 gradients from float64 over the case's
+# tensors (gemma4: 1.8e-4, in layer 0's q_proj, into which every later layer, the KV-sharing ones
+# included, backpropagates; ours is 2.8e-4 there with the AVX2 kernels and 3.8e-4 with the AVX-512
+# ones, whose sums run in other orders). A wrong scale or a missing term is off by > 1e-2 of it.
 GRAD_RTOL = 1e-4
 LORA_R, LORA_ALPHA = 8, 16
 LLAMA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -60,7 +60,7 @@ def check_grads(checks, name, base_dir, out_dir, tokens, attn):
     peft32 = peft_grads(base_dir, out_dir, tokens, attn, torch.float32)
     ours = load_file(os.path.join(out_dir, "grads.safetensors"))
     scale = lambda g: max(g.abs().max().item(), 1e-6)
-    rtol = max([GRAD_RTOL] + [2.0 * (peft32[k].double() - g).abs().max().item() / scale(g) for k, g in ref.items()])
+    rtol = max([GRAD_RTOL] + [3.0 * (peft32[k].double() - g).abs().max().item() / scale(g) for k, g in ref.items()])
     seen = 0
     for key, g in ref.items():
         if key not in ours:

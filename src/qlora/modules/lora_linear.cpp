@@ -10,7 +10,6 @@
 #include <ATen/ops/addcmul.h>
 #include <ATen/core/grad_mode.h>
 #include <ATen/record_function.h>
-#include <c10/core/InferenceMode.h>
 #include <c10/util/accumulate.h>
 #include <torch/csrc/autograd/custom_function.h>
 
@@ -60,7 +59,7 @@ std::vector<Span> spans_of(const std::vector<int64_t>& outs, const std::vector<i
 at::Tensor group_base(const at::Tensor& x2, const Members& m, const std::vector<Span>& spans) {
   const at::ScalarType dt = x2.scalar_type();
   at::Tensor y;
-  if (m[0]->base_nf4.defined() && x2.size(0) > kDecodeRows) {  // fewer rows: each member fused below
+  if (m[0]->base_nf4.defined() && !decode_rows(x2)) {  // a decode step: each member's own kernel call below
     std::vector<const Nf4Tensor*> ws;
     for (const LoraLinear* l : m) ws.push_back(&l->base_nf4);
     const at::Tensor stacked = nf4_stacked(ws, dt);  // [O, in] or undefined
@@ -72,8 +71,7 @@ at::Tensor group_base(const at::Tensor& x2, const Members& m, const std::vector<
     for (size_t i = 0; i < m.size(); ++i) {
       at::Tensor yi = y.narrow(1, spans[i].off, spans[i].out);
       if (m[i]->base_nf4.defined()) nf4_times_transposed_out(x2, m[i]->base_nf4, yi);
-      else if (!c10::InferenceMode::is_enabled() || x2.size(0) > kDecodeRows ||  // as lora_linear_base
-               !ops::decode_matmul_out(x2, m[i]->base_dense, yi))
+      else if (!decode_rows(x2) || !ops::decode_matmul_out(x2, m[i]->base_dense, yi))
         at::mm_out(yi, x2, m[i]->base_dense.to(dt).t());
     }
   }
@@ -311,14 +309,13 @@ at::Tensor dora_rescaled(const LoraLinear& l, const at::Tensor& y) {
 
 at::Tensor lora_linear_base(const LoraLinear& layer, const at::Tensor& x) {
   if (!layer.base_nf4.defined()) {
-    // A decode step's few rows under inference mode (generation): W read in place, not packed by
-    // BLAS. Only there: a checkpointed layer's forward (no grad) and its replay (grad) must compute
-    // the same bits, so the choice may not depend on grad mode.
-    if (c10::InferenceMode::is_enabled() && x.numel() > 0 && x.numel() <= kDecodeRows * x.size(-1)) {
+    // A decode step (nf4_linear.h's decode_rows): W read in place, not packed by BLAS.
+    const at::Tensor x2 = x.reshape({-1, x.size(-1)});
+    if (decode_rows(x2)) {
       std::vector<int64_t> sizes = x.sizes().vec();
       sizes.back() = layer.base_dense.size(0);
       at::Tensor y = at::empty(sizes, x.options()), y2 = y.view({-1, sizes.back()});
-      if (ops::decode_matmul_out(x.reshape({-1, x.size(-1)}), layer.base_dense, y2))
+      if (ops::decode_matmul_out(x2, layer.base_dense, y2))
         return layer.bias.defined() ? y + layer.bias : y;
     }
     return at::linear(x, layer.base_dense, layer.bias);  // [..., out]

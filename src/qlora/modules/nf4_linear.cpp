@@ -1,5 +1,7 @@
 #include "qlora/modules/nf4_linear.h"
 
+#include <c10/core/InferenceMode.h>
+
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/linear.h>
@@ -90,11 +92,15 @@ at::Tensor nf4_row_sq_norms(const Nf4Tensor& weight) {
   return sq;
 }
 
+bool decode_rows(const at::Tensor& x2) {
+  return c10::InferenceMode::is_enabled() && x2.size(0) >= 1 && x2.size(0) <= kDecodeRows;
+}
+
 void nf4_times_transposed_out(const at::Tensor& x2, const Nf4Tensor& weight, at::Tensor y) {
   RECORD_USER_SCOPE("qlora::base_linear");  // a phase of bench_train_step's profile
   // A few rows (a decode step's tokens, a short prompt): W read once as NF4 for all of them, never
   // dequantized to memory. More rows amortize dequantizing W for BLAS's faster tiles.
-  if (x2.size(0) <= kDecodeRows && ops::decode_matmul_out(x2, weight, y)) return;
+  if (decode_rows(x2) && ops::decode_matmul_out(x2, weight, y)) return;
   const int64_t out = weight.shape[0], chunk = chunk_rows(weight);
   for (int64_t r0 = 0; r0 < out; r0 += chunk) {
     const int64_t n = std::min(chunk, out - r0);

@@ -27,11 +27,15 @@ at::Tensor grad_times_nf4(const at::Tensor& grad_y, const Nf4Tensor& weight);
 // The same on 2-D operands into given outputs, which may be column slices of wider ones (a group
 // of projections sharing one input): y [T, out] = x2 [T, in] @ W^T; gx [T, in] = g2 [T, out] @ W,
 // added to gx's contents when `accumulate`.
-// Products with at most kDecodeRows rows of x (decode steps) read W as NF4 for all of them
-// (ops::decode_matmul_out), never dequantized to memory; more rows multiply the dequantized W.
-// Dense frozen weights take the same kernel for as few rows (LoRA's base, the output head).
+// Under inference mode (generation), products with at most kDecodeRows rows of x (decode steps,
+// short prompts) read W as NF4 for all of them (ops::decode_matmul_out), never dequantized to
+// memory; otherwise they multiply the dequantized W. Dense frozen weights take the same kernel in
+// the same case (LoRA's base, the output head). Only under inference mode: training, evaluation
+// and a checkpointed layer's replay keep BLAS's sums, so a forward without grad and its replay
+// with grad compute the same bits.
 void nf4_times_transposed_out(const at::Tensor& x2, const Nf4Tensor& weight, at::Tensor y);
 inline constexpr int64_t kDecodeRows = 64;
+bool decode_rows(const at::Tensor& x2);  // inference mode and 1..kDecodeRows rows
 void grad_times_nf4_out(const at::Tensor& g2, const Nf4Tensor& weight, at::Tensor& gx, bool accumulate);
 // ||W_i||^2 per row, [out] fp32, W dequantized by the same chunks of rows (for DoRA's norms).
 at::Tensor nf4_row_sq_norms(const Nf4Tensor& weight);
