@@ -140,9 +140,18 @@ json measure(const Args& a) {
     }
     if (r.contains("peer") && r["peer"].contains("ids")) {
       int64_t equal = 0;
-      for (size_t i = 0; i < ids.size() && i < r["peer"]["ids"].size(); ++i)
-        equal += r["peer"]["ids"][i].get<std::vector<int64_t>>() == ids[i];
+      std::vector<int64_t> first_differ;  // per unequal pair: the first position where the tokens differ
+      for (size_t i = 0; i < ids.size() && i < r["peer"]["ids"].size(); ++i) {
+        const auto theirs = r["peer"]["ids"][i].get<std::vector<int64_t>>();
+        if (theirs == ids[i]) {
+          ++equal;
+          continue;
+        }
+        const auto mis = std::mismatch(theirs.begin(), theirs.end(), ids[i].begin(), ids[i].end());
+        first_differ.push_back(mis.first - theirs.begin());
+      }
       r["sequences_equal"] = equal;
+      r["first_difference_at"] = first_differ;
       r["peer"].erase("ids");
       r["speedup"] = r["qlora"]["tokens_per_s"].get<double>() / r["peer"]["tokens_per_s"].get<double>();
     }

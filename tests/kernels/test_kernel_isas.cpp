@@ -12,6 +12,7 @@
 #include <tuple>
 
 #include "kernels/cpu_isa.h"
+#include "qlora/ops/decode_attention_ops.h"
 #include "qlora/ops/decode_matmul_ops.h"
 #include "qlora/ops/narrow_ops.h"
 #include "qlora/ops/nf4_ops.h"
@@ -188,6 +189,52 @@ TEST_P(KernelIsas, DecodeMatmulMatchesFloat64) {
   const Nf4Tensor odd = nf4_quantize_reference(at::randn({96, 130}).to(dtype()), "odd");
   at::Tensor y = at::zeros({2, 96});
   EXPECT_FALSE(ops::decode_matmul_out(at::randn({2, 130}), odd, y));
+}
+
+// A decode step's attention: one query per sequence against keys and values that are views of a
+// longer cache (row stride past the used keys), grouped-query heads, a per-row mask of allowed keys
+// (left padding, holes, one row with none), soft-capping; D 64 and 80 (a tail of 16-lane blocks).
+TEST_P(KernelIsas, DecodeAttentionMatchesFloat64) {
+  for (const int64_t D : {64, 80}) {
+    const int64_t B = 3, H = 6, KVH = 2, T = 37, room = 45;
+    const at::Tensor q = rnd({B, H, 1, D}, 20, dtype());
+    const at::Tensor k = rnd({B, KVH, room, D}, 21, dtype(), 2.0).narrow(2, 0, T);
+    const at::Tensor v = rnd({B, KVH, room, D}, 22, dtype()).narrow(2, 0, T);
+    at::Tensor allowed = at::ones({B, T}, at::kBool);
+    allowed[0].narrow(0, 0, 5).fill_(false);  // left padding
+    allowed[1].narrow(0, 10, 3).fill_(false);
+    allowed[2].fill_(false);  // no key: zeros
+    for (const double cap : {0.0, 5.0}) {
+      const double scale = 0.125;
+      const at::Tensor got = ops::decode_attention(q, k, v, allowed, scale, cap);
+      ASSERT_TRUE(got.defined()) << "D=" << D;
+      ASSERT_EQ(got.scalar_type(), dtype());
+      // float64: [B, H, 1, T] scores of the repeated KV heads, masked softmax, weighted values.
+      const at::Tensor kk = f64(k).repeat_interleave(H / KVH, 1), vv = f64(v).repeat_interleave(H / KVH, 1);
+      at::Tensor s = f64(q).matmul(kk.transpose(2, 3)) * scale;
+      if (cap > 0) s = at::tanh(s / cap) * cap;
+      const at::Tensor m = allowed.view({B, 1, 1, T});
+      at::Tensor want = at::softmax(s.masked_fill(m.logical_not(), -INFINITY), -1).matmul(vv);
+      want = at::where(m.any(-1, true), want, at::zeros_like(want));  // the row with no key: 0, not NaN
+      const std::string what = "D=" + std::to_string(D) + " cap=" + std::to_string(cap);
+      // fp32: softmax and sums of 37 terms in another order, ~1e-6 relative; bf16: plus the output's rounding.
+      expect_near(got, want, bf16() ? kBf16Rel : 1e-5, 1e-5, what);
+      EXPECT_TRUE(at::equal(got[2], at::zeros_like(got[2]))) << what;
+    }
+    // Every key visible (no mask), one head per KV head.
+    const at::Tensor qh = rnd({B, KVH, 1, D}, 23, dtype());
+    const at::Tensor all = ops::decode_attention(qh, k, v, {}, 0.2, 0.0);
+    ASSERT_TRUE(all.defined());
+    const at::Tensor want = at::softmax(f64(qh).matmul(f64(k).transpose(2, 3)) * 0.2, -1).matmul(f64(v));
+    expect_near(all, want, bf16() ? kBf16Rel : 1e-5, 1e-5, "unmasked D=" + std::to_string(D));
+  }
+  // Not the kernel's: two queries per sequence, D not a multiple of 16.
+  EXPECT_FALSE(ops::decode_attention(at::randn({1, 2, 2, 64}), at::randn({1, 2, 5, 64}), at::randn({1, 2, 5, 64}), {},
+                                     1.0, 0.0)
+                   .defined());
+  EXPECT_FALSE(ops::decode_attention(at::randn({1, 2, 1, 24}), at::randn({1, 2, 5, 24}), at::randn({1, 2, 5, 24}), {},
+                                     1.0, 0.0)
+                   .defined());
 }
 
 std::string param_name(const ::testing::TestParamInfo<std::tuple<CpuIsa, at::ScalarType>>& p) {

@@ -6,8 +6,9 @@
 // Writes FILE (safetensors) with "logits": float32 [batch, seq, vocab].
 // --packed: each row holds samples of these lengths (summing to seq), run through the packed
 //   training forward (positions restarting per sample, block-causal mask).
-// --decode-from P: the KV-cache path: one forward over the first P tokens, then one per token, the
-//   logits of all steps concatenated (equal to the plain forward's when the cache is right).
+// --decode-from P: the KV-cache path as generation runs it (inference mode: its decode kernels):
+//   one forward over the first P tokens, then one per token, the logits of all steps concatenated
+//   (equal to the plain forward's when the cache is right).
 // --generate N: instead of logits, "ids": int64 [batch, N], each row's greedy continuation by
 //   models::generate (KV cache), no stop ids. With --batch-lengths (one per row): one
 //   models::generate_batch over G greedy sequences per row, row r's prompt its first L_r tokens;
@@ -15,6 +16,7 @@
 #include <ATen/ops/cat.h>
 #include <ATen/ops/tensor.h>
 #include <c10/core/GradMode.h>
+#include <c10/core/InferenceMode.h>
 
 #include <cstdlib>
 #include <iostream>
@@ -170,6 +172,7 @@ int main(int argc, char** argv) {
     at::Tensor logits;  // [batch, seq, vocab] fp32
     if (decode_from >= 0) {
       if (decode_from < 1 || decode_from > ids.size(1)) usage("--decode-from must be in [1, seq]");
+      c10::InferenceMode as_generation;  // generation's kernels: decode matmul and decode attention
       qlora::modules::KvCache cache;
       std::vector<at::Tensor> steps{model.forward(ids.narrow(1, 0, decode_from), &cache)};
       for (int64_t t = decode_from; t < ids.size(1); ++t) steps.push_back(model.forward(ids.narrow(1, t, 1), &cache));

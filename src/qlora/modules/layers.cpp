@@ -19,6 +19,7 @@
 #include <ATen/ops/tanh.h>
 #include <ATen/ops/where.h>
 #include <c10/core/GradMode.h>
+#include <c10/core/InferenceMode.h>
 #include <c10/util/StringUtil.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -33,6 +34,7 @@
 
 #include "qlora/modules/blocked_attention.h"
 #include "qlora/modules/gated_delta_net.h"
+#include "qlora/ops/decode_attention_ops.h"
 #include "qlora/ops/rmsnorm_ops.h"
 #include "qlora/ops/rope_ops.h"
 #include "qlora/ops/swiglu_ops.h"
@@ -228,9 +230,13 @@ at::Tensor blocked_mask(const at::Tensor& q, const at::Tensor& kk, const at::Ten
 // broadcastable to [b, heads, seq, total] bool, or undefined with is_causal (square, top-left).
 // Without soft-capping this is SDPA; with it, transformers' eager path: scores * scale, then
 // cap * tanh(scores / cap), then the mask, then softmax in fp32.
+double attention_scale(const at::Tensor& q, const AttentionOptions& opt) {
+  return opt.scale > 0 ? opt.scale : 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
+}
+
 at::Tensor attend(const at::Tensor& q, const at::Tensor& kk, const at::Tensor& vv, at::Tensor mask, bool is_causal,
                   const AttentionOptions& opt) {
-  const double scale = opt.scale > 0 ? opt.scale : 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
+  const double scale = attention_scale(q, opt);
   if (opt.softcap <= 0) {
     // Training's case on the CPU: by query blocks, skipping the masked half (blocked_attention.h),
     // and with packed rows the keys before each block's earliest sample. bf16 runs it in fp32 on
@@ -258,10 +264,29 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& kk, const at::Tensor& v
 
 }  // namespace
 
+namespace {
+
+// A decode step under inference mode (one query per sequence: generation) through
+// ops::decode_attention, K/V read in place; undefined where that does not apply. allowed: the
+// keys each row may see, [b, total] bool, or undefined for all, narrowed here by the window.
+at::Tensor decode_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor allowed,
+                       const AttentionOptions& opt) {
+  if (!c10::InferenceMode::is_enabled() || q.size(2) != 1) return {};
+  const int64_t total = k.size(2);
+  if (opt.window > 0 && opt.window < total) {
+    const at::Tensor w = causal_window_mask(1, total, opt.window, q.options());  // [1, total]
+    allowed = allowed.defined() ? allowed.logical_and(w) : w;
+  }
+  return ops::decode_attention(q, k, v, allowed, attention_scale(q, opt), opt.softcap);
+}
+
+}  // namespace
+
 at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const AttentionOptions& opt) {
   const int64_t heads = q.size(1), seq = q.size(2), total = k.size(2);
   if (heads % k.size(1) != 0) throw std::invalid_argument("causal_attention: kv heads must divide query heads");
+  if (at::Tensor out = decode_step(q, k, v, {}, opt); out.defined()) return out;
   const int64_t n_rep = heads / k.size(1);
   at::Tensor kk = repeat_kv(k, n_rep), vv = repeat_kv(v, n_rep);  // [b, heads, total, d]
   // A window no query can exceed is no window.
@@ -284,6 +309,8 @@ at::Tensor masked_attention(const at::Tensor& q, const at::Tensor& k, const at::
                                 ", " + std::to_string(seq) + ", " + std::to_string(total) + "], got " +
                                 c10::str(attn_mask.sizes()) + " " + c10::toString(attn_mask.scalar_type()));
   }
+  if (seq == 1)
+    if (at::Tensor out = decode_step(q, k, v, attn_mask.squeeze(1), opt); out.defined()) return out;
   const int64_t n_rep = heads / k.size(1);
   at::Tensor kk = repeat_kv(k, n_rep), vv = repeat_kv(v, n_rep);  // [b, heads, total, d]
   // [b, 1, s, total]: one mask per row, shared by all heads. Not is_causal: the mask already holds
