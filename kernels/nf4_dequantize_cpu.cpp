@@ -84,8 +84,7 @@ QLORA_AVX2 QLORA_INLINE void lookup8_avx2(__m256 t_lo, __m256 t_hi,
   _mm256_storeu_ps(o, _mm256_blendv_ps(lo, hi, upper));
 }
 
-QLORA_AVX2 void expand32_avx2(const uint8_t* codes, int64_t nbytes,
-                                                   const float* table, float* out) {
+QLORA_AVX2 QLORA_INLINE void expand32_avx2(const uint8_t* codes, int64_t nbytes, const float* table, float* out) {
   const __m256 t_lo = _mm256_loadu_ps(table), t_hi = _mm256_loadu_ps(table + 8);
   const __m128i nibble = _mm_set1_epi8(0x0f);
   int64_t j = 0;
@@ -112,7 +111,7 @@ QLORA_AVX512 inline __m256i indices32(const uint8_t* codes) {
 }
 
 // The 16-entry table in one register: each output vector is one permute of it.
-QLORA_AVX512 void expand32_avx512(const uint8_t* codes, int64_t nbytes, const float* table, float* out) {
+QLORA_AVX512 QLORA_INLINE void expand32_avx512(const uint8_t* codes, int64_t nbytes, const float* table, float* out) {
   const __m512 t = _mm512_loadu_ps(table);
   int64_t j = 0;
   for (; j + 16 <= nbytes; j += 16) {
@@ -133,12 +132,24 @@ QLORA_AVX512 void expand16_avx512(const uint8_t* codes, int64_t nbytes, const ui
 #pragma GCC diagnostic pop
 #endif
 
-void expand32(const uint8_t* codes, int64_t nbytes, const float* table, float* out) {
+// n blocks of nbytes codes each, block i through tables[i] (16 entries) into out (2 nbytes values
+// a block): one call a batch of blocks, the ISA known at compile time (L: its vector width).
 #if defined(__x86_64__)
-  if (active_isa() >= CpuIsa::kAvx512) return expand32_avx512(codes, nbytes, table, out);
-  if (active_isa() >= CpuIsa::kAvx2) return expand32_avx2(codes, nbytes, table, out);
+QLORA_AVX512 void expand32_blocks_avx512(const uint8_t* codes, int64_t n, int64_t nbytes, const float* tables,
+                                         float* out) {
+  for (int64_t i = 0; i < n; ++i) expand32_avx512(codes + i * nbytes, nbytes, tables + i * 16, out + i * 2 * nbytes);
+}
+QLORA_AVX2 void expand32_blocks_avx2(const uint8_t* codes, int64_t n, int64_t nbytes, const float* tables, float* out) {
+  for (int64_t i = 0; i < n; ++i) expand32_avx2(codes + i * nbytes, nbytes, tables + i * 16, out + i * 2 * nbytes);
+}
 #endif
-  expand_scalar(codes, nbytes, table, out);
+template <int L>
+QLORA_INLINE void expand32_blocks(const uint8_t* codes, int64_t n, int64_t nbytes, const float* tables, float* out) {
+#if defined(__x86_64__)
+  if constexpr (L == 16) return expand32_blocks_avx512(codes, n, nbytes, tables, out);
+  if constexpr (L == 8) return expand32_blocks_avx2(codes, n, nbytes, tables, out);
+#endif
+  for (int64_t i = 0; i < n; ++i) expand_scalar(codes + i * nbytes, nbytes, tables + i * 16, out + i * 2 * nbytes);
 }
 
 void expand16(const uint8_t* codes, int64_t nbytes, const uint16_t* table, uint16_t* out) {
@@ -150,10 +161,50 @@ void expand16(const uint8_t* codes, int64_t nbytes, const uint16_t* table, uint1
   expand_scalar(codes, nbytes, table, out);
 }
 
+// v rounded to D as the reference rounds it (bf16::round's rounding, lane by lane).
+template <int L, Dtype D> QLORA_INLINE typename simd::Vec<L>::F round_to(typename simd::Vec<L>::F v) {
+  if constexpr (D == Dtype::BF16) {
+    uint16_t r[L];
+    simd::Vec<L>::store(r, v);
+    return simd::Vec<L>::load(r);
+  }
+  return v;
+}
+
+// Block i's table: cb * s rounded to D (vectors of L lanes: the rounding bf16::round does), then
+// stored as O (exact for O = D; one rounding for fp32 storage and bf16 output).
+template <int L, Dtype D, class OutT> QLORA_INLINE void block_table(const float* cb, float s, OutT* table) {
+  using V = simd::Vec<L>;
+  for (int c = 0; c < nf4::kNumCodes; c += L) V::store(table + c, round_to<L, D>(V::load(cb + c) * s));
+}
+
+// s[i] for blocks bb + i, i < nb (<= kBatch, a multiple of L): the dequantized scaler
+// round(round(scaler / factor) + mean) in D, L blocks at a time (the lanes past nb unused).
+template <int L, Dtype D>
+QLORA_INLINE void block_scales(const int8_t* scalers, const typename Storage<D>::T* factors, float mean,
+                               int64_t scaler_block_size, int64_t bb, int64_t nb, float* s) {
+  using V = simd::Vec<L>;
+  int64_t fi = bb / scaler_block_size, next = (fi + 1) * scaler_block_size;  // factor of block bb; next's first
+  for (int64_t i = 0; i < nb; i += L) {
+    float sc[L], fa[L];
+    for (int j = 0; j < L; ++j) {
+      const int64_t b = bb + i + j;
+      if (i + j >= nb) {
+        sc[j] = fa[j] = 1.0f;
+        continue;
+      }
+      if (b == next) ++fi, next += scaler_block_size;
+      sc[j] = static_cast<float>(scalers[b]);
+      fa[j] = Storage<D>::load(factors[fi]);
+    }
+    V::store(s + i, round_to<L, D>(round_to<L, D>(V::load(sc) / V::load(fa)) + mean));
+  }
+}
+
 // Full blocks [b0, b1) for storage dtype D and output dtype O into out (block b0 at out[0]). Per batch of blocks: the
 // scalers (vectorized across blocks), then each block's 16-entry output table (vectorized
 // across codes), then the table lookups.
-template <Dtype D, Dtype O>
+template <int L, Dtype D, Dtype O>
 QLORA_INLINE void dequantize_blocks(const uint8_t* codes, const int8_t* scalers, const void* factors_,
                                     float mean, const Layout& l, void* out_, int64_t b0, int64_t b1) {
   using S = Storage<D>;
@@ -168,18 +219,14 @@ QLORA_INLINE void dequantize_blocks(const uint8_t* codes, const int8_t* scalers,
   alignas(64) OutT table[kBatch][nf4::kNumCodes];
   for (int64_t bb = b0; bb < b1; bb += kBatch) {
     const int64_t nb = std::min(kBatch, b1 - bb);
-    for (int64_t i = 0; i < nb; ++i) {
-      const float f = S::load(factors[(bb + i) / l.scaler_block_size]);
-      s[i] = S::round(S::round(static_cast<float>(scalers[bb + i]) / f) + mean);
-    }
-    for (int64_t i = 0; i < nb; ++i)
-      for (int c = 0; c < nf4::kNumCodes; ++c) table[i][c] = SO::store(S::round(cb[c] * s[i]));
-    for (int64_t i = 0; i < nb; ++i) {
-      const int64_t b = bb + i;
-      if constexpr (sizeof(OutT) == 2)
-        expand16(codes + b * l.block_size / 2, l.block_size / 2, table[i], out + (b - b0) * l.block_size);
-      else
-        expand32(codes + b * l.block_size / 2, l.block_size / 2, table[i], out + (b - b0) * l.block_size);
+    block_scales<L, D>(scalers, factors, mean, l.scaler_block_size, bb, nb, s);
+    for (int64_t i = 0; i < nb; ++i) block_table<L, D>(cb, s[i], table[i]);
+    const int64_t nbytes = l.block_size / 2;
+    if constexpr (sizeof(OutT) == 2) {
+      for (int64_t i = 0; i < nb; ++i)
+        expand16(codes + (bb + i) * nbytes, nbytes, table[i], out + (bb + i - b0) * l.block_size);
+    } else {
+      expand32_blocks<L>(codes + bb * nbytes, nb, nbytes, table[0], out + (bb - b0) * l.block_size);
     }
   }
 }
@@ -195,7 +242,9 @@ void dequantize_fast(Dtype d, Dtype o, const uint8_t* codes, const int8_t* scale
     dispatch_dtype(o, [&](auto ot) {
       constexpr Dtype D = decltype(dt)::value, O = decltype(ot)::value;
       if constexpr (D != Dtype::F16 && O != Dtype::F16)
-        dispatch_isa([&](auto) QLORA_LAMBDA_INLINE { dequantize_blocks<D, O>(codes, scalers, factors, mean, l, out, b0, b1); });
+        dispatch_isa([&](auto isa) QLORA_LAMBDA_INLINE {
+          dequantize_blocks<lanes<decltype(isa)::value>, D, O>(codes, scalers, factors, mean, l, out, b0, b1);
+        });
     });
   });
 }
