@@ -5,6 +5,7 @@
 #include <ATen/core/grad_mode.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdlib>
 #include <set>
 
@@ -129,6 +130,32 @@ TEST(SampleNextToken, NucleusKeepsOnlyTheTopMass) {
   EXPECT_EQ(seen, (std::set<int64_t>{0, 1, 2}));
   // Greedy picks the first of tied maxima, as argmax does.
   EXPECT_EQ(sample_next_token(at::tensor({1.0f, 3.0f, 3.0f}), 0.0, 1.0, 0, gen), 1);
+}
+
+// The draws follow the distribution: 40000 draws from probs 0.1, 0.2, 0.3, 0.4 (every token
+// kept: the unsorted path), then with top_k 3 (the sorted path: 0.2, 0.3, 0.4 renormalized), at
+// temperature 2 (probs as the softmax of logits / 2). Each count within 5 standard deviations of
+// its expectation; a zero-probability token is never drawn; NaN logits are refused.
+TEST(SampleNextToken, DrawsFollowTheDistribution) {
+  const at::Tensor logits = at::tensor({0.1f, 0.2f, 0.3f, 0.4f, 0.0f}).log();
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(11);
+  const auto check = [&](double temperature, int64_t top_k, std::vector<double> want) {
+    const int n = 40000;
+    std::vector<int> count(5, 0);
+    for (int i = 0; i < n; ++i) ++count[static_cast<size_t>(sample_next_token(logits, temperature, 1.0, top_k, gen))];
+    for (size_t t = 0; t < 5; ++t) {
+      const double sd = std::sqrt(n * want[t] * (1 - want[t]));
+      EXPECT_LE(std::abs(count[t] - n * want[t]), 5 * sd + 1e-9)
+          << "token " << t << " temperature " << temperature << " top_k " << top_k << ": " << count[t] << " of " << n;
+    }
+  };
+  check(1.0, 0, {0.1, 0.2, 0.3, 0.4, 0.0});
+  check(1.0, 3, {0.0, 0.2 / 0.9, 0.3 / 0.9, 0.4 / 0.9, 0.0});
+  std::vector<double> t2{std::sqrt(0.1), std::sqrt(0.2), std::sqrt(0.3), std::sqrt(0.4), 0.0};
+  const double z = t2[0] + t2[1] + t2[2] + t2[3];
+  for (double& v : t2) v /= z;
+  check(2.0, 0, t2);
+  EXPECT_THROW(sample_next_token(at::tensor({0.0f, NAN}), 1.0, 1.0, 0, gen), std::invalid_argument);
 }
 
 TEST(SampleNextToken, TopKKeepsOnlyTheKMostLikelyBeforeTopP) {

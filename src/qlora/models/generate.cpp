@@ -7,7 +7,6 @@
 #include <ATen/ops/cat.h>
 #include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/cumsum.h>
-#include <ATen/ops/multinomial.h>
 #include <ATen/ops/ones.h>
 #include <ATen/ops/softmax.h>
 #include <ATen/ops/sort.h>
@@ -15,10 +14,47 @@
 #include <c10/core/InferenceMode.h>
 
 #include <algorithm>
+#include <cmath>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 
 namespace qlora::models {
+
+namespace {
+
+// One draw from the categorical distribution of non-negative weights (float32 [n] on the CPU, not
+// necessarily normalized): the first index whose running sum, in double and index order, exceeds
+// u * total for one uniform u in [0, 1) from gen (53 bits of one 64-bit draw). One random number
+// and one pass, where at::multinomial draws an exponential for every token.
+int64_t draw_index(const at::Tensor& weights, at::Generator& gen) {
+  const at::Tensor w = weights.contiguous();
+  const float* p = w.const_data_ptr<float>();
+  const int64_t n = w.numel();
+  double total = 0.0;
+  for (int64_t i = 0; i < n; ++i) total += p[i];
+  if (!(total > 0.0) || !std::isfinite(total))
+    throw std::invalid_argument("sample_next_token: the token probabilities are not finite and positive (the logits "
+                                "hold NaN or infinity)");
+  uint64_t bits = 0;
+  {
+    auto* g = at::check_generator<at::CPUGeneratorImpl>(gen);
+    std::lock_guard<std::mutex> lock(g->mutex_);
+    bits = g->random64();
+  }
+  const double target = static_cast<double>(bits >> 11) * 0x1p-53 * total;
+  double running = 0.0;
+  int64_t last = 0;  // the last index of positive weight: where rounding leaves the target unreached
+  for (int64_t i = 0; i < n; ++i) {
+    if (!(p[i] > 0.0f)) continue;
+    running += p[i];
+    last = i;
+    if (running > target) return i;
+  }
+  return last;
+}
+
+}  // namespace
 
 int64_t sample_next_token(const at::Tensor& logits, double temperature, double top_p, int64_t top_k,
                           at::Generator& gen) {
@@ -31,6 +67,10 @@ int64_t sample_next_token(const at::Tensor& logits, double temperature, double t
   if (temperature == 0.0) return at::argmax(logits).item<int64_t>();
 
   const at::Tensor probs = at::softmax(logits / temperature, 0);  // [vocab]
+  // Every token kept (top_p 1, no top_k: transformers then adds no warper): drawn in vocabulary
+  // order, no sort. A top_p of 1 cut after the sort could drop tail tokens whose mass before them
+  // rounds to 1; this keeps them, as the definition does.
+  if (top_p == 1.0 && (top_k == 0 || top_k >= probs.size(0))) return draw_index(probs, gen);
   // Stable descending sort: among equal probabilities the lower id comes first, as argmax picks.
   auto [sorted, order] = at::sort(probs, /*stable=*/true, /*dim=*/0, /*descending=*/true);
   if (top_k > 0 && top_k < sorted.size(0)) {  // top_p then measures mass within the k kept
@@ -42,9 +82,7 @@ int64_t sample_next_token(const at::Tensor& logits, double temperature, double t
   // zero mass before it, so it always survives (top_p -> 0 degenerates to greedy).
   const at::Tensor before = at::cumsum(sorted, 0) - sorted;
   const at::Tensor kept = sorted.masked_fill(before >= top_p, 0.0);
-  // multinomial normalizes the weights itself; drawing from `gen` keeps runs reproducible.
-  const int64_t pick = at::multinomial(kept, 1, /*replacement=*/false, gen).item<int64_t>();
-  return order[pick].item<int64_t>();
+  return order[draw_index(kept, gen)].item<int64_t>();
 }
 
 uint64_t sequence_seed(uint64_t seed, int64_t global_index) {
