@@ -276,7 +276,8 @@ StepResult Grpo::step(int64_t step) {
     const train::CompletionBatch b = train::completion_batch(r.micro[k], pad);
     train::GrpoInputs in;
     in.mask = train::grpo_loss_mask(b.completion_mask, b.truncated, opt.mask_truncated_completions).to(s.device);
-    in.logps = train::completion_logps(m.llama, b, s.device, train::LogpsOf::kPolicy);
+    at::Tensor entropy;  // [B, C]
+    in.logps = train::completion_logps(m.llama, b, s.device, train::LogpsOf::kPolicy, &entropy);
     in.old_logps = r.old_logps[k];
     in.ref_logps = r.ref_logps[k];
     in.advantages = r.advantages[k].to(s.device);
@@ -289,7 +290,7 @@ StepResult Grpo::step(int64_t step) {
     sums[0] += loss.item<double>();
     if (t.mean_kl.defined()) sums[1] += t.mean_kl.item<double>() * tokens;
     sums[2] += t.clip_ratio.item<double>() * tokens;
-    sums[3] -= (in.logps.detach() * in.mask).sum().item<double>();
+    sums[3] += (entropy * in.mask).sum().item<double>();
     sums[4] += tokens;
   }
   r.uses += 1;
@@ -301,7 +302,7 @@ StepResult Grpo::step(int64_t step) {
   const double scored = std::max(sums[4], 1.0);
   if (cfg.grpo.beta != 0) out.extra["kl"] = sums[1] / scored;
   out.extra["clip_ratio/region_mean"] = sums[2] / scored;
-  // −log π of the sampled tokens: the policy's entropy in expectation (at temperature 1).
+  // TRL's: the policy's entropy at the sampling temperature, over the step's completion tokens.
   out.extra["entropy"] = sums[3] / scored;
   return out;
 }

@@ -8,7 +8,7 @@ GRPOTrainer (our adapter on a fresh PEFT adapter of the same config, reference =
 runs its own: a rollout_func hands it our ids, a reward function our rewards, and
 _generate_and_score_completions builds its masks, reference log-probs and advantages, then
 compute_loss and backward. Compared: loss mask, advantages, per-token policy and reference log-probs,
-loss, the KL and clip metrics TRL logs, and every LoRA gradient.
+loss, the KL, clip and entropy metrics TRL logs, and every LoRA gradient.
   python test_grpo_trl.py --tool build/grpo_tool --workdir /tmp/x
 """
 import json
@@ -195,6 +195,10 @@ def check_case(checks, name, case, ours, trainer, batch, trl_logps, loss):
     clip_key = "cispo_clip_ratio" if case.loss_type == "cispo" else "clip_ratio/region_mean"
     trl_clip = torch.tensor(trainer._metrics["train"][clip_key][-1])
     checks.compare(f"{name} clipped fraction (TRL's {clip_key})", ours["clip_ratio"], trl_clip, 1e-6)
+    # The policy's entropy at the sampling temperature over the loss mask's tokens (TRL's "entropy"):
+    # fp32 sums over the vocabulary in another order, ~1e-6 of log(vocab).
+    checks.compare(f"{name} mean entropy (TRL's metric)", ours["entropy"],
+                   torch.tensor(trainer._metrics["train"]["entropy"][-1]), 1e-5)
     checks.compare(f"{name} loss", ours["loss"], loss, LOSS_ATOL * max(1.0, abs(loss.item())))
     other, other_loss = other_loss_type(trainer, batch, case)
     apart = abs(ours["loss"].item() - other_loss.item())

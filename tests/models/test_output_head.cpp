@@ -165,6 +165,44 @@ TEST(OutputHead, SegmentLossesMatchFullLogitsUnderWeightedBackward) {
   }
 }
 
+// Each token's entropy (OutputHead::entropy, GRPO's metric) from the vocabulary blocks' running
+// sums equals -sum p log p of the whole logits in float64, for the soft-cap and a temperature,
+// every chunk size; unscored tokens get 0; the loss itself is unchanged by asking for it.
+TEST(OutputHead, EntropyByChunksEqualsTheWholeLogitsOnes) {
+  constexpr int64_t kTokens = 23, kVocab = 300;
+  const at::Tensor h = at::randn({kTokens, 64}, gen_of(4)), x = at::randn({kTokens, 64}, gen_of(5));
+  const at::Tensor labels = labels_with_gaps(kTokens, kVocab, 6);
+  const modules::LoraLinear l = make_head("nf4", kVocab);
+  at::NoGradGuard ng;
+  for (const double cap : {0.0, 2.0}) {
+    for (const double temperature : {1.0, 0.7}) {
+      OutputHead head{&l, 7, cap, temperature};
+      const at::Tensor logp = at::log_softmax(output_logits(head, h, x).to(at::kDouble), -1);
+      const at::Tensor want = (-(logp.exp() * logp).sum(-1)).masked_fill(labels == -100, 0.0);
+      const double loss = chunked_token_loss(head, h, x, labels, 5).item<double>();
+      for (const int64_t chunk : {int64_t{1}, int64_t{5}, int64_t{64}}) {
+        const std::string what = "cap " + std::to_string(cap) + " T " + std::to_string(temperature) + " chunk " +
+                                 std::to_string(chunk);
+        at::Tensor got;
+        head.entropy = &got;
+        EXPECT_EQ(chunked_token_loss(head, h, x, labels, chunk).item<double>(),
+                  chunk == 5 ? loss : chunked_token_loss(OutputHead{&l, 7, cap, temperature}, h, x, labels, chunk)
+                                          .item<double>())
+            << what;
+        expect_close(got, want, what);
+        EXPECT_TRUE(at::equal(got.index({labels == -100}), at::zeros({(labels == -100).sum().item<int64_t>()})))
+            << what;
+        at::Tensor full;
+        head.entropy = &full;
+        full_token_loss(head, h, x, labels);
+        expect_close(full, want, what + " whole logits");
+        head.entropy = nullptr;
+      }
+      EXPECT_GT(want.max().item<double>(), 1.0);  // far from one-hot: a wrong sum would show
+    }
+  }
+}
+
 TEST(OutputHead, AllIgnoredLabelsGiveZeroLossAndZeroGradients) {
   const modules::LoraLinear l = make_head("fp32", 50);
   const at::Tensor h = at::randn({9, 64}, gen_of(7)), x = at::randn({9, 64}, gen_of(8));

@@ -117,12 +117,14 @@ void run_case(qlora::models::LlamaModel m, const Rollout& r, const tr::Completio
   in.mask = tr::grpo_loss_mask(b.completion_mask, b.truncated, o.mask_truncated_completions);
   if (o.beta != 0.0) in.ref_logps = tr::completion_logps(m, b, at::kCPU, tr::LogpsOf::kReference);
   if (o.num_iterations > 1) in.old_logps = r.old_logps;
-  in.logps = tr::completion_logps(m, b, at::kCPU, tr::LogpsOf::kPolicy);
+  at::Tensor entropy;  // [B, C]
+  in.logps = tr::completion_logps(m, b, at::kCPU, tr::LogpsOf::kPolicy, &entropy);
   const tr::GrpoTerms t = tr::grpo_loss(in, o);
   t.loss.backward();
   std::vector<std::pair<std::string, at::Tensor>> result = {
       {"advantages", in.advantages}, {"logps", in.logps.detach()}, {"mask", in.mask},
-      {"loss", t.loss.detach()},     {"clip_ratio", t.clip_ratio}};
+      {"loss", t.loss.detach()},     {"clip_ratio", t.clip_ratio},
+      {"entropy", (entropy * in.mask).sum() / in.mask.sum().clamp_min(1.0)}};  // lora_grpo's metric
   if (in.ref_logps.defined()) {
     result.emplace_back("ref_logps", in.ref_logps);
     result.emplace_back("mean_kl", t.mean_kl);

@@ -392,7 +392,8 @@ enum class LossPer { kBatch, kRow, kToken };
 
 // The summed token cross-entropy of h's logits against labels [batch, seq] (see LlamaModel::loss),
 // per row ([batch], LlamaModel::row_losses) or per token ([batch * seq], LlamaModel::token_losses).
-at::Tensor loss_of(const LlamaModel& m, const at::Tensor& h, const at::Tensor& labels, LossPer per = LossPer::kBatch) {
+at::Tensor loss_of(const LlamaModel& m, const at::Tensor& h, const at::Tensor& labels, LossPer per = LossPer::kBatch,
+                   at::Tensor* entropy = nullptr) {
   if (!labels.defined() || labels.scalar_type() != at::kLong || labels.sizes() != h.sizes().slice(0, 2)) {
     throw std::invalid_argument("LlamaModel::loss: labels must be int64 [batch, seq] like tokens " +
                                 c10::str(h.sizes().slice(0, 2)) + ", got " +
@@ -401,6 +402,7 @@ at::Tensor loss_of(const LlamaModel& m, const at::Tensor& h, const at::Tensor& l
   const int64_t chunk = m.loss_chunk_tokens > 0 ? m.loss_chunk_tokens : default_loss_chunk_tokens(std::min(m.config.vocab_size, m.lm_head_chunk_rows));
   OutputHead head = output_head(m);
   head.temperature = m.logit_temperature;
+  head.entropy = entropy;
   return head_unit(m, h, [&](const at::Tensor& normed, const at::Tensor& lora_x) {
     const at::Tensor flat = labels.reshape({-1}).to(normed.device());  // [batch * seq]
     if (per != LossPer::kBatch) {
@@ -451,10 +453,12 @@ at::Tensor LlamaModel::row_losses(const at::Tensor& tokens, const at::Tensor& la
   return loss_of(*this, hidden_states(*this, tokens, positions, at::Tensor(), nullptr), labels, LossPer::kRow);
 }
 
-at::Tensor LlamaModel::token_losses(const at::Tensor& tokens, const at::Tensor& labels) const {
+at::Tensor LlamaModel::token_losses(const at::Tensor& tokens, const at::Tensor& labels, at::Tensor* entropy) const {
   const at::Tensor positions = plain_positions(*this, tokens, 0);  // [seq]
-  return loss_of(*this, hidden_states(*this, tokens, positions, at::Tensor(), nullptr), labels, LossPer::kToken)
-      .view(labels.sizes());
+  const at::Tensor losses =
+      loss_of(*this, hidden_states(*this, tokens, positions, at::Tensor(), nullptr), labels, LossPer::kToken, entropy);
+  if (entropy) *entropy = entropy->view(labels.sizes());
+  return losses.view(labels.sizes());
 }
 
 std::vector<std::pair<std::string, at::Tensor>> LlamaModel::lora_parameters() const {

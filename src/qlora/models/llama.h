@@ -144,7 +144,9 @@ struct LlamaModel {
   // The same per token: [batch, seq] fp32, each scored label's cross-entropy (0 where unscored), the
   // per-token log-probabilities GRPO weighs one by one. Still no [tokens, vocab] logits; with an
   // adapter on the output head its gradients are kept per token, so that case costs memory.
-  at::Tensor token_losses(const at::Tensor& tokens, const at::Tensor& labels) const;
+  // entropy (optional): set to each token's entropy of its softmax, [batch, seq] fp32, 0 where
+  // unscored (OutputHead::entropy), from the same pass over the vocabulary.
+  at::Tensor token_losses(const at::Tensor& tokens, const at::Tensor& labels, at::Tensor* entropy = nullptr) const;
 
   // Trainable tensors with PEFT names, e.g.
   // base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight ([r, in]) / .lora_B.weight

@@ -112,7 +112,7 @@ at::Tensor softcap_slope(const OutputHead& head, const at::Tensor& z) {
 // online log-sum-exp of flash attention). At the end p = exp(z - lse) = exp(z - m) / s, so
 // dh = (sum_v exp(z_v - m) W_v) / s - W_label, with no [T, vocab] tensor ever formed.
 struct ChunkScore {
-  at::Tensor loss, lse, dh, dxa;
+  at::Tensor loss, lse, dh, dxa, entropy;  // entropy: where head.entropy is set
 };
 
 ChunkScore score_chunk(const OutputHead& head, const HeadRows& rows, const ChunkRows& c, bool dh, bool dxa) {
@@ -123,6 +123,8 @@ ChunkScore score_chunk(const OutputHead& head, const HeadRows& rows, const Chunk
   at::Tensor zl = at::zeros({T}, f32);  // the label's logit
   at::Tensor acc_h = dh ? at::zeros({T, l.in_features}, f32) : at::Tensor();
   at::Tensor acc_xa = dxa ? at::zeros({T, l.r}, f32) : at::Tensor();
+  // For the entropy lse - sum_v p_v z_v: the running sum of exp(z - m) z, rescaled with s.
+  at::Tensor acc_pz = head.entropy ? at::zeros({T, 1}, f32) : at::Tensor();
   for (int64_t r0 = 0; r0 < V; r0 += block) {
     const int64_t n = std::min(block, V - r0);
     const at::Tensor w = rows.block(r0, n, c.h.scalar_type());  // [n, hidden]
@@ -130,8 +132,9 @@ ChunkScore score_chunk(const OutputHead& head, const HeadRows& rows, const Chunk
     const LabelColumn lc = label_column(c.labels, r0, n);
     zl.add_(at::where(lc.in_block, z.gather(1, lc.column), 0.0).squeeze(1));
     // p = exp(z - m) with m the new running max, in z's place unless the softcap's slope needs z.
-    at::Tensor p = head.softcap != 0.0 ? at::empty_like(z) : z;  // [T, n]
+    at::Tensor p = head.softcap != 0.0 || head.entropy ? at::empty_like(z) : z;  // [T, n]
     const at::Tensor rescale = ops::online_softmax_(z, p, m, s);  // [T, 1], 0 on the first block
+    if (head.entropy) acc_pz.mul_(rescale).add_((p * z).sum(1, /*keepdim=*/true));
     if (!dh && !dxa) continue;
     if (head.softcap != 0.0) p.mul_(softcap_slope(head, z));
     if (head.temperature != 1.0) p.mul_(1.0 / head.temperature);
@@ -144,6 +147,7 @@ ChunkScore score_chunk(const OutputHead& head, const HeadRows& rows, const Chunk
   ChunkScore r;
   r.lse = (m + s.log()).squeeze(1);  // [T]
   r.loss = r.lse - zl;
+  if (head.entropy) r.entropy = r.lse - (acc_pz / s).squeeze(1);
   if (!dh && !dxa) return r;
   at::Tensor label_slope = head.softcap != 0.0 ? softcap_slope(head, zl).unsqueeze(1) : at::ones({1, 1}, f32);
   if (head.temperature != 1.0) label_slope = label_slope / head.temperature;
@@ -195,6 +199,7 @@ ChunkedLoss chunked_loss(const OutputHead& head, const at::Tensor& h, const at::
   if (want_b) out.b = at::zeros({segments, l.out_features, l.r}, l.lora_b.options());
   const at::Tensor scored = labels.ne(kIgnoreIndex).nonzero().squeeze(1);  // [S] row indices
   const int64_t S = scored.size(0);
+  if (head.entropy) *head.entropy = at::zeros({h.size(0)}, h.options().dtype(at::kFloat));
   if (S == 0) return out;
   const HeadRows rows(l, h.scalar_type());
   for (int64_t s0 = 0; s0 < S; s0 += chunk) {
@@ -204,6 +209,7 @@ ChunkedLoss chunked_loss(const OutputHead& head, const at::Tensor& h, const at::
     const at::Tensor xc = lora ? lora_x.detach().index_select(0, idx) : at::Tensor();  // [T, hidden] fp32
     if (lora) c.xa = at::linear(xc, l.lora_a.detach());  // [T, r]
     const ChunkScore r = score_chunk(head, rows, c, want_h, want_x || want_a);
+    if (head.entropy) head.entropy->index_copy_(0, idx, r.entropy);
     if (segments == 1) out.loss.add_(r.loss.sum());  // the order of sums the scalar loss always had
     else out.loss.index_add_(0, cs, r.loss);
     if (want_h) out.h.index_copy_(0, idx, r.dh.to(h.scalar_type()));
@@ -256,6 +262,14 @@ struct ChunkedLossFunction : public torch::autograd::Function<ChunkedLossFunctio
             at::Tensor(), at::Tensor()};
   }
 };
+
+// The whole-logits paths' entropies (OutputHead::entropy), where asked for: [N], 0 where unscored.
+void record_entropy(const OutputHead& head, const at::Tensor& logits, const at::Tensor& labels) {
+  if (!head.entropy) return;
+  at::NoGradGuard no_grad;
+  const at::Tensor logp = at::log_softmax(logits.detach(), -1);
+  *head.entropy = -(logp.exp() * logp).sum(-1).masked_fill(labels.eq(kIgnoreIndex), 0.0);
+}
 
 void check_loss_args(const OutputHead& head, const at::Tensor& h, const at::Tensor& lora_x, const at::Tensor& labels) {
   const modules::LoraLinear& l = *head.proj;
@@ -330,7 +344,9 @@ at::Tensor full_segment_loss(const OutputHead& head, const at::Tensor& h, const 
                              const at::Tensor& labels, const at::Tensor& segments, int64_t num_segments) {
   check_loss_args(head, h, lora_x, labels);
   check_segments(labels, segments, num_segments);
-  const at::Tensor per_token = at::cross_entropy_loss(output_logits(head, h, lora_x), labels, {}, at::Reduction::None,
+  const at::Tensor logits = output_logits(head, h, lora_x);  // [N, vocab]
+  record_entropy(head, logits, labels);
+  const at::Tensor per_token = at::cross_entropy_loss(logits, labels, {}, at::Reduction::None,
                                                       kIgnoreIndex);  // [N], 0 where ignored
   if (!segments.defined()) return per_token.sum().unsqueeze(0);
   return at::zeros({num_segments}, per_token.options()).index_add(0, segments, per_token);
@@ -339,8 +355,9 @@ at::Tensor full_segment_loss(const OutputHead& head, const at::Tensor& h, const 
 at::Tensor full_token_loss(const OutputHead& head, const at::Tensor& h, const at::Tensor& lora_x,
                            const at::Tensor& labels) {
   check_loss_args(head, h, lora_x, labels);
-  return at::cross_entropy_loss(output_logits(head, h, lora_x), labels, {}, at::Reduction::Sum,
-                                kIgnoreIndex);  // logits [N, vocab]
+  const at::Tensor logits = output_logits(head, h, lora_x);  // [N, vocab]
+  record_entropy(head, logits, labels);
+  return at::cross_entropy_loss(logits, labels, {}, at::Reduction::Sum, kIgnoreIndex);
 }
 
 }  // namespace qlora::models

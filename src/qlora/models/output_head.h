@@ -21,6 +21,9 @@ struct OutputHead {
   // The fp32 logits (after the soft-cap) divided by this: GRPO's log-probabilities at its sampling
   // temperature, as TRL computes them. 1: none (no division, so no rounding).
   double temperature = 1.0;
+  // Where set, the losses below also write each token's entropy of its softmax (of the logits
+  // above, temperature included): -sum_v p_v log p_v, [N] fp32, 0 for unscored tokens. No gradient.
+  at::Tensor* entropy = nullptr;
 };
 
 // h: [..., hidden] in the compute dtype; lora_x: the LoRA path's input (modules::lora_input of h),

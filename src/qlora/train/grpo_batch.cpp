@@ -46,17 +46,20 @@ CompletionBatch completion_batch(const std::vector<Completion>& completions, int
   return b;
 }
 
-at::Tensor completion_logps(const models::LlamaModel& m, const CompletionBatch& b, c10::Device device, LogpsOf which) {
+at::Tensor completion_logps(const models::LlamaModel& m, const CompletionBatch& b, c10::Device device, LogpsOf which,
+                            at::Tensor* entropy) {
   std::optional<at::NoGradGuard> no_grad;
   std::optional<modules::AdaptersDisabled> off;
   if (which != LogpsOf::kPolicy) no_grad.emplace();
   if (which == LogpsOf::kReference) off.emplace();
-  const at::Tensor per_token = -m.token_losses(b.rows.tokens.to(device), b.rows.labels.to(device));  // [B, S]
+  const at::Tensor per_token = -m.token_losses(b.rows.tokens.to(device), b.rows.labels.to(device), entropy);  // [B, S]
   // Completion token j of row i is the label at position prompt_i − 1 + j (labels are shifted).
   const int64_t width = b.completion_mask.size(1), seq = per_token.size(1);
-  const at::Tensor pos = (b.prompt_lengths.unsqueeze(1) - 1 + at::arange(width, at::kLong)).clamp_max(seq - 1);
+  const at::Tensor pos =
+      (b.prompt_lengths.unsqueeze(1) - 1 + at::arange(width, at::kLong)).clamp_max(seq - 1).to(device);
   const at::Tensor mask = b.completion_mask.to(device);
-  return per_token.gather(1, pos.to(device)) * mask;  // [B, C]
+  if (entropy) *entropy = entropy->gather(1, pos) * mask;
+  return per_token.gather(1, pos) * mask;  // [B, C]
 }
 
 }  // namespace qlora::train

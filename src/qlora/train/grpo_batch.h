@@ -40,7 +40,10 @@ enum class LogpsOf {
 };
 
 // [B, C] fp32 per-token log-probabilities of each completion token (0 on padding), by chunks of
-// the vocabulary (LlamaModel::token_losses): no [tokens, vocab] logits.
-at::Tensor completion_logps(const models::LlamaModel& m, const CompletionBatch& b, c10::Device device, LogpsOf which);
+// the vocabulary (LlamaModel::token_losses): no [tokens, vocab] logits. entropy (optional): set to
+// [B, C] fp32, each completion token's entropy of the policy's softmax there (0 on padding): TRL's
+// entropy metric, from the same pass.
+at::Tensor completion_logps(const models::LlamaModel& m, const CompletionBatch& b, c10::Device device, LogpsOf which,
+                            at::Tensor* entropy = nullptr);
 
 }  // namespace qlora::train
