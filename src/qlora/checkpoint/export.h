@@ -33,7 +33,7 @@ struct PromptFormat {
   bool add_eos = true;  // EOS ends every sample
   // template "auto": the model's chat template the run rendered with (its Jinja text, the file it
   // came from) and the keyword arguments it was given (data.template_kwargs).
-  std::string chat_template, chat_template_origin;
+  std::string chat_template{}, chat_template_origin{};
   nlohmann::ordered_json template_kwargs = nlohmann::ordered_json::object();
 };
 

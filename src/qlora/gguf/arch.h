@@ -81,7 +81,7 @@ struct TensorPlan {
   std::string name;           // "blk.3.attn_q.weight"
   int64_t permute_heads = 0;  // llama's Q/K rows: HF's rotate-half halves interleaved over this many heads
   float add = 0.0f;           // Gemma's and Qwen3.5's norms: stored as w + 1
-  std::optional<HeadRegroup> regroup;
+  std::optional<HeadRegroup> regroup{};
   bool neg_exp = false;  // Qwen3.5's A_log: stored as -exp(A_log)
   bool squeeze = false;  // Qwen3.5's conv1d [channels, 1, kernel]: stored as [channels, kernel]
   bool no_lora = false;  // llama.cpp multiplies it without applying a LoRA (Gemma 4's per_layer_model_proj)

@@ -127,7 +127,9 @@ std::set<std::string> lora_targets(const Architecture& arch, const std::vector<s
 
 modules::LayerDims LlamaModel::dims(int64_t layer) const {
   const LlamaConfig& c = config;
-  modules::LayerDims d{c.num_attention_heads, c.layer_kv_heads(layer), c.layer_head_dim(layer), c.rms_norm_eps};
+  modules::LayerDims d;
+  d.num_heads = c.num_attention_heads, d.num_kv_heads = c.layer_kv_heads(layer), d.head_dim = c.layer_head_dim(layer);
+  d.rms_norm_eps = c.rms_norm_eps;
   d.norm = c.norm;
   d.v_norm = c.family == Family::kGemma4;
   d.activation = c.activation;

@@ -175,10 +175,12 @@ std::vector<int64_t> mrope_section(const json& j, const std::string& where) {
 void parse_rope(const json& j, const std::string& where, LlamaConfig& c) {
   const bool gemma3 = c.family == Family::kGemma3, olmo = c.family == Family::kOlmo2;
   const bool gemma4 = c.family == Family::kGemma4;
-  modules::RopeParams global{get_num(j, "rope_theta", where, gemma3 || gemma4 ? 1e6 : 10000.0), std::nullopt, 1.0};
+  modules::RopeParams global;
+  global.theta = get_num(j, "rope_theta", where, gemma3 || gemma4 ? 1e6 : 10000.0);
   // Gemma 4's class default for its full layers: proportional RoPE over a quarter of global_head_dim.
   if (gemma4) global.proportional = modules::ProportionalRope{0.25};
-  modules::RopeParams local{olmo ? global.theta : get_num(j, "rope_local_base_freq", where, 10000.0), std::nullopt, 1.0};
+  modules::RopeParams local;
+  local.theta = olmo ? global.theta : get_num(j, "rope_local_base_freq", where, 10000.0);
   const char* key = present(j, "rope_parameters") ? "rope_parameters" : "rope_scaling";
   parse_partial_rotary(j, key, where, c);
   if (present(j, key)) {

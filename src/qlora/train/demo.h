@@ -17,7 +17,7 @@ struct HeldoutExample {
 struct HeldoutScore {
   std::string instruction;
   int64_t correct = 0, total = 0;
-  HeldoutExample first;  // the instruction's first record
+  HeldoutExample first{};  // the instruction's first record
 };
 
 struct HeldoutResult {
