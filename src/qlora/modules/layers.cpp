@@ -226,14 +226,15 @@ at::Tensor blocked_mask(const at::Tensor& q, const at::Tensor& kk, const at::Ten
   return *ok ? m : at::Tensor();
 }
 
-// Scores, optional mask and softmax over expanded K/V (kk, vv [b, heads, total, d]). mask:
-// broadcastable to [b, heads, seq, total] bool, or undefined with is_causal (square, top-left).
-// Without soft-capping this is SDPA; with it, transformers' eager path: scores * scale, then
-// cap * tanh(scores / cap), then the mask, then softmax in fp32.
+// The scale of q.k: the family's where it sets one (AttentionOptions::scale), else 1 / sqrt(head_dim).
 double attention_scale(const at::Tensor& q, const AttentionOptions& opt) {
   return opt.scale > 0 ? opt.scale : 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
 }
 
+// Scores, optional mask and softmax over expanded K/V (kk, vv [b, heads, total, d]). mask:
+// broadcastable to [b, heads, seq, total] bool, or undefined with is_causal (square, top-left).
+// Without soft-capping this is SDPA; with it, transformers' eager path: scores * scale, then
+// cap * tanh(scores / cap), then the mask, then softmax in fp32.
 at::Tensor attend(const at::Tensor& q, const at::Tensor& kk, const at::Tensor& vv, at::Tensor mask, bool is_causal,
                   const AttentionOptions& opt) {
   const double scale = attention_scale(q, opt);
@@ -262,15 +263,11 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& kk, const at::Tensor& v
   return at::matmul(at::softmax(s, -1, at::kFloat).to(q.scalar_type()), vv);  // [b, heads, seq, d]
 }
 
-}  // namespace
-
-namespace {
-
 // A decode step under inference mode (one query per sequence: generation) through
 // ops::decode_attention, K/V read in place; undefined where that does not apply. allowed: the
 // keys each row may see, [b, total] bool, or undefined for all, narrowed here by the window.
-at::Tensor decode_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor allowed,
-                       const AttentionOptions& opt) {
+at::Tensor attend_one_query(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor allowed,
+                            const AttentionOptions& opt) {
   if (!c10::InferenceMode::is_enabled() || q.size(2) != 1) return {};
   const int64_t total = k.size(2);
   if (opt.window > 0 && opt.window < total) {
@@ -286,7 +283,7 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
                             const AttentionOptions& opt) {
   const int64_t heads = q.size(1), seq = q.size(2), total = k.size(2);
   if (heads % k.size(1) != 0) throw std::invalid_argument("causal_attention: kv heads must divide query heads");
-  if (at::Tensor out = decode_step(q, k, v, {}, opt); out.defined()) return out;
+  if (at::Tensor out = attend_one_query(q, k, v, {}, opt); out.defined()) return out;
   const int64_t n_rep = heads / k.size(1);
   at::Tensor kk = repeat_kv(k, n_rep), vv = repeat_kv(v, n_rep);  // [b, heads, total, d]
   // A window no query can exceed is no window.
@@ -310,7 +307,7 @@ at::Tensor masked_attention(const at::Tensor& q, const at::Tensor& k, const at::
                                 c10::str(attn_mask.sizes()) + " " + c10::toString(attn_mask.scalar_type()));
   }
   if (seq == 1)
-    if (at::Tensor out = decode_step(q, k, v, attn_mask.squeeze(1), opt); out.defined()) return out;
+    if (at::Tensor out = attend_one_query(q, k, v, attn_mask.squeeze(1), opt); out.defined()) return out;
   const int64_t n_rep = heads / k.size(1);
   at::Tensor kk = repeat_kv(k, n_rep), vv = repeat_kv(v, n_rep);  // [b, heads, total, d]
   // [b, 1, s, total]: one mask per row, shared by all heads. Not is_causal: the mask already holds
