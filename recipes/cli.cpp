@@ -38,7 +38,7 @@ int launch_recipe(const engine::LaunchOptions& launch, const Recipe& recipe, con
   engine::check_launch_options(launch);
   if (launch.nproc_per_node * launch.nnodes == 1) return recipe.main(config);
   if (engine::launched_as_rank())
-    throw std::invalid_argument("--nproc-per-node inside a job that already has ranks (WORLD_SIZE > 1, set by "
+    throw UsageError("--nproc-per-node inside a job that already has ranks (WORLD_SIZE > 1, set by "
                                 "torchrun, Slurm or `qlora run --nproc-per-node`): run `qlora run <recipe> ...` "
                                 "in each rank instead");
   std::vector<std::string> args = {"run", recipe.name};
@@ -68,7 +68,7 @@ Command run_command(CLI::App& run) {
              "tiny default; every key, its default and what it does: `qlora config`");
   return [launch, config, recipes] {
     const auto it = std::find_if(recipes.begin(), recipes.end(), [](const auto& r) { return r.first->parsed(); });
-    if (it == recipes.end()) throw std::invalid_argument("qlora run needs a recipe (see `qlora ls`)");
+    if (it == recipes.end()) throw UsageError("qlora run needs a recipe (see `qlora ls`)");
     return launch_recipe(*launch, *it->second, *config);
   };
 }
@@ -190,7 +190,7 @@ int qlora_cli(int argc, char** argv) {
   }
   try {
     return it->second();
-  } catch (const std::invalid_argument& e) {  // the command's arguments: its usage follows
+  } catch (const UsageError& e) {  // the command line: its usage follows
     return fail(app, e.what(), true);
   } catch (const std::exception& e) {
     return fail(app, e.what(), false);

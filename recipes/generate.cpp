@@ -55,16 +55,16 @@ struct PromptRequest {
 
 void check_request(const PromptRequest& r) {
   if (r.raw && r.templated())
-    throw std::invalid_argument("--prompt is fed as it is; it does not combine with --instruction, --input, --system or "
+    throw UsageError("--prompt is fed as it is; it does not combine with --instruction, --input, --system or "
                                 "--message, which render the run's template");
-  if (!r.raw && !r.templated()) throw std::invalid_argument("give --prompt TEXT, --instruction TEXT or --message TEXT");
-  if (r.input && !r.instruction) throw std::invalid_argument("--input needs --instruction");
+  if (!r.raw && !r.templated()) throw UsageError("give --prompt TEXT, --instruction TEXT or --message TEXT");
+  if (r.input && !r.instruction) throw UsageError("--input needs --instruction");
   if (r.instruction && (r.system || !r.messages.empty()))
-    throw std::invalid_argument("--instruction renders an instruct record; --system and --message render a conversation: "
+    throw UsageError("--instruction renders an instruct record; --system and --message render a conversation: "
                                 "give one or the other");
-  if (r.system && r.messages.empty()) throw std::invalid_argument("--system needs --message");
+  if (r.system && r.messages.empty()) throw UsageError("--system needs --message");
   if (!r.messages.empty() && r.messages.size() % 2 == 0)
-    throw std::invalid_argument("--message alternates user, assistant, user, ...: give an odd number, the last being the "
+    throw UsageError("--message alternates user, assistant, user, ...: give an odd number, the last being the "
                                 "user turn the model answers (got " + std::to_string(r.messages.size()) + ")");
 }
 
@@ -89,10 +89,10 @@ std::pair<std::vector<data::Segment>, std::string> render_prompt(data::TemplateK
   const std::string stand_in(data::kAnswerStandIn);
   if (r.instruction) return data::cut_at_answer(data::render_instruct(kind, {*r.instruction, r.input.value_or(""), stand_in}));
   if (kind == data::TemplateKind::kAlpaca && (r.system || r.messages.size() > 1))
-    throw std::invalid_argument("the alpaca template renders one instruction: give one --message (no --system and "
+    throw UsageError("the alpaca template renders one instruction: give one --message (no --system and "
                                 "no earlier turns), or --instruction [--input]");
   if (r.system && kind == data::TemplateKind::kMistralV03)
-    throw std::invalid_argument("--system: the run's template mistral-v0.3 drops system messages from what it trains "
+    throw UsageError("--system: the run's template mistral-v0.3 drops system messages from what it trains "
                                 "on (as Mistral's own template does), so the model never saw one");
   std::vector<data::Message> m;
   if (r.system) m.push_back({"system", *r.system});
@@ -153,11 +153,13 @@ Prompt build_prompt(const PromptRequest& r, const std::string& dir, const data::
       ids.insert(ids.begin(), tok.bos_id());
     return {text, std::move(ids), t->end_of_turn()};
   }
-  if (!template_kwargs.empty()) throw std::invalid_argument("--template-kwargs needs the model's own chat template");
+  if (!template_kwargs.empty()) throw UsageError("--template-kwargs needs the model's own chat template");
   const data::TemplateKind kind = recorded_template(dir, pf);
   std::pair<std::vector<data::Segment>, std::string> rendered;
   try {
     rendered = render_prompt(kind, r);
+  } catch (const UsageError& e) {  // flags this template cannot render
+    throw UsageError(dir + "/qlora.json records template '" + pf->template_name + "': " + e.what());
   } catch (const std::invalid_argument& e) {
     throw std::invalid_argument(dir + "/qlora.json records template '" + pf->template_name + "': " + e.what());
   }
@@ -179,10 +181,10 @@ struct GenerateArgs {
 // What the options' own checks leave: how they combine, --top-p's open end; the --template-kwargs object.
 nlohmann::ordered_json checked_template_kwargs(const GenerateArgs& g) {
   check_request(g.prompt);
-  if (!(g.opt.top_p > 0 && g.opt.top_p <= 1)) throw std::invalid_argument("--top-p must be in (0, 1]");
+  if (!(g.opt.top_p > 0 && g.opt.top_p <= 1)) throw UsageError("--top-p must be in (0, 1]");
   const auto kwargs = nlohmann::ordered_json::parse(g.template_kwargs.empty() ? "{}" : g.template_kwargs, nullptr, false);
   if (!kwargs.is_object())
-    throw std::invalid_argument("--template-kwargs expects a JSON object, e.g. '{\"enable_thinking\": false}'");
+    throw UsageError("--template-kwargs expects a JSON object, e.g. '{\"enable_thinking\": false}'");
   return kwargs;
 }
 
@@ -193,10 +195,10 @@ int generate(GenerateArgs& g) {
   models::GenerateOptions& opt = g.opt;
 
   if (!fs::is_directory(dir)) {
-    throw std::invalid_argument("--checkpoint " + dir + ": no such directory (expected an exported epoch dir)");
+    throw UsageError("--checkpoint " + dir + ": no such directory (expected an exported epoch dir)");
   }
   if (!fs::is_regular_file(fs::path(dir) / "config.json")) {
-    throw std::invalid_argument("--checkpoint " + dir + ": no config.json (expected an exported HF model dir)");
+    throw UsageError("--checkpoint " + dir + ": no config.json (expected an exported HF model dir)");
   }
   // tokenizer.model, original/tokenizer.model or tokenizer.json, as a run picks them; errors name
   // what was looked for (an export copies the run's tokenizer beside the model).

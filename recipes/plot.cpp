@@ -28,11 +28,11 @@ std::pair<std::string, std::string> locate_metrics(const std::string& arg) {
   fs::path p = fs::path(arg).lexically_normal();
   if (p.has_filename() && fs::is_regular_file(p))
     return {p.string(), fs::absolute(p).parent_path().filename().string()};
-  if (!fs::is_directory(p)) throw std::invalid_argument(arg + ": no such directory (expected a run's output_dir)");
+  if (!fs::is_directory(p)) throw UsageError(arg + ": no such directory (expected a run's output_dir)");
   if (!p.has_filename()) p = p.parent_path();  // a trailing slash
   const fs::path metrics = p / "metrics.jsonl";
   if (!fs::is_regular_file(metrics))
-    throw std::invalid_argument(arg + ": no metrics.jsonl (expected a run's checkpoint.output_dir)");
+    throw UsageError(arg + ": no metrics.jsonl (expected a run's checkpoint.output_dir)");
   std::string name = fs::absolute(p).lexically_normal().filename().string();
   return {metrics.string(), name.empty() ? arg : name};
 }

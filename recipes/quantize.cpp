@@ -38,14 +38,14 @@ struct ConvertArgs {
 
 int quantize(ConvertArgs a) {
   if (!a.out_option.empty() && !a.out.empty())
-    throw std::invalid_argument("give OUT either as an argument or with --out, not both");
+    throw UsageError("give OUT either as an argument or with --out, not both");
   if (a.out.empty()) a.out = a.out_option;
   if (a.in.empty()) {
     a.in = data_dir() + "/tiny_llama";
     if (a.out.empty()) a.out = "out/tiny_llama_nf4";
     std::printf("No input given: quantizing the bundled example checkpoint %s\n", a.in.c_str());
   } else if (a.out.empty()) {
-    throw std::invalid_argument("expected IN and OUT, or nothing for the bundled example");
+    throw UsageError("expected IN and OUT, or nothing for the bundled example");
   }
   std::printf("qlora quantize: %s -> %s\n", a.in.c_str(), a.out.c_str());
   const auto t0 = std::chrono::steady_clock::now();

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <limits>
+#include <memory>
 #include <optional>
 #include <stdexcept>
 #include <thread>
@@ -88,25 +89,52 @@ bool check_resumable(const nlohmann::json& meta, const RecipeConfig& cfg, c10::D
   return remesh;
 }
 
+// Whether the export's head is its own where the base ties it to the embedding: LoRA on the output
+// projection unties it (the merged config then says tie_word_embeddings = false).
+bool export_unties_head(const RecipeConfig& cfg, const std::string& base_dir) {
+  const auto& t = cfg.lora.targets;
+  return std::find(t.begin(), t.end(), "output") != t.end() && models::load_llama_config(base_dir).tie_word_embeddings;
+}
+
 // checkpoint.gguf: what rank 0 adds to each epoch's export before committing it (the GGUF files and
-// their Modelfiles). Checked now, before training, so that no epoch's export fails for the model
-// or its tokenizer. The files are named after the base's Hub name (base_model_name), else its directory.
-std::function<void(const std::string&)> gguf_files(const RecipeConfig& cfg, const std::string& base_dir) {
+// their Modelfiles). Checked now, before training, for the model the export will be (its head
+// untied by LoRA on it), so that no epoch's export is refused for the model or its tokenizer. A file
+// that still fails is reported and added to `failed`; the epoch's adapter, merged model and other
+// GGUF files are committed all the same, and training goes on. The files are named after the base's
+// Hub name (base_model_name), else its directory.
+std::function<void(const std::string&)> gguf_files(const RecipeConfig& cfg, const std::string& base_dir,
+                                                   std::shared_ptr<std::vector<std::string>> failed) {
   if (cfg.checkpoint.gguf.empty()) return {};
+  const bool untied = export_unties_head(cfg, base_dir);
   try {
-    gguf::check_convertible(base_dir);
+    gguf::check_convertible(base_dir, untied);
   } catch (const std::invalid_argument& e) {
-    throw std::invalid_argument(std::string("checkpoint.gguf: ") + e.what());
+    throw std::invalid_argument(
+        std::string("checkpoint.gguf: ") + e.what() +
+        (untied ? " (the export's head is untied: the base ties it to the embedding and lora.targets has \"output\"; "
+                  "leave \"output\" out of lora.targets, or checkpoint.gguf empty)"
+                : ""));
   }
   std::vector<gguf::GgmlType> types;
   for (const std::string& t : cfg.checkpoint.gguf) types.push_back(gguf::type_from_name(t));
   const std::string named = base_model_name(cfg);
   std::string name = fs::path(named.empty() ? base_dir : named).lexically_normal().filename().string();
   if (name.empty() || name == "." || name == "..") name = "model";
-  return [types, name](const std::string& dir) {
-    for (const std::string& path : gguf::write_gguf_files(dir, types, name))
-      std::printf("  %s (%.1f MB, Modelfile beside it)\n", fs::path(path).filename().c_str(),
-                  static_cast<double>(fs::file_size(path)) / 1e6);
+  return [types, name, failed](const std::string& dir) {
+    const std::string epoch = fs::path(dir).stem().string();  // "epoch_0" of "epoch_0.tmp"
+    for (const gguf::GgmlType type : types) {
+      const std::string option = gguf::type_info(type).option;
+      try {
+        if (const auto& fault = train::fault_plan().before_gguf) fault(epoch + "/" + name + "-" + option + ".gguf");
+        for (const std::string& path : gguf::write_gguf_files(dir, {type}, name))
+          std::printf("  %s (%.1f MB, Modelfile beside it)\n", fs::path(path).filename().c_str(),
+                      static_cast<double>(fs::file_size(path)) / 1e6);
+      } catch (const std::exception& e) {
+        failed->push_back(epoch + "'s GGUF " + option + ": " + e.what());
+        std::fprintf(stderr, "error: %s's GGUF %s was not written: %s; the epoch's adapter and merged model are "
+                     "kept, and training goes on\n", epoch.c_str(), option.c_str(), e.what());
+      }
+    }
   };
 }
 
@@ -587,8 +615,16 @@ int run_recipe(const std::string& name, const ConfigArgs& args, const std::funct
     if (cfg.model.checkpoint_dir.empty() && dirs.leads(world->rank())) train::ensure_tiny_base(base_model_dir(cfg));
     world->world().barrier();
     Session s{name, cfg, device, *world, world->rank() == 0, base_model_dir(cfg), {}, std::move(dirs)};
-    s.add_gguf = gguf_files(cfg, s.base_dir);
-    return body(s);
+    auto failed_exports = std::make_shared<std::vector<std::string>>();
+    s.add_gguf = gguf_files(cfg, s.base_dir, failed_exports);
+    const int rc = body(s);
+    if (rc != 0 || failed_exports->empty()) return rc;
+    std::string list;
+    for (const std::string& f : *failed_exports) list += "\n  " + f;
+    std::fprintf(stderr, "qlora run: error: the run finished, but these exports were not written:%s\n(each epoch's "
+                 "adapter and merged model are in %s/epoch_*; `qlora gguf DIR --type TYPE` converts one)\n",
+                 list.c_str(), cfg.checkpoint.output_dir.c_str());
+    return 1;
   } catch (const std::exception& e) {
     try {
       world->rethrow_with_culprits(e, name);

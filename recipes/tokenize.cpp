@@ -46,7 +46,7 @@ std::vector<int64_t> parse_ids(const std::string& line, const std::string& where
 }
 
 int tokenize(const TokenizeArgs& a) {
-  if (a.has_text == !a.file.empty()) throw std::invalid_argument("give exactly one of --text TEXT and --file FILE");
+  if (a.has_text == !a.file.empty()) throw UsageError("give exactly one of --text TEXT and --file FILE");
   const auto tok = data::Tokenizer::open(a.tokenizer);
   std::string input = a.text;
   const std::string source = a.has_text ? std::string("--text") : a.file;

@@ -358,14 +358,16 @@ def tiny_tasks(train_path: str, heldout_path: str) -> None:
 def tiny_prompts(train_path: str, heldout_path: str) -> None:
     """GRPO's prompts (data.format = "prompt", configs/tiny_qlora_grpo.toml): the sums of
     tiny_tasks.jsonl (the first 512) and of tiny_tasks_heldout.jsonl (all 50) as string prompts in
-    the plain layout the tiny base was pre-trained on ("Add the numbers.\n35 + 4\n", answered
-    "39"), with the sum as the answer its reward checks."""
+    the plain layout the tiny base was pre-trained on but for a full stop after the sum
+    ("Add the numbers.\n35 + 4.\n", answered "39"), with the sum as the answer its reward checks.
+    The base never saw that stop, and answers few of them (its pre-trained layout, all of them):
+    a task it cannot already do, which GRPO teaches it from the reward alone."""
     for src, dst, n in (("tiny_tasks.jsonl", train_path, 512), ("tiny_tasks_heldout.jsonl", heldout_path, 50)):
         with open(os.path.join(HERE, src)) as f:
             sums = [r for r in map(json.loads, f) if r["instruction"] == TASK_ADD][:n]
         with open(dst, "w") as f:
             for r in sums:
-                prompt = f"{r['instruction']}\n{r['input']}\n"
+                prompt = f"{r['instruction']}\n{r['input']}.\n"
                 f.write(json.dumps({"prompt": prompt, "answer": r["output"]}) + "\n")
 
 

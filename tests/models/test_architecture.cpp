@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <iterator>
+#include <regex>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -136,8 +137,16 @@ TEST(KeyLayout, TextKeysInEachLayout) {
 TEST(KeyLayout, PeftTargetPatternNamesOnlyTheLanguageModelsModules) {
   const Architecture& arch = llama_architecture();
   EXPECT_EQ(peft_target_pattern(arch, KeyLayout::kModelLanguage, {"v_proj", "q_proj", "lm_head"}),
-            "model\\.language_model\\.layers\\.\\d+\\.self_attn\\.q_proj|"
-            "model\\.language_model\\.layers\\.\\d+\\.self_attn\\.v_proj|lm_head");
-  EXPECT_EQ(peft_target_pattern(arch, KeyLayout::kModelLanguage, {"down_proj"}),
-            "model\\.language_model\\.layers\\.\\d+\\.mlp\\.down_proj");
+            "model\\.(?:language_model\\.)?layers\\.\\d+\\.self_attn\\.q_proj|"
+            "model\\.(?:language_model\\.)?layers\\.\\d+\\.self_attn\\.v_proj|lm_head");
+  EXPECT_EQ(peft_target_pattern(arch, KeyLayout::kText, {"down_proj"}), "model\\.layers\\.\\d+\\.mlp\\.down_proj");
+  // PEFT fullmatches the pattern: the language model's modules under the multimodal class and the
+  // text-only one AutoModelForCausalLM builds, never a tower's.
+  const std::regex re(peft_target_pattern(arch, KeyLayout::kModelLanguage, {"q_proj", "lm_head"}));
+  for (const char* name : {"model.language_model.layers.3.self_attn.q_proj", "model.layers.12.self_attn.q_proj", "lm_head"})
+    EXPECT_TRUE(std::regex_match(name, re)) << name;
+  for (const char* name : {"model.vision_tower.vision_model.encoder.layers.0.self_attn.q_proj",
+                           "model.visual.blocks.0.attn.q_proj", "model.language_model.layers.3.self_attn.k_proj",
+                           "model.audio_tower.layers.0.self_attn.q_proj"})
+    EXPECT_FALSE(std::regex_match(name, re)) << name;
 }

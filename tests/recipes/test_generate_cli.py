@@ -15,7 +15,8 @@
 4. A real chat run (chatml): qlora.json says so, and --message generates.
 5. Errors: no qlora.json (an older export), a plain-text run, --prompt with a template flag, a flag
    the template cannot render (alpaca multi-turn), an even number of --message, --system with
-   mistral-v0.3, a malformed qlora.json.
+   mistral-v0.3, a malformed qlora.json, a template past its render budget; the usage follows the
+   command line's errors, never those of the model's files.
 
     python tests/recipes/test_generate_cli.py --qlora build/qlora --qlora-faults build/qlora_faults --workdir build/cli_generate
 """
@@ -174,23 +175,30 @@ def check_chat_run(check, exe, wd):
 
 
 def check_errors(check, exe, epoch, wd):
-    def fails(what, args, *needles, ckpt=epoch):
+    def fails(what, args, *needles, ckpt=epoch, usage=False):
+        """An error naming `needles`; the usage follows an error in the command line only."""
         r = qlora(exe, "--checkpoint", ckpt, *args)
-        check(r.returncode == 1 and all(n in r.stderr for n in needles), f"{what}: {r.stderr.strip()[:300]}")
+        check(r.returncode == 1 and all(n in r.stderr for n in needles) and ("usage:" in r.stderr) == usage,
+              f"{what} ({'with' if usage else 'without'} the usage): {r.stderr.strip()[:300]}")
 
     old = fake_export(epoch, os.path.join(wd, "errors", "old"), None)
     fails("no qlora.json", ["--instruction", "x"], "qlora.json", "--prompt", ckpt=old)
     text = fake_export(epoch, os.path.join(wd, "errors", "text"),
                        {"format": "text", "template": None, "train_on_input": False, "add_bos": True, "add_eos": True})
     fails("a plain-text run", ["--message", "x"], "data.format = \"text\"", "--prompt", ckpt=text)
-    fails("--prompt with --instruction", ["--prompt", "x", "--instruction", "y"], "--prompt")
-    fails("alpaca multi-turn", ["--message", "a", "--message", "b", "--message", "c"], "alpaca", "one --message")
-    fails("alpaca --system", ["--system", "s", "--message", "x"], "alpaca", "one --message")
-    fails("even --message count", ["--message", "a", "--message", "b"], "odd number")
+    fails("--prompt with --instruction", ["--prompt", "x", "--instruction", "y"], "--prompt", usage=True)
+    fails("alpaca multi-turn", ["--message", "a", "--message", "b", "--message", "c"], "alpaca", "one --message",
+          usage=True)
+    fails("alpaca --system", ["--system", "s", "--message", "x"], "alpaca", "one --message", usage=True)
+    fails("even --message count", ["--message", "a", "--message", "b"], "odd number", usage=True)
     mistral = os.path.join(wd, "kinds", "mistral-v0.3")
-    fails("mistral --system", ["--system", "s", "--message", "x"], "mistral-v0.3", ckpt=mistral)
+    fails("mistral --system", ["--system", "s", "--message", "x"], "mistral-v0.3", ckpt=mistral, usage=True)
     bad = fake_export(epoch, os.path.join(wd, "errors", "bad"), {"format": "chat"})
     fails("malformed qlora.json", ["--message", "x"], os.path.join(bad, "qlora.json"), "prompt.train_on_input", ckpt=bad)
+    # A model's own template that runs away (99,999^2 loop steps): its file's error, not the usage.
+    runaway = "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}"
+    budget = fake_export(epoch, os.path.join(wd, "errors", "budget"), {**chat_prompt("auto"), "chat_template": runaway})
+    fails("a template past its budget", ["--message", "x"], "qlora.json", "steps", ckpt=budget)
 
 
 def main():

@@ -1,10 +1,11 @@
 """`qlora run lora_grpo` end to end through the real binary, on configs/tiny_qlora_grpo.toml (the
-embedded tiny base asked 512 sums in the Alpaca layout it never saw, rewarded by the numeric answer):
+embedded tiny base asked 512 sums with a full stop after them, a layout it never saw, rewarded by the
+numeric answer):
 
-1. the embedded default learns: the greedy answers to the 50 held-out sums (val_reward: the fraction
-   answered right) rise from the starting model's (a run whose first validation comes before any
-   update: optim.lr so small that no adapter moves) by a clear margin; metrics.jsonl has TRL's
-   reward and completion names; `qlora plot` draws the reward and completion length;
+1. the embedded default learns what its base cannot do: `qlora generate` (greedy) answers the 50
+   held-out sums right on the base as a user loads it (dense) few times, and on the run's last export
+   (the merged model a user receives) at least MARGIN more; metrics.jsonl has TRL's reward and
+   completion names; `qlora plot` draws the reward and completion length;
 2. every loss type, sequence-level importance sampling, batch-scaled rewards and beta != 0 (with its
    KL logged) run with finite losses;
 3. 2 ranks give one process's rewards exactly (the same completions: each is seeded by its place in
@@ -16,31 +17,48 @@ embedded tiny base asked 512 sums in the Alpaca layout it never saw, rewarded by
    stays and resumes; a prompt that fills the context is refused naming its line; lora_grpo refuses
    another recipe's data format.
 """
+import json
 import os
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 
 from recipe_common import (RANKS_TOL, Checks, adapter, losses, max_diff, max_tensor_diff, recipe_args, run_recipe,
-                           step_rows, val_rows)
+                           step_rows)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG = os.path.join(ROOT, "configs", "tiny_qlora_grpo.toml")
 DATA = [f"data.path={ROOT}/tests/data/tiny_prompts.jsonl", f"data.val_path={ROOT}/tests/data/tiny_prompts_heldout.jsonl"]
-# Below this the margin of 1 is noise: the held-out set is 50 sums.
-MARGIN = 0.2
+HELDOUT = os.path.join(ROOT, "tests", "data", "tiny_prompts_heldout.jsonl")
+# Held-out sums (of 50) the export must answer beyond the base: the issue's bar; measured 9 -> 33.
+MARGIN = 16
 
 
 def grpo(exe, out, *overrides, **kw):
     return run_recipe(exe, out, "--config", CONFIG, *DATA, "logging.progress=plain", *overrides, recipe="lora_grpo", **kw)
 
 
+def answered(exe, model_dir):
+    """How many held-out sums `qlora generate --prompt` answers right, greedy (two at a time)."""
+    with open(HELDOUT) as f:
+        records = [json.loads(line) for line in f]
+
+    def right(r):
+        p = subprocess.run([exe, "generate", "--checkpoint", model_dir, "--prompt", r["prompt"], "--max-new-tokens", "8"],
+                           capture_output=True, text=True)
+        return p.returncode == 0 and p.stdout.strip() == r["answer"]
+    with ThreadPoolExecutor(2) as pool:
+        return sum(pool.map(right, records)), len(records)
+
+
 def learns(a, check, w):
-    r = grpo(a.qlora, w("before"), "training.max_steps_per_epoch=1", "optim.lr=1e-30")
-    before = val_rows(w("before"))[0]["val_reward"] if r.returncode == 0 else float("nan")
     r = grpo(a.qlora, w("full"))
     check(r.returncode == 0, "the tiny GRPO run exits 0")
-    after = val_rows(w("full"))[-1]["val_reward"] if r.returncode == 0 else float("nan")
-    print(f"held-out sums answered right (greedy): {before * 50:.0f}/50 before, {after * 50:.0f}/50 after")
-    check(after >= before + MARGIN, f"held-out reward rises from {before:.2f} to {after:.2f} (>= +{MARGIN})")
+    base, n = answered(a.qlora, os.path.join(w("full"), "tiny_base"))
+    after, _ = answered(a.qlora, os.path.join(w("full"), "epoch_1"))
+    print(f"held-out sums answered right by qlora generate (greedy): {base}/{n} by the base (dense), "
+          f"{after}/{n} by the export")
+    check(base <= n // 4 and after >= base + MARGIN,
+          f"the export answers {after}/{n} held-out sums, the base {base}/{n} (a task it cannot do; >= +{MARGIN})")
     first = step_rows(w("full"))[0]
     names = ["reward", "reward_std", "rewards/answer/mean", "completions/mean_length", "completions/max_length",
              "completions/clipped_ratio", "clip_ratio/region_mean", "entropy", "frac_reward_zero_std"]
@@ -52,7 +70,7 @@ def learns(a, check, w):
 
 
 def objectives(a, check, w):
-    short = ["training.max_steps_per_epoch=2", "training.batch_size=4"]
+    short = ["training.epochs=1", "training.max_steps_per_epoch=2", "training.batch_size=4"]
     for name, extra in (("grpo", ["grpo.loss_type=grpo"]), ("dr_grpo", ["grpo.loss_type=dr_grpo"]),
                         ("bnpo", ["grpo.loss_type=bnpo"]), ("cispo", ["grpo.loss_type=cispo", "grpo.epsilon_high=5"]),
                         ("gspo", ["grpo.importance_sampling_level=sequence", "grpo.scale_rewards=batch"]),
@@ -64,7 +82,7 @@ def objectives(a, check, w):
 
 
 def ranks_and_resume(a, check, w):
-    short = ["training.max_steps_per_epoch=6", "checkpoint.save_every_steps=3", "grpo.num_iterations=2",
+    short = ["training.epochs=1", "training.max_steps_per_epoch=6", "checkpoint.save_every_steps=3", "grpo.num_iterations=2",
              "training.batch_size=4"]
     r = grpo(a.qlora, w("ref"), *short)
     ref = losses(w("ref"))
@@ -98,7 +116,7 @@ def refusals(a, check, w):
     open(flag, "w").close()
     cmd = (f"n=$(cat {counter} 2>/dev/null || echo 0); echo $((n+1)) > {counter}; "
            f"if [ $n -ge 2 ] && [ -e {flag} ]; then echo boom >&2; exit 3; fi; while read l; do echo 0.5; done")
-    short = ["training.max_steps_per_epoch=4", "checkpoint.save_every_steps=2", "training.batch_size=2",
+    short = ["training.epochs=1", "training.max_steps_per_epoch=4", "checkpoint.save_every_steps=2", "training.batch_size=2",
              f"grpo.reward_command={cmd}"]
     r = grpo(a.qlora, w("command"), *short, expect_rc=1)
     check(r.returncode == 1 and "exited with code 3" in r.stderr and "boom" in r.stderr and cmd in r.stderr and

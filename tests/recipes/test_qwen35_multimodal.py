@@ -5,10 +5,13 @@ LoRA on every decoder projection of both mixers, a full-precision base merged ov
 Checks:
 1. the run trains (finite losses) and its log names the skipped vision tower;
 2. the adapter's target_modules is a pattern that wraps none of the vision tower's modules when peft
-   loads it onto Qwen3_5ForConditionalGeneration, and every language-model projection it names;
+   loads it onto Qwen3_5ForConditionalGeneration, and every language-model projection it names; and
+   every one of them too onto Qwen3_5ForCausalLM, which AutoModelForCausalLM builds from the same
+   checkpoint (modules model.layers.N..., not model.language_model.layers.N...), by transformers'
+   load_adapter and by peft with the key mapping;
 3. the merged export loads in Qwen3_5ForConditionalGeneration with nothing missing or unexpected, keeps
    every tensor of the original, the vision tower's byte for byte;
-4. its logits equal peft's adapter on the base (the same model two ways).
+4. its logits equal peft's adapter on the base (the same model two ways), under either class.
 
     python tests/recipes/test_qwen35_multimodal.py --qlora build/qlora --qlora-faults build/qlora_faults
         --workdir build/recipe_qwen35_multimodal
@@ -21,6 +24,7 @@ import sys
 
 import torch
 from peft import PeftModel
+from transformers import AutoModelForCausalLM
 from safetensors.torch import load_file
 
 from recipe_common import Checks, losses, recipe_args, run_recipe
@@ -90,8 +94,29 @@ def main():
         ref, ours = peft_model(tokens).logits, merged.eval()(tokens).logits
     d, atol = (ref - ours).abs().max().item(), ATOL_PER_UNIT * max(1.0, ref.abs().max().item())
     check(d <= atol, f"merged export's logits = peft's adapter on the base: max|diff| {d:.2e} (atol {atol:.1e})")
+    causal_checks(check, base, export, want, tokens, ours)
     return check.summary()
 
+
+def causal_checks(check, base, export, want, tokens, merged_logits):
+    """The adapter under the text-only class AutoModelForCausalLM builds from the multimodal checkpoint,
+    loaded the two ways that apply transformers' key mapping (model.language_model.X -> model.X) to the
+    adapter's weights too: transformers' load_adapter, and peft's from_pretrained given that mapping
+    (peft 0.21 applies it only when given: without it the layers' weights are reported missing)."""
+    adapter = os.path.join(export, "adapter")
+    causal = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    causal.load_adapter(adapter)
+    via_peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), adapter,
+                                         key_mapping={r"^model\.language_model\.": "model."}).eval()
+    for how, model in (("load_adapter", causal), ("PeftModel.from_pretrained(key_mapping)", via_peft)):
+        name = f"{type(model.get_base_model() if hasattr(model, 'get_base_model') else model).__name__} + {how}"
+        wrapped = [n for n, m in model.named_modules() if hasattr(m, "lora_A")]
+        check(len(wrapped) == len(want) and not any("visual" in n for n in wrapped),
+              f"{name}: every targeted language-model projection wrapped ({len(wrapped)} of {len(want)})")
+        with torch.no_grad():
+            ref = model(tokens).logits
+        d, atol = (ref - merged_logits).abs().max().item(), ATOL_PER_UNIT * max(1.0, ref.abs().max().item())
+        check(d <= atol, f"{name} gives the merged export's logits: max|diff| {d:.2e} (atol {atol:.1e})")
 
 if __name__ == "__main__":
     sys.exit(main())

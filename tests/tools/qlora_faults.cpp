@@ -10,6 +10,7 @@
 //   QLORA_FAULT_PLAN="hang_at_step=3,rank=1"             rank 1's loop stalls (alive) before step 3
 //   QLORA_FAULT_PLAN="nan_at_step=3,nan_steps=2,rank=1"  rank 1's loss is NaN at steps 3 and 4
 //                                                        (nan_steps defaults to 1)
+//   QLORA_FAULT_PLAN="gguf_fails_at_epoch=0"             writing epoch 0's GGUF files fails
 #include <chrono>
 #include <csignal>
 #include <cstdint>
@@ -17,6 +18,7 @@
 #include <cstdlib>
 #include <map>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <thread>
 
@@ -36,7 +38,7 @@ std::map<std::string, int64_t> parse_plan(const std::string& text) {
     if (eq == std::string::npos) throw std::invalid_argument("QLORA_FAULT_PLAN: '" + item + "' is not key=value");
     const std::string key = item.substr(0, eq);
     if (key != "kill_after_step" && key != "kill_in_save_at_step" && key != "hang_at_step" && key != "rank" &&
-        key != "nan_at_step" && key != "nan_steps")
+        key != "nan_at_step" && key != "nan_steps" && key != "gguf_fails_at_epoch")
       throw std::invalid_argument("QLORA_FAULT_PLAN: unknown key '" + key + "'");
     kv[key] = std::stoll(item.substr(eq + 1));
   }
@@ -46,7 +48,7 @@ std::map<std::string, int64_t> parse_plan(const std::string& text) {
 qlora::train::FaultPlan make_plan(const std::map<std::string, int64_t>& kv) {
   const auto get = [&](const char* k) { return kv.count(k) ? kv.at(k) : int64_t{-1}; };
   const int64_t rank = get("rank"), kill_after = get("kill_after_step"), in_save = get("kill_in_save_at_step"),
-                hang = get("hang_at_step"), nan_at = get("nan_at_step"), nan_steps = kv.count("nan_steps") ? kv.at("nan_steps") : 1;
+                hang = get("hang_at_step"), gguf_epoch = get("gguf_fails_at_epoch"), nan_at = get("nan_at_step"), nan_steps = kv.count("nan_steps") ? kv.at("nan_steps") : 1;
   const auto mine = [rank](int r) { return rank < 0 || r == rank; };
   qlora::train::FaultPlan plan;
   if (kill_after >= 0)
@@ -60,6 +62,11 @@ qlora::train::FaultPlan make_plan(const std::map<std::string, int64_t>& kv) {
   if (in_save >= 0)  // barrier 2: this rank's part is durable, the checkpoint not yet committed
     plan.in_save = [=](int r, int64_t step, int barrier) {
       if (mine(r) && step == in_save && barrier == 2) ::raise(SIGKILL);
+    };
+  if (gguf_epoch >= 0)
+    plan.before_gguf = [=](const std::string& name) {
+      if (name.rfind("epoch_" + std::to_string(gguf_epoch) + "/", 0) == 0)
+        throw std::runtime_error("cannot write " + name + ": No space left on device (injected by QLORA_FAULT_PLAN)");
     };
   if (nan_at >= 0)
     plan.poison_loss = [=](int r, int64_t step) { return mine(r) && step >= nan_at && step < nan_at + nan_steps; };

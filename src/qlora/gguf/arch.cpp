@@ -106,8 +106,11 @@ void check_rope(const LlamaConfig& c, const std::string& where) {
 }
 
 void check_gemma(const LlamaConfig& c, const std::string& where) {
-  if (!c.tie_word_embeddings)
-    refuse(where, c, "tie_word_embeddings", "false: llama.cpp's Gemma uses the embedding as its output head");
+  // llama.cpp's gemma3 (and gemma4) read an output.weight where the file has one, the embedding
+  // otherwise; its gemma2 always multiplies by the embedding.
+  if (c.family == Family::kGemma2 && !c.tie_word_embeddings)
+    refuse(where, c, "tie_word_embeddings", "false: llama.cpp's gemma2 loads no output head of its own (it multiplies "
+                                            "by the embedding)");
   // llama.cpp scales queries by head_dim^-0.5, or by (hidden / heads)^-0.5 when it takes the model
   // for the 27B (by its layer count), whatever query_pre_attn_scalar says.
   const int64_t layers_27b = c.family == Family::kGemma2 ? 46 : 62;

@@ -104,8 +104,10 @@ size_t write_gguf(const std::string& dir, const std::string& out_path, const Con
   return plan.specs.size();
 }
 
-void check_convertible(const std::string& dir) {
-  plan_gguf(io::CheckpointDir::open(dir), models::load_llama_config(dir), dir, {});
+void check_convertible(const std::string& dir, bool untied_head) {
+  models::LlamaConfig c = models::load_llama_config(dir);
+  if (untied_head) c.tie_word_embeddings = false;  // the head is then written from the embedding's shape
+  plan_gguf(io::CheckpointDir::open(dir), c, dir, {});
 }
 
 }  // namespace qlora::gguf

@@ -30,8 +30,10 @@ struct ConvertOptions {
 // Writes `out_path` atomically from checkpoint directory `dir`; returns the number of tensors.
 size_t write_gguf(const std::string& dir, const std::string& out_path, const ConvertOptions& options);
 
-// Checks, before a run trains, that checkpoint directory `dir`'s model and tokenizer can be written
-// as GGUF, so that no epoch's export fails for them; throws std::invalid_argument saying why not.
-void check_convertible(const std::string& dir);
+// Checks, before a run trains, that the merged export of checkpoint directory `dir` can be written
+// as GGUF, so that no epoch's export fails for its model or tokenizer; throws std::invalid_argument
+// saying why not. `untied_head`: the export's head is its own (a tied base with LoRA on the output
+// projection), so its config.json says tie_word_embeddings = false.
+void check_convertible(const std::string& dir, bool untied_head);
 
 }  // namespace qlora::gguf

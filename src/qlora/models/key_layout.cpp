@@ -45,13 +45,18 @@ KeyLayout peft_layout(const LlamaConfig& config) {
 
 std::string peft_target_pattern(const Architecture& arch, KeyLayout layout,
                                 const std::vector<std::string>& peft_names) {
+  // The language model's modules under the multimodal class (model.language_model.layers.N...) and
+  // under the text-only one that AutoModelForCausalLM builds from the same checkpoint
+  // (model.layers.N...): an adapter must apply under either. Both prefixes leave the towers out.
+  const std::string body = "model\\.", optional = layout == KeyLayout::kText ? "" : "(?:language_model\\.)?";
   std::string out;
   for (const ProjectionRow& row : arch.projections) {
     if (std::find(peft_names.begin(), peft_names.end(), row.peft_name) == peft_names.end()) continue;
     std::string alt;
-    for (char ch : layout_key(layout, row.hf_module)) alt += ch == '.' ? std::string("\\.") : std::string(1, ch);
+    for (char ch : layout_key(KeyLayout::kText, row.hf_module)) alt += ch == '.' ? std::string("\\.") : std::string(1, ch);
     const auto at = alt.find("{i}");
     if (at != std::string::npos) alt.replace(at, 3, "\\d+");
+    if (alt.rfind(body, 0) == 0) alt.insert(body.size(), optional);
     out += (out.empty() ? "" : "|") + alt;
   }
   return out;

@@ -33,8 +33,9 @@ std::string text_key(KeyLayout layout, const std::string& key);
 KeyLayout peft_layout(const LlamaConfig& config);
 // adapter_config.json's target_modules for a multimodal model, as a regular expression over module
 // names (PEFT fullmatches a string): a list of names ("q_proj") would match by suffix and wrap the
-// vision tower's q/k/v projections too. One alternative per targeted row (PEFT names), e.g.
-// model\.language_model\.layers\.\d+\.self_attn\.q_proj|lm_head.
+// vision tower's q/k/v projections too. One alternative per targeted row (PEFT names), matching the
+// module under the multimodal class and under the text-only class AutoModelForCausalLM builds, e.g.
+// model\.(?:language_model\.)?layers\.\d+\.self_attn\.q_proj|lm_head.
 std::string peft_target_pattern(const Architecture& arch, KeyLayout layout, const std::vector<std::string>& peft_names);
 // The layout of `ckpt`'s language model, found by its embedding: kText for a text-only config; for a
 // multimodal one whichever prefix holds the embedding, and an error naming the checkpoint and both

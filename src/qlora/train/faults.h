@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <string>
 
 namespace qlora::train {
 
@@ -17,6 +18,9 @@ struct FaultPlan {
   std::function<void(int rank, int64_t step, int barrier)> in_save;
   // True: this rank's loss of `step` is made NaN before backward (a diverged step, on demand).
   std::function<bool(int rank, int64_t step)> poison_loss;
+  // Before an epoch's GGUF file `name` ("epoch_0/model-f16.gguf") is written; throwing stands for a
+  // write that fails (a full disk).
+  std::function<void(const std::string& name)> before_gguf;
 };
 
 void install_fault_plan(FaultPlan plan);  // tests only
