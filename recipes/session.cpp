@@ -138,6 +138,17 @@ std::function<void(const std::string&)> gguf_files(const RecipeConfig& cfg, cons
   };
 }
 
+// The run's exit status once training is done: 1, naming each export file that was not written, if any.
+int report_failed_exports(const std::vector<std::string>& failed, const std::string& out_dir) {
+  if (failed.empty()) return 0;
+  std::string list;
+  for (const std::string& f : failed) list += "\n  " + f;
+  std::fprintf(stderr, "qlora run: error: the run finished, but these exports were not written:%s\n(each epoch's "
+               "adapter and merged model are in %s/epoch_*; `qlora gguf DIR --type TYPE` converts one)\n",
+               list.c_str(), out_dir.c_str());
+  return 1;
+}
+
 // On the CPU a model narrower than this gains nothing from a second intra-op thread: its GEMMs and
 // elementwise ops last microseconds, and waking a sleeping (passive, engine/omp_wait_policy.h) OpenMP
 // worker for each costs more than it saves. The tiny default, 40 steps on a 2-core EPYC VM: one
@@ -618,13 +629,7 @@ int run_recipe(const std::string& name, const ConfigArgs& args, const std::funct
     auto failed_exports = std::make_shared<std::vector<std::string>>();
     s.add_gguf = gguf_files(cfg, s.base_dir, failed_exports);
     const int rc = body(s);
-    if (rc != 0 || failed_exports->empty()) return rc;
-    std::string list;
-    for (const std::string& f : *failed_exports) list += "\n  " + f;
-    std::fprintf(stderr, "qlora run: error: the run finished, but these exports were not written:%s\n(each epoch's "
-                 "adapter and merged model are in %s/epoch_*; `qlora gguf DIR --type TYPE` converts one)\n",
-                 list.c_str(), cfg.checkpoint.output_dir.c_str());
-    return 1;
+    return rc == 0 ? report_failed_exports(*failed_exports, cfg.checkpoint.output_dir) : rc;
   } catch (const std::exception& e) {
     try {
       world->rethrow_with_culprits(e, name);

@@ -56,8 +56,9 @@ TEXT = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_lay
 VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
               patch_size=14)
 LLAMA_PEFT = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-PATTERN_A = "|".join([rf"model\.language_model\.layers\.\d+\.self_attn\.{p}" for p in LLAMA_PEFT[:4]] +
-                     [rf"model\.language_model\.layers\.\d+\.mlp\.{p}" for p in LLAMA_PEFT[4:]] + ["lm_head"])
+# The language model's modules under Gemma3ForConditionalGeneration's names and a text-only class's (model.layers.N).
+PATTERN_A = "|".join([rf"model\.(?:language_model\.)?layers\.\d+\.self_attn\.{p}" for p in LLAMA_PEFT[:4]] +
+                     [rf"model\.(?:language_model\.)?layers\.\d+\.mlp\.{p}" for p in LLAMA_PEFT[4:]] + ["lm_head"])
 PATTERN_B = PATTERN_A[:-len("|lm_head")]
 STEPS = 4
 RUN = ["logging.progress=plain", "training.epochs=1", f"training.max_steps_per_epoch={STEPS}",
