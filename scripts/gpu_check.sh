@@ -2,7 +2,7 @@
 # Builds and tests qlora with CUDA on the GPU machine, which has nvcc, cmake, ninja and a
 # python3 holding torch, but no package registry: everything else comes from .gpu_deps/, made
 # by scripts/gpu_prepare.sh on a machine that reaches Debian and PyPI, and carried over
-# (device tool: carry [".gpu_deps/debs", ".gpu_deps/wheels", ".gpu_deps/cache"]).
+# (device tool: carry [".gpu_deps/debs", ".gpu_deps/wheels", ".gpu_deps/cache", ".deps"]).
 #
 #   scripts/gpu_check.sh [STEP...]      from the repo root; default: every step but train, in
 #                                       this order (train is minutes a configuration: name it)
@@ -78,7 +78,7 @@ ensure_deps() {
   shopt -u nullglob
   if ((${#debs[@]} == 0 || ${#wheels[@]} == 0)); then
     echo "gpu_check: no .debs or wheels under $deps: run scripts/gpu_prepare.sh on a machine" \
-         "with registries and carry .gpu_deps/debs, .gpu_deps/wheels and .gpu_deps/cache" >&2
+         "with registries and carry .gpu_deps/debs, .gpu_deps/wheels, .gpu_deps/cache and .deps" >&2
     return 1
   fi
   # The unpacked tree is keyed by what was unpacked and where (.pc files hold absolute paths).
@@ -122,7 +122,7 @@ print("[gpu_check] python", __import__("sys").version.split()[0], "torch", torch
 # Environment every step needs (nothing persists between device calls but files).
 use_deps() {
   export PKG_CONFIG_PATH=$root/usr/lib/$multiarch/pkgconfig:$root/usr/share/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}
-  # Shared libs (sentencepiece, toml++, benchmark, libpkgconf): for the linker's DT_NEEDED
+  # Shared libs (toml++, benchmark, libpkgconf): for the linker's DT_NEEDED
   # lookups, the tests and the bench.
   export LD_LIBRARY_PATH=$root/usr/lib/$multiarch${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
   export CMAKE_INCLUDE_PATH=$root/usr/include CMAKE_LIBRARY_PATH=$root/usr/lib/$multiarch

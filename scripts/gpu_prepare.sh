@@ -5,8 +5,10 @@
 #   .gpu_deps/wheels  Python wheels for the conformance tests (no dependencies)
 #   .gpu_deps/cache   the pre-trained tiny default base (1.6 MB), so that the GPU machine does not
 #                     spend minutes of device time pre-training it on one CPU thread
+#   .deps             SentencePiece's C++ source (scripts/fetch_sentencepiece.sh, 12 MB), compiled into
+#                     qlora there as here: no shared sentencepiece, no protobuf symbol shared with torch
 # The GPU machine has no registry at all, so these travel with the device tool's `carry`
-# (carry .gpu_deps/debs, .gpu_deps/wheels and .gpu_deps/cache, not .gpu_deps: that would replace
+# (carry .gpu_deps/debs, .gpu_deps/wheels, .gpu_deps/cache and .deps, not .gpu_deps: that would replace
 # the unpacked tree and venv that scripts/gpu_check.sh keeps there between calls).
 #
 # Idempotent: a package whose candidate version is already downloaded is not fetched again;
@@ -23,7 +25,6 @@ py_version=${GPU_PYTHON_VERSION:-3.12}
 # which every machine with a compiler has; the check at the end fails on anything missed).
 debs=(
   libtomlplusplus-dev libtomlplusplus3
-  libsentencepiece-dev libsentencepiece0
   nlohmann-json3-dev
   libpcre2-dev libpcre2-8-0 libpcre2-16-0 libpcre2-32-0 libpcre2-posix3  # data/text_regex
   libicu-dev libicu72 icu-devtools  # NFC and Unicode classes of the tokenizers
@@ -39,6 +40,7 @@ base_libs=" libc6 libc6-dev libc-dev libgcc-s1 libstdc++6 adduser "
 wheels=(torchao==0.17.0 safetensors==0.8.0 peft==0.21.2 accelerate==1.15.0)
 
 mkdir -p "$deps/debs" "$deps/wheels"
+bash "$repo/scripts/fetch_sentencepiece.sh"
 
 # The GPU machine is x86-64; fetch amd64 packages whatever this machine is.
 apt_opts=()

