@@ -68,7 +68,7 @@ Args parse(int argc, char** argv) {
 }
 
 // Layer i's forward + backward on a fresh leaf input; the LoRA weights' gradients are dropped.
-double layer_step_s(const qlora::models::LlamaModel& m, int64_t i, const at::Tensor& x, const at::Tensor& dy,
+double layer_step_s(const qlora::models::DecoderModel& m, int64_t i, const at::Tensor& x, const at::Tensor& dy,
                     const qlora::modules::RopeTables& rope, int reps) {
   const auto& layer = m.layers[static_cast<size_t>(i)];
   const qlora::modules::LayerDims d = m.dims(i);
@@ -83,7 +83,7 @@ double layer_step_s(const qlora::models::LlamaModel& m, int64_t i, const at::Ten
 }
 
 // The mixer's kernel alone, fwd + bwd, on the shapes the layer gives it.
-double gated_delta_s(const qlora::models::LlamaConfig& c, int64_t seq, at::ScalarType dtype, int reps) {
+double gated_delta_s(const qlora::models::DecoderConfig& c, int64_t seq, at::ScalarType dtype, int reps) {
   const qlora::modules::GatedDeltaDims& g = c.gated_delta;
   const auto opt = at::TensorOptions().dtype(dtype);
   const at::Tensor q = at::randn({1, seq, g.num_key_heads, g.key_head_dim}, opt);
@@ -102,7 +102,7 @@ double gated_delta_s(const qlora::models::LlamaConfig& c, int64_t seq, at::Scala
       reps, 1);
 }
 
-double attention_s(const qlora::models::LlamaConfig& c, int64_t seq, at::ScalarType dtype, int reps) {
+double attention_s(const qlora::models::DecoderConfig& c, int64_t seq, at::ScalarType dtype, int reps) {
   const auto opt = at::TensorOptions().dtype(dtype);
   const at::Tensor q = at::randn({1, c.num_attention_heads, seq, c.head_dim}, opt);
   const at::Tensor k = at::randn({1, c.num_key_value_heads, seq, c.head_dim}, opt);
@@ -118,7 +118,7 @@ double attention_s(const qlora::models::LlamaConfig& c, int64_t seq, at::ScalarT
       reps, 1);
 }
 
-json measure(const qlora::models::LlamaModel& m, int64_t linear, int64_t full, int64_t seq, const Args& a) {
+json measure(const qlora::models::DecoderModel& m, int64_t linear, int64_t full, int64_t seq, const Args& a) {
   const auto opt = at::TensorOptions().dtype(a.compute);
   const at::Tensor x = at::randn({1, seq, m.config.hidden_size}, opt), dy = at::randn_like(x);
   const at::Tensor positions = at::arange(seq, at::TensorOptions().dtype(at::kLong));
@@ -147,9 +147,9 @@ int main(int argc, char** argv) {
   }
   qlora::io::tune_cpu_memory();  // as the training programs run
   // Layers 0-2 are Gated DeltaNet and 3 is full attention (Qwen3.5's every-fourth rule).
-  qlora::models::LlamaConfig c = qlora::bench::model_shape_config("qwen3.5-9b", 4);
+  qlora::models::DecoderConfig c = qlora::bench::model_shape_config("qwen3.5-9b", 4);
   c.vocab_size = 1024;  // the embedding and head are not timed: no 2 GB of random rows to draw
-  const qlora::models::LlamaModel m = qlora::bench::random_model(c, a.r, 2.0 * a.r, false, {}, a.compute);
+  const qlora::models::DecoderModel m = qlora::bench::random_model(c, a.r, 2.0 * a.r, false, {}, a.compute);
   int64_t linear = -1, full = -1;
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) (c.is_linear(i) ? linear : full) = i;
   json j{{"bench", "qwen35_layer_fwd_bwd"},

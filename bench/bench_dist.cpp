@@ -1,6 +1,6 @@
 // Sharded training on CPU ranks (Gloo), measured in one run and printed as one JSON object:
 //   - tokens/s of the QLoRA step on 1 rank vs 2 ranks (~100M Llama shape, the recipe's path:
-//     load_llama streaming each layer into the sharded engine), each rank batch 1 x seq;
+//     load_decoder streaming each layer into the sharded engine), each rank batch 1 x seq;
 //   - decoder-layer bytes all-gathered per step as NF4 against what bf16 weights would move (the
 //     embedding and head are dense and move as stored, reported in the total);
 //   - the 2-rank step with prefetch (gather overlapped with compute) against prefetch off;
@@ -98,22 +98,22 @@ json run_worker(const Args& a) {
   const std::unique_ptr<engine::World> world = engine::World::join(env, 0, std::chrono::seconds(900), c10::kCPU);
   engine::ShardingOptions so;
   so.prefetch = a.prefetch;
-  const std::shared_ptr<engine::ShardedLlama> engine = engine::ShardedLlama::begin(*world, so);
+  const std::shared_ptr<engine::ShardedDecoder> engine = engine::ShardedDecoder::begin(*world, so);
   auto on_layer = [&engine](int64_t i, modules::DecoderLayer& L, const models::Architecture& a) {
     engine->shard_layer(i, L, a);
   };
   const auto t0 = std::chrono::steady_clock::now();
-  models::LlamaModel m;
+  models::DecoderModel m;
   if (!a.shape.empty()) {
     m = bench::random_model(a.shape_config(), 8, 16.0, true, on_layer);
   } else {
-    models::LlamaLoadOptions o;
+    models::DecoderLoadOptions o;
     o.base_in_nf4 = true;
     o.lora_targets = models::layer_peft_names(models::llama_architecture());
     o.activation_checkpointing = true;
     o.frozen_dtype = at::kBFloat16;  // as the recipe stores a bf16 checkpoint's embedding and head
     o.on_layer_loaded = on_layer;
-    m = models::load_llama(a.workdir, o);
+    m = models::load_decoder(a.workdir, o);
   }
   engine->finish(m);
   const double load_s = seconds_since(t0);

@@ -65,15 +65,15 @@ double median(std::vector<double> v) {
 
 json run(const Args& a, at::ScalarType dtype) {
   const auto world = qlora::engine::World::join(qlora::engine::RankEnv{}, 0, std::chrono::seconds(60), c10::kCPU);
-  const auto engine = qlora::engine::ShardedLlama::begin(*world, {});
-  qlora::models::LlamaLoadOptions o;
+  const auto engine = qlora::engine::ShardedDecoder::begin(*world, {});
+  qlora::models::DecoderLoadOptions o;
   o.base_in_nf4 = true;
   o.compute_dtype = dtype;
   o.lora_targets = qlora::models::layer_peft_names(qlora::models::llama_architecture());
   o.on_layer_loaded = [&engine](int64_t i, qlora::modules::DecoderLayer& L, const qlora::models::Architecture& ar) {
     engine->shard_layer(i, L, ar);
   };
-  qlora::models::LlamaModel m = qlora::models::load_llama(a.workdir, o);
+  qlora::models::DecoderModel m = qlora::models::load_decoder(a.workdir, o);
   engine->finish(m);
   qlora::io::release_free_cpu_memory();
   m.training = true;

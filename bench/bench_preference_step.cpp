@@ -76,8 +76,8 @@ std::vector<qlora::data::PreferencePair> random_pairs(const Args& a) {
 
 json run_worker(const Args& a) {
   const auto world = qlora::engine::World::join(qlora::engine::RankEnv{}, 0, std::chrono::seconds(60), c10::kCPU);
-  const auto engine = qlora::engine::ShardedLlama::begin(*world, {});
-  qlora::models::LlamaLoadOptions o;
+  const auto engine = qlora::engine::ShardedDecoder::begin(*world, {});
+  qlora::models::DecoderLoadOptions o;
   o.base_in_nf4 = true;
   o.compute_dtype = a.compute_dtype;
   o.lora_targets = qlora::models::layer_peft_names(qlora::models::llama_architecture());
@@ -86,7 +86,7 @@ json run_worker(const Args& a) {
   o.on_layer_loaded = [&engine](int64_t i, qlora::modules::DecoderLayer& L, const qlora::models::Architecture& ar) {
     engine->shard_layer(i, L, ar);
   };
-  qlora::models::LlamaModel m = qlora::models::load_llama(a.workdir, o);
+  qlora::models::DecoderModel m = qlora::models::load_decoder(a.workdir, o);
   engine->finish(m);
   qlora::io::release_free_cpu_memory();
   m.training = true;

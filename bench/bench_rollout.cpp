@@ -89,9 +89,9 @@ std::string shape_flags(const Args& a) {
 
 // Ours: the median of --reps timed generate_batch calls after a short warm-up; the last ids.
 json ours(const Args& a, const std::string& dir, std::vector<std::vector<int64_t>>& ids) {
-  qlora::models::LlamaLoadOptions lo;  // fp32 compute, the decoder projections NF4 or dense
+  qlora::models::DecoderLoadOptions lo;  // fp32 compute, the decoder projections NF4 or dense
   lo.base_in_nf4 = a.nf4;
-  const qlora::models::LlamaModel m = qlora::models::load_llama(dir, lo);
+  const qlora::models::DecoderModel m = qlora::models::load_decoder(dir, lo);
   std::vector<std::vector<int64_t>> prompts;
   for (int64_t i = 0; i < a.prompts; ++i) prompts.push_back(prompt_ids(i, a.vocab));
   std::vector<qlora::models::BatchSequence> seqs;

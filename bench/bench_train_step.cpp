@@ -1,4 +1,4 @@
-// QLoRA training-step throughput and peak memory on the CPU: qlora (load_llama with an NF4 base,
+// QLoRA training-step throughput and peak memory on the CPU: qlora (load_decoder with an NF4 base,
 // fp32 LoRA on q,k,v,o,gate,up,down, AdamW) against the same step in two peers, same shapes, same
 // random checkpoint, same tokens, measured in the same run: PyTorch + torchao structured as
 // torchtune's QLoRA (bench/peer_train_step.py, "peer"), and the stack most users run, transformers'
@@ -34,7 +34,7 @@
 //       (bench/device_step.h) and the first losses' agreement. --device cpu runs the same on the
 //       CPU (how tests check that both sides compute the same step).
 //   build/bench_train_step --shape llama3.1-8b --layers 2 --seq 2048 --ce-compare [--lora-head]
-//       the step with the chunked output loss (LlamaModel::loss) and with whole [tokens, vocab]
+//       the step with the chunked output loss (DecoderModel::loss) and with whole [tokens, vocab]
 //       logits (--full-logits), each in its own worker: peak RSS, losses and step time of each.
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
@@ -73,7 +73,7 @@
 #include "qlora/engine/sharded_model.h"
 #include "qlora/io/cpu_memory.h"
 #include "qlora/models/architecture.h"
-#include "qlora/models/llama.h"
+#include "qlora/models/decoder.h"
 #include "qlora/models/output_head.h"
 #include "qlora/modules/layers.h"
 #include "qlora/io/crash_report.h"
@@ -97,7 +97,7 @@ struct Args : qlora::bench::ShapeArgs {
   bool peer = true, worker = false;
   bool no_ac = false;
   bool ce_compare = false;  // run the step with the chunked loss and with whole logits, each in its own worker
-  bool full_logits = false;  // worker: LlamaModel::chunked_loss = false
+  bool full_logits = false;  // worker: DecoderModel::chunked_loss = false
   bool lora_head = false;    // LoRA on the output head too
   bool profile = true;       // a profiled step (per-phase seconds) and the GEMM floor after the timed steps
   int64_t runs = 1;          // the whole default-shape measurement this many times (--runs)
@@ -142,7 +142,7 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 }
 
 // The frozen projections the step runs: every decoder layer's, and the output head.
-std::vector<qlora::bench::GemmShape> gemm_shapes(const qlora::models::LlamaModel& m) {
+std::vector<qlora::bench::GemmShape> gemm_shapes(const qlora::models::DecoderModel& m) {
   std::map<std::pair<int64_t, int64_t>, int64_t> count;
   for (const auto& layer : m.layers)
     for (const auto& row : qlora::models::architecture_of(m.config).projections)
@@ -162,24 +162,24 @@ json run_worker(const Args& a) {
   const auto t0 = std::chrono::steady_clock::now();
   const at::Device dev = qlora::train::resolve_device(a.device.empty() ? "cpu" : a.device, "--device");
   const auto world = qlora::engine::World::join(qlora::engine::RankEnv{}, 0, std::chrono::seconds(60), dev);
-  const auto engine = qlora::engine::ShardedLlama::begin(*world, {});
+  const auto engine = qlora::engine::ShardedDecoder::begin(*world, {});
   auto on_layer = [&engine](int64_t i, qlora::modules::DecoderLayer& L, const qlora::models::Architecture& a) {
     engine->shard_layer(i, L, a);
   };
-  qlora::models::LlamaModel m;
+  qlora::models::DecoderModel m;
   if (!a.device.empty()) {
     m = qlora::bench::seeded_model(a.shape_config(), a.r, a.alpha, !a.no_ac, dev, a.compute_dtype, on_layer);
   } else if (!a.shape.empty()) {
     m = qlora::bench::random_model(a.shape_config(), a.r, a.alpha, !a.no_ac, on_layer, a.compute_dtype);
   } else {
-    qlora::models::LlamaLoadOptions o;
+    qlora::models::DecoderLoadOptions o;
     o.base_in_nf4 = true;
     o.compute_dtype = a.compute_dtype;
     o.lora_targets = kTargets;
     o.lora_r = a.r;
     o.lora_alpha = a.alpha;
     o.on_layer_loaded = on_layer;
-    m = qlora::models::load_llama(a.model, o);
+    m = qlora::models::load_decoder(a.model, o);
   }
   if (a.lora_head) {
     at::Generator g = at::make_generator<at::CPUGeneratorImpl>(7);
@@ -361,7 +361,7 @@ json device_figures(const json& side, double flops_per_token, double peak) {
 // on the same weights (bench/peer_train_step.py --spec), each in its own process on a.device;
 // tokens/s, peak device memory, MFU, and how far the first losses agree.
 json device_run(const Args& a) {
-  const qlora::models::LlamaConfig c = a.shape_config();
+  const qlora::models::DecoderConfig c = a.shape_config();
   qlora::bench::check_seeded_family(c);
   // Per process: two runs at once (ctest -j) must not share a spec or a trace.
   const std::string tag = a.shape + "_l" + std::to_string(a.layers) + "_b" + std::to_string(a.batch) + "_" +
@@ -505,7 +505,7 @@ int main(int argc, char** argv) try {
   for (const char* v : {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"})  // what both sides inherit
     if (const char* set = std::getenv(v)) r["omp_wait"][v] = set;
   if (!a.shape.empty()) {
-    const qlora::models::LlamaConfig c = a.shape_config();
+    const qlora::models::DecoderConfig c = a.shape_config();
     r["shape"] = {{"model", a.shape + " (random NF4, in memory)"}, {"model_type", c.model_type},
                   {"hidden", c.hidden_size}, {"intermediate", c.intermediate_size}, {"heads", c.num_attention_heads},
                   {"kv_heads", c.num_key_value_heads}, {"head_dim", c.head_dim}, {"vocab", c.vocab_size},

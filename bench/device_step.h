@@ -10,7 +10,7 @@
 #include <string>
 
 #include "qlora/models/architecture.h"
-#include "qlora/models/llama_config.h"
+#include "qlora/models/decoder_config.h"
 
 namespace qlora::bench {
 
@@ -25,7 +25,7 @@ struct StepFlops {
   double total() const { return frozen + lora + attention; }
 };
 
-inline StepFlops step_flops_per_token(const models::LlamaConfig& c, int64_t r, int64_t seq) {
+inline StepFlops step_flops_per_token(const models::DecoderConfig& c, int64_t r, int64_t seq) {
   const models::Architecture& arch = models::architecture_of(c);
   StepFlops f;
   for (const models::ProjectionRow& row : arch.projections) {

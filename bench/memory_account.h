@@ -29,7 +29,7 @@
 #include "qlora/io/cpu_memory.h"
 #include "bench/machine.h"
 #include "qlora/models/architecture.h"
-#include "qlora/models/llama.h"
+#include "qlora/models/decoder.h"
 
 namespace qlora::bench {
 
@@ -182,7 +182,7 @@ class MemoryAccount final : public c10::Allocator {
 // What a QLoRA model holds throughout a step: its frozen base (NF4 projections; dense weights:
 // embeddings, output head, norms, biases) and its LoRA state (fp32 params, their gradients and
 // AdamW's two moments).
-inline std::map<std::string, int64_t> model_static_bytes(const models::LlamaModel& m) {
+inline std::map<std::string, int64_t> model_static_bytes(const models::DecoderModel& m) {
   int64_t nf4 = 0, dense = m.embed_tokens.nbytes() + m.norm.nbytes(), lora = 0;
   auto add = [&](const modules::LoraLinear& l) {
     if (l.base_nf4.defined()) nf4 += l.base_nf4.nbytes();

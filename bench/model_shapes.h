@@ -10,7 +10,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "qlora/models/llama_config.h"
+#include "qlora/models/decoder_config.h"
 
 namespace qlora::bench {
 
@@ -116,7 +116,7 @@ inline const ModelShape& model_shape(const std::string& name) {
 // The shape's config with its first `layers` layers (0: all of them), parsed as a checkpoint's
 // config.json is; per-layer rules (sliding layers, local RoPE) follow the truncated depth as they
 // would for a checkpoint of that many layers.
-inline models::LlamaConfig model_shape_config(const std::string& name, int64_t layers = 0) {
+inline models::DecoderConfig model_shape_config(const std::string& name, int64_t layers = 0) {
   nlohmann::json j = nlohmann::json::parse(model_shape(name).config_json);
   if (layers > 0) j["num_hidden_layers"] = layers;
   return models::parse_llama_config(j.dump(), "bench shape " + name);

@@ -10,7 +10,7 @@ does: bf16 GEMMs (oneDNN, fp32 accumulation), the loss in fp32, fp32 adapters, g
 
 Three modes, all called by bench_train_step:
   --write-model DIR   write random bf16 weights + config.json as an HF checkpoint (done once; the
-                      C++ side loads the same files with load_llama(base_in_nf4=true))
+                      C++ side loads the same files with load_decoder(base_in_nf4=true))
   --model DIR         load DIR, run a warm-up step then --steps timed steps, print one JSON
                       object with tokens/s and this process's peak RSS (VmHWM).
   --spec FILE         the device mode (bench_train_step --device): build the model FILE describes

@@ -1,6 +1,6 @@
 // Random models of any family's shape for the benches, built in memory (writing and re-reading
 // 13-18 GB of bf16 for a 7-9B shape would dominate a run), from the family's architecture table
-// as load_llama builds a checkpoint: the same projections (fused ones included), biases, norms,
+// as load_decoder builds a checkpoint: the same projections (fused ones included), biases, norms,
 // tied embeddings and RoPE tables.
 #pragma once
 
@@ -20,7 +20,7 @@
 #include <string>
 #include <vector>
 
-#include "qlora/models/llama.h"
+#include "qlora/models/decoder.h"
 #include "qlora/modules/layers.h"
 #include "qlora/ops/nf4_ops.h"
 #include "quant/nf4_tensor.h"
@@ -40,15 +40,15 @@ inline modules::LoraLinear random_nf4_projection(int64_t out, int64_t in, at::Ge
 }
 
 // A model of `config`'s shape (on_layer sees each layer as it is built, as
-// LlamaLoadOptions::on_layer_loaded does) in memory: NF4 projections, bf16 embeddings and
+// DecoderLoadOptions::on_layer_loaded does) in memory: NF4 projections, bf16 embeddings and
 // lm_head (one tensor when the config ties them), unit norms and zero biases in the compute dtype
-// (what load_llama gives with base_in_nf4 and frozen_dtype bf16: fp32 compute by default, or bf16),
+// (what load_decoder gives with base_in_nf4 and frozen_dtype bf16: fp32 compute by default, or bf16),
 // LoRA (fp32) on every projection of the decoder layers (not the output head).
-inline models::LlamaModel random_model(
-    const models::LlamaConfig& config, int64_t r, double alpha, bool activation_checkpointing,
+inline models::DecoderModel random_model(
+    const models::DecoderConfig& config, int64_t r, double alpha, bool activation_checkpointing,
     const std::function<void(int64_t, modules::DecoderLayer&, const models::Architecture&)>& on_layer = {},
     at::ScalarType compute_dtype = at::kFloat) {
-  models::LlamaModel m;
+  models::DecoderModel m;
   m.config = config;
   m.compute_dtype = compute_dtype;
   const auto& c = m.config;
@@ -119,7 +119,7 @@ inline at::Tensor seeded_weight(const std::vector<int64_t>& shape, uint64_t k, a
 
 // Throws unless `c` is a plain Llama layout (unfused projections without biases, untied
 // embeddings, norms that scale by w, one RoPE): the layout the Python peer implements.
-inline void check_seeded_family(const models::LlamaConfig& c) {
+inline void check_seeded_family(const models::DecoderConfig& c) {
   const models::Architecture& arch = models::architecture_of(c);
   bool plain = !c.tie_word_embeddings && c.norm == modules::RmsScale::kWeight && !c.local_rope && arch.layer_norms.size() == 2;
   for (const models::ProjectionRow& row : arch.projections)  // the output row has no member
@@ -132,13 +132,13 @@ inline void check_seeded_family(const models::LlamaConfig& c) {
 // The model of `c`'s shape with seeded weights on `device`: NF4 projections quantized there from
 // the seeded bf16 weights, bf16 embeddings and lm_head, unit norms in the compute dtype, fp32 LoRA
 // on every decoder projection.
-inline models::LlamaModel seeded_model(
-    const models::LlamaConfig& c, int64_t r, double alpha, bool activation_checkpointing, at::Device device,
+inline models::DecoderModel seeded_model(
+    const models::DecoderConfig& c, int64_t r, double alpha, bool activation_checkpointing, at::Device device,
     at::ScalarType compute_dtype,
     const std::function<void(int64_t, modules::DecoderLayer&, const models::Architecture&)>& on_layer = {}) {
   check_seeded_family(c);
   const models::Architecture& arch = models::architecture_of(c);
-  models::LlamaModel m;
+  models::DecoderModel m;
   m.config = c;
   m.compute_dtype = compute_dtype;
   m.frozen_dtype = at::kBFloat16;
@@ -174,7 +174,7 @@ inline models::LlamaModel seeded_model(
 
 // What the Python peer needs to build the same model: the shape, the projections in seed order
 // with their [out, in], and the RoPE inverse frequencies (any scaling already applied).
-inline nlohmann::json seeded_spec(const models::LlamaConfig& c, int64_t r, double alpha) {
+inline nlohmann::json seeded_spec(const models::DecoderConfig& c, int64_t r, double alpha) {
   const models::Architecture& arch = models::architecture_of(c);
   nlohmann::json projections = nlohmann::json::array();
   const std::vector<std::string> names = models::layer_peft_names(arch);

@@ -71,8 +71,8 @@ struct ShapeArgs {
   }
 
   // The named shape's config at the chosen depth (and --vocab, where given: a test's smaller head).
-  models::LlamaConfig shape_config() const {
-    models::LlamaConfig c = model_shape_config(shape, layers);
+  models::DecoderConfig shape_config() const {
+    models::DecoderConfig c = model_shape_config(shape, layers);
     if (vocab_given) c.vocab_size = vocab;
     return c;
   }

@@ -36,7 +36,7 @@
 #include "qlora/data/templates.h"
 #include "qlora/data/tokenizer.h"
 #include "qlora/models/generate.h"
-#include "qlora/models/llama.h"
+#include "qlora/models/decoder.h"
 #include "qlora/train/device.h"
 #include "cli.h"
 
@@ -211,10 +211,10 @@ int generate(GenerateArgs& g) {
   }
 
   const auto t0 = std::chrono::steady_clock::now();
-  models::LlamaLoadOptions lo;
+  models::DecoderLoadOptions lo;
   lo.base_in_nf4 = g.nf4;  // no lora_targets: an exported model has its adapters merged
   lo.device = train::resolve_device(g.device, "--device");
-  const models::LlamaModel model = models::load_llama(dir, lo);
+  const models::DecoderModel model = models::load_decoder(dir, lo);
   if (tok.vocab_size() > model.config.vocab_size) {
     throw std::invalid_argument(tok_path + ": tokenizer has " + std::to_string(tok.vocab_size()) +
                                 " pieces but " + dir + "/config.json says vocab_size " +

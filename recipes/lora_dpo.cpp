@@ -74,7 +74,7 @@ struct MicroTerms {
 
 MicroTerms micro_terms(const RecipeConfig& cfg, const Model& m, const data::Batch& b, const at::Tensor& ref,
                        c10::Device device) {
-  const train::PairLogps lp = train::pair_logps(m.llama, b, cfg.dpo.loss, ref, device);
+  const train::PairLogps lp = train::pair_logps(m.decoder, b, cfg.dpo.loss, ref, device);
   return {train::preference_terms(lp, {cfg.dpo.loss, cfg.dpo.beta, cfg.dpo.label_smoothing, cfg.dpo.simpo_gamma}),
           at::ones({b.tokens.size(0) / 2}, lp.chosen.options())};
 }
@@ -181,7 +181,7 @@ at::Tensor precompute_reference(const Model& m, engine::World& world, const std:
   at::Tensor table = at::zeros({static_cast<int64_t>(pairs.size()), 2}, at::TensorOptions().dtype(at::kDouble).device(device));
   over_all_pairs(pairs, world, batch_size, [&](const std::vector<int64_t>& picked, const at::Tensor& weight) {
     const int64_t n = static_cast<int64_t>(picked.size());
-    const at::Tensor lp = train::row_logps(m.llama, train::pair_batch(pairs, picked, pad_id), device, true).to(at::kDouble);  // [2n]
+    const at::Tensor lp = train::row_logps(m.decoder, train::pair_batch(pairs, picked, pad_id), device, true).to(at::kDouble);  // [2n]
     const at::Tensor w = weight.to(device).to(at::kDouble);
     const at::Tensor idx = at::tensor(picked, at::kLong).to(device);
     table.select(1, 0).index_add_(0, idx, lp.narrow(0, 0, n) * w);
@@ -196,8 +196,8 @@ train::ValidationMetrics validate(const RecipeConfig& cfg, engine::World& world,
                                   int64_t pad_id, const Position& p, c10::Device device) {
   std::vector<double> sums(std::size(kMetricNames) + 2, 0.0);  // the metrics, the loss, the scored tokens
   // No dropout and no random numbers: training continues exactly as without this pass.
-  const bool training = m.llama.training;
-  m.llama.training = false;
+  const bool training = m.decoder.training;
+  m.decoder.training = false;
   over_all_pairs(d.validation, world, cfg.training.batch_size, [&](const std::vector<int64_t>& picked, const at::Tensor& weight) {
     const data::Batch b = train::pair_batch(d.validation, picked, pad_id);
     MicroTerms t = micro_terms(cfg, m, b, ref_rows(d.ref_validation, picked), device);
@@ -209,7 +209,7 @@ train::ValidationMetrics validate(const RecipeConfig& cfg, engine::World& world,
     const int64_t n = static_cast<int64_t>(picked.size());
     sums[s.size() + 1] += ((scored.narrow(0, 0, n) + scored.narrow(0, n, n)) * t.weight).sum().item<double>();
   });
-  m.llama.training = training;
+  m.decoder.training = training;
   sums = train::all_ranks_sum(world, sums, device);
   const double pairs = static_cast<double>(d.validation.size());
   train::ValidationMetrics v{p.global_step, p.epoch, sums[std::size(kMetricNames)] / pairs, -1.0,
@@ -230,8 +230,8 @@ std::string reference_key(const Session& s, const Pairs& d, const Model& m) {
         h.update(r->labels.data(), r->labels.size() * sizeof(int64_t));
       }
   return checkpoint::fingerprint_checkpoint_dir(s.base_dir) + "-" + std::to_string(h.digest()) + "-" +
-         c10::toString(m.llama.compute_dtype) + "-base" + std::to_string(static_cast<int>(s.cfg.model.base)) +
-         (m.llama.token_rows.ids.empty() ? "" : "-mean_rows" + std::to_string(m.llama.token_rows.ids.size()));
+         c10::toString(m.decoder.compute_dtype) + "-base" + std::to_string(static_cast<int>(s.cfg.model.base)) +
+         (m.decoder.token_rows.ids.empty() ? "" : "-mean_rows" + std::to_string(m.decoder.token_rows.ids.size()));
 }
 
 // dpo.precompute_reference: the tables from OUTPUT_DIR/dpo_reference.safetensors when its key is

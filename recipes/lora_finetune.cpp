@@ -105,7 +105,7 @@ StepResult train_step(const RecipeConfig& cfg, engine::World& world, Model& m, D
   const auto& poison = train::fault_plan().poison_loss;  // tests only
   const bool nan = poison && poison(world.rank(), step);
   for (size_t k = 0; k < micro.size(); ++k) {
-    at::Tensor loss = train::summed_token_loss(m.llama, micro[k], d.packed, device) /
+    at::Tensor loss = train::summed_token_loss(m.decoder, micro[k], d.packed, device) /
                       static_cast<double>(std::max<int64_t>(r.tokens, 1));
     if (nan) loss = loss * std::numeric_limits<double>::quiet_NaN();
     backward_micro_batch(m, loss, k + 1 == micro.size());
@@ -119,7 +119,7 @@ StepResult train_step(const RecipeConfig& cfg, engine::World& world, Model& m, D
 train::ValidationMetrics validate(const RecipeConfig& cfg, engine::World& world, Model& m, const Data& d,
                                   const Position& p, c10::Device device) {
   const train::Evaluation e =
-      train::evaluate(m.llama, world, d.validation, cfg.training.batch_size, d.text->tokenizer.pad_id(), device);
+      train::evaluate(m.decoder, world, d.validation, cfg.training.batch_size, d.text->tokenizer.pad_id(), device);
   return {p.global_step, p.epoch, e.loss, e.perplexity, e.tokens};
 }
 

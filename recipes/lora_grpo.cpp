@@ -86,8 +86,8 @@ std::string completion_text(const data::Tokenizer& tok, const Prompts& d, const 
 // The base gathered on every rank while it lives (a collective to make and to end): generation
 // then runs no collectives, however many tokens each rank's sequences take.
 struct Gathered {
-  engine::ShardedLlama& e;
-  explicit Gathered(engine::ShardedLlama& engine) : e(engine) { e.unshard_all(); }
+  engine::ShardedDecoder& e;
+  explicit Gathered(engine::ShardedDecoder& engine) : e(engine) { e.unshard_all(); }
   ~Gathered() { e.reshard_all(); }
   Gathered(const Gathered&) = delete;
   Gathered& operator=(const Gathered&) = delete;
@@ -111,7 +111,7 @@ std::vector<models::Completion> sample(const Model& m, const std::vector<const d
       seqs.push_back(std::move(q));
     }
   }
-  return models::generate_batch(m.llama, prompts, seqs);
+  return models::generate_batch(m.decoder, prompts, seqs);
 }
 
 // One generation batch on this rank: grad_accum micro-batches of batch_size prompts x G completions.
@@ -229,9 +229,9 @@ Rollout make_rollout(const Session& s, Model& m, Prompts& d, const TextSetup& te
 void frozen_logps(const RecipeConfig& cfg, const Model& m, Rollout& r, int64_t pad, c10::Device device) {
   for (const std::vector<train::Completion>& micro : r.micro) {
     const train::CompletionBatch b = train::completion_batch(micro, pad);
-    r.old_logps.push_back(cfg.grpo.num_iterations > 1 ? train::completion_logps(m.llama, b, device, train::LogpsOf::kOld)
+    r.old_logps.push_back(cfg.grpo.num_iterations > 1 ? train::completion_logps(m.decoder, b, device, train::LogpsOf::kOld)
                                                       : at::Tensor());
-    r.ref_logps.push_back(cfg.grpo.beta != 0 ? train::completion_logps(m.llama, b, device, train::LogpsOf::kReference)
+    r.ref_logps.push_back(cfg.grpo.beta != 0 ? train::completion_logps(m.decoder, b, device, train::LogpsOf::kReference)
                                              : at::Tensor());
   }
 }
@@ -277,7 +277,7 @@ StepResult Grpo::step(int64_t step) {
     train::GrpoInputs in;
     in.mask = train::grpo_loss_mask(b.completion_mask, b.truncated, opt.mask_truncated_completions).to(s.device);
     at::Tensor entropy;  // [B, C]
-    in.logps = train::completion_logps(m.llama, b, s.device, train::LogpsOf::kPolicy, &entropy);
+    in.logps = train::completion_logps(m.decoder, b, s.device, train::LogpsOf::kPolicy, &entropy);
     in.old_logps = r.old_logps[k];
     in.ref_logps = r.ref_logps[k];
     in.advantages = r.advantages[k].to(s.device);
@@ -433,7 +433,7 @@ int run_grpo(Session& s) {
       ids.add(x);
     }
   Model m = setup_model(s, text, ids.ids());
-  m.llama.logit_temperature = cfg.grpo.temperature;  // the loss's log-probs at the sampling temperature
+  m.decoder.logit_temperature = cfg.grpo.temperature;  // the loss's log-probs at the sampling temperature
   Grpo g{s, m, d, text, std::move(rewards), std::nullopt};
   RecipeParts parts;
   parts.sampler = d.sampler.get();

@@ -49,7 +49,7 @@ using config::RecipeConfig;
 // model that is 0.5 GB less resident memory for nothing.
 at::ScalarType frozen_storage_dtype(const std::string& base_dir, at::ScalarType compute) {
   const auto ckpt = io::CheckpointDir::open(base_dir);
-  const std::string key = models::layout_key(models::key_layout_of(ckpt, models::load_llama_config(base_dir)),
+  const std::string key = models::layout_key(models::key_layout_of(ckpt, models::load_decoder_config(base_dir)),
                                              "model.embed_tokens.weight");
   if (compute == at::kFloat && ckpt.contains(key) && ckpt.file_of(key).info(key).dtype == io::Dtype::BF16)
     return at::kBFloat16;
@@ -93,7 +93,7 @@ bool check_resumable(const nlohmann::json& meta, const RecipeConfig& cfg, c10::D
 // projection unties it (the merged config then says tie_word_embeddings = false).
 bool export_unties_head(const RecipeConfig& cfg, const std::string& base_dir) {
   const auto& t = cfg.lora.targets;
-  return std::find(t.begin(), t.end(), "output") != t.end() && models::load_llama_config(base_dir).tie_word_embeddings;
+  return std::find(t.begin(), t.end(), "output") != t.end() && models::load_decoder_config(base_dir).tie_word_embeddings;
 }
 
 // checkpoint.gguf: what rank 0 adds to each epoch's export before committing it (the GGUF files and
@@ -156,7 +156,7 @@ int report_failed_exports(const std::vector<std::string>& failed, const std::str
 // OMP_NUM_THREADS wins.
 constexpr int64_t kOneThreadBelowHidden = 512;
 
-void fit_threads_to_model(const models::LlamaConfig& c, c10::Device device) {
+void fit_threads_to_model(const models::DecoderConfig& c, c10::Device device) {
   if (device.is_cpu() && c.hidden_size < kOneThreadBelowHidden && !std::getenv("OMP_NUM_THREADS"))
     at::set_num_threads(1);
 }
@@ -172,30 +172,30 @@ TextSetup open_text(const Session& s) {
 
 Model setup_model(const Session& s, const TextSetup& text, const std::vector<int64_t>& data_token_ids) {
   const RecipeConfig& cfg = s.cfg;
-  Model m{{}, engine::ShardedLlama::begin(s.world, config::sharding_options(cfg.dist))};
+  Model m{{}, engine::ShardedDecoder::begin(s.world, config::sharding_options(cfg.dist))};
   // LoRA init draws from its own generator (training.seed): the same adapters on every rank.
-  models::LlamaLoadOptions mopts =
-      config::llama_load_options(cfg, s.device, frozen_storage_dtype(s.base_dir, cfg.model.dtype));
+  models::DecoderLoadOptions mopts =
+      config::decoder_load_options(cfg, s.device, frozen_storage_dtype(s.base_dir, cfg.model.dtype));
   mopts.on_layer_loaded = [&m](int64_t i, modules::DecoderLayer& L, const models::Architecture& a) {
     m.engine->shard_layer(i, L, a);
   };
-  m.llama = models::load_llama(s.base_dir, mopts);
-  fit_threads_to_model(m.llama.config, s.device);
+  m.decoder = models::load_decoder(s.base_dir, mopts);
+  fit_threads_to_model(m.decoder.config, s.device);
   // While embed_tokens and lm_head are whole: every rank has the whole data set's ids, so all do the same.
-  train::apply_untrained_tokens_policy(m.llama, data_token_ids, text.tokenizer, cfg.model.untrained_tokens, s.lead);
-  m.engine->finish(m.llama);
+  train::apply_untrained_tokens_policy(m.decoder, data_token_ids, text.tokenizer, cfg.model.untrained_tokens, s.lead);
+  m.engine->finish(m.decoder);
   io::release_free_cpu_memory();  // the load's temporaries
-  m.llama.training = true;
+  m.decoder.training = true;
   // Ranks finish loading at their own pace (disk, page cache): wait for the slowest here, so the
   // step collectives' timeout (dist.collective_timeout_s) only has to cover a hung peer.
   s.world.world().barrier(std::chrono::minutes(30));
   // Dropout draws from the default generator, seeded apart per rank so masks differ between ranks
   // (LoRA init drew from its own, identical everywhere). Seeds CUDA too, now that it is up.
   at::manual_seed(static_cast<uint64_t>(cfg.training.seed) + static_cast<uint64_t>(s.world.rank()));
-  if (text.tokenizer.vocab_size() > m.llama.config.vocab_size)
+  if (text.tokenizer.vocab_size() > m.decoder.config.vocab_size)
     throw std::invalid_argument(text.tokenizer_path + ": the tokenizer has " + std::to_string(text.tokenizer.vocab_size()) +
                                 " ids but " + s.base_dir + "/config.json says vocab_size " +
-                                std::to_string(m.llama.config.vocab_size) + " (a tokenizer of another model?)");
+                                std::to_string(m.decoder.config.vocab_size) + " (a tokenizer of another model?)");
   return m;
 }
 
@@ -361,7 +361,7 @@ Position resume(const RecipeConfig& cfg, const Loaded& loaded, c10::Device devic
                                 "`, not by `qlora run " + inputs.at("recipe").get<std::string>() +
                                 "` (start a new checkpoint.output_dir)");
   const bool remesh = check_resumable(ck.meta, cfg, device, inputs, where, world.size());
-  engine::load_train_state(*m.engine, *o.adamw, ck, m.llama, where);
+  engine::load_train_state(*m.engine, *o.adamw, ck, m.decoder, where);
   if (!remesh) {
     const std::map<std::string, at::Tensor> mine(ck.ranks.at(world.rank()).begin(), ck.ranks.at(world.rank()).end());
     const auto rng = [&](const std::string& key) -> const at::Tensor& {
@@ -425,7 +425,7 @@ Verdict judge_step(const RecipeConfig& cfg, const StepResult& r, int64_t& consec
 
 // Nothing non-finite is ever exported (the step guard keeps adapters finite; this is the check).
 void require_finite_adapters(const Model& m, const std::string& what) {
-  for (const auto& [name, t] : m.llama.lora_parameters())
+  for (const auto& [name, t] : m.decoder.lora_parameters())
     if (!at::isfinite(t).all().item<bool>())
       throw std::runtime_error(what + ": adapter " + name + " holds NaN or inf; not saving it");
 }
@@ -524,7 +524,7 @@ Position train(const Session& s, Model& m, const TextSetup& text, RecipeParts& p
   // relative one against the loader's working directory). qlora.json: how `qlora generate` renders prompts.
   const std::string base_name = base_model_name(cfg);
   const checkpoint::AdapterInfo adapter_info{
-      cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, models::peft_targets(m.llama.architecture(), cfg.lora.targets),
+      cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, models::peft_targets(m.decoder.architecture(), cfg.lora.targets),
       base_name.empty() ? fs::absolute(s.base_dir).lexically_normal().string() : base_name,
       config::prompt_format(text.options), {}, cfg.lora.use_rslora, {}};  // token rows: export_epoch
   if (lead && !text.template_note.empty()) std::printf("%s\n", text.template_note.c_str());
@@ -532,12 +532,12 @@ Position train(const Session& s, Model& m, const TextSetup& text, RecipeParts& p
     std::printf("model %s on %s x %lld rank(s): %lld layers, %lld trainable LoRA parameters; %lld %s; "
                 "%lld steps/epoch x %lld epochs\n",
                 s.base_dir.c_str(), s.device.str().c_str(), (long long)world.size(),
-                (long long)m.llama.config.num_hidden_layers,
-                (long long)[&] { int64_t n = 0; for (auto& [k, t] : m.llama.lora_parameters()) n += t.numel(); return n; }(),
+                (long long)m.decoder.config.num_hidden_layers,
+                (long long)[&] { int64_t n = 0; for (auto& [k, t] : m.decoder.lora_parameters()) n += t.numel(); return n; }(),
                 (long long)parts.records, parts.records_name.c_str(), (long long)o.steps_per_epoch,
                 (long long)cfg.training.epochs);
-  if (lead && m.llama.skipped_weights.tensors > 0)
-    std::printf("%s\n", models::skipped_weights_note(m.llama.skipped_weights).c_str());
+  if (lead && m.decoder.skipped_weights.tensors > 0)
+    std::printf("%s\n", models::skipped_weights_note(m.decoder.skipped_weights).c_str());
 
   const train::FaultPlan& faults = train::fault_plan();  // empty unless a test installed one
   train::MetricsLog* lead_metrics = lead ? &*metrics : nullptr;
@@ -576,7 +576,7 @@ Position train(const Session& s, Model& m, const TextSetup& text, RecipeParts& p
 
     // Every rank writes the layers it owns into the same files: the same bytes as one process.
     require_finite_adapters(m, "export of epoch " + std::to_string(p.epoch + 1));
-    engine::export_epoch(out_dir, p.epoch, m.llama, *m.engine, world, adapter_info, cfg.checkpoint.adapter_only,
+    engine::export_epoch(out_dir, p.epoch, m.decoder, *m.engine, world, adapter_info, cfg.checkpoint.adapter_only,
                          s.base_dir, cfg.checkpoint.merge_from, text.tokenizer_path, s.add_gguf,
                          s.dirs.shared() ? std::vector<bool>{} : s.dirs.sees_dir_of(0));
     if (lead) std::printf("epoch %lld exported to %s/epoch_%lld\n", (long long)p.epoch + 1, out_dir.c_str(), (long long)p.epoch);

@@ -1,5 +1,5 @@
-// What every training recipe shares (lora_finetune, lora_dpo), so that neither copies the other's
-// loop: the model (NF4 base + LoRA, sharded by the engine), the optimizer and schedule, resume,
+// What every training recipe shares (lora_finetune, lora_dpo, lora_grpo), so that none copies
+// another's loop: the model (NF4 base + LoRA, sharded by the engine), the optimizer and schedule, resume,
 // the step loop with its non-finite guard, resume checkpoints, per-epoch exports and the metrics.
 // A recipe keeps what is its own: its data, the loss of one optimizer step, its validation.
 //
@@ -25,7 +25,7 @@
 #include "qlora/data/tokenizer.h"
 #include "qlora/engine/process_group.h"
 #include "qlora/engine/sharded_model.h"
-#include "qlora/models/llama.h"
+#include "qlora/models/decoder.h"
 #include "qlora/train/metrics.h"
 #include "qlora/train/output_dir.h"
 #include "recipe_config.h"
@@ -61,8 +61,8 @@ TextSetup open_text(const Session& s);
 // The model as the engine holds it: every rank builds the same model (same seed, same adapters)
 // and keeps its share of each layer as soon as the layer is loaded.
 struct Model {
-  models::LlamaModel llama;
-  std::shared_ptr<engine::ShardedLlama> engine;
+  models::DecoderModel decoder;
+  std::shared_ptr<engine::ShardedDecoder> engine;
 };
 // Loads, shards and seeds (dropout's generator per rank); checks the tokenizer fits the vocabulary.
 // data_token_ids: every id the run's data (training and validation, the whole set, as every rank

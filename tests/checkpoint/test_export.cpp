@@ -39,14 +39,14 @@ nlohmann::json read_json(const fs::path& p) {
 }
 
 // LoRA on q and v (and down, for the MLP path), with random non-zero B so the merge is non-trivial.
-models::LlamaModel tiny_model(bool nf4) {
-  models::LlamaLoadOptions opt;
+models::DecoderModel tiny_model(bool nf4) {
+  models::DecoderLoadOptions opt;
   opt.base_in_nf4 = nf4;
   opt.lora_targets = {"q_proj", "v_proj", "down_proj"};
   opt.lora_r = 4;
   opt.lora_alpha = 8.0;
   opt.seed = 1;
-  models::LlamaModel m = models::load_llama(tiny_dir(), opt);
+  models::DecoderModel m = models::load_decoder(tiny_dir(), opt);
   at::manual_seed(3);
   const c10::NoGradGuard g;
   for (auto& L : m.layers) {
@@ -62,7 +62,7 @@ AdapterInfo info_for_tiny() {
 }  // namespace
 
 TEST(PeftAdapter, ConfigFieldsAndTensors) {
-  const models::LlamaModel m = tiny_model(false);
+  const models::DecoderModel m = tiny_model(false);
   const fs::path d = fresh_dir("adapter");
   write_peft_adapter(d.string(), m.lora_parameters(), info_for_tiny());
   const nlohmann::json cfg = read_json(d / "adapter_config.json");
@@ -98,7 +98,7 @@ TEST(PeftAdapter, ConfigFieldsAndTensors) {
 }
 
 TEST(MergedModel, EqualsIndependentMergeAndCopiesTheRest) {
-  const models::LlamaModel m = tiny_model(true);
+  const models::DecoderModel m = tiny_model(true);
   const CheckpointDir orig = CheckpointDir::open(tiny_dir());
   const fs::path nf4_dir = fresh_dir("merged_nf4"), orig_dir = fresh_dir("merged_orig");
   write_merged_model(nf4_dir.string(), m, tiny_dir(), MergeSource::Nf4);
@@ -135,7 +135,7 @@ TEST(MergedModel, EqualsIndependentMergeAndCopiesTheRest) {
 }
 
 TEST(MergedModel, ShardsBySizeWithIndexAndCopiesTokenizer) {
-  const models::LlamaModel m = tiny_model(false);
+  const models::DecoderModel m = tiny_model(false);
   const fs::path d = fresh_dir("sharded"), tok = fresh_dir("tok");
   std::ofstream(tok / "tokenizer.model") << "not really a sentencepiece model";
   const int64_t limit = 100 * 1024;  // bf16 q_proj is 32 KiB, embed 64 KiB, mlp 88 KiB
@@ -167,14 +167,14 @@ TEST(MergedModel, ShardsBySizeWithIndexAndCopiesTokenizer) {
 }
 
 TEST(MergedModel, OriginalSourceNeedsTheTensor) {
-  const models::LlamaModel m = tiny_model(false);
+  const models::DecoderModel m = tiny_model(false);
   const fs::path d = fresh_dir("no_base");
   EXPECT_THROW(write_merged_model(d.string(), m, (d / "missing").string(), MergeSource::Original), ExportError);
   fs::remove_all(d);
 }
 
 TEST(ExportEpoch, LayoutAndAtomicReplace) {
-  const models::LlamaModel m = tiny_model(false);
+  const models::DecoderModel m = tiny_model(false);
   const fs::path out = fresh_dir("epoch");
   export_epoch(out.string(), 0, m, info_for_tiny(), /*adapter_only=*/true, tiny_dir(), MergeSource::Nf4);
   EXPECT_TRUE(fs::exists(out / "epoch_0/adapter/adapter_model.safetensors"));

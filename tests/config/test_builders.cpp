@@ -90,7 +90,7 @@ TEST(Builders, LlamaLoadOptionsFromModelLoraAndSeed) {
   c.lora.alpha = 7.5;
   c.lora.dropout = 0.25;
   c.training.seed = 99;
-  const models::LlamaLoadOptions o = llama_load_options(c, c10::Device(c10::kCPU), at::kBFloat16);
+  const models::DecoderLoadOptions o = decoder_load_options(c, c10::Device(c10::kCPU), at::kBFloat16);
   EXPECT_TRUE(o.base_in_nf4);
   EXPECT_EQ(o.compute_dtype, at::kFloat);
   EXPECT_EQ(o.frozen_dtype, at::kBFloat16);
@@ -102,11 +102,11 @@ TEST(Builders, LlamaLoadOptionsFromModelLoraAndSeed) {
   EXPECT_EQ(o.seed, 99u);
   EXPECT_FALSE(o.activation_checkpointing);
   EXPECT_FALSE(o.on_layer_loaded);  // the sharded engine's to set
-  EXPECT_TRUE(llama_load_options(RecipeConfig{}, c10::kCPU, at::kFloat).activation_checkpointing);
-  EXPECT_EQ(llama_load_options(RecipeConfig{}, c10::kCPU, at::kFloat).compute_dtype, at::kBFloat16);
+  EXPECT_TRUE(decoder_load_options(RecipeConfig{}, c10::kCPU, at::kFloat).activation_checkpointing);
+  EXPECT_EQ(decoder_load_options(RecipeConfig{}, c10::kCPU, at::kFloat).compute_dtype, at::kBFloat16);
   for (BaseFormat dense : {BaseFormat::BF16, BaseFormat::FP32}) {
     c.model.base = dense;
-    EXPECT_FALSE(llama_load_options(c, c10::kCPU, at::kFloat).base_in_nf4);
+    EXPECT_FALSE(decoder_load_options(c, c10::kCPU, at::kFloat).base_in_nf4);
   }
 }
 

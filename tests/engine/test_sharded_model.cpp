@@ -29,7 +29,7 @@
 #include <vector>
 
 #include "fork_ranks.h"
-#include "qlora/models/llama.h"
+#include "qlora/models/decoder.h"
 #include "qlora/optim/adamw.h"
 
 using namespace qlora;
@@ -46,8 +46,8 @@ std::string tiny_llama() {
   return std::string(d ? d : "tests/data") + "/tiny_llama";
 }
 
-models::LlamaModel load(bool ckpt, const std::function<void(int64_t, modules::DecoderLayer&, const models::Architecture&)>& on_layer = {}) {
-  models::LlamaLoadOptions o;
+models::DecoderModel load(bool ckpt, const std::function<void(int64_t, modules::DecoderLayer&, const models::Architecture&)>& on_layer = {}) {
+  models::DecoderLoadOptions o;
   o.base_in_nf4 = true;
   o.lora_targets = {"q", "k", "v", "o", "gate", "up", "down", "output"};
   o.lora_r = 4;
@@ -55,7 +55,7 @@ models::LlamaModel load(bool ckpt, const std::function<void(int64_t, modules::De
   o.seed = 3;
   o.activation_checkpointing = ckpt;
   o.on_layer_loaded = on_layer;
-  models::LlamaModel m = models::load_llama(tiny_llama(), o);
+  models::DecoderModel m = models::load_decoder(tiny_llama(), o);
   m.training = true;
   m.loss_chunk_tokens = 5;
   return m;
@@ -73,7 +73,7 @@ std::pair<at::Tensor, at::Tensor> batch(int s) {
 
 // The sharded runs score by chunks of 5 tokens (the head's adapter gradients come from one node
 // over all chunks, exactly once per backward); the single process from the whole logits.
-at::Tensor loss_sum(const models::LlamaModel& m, const at::Tensor& tok, const at::Tensor& lab) {
+at::Tensor loss_sum(const models::DecoderModel& m, const at::Tensor& tok, const at::Tensor& lab) {
   return m.loss(tok, lab);
 }
 
@@ -83,7 +83,7 @@ struct Trace {
   at::Tensor eval_logits;  // a no-grad forward of step 0's first rows after training
 };
 
-at::Tensor eval_logits(const models::LlamaModel& m) {
+at::Tensor eval_logits(const models::DecoderModel& m) {
   at::NoGradGuard ng;  // generation's path: forward units only, every group released after use
   return m.forward(batch(0).first.narrow(0, 0, 2));
 }
@@ -93,7 +93,7 @@ std::string read_bytes(const std::filesystem::path& p) {
   return std::string(std::istreambuf_iterator<char>(f), {});
 }
 
-at::Tensor flat_adapters(const models::LlamaModel& m) {
+at::Tensor flat_adapters(const models::DecoderModel& m) {
   std::vector<at::Tensor> v;
   for (const auto& [name, t] : m.lora_parameters()) v.push_back(t.detach().reshape({-1}));
   return at::cat(v);
@@ -106,7 +106,7 @@ optim::AdamWOptions adamw() {
 }
 
 Trace single_process() {
-  models::LlamaModel m = load(false);
+  models::DecoderModel m = load(false);
   m.chunked_loss = false;
   std::vector<at::Tensor> params;
   for (const auto& [n, t] : m.lora_parameters()) params.push_back(t);
@@ -129,21 +129,21 @@ Trace single_process() {
 struct RunSetup {
   int micro = 1;
   bool ckpt = false;
-  bool stream = true;  // shard each layer as load_llama builds it (else shard the loaded model)
+  bool stream = true;  // shard each layer as load_decoder builds it (else shard the loaded model)
   std::string export_dir;  // non-empty: also check the parallel export against one process's
   ShardingOptions sharding;
 };
 
 Trace sharded(World& w, const RunSetup& su) {
-  std::shared_ptr<ShardedLlama> engine;
-  models::LlamaModel m;
+  std::shared_ptr<ShardedDecoder> engine;
+  models::DecoderModel m;
   if (su.stream) {
-    engine = ShardedLlama::begin(w, su.sharding);
+    engine = ShardedDecoder::begin(w, su.sharding);
     m = load(su.ckpt, [&](int64_t i, modules::DecoderLayer& L, const models::Architecture& a) { engine->shard_layer(i, L, a); });
     engine->finish(m);
   } else {
     m = load(su.ckpt);
-    engine = ShardedLlama::shard(m, w, su.sharding);
+    engine = ShardedDecoder::shard(m, w, su.sharding);
   }
   optim::AdamW opt(engine->param_shards(), adamw());
   const int per_rank = kRows / w.size(), per_micro = per_rank / su.micro;
@@ -178,7 +178,7 @@ Trace sharded(World& w, const RunSetup& su) {
   const std::string single_out = su.export_dir + "/w" + std::to_string(w.size()) + "_single";
   export_epoch(sharded_out, 0, m, *engine, w, info, false, tiny_llama(), checkpoint::MergeSource::Nf4, "");
   if (w.rank() == 0) {
-    models::LlamaModel one = load(false);
+    models::DecoderModel one = load(false);
     {
       at::NoGradGuard ng;
       const auto mine = m.lora_parameters(), theirs = one.lora_parameters();
@@ -221,20 +221,20 @@ void expect_same_as_single_process(int ranks, int64_t shard_size, const RunSetup
 
 }  // namespace
 
-TEST(ShardedLlama, FullShardingOnOneToFourRanksEqualsOneProcess) {
+TEST(ShardedDecoder, FullShardingOnOneToFourRanksEqualsOneProcess) {
   for (int w = 1; w <= 4; ++w) expect_same_as_single_process(w, 0, {});
 }
 
-TEST(ShardedLlama, HsdpTwoByTwoEqualsOneProcess) { expect_same_as_single_process(4, 2, {}); }
+TEST(ShardedDecoder, HsdpTwoByTwoEqualsOneProcess) { expect_same_as_single_process(4, 2, {}); }
 
-TEST(ShardedLlama, ParallelExportIsByteIdenticalToOneProcess) {
+TEST(ShardedDecoder, ParallelExportIsByteIdenticalToOneProcess) {
   RunSetup su;
   su.export_dir = ::testing::TempDir() + "/sharded_export_" + std::to_string(::getpid());
   for (int w : {2, 3}) expect_same_as_single_process(w, 0, su);
   expect_same_as_single_process(4, 2, su);  // HSDP: one shard group writes
 }
 
-TEST(ShardedLlama, GradientAccumulationFourByOneEqualsOneByFour) {
+TEST(ShardedDecoder, GradientAccumulationFourByOneEqualsOneByFour) {
   RunSetup su;
   su.micro = 4;  // 12 rows / 3 ranks = 4 per rank: 4 micro-batches of 1 row vs 1 of 4
   expect_same_as_single_process(3, 0, su);
@@ -242,7 +242,7 @@ TEST(ShardedLlama, GradientAccumulationFourByOneEqualsOneByFour) {
   expect_same_as_single_process(3, 0, su);
 }
 
-TEST(ShardedLlama, ActivationCheckpointingAndNoPrefetchOrReshardChangeNothing) {
+TEST(ShardedDecoder, ActivationCheckpointingAndNoPrefetchOrReshardChangeNothing) {
   RunSetup su;
   su.ckpt = true;
   expect_same_as_single_process(3, 0, su);

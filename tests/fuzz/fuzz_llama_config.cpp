@@ -1,10 +1,10 @@
-// A model's config.json from untrusted bytes, as load_llama reads it (every family's keys, rope
+// A model's config.json from untrusted bytes, as load_decoder reads it (every family's keys, rope
 // scaling, windows, soft-capping, a multimodal model's text_config).
 #include <cstdint>
 #include <exception>
 #include <string>
 
-#include "qlora/models/llama_config.h"
+#include "qlora/models/decoder_config.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   try {

@@ -11,8 +11,8 @@
 #include <string>
 #include <vector>
 
-#include "qlora/models/llama.h"
-#include "qlora/models/llama_config.h"
+#include "qlora/models/decoder.h"
+#include "qlora/models/decoder_config.h"
 
 namespace qlora::models::test_fixtures {
 

@@ -78,7 +78,7 @@ TEST(Architecture, LayerProjectionsInTableOrder) {
 
 TEST(Architecture, ProjectionShapesFollowTheConfig) {
   const Architecture& arch = llama_architecture();
-  LlamaConfig c;
+  DecoderConfig c;
   c.hidden_size = 64;
   c.intermediate_size = 176;
   c.num_attention_heads = 4;

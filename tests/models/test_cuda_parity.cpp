@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "fixtures.h"
-#include "qlora/models/llama.h"
+#include "qlora/models/decoder.h"
 #include "qlora/modules/lora_linear.h"
 #include "qlora/ops/nf4_ops.h"
 
@@ -81,14 +81,14 @@ TEST_P(CudaParity, LoraNf4LinearForwardBackward) {
 TEST_P(CudaParity, TinyLlamaTrainingStepGradients) {
   const at::ScalarType dt = GetParam();
   auto load = [&](at::Device d) {
-    models::LlamaLoadOptions o;
+    models::DecoderLoadOptions o;
     o.base_in_nf4 = true;
     o.compute_dtype = dt;
     o.device = d;
     o.lora_targets = {"q", "k", "v", "o", "gate", "up", "down"};
     o.activation_checkpointing = true;
     o.seed = 7;
-    models::LlamaModel m = models::load_llama(models::test_fixtures::tiny_llama(), o);
+    models::DecoderModel m = models::load_decoder(models::test_fixtures::tiny_llama(), o);
     m.training = true;
     uint64_t seed = 100;
     at::NoGradGuard g;
@@ -96,10 +96,10 @@ TEST_P(CudaParity, TinyLlamaTrainingStepGradients) {
       if (name.find("lora_B") != std::string::npos) t.copy_(randn(t.sizes(), seed++, 0.02));
     return m;
   };
-  const models::LlamaModel cpu = load(at::kCPU), cuda = load(at::Device(at::kCUDA, 0));
+  const models::DecoderModel cpu = load(at::kCPU), cuda = load(at::Device(at::kCUDA, 0));
   const at::Tensor tokens = at::randint(0, 256, {2, 33}, seeded(9));
   const at::Tensor inp = tokens.narrow(1, 0, 32), labels = tokens.narrow(1, 1, 32);
-  auto step = [&](const models::LlamaModel& m, at::Device d) {
+  auto step = [&](const models::DecoderModel& m, at::Device d) {
     at::Tensor loss = m.loss(inp.to(d), labels.to(d)) / static_cast<double>(labels.numel());
     loss.backward();
     return loss.item<double>();

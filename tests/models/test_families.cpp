@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "qlora/models/architecture.h"
-#include "qlora/models/llama_config.h"
+#include "qlora/models/decoder_config.h"
 #include "qlora/modules/layers.h"
 #include "fixtures.h"
 
@@ -62,7 +62,7 @@ const char* kPhi3 = R"({"architectures":["Phi3ForCausalLM"],"attention_dropout":
 }  // namespace
 
 TEST(FamilyConfig, Qwen25HasBiasesAndNoWindowWhenUseSlidingWindowIsFalse) {
-  const LlamaConfig c = parse_llama_config(kQwen25, "cfg.json");
+  const DecoderConfig c = parse_llama_config(kQwen25, "cfg.json");
   EXPECT_EQ(c.family, Family::kQwen2);
   EXPECT_FALSE(c.sliding_window.has_value());
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) EXPECT_FALSE(c.is_sliding(i));
@@ -78,7 +78,7 @@ TEST(FamilyConfig, Qwen25HasBiasesAndNoWindowWhenUseSlidingWindowIsFalse) {
 }
 
 TEST(FamilyConfig, Gemma2DefaultsTieAlternatesWindowsAndSoftCaps) {
-  const LlamaConfig c = parse_llama_config(kGemma2, "cfg.json");
+  const DecoderConfig c = parse_llama_config(kGemma2, "cfg.json");
   EXPECT_EQ(c.family, Family::kGemma2);
   EXPECT_TRUE(c.tie_word_embeddings);  // absent from the file: Gemma's default
   EXPECT_EQ(c.norm, modules::RmsScale::kOnePlusWeight);
@@ -103,7 +103,7 @@ TEST(FamilyConfig, Gemma2DefaultsTieAlternatesWindowsAndSoftCaps) {
 }
 
 TEST(FamilyConfig, Gemma3PatternAndLocalRope) {
-  const LlamaConfig c = parse_llama_config(kGemma3, "cfg.json");
+  const DecoderConfig c = parse_llama_config(kGemma3, "cfg.json");
   EXPECT_EQ(c.family, Family::kGemma3);
   for (int64_t i = 0; i < 12; ++i) EXPECT_EQ(c.is_sliding(i), (i + 1) % 6 != 0) << i;
   EXPECT_DOUBLE_EQ(c.rope_theta, 1e6);
@@ -117,12 +117,12 @@ TEST(FamilyConfig, Gemma3PatternAndLocalRope) {
     "layer_types":["sliding_attention","full_attention","sliding_attention"],"sliding_window":8,
     "rope_parameters":{"full_attention":{"rope_type":"linear","factor":8.0,"rope_theta":1000000.0},
                        "sliding_attention":{"rope_type":"default","rope_theta":10000.0}}})";
-  const LlamaConfig d = parse_llama_config(v5, "cfg.json");
+  const DecoderConfig d = parse_llama_config(v5, "cfg.json");
   EXPECT_EQ(d.sliding_layers, (std::vector<bool>{true, false, true}));
   EXPECT_DOUBLE_EQ(d.rope_linear_factor, 8.0);
   EXPECT_DOUBLE_EQ(d.local_rope->linear_factor, 1.0);
   // The Hub's Gemma 3 text_config omits head_dim and hidden_activation: Gemma's defaults.
-  const LlamaConfig e = parse_llama_config(R"({"model_type":"gemma3_text","hidden_size":3840,
+  const DecoderConfig e = parse_llama_config(R"({"model_type":"gemma3_text","hidden_size":3840,
     "intermediate_size":15360,"num_hidden_layers":48,"num_attention_heads":16,"num_key_value_heads":8,
     "vocab_size":262208})", "cfg.json");
   EXPECT_EQ(e.head_dim, 256);
@@ -140,7 +140,7 @@ const char* kGemma3Multimodal12b = R"({"architectures":["Gemma3ForConditionalGen
   "num_attention_heads":16,"num_hidden_layers":27,"patch_size":14,"vision_use_head":false}})";
 
 TEST(FamilyConfig, Gemma3MultimodalIsItsTextConfigWithGemma3TextDefaults) {
-  const LlamaConfig c = parse_llama_config(kGemma3Multimodal12b, "config.json");
+  const DecoderConfig c = parse_llama_config(kGemma3Multimodal12b, "config.json");
   EXPECT_EQ(c.model_type, "gemma3");
   EXPECT_TRUE(c.multimodal);
   EXPECT_EQ(c.family, Family::kGemma3);
@@ -188,7 +188,7 @@ const char* kQwen35Config9b = R"({"architectures":["Qwen3_5ForConditionalGenerat
   "vision_config":{"model_type":"qwen3_5_vision","depth":27,"hidden_size":1152}})";
 
 TEST(FamilyConfig, Qwen35MultimodalIsItsHybridTextConfig) {
-  const LlamaConfig c = parse_llama_config(kQwen35Config9b, "config.json");
+  const DecoderConfig c = parse_llama_config(kQwen35Config9b, "config.json");
   EXPECT_EQ(c.model_type, "qwen3_5");
   EXPECT_TRUE(c.multimodal);
   EXPECT_EQ(c.family, Family::kQwen35);
@@ -223,7 +223,7 @@ TEST(FamilyConfig, Qwen35LayerTypesAndRefusals) {
                                   extra + "}",
                               "q/config.json");
   };
-  const LlamaConfig c = parse(R"(,"layer_types":["full_attention","linear_attention","full_attention"])");
+  const DecoderConfig c = parse(R"(,"layer_types":["full_attention","linear_attention","full_attention"])");
   EXPECT_FALSE(c.is_linear(0));
   EXPECT_TRUE(c.is_linear(1));
   EXPECT_EQ(c.rope_dim(), 4);  // the class's default factor, 0.25 of 16
@@ -248,7 +248,7 @@ TEST(FamilyConfig, Qwen35LayerTypesAndRefusals) {
 }
 
 TEST(FamilyConfig, Phi3SlidesEveryLayerAndFusesTargets) {
-  const LlamaConfig c = parse_llama_config(kPhi3, "cfg.json");
+  const DecoderConfig c = parse_llama_config(kPhi3, "cfg.json");
   EXPECT_EQ(c.family, Family::kPhi3);
   EXPECT_EQ(c.sliding_window, 2047);
   EXPECT_TRUE(c.is_sliding(0) && c.is_sliding(31));
@@ -282,7 +282,7 @@ TEST(FamilyConfig, SmolLM3LeavesRopeOutOfItsNopeLayers) {
   std::string list;
   for (int i = 0; i < 36; ++i) list += std::string(list.empty() ? "" : ",") + ((i + 1) % 4 == 0 ? "0" : "1");
   for (const std::string& nope : {"\"no_rope_layers\":[" + list + "],", std::string()}) {
-    const LlamaConfig c = parse_llama_config(smollm3_config(nope), "cfg.json");
+    const DecoderConfig c = parse_llama_config(smollm3_config(nope), "cfg.json");
     EXPECT_EQ(c.family, Family::kSmolLM3);
     EXPECT_TRUE(c.tie_word_embeddings);  // the class's default
     EXPECT_FALSE(c.sliding_window);
@@ -301,7 +301,7 @@ TEST(FamilyConfig, SmolLM3LeavesRopeOutOfItsNopeLayers) {
 // An OLMo 3 config in transformers 4.x's keys (rope_scaling for the full layers, no layer_types):
 // the class's defaults decide the sliding layers, the sliding layers keep the plain RoPE.
 TEST(FamilyConfig, Olmo3SlidesThreeOfFourLayersAndScalesItsFullLayersWithYarn) {
-  const LlamaConfig c = parse_llama_config(R"({"model_type":"olmo3","hidden_size":4096,"intermediate_size":11008,
+  const DecoderConfig c = parse_llama_config(R"({"model_type":"olmo3","hidden_size":4096,"intermediate_size":11008,
     "num_hidden_layers":32,"num_attention_heads":32,"num_key_value_heads":32,"max_position_embeddings":65536,
     "rope_theta":500000,"rope_scaling":{"rope_type":"yarn","factor":8.0,"original_max_position_embeddings":8192,
     "attention_factor":1.2079441541679836,"beta_fast":32,"beta_slow":1},"vocab_size":100278})", "cfg.json");
@@ -319,7 +319,7 @@ TEST(FamilyConfig, Olmo3SlidesThreeOfFourLayersAndScalesItsFullLayersWithYarn) {
   ASSERT_EQ(a.layer_norms.size(), 4u);  // post-attention, post-feedforward, q and k over all heads
   EXPECT_EQ(dim_size(a.layer_norms[2].size, c, 0), 4096);
   // Without an attention_factor, transformers' 0.1 ln(factor) + 1.
-  const LlamaConfig d = parse_llama_config(R"({"model_type":"olmo2","hidden_size":64,"intermediate_size":128,
+  const DecoderConfig d = parse_llama_config(R"({"model_type":"olmo2","hidden_size":64,"intermediate_size":128,
     "num_hidden_layers":2,"num_attention_heads":4,"vocab_size":32,"max_position_embeddings":4096,
     "rope_parameters":{"rope_type":"yarn","factor":4.0,"original_max_position_embeddings":1024,"rope_theta":1e4}})",
                                            "cfg.json");
@@ -455,7 +455,7 @@ std::string gemma4_e4b_config() {
 }  // namespace
 
 TEST(FamilyConfig, Gemma4HubFormIsItsTextConfig) {
-  const LlamaConfig c = parse_llama_config(gemma4_e4b_config(), "config.json");
+  const DecoderConfig c = parse_llama_config(gemma4_e4b_config(), "config.json");
   EXPECT_EQ(c.model_type, "gemma4");
   EXPECT_TRUE(c.multimodal);
   EXPECT_EQ(c.family, Family::kGemma4);
@@ -496,7 +496,7 @@ TEST(FamilyConfig, Gemma4SavedFormAndRefusals) {
       "layer_types":["sliding_attention","full_attention","sliding_attention","sliding_attention"])" + extra + "}";
   };
   const auto parse = [&](const std::string& extra) { return parse_llama_config(json_of(extra), "g/config.json"); };
-  const LlamaConfig c = parse(R"(,"attention_k_eq_v":true,"num_kv_shared_layers":1,"use_double_wide_mlp":true,
+  const DecoderConfig c = parse(R"(,"attention_k_eq_v":true,"num_kv_shared_layers":1,"use_double_wide_mlp":true,
     "per_layer_config":{"01":{"head_dim":32,"num_key_value_heads":1},"03":{"head_dim":32,"num_key_value_heads":1}})");
   EXPECT_FALSE(c.is_sliding(3));  // the class makes the last layer full
   EXPECT_EQ(c.layer_head_dim(3), 32);

@@ -10,7 +10,7 @@
 #include <set>
 
 #include "qlora/models/generate.h"
-#include "qlora/models/llama.h"
+#include "qlora/models/decoder.h"
 
 using namespace qlora::models;
 
@@ -21,15 +21,15 @@ std::string tiny_llama() {
   return std::string(d ? d : "tests/data") + "/tiny_llama";
 }
 
-const LlamaModel& model() {
-  static const LlamaModel m = load_llama(tiny_llama(), LlamaLoadOptions{});
+const DecoderModel& model() {
+  static const DecoderModel m = load_decoder(tiny_llama(), DecoderLoadOptions{});
   return m;
 }
 
 const std::vector<int64_t> kPrompt = {1, 17, 200, 3, 45};
 
 // Greedy decoding the slow way: the whole sequence through forward() (no cache) at every step.
-std::vector<int64_t> greedy_reference(const LlamaModel& m, std::vector<int64_t> seq, int64_t n) {
+std::vector<int64_t> greedy_reference(const DecoderModel& m, std::vector<int64_t> seq, int64_t n) {
   at::NoGradGuard no_grad;
   std::vector<int64_t> out;
   for (int64_t i = 0; i < n; ++i) {
@@ -54,15 +54,15 @@ TEST(Generate, GreedyMatchesNoCacheRecomputation) {
 }
 
 TEST(Generate, GreedyIgnoresTrainingModeAndNf4BaseStillDecodes) {
-  LlamaModel m = model();
+  DecoderModel m = model();
   m.training = true;  // generate must switch dropout off on its own
   GenerateOptions o;
   o.max_new_tokens = 8;
   EXPECT_EQ(generate(m, kPrompt, o), generate(model(), kPrompt, o));
 
-  LlamaLoadOptions lo;
+  DecoderLoadOptions lo;
   lo.base_in_nf4 = true;
-  const LlamaModel q = load_llama(tiny_llama(), lo);
+  const DecoderModel q = load_decoder(tiny_llama(), lo);
   EXPECT_EQ(generate(q, kPrompt, o), greedy_reference(q, kPrompt, 8));
 }
 

@@ -10,8 +10,8 @@
 
 #include "qlora/io/checkpoint_dir.h"
 #include "qlora/io/safetensors.h"
-#include "qlora/models/llama.h"
-#include "qlora/models/llama_config.h"
+#include "qlora/models/decoder.h"
+#include "qlora/models/decoder_config.h"
 #include "fixtures.h"
 
 using namespace qlora;
@@ -29,7 +29,7 @@ at::Tensor tokens() {  // [2, 7]
 }
 
 // Fixed nonzero lora_B (they start at zero), so gradients reach every lora_A.
-void randomize_lora_b(const LlamaModel& m) {
+void randomize_lora_b(const DecoderModel& m) {
   at::NoGradGuard ng;
   uint64_t s = 5;
   for (auto& [name, t] : m.lora_parameters())
@@ -39,8 +39,8 @@ void randomize_lora_b(const LlamaModel& m) {
 
 }  // namespace
 
-TEST(LlamaConfig, Llama2Defaults) {
-  LlamaConfig c = parse_llama_config(R"({"model_type":"llama","hidden_size":4096,"intermediate_size":11008,
+TEST(DecoderConfig, Llama2Defaults) {
+  DecoderConfig c = parse_llama_config(R"({"model_type":"llama","hidden_size":4096,"intermediate_size":11008,
     "num_hidden_layers":32,"num_attention_heads":32,"vocab_size":32000,"rms_norm_eps":1e-5,
     "bos_token_id":1,"eos_token_id":2,"torch_dtype":"float16","architectures":["LlamaForCausalLM"],
     "pretraining_tp":1,"rope_scaling":null})", "cfg.json");
@@ -53,17 +53,17 @@ TEST(LlamaConfig, Llama2Defaults) {
   EXPECT_FALSE(c.sliding_window.has_value());
 }
 
-TEST(LlamaConfig, Llama31OldAndNewRopeFormats) {
+TEST(DecoderConfig, Llama31OldAndNewRopeFormats) {
   const std::string common = R"("model_type":"llama","hidden_size":4096,"intermediate_size":14336,
     "num_hidden_layers":32,"num_attention_heads":32,"num_key_value_heads":8,"vocab_size":128256,
     "max_position_embeddings":131072,"eos_token_id":[128001,128008,128009],"bos_token_id":128000,)";
-  LlamaConfig old_fmt = parse_llama_config("{" + common + R"("rope_theta":500000.0,
+  DecoderConfig old_fmt = parse_llama_config("{" + common + R"("rope_theta":500000.0,
     "rope_scaling":{"factor":8.0,"low_freq_factor":1.0,"high_freq_factor":4.0,
     "original_max_position_embeddings":8192,"rope_type":"llama3"}})", "cfg.json");
-  LlamaConfig new_fmt = parse_llama_config("{" + common + R"("rope_parameters":{"rope_theta":500000.0,
+  DecoderConfig new_fmt = parse_llama_config("{" + common + R"("rope_parameters":{"rope_theta":500000.0,
     "factor":8.0,"low_freq_factor":1.0,"high_freq_factor":4.0,
     "original_max_position_embeddings":8192,"rope_type":"llama3"}})", "cfg.json");
-  for (const LlamaConfig& c : {old_fmt, new_fmt}) {
+  for (const DecoderConfig& c : {old_fmt, new_fmt}) {
     EXPECT_EQ(c.kv_groups(), 4);
     EXPECT_DOUBLE_EQ(c.rope_theta, 500000.0);
     ASSERT_TRUE(c.rope_scaling.has_value());
@@ -73,15 +73,15 @@ TEST(LlamaConfig, Llama31OldAndNewRopeFormats) {
   }
 }
 
-TEST(LlamaConfig, MistralSlidingWindow) {
-  LlamaConfig c = parse_llama_config(R"({"model_type":"mistral","hidden_size":4096,"intermediate_size":14336,
+TEST(DecoderConfig, MistralSlidingWindow) {
+  DecoderConfig c = parse_llama_config(R"({"model_type":"mistral","hidden_size":4096,"intermediate_size":14336,
     "num_hidden_layers":32,"num_attention_heads":32,"num_key_value_heads":8,"vocab_size":32000,
     "rope_theta":10000.0,"sliding_window":4096,"head_dim":null})", "cfg.json");
   EXPECT_EQ(c.sliding_window, 4096);
   EXPECT_EQ(c.head_dim, 128);
 }
 
-TEST(LlamaConfig, ErrorsNameFileAndKey) {
+TEST(DecoderConfig, ErrorsNameFileAndKey) {
   const std::string base = R"("model_type":"llama","intermediate_size":8,"num_hidden_layers":1,
     "num_attention_heads":2,"vocab_size":10)";
   std::string e = error_of("{" + base + "}");
@@ -98,11 +98,11 @@ TEST(LlamaConfig, ErrorsNameFileAndKey) {
   e = error_of(R"({"model_type":"gpt2"})");
   EXPECT_NE(e.find("model_type"), std::string::npos) << e;
   EXPECT_EQ(error_of("{" + base + R"(,"hidden_size":8,"some_future_key":{"x":1}})"), "");  // ignored
-  EXPECT_THROW(load_llama_config("/nonexistent/dir"), std::invalid_argument);
+  EXPECT_THROW(load_decoder_config("/nonexistent/dir"), std::invalid_argument);
 }
 
-TEST(LlamaModel, TinyLlamaLoadsAndRuns) {
-  LlamaModel m = load_llama(tiny_llama(), {});
+TEST(DecoderModel, TinyLlamaLoadsAndRuns) {
+  DecoderModel m = load_decoder(tiny_llama(), {});
   EXPECT_EQ(m.config.num_key_value_heads, 2);
   at::NoGradGuard ng;
   at::Tensor logits = m.forward(tokens());
@@ -113,12 +113,12 @@ TEST(LlamaModel, TinyLlamaLoadsAndRuns) {
   EXPECT_THROW(m.forward(at::tensor({1, 256}, at::kLong).view({1, 2})), std::invalid_argument);
 }
 
-TEST(LlamaModel, Nf4BaseCloseToFullPrecision) {
+TEST(DecoderModel, Nf4BaseCloseToFullPrecision) {
   at::NoGradGuard ng;
-  LlamaLoadOptions o;
-  at::Tensor full = load_llama(tiny_llama(), o).forward(tokens());
+  DecoderLoadOptions o;
+  at::Tensor full = load_decoder(tiny_llama(), o).forward(tokens());
   o.base_in_nf4 = true;
-  LlamaModel m = load_llama(tiny_llama(), o);
+  DecoderModel m = load_decoder(tiny_llama(), o);
   ASSERT_TRUE(m.layers[0].q_proj.base_nf4.defined());
   ASSERT_FALSE(m.layers[0].q_proj.base_dense.defined());
   at::Tensor nf4 = m.forward(tokens());
@@ -132,22 +132,22 @@ TEST(LlamaModel, Nf4BaseCloseToFullPrecision) {
   EXPECT_FALSE(at::equal(nf4, full));
 }
 
-TEST(LlamaModel, Bf16ComputeCloseToFp32) {
+TEST(DecoderModel, Bf16ComputeCloseToFp32) {
   at::NoGradGuard ng;
-  LlamaLoadOptions o;
-  at::Tensor f32 = load_llama(tiny_llama(), o).forward(tokens());
+  DecoderLoadOptions o;
+  at::Tensor f32 = load_decoder(tiny_llama(), o).forward(tokens());
   o.compute_dtype = at::kBFloat16;
-  at::Tensor b16 = load_llama(tiny_llama(), o).forward(tokens());
+  at::Tensor b16 = load_decoder(tiny_llama(), o).forward(tokens());
   EXPECT_EQ(b16.scalar_type(), at::kFloat);
   // bf16 keeps 8 mantissa bits (rel. 4e-3 per rounding); a few dozen roundings deep.
   EXPECT_LT(max_abs(b16 - f32) / max_abs(f32), 0.05);
 }
 
-TEST(LlamaModel, KvCacheStepByStepEqualsFullForward) {
+TEST(DecoderModel, KvCacheStepByStepEqualsFullForward) {
   for (bool nf4 : {false, true}) {
-    LlamaLoadOptions o;
+    DecoderLoadOptions o;
     o.base_in_nf4 = nf4;
-    LlamaModel m = load_llama(tiny_llama(), o);
+    DecoderModel m = load_decoder(tiny_llama(), o);
     at::NoGradGuard ng;
     const at::Tensor t = tokens();
     const at::Tensor full = m.forward(t);  // [2, 7, vocab]
@@ -164,13 +164,13 @@ TEST(LlamaModel, KvCacheStepByStepEqualsFullForward) {
   }
 }
 
-TEST(LlamaModel, LoraParameterNamesAndShapes) {
-  LlamaLoadOptions o;
+TEST(DecoderModel, LoraParameterNamesAndShapes) {
+  DecoderLoadOptions o;
   o.base_in_nf4 = true;
   o.lora_targets = {"q_proj", "k", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"};
   o.lora_r = 4;
   o.lora_alpha = 8;
-  LlamaModel m = load_llama(tiny_llama(), o);
+  DecoderModel m = load_decoder(tiny_llama(), o);
   auto params = m.lora_parameters();
   ASSERT_EQ(params.size(), 2u * 7 * 2 + 2);
   EXPECT_EQ(params[0].first, "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight");
@@ -185,25 +185,25 @@ TEST(LlamaModel, LoraParameterNamesAndShapes) {
     EXPECT_EQ(t.scalar_type(), at::kFloat) << name;
   }
   // Same seed, same adapters; B = 0 so the adapted model starts equal to the base.
-  LlamaModel m2 = load_llama(tiny_llama(), o);
+  DecoderModel m2 = load_decoder(tiny_llama(), o);
   EXPECT_TRUE(at::equal(m2.lora_parameters()[0].second, params[0].second));
   at::NoGradGuard ng;
-  LlamaLoadOptions base_only;
+  DecoderLoadOptions base_only;
   base_only.base_in_nf4 = true;
-  EXPECT_TRUE(at::equal(m.forward(tokens()), load_llama(tiny_llama(), base_only).forward(tokens())));
+  EXPECT_TRUE(at::equal(m.forward(tokens()), load_decoder(tiny_llama(), base_only).forward(tokens())));
   o.lora_targets = {"qkv"};
-  EXPECT_THROW(load_llama(tiny_llama(), o), std::invalid_argument);
+  EXPECT_THROW(load_decoder(tiny_llama(), o), std::invalid_argument);
 }
 
-TEST(LlamaModel, ActivationCheckpointingGivesIdenticalGradients) {
-  LlamaLoadOptions o;
+TEST(DecoderModel, ActivationCheckpointingGivesIdenticalGradients) {
+  DecoderLoadOptions o;
   o.base_in_nf4 = true;
   o.lora_targets = {"q_proj", "v_proj", "down_proj"};
   o.lora_r = 4;
   o.lora_dropout = 0.1;
   auto grads = [&](bool ckpt) {
     o.activation_checkpointing = ckpt;
-    LlamaModel m = load_llama(tiny_llama(), o);
+    DecoderModel m = load_decoder(tiny_llama(), o);
     m.training = true;
     randomize_lora_b(m);
     at::manual_seed(11);
@@ -226,14 +226,14 @@ TEST(LlamaModel, ActivationCheckpointingGivesIdenticalGradients) {
 
 // UnitHooks come in execution order, with and without activation checkpointing (the replays in
 // backward are bracketed as recompute), and none come when the forward records no graph.
-TEST(LlamaModel, UnitHooksFireInExecutionOrder) {
-  LlamaLoadOptions o;
+TEST(DecoderModel, UnitHooksFireInExecutionOrder) {
+  DecoderLoadOptions o;
   o.base_in_nf4 = true;
   o.lora_targets = {"q_proj"};
   const std::vector<std::string> fwd = {"bf-1", "af-1", "bf0", "af0", "bf1", "af1", "bf2", "af2"};
   for (const bool ckpt : {false, true}) {
     o.activation_checkpointing = ckpt;
-    LlamaModel m = load_llama(tiny_llama(), o);
+    DecoderModel m = load_decoder(tiny_llama(), o);
     auto rec = std::make_shared<test_fixtures::HookRecorder>();
     m.hooks = rec;
     m.forward(tokens()).sum().backward();
@@ -255,7 +255,7 @@ TEST(LlamaModel, UnitHooksFireInExecutionOrder) {
 // Mistral's sliding window (what transformers computes is checked in
 // conformance.families_transformers): positions before the window's end see everything either way,
 // later ones differ from full attention, and a KV cache fed token by token gives the same logits.
-TEST(LlamaModel, SlidingWindowMasksFarKeysAlsoWithACache) {
+TEST(DecoderModel, SlidingWindowMasksFarKeysAlsoWithACache) {
   const fs::path dir = fs::temp_directory_path() / "qlora_test_sliding";
   fs::remove_all(dir);
   fs::create_directories(dir);
@@ -266,8 +266,8 @@ TEST(LlamaModel, SlidingWindowMasksFarKeysAlsoWithACache) {
   std::string cfg((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   cfg.insert(cfg.find('{') + 1, "\"sliding_window\": 3,");
   std::ofstream(dir / "config.json") << cfg;
-  const LlamaModel full = load_llama(tiny_llama(), {});
-  const LlamaModel slide = load_llama(dir.string(), {});
+  const DecoderModel full = load_decoder(tiny_llama(), {});
+  const DecoderModel slide = load_decoder(dir.string(), {});
   at::NoGradGuard ng;
   const at::Tensor t = tokens();  // [b, s], s > 3
   const at::Tensor a = full.forward(t), b = slide.forward(t);
@@ -282,7 +282,7 @@ TEST(LlamaModel, SlidingWindowMasksFarKeysAlsoWithACache) {
   fs::remove_all(dir);
 }
 
-TEST(LlamaModel, MissingTensorNamesCheckpointAndKey) {
+TEST(DecoderModel, MissingTensorNamesCheckpointAndKey) {
   const fs::path dir = fs::temp_directory_path() / "qlora_test_missing";
   fs::remove_all(dir);
   fs::create_directories(dir);
@@ -294,10 +294,10 @@ TEST(LlamaModel, MissingTensorNamesCheckpointAndKey) {
   }
   io::save_safetensors((dir / "model.safetensors").string(), kept);
   for (bool nf4 : {false, true}) {
-    LlamaLoadOptions o;
+    DecoderLoadOptions o;
     o.base_in_nf4 = nf4;
     try {
-      load_llama(dir.string(), o);
+      load_decoder(dir.string(), o);
       ADD_FAILURE() << "expected an error, nf4=" << nf4;
     } catch (const std::exception& e) {
       const std::string msg = e.what();
@@ -348,12 +348,12 @@ Packed make_packed() {
 
 }  // namespace
 
-TEST(LlamaModel, PackedForwardEqualsPerSampleForward) {
+TEST(DecoderModel, PackedForwardEqualsPerSampleForward) {
   const Packed p = make_packed();
   for (bool nf4 : {false, true}) {
-    LlamaLoadOptions o;
+    DecoderLoadOptions o;
     o.base_in_nf4 = nf4;
-    LlamaModel m = load_llama(tiny_llama(), o);
+    DecoderModel m = load_decoder(tiny_llama(), o);
     at::NoGradGuard ng;
     const at::Tensor packed = m.forward(p.tokens, p.positions, p.mask);  // [2, 16, vocab]
     ASSERT_EQ(packed.sizes(), at::IntArrayRef({2, 16, 256}));
@@ -372,8 +372,8 @@ TEST(LlamaModel, PackedForwardEqualsPerSampleForward) {
   }
 }
 
-TEST(LlamaModel, PackedForwardRejectsBadInputs) {
-  LlamaModel m = load_llama(tiny_llama(), {});
+TEST(DecoderModel, PackedForwardRejectsBadInputs) {
+  DecoderModel m = load_decoder(tiny_llama(), {});
   at::NoGradGuard ng;
   const Packed p = make_packed();
   {  // Not bad: packed rows into a cache (a generation batch's path) give the packed logits.
@@ -398,15 +398,15 @@ TEST(LlamaModel, PackedForwardRejectsBadInputs) {
   }
 }
 
-TEST(LlamaModel, PackedGradientsEqualSumOfPerSampleGradients) {
+TEST(DecoderModel, PackedGradientsEqualSumOfPerSampleGradients) {
   const Packed p = make_packed();
-  LlamaLoadOptions o;
+  DecoderLoadOptions o;
   o.base_in_nf4 = true;
   o.lora_targets = {"q_proj", "k_proj", "v_proj", "o_proj", "down_proj", "lm_head"};
   o.lora_r = 4;  // no dropout: packed and per-sample runs would draw different masks
   for (bool ckpt : {false, true}) {
     o.activation_checkpointing = ckpt;
-    LlamaModel m = load_llama(tiny_llama(), o);
+    DecoderModel m = load_decoder(tiny_llama(), o);
     m.training = true;
     randomize_lora_b(m);
     auto take_grads = [&]() {
@@ -445,8 +445,8 @@ TEST(LlamaModel, PackedGradientsEqualSumOfPerSampleGradients) {
 // With several chunks the forward is still exact per output column, but the backward's grad wrt h
 // sums over the vocab chunk by chunk (a different fp32 accumulation order), so gradients agree to
 // fp32 rounding only: checked to a relative 1e-5.
-TEST(LlamaModel, FrozenBf16StorageEqualsFp32Storage) {
-  LlamaLoadOptions o;
+TEST(DecoderModel, FrozenBf16StorageEqualsFp32Storage) {
+  DecoderLoadOptions o;
   o.base_in_nf4 = true;
   o.compute_dtype = at::kFloat;
   o.lora_targets = {"q_proj", "v_proj", "down_proj", "lm_head"};
@@ -459,7 +459,7 @@ TEST(LlamaModel, FrozenBf16StorageEqualsFp32Storage) {
   };
   auto run = [&](at::ScalarType frozen, int64_t chunk_rows) {
     o.frozen_dtype = frozen;
-    LlamaModel m = load_llama(tiny_llama(), o);
+    DecoderModel m = load_decoder(tiny_llama(), o);
     m.lm_head_chunk_rows = chunk_rows;
     if (frozen == at::kBFloat16) {
       EXPECT_EQ(m.frozen_dtype, at::kBFloat16);
@@ -499,7 +499,7 @@ TEST(LlamaModel, FrozenBf16StorageEqualsFp32Storage) {
   o.frozen_dtype = at::kBFloat16;
   o.lora_targets.clear();
   o.activation_checkpointing = false;
-  LlamaModel m = load_llama(tiny_llama(), o);
+  DecoderModel m = load_decoder(tiny_llama(), o);
   at::NoGradGuard ng;
   modules::KvCache cache;
   at::Tensor full = m.forward(tokens());
@@ -507,8 +507,8 @@ TEST(LlamaModel, FrozenBf16StorageEqualsFp32Storage) {
   EXPECT_LE(max_abs(at::cat({a, b}, 1) - full), 1e-4);
   // Any other frozen dtype is rejected.
   o.frozen_dtype = at::kHalf;
-  EXPECT_THROW(load_llama(tiny_llama(), o), std::invalid_argument);
+  EXPECT_THROW(load_decoder(tiny_llama(), o), std::invalid_argument);
   o.compute_dtype = at::kBFloat16;
   o.frozen_dtype = at::kFloat;
-  EXPECT_THROW(load_llama(tiny_llama(), o), std::invalid_argument);
+  EXPECT_THROW(load_decoder(tiny_llama(), o), std::invalid_argument);
 }

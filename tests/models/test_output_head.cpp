@@ -1,4 +1,4 @@
-// The chunked output projection + cross-entropy (models/output_head.h, LlamaModel::loss) equals the
+// The chunked output projection + cross-entropy (models/output_head.h, DecoderModel::loss) equals the
 // whole-logits loss it replaces, in value and in every gradient, and never allocates a [tokens,
 // vocab] tensor.
 //
@@ -26,7 +26,7 @@
 
 #include "bench/random_llama.h"  // random in-memory models of any family's shape
 #include "fixtures.h"
-#include "qlora/models/llama.h"
+#include "qlora/models/decoder.h"
 #include "qlora/models/output_head.h"
 #include "qlora/ops/nf4_ops.h"
 
@@ -287,15 +287,15 @@ const char* kTinyQwen2 = R"({"model_type":"qwen2","hidden_size":64,"intermediate
 
 // A model with LoRA on every projection and the output head (dropout 0.1 on the head; "llama
 // layers only": none on the head), B nonzero.
-LlamaModel tiny(const std::string& family) {
-  LlamaModel m;
+DecoderModel tiny(const std::string& family) {
+  DecoderModel m;
   if (family.rfind("llama", 0) == 0) {
-    LlamaLoadOptions o;
+    DecoderLoadOptions o;
     o.base_in_nf4 = true;
     o.frozen_dtype = at::kBFloat16;  // the head widened by rows
     o.lora_targets = {"q", "k", "v", "o", "gate", "up", "down"};
     if (family == "llama") o.lora_targets.push_back("output");
-    m = load_llama(tiny_llama(), o);
+    m = load_decoder(tiny_llama(), o);
   } else {
     m = qlora::bench::random_model(parse_llama_config(family == "gemma2" ? kTinyGemma2 : kTinyQwen2, family), 4,
                                    8.0, false);
@@ -312,7 +312,7 @@ LlamaModel tiny(const std::string& family) {
 }
 
 // The loss of m on (tokens, labels) and every adapter's gradient, dropout drawn from seed 7.
-std::pair<double, std::vector<at::Tensor>> loss_and_grads(LlamaModel& m, const at::Tensor& tokens,
+std::pair<double, std::vector<at::Tensor>> loss_and_grads(DecoderModel& m, const at::Tensor& tokens,
                                                           const at::Tensor& labels) {
   std::vector<at::Tensor> grads;
   for (auto& [name, t] : m.lora_parameters()) t.mutable_grad() = at::Tensor();
@@ -325,13 +325,13 @@ std::pair<double, std::vector<at::Tensor>> loss_and_grads(LlamaModel& m, const a
 
 }  // namespace
 
-// End to end: LlamaModel::loss by chunks equals the whole-logits loss (which equals
+// End to end: DecoderModel::loss by chunks equals the whole-logits loss (which equals
 // cross_entropy(forward())) in the loss and every adapter's gradient, for Llama (NF4 base, bf16
 // head widened by rows; LoRA on the head or not), Gemma 2 (tied, soft-capped) and Qwen2 (tied),
 // with dropout on the head's LoRA input.
 TEST(OutputHead, ModelLossByChunksEqualsWholeLogitsForEachFamily) {
   for (const std::string family : {"llama", "llama layers only", "gemma2", "qwen2"}) {
-    LlamaModel m = tiny(family);
+    DecoderModel m = tiny(family);
     const int64_t vocab = m.config.vocab_size;
     const at::Tensor tokens = at::randint(0, vocab, {2, 11}, gen_of(13));
     const at::Tensor labels = labels_with_gaps(22, vocab, 14).view({2, 11});
@@ -364,7 +364,7 @@ TEST(OutputHead, ModelLossByChunksEqualsWholeLogitsForEachFamily) {
 TEST(OutputHead, LossFiresTheUnitHooksAsForwardDoes) {
   const at::Tensor tokens = at::randint(0, 256, {2, 7}, gen_of(15)), labels = at::randint(0, 256, {2, 7}, gen_of(16));
   for (const bool ckpt : {false, true}) {
-    LlamaModel m = tiny("llama");
+    DecoderModel m = tiny("llama");
     m.activation_checkpointing = ckpt;
     auto rec = std::make_shared<test_fixtures::HookRecorder>();
     m.hooks = rec;
@@ -378,7 +378,7 @@ TEST(OutputHead, LossFiresTheUnitHooksAsForwardDoes) {
 }
 
 TEST(OutputHead, ModelLossRefusesBadLabels) {
-  LlamaModel m = tiny("llama");
+  DecoderModel m = tiny("llama");
   const at::Tensor tokens = at::randint(0, 256, {2, 7}, gen_of(17));
   EXPECT_THROW(m.loss(tokens, at::zeros({2, 6}, at::kLong)), std::invalid_argument);
   EXPECT_THROW(m.loss(tokens, at::zeros({2, 7}, at::kInt)), std::invalid_argument);

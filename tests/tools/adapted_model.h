@@ -13,23 +13,23 @@
 #include <string>
 #include <vector>
 
-#include "qlora/models/llama.h"
+#include "qlora/models/decoder.h"
 
 namespace qlora::test_tools {
 
 inline constexpr int64_t kRank = 8;
 inline constexpr double kAlpha = 16.0;
 
-inline models::LlamaModel adapted_model(const std::string& checkpoint, std::vector<std::string> targets, uint64_t seed,
+inline models::DecoderModel adapted_model(const std::string& checkpoint, std::vector<std::string> targets, uint64_t seed,
                                         bool dora, bool rslora) {
-  models::LlamaLoadOptions opt;
+  models::DecoderLoadOptions opt;
   opt.lora_targets = targets.empty() ? models::layer_peft_names(models::llama_architecture()) : std::move(targets);
   opt.lora_r = kRank;
   opt.lora_alpha = kAlpha;
   opt.seed = seed;
   opt.lora_use_dora = dora;
   opt.lora_use_rslora = rslora;
-  models::LlamaModel m = models::load_llama(checkpoint, opt);
+  models::DecoderModel m = models::load_decoder(checkpoint, opt);
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed + 1);
   const c10::NoGradGuard g;
   for (auto& [name, t] : m.lora_parameters()) {

@@ -90,7 +90,7 @@ int main(int argc, char** argv) {
   try {
     lo.loss = qlora::io::enum_from_name(tr::kPreferenceLossNames, loss_name, "--loss");
     const std::vector<qlora::data::PreferencePair> pairs = read_pairs(pairs_path);
-    qlora::models::LlamaModel m = qlora::test_tools::adapted_model(checkpoint, {}, seed, dora, rslora);
+    qlora::models::DecoderModel m = qlora::test_tools::adapted_model(checkpoint, {}, seed, dora, rslora);
     qlora::checkpoint::AdapterInfo info{qlora::test_tools::kRank, qlora::test_tools::kAlpha, 0.0, {}, checkpoint};
     info.use_rslora = rslora;
     qlora::checkpoint::write_peft_adapter(out + "/adapter", m.lora_parameters(), info);

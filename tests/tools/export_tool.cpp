@@ -23,7 +23,7 @@
 
 #include "qlora/checkpoint/export.h"
 #include "qlora/io/safetensors.h"
-#include "qlora/models/llama.h"
+#include "qlora/models/decoder.h"
 #include "tests/tools/adapted_model.h"
 
 namespace {
@@ -59,7 +59,7 @@ int main(int argc, char** argv) {
     std::vector<std::string> target_list;
     std::stringstream ts(targets);
     for (std::string t; std::getline(ts, t, ',');) target_list.push_back(t);
-    qlora::models::LlamaModel m = qlora::test_tools::adapted_model(checkpoint, target_list, seed, dora, rslora);
+    qlora::models::DecoderModel m = qlora::test_tools::adapted_model(checkpoint, target_list, seed, dora, rslora);
     ck::AdapterInfo info{qlora::test_tools::kRank, qlora::test_tools::kAlpha, 0.0, {}, checkpoint};
     info.use_rslora = rslora;
     ck::write_peft_adapter(out + "/adapter", m.lora_parameters(), info);

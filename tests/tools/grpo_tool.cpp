@@ -1,7 +1,7 @@
 // grpo_tool: GRPO micro-batches of the recipe's own path (train/grpo_batch.h, train/grpo_loss.h) on
 // given completions and rewards, for tests/conformance/test_grpo_trl.py to compare with TRL:
 //   grpo_tool --checkpoint DIR --rollout ROLLOUT.json --cases CASES.json --out DIR [--seed N]
-// A case's "temperature" divides the logits of every log-prob (LlamaModel::logit_temperature).
+// A case's "temperature" divides the logits of every log-prob (DecoderModel::logit_temperature).
 // ROLLOUT.json: {"stop_ids": [ids], "rows": [{"prompt": [ids], "completion": [ids], "reward": r or null,
 // "old_logps": [one a completion token], optional}, ...]}, groups of num_generations consecutive rows;
 // a null reward is unscorable (TRL's None). No BOS or EOS is added. A completion is truncated when its
@@ -109,7 +109,7 @@ tr::GrpoOptions options_of(const nlohmann::json& c) {
 }
 
 // One case on the model: its terms, backward, and what it wrote. Leaves the adapters' grads reset.
-void run_case(qlora::models::LlamaModel m, const Rollout& r, const tr::CompletionBatch& b,
+void run_case(qlora::models::DecoderModel m, const Rollout& r, const tr::CompletionBatch& b,
               const tr::GrpoOptions& o, double temperature, const std::string& out) {
   m.logit_temperature = temperature;  // a shallow copy: the same adapters
   tr::GrpoInputs in;
@@ -161,7 +161,7 @@ int main(int argc, char** argv) {
     if (!f) usage("cannot open " + cases_path);
     const nlohmann::json cases = nlohmann::json::parse(f);
     const Rollout r = read_rollout(rollout_path);
-    qlora::models::LlamaModel m = qlora::test_tools::adapted_model(checkpoint, {}, seed, false, false);
+    qlora::models::DecoderModel m = qlora::test_tools::adapted_model(checkpoint, {}, seed, false, false);
     const qlora::checkpoint::AdapterInfo info{qlora::test_tools::kRank, qlora::test_tools::kAlpha, 0.0, {}, checkpoint};
     qlora::checkpoint::write_peft_adapter(out + "/adapter", m.lora_parameters(), info);
     const tr::CompletionBatch b = tr::completion_batch(r.completions, /*pad_id=*/0);

@@ -1,4 +1,4 @@
-// llama_logits: runs our forward (any family load_llama reads) on given token ids and writes the
+// llama_logits: runs our forward (any family load_decoder reads) on given token ids and writes the
 // logits, so Python conformance tests can compare them with transformers.
 //   llama_logits --checkpoint DIR --tokens 1,2,3[;4,5,6] [--nf4] [--dtype fp32|bf16] [--device cpu|cuda]
 //                [--packed 5,7 | --decode-from P | --generate N [--batch-lengths 5,12 [--generations G]]]
@@ -29,7 +29,7 @@
 #include "qlora/data/batching.h"
 #include "qlora/io/safetensors.h"
 #include "qlora/models/generate.h"
-#include "qlora/models/llama.h"
+#include "qlora/models/decoder.h"
 
 namespace {
 
@@ -93,7 +93,7 @@ std::pair<at::Tensor, at::Tensor> packed_inputs(const std::vector<int64_t>& leng
 }
 
 // --generate N [--batch-lengths ...]: the greedy continuations as "ids" in `out` (see the header).
-void write_generation(const qlora::models::LlamaModel& model, const at::Tensor& ids, int64_t generate_n,
+void write_generation(const qlora::models::DecoderModel& model, const at::Tensor& ids, int64_t generate_n,
                       const std::vector<int64_t>& batch_lengths, int64_t generations, const std::string& out) {
   if (!batch_lengths.empty() && static_cast<int64_t>(batch_lengths.size()) != ids.size(0))
     usage("--batch-lengths: one per row");
@@ -132,7 +132,7 @@ int main(int argc, char** argv) {
   std::string checkpoint, tokens, out, packed;
   int64_t generate_n = -1, decode_from = -1, generations = 1;
   std::vector<int64_t> batch_lengths;
-  qlora::models::LlamaLoadOptions opt;
+  qlora::models::DecoderLoadOptions opt;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto value = [&]() -> std::string {
@@ -163,7 +163,7 @@ int main(int argc, char** argv) {
     usage("--packed, --decode-from and --generate exclude each other");
   try {
     const at::Tensor ids = parse_tokens(tokens).to(opt.device);  // [batch, seq]
-    const qlora::models::LlamaModel model = qlora::models::load_llama(checkpoint, opt);
+    const qlora::models::DecoderModel model = qlora::models::load_decoder(checkpoint, opt);
     at::NoGradGuard no_grad;
     if (generate_n >= 0) {
       write_generation(model, ids, generate_n, batch_lengths, generations, out);

@@ -36,7 +36,7 @@ std::vector<Completion> completions() {
 }
 
 // [B, C]: each row alone through forward(), log_softmax of its logits at its completion's tokens.
-at::Tensor whole_logits_logps(const qlora::models::LlamaModel& m, const std::vector<Completion>& cs, int64_t width) {
+at::Tensor whole_logits_logps(const qlora::models::DecoderModel& m, const std::vector<Completion>& cs, int64_t width) {
   std::vector<at::Tensor> rows;
   for (const Completion& c : cs) {
     std::vector<int64_t> ids = c.prompt;
@@ -55,7 +55,7 @@ double rel_err(const at::Tensor& a, const at::Tensor& ref) {
 }
 
 // Each adapter's gradient of sum(weights · logps), then cleared.
-std::vector<at::Tensor> adapter_grads(const qlora::models::LlamaModel& m, const at::Tensor& logps, const at::Tensor& w) {
+std::vector<at::Tensor> adapter_grads(const qlora::models::DecoderModel& m, const at::Tensor& logps, const at::Tensor& w) {
   (logps * w).sum().backward();
   std::vector<at::Tensor> g;
   for (auto& [name, p] : m.lora_parameters()) {
@@ -67,7 +67,7 @@ std::vector<at::Tensor> adapter_grads(const qlora::models::LlamaModel& m, const 
 
 class GrpoBatch : public ::testing::Test {
  protected:
-  qlora::models::LlamaModel m = qlora::test_tools::adapted_model(tiny_llama(), {}, 7, false, false);
+  qlora::models::DecoderModel m = qlora::test_tools::adapted_model(tiny_llama(), {}, 7, false, false);
   CompletionBatch b = completion_batch(completions(), /*pad_id=*/0);
 };
 

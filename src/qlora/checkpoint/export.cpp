@@ -81,7 +81,7 @@ at::ScalarType model_base_dtype(const modules::LoraLinear& l) {
 
 void copy_file_atomic(const fs::path& from, const fs::path& to) { io::write_file_atomic(to.string(), read_file(from)); }
 
-// A base matrix [vocab, hidden] with the rows the run replaced (LlamaModel::token_rows) written over
+// A base matrix [vocab, hidden] with the rows the run replaced (DecoderModel::token_rows) written over
 // it: the exports carry the rows the model trained against, not the checkpoint's. Identity when the
 // run replaced none.
 using RowPatch = std::function<at::Tensor(const at::Tensor&)>;
@@ -234,7 +234,7 @@ struct MergedModelWriter::Impl {
   std::set<size_t> written;  // files this process wrote entries into, to fsync once each
 };
 
-MergedModelWriter::MergedModelWriter(const std::string& dir, const models::LlamaModel& model,
+MergedModelWriter::MergedModelWriter(const std::string& dir, const models::DecoderModel& model,
                                      const std::string& base_checkpoint_dir, MergeSource source,
                                      int64_t max_shard_bytes)
     : impl_(new Impl{dir, base_checkpoint_dir, io::CheckpointDir{}, {}, {}, {}, {}, {}, {}, 0, false, {}}) {
@@ -295,11 +295,11 @@ MergedModelWriter::MergedModelWriter(const std::string& dir, const models::Llama
                        }});
   };
 
-  const models::LlamaConfig& c = model.config;
+  const models::DecoderConfig& c = model.config;
   const models::Architecture& arch = model.architecture();
   // The table's text keys in the layout of the input files (key_layout.h).
   const auto key = [&model](const std::string& text_key) { return models::layout_key(model.key_layout, text_key); };
-  const models::LlamaModel::TokenRows& token_rows = model.token_rows;
+  const models::DecoderModel::TokenRows& token_rows = model.token_rows;
   const RowPatch embed_rows = token_rows_patch(token_rows.ids, token_rows.embed);
   // A tied head's rows are the embedding's.
   const RowPatch head_rows =
@@ -451,7 +451,7 @@ namespace {
 
 // A multimodal model's adapter names its targets by a pattern that only the language model's modules
 // match (models::peft_target_pattern); a list of short names would also wrap the vision tower's.
-AdapterInfo adapter_info_for(const models::LlamaModel& model, AdapterInfo info) {
+AdapterInfo adapter_info_for(const models::DecoderModel& model, AdapterInfo info) {
   if (!model.config.multimodal) return info;
   std::vector<std::string> names = info.target_modules;
   if (names.empty())
@@ -460,12 +460,12 @@ AdapterInfo adapter_info_for(const models::LlamaModel& model, AdapterInfo info) 
   return info;
 }
 
-// The rows the run replaced (LlamaModel::token_rows) as peft's trainable tokens: their ids in the
+// The rows the run replaced (DecoderModel::token_rows) as peft's trainable tokens: their ids in the
 // config, their rows among the adapter's tensors. A tied head: the ids as a list, for which peft
 // wraps the input embedding and ties the head to its rows; else one entry per module.
-void add_token_rows(const models::LlamaModel& model, AdapterInfo& info,
+void add_token_rows(const models::DecoderModel& model, AdapterInfo& info,
                     std::vector<std::pair<std::string, at::Tensor>>& tensors) {
-  const models::LlamaModel::TokenRows& rows = model.token_rows;
+  const models::DecoderModel::TokenRows& rows = model.token_rows;
   if (rows.ids.empty()) return;
   const auto module = [&model](const std::string& text_key) {  // "model.embed_tokens.weight" -> "model.embed_tokens"
     const std::string k = models::layout_key(model.key_layout, text_key);
@@ -490,7 +490,7 @@ void call(const std::function<void()>& f) {
 // The merged model's files, written by every writer of `ranks` together: writer 0 creates the
 // files with their headers, each writer fills in the entries of the units it owns, writer 0
 // adds the index, config and tokenizer files once every entry is durable.
-void write_merged(const std::string& dir, const models::LlamaModel& model, const std::string& base_checkpoint_dir,
+void write_merged(const std::string& dir, const models::DecoderModel& model, const std::string& base_checkpoint_dir,
                   MergeSource source, int64_t max_shard_bytes, const std::string& tokenizer_path,
                   const ExportRanks& ranks) {
   const MergedModelWriter w(dir, model, base_checkpoint_dir, source, max_shard_bytes);
@@ -513,13 +513,13 @@ void write_merged(const std::string& dir, const models::LlamaModel& model, const
 
 }  // namespace
 
-void write_merged_model(const std::string& dir, const models::LlamaModel& model, const std::string& base_checkpoint_dir,
+void write_merged_model(const std::string& dir, const models::DecoderModel& model, const std::string& base_checkpoint_dir,
                         MergeSource source, int64_t max_shard_bytes, const std::string& tokenizer_path) {
   write_merged(dir, model, base_checkpoint_dir, source, max_shard_bytes, tokenizer_path, {});
   io::fsync_path(dir);
 }
 
-void export_epoch(const std::string& output_dir, int64_t epoch, const models::LlamaModel& model, const AdapterInfo& info,
+void export_epoch(const std::string& output_dir, int64_t epoch, const models::DecoderModel& model, const AdapterInfo& info,
                   bool adapter_only, const std::string& base_checkpoint_dir, MergeSource source,
                   const std::string& tokenizer_path, const ExportRanks& ranks) {
   if (epoch < 0) throw ExportError("export_epoch: negative epoch " + std::to_string(epoch));

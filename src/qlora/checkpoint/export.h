@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "qlora/io/enum_names.h"
-#include "qlora/models/llama.h"
+#include "qlora/models/decoder.h"
 
 namespace qlora::checkpoint {
 
@@ -54,7 +54,7 @@ struct AdapterInfo {
   std::string target_pattern;
   bool use_rslora = false;  // scale alpha / sqrt(r); use_dora follows from lora_magnitude_vector keys
   // peft's trainable tokens (LoraConfig.trainable_token_indices), for the rows the run replaced in the
-  // base (LlamaModel::token_rows): a list of ids (the input embedding; peft ties a tied head to it)
+  // base (DecoderModel::token_rows): a list of ids (the input embedding; peft ties a tied head to it)
   // or {"embed_tokens": ids, "lm_head": ids}; null: none. Their rows are the tensors
   // <module>.token_adapter.trainable_tokens_delta [ids, hidden], which peft writes over the base's
   // rows. export_epoch fills it from the model.
@@ -75,7 +75,7 @@ struct ExportError : std::runtime_error {
 };
 
 // Writes <dir>/adapter_model.safetensors (the given PEFT-named tensors, e.g. from
-// LlamaModel::lora_parameters(), and the trainable_tokens_delta rows info.trainable_token_indices
+// DecoderModel::lora_parameters(), and the trainable_tokens_delta rows info.trainable_token_indices
 // names, cast to `dtype` on the CPU) and <dir>/adapter_config.json, each
 // atomically; creates dir. adapter_config.json carries the LoraConfig fields PEFT has long
 // written (peft_type, r, lora_alpha, target_modules, lora_dropout, bias, task_type,
@@ -110,7 +110,7 @@ const char* merge_source_name(MergeSource source);
 // tie_word_embeddings=false. A multimodal base (gemma3) is written back as the same class: its
 // language model's keys in the base's layout (models/key_layout.h), its vision tower and projector
 // tensors copied as they are.
-void write_merged_model(const std::string& dir, const models::LlamaModel& model, const std::string& base_checkpoint_dir,
+void write_merged_model(const std::string& dir, const models::DecoderModel& model, const std::string& base_checkpoint_dir,
                         MergeSource source, int64_t max_shard_bytes = 5LL << 30, const std::string& tokenizer_path = "");
 
 // write_merged_model in pieces, so several ranks can write one merged model together: every rank
@@ -120,7 +120,7 @@ void write_merged_model(const std::string& dir, const models::LlamaModel& model,
 // The files are byte-identical however the entries are spread over ranks.
 class MergedModelWriter {
  public:
-  MergedModelWriter(const std::string& dir, const models::LlamaModel& model, const std::string& base_checkpoint_dir,
+  MergedModelWriter(const std::string& dir, const models::DecoderModel& model, const std::string& base_checkpoint_dir,
                     MergeSource source, int64_t max_shard_bytes = 5LL << 30);
   ~MergedModelWriter();
   size_t num_entries() const;
@@ -160,7 +160,7 @@ struct ExportRanks {
 // complete (atomically where the filesystem supports RENAME_EXCHANGE). With several processes
 // (`ranks`), each writes the units it owns in place, and the files are byte-identical to one
 // process's.
-void export_epoch(const std::string& output_dir, int64_t epoch, const models::LlamaModel& model,
+void export_epoch(const std::string& output_dir, int64_t epoch, const models::DecoderModel& model,
                   const AdapterInfo& info, bool adapter_only, const std::string& base_checkpoint_dir,
                   MergeSource source, const std::string& tokenizer_path = "", const ExportRanks& ranks = {});
 

@@ -3,7 +3,7 @@
 #include <algorithm>
 
 #include "qlora/checkpoint/export.h"
-#include "qlora/models/llama_config.h"
+#include "qlora/models/decoder_config.h"
 
 namespace qlora::checkpoint {
 
@@ -14,7 +14,7 @@ std::vector<int64_t> stop_ids(const std::string& dir, const data::Tokenizer& tok
   };
   add(tok.eos_id());
   add(tok.eot_id());
-  for (const int64_t e : models::load_llama_config(dir).eos_token_ids) add(e);
+  for (const int64_t e : models::load_decoder_config(dir).eos_token_ids) add(e);
   for (const int64_t e : models::load_generation_eos_ids(dir)) add(e);
   if (!end_of_turn.empty()) {
     const auto eot = tok.encode(end_of_turn);

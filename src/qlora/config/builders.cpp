@@ -52,9 +52,9 @@ data::SamplerOptions sampler_options(const DataConfig& data_cfg, const TrainingC
   return o;
 }
 
-models::LlamaLoadOptions llama_load_options(const RecipeConfig& cfg, c10::Device device,
+models::DecoderLoadOptions decoder_load_options(const RecipeConfig& cfg, c10::Device device,
                                             at::ScalarType frozen_dtype) {
-  models::LlamaLoadOptions o;
+  models::DecoderLoadOptions o;
   o.base_in_nf4 = cfg.model.base == BaseFormat::NF4;
   o.compute_dtype = cfg.model.dtype;
   o.frozen_dtype = frozen_dtype;

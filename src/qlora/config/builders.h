@@ -16,7 +16,7 @@
 #include "qlora/data/preference.h"
 #include "qlora/data/sampler.h"
 #include "qlora/engine/sharded_model.h"
-#include "qlora/models/llama.h"
+#include "qlora/models/decoder.h"
 #include "qlora/optim/adamw.h"
 #include "qlora/optim/schedule.h"
 #include "qlora/train/rewards.h"
@@ -45,7 +45,7 @@ data::SamplerOptions sampler_options(const DataConfig& data_cfg, const TrainingC
 // model.dtype / base / activation_checkpointing, the [lora] section and training.seed (LoRA init).
 // frozen_dtype is the recipe's to choose: it depends on the checkpoint's files, not on the config.
 // on_layer_loaded stays empty: the sharded engine sets it.
-models::LlamaLoadOptions llama_load_options(const RecipeConfig& cfg, c10::Device device,
+models::DecoderLoadOptions decoder_load_options(const RecipeConfig& cfg, c10::Device device,
                                             at::ScalarType frozen_dtype);
 
 // model.dtype = "auto" (ScalarType::Undefined) for `device`: bf16 on CUDA, and on a CPU whose bf16

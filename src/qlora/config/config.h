@@ -35,7 +35,7 @@ struct ConfigError : std::runtime_error {
 };
 
 // Storage of the frozen decoder projections: NF4, or dense ("bf16" and "fp32" both mean dense in
-// the compute dtype: models::LlamaLoadOptions has only base_in_nf4). The one enum of config's own:
+// the compute dtype: models::DecoderLoadOptions has only base_in_nf4). The one enum of config's own:
 // no component has a twin of it.
 enum class BaseFormat { NF4, BF16, FP32 };
 

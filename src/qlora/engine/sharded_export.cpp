@@ -7,7 +7,7 @@
 
 namespace qlora::engine {
 
-void export_epoch(const std::string& output_dir, int64_t epoch, const models::LlamaModel& model, ShardedLlama& engine,
+void export_epoch(const std::string& output_dir, int64_t epoch, const models::DecoderModel& model, ShardedDecoder& engine,
                   World& world, const checkpoint::AdapterInfo& info, bool adapter_only,
                   const std::string& base_checkpoint_dir, checkpoint::MergeSource source,
                   const std::string& tokenizer_path, std::function<void(const std::string& dir)> before_commit,

@@ -19,7 +19,7 @@ namespace qlora::engine {
 
 using Setter = std::function<void(const at::Tensor&)>;
 
-struct ShardedLlama::FrozenGroup {
+struct ShardedDecoder::FrozenGroup {
   std::string name;
   FlatLayout layout{at::kByte, 1};
   std::vector<Setter> rebind;  // per member, while sharding: point the model's tensor at its alias
@@ -30,7 +30,7 @@ struct ShardedLlama::FrozenGroup {
   int64_t bf16_bytes = 0;  // the members as bf16 weights would weigh
 };
 
-struct ShardedLlama::TrainGroup {
+struct ShardedDecoder::TrainGroup {
   FlatLayout layout{at::kFloat, 1};
   at::Tensor full_param, full_grad;  // [padded] fp32; the adapters and their .grad are views
   at::Tensor grad_shard, rs_out;     // [padded / shards]
@@ -110,35 +110,35 @@ int64_t bf16_bytes_of(const Member& mb) {
 
 }  // namespace
 
-ShardedLlama::ShardedLlama(World& world, ShardingOptions options) : world_(world), opt_(options) {}
+ShardedDecoder::ShardedDecoder(World& world, ShardingOptions options) : world_(world), opt_(options) {}
 
-ShardedLlama::~ShardedLlama() = default;
+ShardedDecoder::~ShardedDecoder() = default;
 
 namespace {
 
 // Packs `members` into a new group's full buffer, points the model's tensors at their aliases of
 // it, keeps this rank's shard and releases the full buffer.
-std::unique_ptr<ShardedLlama::FrozenGroup> make_frozen(const std::string& name, const std::vector<Member>& members,
+std::unique_ptr<ShardedDecoder::FrozenGroup> make_frozen(const std::string& name, const std::vector<Member>& members,
                                                        int64_t shards, int64_t me, at::Device dev);
 
 }  // namespace
 
-std::shared_ptr<ShardedLlama> ShardedLlama::begin(World& world, ShardingOptions options) {
-  std::shared_ptr<ShardedLlama> self(new ShardedLlama(world, options));
+std::shared_ptr<ShardedDecoder> ShardedDecoder::begin(World& world, ShardingOptions options) {
+  std::shared_ptr<ShardedDecoder> self(new ShardedDecoder(world, options));
   self->frozen_.resize(1);  // the embedding's slot; layers append theirs
   return self;
 }
 
-std::shared_ptr<ShardedLlama> ShardedLlama::shard(models::LlamaModel& m, World& world, ShardingOptions options) {
+std::shared_ptr<ShardedDecoder> ShardedDecoder::shard(models::DecoderModel& m, World& world, ShardingOptions options) {
   auto self = begin(world, options);
   for (size_t i = 0; i < m.layers.size(); ++i) self->shard_layer(static_cast<int64_t>(i), m.layers[i], m.architecture());
   self->finish(m);
   return self;
 }
 
-void ShardedLlama::shard_layer(int64_t index, modules::DecoderLayer& L, const models::Architecture& arch) {
+void ShardedDecoder::shard_layer(int64_t index, modules::DecoderLayer& L, const models::Architecture& arch) {
   if (index != num_layers_)
-    throw std::invalid_argument("ShardedLlama::shard_layer: layer " + std::to_string(index) + " out of order (expected " +
+    throw std::invalid_argument("ShardedDecoder::shard_layer: layer " + std::to_string(index) + " out of order (expected " +
                                 std::to_string(num_layers_) + ")");
   const int64_t n = world_.shard().size(), me = world_.shard().rank();
   std::vector<Member> ms;
@@ -163,9 +163,9 @@ void ShardedLlama::shard_layer(int64_t index, modules::DecoderLayer& L, const mo
   ++num_layers_;
 }
 
-void ShardedLlama::finish(models::LlamaModel& m) {
+void ShardedDecoder::finish(models::DecoderModel& m) {
   if (num_layers_ != static_cast<int64_t>(m.layers.size()))
-    throw std::invalid_argument("ShardedLlama::finish: " + std::to_string(num_layers_) + " of " +
+    throw std::invalid_argument("ShardedDecoder::finish: " + std::to_string(num_layers_) + " of " +
                                 std::to_string(m.layers.size()) + " layers were sharded");
   const int64_t n = world_.shard().size(), me = world_.shard().rank();
   const at::Device dev = m.embed_tokens.device();
@@ -201,9 +201,9 @@ void ShardedLlama::finish(models::LlamaModel& m) {
 
 namespace {
 
-std::unique_ptr<ShardedLlama::FrozenGroup> make_frozen(const std::string& name, const std::vector<Member>& members,
+std::unique_ptr<ShardedDecoder::FrozenGroup> make_frozen(const std::string& name, const std::vector<Member>& members,
                                                        int64_t shards, int64_t me, at::Device dev) {
-  auto g = std::make_unique<ShardedLlama::FrozenGroup>();
+  auto g = std::make_unique<ShardedDecoder::FrozenGroup>();
   g->name = name;
   g->layout = FlatLayout(at::kByte, shards);
   for (const Member& mb : members) {
@@ -231,7 +231,7 @@ std::unique_ptr<ShardedLlama::FrozenGroup> make_frozen(const std::string& name, 
 
 }  // namespace
 
-void ShardedLlama::add_trainable(const std::vector<modules::LoraLinear*>& ls, const std::vector<std::string>& stems) {
+void ShardedDecoder::add_trainable(const std::vector<modules::LoraLinear*>& ls, const std::vector<std::string>& stems) {
   const int64_t n = world_.shard().size(), me = world_.shard().rank();
   auto g = std::make_unique<TrainGroup>();
   g->layout = FlatLayout(at::kFloat, n);
@@ -270,14 +270,14 @@ void ShardedLlama::add_trainable(const std::vector<modules::LoraLinear*>& ls, co
   train_.push_back(std::move(g));
 }
 
-const FlatLayout& ShardedLlama::trainable_layout(size_t g) const { return train_.at(g)->layout; }
+const FlatLayout& ShardedDecoder::trainable_layout(size_t g) const { return train_.at(g)->layout; }
 
-ShardedLlama::FrozenGroup& ShardedLlama::group_of(int64_t unit) {
+ShardedDecoder::FrozenGroup& ShardedDecoder::group_of(int64_t unit) {
   const auto& slot = frozen_.at(static_cast<size_t>(unit + 1));
   return slot ? *slot : *frozen_.back();  // a tied embedding lives in the head's group
 }
 
-void ShardedLlama::gather(FrozenGroup& g, bool wait_now) {
+void ShardedDecoder::gather(FrozenGroup& g, bool wait_now) {
   alloc_storage(g.full);
   g.gathered = true;
   stats_.gathers += 1;
@@ -291,7 +291,7 @@ void ShardedLlama::gather(FrozenGroup& g, bool wait_now) {
   else g.pending = std::move(w);
 }
 
-void ShardedLlama::ensure(FrozenGroup& g) {
+void ShardedDecoder::ensure(FrozenGroup& g) {
   if (!g.gathered) return gather(g, /*wait_now=*/true);
   if (g.pending) {
     WorkPtr w = std::move(g.pending);
@@ -300,25 +300,25 @@ void ShardedLlama::ensure(FrozenGroup& g) {
   }
 }
 
-void ShardedLlama::release(FrozenGroup& g) {
+void ShardedDecoder::release(FrozenGroup& g) {
   if (!g.gathered || whole()) return;
   ensure(g);  // a collective still writing into the buffer must finish first
   free_storage(g.full);
   g.gathered = false;
 }
 
-void ShardedLlama::prefetch(int64_t unit) {
+void ShardedDecoder::prefetch(int64_t unit) {
   if (!opt_.prefetch || unit < -1 || unit > num_layers_) return;
   FrozenGroup& g = group_of(unit);
   if (!g.gathered) gather(g, /*wait_now=*/false);
 }
 
-void ShardedLlama::before_forward(int64_t unit, bool recompute) {
+void ShardedDecoder::before_forward(int64_t unit, bool recompute) {
   ensure(group_of(unit));
   if (!recompute) prefetch(unit + 1);
 }
 
-void ShardedLlama::after_forward(int64_t unit, bool recompute) {
+void ShardedDecoder::after_forward(int64_t unit, bool recompute) {
   if (recompute || !opt_.reshard_after_forward || held_) return;
   const bool training = at::GradMode::is_enabled();
   // Backward starts with the head and the last layer: keep them rather than regather at once.
@@ -328,22 +328,22 @@ void ShardedLlama::after_forward(int64_t unit, bool recompute) {
   release(g);
 }
 
-void ShardedLlama::before_backward(int64_t unit) {
+void ShardedDecoder::before_backward(int64_t unit) {
   ensure(group_of(unit));
   if (unit > 0) prefetch(unit - 1);
 }
 
-void ShardedLlama::after_backward(int64_t unit) {
+void ShardedDecoder::after_backward(int64_t unit) {
   if (unit >= 0) release(group_of(unit));
 }
 
-void ShardedLlama::on_grad_ready(size_t gi) {
+void ShardedDecoder::on_grad_ready(size_t gi) {
   TrainGroup& g = *train_[gi];
   if (++g.arrived < g.expected) return;
   g.arrived = 0;
   if (!sync_ && !opt_.reduce_scatter_every_micro_batch) return;
   if (g.rs)  // rs_out and full_grad are still in use by the last backward's reduce-scatter
-    throw std::logic_error("ShardedLlama: a backward ran without finish_backward() after the previous one");
+    throw std::logic_error("ShardedDecoder: a backward ran without finish_backward() after the previous one");
   if (!whole()) {  // a one-rank shard group's full gradient is its shard already
     g.rs = world_.shard().reduce_scatter_sum(g.rs_out, g.full_grad);
     stats_.reduce_scatters += 1;
@@ -351,7 +351,7 @@ void ShardedLlama::on_grad_ready(size_t gi) {
   ready_order_.push_back(gi);
 }
 
-void ShardedLlama::finish_backward() {
+void ShardedDecoder::finish_backward() {
   // Every group must have had each adapter's gradient exactly once; anything else (an adapter
   // the graph skipped, a backward cut short) would step on a stale shard, and out of step with
   // the other ranks' collectives.
@@ -359,7 +359,7 @@ void ShardedLlama::finish_backward() {
     const bool issued = std::find(ready_order_.begin(), ready_order_.end(), gi) != ready_order_.end();
     const bool want = sync_ || opt_.reduce_scatter_every_micro_batch;
     if (train_[gi]->arrived != 0 || issued != want)
-      throw std::logic_error("ShardedLlama::finish_backward: trainable group " + std::to_string(gi) + " (" +
+      throw std::logic_error("ShardedDecoder::finish_backward: trainable group " + std::to_string(gi) + " (" +
                              train_[gi]->layout.members().front().name + ") received " +
                              std::to_string(train_[gi]->arrived) + " of " + std::to_string(train_[gi]->expected) +
                              " adapter gradients in this backward");
@@ -385,7 +385,7 @@ void ShardedLlama::finish_backward() {
   reshard_all();
 }
 
-double ShardedLlama::clip_grad_norm(double max_norm) {
+double ShardedDecoder::clip_grad_norm(double max_norm) {
   // A whole group's gradients are the adapters' own: clip them as torch does (the norm of the
   // per-adapter norms), so one process computes exactly what torch's clip_grad_norm_ would.
   if (whole() && world_.replica().size() == 1) return optim::clip_grad_norm_(adapters_, max_norm).item<double>();
@@ -401,7 +401,7 @@ double ShardedLlama::clip_grad_norm(double max_norm) {
   return total;
 }
 
-void ShardedLlama::gather_params() {
+void ShardedDecoder::gather_params() {
   std::vector<WorkPtr> works;
   for (auto& g : train_)
     if (!whole()) works.push_back(world_.shard().all_gather(g->full_param, param_shards_[g->shard_index]));
@@ -412,19 +412,19 @@ void ShardedLlama::gather_params() {
   }
 }
 
-at::Tensor ShardedLlama::shard_of_unpadded(size_t g, const at::Tensor& unpadded) const {
+at::Tensor ShardedDecoder::shard_of_unpadded(size_t g, const at::Tensor& unpadded) const {
   const FlatLayout& l = train_.at(g)->layout;
   if (unpadded.numel() != l.used())
-    throw std::invalid_argument("ShardedLlama: trainable group " + std::to_string(g) + " has " +
+    throw std::invalid_argument("ShardedDecoder: trainable group " + std::to_string(g) + " has " +
                                 std::to_string(l.used()) + " values, got " + std::to_string(unpadded.numel()));
   at::Tensor full = l.empty_full(param_shards_.at(g).options());
   full.narrow(0, 0, l.used()).copy_(unpadded.reshape({-1}));
   return l.shard_of(full, world_.shard().rank()).clone();
 }
 
-void ShardedLlama::load_params(const std::vector<at::Tensor>& unpadded) {
+void ShardedDecoder::load_params(const std::vector<at::Tensor>& unpadded) {
   if (unpadded.size() != train_.size())
-    throw std::invalid_argument("ShardedLlama::load_params: " + std::to_string(unpadded.size()) + " groups for " +
+    throw std::invalid_argument("ShardedDecoder::load_params: " + std::to_string(unpadded.size()) + " groups for " +
                                 std::to_string(train_.size()));
   {
     at::NoGradGuard ng;
@@ -433,7 +433,7 @@ void ShardedLlama::load_params(const std::vector<at::Tensor>& unpadded) {
   gather_params();
 }
 
-WorkPtr ShardedLlama::gather_unit_to(int64_t unit, int root) {
+WorkPtr ShardedDecoder::gather_unit_to(int64_t unit, int root) {
   if (whole()) return {};  // every unit is here already
   FrozenGroup& g = group_of(unit);
   const bool me = world_.shard().rank() == root;
@@ -450,15 +450,15 @@ WorkPtr ShardedLlama::gather_unit_to(int64_t unit, int root) {
   return world_.shard().gather_to(root, out, g.shard);
 }
 
-void ShardedLlama::release_unit(int64_t unit) { release(group_of(unit)); }
+void ShardedDecoder::release_unit(int64_t unit) { release(group_of(unit)); }
 
-void ShardedLlama::unshard_all() {
+void ShardedDecoder::unshard_all() {
   for (auto& g : frozen_)
     if (g) ensure(*g);
   held_ = true;
 }
 
-void ShardedLlama::reshard_all() {
+void ShardedDecoder::reshard_all() {
   held_ = false;
   for (auto& g : frozen_)
     if (g) release(*g);

@@ -1,4 +1,4 @@
-// FSDP-style sharding of a loaded LlamaModel over a World's mesh.
+// FSDP-style sharding of a loaded DecoderModel over a World's mesh.
 //
 // Shard groups, as the recipe wraps them: the token embedding; each decoder layer's frozen part
 // (its NF4 projections' codes, scalers, factors and means, and its two norms) as one byte buffer;
@@ -38,7 +38,7 @@
 
 #include "qlora/engine/flat_layout.h"
 #include "qlora/engine/process_group.h"
-#include "qlora/models/llama.h"
+#include "qlora/models/decoder.h"
 
 namespace torch::autograd {
 struct Node;
@@ -64,19 +64,19 @@ struct ShardStats {
   int64_t reduce_scatters = 0;
 };
 
-class ShardedLlama : public models::UnitHooks, public std::enable_shared_from_this<ShardedLlama> {
+class ShardedDecoder : public models::UnitHooks, public std::enable_shared_from_this<ShardedDecoder> {
  public:
   // `model` was loaded identically on every rank (same seed: same adapters). Afterwards each rank
   // holds 1/shard_size of every group, and model.hooks points to the returned engine.
-  static std::shared_ptr<ShardedLlama> shard(models::LlamaModel& model, World& world, ShardingOptions options);
+  static std::shared_ptr<ShardedDecoder> shard(models::DecoderModel& model, World& world, ShardingOptions options);
 
   // The same in two parts, so a loader can hand over each layer as it is built and the full base
-  // never exists on one rank: begin(); shard_layer() from LlamaLoadOptions::on_layer_loaded for
-  // every layer, in order; finish(model) once load_llama has returned (embedding, head, hooks).
-  static std::shared_ptr<ShardedLlama> begin(World& world, ShardingOptions options);
+  // never exists on one rank: begin(); shard_layer() from DecoderLoadOptions::on_layer_loaded for
+  // every layer, in order; finish(model) once load_decoder has returned (embedding, head, hooks).
+  static std::shared_ptr<ShardedDecoder> begin(World& world, ShardingOptions options);
   void shard_layer(int64_t index, modules::DecoderLayer& layer, const models::Architecture& arch);
-  void finish(models::LlamaModel& model);
-  ~ShardedLlama() override;
+  void finish(models::DecoderModel& model);
+  ~ShardedDecoder() override;
 
   // One fp32 tensor per trainable group: this rank's shard of the adapters, with .grad set to the
   // reduce-scattered gradient after finish_backward(). Step these with the optimizer.
@@ -123,7 +123,7 @@ class ShardedLlama : public models::UnitHooks, public std::enable_shared_from_th
   struct TrainGroup;
 
  private:
-  ShardedLlama(World& world, ShardingOptions options);
+  ShardedDecoder(World& world, ShardingOptions options);
   FrozenGroup& group_of(int64_t unit);
   void gather(FrozenGroup& g, bool wait_now);
   void ensure(FrozenGroup& g);

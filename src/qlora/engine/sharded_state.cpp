@@ -18,7 +18,7 @@ const at::Tensor& find(const NamedTensors& ts, const std::string& name, size_t r
 // The single-process format of earlier releases named each adapter (model.<PEFT name>) and kept
 // AdamW per adapter (optim.exp_avg.<i>, in lora_parameters() order): the same values as one
 // rank's flat groups, in the same order. Returns them as rank 0 of 1 of today's format.
-NamedTensors from_legacy(const ShardedLlama& engine, const models::LlamaModel& model, const NamedTensors& old) {
+NamedTensors from_legacy(const ShardedDecoder& engine, const models::DecoderModel& model, const NamedTensors& old) {
   const auto lora = model.lora_parameters();
   std::vector<at::Tensor> params, avg, avg_sq;
   for (size_t i = 0; i < lora.size(); ++i) {
@@ -63,7 +63,7 @@ at::Tensor joined(const std::vector<NamedTensors>& old_ranks, const std::string&
 
 }  // namespace
 
-NamedTensors train_state(const ShardedLlama& engine, const optim::AdamW& opt) {
+NamedTensors train_state(const ShardedDecoder& engine, const optim::AdamW& opt) {
   NamedTensors out;
   const auto& shards = engine.param_shards();
   for (size_t g = 0; g < shards.size(); ++g) out.emplace_back("param." + std::to_string(g), shards[g].detach());
@@ -71,8 +71,8 @@ NamedTensors train_state(const ShardedLlama& engine, const optim::AdamW& opt) {
   return out;
 }
 
-void load_train_state(ShardedLlama& engine, optim::AdamW& opt, const checkpoint::ResumeCheckpoint& ckpt,
-                      const models::LlamaModel& model, const std::string& where) {
+void load_train_state(ShardedDecoder& engine, optim::AdamW& opt, const checkpoint::ResumeCheckpoint& ckpt,
+                      const models::DecoderModel& model, const std::string& where) {
   try {
     if (ckpt.ranks.empty()) throw std::invalid_argument("no ranks");
     const std::vector<NamedTensors> old_ranks =

@@ -22,14 +22,14 @@ using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
 
 // param.<g>, optim.exp_avg.<g>, optim.exp_avg_sq.<g> (this rank's shards of trainable group g)
 // and optim.step. `opt` must be the AdamW over engine.param_shards().
-NamedTensors train_state(const ShardedLlama& engine, const optim::AdamW& opt);
+NamedTensors train_state(const ShardedDecoder& engine, const optim::AdamW& opt);
 
 // Restores from the states every rank of the old run saved (ckpt.ranks[k] = rank k's tensors):
 // the adapters are set and gathered into the model on every rank, the optimizer gets this rank's
 // new shards. `model` names the adapters of a legacy single-process checkpoint. Errors name
 // `where` (the checkpoint) and the missing tensor, or the group whose size does not match.
-void load_train_state(ShardedLlama& engine, optim::AdamW& opt, const checkpoint::ResumeCheckpoint& ckpt,
-                      const models::LlamaModel& model, const std::string& where);
+void load_train_state(ShardedDecoder& engine, optim::AdamW& opt, const checkpoint::ResumeCheckpoint& ckpt,
+                      const models::DecoderModel& model, const std::string& where);
 
 // A checkpoint written with node-local output dirs holds only its node's ranks' files
 // (ckpt.ranks_here): fills in every other rank's tensors from the ranks that hold them, so every

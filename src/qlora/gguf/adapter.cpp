@@ -16,7 +16,7 @@
 #include "qlora/io/read_file.h"
 #include "qlora/io/safetensors.h"
 #include "qlora/models/key_layout.h"
-#include "qlora/models/llama_config.h"
+#include "qlora/models/decoder_config.h"
 
 namespace qlora::gguf {
 namespace {
@@ -65,10 +65,10 @@ AdapterConfig read_adapter_config(const std::string& adapter_dir) {
 // token embedding. The trained-on checkpoint says so, unless it is an epoch's merged export whose head
 // the LoRA untied (tie_word_embeddings false there); then the base that adapter_config.json names does,
 // when it is a local directory.
-bool base_head_is_tied(const models::LlamaConfig& trained_on, const std::string& base_name) {
+bool base_head_is_tied(const models::DecoderConfig& trained_on, const std::string& base_name) {
   if (trained_on.tie_word_embeddings) return true;
   if (base_name.empty() || !fs::is_regular_file(fs::path(base_name) / "config.json")) return false;
-  return models::load_llama_config(base_name).tie_word_embeddings;
+  return models::load_decoder_config(base_name).tie_word_embeddings;
 }
 
 struct Pair {
@@ -79,7 +79,7 @@ struct Pair {
 // The adapter's A/B pairs in file order of their A, each with the matrix it adapts.
 // A LoRA on a tied head is refused: llama.cpp finds no output.weight in the base's GGUF to apply it to
 // (llama-cpp-python 0.3.36 crashed on the first decode with one), while the merged model holds it.
-std::vector<Pair> pairs_of(const io::SafetensorsFile& f, const models::LlamaConfig& c, models::KeyLayout layout,
+std::vector<Pair> pairs_of(const io::SafetensorsFile& f, const models::DecoderConfig& c, models::KeyLayout layout,
                            bool tied_head) {
   static const std::string kPrefix = "base_model.model.", kA = ".lora_A.weight", kB = ".lora_B.weight";
   std::vector<Pair> out;
@@ -128,7 +128,7 @@ size_t write_adapter_gguf(const std::string& adapter_dir, const std::string& bas
                                 type_info(options.type).name);
   const AdapterConfig adapter = io::naming_file((fs::path(adapter_dir) / "adapter_config.json").string(),
                                                 [&] { return read_adapter_config(adapter_dir); });
-  const models::LlamaConfig c = models::load_llama_config(base_dir);
+  const models::DecoderConfig c = models::load_decoder_config(base_dir);
   const ArchPlan arch = plan_architecture(c, base_dir + "/config.json");
   const models::KeyLayout layout = models::key_layout_of(io::CheckpointDir::open(base_dir), c);
   const auto f = io::SafetensorsFile::open((fs::path(adapter_dir) / "adapter_model.safetensors").string());

@@ -11,7 +11,7 @@ namespace qlora::gguf {
 namespace {
 
 using models::Family;
-using models::LlamaConfig;
+using models::DecoderConfig;
 
 const char* arch_name(Family f) {
   switch (f) {
@@ -29,12 +29,9 @@ const char* arch_name(Family f) {
   throw std::logic_error("arch_name: unknown family");
 }
 
-bool is_gemma(Family f) { return f == Family::kGemma2 || f == Family::kGemma3; }
-// Gemma 2, 3 and 4: GeGLU, four norms a block.
-bool is_gemma_like(Family f) { return is_gemma(f) || f == Family::kGemma4; }
 
 // A refusal: the config key, what it holds, and why llama.cpp would compute something else.
-[[noreturn]] void refuse(const std::string& where, const LlamaConfig& c, const std::string& key,
+[[noreturn]] void refuse(const std::string& where, const DecoderConfig& c, const std::string& key,
                          const std::string& why) {
   throw std::invalid_argument(where + ": config key '" + key + "': " + why + "; llama.cpp's " +
                               arch_name(c.family) + " architecture would compute a different model, so no GGUF "
@@ -43,7 +40,7 @@ bool is_gemma_like(Family f) { return is_gemma(f) || f == Family::kGemma4; }
 
 // Which layers llama.cpp slides on, for the architectures that fix it (gemma2: even layers; gemma3:
 // five of every six); "" when the config's layers are those.
-std::string sliding_mismatch(const LlamaConfig& c, int64_t period) {
+std::string sliding_mismatch(const DecoderConfig& c, int64_t period) {
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
     if (c.is_sliding(i) != (i % period < period - 1))
       return "layer " + std::to_string(i) + " is " + (c.is_sliding(i) ? "sliding" : "full") +
@@ -53,9 +50,9 @@ std::string sliding_mismatch(const LlamaConfig& c, int64_t period) {
   return "";
 }
 
-void check_activation_and_biases(const LlamaConfig& c, const std::string& where) {
+void check_activation_and_biases(const DecoderConfig& c, const std::string& where) {
   const bool gelu = c.activation == models::MlpActivation::kGeluTanh;
-  if (gelu != is_gemma_like(c.family))
+  if (gelu != models::is_any_gemma(c.family))
     refuse(where, c, "hidden_act", std::string("the MLP activation is ") + (gelu ? "gelu_pytorch_tanh" : "silu") +
                                        ", the architecture's is the other one");
   if (c.attention_bias) refuse(where, c, "attention_bias", "llama.cpp loads no attention biases for this family");
@@ -63,7 +60,7 @@ void check_activation_and_biases(const LlamaConfig& c, const std::string& where)
 
 // llama.cpp's olmo2 (OLMo 2 and 3): an untied head, head_dim = hidden / heads, and OLMo 3's window
 // on three of every four layers.
-void check_olmo(const LlamaConfig& c, const std::string& where) {
+void check_olmo(const DecoderConfig& c, const std::string& where) {
   if (c.tie_word_embeddings) refuse(where, c, "tie_word_embeddings", "true: llama.cpp's olmo2 loads its own output head");
   if (c.head_dim * c.num_attention_heads != c.hidden_size)
     refuse(where, c, "head_dim", "llama.cpp's olmo2 takes head_dim = hidden_size / num_attention_heads");
@@ -77,7 +74,7 @@ void check_olmo(const LlamaConfig& c, const std::string& where) {
 
 // llama.cpp's smollm3 leaves RoPE out of every fourth layer ((i + 1) % 4 == 0), whatever the
 // config says (the file has no key for it).
-void check_nope(const LlamaConfig& c, const std::string& where) {
+void check_nope(const DecoderConfig& c, const std::string& where) {
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
     const bool nope = (i + 1) % 4 == 0;
     if (c.uses_rope(i) == nope)
@@ -86,7 +83,7 @@ void check_nope(const LlamaConfig& c, const std::string& where) {
   }
 }
 
-void check_rope(const LlamaConfig& c, const std::string& where) {
+void check_rope(const DecoderConfig& c, const std::string& where) {
   // YaRN: llama.cpp's olmo2 applies it to the full layers only, as OLMo 3 does; ggml rounds the
   // ramp's ends outward to whole dimensions, as transformers' truncate does.
   if (c.rope_yarn && c.family != Family::kOlmo2)
@@ -105,7 +102,7 @@ void check_rope(const LlamaConfig& c, const std::string& where) {
     refuse(where, c, "rope_scaling", "linear RoPE scaling is not written for this family");
 }
 
-void check_gemma(const LlamaConfig& c, const std::string& where) {
+void check_gemma(const DecoderConfig& c, const std::string& where) {
   // llama.cpp's gemma3 (and gemma4) read an output.weight where the file has one, the embedding
   // otherwise; its gemma2 always multiplies by the embedding.
   if (c.family == Family::kGemma2 && !c.tie_word_embeddings)
@@ -140,7 +137,7 @@ void check_gemma(const LlamaConfig& c, const std::string& where) {
 // Llama-3's RoPE scaling as llama.cpp applies it: one divisor per rotary frequency (converter:
 // rope_freqs.weight). Long wavelengths are divided by `factor`, short ones kept, and the band
 // between blended smoothly, as transformers' llama3 rule does.
-std::vector<float> llama3_divisors(const LlamaConfig& c) {
+std::vector<float> llama3_divisors(const DecoderConfig& c) {
   const modules::Llama3RopeScaling& s = *c.rope_scaling;
   const double context = static_cast<double>(s.original_max_position_embeddings);
   const double long_wavelen = context / s.low_freq_factor, short_wavelen = context / s.high_freq_factor;
@@ -161,7 +158,7 @@ std::vector<float> llama3_divisors(const LlamaConfig& c) {
 
 // llama.cpp's qwen35 attends on layer i when (i + 1) % full_attention_interval == 0 and runs the
 // Gated DeltaNet elsewhere: the interval the config's layers follow (its first full layer + 1).
-int64_t full_attention_interval(const LlamaConfig& c, const std::string& where) {
+int64_t full_attention_interval(const DecoderConfig& c, const std::string& where) {
   int64_t every = c.num_hidden_layers + 1;  // no full layer at all
   for (int64_t i = 0; i < c.num_hidden_layers; ++i)
     if (!c.is_linear(i)) {
@@ -176,7 +173,7 @@ int64_t full_attention_interval(const LlamaConfig& c, const std::string& where) 
   return every;
 }
 
-void check_qwen35(const LlamaConfig& c, const std::string& where) {
+void check_qwen35(const DecoderConfig& c, const std::string& where) {
   const modules::GatedDeltaDims& g = c.gated_delta;
   if (g.key_head_dim != g.value_head_dim)
     refuse(where, c, "linear_value_head_dim", std::to_string(g.value_head_dim) + " != linear_key_head_dim " +
@@ -189,7 +186,7 @@ void check_qwen35(const LlamaConfig& c, const std::string& where) {
 
 // The Gated DeltaNet's sizes as llama.cpp's qwen35 reads them (its converter's names: state size is
 // the head size, group count the key heads, time step rank the value heads).
-void add_qwen35_keys(const LlamaConfig& c, const std::string& where, ArchPlan& p) {
+void add_qwen35_keys(const DecoderConfig& c, const std::string& where, ArchPlan& p) {
   const modules::GatedDeltaDims& g = c.gated_delta;
   const auto u32 = [](int64_t v) { return Value::u32(static_cast<uint32_t>(v)); };
   std::vector<int32_t> sections(c.mrope_section.begin(), c.mrope_section.end());
@@ -207,7 +204,7 @@ void add_qwen35_keys(const LlamaConfig& c, const std::string& where, ArchPlan& p
 }
 
 // A Gated DeltaNet tensor ("linear_attn.<part>") of layer `layer`, as llama.cpp's converter writes it.
-std::optional<TensorPlan> qwen35_linear_tensor(const std::string& layer, const std::string& part, const LlamaConfig& c) {
+std::optional<TensorPlan> qwen35_linear_tensor(const std::string& layer, const std::string& part, const DecoderConfig& c) {
   const modules::GatedDeltaDims& g = c.gated_delta;
   const int64_t per_group = g.num_value_heads / g.num_key_heads, qk = 2 * g.key_head_dim * g.num_key_heads;
   const auto regroup = [&](int dim, int64_t offset, int64_t head_dim) -> std::optional<HeadRegroup> {
@@ -231,13 +228,13 @@ std::optional<TensorPlan> qwen35_linear_tensor(const std::string& layer, const s
 }
 
 // Gemma 4's full layers' head size (global_head_dim; head_dim when the config gives none).
-int64_t gemma4_full_head_dim(const LlamaConfig& c) { return c.global_head_dim > 0 ? c.global_head_dim : c.head_dim; }
+int64_t gemma4_full_head_dim(const DecoderConfig& c) { return c.global_head_dim > 0 ? c.global_head_dim : c.head_dim; }
 
 // What llama.cpp's gemma4 fixes: plain RoPE over all of head_dim on sliding layers, no scaling on full
 // ones (their proportional share is the rope_freqs tensor), one per-layer table row a token, and the
 // layers the KV-shared ones read: the last non-shared layer for full layers, the one before it for
 // sliding layers (as Gemma 4's checkpoints lay them out).
-void check_gemma4(const LlamaConfig& c, const std::string& where) {
+void check_gemma4(const DecoderConfig& c, const std::string& where) {
   if (!c.sliding_window) refuse(where, c, "sliding_window", "null: llama.cpp's gemma4 always has sliding layers");
   const modules::RopeParams local = c.local_rope.value_or(modules::RopeParams{});
   const bool local_partial = local.proportional && local.proportional->partial_rotary_factor != 1.0;
@@ -268,7 +265,7 @@ void check_gemma4(const LlamaConfig& c, const std::string& where) {
 // The rope_freqs tensor of llama.cpp's gemma4, read by its full layers only: ggml's NeoX RoPE over
 // all of global_head_dim, each frequency divided by its entry; 1e30 stops the angles past the
 // proportional share (those dimensions pass through, as transformers' zeroed frequencies do).
-std::vector<float> gemma4_rope_divisors(const LlamaConfig& c) {
+std::vector<float> gemma4_rope_divisors(const DecoderConfig& c) {
   const int64_t half = gemma4_full_head_dim(c) / 2;
   int64_t angles = half;
   if (c.rope_proportional)  // transformers' int(factor * head_dim // 2)
@@ -288,7 +285,7 @@ void set_key(Metadata& m, const std::string& key, Value v) {
 // Gemma 4's per-layer sizes and sharing as llama.cpp's gemma4 reads them: the full layers' head
 // size as key_length (the sliding ones' as *_swa), per-layer kv heads and MLP widths as arrays where
 // they differ, the sliding layers as a bool array.
-void add_gemma4_keys(const LlamaConfig& c, ArchPlan& p) {
+void add_gemma4_keys(const DecoderConfig& c, ArchPlan& p) {
   const auto u32 = [](int64_t v) { return Value::u32(static_cast<uint32_t>(v)); };
   const int64_t n = c.num_hidden_layers, full = gemma4_full_head_dim(c);
   std::vector<bool> swa;
@@ -347,7 +344,7 @@ std::optional<TensorPlan> gemma4_tensor(const std::string& hf) {
 }
 
 // The keys every family writes, and the context length the file declares.
-Metadata common_keys(const LlamaConfig& c, const std::string& a, int64_t context) {
+Metadata common_keys(const DecoderConfig& c, const std::string& a, int64_t context) {
   const auto u32 = [](int64_t v) { return Value::u32(static_cast<uint32_t>(v)); };
   return {{a + ".vocab_size", u32(c.vocab_size)},
           {a + ".context_length", u32(context)},
@@ -382,11 +379,11 @@ void add_yarn_keys(const modules::YarnRope& y, const Add& add) {
 
 }  // namespace
 
-ArchPlan plan_architecture(const LlamaConfig& c, const std::string& where) {
+ArchPlan plan_architecture(const DecoderConfig& c, const std::string& where) {
   check_activation_and_biases(c, where);
   if (c.family == Family::kGemma4) check_gemma4(c, where);
   check_rope(c, where);
-  if (is_gemma(c.family)) check_gemma(c, where);
+  if (models::is_gemma2_or_3(c.family)) check_gemma(c, where);
   if (c.family == Family::kSmolLM3) check_nope(c, where);
   if (c.family == Family::kOlmo2) check_olmo(c, where);
   if (c.family == Family::kQwen35) check_qwen35(c, where);
@@ -416,7 +413,7 @@ ArchPlan plan_architecture(const LlamaConfig& c, const std::string& where) {
   if (c.rope_scaling) p.extra.push_back({"rope_freqs.weight", llama3_divisors(c)});
   if (c.rope_yarn) add_yarn_keys(*c.rope_yarn, add);
   const bool olmo = c.family == Family::kOlmo2;
-  if ((is_gemma_like(c.family) || c.family == Family::kPhi3 || olmo) && c.sliding_window)
+  if ((models::is_any_gemma(c.family) || c.family == Family::kPhi3 || olmo) && c.sliding_window)
     add("attention.sliding_window", Value::u32(static_cast<uint32_t>(*c.sliding_window)));
   if (olmo && c.sliding_window) add("attention.sliding_window_pattern", Value::u32(4));
   if (c.family == Family::kGemma2) {
@@ -428,7 +425,7 @@ ArchPlan plan_architecture(const LlamaConfig& c, const std::string& where) {
   return p;
 }
 
-std::optional<TensorPlan> gguf_tensor(const std::string& hf, const LlamaConfig& c) {
+std::optional<TensorPlan> gguf_tensor(const std::string& hf, const DecoderConfig& c) {
   if (hf == "model.embed_tokens.weight") return TensorPlan{"token_embd.weight"};
   const float norm_add = c.norm == modules::RmsScale::kOnePlusWeight ? 1.0f : 0.0f;  // Gemma 2/3, Qwen3.5: 1 + w
   if (hf == "model.norm.weight") return TensorPlan{"output_norm.weight", 0, norm_add};
@@ -443,7 +440,7 @@ std::optional<TensorPlan> gguf_tensor(const std::string& hf, const LlamaConfig& 
   if (!std::regex_match(hf, m, layer)) return std::nullopt;
   const std::string part = m[2], kind = m[3];
   const Family f = c.family;
-  const bool gemma = is_gemma_like(f), phi3 = f == Family::kPhi3;
+  const bool gemma = models::is_any_gemma(f), phi3 = f == Family::kPhi3;
   const bool olmo = f == Family::kOlmo2, qwen35 = f == Family::kQwen35;
   const bool qk_norms = f == Family::kQwen3 || f == Family::kGemma3 || f == Family::kGemma4 || olmo || qwen35;
   struct Row {

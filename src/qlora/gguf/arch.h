@@ -58,7 +58,7 @@
 #include <vector>
 
 #include "qlora/gguf/writer.h"
-#include "qlora/models/llama_config.h"
+#include "qlora/models/decoder_config.h"
 
 namespace qlora::gguf {
 
@@ -102,11 +102,11 @@ struct ArchPlan {
 
 // The plan for config `c`; throws std::invalid_argument prefixed with `where` when `c` has
 // something the architecture cannot compute exactly.
-ArchPlan plan_architecture(const models::LlamaConfig& c, const std::string& where);
+ArchPlan plan_architecture(const models::DecoderConfig& c, const std::string& where);
 
 // The GGUF tensor of a text-only HF key ("model.layers.3.self_attn.q_proj.weight",
 // "lm_head.weight", ".bias" keys, Qwen3.5's "model.layers.0.linear_attn.A_log"); nullopt when the
 // architecture has no such tensor.
-std::optional<TensorPlan> gguf_tensor(const std::string& hf, const models::LlamaConfig& c);
+std::optional<TensorPlan> gguf_tensor(const std::string& hf, const models::DecoderConfig& c);
 
 }  // namespace qlora::gguf

@@ -13,7 +13,7 @@
 #include "qlora/gguf/writer.h"
 #include "qlora/io/checkpoint_dir.h"
 #include "qlora/models/key_layout.h"
-#include "qlora/models/llama_config.h"
+#include "qlora/models/decoder_config.h"
 
 namespace qlora::gguf {
 namespace {
@@ -52,7 +52,7 @@ struct Plan {
   Metadata metadata;
 };
 
-Plan plan_gguf(const io::CheckpointDir& ckpt, const models::LlamaConfig& c, const std::string& dir,
+Plan plan_gguf(const io::CheckpointDir& ckpt, const models::DecoderConfig& c, const std::string& dir,
                const ConvertOptions& options) {
   Plan p{plan_architecture(c, dir + "/config.json"), {}, {}, {}};
   for (const ExtraTensor& e : p.arch.extra)
@@ -83,7 +83,7 @@ Plan plan_gguf(const io::CheckpointDir& ckpt, const models::LlamaConfig& c, cons
 }  // namespace
 
 size_t write_gguf(const std::string& dir, const std::string& out_path, const ConvertOptions& options) {
-  const models::LlamaConfig c = models::load_llama_config(dir);
+  const models::DecoderConfig c = models::load_decoder_config(dir);
   const io::CheckpointDir ckpt = io::CheckpointDir::open(dir);
   Plan plan = plan_gguf(ckpt, c, dir, options);
   if (const auto skipped = models::skipped_weights(ckpt, models::key_layout_of(ckpt, c)); skipped.tensors > 0)
@@ -105,7 +105,7 @@ size_t write_gguf(const std::string& dir, const std::string& out_path, const Con
 }
 
 void check_convertible(const std::string& dir, bool untied_head) {
-  models::LlamaConfig c = models::load_llama_config(dir);
+  models::DecoderConfig c = models::load_decoder_config(dir);
   if (untied_head) c.tie_word_embeddings = false;  // the head is then written from the embedding's shape
   plan_gguf(io::CheckpointDir::open(dir), c, dir, {});
 }

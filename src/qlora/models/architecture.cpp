@@ -201,7 +201,7 @@ const Architecture& llama_architecture() {
   return a;
 }
 
-const Architecture& architecture_of(const LlamaConfig& config) {
+const Architecture& architecture_of(const DecoderConfig& config) {
   switch (config.family) {
     case Family::kLlama: return llama_architecture();
     case Family::kQwen2: return qwen2_architecture();
@@ -217,7 +217,7 @@ const Architecture& architecture_of(const LlamaConfig& config) {
   throw std::logic_error("architecture_of: unknown family");
 }
 
-bool has_bias(const ProjectionRow& row, const LlamaConfig& config) {
+bool has_bias(const ProjectionRow& row, const DecoderConfig& config) {
   return row.bias == Bias::kAlways || (row.bias == Bias::kIfAttentionBias && config.attention_bias);
 }
 
@@ -330,7 +330,7 @@ std::vector<const modules::LoraLinear*> layer_projections(const Architecture& ar
   return projections_of<const DecoderLayer, const modules::LoraLinear>(arch, layer);
 }
 
-int64_t dim_size(Dim d, const LlamaConfig& c, int64_t layer) {
+int64_t dim_size(Dim d, const DecoderConfig& c, int64_t layer) {
   switch (d) {
     case Dim::kHidden: return c.hidden_size;
     case Dim::kQHeads: return c.num_attention_heads * c.layer_head_dim(layer);
@@ -354,7 +354,7 @@ int64_t dim_size(Dim d, const LlamaConfig& c, int64_t layer) {
   throw std::logic_error("dim_size: unknown Dim");
 }
 
-bool in_layer(Mixer mixer, const LlamaConfig& c, int64_t layer) {
+bool in_layer(Mixer mixer, const DecoderConfig& c, int64_t layer) {
   switch (mixer) {
     case Mixer::kAny: return true;
     case Mixer::kAttention: return !c.is_linear(layer);
@@ -366,21 +366,21 @@ bool in_layer(Mixer mixer, const LlamaConfig& c, int64_t layer) {
   throw std::logic_error("in_layer: unknown Mixer");
 }
 
-std::vector<int64_t> norm_shape(const NormRow& row, const LlamaConfig& c, int64_t layer) {
+std::vector<int64_t> norm_shape(const NormRow& row, const DecoderConfig& c, int64_t layer) {
   std::vector<int64_t> shape{dim_size(row.size, c, layer)};
   for (int k = 1; k < row.rank; ++k) shape.push_back(dim_size(row.tail[k - 1], c, layer));
   return shape;
 }
 
-std::vector<int64_t> embed_shape(const EmbedRow& row, const LlamaConfig& c) {
+std::vector<int64_t> embed_shape(const EmbedRow& row, const DecoderConfig& c) {
   std::vector<int64_t> shape;
   for (Dim d : row.shape) shape.push_back(dim_size(d, c, 0));
   return shape;
 }
 
-bool has_embed_rows(const LlamaConfig& c) { return c.per_layer_input_dim > 0; }
+bool has_embed_rows(const DecoderConfig& c) { return c.per_layer_input_dim > 0; }
 
-std::vector<int64_t> projection_shape(const ProjectionRow& row, const LlamaConfig& c, int64_t layer) {
+std::vector<int64_t> projection_shape(const ProjectionRow& row, const DecoderConfig& c, int64_t layer) {
   return {dim_size(row.out, c, layer), dim_size(row.in, c, layer)};
 }
 

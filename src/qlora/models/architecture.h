@@ -1,10 +1,10 @@
 // The architecture table of a model family: what every other folder needs to know about the
 // family's weights, written once. Config validation, loading, LoRA targets, sharding, the PEFT
 // adapter and the merged export all read these rows instead of spelling projection names and
-// Hugging Face keys themselves (llama.cpp's tensor-name table is the model). Each family (Llama,
-// Qwen2, Qwen3, Gemma 2, Gemma 3, Phi-3) has a table of rows here; what its compute does
+// Hugging Face keys themselves (llama.cpp's tensor-name table is the model). Each family has a
+// table of rows here (decoder_config.h lists the families); what its compute does
 // differently (soft-capping, sliding windows, (1 + w) norms) is read from its config
-// (llama_config.h), and which optional tensors a layer holds (biases, q/k norms, sandwich norms,
+// (decoder_config.h), and which optional tensors a layer holds (biases, q/k norms, sandwich norms,
 // fused projections) from these rows.
 #pragma once
 #include <ATen/core/Tensor.h>
@@ -13,14 +13,14 @@
 #include <string>
 #include <vector>
 
-#include "qlora/models/llama_config.h"
+#include "qlora/models/decoder_config.h"
 #include "qlora/modules/layers.h"
 #include "qlora/modules/per_layer_inputs.h"
 
 namespace qlora::models {
 
 // A projection's sizes, named by the config value they come from, so one table serves every
-// checkpoint of the family. Sizes are a layer's (LlamaConfig::layer_head_dim ...): Gemma 4's full
+// checkpoint of the family. Sizes are a layer's (DecoderConfig::layer_head_dim ...): Gemma 4's full
 // attention layers and KV-shared layers have their own.
 enum class Dim {
   kHidden,        // hidden_size
@@ -44,7 +44,7 @@ enum class Dim {
 };
 
 // Which layers hold a row: every layer, or only those whose mixer is attention or (Qwen3.5) the
-// Gated DeltaNet (LlamaConfig::is_linear); Gemma 4's attention layers with K/V of their own (not
+// Gated DeltaNet (DecoderConfig::is_linear); Gemma 4's attention layers with K/V of their own (not
 // KV-shared), those with a V of their own too (not full layers under attention_k_eq_v), and every
 // layer when the model has per-layer inputs.
 enum class Mixer { kAny, kAttention, kLinear, kOwnKv, kOwnV, kPerLayerInput };
@@ -108,17 +108,17 @@ struct Architecture {
   std::vector<NormRow> layer_norms;  // in checkpoint order
   const char* embed_key;             // "model.embed_tokens.weight"
   const char* final_norm_key;        // "model.norm.weight"
-  // Held when the config has per-layer inputs (LlamaConfig::per_layer_input_dim); empty for most.
+  // Held when the config has per-layer inputs (DecoderConfig::per_layer_input_dim); empty for most.
   std::vector<EmbedRow> embed_rows = {};
 };
 
 // Llama-2, Llama-3/3.1 and Mistral (same weights; Mistral differs only in config values).
 const Architecture& llama_architecture();
 // The table of a config's family.
-const Architecture& architecture_of(const LlamaConfig& config);
+const Architecture& architecture_of(const DecoderConfig& config);
 
 // Whether the row's projection has a bias under this config.
-bool has_bias(const ProjectionRow& row, const LlamaConfig& config);
+bool has_bias(const ProjectionRow& row, const DecoderConfig& config);
 // The PEFT names of LoRA targets given in either spelling. A fused projection (Phi-3's qkv_proj)
 // is targeted by its own name or by naming all its parts (q, k, v); naming only some parts is an
 // error saying which module fuses them. Unknown names: std::invalid_argument naming the allowed.
@@ -155,16 +155,16 @@ std::vector<const modules::LoraLinear*> layer_projections(const Architecture& ar
                                                           const modules::DecoderLayer& layer);
 
 // Whether layer `layer` holds a row of this mixer under `config`.
-bool in_layer(Mixer mixer, const LlamaConfig& config, int64_t layer);
+bool in_layer(Mixer mixer, const DecoderConfig& config, int64_t layer);
 // [size, tail...] of layer `layer`'s tensor under a config.
-std::vector<int64_t> norm_shape(const NormRow& row, const LlamaConfig& config, int64_t layer);
+std::vector<int64_t> norm_shape(const NormRow& row, const DecoderConfig& config, int64_t layer);
 // An embedding-unit tensor's shape; whether the config holds it.
-std::vector<int64_t> embed_shape(const EmbedRow& row, const LlamaConfig& config);
-bool has_embed_rows(const LlamaConfig& config);
+std::vector<int64_t> embed_shape(const EmbedRow& row, const DecoderConfig& config);
+bool has_embed_rows(const DecoderConfig& config);
 
 // Size of a Dim in layer `layer` under a config (the output projection: any layer, e.g. 0).
-int64_t dim_size(Dim d, const LlamaConfig& config, int64_t layer);
+int64_t dim_size(Dim d, const DecoderConfig& config, int64_t layer);
 // [out, in] of layer `layer`'s projection under a config.
-std::vector<int64_t> projection_shape(const ProjectionRow& row, const LlamaConfig& config, int64_t layer);
+std::vector<int64_t> projection_shape(const ProjectionRow& row, const DecoderConfig& config, int64_t layer);
 
 }  // namespace qlora::models

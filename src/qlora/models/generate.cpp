@@ -96,7 +96,7 @@ uint64_t sequence_seed(uint64_t seed, int64_t global_index) {
 
 namespace {
 
-void check_prompt(const LlamaModel& model, const std::vector<int64_t>& prompt) {
+void check_prompt(const DecoderModel& model, const std::vector<int64_t>& prompt) {
   if (prompt.empty()) throw std::invalid_argument("generate: the prompt has no tokens");
   const int64_t vocab = model.config.vocab_size;
   for (const int64_t t : prompt) {
@@ -137,7 +137,7 @@ struct Batch {
 };
 
 // Prefills `prompt` alone: its cache (batch 1) and the logits of its next token [1, vocab].
-std::pair<modules::KvCache, at::Tensor> prefill(const LlamaModel& m, const std::vector<int64_t>& prompt) {
+std::pair<modules::KvCache, at::Tensor> prefill(const DecoderModel& m, const std::vector<int64_t>& prompt) {
   modules::KvCache cache;
   const at::Tensor tokens = at::tensor(prompt, at::kLong).view({1, -1}).to(m.embed_tokens.device());  // [1, n]
   const at::Tensor logits = m.forward(tokens, &cache);                          // [1, n, vocab]
@@ -227,7 +227,7 @@ void reserve(Batch& b, const std::vector<BatchSequence>& sequences, const std::v
 
 // One forward over each row's newest token ([rows] int64 on the device): extends the cache and
 // sets the next logits.
-void decode_step(const LlamaModel& m, Batch& b, const at::Tensor& next) {
+void decode_step(const DecoderModel& m, Batch& b, const at::Tensor& next) {
   const at::Tensor tokens = next.view({-1, 1});  // [rows, 1]
   b.key_mask = at::cat({b.key_mask, at::ones({tokens.size(0), 1}, b.key_mask.options())}, 1);  // [rows, slots + 1]
   at::Tensor logits;
@@ -259,7 +259,7 @@ std::vector<int64_t> sample_rows(const Batch& b, const std::vector<BatchSequence
 
 // The sequences worth running (a token to generate) and the prompt slot of each sequence; fills
 // `used` with the distinct prompts in slot order.
-std::vector<int64_t> plan(const LlamaModel& m, const std::vector<std::vector<int64_t>>& prompts,
+std::vector<int64_t> plan(const DecoderModel& m, const std::vector<std::vector<int64_t>>& prompts,
                           const std::vector<BatchSequence>& sequences, std::vector<int64_t>& slot_of,
                           std::vector<int64_t>& used) {
   std::vector<int64_t> slot(prompts.size(), -1), run;
@@ -286,7 +286,7 @@ std::vector<int64_t> plan(const LlamaModel& m, const std::vector<std::vector<int
 
 }  // namespace
 
-std::vector<Completion> generate_batch(const LlamaModel& model, const std::vector<std::vector<int64_t>>& prompts,
+std::vector<Completion> generate_batch(const DecoderModel& model, const std::vector<std::vector<int64_t>>& prompts,
                                        const std::vector<BatchSequence>& sequences) {
   std::vector<int64_t> slot_of(sequences.size(), -1), used;
   const std::vector<int64_t> run = plan(model, prompts, sequences, slot_of, used);
@@ -295,7 +295,7 @@ std::vector<Completion> generate_batch(const LlamaModel& model, const std::vecto
 
   // A shallow copy (tensor handles only) with dropout off: generation must not depend on whether
   // the caller left the model in training mode. The cache path never checkpoints anyway.
-  LlamaModel m = model;
+  DecoderModel m = model;
   m.training = false;
   m.activation_checkpointing = false;
   // Inference mode: no graph, no version counters; the cache tensors never leave this function.
@@ -341,7 +341,7 @@ std::vector<Completion> generate_batch(const LlamaModel& model, const std::vecto
   return out;
 }
 
-std::vector<int64_t> generate(const LlamaModel& model, const std::vector<int64_t>& prompt,
+std::vector<int64_t> generate(const DecoderModel& model, const std::vector<int64_t>& prompt,
                               const GenerateOptions& opt) {
   return generate_batch(model, {prompt}, {BatchSequence{0, opt}}).front().ids;
 }

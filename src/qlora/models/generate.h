@@ -1,4 +1,4 @@
-// Autoregressive text generation with a LlamaModel: one prefill pass over the prompt fills the KV
+// Autoregressive text generation with a DecoderModel: one prefill pass over the prompt fills the KV
 // cache, then one forward per new token over just that token. Greedy or temperature + top-k +
 // top-p (nucleus) sampling from a seeded generator, so a run is reproducible from its seed.
 // generate_batch runs many sequences (GRPO's rollouts: P prompts x G completions) as one batch.
@@ -9,7 +9,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "qlora/models/llama.h"
+#include "qlora/models/decoder.h"
 
 namespace qlora::models {
 
@@ -27,7 +27,7 @@ struct GenerateOptions {
 // at the config's max_position_embeddings (RoPE positions beyond it were never trained).
 // Runs without autograd and with dropout off, whatever model.training says; the model is not
 // modified. prompt: token ids, non-empty, each in [0, vocab). It is generate_batch of one sequence.
-std::vector<int64_t> generate(const LlamaModel& model, const std::vector<int64_t>& prompt,
+std::vector<int64_t> generate(const DecoderModel& model, const std::vector<int64_t>& prompt,
                               const GenerateOptions& options);
 
 // One sequence of a batch: which prompt it continues and how it samples (options.seed seeds its
@@ -49,7 +49,7 @@ struct Completion {
 // (same seed, same draws), whatever else shares the batch. A sequence that ends leaves the batch;
 // the loop ends when every sequence has. Same checks and errors as generate(); prompts that no
 // sequence names are not run.
-std::vector<Completion> generate_batch(const LlamaModel& model, const std::vector<std::vector<int64_t>>& prompts,
+std::vector<Completion> generate_batch(const DecoderModel& model, const std::vector<std::vector<int64_t>>& prompts,
                                        const std::vector<BatchSequence>& sequences);
 
 // The seed of the sequence at `global_index` among all ranks' sequences of a step, from the run's

@@ -39,7 +39,7 @@ std::string text_key(KeyLayout layout, const std::string& key) {
   return key;
 }
 
-KeyLayout peft_layout(const LlamaConfig& config) {
+KeyLayout peft_layout(const DecoderConfig& config) {
   return config.multimodal ? KeyLayout::kModelLanguage : KeyLayout::kText;
 }
 
@@ -62,7 +62,7 @@ std::string peft_target_pattern(const Architecture& arch, KeyLayout layout,
   return out;
 }
 
-KeyLayout key_layout_of(const io::CheckpointDir& ckpt, const LlamaConfig& config) {
+KeyLayout key_layout_of(const io::CheckpointDir& ckpt, const DecoderConfig& config) {
   if (!config.multimodal) return KeyLayout::kText;
   const std::string embed = "model.embed_tokens.weight";
   for (KeyLayout l : {KeyLayout::kLanguageModel, KeyLayout::kModelLanguage})

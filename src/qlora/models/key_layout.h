@@ -15,7 +15,7 @@
 
 #include "qlora/io/checkpoint_dir.h"
 #include "qlora/models/architecture.h"
-#include "qlora/models/llama_config.h"
+#include "qlora/models/decoder_config.h"
 
 namespace qlora::models {
 
@@ -30,7 +30,7 @@ std::string layout_key(KeyLayout layout, const std::string& text_key);
 // The inverse: a language-model key of `layout` in its text-only spelling ("model.X", "lm_head.weight").
 std::string text_key(KeyLayout layout, const std::string& key);
 // The names PEFT gives a model of this config's class (the module names of transformers 5).
-KeyLayout peft_layout(const LlamaConfig& config);
+KeyLayout peft_layout(const DecoderConfig& config);
 // adapter_config.json's target_modules for a multimodal model, as a regular expression over module
 // names (PEFT fullmatches a string): a list of names ("q_proj") would match by suffix and wrap the
 // vision tower's q/k/v projections too. One alternative per targeted row (PEFT names), matching the
@@ -40,7 +40,7 @@ std::string peft_target_pattern(const Architecture& arch, KeyLayout layout, cons
 // The layout of `ckpt`'s language model, found by its embedding: kText for a text-only config; for a
 // multimodal one whichever prefix holds the embedding, and an error naming the checkpoint and both
 // keys when neither does.
-KeyLayout key_layout_of(const io::CheckpointDir& ckpt, const LlamaConfig& config);
+KeyLayout key_layout_of(const io::CheckpointDir& ckpt, const DecoderConfig& config);
 // Whether a checkpoint key belongs to the language model (or to what no text computation reads,
 // e.g. "vision_tower.*" and "multi_modal_projector.*").
 bool is_language_model_key(KeyLayout layout, const std::string& key);

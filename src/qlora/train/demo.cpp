@@ -9,7 +9,7 @@
 
 #include "qlora/data/tokenizer.h"
 #include "qlora/models/generate.h"
-#include "qlora/models/llama.h"
+#include "qlora/models/decoder.h"
 
 namespace qlora::train {
 
@@ -46,7 +46,7 @@ HeldoutResult score_heldout(const std::string& export_dir, const std::string& va
   std::ifstream in(val_path);
   if (!in) throw std::runtime_error("cannot read held-out file " + val_path);
   const data::Tokenizer tok = data::Tokenizer::open(data::Tokenizer::find_file(export_dir));
-  const models::LlamaModel model = models::load_llama(export_dir, models::LlamaLoadOptions{});
+  const models::DecoderModel model = models::load_decoder(export_dir, models::DecoderLoadOptions{});
   models::GenerateOptions opt;
   opt.max_new_tokens = max_new_tokens;
   opt.stop_ids = {tok.eos_id()};

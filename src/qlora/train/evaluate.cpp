@@ -10,7 +10,7 @@
 
 namespace qlora::train {
 
-at::Tensor summed_token_loss(const models::LlamaModel& model, const data::Batch& b, bool packed, c10::Device device) {
+at::Tensor summed_token_loss(const models::DecoderModel& model, const data::Batch& b, bool packed, c10::Device device) {
   const at::Tensor labels = b.labels.to(device);  // [batch, seq]
   return packed ? model.loss(b.tokens.to(device), b.position_ids.to(device),
                              data::block_causal_mask(b.document_ids).to(device), labels)
@@ -50,7 +50,7 @@ std::vector<data::Sample> share_of(const std::vector<data::Sample>& samples, int
 
 }  // namespace
 
-Evaluation evaluate(models::LlamaModel& model, engine::World& world, const std::vector<data::Sample>& samples,
+Evaluation evaluate(models::DecoderModel& model, engine::World& world, const std::vector<data::Sample>& samples,
                     int64_t batch_size, int64_t pad_id, c10::Device device) {
   if (samples.empty()) throw std::invalid_argument("evaluate: no validation samples");
   const int64_t n = static_cast<int64_t>(samples.size()), global = batch_size * world.size();

@@ -10,13 +10,13 @@
 #include "qlora/data/batching.h"
 #include "qlora/data/dataset.h"
 #include "qlora/engine/process_group.h"
-#include "qlora/models/llama.h"
+#include "qlora/models/decoder.h"
 
 namespace qlora::train {
 
 // The summed token cross-entropy of a batch over its non-masked labels (fp32 logits, by chunks of
-// tokens: LlamaModel::loss; packed rows attend within their own sample only). Divide by the tokens it stands for.
-at::Tensor summed_token_loss(const models::LlamaModel& model, const data::Batch& batch, bool packed,
+// tokens: DecoderModel::loss; packed rows attend within their own sample only). Divide by the tokens it stands for.
+at::Tensor summed_token_loss(const models::DecoderModel& model, const data::Batch& batch, bool packed,
                              c10::Device device);
 
 // The sum of `v` over every rank (on the compute device: NCCL reduces CUDA tensors only).
@@ -37,7 +37,7 @@ struct Evaluation {
 // is short fills it with fully masked rows, so all ranks run the same forwards (the engine's
 // gathers are collectives). No gradients, no dropout, no random numbers: training continues
 // exactly as without it. Collective: every rank calls it at the same step.
-Evaluation evaluate(models::LlamaModel& model, engine::World& world, const std::vector<data::Sample>& samples,
+Evaluation evaluate(models::DecoderModel& model, engine::World& world, const std::vector<data::Sample>& samples,
                     int64_t batch_size, int64_t pad_id, c10::Device device);
 
 }  // namespace qlora::train

@@ -46,7 +46,7 @@ CompletionBatch completion_batch(const std::vector<Completion>& completions, int
   return b;
 }
 
-at::Tensor completion_logps(const models::LlamaModel& m, const CompletionBatch& b, c10::Device device, LogpsOf which,
+at::Tensor completion_logps(const models::DecoderModel& m, const CompletionBatch& b, c10::Device device, LogpsOf which,
                             at::Tensor* entropy) {
   std::optional<at::NoGradGuard> no_grad;
   std::optional<modules::AdaptersDisabled> off;

@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "qlora/data/batching.h"
-#include "qlora/models/llama.h"
+#include "qlora/models/decoder.h"
 
 namespace qlora::train {
 
@@ -40,10 +40,10 @@ enum class LogpsOf {
 };
 
 // [B, C] fp32 per-token log-probabilities of each completion token (0 on padding), by chunks of
-// the vocabulary (LlamaModel::token_losses): no [tokens, vocab] logits. entropy (optional): set to
+// the vocabulary (DecoderModel::token_losses): no [tokens, vocab] logits. entropy (optional): set to
 // [B, C] fp32, each completion token's entropy of the policy's softmax there (0 on padding): TRL's
 // entropy metric, from the same pass.
-at::Tensor completion_logps(const models::LlamaModel& m, const CompletionBatch& b, c10::Device device, LogpsOf which,
+at::Tensor completion_logps(const models::DecoderModel& m, const CompletionBatch& b, c10::Device device, LogpsOf which,
                             at::Tensor* entropy = nullptr);
 
 }  // namespace qlora::train

@@ -16,14 +16,14 @@ data::Batch pair_batch(const std::vector<data::PreferencePair>& all, const std::
   return data::collate(rows, pad_id);
 }
 
-at::Tensor row_logps(const models::LlamaModel& m, const data::Batch& b, c10::Device device, bool reference) {
+at::Tensor row_logps(const models::DecoderModel& m, const data::Batch& b, c10::Device device, bool reference) {
   if (!reference) return -m.row_losses(b.tokens.to(device), b.labels.to(device));
   at::NoGradGuard no_grad;
   modules::AdaptersDisabled off;
   return -m.row_losses(b.tokens.to(device), b.labels.to(device));
 }
 
-PairLogps pair_logps(const models::LlamaModel& m, const data::Batch& b, PreferenceLoss loss, const at::Tensor& ref,
+PairLogps pair_logps(const models::DecoderModel& m, const data::Batch& b, PreferenceLoss loss, const at::Tensor& ref,
                      c10::Device device) {
   const int64_t n = b.tokens.size(0) / 2;
   const at::Tensor counts = b.labels.ne(data::kIgnoreIndex).sum(1).to(at::kFloat).to(device);  // [2n]

@@ -11,7 +11,7 @@
 
 #include "qlora/data/batching.h"
 #include "qlora/data/preference.h"
-#include "qlora/models/llama.h"
+#include "qlora/models/decoder.h"
 #include "qlora/train/preference_loss.h"
 
 namespace qlora::train {
@@ -21,11 +21,11 @@ data::Batch pair_batch(const std::vector<data::PreferencePair>& all, const std::
 
 // Summed log-probabilities of each row's scored labels, [rows] fp32: the policy's (with its
 // graph), or the reference's (no gradient, adapters off: the same base, never a second copy).
-at::Tensor row_logps(const models::LlamaModel& m, const data::Batch& b, c10::Device device, bool reference);
+at::Tensor row_logps(const models::DecoderModel& m, const data::Batch& b, c10::Device device, bool reference);
 
 // A pair batch's log-probs for `loss`: the policy's, and the reference's when the loss needs them,
 // from `ref` ([2n] chosen then rejected, precomputed) or computed now when `ref` is undefined.
-PairLogps pair_logps(const models::LlamaModel& m, const data::Batch& b, PreferenceLoss loss, const at::Tensor& ref,
+PairLogps pair_logps(const models::DecoderModel& m, const data::Batch& b, PreferenceLoss loss, const at::Tensor& ref,
                      c10::Device device);
 
 // A step's loss from one micro-batch's terms: its pair losses over the step's `pairs`, plus (orpo)

@@ -22,7 +22,7 @@
 #include "qlora/io/durable_file.h"
 #include "qlora/io/safetensors.h"
 #include "qlora/models/architecture.h"
-#include "qlora/models/llama.h"
+#include "qlora/models/decoder.h"
 #include "qlora/optim/adamw.h"
 #include "qlora/optim/schedule.h"
 
@@ -46,8 +46,8 @@ bool is_complete(const fs::path& dir) {
   return fs::exists(dir / "model.safetensors") && fs::exists(dir / "config.json") && fs::exists(dir / "tokenizer.model");
 }
 
-models::LlamaConfig tiny_config(int64_t vocab) {
-  models::LlamaConfig c;  // just the sizes the architecture table's shapes read
+models::DecoderConfig tiny_config(int64_t vocab) {
+  models::DecoderConfig c;  // just the sizes the architecture table's shapes read
   c.hidden_size = kHidden;
   c.intermediate_size = kInter;
   c.num_attention_heads = kHeads;
@@ -59,7 +59,7 @@ models::LlamaConfig tiny_config(int64_t vocab) {
 
 // The initial base's tensors in checkpoint order (the order fixes the random draws).
 std::vector<std::pair<std::string, at::Tensor>> random_tensors(int64_t vocab) {
-  const models::LlamaConfig c = tiny_config(vocab);
+  const models::DecoderConfig c = tiny_config(vocab);
   at::Generator gen = at::detail::createCPUGenerator(kInitSeed);
   auto w = [&](const std::vector<int64_t>& shape) {
     return (at::randn(shape, gen, at::kFloat) * 0.02).to(at::kBFloat16);
@@ -79,7 +79,7 @@ std::vector<std::pair<std::string, at::Tensor>> random_tensors(int64_t vocab) {
 }
 
 // A loaded dense model's weights under their HF keys, in checkpoint order (they alias the model).
-std::vector<std::pair<std::string, at::Tensor>> model_tensors(const models::LlamaModel& m) {
+std::vector<std::pair<std::string, at::Tensor>> model_tensors(const models::DecoderModel& m) {
   const models::Architecture& arch = m.architecture();
   std::vector<std::pair<std::string, at::Tensor>> t = {{arch.embed_key, m.embed_tokens}};
   for (int64_t i = 0; i < static_cast<int64_t>(m.layers.size()); ++i) {
@@ -164,7 +164,7 @@ data::Sample pretraining_sample(std::mt19937_64& rng, const data::Tokenizer& tok
 }
 
 // Full-parameter AdamW on the model's dense weights, one thread (the same bits on a given machine).
-void pretrain(const models::LlamaModel& m, const data::Tokenizer& tok) {
+void pretrain(const models::DecoderModel& m, const data::Tokenizer& tok) {
   const int threads = at::get_num_threads();
   at::set_num_threads(1);
   std::vector<at::Tensor> params;
@@ -205,7 +205,7 @@ void build_pretrained_base(const fs::path& dir) {
   if (!fs::exists(tokenizer)) throw std::runtime_error("bundled tokenizer not found: " + tokenizer);
   const data::Tokenizer tok = data::Tokenizer::open(tokenizer);
   write_random_tiny_base(dir.string(), tokenizer, tok.vocab_size());
-  const models::LlamaModel m = models::load_llama(dir.string(), models::LlamaLoadOptions{});
+  const models::DecoderModel m = models::load_decoder(dir.string(), models::DecoderLoadOptions{});
   pretrain(m, tok);
   std::vector<std::pair<std::string, at::Tensor>> trained;
   for (const auto& [name, t] : model_tensors(m)) trained.push_back({name, t.detach().to(at::kBFloat16)});

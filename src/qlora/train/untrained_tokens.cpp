@@ -54,13 +54,13 @@ at::Tensor with_mean_rows(const at::Tensor& w, const std::vector<int64_t>& ids, 
   return out;
 }
 
-bool tied(const models::LlamaModel& m) { return m.config.tie_word_embeddings; }
+bool tied(const models::DecoderModel& m) { return m.config.tie_word_embeddings; }
 
-std::string embed_name(const models::LlamaModel& m) {
+std::string embed_name(const models::DecoderModel& m) {
   return "embed_tokens (" + models::layout_key(m.key_layout, m.architecture().embed_key) + ")";
 }
 
-std::string head_name(const models::LlamaModel& m) {
+std::string head_name(const models::DecoderModel& m) {
   return "lm_head (" + models::layout_key(m.key_layout, models::hf_key(models::output_projection(m.architecture()), 0)) + ")";
 }
 
@@ -81,7 +81,7 @@ std::string token_list(const std::vector<int64_t>& ids, const data::Tokenizer& t
   return out;
 }
 
-std::string describe(const models::LlamaModel& m, const UntrainedTokens& u, const data::Tokenizer& tok) {
+std::string describe(const models::DecoderModel& m, const UntrainedTokens& u, const data::Tokenizer& tok) {
   std::string out;
   if (!u.embed.empty()) out += embed_name(m) + (tied(m) ? ", tied to lm_head" : "") + ": " + token_list(u.embed, tok);
   if (!u.head.empty()) out += (out.empty() ? "" : "; ") + head_name(m) + ": " + token_list(u.head, tok);
@@ -119,18 +119,18 @@ std::vector<int64_t> untrained_rows(const at::Tensor& w, const std::vector<int64
   return out;
 }
 
-UntrainedTokens find_untrained_tokens(const models::LlamaModel& m, const std::vector<int64_t>& ids) {
+UntrainedTokens find_untrained_tokens(const models::DecoderModel& m, const std::vector<int64_t>& ids) {
   UntrainedTokens u;
   u.embed = untrained_rows(m.embed_tokens, ids);
   if (!tied(m)) u.head = untrained_rows(m.lm_head.base_dense, ids);
   return u;
 }
 
-void set_untrained_rows_to_mean(models::LlamaModel& m, const UntrainedTokens& u) {
+void set_untrained_rows_to_mean(models::DecoderModel& m, const UntrainedTokens& u) {
   const c10::NoGradGuard no_grad;
   const bool is_tied = tied(m);
   if (!u.embed.empty()) m.embed_tokens = with_mean_rows(m.embed_tokens, u.embed, embed_name(m));
-  if (is_tied) m.lm_head.base_dense = m.embed_tokens.detach();  // as load_llama ties them
+  if (is_tied) m.lm_head.base_dense = m.embed_tokens.detach();  // as load_decoder ties them
   else if (!u.head.empty()) m.lm_head.base_dense = with_mean_rows(m.lm_head.base_dense, u.head, head_name(m));
   std::vector<int64_t> ids;
   std::set_union(u.embed.begin(), u.embed.end(), u.head.begin(), u.head.end(), std::back_inserter(ids));
@@ -140,7 +140,7 @@ void set_untrained_rows_to_mean(models::LlamaModel& m, const UntrainedTokens& u)
   m.token_rows.head = is_tied ? at::Tensor() : m.lm_head.base_dense.index_select(0, idx).cpu();
 }
 
-void apply_untrained_tokens_policy(models::LlamaModel& m, const std::vector<int64_t>& ids, const data::Tokenizer& tok,
+void apply_untrained_tokens_policy(models::DecoderModel& m, const std::vector<int64_t>& ids, const data::Tokenizer& tok,
                                    UntrainedTokensPolicy policy, bool log) {
   const UntrainedTokens u = find_untrained_tokens(m, ids);
   if (u.empty()) return;

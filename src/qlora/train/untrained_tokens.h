@@ -15,7 +15,7 @@
 #include "qlora/data/dataset.h"
 #include "qlora/data/tokenizer.h"
 #include "qlora/io/enum_names.h"
-#include "qlora/models/llama.h"
+#include "qlora/models/decoder.h"
 
 namespace qlora::train {
 
@@ -49,12 +49,12 @@ struct UntrainedTokens {
   std::vector<int64_t> embed, head;  // ids with an untrained embed_tokens / lm_head row (head: empty when tied)
   bool empty() const { return embed.empty() && head.empty(); }
 };
-UntrainedTokens find_untrained_tokens(const models::LlamaModel& m, const std::vector<int64_t>& ids);
+UntrainedTokens find_untrained_tokens(const models::DecoderModel& m, const std::vector<int64_t>& ids);
 
 // Sets each listed row to the mean of its own matrix's trained rows, in a copy of the matrix (the loaded
 // one may map the checkpoint read-only), and records every listed id's rows in m.token_rows for the
 // exports. Call before the engine shards the model.
-void set_untrained_rows_to_mean(models::LlamaModel& m, const UntrainedTokens& u);
+void set_untrained_rows_to_mean(models::DecoderModel& m, const UntrainedTokens& u);
 
 // The check as the recipes run it, on every rank alike (each computes it from the same data and
 // weights, so every rank does the same): finds the untrained rows of `ids`; none: nothing happens.
@@ -62,7 +62,7 @@ void set_untrained_rows_to_mean(models::LlamaModel& m, const UntrainedTokens& u)
 // tokens, the matrix and model.untrained_tokens; kMean sets them to the mean. A resumed run does the
 // same at its start, so its rows are those of the run it continues (same base and data: the resume
 // checkpoint's fingerprints check both).
-void apply_untrained_tokens_policy(models::LlamaModel& m, const std::vector<int64_t>& ids, const data::Tokenizer& tok,
+void apply_untrained_tokens_policy(models::DecoderModel& m, const std::vector<int64_t>& ids, const data::Tokenizer& tok,
                                    UntrainedTokensPolicy policy, bool log);
 
 }  // namespace qlora::train

@@ -1,4 +1,4 @@
-#include "qlora/models/llama_config.h"
+#include "qlora/models/decoder_config.h"
 #include "qlora/io/read_file.h"
 
 #include <nlohmann/json.hpp>
@@ -135,7 +135,7 @@ modules::RopeParams parse_rope_dict(const json& r, const json& top, const std::s
 
 // partial_rotary_factor, at the top level or in the RoPE dict: Qwen3.5 rotates the first quarter of
 // head_dim by default (its class sets 0.25); the other families rotate all of it and take only 1.
-void parse_partial_rotary(const json& j, const char* rope_key, const std::string& where, LlamaConfig& c) {
+void parse_partial_rotary(const json& j, const char* rope_key, const std::string& where, DecoderConfig& c) {
   const bool partial_ok = c.family == Family::kQwen35;
   std::string key = "partial_rotary_factor";
   double factor = partial_ok ? 0.25 : 1.0;
@@ -172,7 +172,7 @@ std::vector<int64_t> mrope_section(const json& j, const std::string& where) {
 // one rope_parameters dict holding rope_theta and rope_type, or (Gemma 3) one dict per layer type.
 // Gemma 3's older form: rope_theta + rope_scaling for global layers, rope_local_base_freq for local.
 // OLMo 3 gives its sliding layers the base theta unscaled, its full layers the scaling too.
-void parse_rope(const json& j, const std::string& where, LlamaConfig& c) {
+void parse_rope(const json& j, const std::string& where, DecoderConfig& c) {
   const bool gemma3 = c.family == Family::kGemma3, olmo = c.family == Family::kOlmo2;
   const bool gemma4 = c.family == Family::kGemma4;
   modules::RopeParams global;
@@ -227,7 +227,6 @@ Family parse_family(const json& j, const std::string& where, const std::string& 
 }
 
 // HF's per-class defaults for keys a config.json may leave out.
-bool is_gemma(Family f) { return f == Family::kGemma2 || f == Family::kGemma3; }
 
 // A soft-cap key: absent means the family's default, null means none.
 std::optional<double> softcap(const json& j, const char* key, const std::string& where, std::optional<double> dflt) {
@@ -240,13 +239,13 @@ std::optional<double> softcap(const json& j, const char* key, const std::string&
 
 // Which layers use the sliding window: layer_types when the config lists them (transformers 5),
 // else each family's rule for its older configs.
-void parse_sliding(const json& j, const std::string& where, LlamaConfig& c) {
+void parse_sliding(const json& j, const std::string& where, DecoderConfig& c) {
   const Family f = c.family;
   // Qwen's and SmolLM3's classes slide only under use_sliding_window.
   const bool qwen = f == Family::kQwen2 || f == Family::kQwen3 || f == Family::kSmolLM3;
   std::optional<int64_t> window;
   if (present(j, "sliding_window")) window = get_int(j, "sliding_window", where);
-  else if ((is_gemma(f) || c.model_type == "olmo3") && !j.contains("sliding_window")) window = 4096;
+  else if ((is_gemma2_or_3(f) || c.model_type == "olmo3") && !j.contains("sliding_window")) window = 4096;
   else if (f == Family::kGemma4 && !j.contains("sliding_window")) window = 512;
   if (qwen && !get_bool(j, "use_sliding_window", where, false)) window.reset();
   // Gemma 4 writes "vision" (image tokens see each other; text stays causal) or "all" (an encoder).
@@ -301,7 +300,7 @@ void parse_sliding(const json& j, const std::string& where, LlamaConfig& c) {
 
 // SmolLM3's NoPE layers: no_rope_layers lists 1 for a layer that rotates and 0 for one that does
 // not; without it, every no_rope_layer_interval-th layer (4) goes without, as the class defaults.
-void parse_nope(const json& j, const std::string& where, LlamaConfig& c) {
+void parse_nope(const json& j, const std::string& where, DecoderConfig& c) {
   if (c.family != Family::kSmolLM3) return;
   const int64_t n = c.num_hidden_layers;
   c.nope_layers.assign(static_cast<size_t>(n), false);
@@ -323,7 +322,7 @@ void parse_nope(const json& j, const std::string& where, LlamaConfig& c) {
 
 MlpActivation parse_activation(const json& j, const std::string& where, Family f) {
   const char* key = present(j, "hidden_activation") ? "hidden_activation" : "hidden_act";
-  const bool gelu = is_gemma(f) || f == Family::kGemma4;
+  const bool gelu = is_any_gemma(f);
   const std::string act = present(j, key) ? get_str(j, key, where) : gelu ? "gelu_pytorch_tanh" : "silu";
   if (act == "silu") return MlpActivation::kSilu;
   if (act == "gelu_pytorch_tanh") return MlpActivation::kGeluTanh;
@@ -341,7 +340,7 @@ int64_t layer_index(const std::string& key, int64_t n, const std::string& where)
 // Gemma 4's full-attention layers' head_dim and kv heads. transformers writes per_layer_config (each
 // layer's overrides); the Hub's configs give global_head_dim (the class's default: 512) and, under
 // attention_k_eq_v, num_global_key_value_heads. Each layer type has one size, as its RoPE table does.
-void parse_gemma4_heads(const json& j, const std::string& where, LlamaConfig& c) {
+void parse_gemma4_heads(const json& j, const std::string& where, DecoderConfig& c) {
   const int64_t n = c.num_hidden_layers;
   if (!j.contains("per_layer_config")) {
     c.global_head_dim = get_int(j, "global_head_dim", where, 512);
@@ -379,7 +378,7 @@ void parse_gemma4_heads(const json& j, const std::string& where, LlamaConfig& c)
 
 // Gemma 4's KV sharing (transformers' kv_sharing_modes): each of the last num_kv_shared_layers layers
 // attends over the keys and values of the last earlier layer of its type.
-void parse_kv_sharing(const json& j, const std::string& where, LlamaConfig& c) {
+void parse_kv_sharing(const json& j, const std::string& where, DecoderConfig& c) {
   const int64_t n = c.num_hidden_layers, shared = get_int(j, "num_kv_shared_layers", where, 0);
   if (shared == 0) return;
   if (shared < 0 || shared >= n) fail(where, "num_kv_shared_layers", "must be in [0, num_hidden_layers = " + std::to_string(n) + ")");
@@ -396,8 +395,8 @@ void parse_kv_sharing(const json& j, const std::string& where, LlamaConfig& c) {
   }
 }
 
-// Gemma 4 (see llama_config.h); its mixture-of-experts form is refused.
-void parse_gemma4(const json& j, const std::string& where, LlamaConfig& c) {
+// Gemma 4 (see decoder_config.h); its mixture-of-experts form is refused.
+void parse_gemma4(const json& j, const std::string& where, DecoderConfig& c) {
   if (get_bool(j, "enable_moe_block", where, false))
     fail(where, "enable_moe_block", "Gemma 4's mixture-of-experts layers (gemma-4-26B-A4B) are not supported; fine-tune "
                                     "a dense Gemma 4 (E2B, E4B, 31B) instead");
@@ -418,8 +417,8 @@ void parse_gemma4(const json& j, const std::string& where, LlamaConfig& c) {
     fail(where, "vocab_size_per_layer_input", "must be positive");
 }
 
-// What the family computes beyond a Llama block (see llama_config.h).
-void parse_family_numerics(const json& j, const std::string& where, LlamaConfig& c) {
+// What the family computes beyond a Llama block (see decoder_config.h).
+void parse_family_numerics(const json& j, const std::string& where, DecoderConfig& c) {
   c.activation = parse_activation(j, where, c.family);
   const Family f = c.family;
   if (f == Family::kPhi3) {
@@ -442,7 +441,7 @@ void parse_family_numerics(const json& j, const std::string& where, LlamaConfig&
     return;
   }
   if (f == Family::kGemma4) return parse_gemma4(j, where, c);
-  if (!is_gemma(f)) return;
+  if (!is_gemma2_or_3(f)) return;
   c.norm = modules::RmsScale::kOnePlusWeight;
   c.embed_scale = std::sqrt(static_cast<double>(c.hidden_size));
   c.query_pre_attn_scalar = get_num(j, "query_pre_attn_scalar", where, 256.0);
@@ -454,7 +453,7 @@ void parse_family_numerics(const json& j, const std::string& where, LlamaConfig&
 
 }  // namespace
 
-void LlamaConfig::validate(const std::string& where) const {
+void DecoderConfig::validate(const std::string& where) const {
   auto positive = [&](int64_t v, const char* key) {
     if (v <= 0) fail(where, key, "must be positive, got " + std::to_string(v));
   };
@@ -495,24 +494,24 @@ void LlamaConfig::validate(const std::string& where) const {
                                               std::to_string(g.num_value_heads));
 }
 
-bool LlamaConfig::is_kv_source(int64_t layer) const {
+bool DecoderConfig::is_kv_source(int64_t layer) const {
   return std::find(kv_source.begin(), kv_source.end(), layer) != kv_source.end();
 }
-int64_t LlamaConfig::layer_head_dim(int64_t layer) const {
+int64_t DecoderConfig::layer_head_dim(int64_t layer) const {
   return global_head_dim > 0 && !is_sliding(layer) ? global_head_dim : head_dim;
 }
-int64_t LlamaConfig::layer_kv_heads(int64_t layer) const {
+int64_t DecoderConfig::layer_kv_heads(int64_t layer) const {
   return global_kv_heads > 0 && !is_sliding(layer) ? global_kv_heads : num_key_value_heads;
 }
-int64_t LlamaConfig::layer_intermediate(int64_t layer) const {
+int64_t DecoderConfig::layer_intermediate(int64_t layer) const {
   return double_wide_mlp && is_kv_shared(layer) ? 2 * intermediate_size : intermediate_size;
 }
 
 namespace {
 
 // A text-only decoder's config.json, or a multimodal one's text_config (defaults filled in).
-LlamaConfig parse_text_config(const json& j, const std::string& where) {
-  LlamaConfig c;
+DecoderConfig parse_text_config(const json& j, const std::string& where) {
+  DecoderConfig c;
   c.model_type = get_str(j, "model_type", where);
   c.family = parse_family(j, where, c.model_type);
   c.hidden_size = get_int(j, "hidden_size", where);
@@ -524,14 +523,14 @@ LlamaConfig parse_text_config(const json& j, const std::string& where) {
   if (c.num_attention_heads <= 0) fail(where, "num_attention_heads", "must be positive");
   if (c.num_hidden_layers <= 0) fail(where, "num_hidden_layers", "must be positive");
   // Gemma's classes default head_dim to 256 rather than hidden / heads.
-  const bool head_256 = is_gemma(c.family) || c.family == Family::kQwen35 || c.family == Family::kGemma4;
+  const bool head_256 = is_gemma2_or_3(c.family) || c.family == Family::kQwen35 || c.family == Family::kGemma4;
   c.head_dim = get_int(j, "head_dim", where, head_256 ? 256 : c.hidden_size / c.num_attention_heads);
   c.rms_norm_eps =
       get_num(j, "rms_norm_eps", where, c.family == Family::kPhi3 || c.family == Family::kOlmo2 ? 1e-5 : 1e-6);
   c.max_position_embeddings = get_int(j, "max_position_embeddings", where, 2048);
   c.tie_word_embeddings =
       get_bool(j, "tie_word_embeddings", where,
-               is_gemma(c.family) || c.family == Family::kSmolLM3 || c.family == Family::kGemma4);
+               is_gemma2_or_3(c.family) || c.family == Family::kSmolLM3 || c.family == Family::kGemma4);
   parse_rope(j, where, c);
   if (present(j, "bos_token_id")) c.bos_token_id = get_int(j, "bos_token_id", where);
   c.eos_token_ids = eos_ids(j, where);
@@ -587,7 +586,7 @@ constexpr MultimodalForm kMultimodal[] = {{kGemma3Multimodal, "gemma3_text", gem
                                           {kQwen35Multimodal, "qwen3_5_text", qwen35_text_defaults, false},
                                           {kGemma4Multimodal, "gemma4_text", gemma4_text_defaults, true}};
 
-LlamaConfig parse_multimodal(const json& j, const std::string& where, const MultimodalForm& form) {
+DecoderConfig parse_multimodal(const json& j, const std::string& where, const MultimodalForm& form) {
   if (!present(j, "text_config"))
     fail(where, "text_config",
          std::string("missing (a ") + form.model_type + " config keeps its language model's settings there)");
@@ -602,7 +601,7 @@ LlamaConfig parse_multimodal(const json& j, const std::string& where, const Mult
   const std::string text_where = where + " (text_config)";
   if (get_str(text, "model_type", text_where) != form.text_type)
     fail(text_where, "model_type", std::string("expected \"") + form.text_type + "\", got " + text.at("model_type").dump());
-  LlamaConfig c = parse_text_config(text, text_where);
+  DecoderConfig c = parse_text_config(text, text_where);
   c.model_type = form.model_type;
   c.multimodal = true;
   return c;
@@ -610,7 +609,7 @@ LlamaConfig parse_multimodal(const json& j, const std::string& where, const Mult
 
 }  // namespace
 
-LlamaConfig parse_llama_config(const std::string& json_text, const std::string& where) {
+DecoderConfig parse_llama_config(const std::string& json_text, const std::string& where) {
   json j;
   try {
     j = json::parse(json_text);
@@ -645,7 +644,7 @@ std::string supported_model_types() {
   return out;
 }
 
-LlamaConfig load_llama_config(const std::string& path) {
+DecoderConfig load_decoder_config(const std::string& path) {
   namespace fs = std::filesystem;
   fs::path p(path);
   if (fs::is_directory(p)) p /= "config.json";

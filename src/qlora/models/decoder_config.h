@@ -1,6 +1,5 @@
 // A decoder-only model's architecture description, parsed from a Hugging Face config.json.
-// One struct serves every family we load (the name is historical: they all are Llama-shaped
-// pre-norm decoders); the family decides which weights exist (models/architecture.h) and the
+// One struct serves every family we load (all are decoder-only transformers); the family decides which weights exist (models/architecture.h) and the
 // fields below say what its compute does differently:
 //   llama, mistral  Llama-2, Llama-3/3.1 (GQA, llama3 RoPE scaling), Mistral (sliding window)
 //   qwen2           Qwen2/2.5: q/k/v biases
@@ -43,6 +42,10 @@ namespace qlora::models {
 using modules::Llama3RopeScaling;
 
 enum class Family { kLlama, kQwen2, kQwen3, kGemma2, kGemma3, kPhi3, kSmolLM3, kOlmo2, kQwen35, kGemma4 };
+// Gemma 2 and 3: (1 + w) norms, the embedding scaled by sqrt(hidden), a default window.
+inline bool is_gemma2_or_3(Family f) { return f == Family::kGemma2 || f == Family::kGemma3; }
+// Every Gemma (2, 3 and 4): GeGLU, four norms a block.
+inline bool is_any_gemma(Family f) { return is_gemma2_or_3(f) || f == Family::kGemma4; }
 // The multimodal Gemma 3's model_type; its language model is Family::kGemma3.
 inline constexpr const char* kGemma3Multimodal = "gemma3";
 // The multimodal Qwen3.5's model_type; its language model is Family::kQwen35.
@@ -51,7 +54,7 @@ inline constexpr const char* kQwen35Multimodal = "qwen3_5";
 inline constexpr const char* kGemma4Multimodal = "gemma4";
 using modules::MlpActivation;
 
-struct LlamaConfig {
+struct DecoderConfig {
   std::string model_type;  // as config.json spells it: "llama", "mistral", "qwen2", ...
   Family family = Family::kLlama;
   // The language model of a multimodal checkpoint (gemma3): these settings are its text_config's,
@@ -147,9 +150,9 @@ struct LlamaConfig {
 };
 
 // Parses JSON text; `where` (usually the file path) prefixes every error message.
-LlamaConfig parse_llama_config(const std::string& json_text, const std::string& where);
+DecoderConfig parse_llama_config(const std::string& json_text, const std::string& where);
 // Reads `path`: a config.json file or a checkpoint directory containing one.
-LlamaConfig load_llama_config(const std::string& path);
+DecoderConfig load_decoder_config(const std::string& path);
 // The eos_token_id(s) of `dir`/generation_config.json (what transformers' generate stops at; an
 // instruct model lists its end-of-turn there, e.g. Gemma's <end_of_turn>); none without the file.
 std::vector<int64_t> load_generation_eos_ids(const std::string& dir);

@@ -1,5 +1,5 @@
-// A Llama-shaped decoder (Llama-2/3/3.1, Mistral, Qwen2/2.5, Qwen3, Gemma 2, Gemma 3 text, Phi-3;
-// see llama_config.h) as a plain struct of tensors, loaded from a Hugging Face checkpoint
+// A decoder of any family qlora trains (architecture.h has their tables, decoder_config.h what
+// each computes differently) as a plain struct of tensors, loaded from a Hugging Face checkpoint
 // directory, with a frozen base (full precision or NF4) and optional LoRA adapters whose names
 // follow PEFT's adapter_model.safetensors keys.
 #pragma once
@@ -14,13 +14,13 @@
 
 #include "qlora/models/architecture.h"
 #include "qlora/models/key_layout.h"
-#include "qlora/models/llama_config.h"
+#include "qlora/models/decoder_config.h"
 #include "qlora/modules/layers.h"
 #include "qlora/modules/lora_linear.h"
 
 namespace qlora::models {
 
-struct LlamaLoadOptions {
+struct DecoderLoadOptions {
   // Every *_proj.weight of the decoder layers is read as NF4 (io::load_nf4, one tensor at
   // a time), so a full-precision copy of the base never sits whole in memory.
   bool base_in_nf4 = false;
@@ -30,7 +30,7 @@ struct LlamaLoadOptions {
   // default) means compute_dtype, i.e. no conversion. kBFloat16 with fp32 compute halves those
   // weights' memory (2 x 0.5 GB -> 2 x 0.25 GB for Llama-2-7B); compute stays fp32: embedding rows
   // are gathered in bf16 and widened (exact), and the lm_head widens its weight a chunk of rows at
-  // a time (LlamaModel::lm_head_chunk_rows), so with a bf16 checkpoint the results equal those
+  // a time (DecoderModel::lm_head_chunk_rows), so with a bf16 checkpoint the results equal those
   // of compute_dtype storage.
   at::ScalarType frozen_dtype = at::ScalarType::Undefined;
   at::Device device = at::kCPU;
@@ -68,17 +68,17 @@ struct UnitHooks {
   virtual void after_backward(int64_t unit) = 0;
 };
 
-struct LlamaModel {
-  LlamaConfig config;
+struct DecoderModel {
+  DecoderConfig config;
   // Where the checkpoint it was loaded from keeps the language model's weights; a merged export
   // writes the same layout.
   KeyLayout key_layout = KeyLayout::kText;
   // What of that checkpoint no computation reads (a multimodal one's vision tower and projector).
   SkippedWeights skipped_weights;
   at::ScalarType compute_dtype = at::kFloat;
-  // Storage dtype of embed_tokens and the dense lm_head base (LlamaLoadOptions::frozen_dtype):
+  // Storage dtype of embed_tokens and the dense lm_head base (DecoderLoadOptions::frozen_dtype):
   // compute_dtype, or kBFloat16 under fp32 compute. forward() follows the tensors' own dtypes;
-  // this records what load_llama chose.
+  // this records what load_decoder chose.
   at::ScalarType frozen_dtype = at::kFloat;
   // The lm_head runs this many vocab rows at a time: a dense base stored narrower than the compute
   // dtype is widened block by block (forward and backward), so no [vocab, hidden] compute-dtype copy
@@ -160,6 +160,6 @@ struct LlamaModel {
 
 // checkpoint_dir: an HF directory with config.json and model.safetensors (or shards + index).
 // Errors name the checkpoint and the tensor (missing key, wrong shape).
-LlamaModel load_llama(const std::string& checkpoint_dir, const LlamaLoadOptions& options);
+DecoderModel load_decoder(const std::string& checkpoint_dir, const DecoderLoadOptions& options);
 
 }  // namespace qlora::models

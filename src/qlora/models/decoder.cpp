@@ -1,4 +1,4 @@
-#include "qlora/models/llama.h"
+#include "qlora/models/decoder.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/ops/arange.h>
@@ -35,7 +35,7 @@ using modules::LoraLinear;
 
 struct Loader {
   const io::CheckpointDir& ckpt;
-  const LlamaLoadOptions& opt;
+  const DecoderLoadOptions& opt;
   KeyLayout layout;  // the table's text keys -> this checkpoint's (key_layout.h)
 
   void check_shape(const std::string& key, at::IntArrayRef got, const std::vector<int64_t>& want) const {
@@ -75,7 +75,7 @@ struct Loader {
   }
   // Decoder layer i, with adapters on the `targets` (PEFT spelling) drawn from `gen` in table
   // order: the draws go layer by layer, then the output projection's, whatever the targets.
-  DecoderLayer layer(const Architecture& arch, const LlamaConfig& c, int64_t i, const std::set<std::string>& targets,
+  DecoderLayer layer(const Architecture& arch, const DecoderConfig& c, int64_t i, const std::set<std::string>& targets,
                      at::Generator& gen) const {
     DecoderLayer L;
     for (const NormRow& n : arch.layer_norms)
@@ -92,7 +92,7 @@ struct Loader {
   }
   // Gemma 4's per-layer inputs: the table as the checkpoint stores it, in host memory (EmbedRow::host),
   // the rest in the compute dtype on the device.
-  modules::PerLayerInputs per_layer_inputs(const Architecture& arch, const LlamaConfig& c) const {
+  modules::PerLayerInputs per_layer_inputs(const Architecture& arch, const DecoderConfig& c) const {
     modules::PerLayerInputs p;
     if (!has_embed_rows(c)) return p;
     for (const EmbedRow& row : arch.embed_rows) {
@@ -119,14 +119,14 @@ std::set<std::string> lora_targets(const Architecture& arch, const std::vector<s
     const std::vector<std::string> peft = peft_targets(arch, names);
     return {peft.begin(), peft.end()};
   } catch (const std::invalid_argument& e) {
-    throw std::invalid_argument(std::string("load_llama: ") + e.what());
+    throw std::invalid_argument(std::string("load_decoder: ") + e.what());
   }
 }
 
 }  // namespace
 
-modules::LayerDims LlamaModel::dims(int64_t layer) const {
-  const LlamaConfig& c = config;
+modules::LayerDims DecoderModel::dims(int64_t layer) const {
+  const DecoderConfig& c = config;
   modules::LayerDims d;
   d.num_heads = c.num_attention_heads, d.num_kv_heads = c.layer_kv_heads(layer), d.head_dim = c.layer_head_dim(layer);
   d.rms_norm_eps = c.rms_norm_eps;
@@ -142,21 +142,21 @@ modules::LayerDims LlamaModel::dims(int64_t layer) const {
   return d;
 }
 
-LlamaModel load_llama(const std::string& checkpoint_dir, const LlamaLoadOptions& opt) {
+DecoderModel load_decoder(const std::string& checkpoint_dir, const DecoderLoadOptions& opt) {
   if (opt.compute_dtype != at::kFloat && opt.compute_dtype != at::kBFloat16) {
-    throw std::invalid_argument("load_llama: compute dtype must be float32 or bfloat16");
+    throw std::invalid_argument("load_decoder: compute dtype must be float32 or bfloat16");
   }
   const at::ScalarType frozen =
       opt.frozen_dtype == at::ScalarType::Undefined ? opt.compute_dtype : opt.frozen_dtype;
   if (frozen != opt.compute_dtype && !(frozen == at::kBFloat16 && opt.compute_dtype == at::kFloat)) {
     throw std::invalid_argument(
-        "load_llama: frozen dtype must equal the compute dtype, or be bfloat16 with float32 compute");
+        "load_decoder: frozen dtype must equal the compute dtype, or be bfloat16 with float32 compute");
   }
-  LlamaModel m;
-  m.config = load_llama_config(checkpoint_dir);
+  DecoderModel m;
+  m.config = load_decoder_config(checkpoint_dir);
   const Architecture& arch = m.architecture();
   const std::set<std::string> targets = lora_targets(arch, opt.lora_targets);
-  if (!targets.empty() && opt.lora_r <= 0) throw std::invalid_argument("load_llama: lora r must be positive");
+  if (!targets.empty() && opt.lora_r <= 0) throw std::invalid_argument("load_decoder: lora r must be positive");
   if (opt.lora_use_dora && targets.count(output_projection(arch).peft_name))
     throw std::invalid_argument(std::string("lora.use_dora = true with the output projection (") +
                                 output_projection(arch).peft_name +
@@ -165,7 +165,7 @@ LlamaModel load_llama(const std::string& checkpoint_dir, const LlamaLoadOptions&
   m.compute_dtype = opt.compute_dtype;
   m.frozen_dtype = frozen;
   m.activation_checkpointing = opt.activation_checkpointing;
-  const LlamaConfig& c = m.config;
+  const DecoderConfig& c = m.config;
   const auto ckpt = io::CheckpointDir::open(checkpoint_dir);
   m.key_layout = key_layout_of(ckpt, c);
   m.skipped_weights = skipped_weights(ckpt, m.key_layout);
@@ -196,7 +196,7 @@ LlamaModel load_llama(const std::string& checkpoint_dir, const LlamaLoadOptions&
 namespace {
 
 // The output projection as the model configures it.
-OutputHead output_head(const LlamaModel& m) {
+OutputHead output_head(const DecoderModel& m) {
   return {&m.lm_head, m.lm_head_chunk_rows, m.config.final_logit_softcapping.value_or(0.0)};
 }
 
@@ -215,11 +215,11 @@ void add_backward_hooks(const at::Tensor& out, UnitHooks* hooks, int64_t u, bool
 }
 
 // Gemma 4's inputs to each layer besides h, along one forward: the per-layer inputs, and the keys and
-// values a KV-source layer hands to the layers that share them (llama_config.h: kv_source).
+// values a KV-source layer hands to the layers that share them (decoder_config.h: kv_source).
 struct LayerSides {
   at::Tensor per_layer;               // [batch, seq, layers, dim]; undefined without per-layer inputs
   std::vector<modules::SharedKv> kv;  // per layer: what it stored, if it is a KV source
-  modules::LayerExtras of(const LlamaConfig& c, int64_t i) {
+  modules::LayerExtras of(const DecoderConfig& c, int64_t i) {
     modules::LayerExtras e;
     if (per_layer.defined()) e.per_layer_input = per_layer.select(2, i);  // [batch, seq, dim]
     if (c.is_kv_shared(i)) e.kv = &kv[static_cast<size_t>(c.kv_source[static_cast<size_t>(i)])];
@@ -230,7 +230,7 @@ struct LayerSides {
 
 // Layer i under activation checkpointing: only its input is kept, the replay in backward recomputes
 // the rest. A KV-shared layer's source K/V join its params, so their gradients reach the source.
-at::Tensor checkpointed_layer(const LlamaModel& m, int64_t i, const at::Tensor& h, const modules::RopeTables& rope,
+at::Tensor checkpointed_layer(const DecoderModel& m, int64_t i, const at::Tensor& h, const modules::RopeTables& rope,
                               const at::Tensor& attn_mask, const modules::Segments& segments,
                               const modules::LayerExtras& ex) {
   const DecoderLayer& layer = m.layers[static_cast<size_t>(i)];
@@ -263,10 +263,10 @@ at::Tensor checkpointed_layer(const LlamaModel& m, int64_t i, const at::Tensor& 
 // The decoder up to the last layer's output, shared by the forwards and the losses.
 // positions: [seq] (plain rows) or [batch, seq] (packed rows), already on the model's device;
 // attn_mask: undefined (causal) or [batch, seq, seq] bool.
-at::Tensor hidden_states(const LlamaModel& m, const at::Tensor& tokens, const at::Tensor& positions,
+at::Tensor hidden_states(const DecoderModel& m, const at::Tensor& tokens, const at::Tensor& positions,
                          const at::Tensor& attn_mask, modules::KvCache* cache) {
   if (cache && cache->layers.empty()) cache->layers.resize(m.layers.size());
-  const LlamaConfig& c = m.config;
+  const DecoderConfig& c = m.config;
   // Packed rows: where each sample sits, for the Gated DeltaNet layers (attention reads the mask).
   const bool linear = !c.linear_layers.empty();
   const modules::Segments segments = linear && positions.dim() == 2 && !cache
@@ -319,7 +319,7 @@ at::Tensor hidden_states(const LlamaModel& m, const at::Tensor& tokens, const at
 // the normed hidden states [batch * seq, hidden] and the head's LoRA input (undefined without an
 // adapter) and returns the unit's output (logits or the loss), which gets the unit's hooks.
 template <typename Body>
-at::Tensor head_unit(const LlamaModel& m, const at::Tensor& h, Body body) {
+at::Tensor head_unit(const DecoderModel& m, const at::Tensor& h, Body body) {
   UnitHooks* hooks = m.hooks.get();
   const int64_t unit = static_cast<int64_t>(m.layers.size());
   if (hooks) hooks->before_forward(unit, false);
@@ -333,35 +333,35 @@ at::Tensor head_unit(const LlamaModel& m, const at::Tensor& h, Body body) {
   return out;
 }
 
-void check_tokens(const LlamaModel& m, const at::Tensor& tokens) {
+void check_tokens(const DecoderModel& m, const at::Tensor& tokens) {
   if (tokens.dim() != 2 || tokens.scalar_type() != at::kLong) {
-    throw std::invalid_argument("LlamaModel::forward: tokens must be int64 [batch, seq]");
+    throw std::invalid_argument("DecoderModel::forward: tokens must be int64 [batch, seq]");
   }
   const int64_t seq = tokens.size(1);
-  if (seq == 0) throw std::invalid_argument("LlamaModel::forward: empty sequence");
+  if (seq == 0) throw std::invalid_argument("DecoderModel::forward: empty sequence");
   if (tokens.numel() > 0) {
     const int64_t lo = tokens.min().item<int64_t>(), hi = tokens.max().item<int64_t>();
     if (lo < 0 || hi >= m.config.vocab_size) {
-      throw std::invalid_argument("LlamaModel::forward: token id out of range [0, " +
+      throw std::invalid_argument("DecoderModel::forward: token id out of range [0, " +
                                   std::to_string(m.config.vocab_size) + ")");
     }
   }
 }
 
-// The packed rows' positions and mask on the model's device, checked (see LlamaModel::forward).
+// The packed rows' positions and mask on the model's device, checked (see DecoderModel::forward).
 // past: the key slots a cache already holds (0 without one).
-std::pair<at::Tensor, at::Tensor> packed_inputs(const LlamaModel& m, const at::Tensor& tokens,
+std::pair<at::Tensor, at::Tensor> packed_inputs(const DecoderModel& m, const at::Tensor& tokens,
                                                 const at::Tensor& position_ids, const at::Tensor& attn_mask,
                                                 int64_t past = 0) {
   check_tokens(m, tokens);
   const int64_t b = tokens.size(0), seq = tokens.size(1), keys = past + seq;
   if (!position_ids.defined() || position_ids.scalar_type() != at::kLong || position_ids.sizes() != tokens.sizes()) {
-    throw std::invalid_argument("LlamaModel::forward: position_ids must be int64 [batch, seq] like tokens " +
+    throw std::invalid_argument("DecoderModel::forward: position_ids must be int64 [batch, seq] like tokens " +
                                 c10::str(tokens.sizes()));
   }
   if (!attn_mask.defined() || attn_mask.scalar_type() != at::kBool || attn_mask.dim() != 3 ||
       attn_mask.size(0) != b || attn_mask.size(1) != seq || attn_mask.size(2) != keys) {
-    throw std::invalid_argument("LlamaModel::forward: attn_mask must be bool [batch, seq, past + seq] = [" +
+    throw std::invalid_argument("DecoderModel::forward: attn_mask must be bool [batch, seq, past + seq] = [" +
                                 std::to_string(b) + ", " + std::to_string(seq) + ", " + std::to_string(keys) + "]");
   }
   const at::Device dev = m.embed_tokens.device();
@@ -369,20 +369,20 @@ std::pair<at::Tensor, at::Tensor> packed_inputs(const LlamaModel& m, const at::T
   // A query that may attend to nothing softmaxes over an empty set: NaN logits and gradients.
   if (!mask.any(-1).all().item<bool>()) {
     throw std::invalid_argument(
-        "LlamaModel::forward: attn_mask has a query row with no allowed key (let padding attend causally "
+        "DecoderModel::forward: attn_mask has a query row with no allowed key (let padding attend causally "
         "among itself, as data::block_causal_mask does for document id -1)");
   }
   return {position_ids.to(dev), mask};
 }
 
 // Positions 0..seq-1 shared by every row: [seq].
-at::Tensor plain_positions(const LlamaModel& m, const at::Tensor& tokens, int64_t past) {
+at::Tensor plain_positions(const DecoderModel& m, const at::Tensor& tokens, int64_t past) {
   check_tokens(m, tokens);
   return at::arange(past, past + tokens.size(1), tokens.options().dtype(at::kLong));
 }
 
 // The logits [batch, seq, vocab] fp32 of the last layer's output h [batch, seq, hidden].
-at::Tensor logits_of(const LlamaModel& m, const at::Tensor& h) {
+at::Tensor logits_of(const DecoderModel& m, const at::Tensor& h) {
   return head_unit(m, h, [&m](const at::Tensor& normed, const at::Tensor& lora_x) {
            return output_logits(output_head(m), normed, lora_x);  // [batch * seq, vocab]
          })
@@ -392,12 +392,12 @@ at::Tensor logits_of(const LlamaModel& m, const at::Tensor& h) {
 // What loss_of sums over: the whole batch, each row, or each token.
 enum class LossPer { kBatch, kRow, kToken };
 
-// The summed token cross-entropy of h's logits against labels [batch, seq] (see LlamaModel::loss),
-// per row ([batch], LlamaModel::row_losses) or per token ([batch * seq], LlamaModel::token_losses).
-at::Tensor loss_of(const LlamaModel& m, const at::Tensor& h, const at::Tensor& labels, LossPer per = LossPer::kBatch,
+// The summed token cross-entropy of h's logits against labels [batch, seq] (see DecoderModel::loss),
+// per row ([batch], DecoderModel::row_losses) or per token ([batch * seq], DecoderModel::token_losses).
+at::Tensor loss_of(const DecoderModel& m, const at::Tensor& h, const at::Tensor& labels, LossPer per = LossPer::kBatch,
                    at::Tensor* entropy = nullptr) {
   if (!labels.defined() || labels.scalar_type() != at::kLong || labels.sizes() != h.sizes().slice(0, 2)) {
-    throw std::invalid_argument("LlamaModel::loss: labels must be int64 [batch, seq] like tokens " +
+    throw std::invalid_argument("DecoderModel::loss: labels must be int64 [batch, seq] like tokens " +
                                 c10::str(h.sizes().slice(0, 2)) + ", got " +
                                 (labels.defined() ? c10::str(labels.sizes()) : std::string("none")));
   }
@@ -421,41 +421,41 @@ at::Tensor loss_of(const LlamaModel& m, const at::Tensor& h, const at::Tensor& l
 
 }  // namespace
 
-at::Tensor LlamaModel::forward(const at::Tensor& tokens, modules::KvCache* cache) const {
+at::Tensor DecoderModel::forward(const at::Tensor& tokens, modules::KvCache* cache) const {
   const at::Tensor positions = plain_positions(*this, tokens, cache ? cache->length() : 0);  // [seq]
   return logits_of(*this, hidden_states(*this, tokens, positions, at::Tensor(), cache));
 }
 
-at::Tensor LlamaModel::forward(const at::Tensor& tokens, const at::Tensor& position_ids,
+at::Tensor DecoderModel::forward(const at::Tensor& tokens, const at::Tensor& position_ids,
                                const at::Tensor& attn_mask, modules::KvCache* cache) const {
   if (cache && !config.linear_layers.empty() && tokens.size(1) > 1) {
     // A Gated DeltaNet layer reads no mask: with a cache it would carry padding or another
     // sample into a row's state.
     throw std::invalid_argument(
-        "LlamaModel::forward: a model with Gated DeltaNet layers takes position_ids + attn_mask with a KV cache "
+        "DecoderModel::forward: a model with Gated DeltaNet layers takes position_ids + attn_mask with a KV cache "
         "one token per row only (prefill each sequence without them)");
   }
   const auto [positions, mask] = packed_inputs(*this, tokens, position_ids, attn_mask, cache ? cache->length() : 0);
   return logits_of(*this, hidden_states(*this, tokens, positions, mask, cache));
 }
 
-at::Tensor LlamaModel::loss(const at::Tensor& tokens, const at::Tensor& labels) const {
+at::Tensor DecoderModel::loss(const at::Tensor& tokens, const at::Tensor& labels) const {
   const at::Tensor positions = plain_positions(*this, tokens, 0);  // [seq]
   return loss_of(*this, hidden_states(*this, tokens, positions, at::Tensor(), nullptr), labels);
 }
 
-at::Tensor LlamaModel::loss(const at::Tensor& tokens, const at::Tensor& position_ids, const at::Tensor& attn_mask,
+at::Tensor DecoderModel::loss(const at::Tensor& tokens, const at::Tensor& position_ids, const at::Tensor& attn_mask,
                             const at::Tensor& labels) const {
   const auto [positions, mask] = packed_inputs(*this, tokens, position_ids, attn_mask);
   return loss_of(*this, hidden_states(*this, tokens, positions, mask, nullptr), labels);
 }
 
-at::Tensor LlamaModel::row_losses(const at::Tensor& tokens, const at::Tensor& labels) const {
+at::Tensor DecoderModel::row_losses(const at::Tensor& tokens, const at::Tensor& labels) const {
   const at::Tensor positions = plain_positions(*this, tokens, 0);  // [seq]
   return loss_of(*this, hidden_states(*this, tokens, positions, at::Tensor(), nullptr), labels, LossPer::kRow);
 }
 
-at::Tensor LlamaModel::token_losses(const at::Tensor& tokens, const at::Tensor& labels, at::Tensor* entropy) const {
+at::Tensor DecoderModel::token_losses(const at::Tensor& tokens, const at::Tensor& labels, at::Tensor* entropy) const {
   const at::Tensor positions = plain_positions(*this, tokens, 0);  // [seq]
   const at::Tensor losses =
       loss_of(*this, hidden_states(*this, tokens, positions, at::Tensor(), nullptr), labels, LossPer::kToken, entropy);
@@ -463,7 +463,7 @@ at::Tensor LlamaModel::token_losses(const at::Tensor& tokens, const at::Tensor& 
   return losses.view(labels.sizes());
 }
 
-std::vector<std::pair<std::string, at::Tensor>> LlamaModel::lora_parameters() const {
+std::vector<std::pair<std::string, at::Tensor>> DecoderModel::lora_parameters() const {
   std::vector<std::pair<std::string, at::Tensor>> out;
   auto add = [&out](const std::string& stem, const LoraLinear& l) {
     if (!l.has_lora()) return;
