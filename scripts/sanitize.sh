@@ -30,7 +30,7 @@ if [ ! -f "$BUILD/CMakeCache.txt" ]; then
     || { cat "$BUILD.configure.log"; exit 1; }
 fi
 TESTS=(qlora_tests qlora_io_tests qlora_data_tests qlora_jinja_tests qlora_checkpoint_tests qlora_config_tests)
-FUZZ=(safetensors tokenizer records chat_template llama_config config resume gguf)
+FUZZ=(safetensors tokenizer records chat_template decoder_config config resume gguf)
 say "building ${TESTS[*]} and the fuzz targets"
 cmake --build "$BUILD" -j"$(nproc)" --target "${TESTS[@]}" "${FUZZ[@]/#/fuzz_}"
 
@@ -50,7 +50,7 @@ seeds() {  # the real files of tests/data that each target's parser reads
     safetensors) ls tests/data/tiny_llama/*.safetensors ;;
     tokenizer) ls tests/data/tokenizer*/tokenizer.model ;;
     chat_template) ls tests/data/chat_templates/*.jinja ;;
-    llama_config) ls tests/data/tiny_llama/config.json ;;
+    decoder_config) ls tests/data/tiny_llama/config.json ;;
     config) ls configs/*.toml ;;
   esac
 }

@@ -1,5 +1,5 @@
 // Fixtures shared by the model tests: the tiny Llama checkpoint ctest points QLORA_TEST_DATA at,
-// and the message parse_llama_config gives a config text.
+// and the message parse_decoder_config gives a config text.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -46,10 +46,10 @@ struct HookRecorder : UnitHooks {
   void after_backward(int64_t u) override { events.push_back("ab" + std::to_string(u)); }
 };
 
-// The error parse_llama_config throws for `json` (read as "cfg.json"); "" when it parses.
+// The error parse_decoder_config throws for `json` (read as "cfg.json"); "" when it parses.
 inline std::string error_of(const std::string& json) {
   try {
-    parse_llama_config(json, "cfg.json");
+    parse_decoder_config(json, "cfg.json");
   } catch (const std::invalid_argument& e) {
     return e.what();
   }

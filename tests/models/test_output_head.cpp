@@ -297,7 +297,7 @@ DecoderModel tiny(const std::string& family) {
     if (family == "llama") o.lora_targets.push_back("output");
     m = load_decoder(tiny_llama(), o);
   } else {
-    m = qlora::bench::random_model(parse_llama_config(family == "gemma2" ? kTinyGemma2 : kTinyQwen2, family), 4,
+    m = qlora::bench::random_model(parse_decoder_config(family == "gemma2" ? kTinyGemma2 : kTinyQwen2, family), 4,
                                    8.0, false);
     modules::lora_linear_add_adapter(m.lm_head, 4, 8.0, 0.0, gen_of(12), at::kCPU);
   }

@@ -8,214 +8,7 @@ namespace qlora::models {
 
 using modules::DecoderLayer;
 
-namespace {
-
-// The Llama block's rows; `attn_bias` is the bias rule of q/k/v (o_proj's: `o_bias`).
-std::vector<ProjectionRow> llama_rows(Bias attn_bias, Bias o_bias) {
-  return {
-      {"q", "q_proj", "model.layers.{i}.self_attn.q_proj", &DecoderLayer::q_proj, Dim::kQHeads, Dim::kHidden, {},
-       attn_bias},
-      {"k", "k_proj", "model.layers.{i}.self_attn.k_proj", &DecoderLayer::k_proj, Dim::kKvHeads, Dim::kHidden, {},
-       attn_bias},
-      {"v", "v_proj", "model.layers.{i}.self_attn.v_proj", &DecoderLayer::v_proj, Dim::kKvHeads, Dim::kHidden, {},
-       attn_bias},
-      {"o", "o_proj", "model.layers.{i}.self_attn.o_proj", &DecoderLayer::o_proj, Dim::kHidden, Dim::kQHeads, {},
-       o_bias},
-      {"gate", "gate_proj", "model.layers.{i}.mlp.gate_proj", &DecoderLayer::gate_proj, Dim::kIntermediate,
-       Dim::kHidden, {}},
-      {"up", "up_proj", "model.layers.{i}.mlp.up_proj", &DecoderLayer::up_proj, Dim::kIntermediate, Dim::kHidden, {}},
-      {"down", "down_proj", "model.layers.{i}.mlp.down_proj", &DecoderLayer::down_proj, Dim::kHidden,
-       Dim::kIntermediate, {}},
-      {"output", "lm_head", "lm_head", nullptr, Dim::kVocab, Dim::kHidden, {}},
-  };
-}
-
-// Phi-3: q/k/v stacked in qkv_proj, gate/up in gate_up_proj (peft targets the fused modules).
-std::vector<ProjectionRow> phi3_rows() {
-  return {
-      {"qkv", "qkv_proj", "model.layers.{i}.self_attn.qkv_proj", &DecoderLayer::qkv_proj, Dim::kQkv, Dim::kHidden,
-       {"q", "k", "v"}},
-      {"o", "o_proj", "model.layers.{i}.self_attn.o_proj", &DecoderLayer::o_proj, Dim::kHidden, Dim::kQHeads, {}},
-      {"gate_up", "gate_up_proj", "model.layers.{i}.mlp.gate_up_proj", &DecoderLayer::gate_up_proj, Dim::kGateUp,
-       Dim::kHidden, {"gate", "up"}},
-      {"down", "down_proj", "model.layers.{i}.mlp.down_proj", &DecoderLayer::down_proj, Dim::kHidden,
-       Dim::kIntermediate, {}},
-      {"output", "lm_head", "lm_head", nullptr, Dim::kVocab, Dim::kHidden, {}},
-  };
-}
-
-constexpr NormRow kInputNorm{"input_layernorm", "model.layers.{i}.input_layernorm", &DecoderLayer::input_layernorm};
-constexpr NormRow kPostAttnNorm{"post_attention_layernorm", "model.layers.{i}.post_attention_layernorm",
-                            &DecoderLayer::post_attention_layernorm};
-constexpr NormRow kPreFfnNorm{"pre_feedforward_layernorm", "model.layers.{i}.pre_feedforward_layernorm",
-                          &DecoderLayer::pre_feedforward_layernorm};
-constexpr NormRow kPostFfnNorm{"post_feedforward_layernorm", "model.layers.{i}.post_feedforward_layernorm",
-                           &DecoderLayer::post_feedforward_layernorm};
-constexpr NormRow kQNorm{"q_norm", "model.layers.{i}.self_attn.q_norm", &DecoderLayer::q_norm, Dim::kHeadDim};
-constexpr NormRow kKNorm{"k_norm", "model.layers.{i}.self_attn.k_norm", &DecoderLayer::k_norm, Dim::kHeadDim};
-// OLMo's q/k norms span all heads.
-constexpr NormRow kQNormAll{"q_norm", "model.layers.{i}.self_attn.q_norm", &DecoderLayer::q_norm, Dim::kQHeads};
-constexpr NormRow kKNormAll{"k_norm", "model.layers.{i}.self_attn.k_norm", &DecoderLayer::k_norm, Dim::kKvHeads};
-
-Architecture make(const char* family, std::vector<ProjectionRow> rows, std::vector<NormRow> norms) {
-  return {family, std::move(rows), std::move(norms), "model.embed_tokens.weight", "model.norm.weight"};
-}
-
-const Architecture& qwen2_architecture() {
-  static const Architecture a =
-      make("qwen2", llama_rows(Bias::kAlways, Bias::kNone), {kInputNorm, kPostAttnNorm});
-  return a;
-}
-const Architecture& qwen3_architecture() {
-  static const Architecture a = make("qwen3", llama_rows(Bias::kIfAttentionBias, Bias::kIfAttentionBias),
-                                     {kInputNorm, kPostAttnNorm, kQNorm, kKNorm});
-  return a;
-}
-const Architecture& gemma2_architecture() {
-  static const Architecture a = make("gemma2", llama_rows(Bias::kIfAttentionBias, Bias::kIfAttentionBias),
-                                     {kInputNorm, kPostAttnNorm, kPreFfnNorm, kPostFfnNorm});
-  return a;
-}
-const Architecture& gemma3_architecture() {
-  static const Architecture a =
-      make("gemma3", llama_rows(Bias::kIfAttentionBias, Bias::kIfAttentionBias),
-           {kInputNorm, kPostAttnNorm, kPreFfnNorm, kPostFfnNorm, kQNorm, kKNorm});
-  return a;
-}
-const Architecture& phi3_architecture() {
-  static const Architecture a = make("phi3", phi3_rows(), {kInputNorm, kPostAttnNorm});
-  return a;
-}
-
-const Architecture& smollm3_architecture() {
-  static const Architecture a =
-      make("smollm3", llama_rows(Bias::kIfAttentionBias, Bias::kIfAttentionBias), {kInputNorm, kPostAttnNorm});
-  return a;
-}
-
-// OLMo 2 and 3: no input norms; post-norms and all-head q/k norms.
-const Architecture& olmo2_architecture() {
-  static const Architecture a = make("olmo2", llama_rows(Bias::kIfAttentionBias, Bias::kIfAttentionBias),
-                                     {kPostAttnNorm, kPostFfnNorm, kQNormAll, kKNormAll});
-  return a;
-}
-
-// Qwen3.5: attention layers with the output gate in q_proj and per-head (1 + w) q/k norms, Gated
-// DeltaNet layers with their own projections, conv, decay parameters and gated norm; one MLP for both.
-const Architecture& qwen35_architecture() {
-  static const Architecture a = [] {
-    std::vector<ProjectionRow> llama = llama_rows(Bias::kIfAttentionBias, Bias::kIfAttentionBias);
-    std::vector<ProjectionRow> rows;
-    for (size_t i = 0; i < 4; ++i) {  // q, k, v, o
-      rows.push_back(llama[i]);
-      rows.back().mixer = Mixer::kAttention;
-    }
-    rows[0].out = Dim::kQHeadsGated;
-    const auto linear = [](const char* short_name, const char* peft, const char* module,
-                           modules::LoraLinear DecoderLayer::*member, Dim out, Dim in) {
-      return ProjectionRow{short_name, peft, module, member, out, in, {}, Bias::kNone, Mixer::kLinear};
-    };
-    rows.push_back(linear("linear_qkv", "in_proj_qkv", "model.layers.{i}.linear_attn.in_proj_qkv",
-                          &DecoderLayer::in_proj_qkv, Dim::kLinearQkv, Dim::kHidden));
-    rows.push_back(linear("linear_z", "in_proj_z", "model.layers.{i}.linear_attn.in_proj_z", &DecoderLayer::in_proj_z,
-                          Dim::kLinearValue, Dim::kHidden));
-    rows.push_back(linear("linear_b", "in_proj_b", "model.layers.{i}.linear_attn.in_proj_b", &DecoderLayer::in_proj_b,
-                          Dim::kLinearHeads, Dim::kHidden));
-    rows.push_back(linear("linear_a", "in_proj_a", "model.layers.{i}.linear_attn.in_proj_a", &DecoderLayer::in_proj_a,
-                          Dim::kLinearHeads, Dim::kHidden));
-    rows.push_back(linear("linear_out", "out_proj", "model.layers.{i}.linear_attn.out_proj", &DecoderLayer::out_proj,
-                          Dim::kHidden, Dim::kLinearValue));
-    rows.insert(rows.end(), llama.begin() + 4, llama.end());  // gate, up, down, output
-    NormRow q_norm = kQNorm, k_norm = kKNorm;
-    q_norm.mixer = k_norm.mixer = Mixer::kAttention;
-    const std::vector<NormRow> norms = {
-        kInputNorm,
-        kPostAttnNorm,
-        q_norm,
-        k_norm,
-        {"linear_attn.conv1d", "model.layers.{i}.linear_attn.conv1d", &DecoderLayer::conv1d, Dim::kLinearQkv,
-         Mixer::kLinear, false, 3, {Dim::kOne, Dim::kConvKernel}},
-        {"linear_attn.A_log", "model.layers.{i}.linear_attn.A_log", &DecoderLayer::A_log, Dim::kLinearHeads,
-         Mixer::kLinear, true},
-        {"linear_attn.dt_bias", "model.layers.{i}.linear_attn.dt_bias", &DecoderLayer::dt_bias, Dim::kLinearHeads,
-         Mixer::kLinear, true},
-        {"linear_attn.norm", "model.layers.{i}.linear_attn.norm", &DecoderLayer::linear_norm, Dim::kLinearHeadDim,
-         Mixer::kLinear},
-    };
-    return make("qwen3_5", rows, norms);
-  }();
-  return a;
-}
-
-// Gemma 4: Gemma 3's block with w-scaled norms (the config's), KV-shared layers without k/v
-// projections and k_norm, full layers without v_proj under attention_k_eq_v, and per-layer inputs: a
-// gate and a projection (LoRA targets "ple_gate", "ple_proj"; peft wraps them as it wraps any
-// nn.Linear), their norm and a layer_scalar in each layer, and the embedding unit's table, projection
-// and norm (frozen: the embedding unit has no backward, so per_layer_model_projection is no target).
-const Architecture& gemma4_architecture() {
-  static const Architecture a = [] {
-    std::vector<ProjectionRow> rows = llama_rows(Bias::kIfAttentionBias, Bias::kIfAttentionBias);
-    rows[1].mixer = Mixer::kOwnKv;  // k_proj
-    rows[2].mixer = Mixer::kOwnV;   // v_proj
-    const auto per_layer = [](const char* short_name, const char* peft, const char* module,
-                              modules::LoraLinear DecoderLayer::*member, Dim out, Dim in) {
-      return ProjectionRow{short_name, peft, module, member, out, in, {}, Bias::kNone, Mixer::kPerLayerInput};
-    };
-    rows.insert(rows.end() - 1, per_layer("ple_gate", "per_layer_input_gate", "model.layers.{i}.per_layer_input_gate",
-                                          &DecoderLayer::per_layer_input_gate, Dim::kPerLayer, Dim::kHidden));
-    rows.insert(rows.end() - 1, per_layer("ple_proj", "per_layer_projection", "model.layers.{i}.per_layer_projection",
-                                          &DecoderLayer::per_layer_projection, Dim::kHidden, Dim::kPerLayer));
-    NormRow k_norm = kKNorm;
-    k_norm.mixer = Mixer::kOwnKv;
-    const std::vector<NormRow> norms = {
-        kInputNorm, kPostAttnNorm, kPreFfnNorm, kPostFfnNorm, kQNorm, k_norm,
-        {"post_per_layer_input_norm", "model.layers.{i}.post_per_layer_input_norm",
-         &DecoderLayer::post_per_layer_input_norm, Dim::kHidden, Mixer::kPerLayerInput},
-        {"layer_scalar", "model.layers.{i}.layer_scalar", &DecoderLayer::layer_scalar, Dim::kOne, Mixer::kAny, true},
-    };
-    Architecture arch = make("gemma4", rows, norms);
-    using modules::PerLayerInputs;
-    arch.embed_rows = {
-        {"embed_tokens_per_layer", "model.embed_tokens_per_layer.weight", &PerLayerInputs::table,
-         {Dim::kPerLayerVocab, Dim::kPerLayerAll}, true},
-        {"per_layer_model_projection", "model.per_layer_model_projection.weight", &PerLayerInputs::projection,
-         {Dim::kPerLayerAll, Dim::kHidden}},
-        {"per_layer_projection_norm", "model.per_layer_projection_norm.weight", &PerLayerInputs::norm, {Dim::kPerLayer}},
-    };
-    return arch;
-  }();
-  return a;
-}
-
-const Architecture* const kAllArchitectures[] = {&llama_architecture(),  &qwen2_architecture(),
-                                                 &qwen3_architecture(),  &gemma2_architecture(),
-                                                 &gemma3_architecture(), &phi3_architecture(),
-                                                 &smollm3_architecture(), &olmo2_architecture(),
-                                                 &qwen35_architecture(), &gemma4_architecture()};
-
-}  // namespace
-
-const Architecture& llama_architecture() {
-  static const Architecture a =
-      make("llama", llama_rows(Bias::kIfAttentionBias, Bias::kIfAttentionBias), {kInputNorm, kPostAttnNorm});
-  return a;
-}
-
-const Architecture& architecture_of(const DecoderConfig& config) {
-  switch (config.family) {
-    case Family::kLlama: return llama_architecture();
-    case Family::kQwen2: return qwen2_architecture();
-    case Family::kQwen3: return qwen3_architecture();
-    case Family::kGemma2: return gemma2_architecture();
-    case Family::kGemma3: return gemma3_architecture();
-    case Family::kPhi3: return phi3_architecture();
-    case Family::kSmolLM3: return smollm3_architecture();
-    case Family::kOlmo2: return olmo2_architecture();
-    case Family::kQwen35: return qwen35_architecture();
-    case Family::kGemma4: return gemma4_architecture();
-  }
-  throw std::logic_error("architecture_of: unknown family");
-}
+const Architecture& architecture_of(const DecoderConfig& config) { return config.family->architecture(); }
 
 bool has_bias(const ProjectionRow& row, const DecoderConfig& config) {
   return row.bias == Bias::kAlways || (row.bias == Bias::kIfAttentionBias && config.attention_bias);
@@ -247,8 +40,8 @@ std::vector<std::string> peft_targets(const Architecture& arch, const std::vecto
 }
 
 bool is_known_target(const std::string& name) {
-  for (const Architecture* a : kAllArchitectures) {
-    const ProjectionRow* row = find_projection(*a, name);
+  for (const Family* f : all_families()) {
+    const ProjectionRow* row = find_projection(f->architecture(), name);
     if (row && name == row->short_name) return true;
   }
   return false;
@@ -256,8 +49,8 @@ bool is_known_target(const std::string& name) {
 
 std::string known_target_names() {
   std::vector<std::string> seen;
-  for (const Architecture* a : kAllArchitectures)
-    for (const ProjectionRow& row : a->projections)
+  for (const Family* f : all_families())
+    for (const ProjectionRow& row : f->architecture().projections)
       if (std::find(seen.begin(), seen.end(), row.short_name) == seen.end()) seen.push_back(row.short_name);
   std::string out;
   for (const std::string& n : seen) out += (out.empty() ? "" : ", ") + n;

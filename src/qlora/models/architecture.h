@@ -1,11 +1,10 @@
 // The architecture table of a model family: what every other folder needs to know about the
 // family's weights, written once. Config validation, loading, LoRA targets, sharding, the PEFT
 // adapter and the merged export all read these rows instead of spelling projection names and
-// Hugging Face keys themselves (llama.cpp's tensor-name table is the model). Each family has a
-// table of rows here (decoder_config.h lists the families); what its compute does
-// differently (soft-capping, sliding windows, (1 + w) norms) is read from its config
-// (decoder_config.h), and which optional tensors a layer holds (biases, q/k norms, sandwich norms,
-// fused projections) from these rows.
+// Hugging Face keys themselves (llama.cpp's tensor-name table is the model). Each family's table is
+// in its file (models/families/); what its compute does differently (soft-capping, sliding windows,
+// (1 + w) norms) is read from its config (decoder_config.h), and which optional tensors a layer
+// holds (biases, q/k norms, sandwich norms, fused projections) from these rows.
 #pragma once
 #include <ATen/core/Tensor.h>
 
@@ -101,7 +100,7 @@ struct EmbedRow {
 };
 
 struct Architecture {
-  const char* family;  // "llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "smollm3", "olmo2", "qwen3_5"
+  const char* family;  // its family's name, for messages ("olmo2" for OLMo 2 and 3, which share it)
   // A decoder layer's projections in forward order (the order adapters are initialised, exported
   // and sharded in), then the output projection.
   std::vector<ProjectionRow> projections;
@@ -112,7 +111,8 @@ struct Architecture {
   std::vector<EmbedRow> embed_rows = {};
 };
 
-// Llama-2, Llama-3/3.1 and Mistral (same weights; Mistral differs only in config values).
+// Llama-2, Llama-3/3.1 and Mistral (same weights; Mistral differs only in config values):
+// families/llama_mistral.cpp.
 const Architecture& llama_architecture();
 // The table of a config's family.
 const Architecture& architecture_of(const DecoderConfig& config);

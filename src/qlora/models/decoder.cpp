@@ -131,7 +131,7 @@ modules::LayerDims DecoderModel::dims(int64_t layer) const {
   d.num_heads = c.num_attention_heads, d.num_kv_heads = c.layer_kv_heads(layer), d.head_dim = c.layer_head_dim(layer);
   d.rms_norm_eps = c.rms_norm_eps;
   d.norm = c.norm;
-  d.v_norm = c.family == Family::kGemma4;
+  d.v_norm = c.v_norm;
   d.activation = c.activation;
   if (c.query_pre_attn_scalar) d.attention.scale = 1.0 / std::sqrt(*c.query_pre_attn_scalar);
   d.attention.softcap = c.attn_logit_softcapping.value_or(0.0);

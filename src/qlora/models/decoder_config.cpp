@@ -1,5 +1,4 @@
 #include "qlora/models/decoder_config.h"
-#include "qlora/io/read_file.h"
 
 #include <nlohmann/json.hpp>
 
@@ -10,48 +9,14 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "qlora/io/read_file.h"
+#include "qlora/models/config_json.h"
+#include "qlora/models/family.h"
+
 namespace qlora::models {
 namespace {
 
-using nlohmann::json;
-
-[[noreturn]] void fail(const std::string& where, const std::string& key, const std::string& what) {
-  throw std::invalid_argument(where + ": config key '" + key + "': " + what);
-}
-
-// HF writes null for "use the default" (e.g. head_dim: null), so null counts as absent.
-bool present(const json& j, const char* key) { return j.contains(key) && !j.at(key).is_null(); }
-
-int64_t get_int(const json& j, const char* key, const std::string& where) {
-  if (!present(j, key)) fail(where, key, "missing (required)");
-  const json& v = j.at(key);
-  if (!v.is_number_integer()) fail(where, key, "expected an integer, got " + v.dump());
-  return v.get<int64_t>();
-}
-int64_t get_int(const json& j, const char* key, const std::string& where, int64_t dflt) {
-  return present(j, key) ? get_int(j, key, where) : dflt;
-}
-double get_num(const json& j, const char* key, const std::string& where) {
-  if (!present(j, key)) fail(where, key, "missing (required)");
-  const json& v = j.at(key);
-  if (!v.is_number()) fail(where, key, "expected a number, got " + v.dump());
-  return v.get<double>();
-}
-double get_num(const json& j, const char* key, const std::string& where, double dflt) {
-  return present(j, key) ? get_num(j, key, where) : dflt;
-}
-bool get_bool(const json& j, const char* key, const std::string& where, bool dflt) {
-  if (!present(j, key)) return dflt;
-  const json& v = j.at(key);
-  if (!v.is_boolean()) fail(where, key, "expected true/false, got " + v.dump());
-  return v.get<bool>();
-}
-std::string get_str(const json& j, const char* key, const std::string& where) {
-  if (!present(j, key)) fail(where, key, "missing (required)");
-  const json& v = j.at(key);
-  if (!v.is_string()) fail(where, key, "expected a string, got " + v.dump());
-  return v.get<std::string>();
-}
+using namespace cfg;
 
 // eos_token_id: an integer or a list of them; absent: none.
 std::vector<int64_t> eos_ids(const json& j, const std::string& where) {
@@ -133,12 +98,12 @@ modules::RopeParams parse_rope_dict(const json& r, const json& top, const std::s
   return p;
 }
 
-// partial_rotary_factor, at the top level or in the RoPE dict: Qwen3.5 rotates the first quarter of
-// head_dim by default (its class sets 0.25); the other families rotate all of it and take only 1.
+// partial_rotary_factor, at the top level or in the RoPE dict: a family with a default share
+// (Qwen3.5's class: 0.25) rotates that much of head_dim; the others rotate all of it and take only 1.
 void parse_partial_rotary(const json& j, const char* rope_key, const std::string& where, DecoderConfig& c) {
-  const bool partial_ok = c.family == Family::kQwen35;
+  const bool partial_ok = c.family->partial_rotary_factor > 0;
   std::string key = "partial_rotary_factor";
-  double factor = partial_ok ? 0.25 : 1.0;
+  double factor = partial_ok ? c.family->partial_rotary_factor : 1.0;
   if (present(j, "partial_rotary_factor")) factor = get_num(j, "partial_rotary_factor", where);
   if (present(j, rope_key) && j.at(rope_key).is_object() && present(j.at(rope_key), "partial_rotary_factor")) {
     key = std::string(rope_key) + ".partial_rotary_factor";
@@ -151,36 +116,17 @@ void parse_partial_rotary(const json& j, const char* rope_key, const std::string
   c.rotary_dim = dim == c.head_dim ? 0 : dim;
 }
 
-// Qwen3.5's rope_parameters.mrope_section (or rope_scaling's): a list of non-negative integers.
-std::vector<int64_t> mrope_section(const json& j, const std::string& where) {
-  std::vector<int64_t> out;
-  for (const char* key : {"rope_parameters", "rope_scaling"}) {
-    if (!present(j, key) || !j.at(key).is_object() || !present(j.at(key), "mrope_section")) continue;
-    const json& s = j.at(key).at("mrope_section");
-    const std::string name = std::string(key) + ".mrope_section";
-    if (!s.is_array()) fail(where, name, "expected a list of integers, got " + s.dump());
-    for (const json& v : s) {
-      if (!v.is_number_integer() || v.get<int64_t>() < 0) fail(where, name, "entries must be non-negative integers");
-      out.push_back(v.get<int64_t>());
-    }
-    break;
-  }
-  return out;
-}
-
 // RoPE: transformers <= 4.x wrote rope_theta at top level and scaling in rope_scaling; 5.x writes
 // one rope_parameters dict holding rope_theta and rope_type, or (Gemma 3) one dict per layer type.
 // Gemma 3's older form: rope_theta + rope_scaling for global layers, rope_local_base_freq for local.
-// OLMo 3 gives its sliding layers the base theta unscaled, its full layers the scaling too.
+// The sliding layers' RoPE is the family's (Family::local_rope).
 void parse_rope(const json& j, const std::string& where, DecoderConfig& c) {
-  const bool gemma3 = c.family == Family::kGemma3, olmo = c.family == Family::kOlmo2;
-  const bool gemma4 = c.family == Family::kGemma4;
+  const Family& f = *c.family;
   modules::RopeParams global;
-  global.theta = get_num(j, "rope_theta", where, gemma3 || gemma4 ? 1e6 : 10000.0);
-  // Gemma 4's class default for its full layers: proportional RoPE over a quarter of global_head_dim.
-  if (gemma4) global.proportional = modules::ProportionalRope{0.25};
+  global.theta = get_num(j, "rope_theta", where, f.rope_theta);
+  if (f.proportional_rope > 0) global.proportional = modules::ProportionalRope{f.proportional_rope};
   modules::RopeParams local;
-  local.theta = olmo ? global.theta : get_num(j, "rope_local_base_freq", where, 10000.0);
+  local.theta = f.local_rope == LocalRope::kFullBase ? global.theta : get_num(j, "rope_local_base_freq", where, 10000.0);
   const char* key = present(j, "rope_parameters") ? "rope_parameters" : "rope_scaling";
   parse_partial_rotary(j, key, where, c);
   if (present(j, key)) {
@@ -200,63 +146,43 @@ void parse_rope(const json& j, const std::string& where, DecoderConfig& c) {
   c.rope_linear_factor = global.linear_factor;
   c.rope_yarn = global.yarn;
   c.rope_proportional = global.proportional;
-  if (gemma3 || olmo || gemma4) c.local_rope = local;
+  if (f.local_rope != LocalRope::kNone) c.local_rope = local;
 }
-
-struct FamilyName {
-  const char* model_type;
-  Family family;
-};
-constexpr FamilyName kFamilies[] = {{"llama", Family::kLlama},   {"mistral", Family::kLlama},
-                                    {"qwen2", Family::kQwen2},   {"qwen3", Family::kQwen3},
-                                    {"gemma2", Family::kGemma2}, {"gemma3_text", Family::kGemma3},
-                                    {"phi3", Family::kPhi3},     {"smollm3", Family::kSmolLM3},
-                                    {"olmo2", Family::kOlmo2},   {"olmo3", Family::kOlmo2},
-                                    {"qwen3_5_text", Family::kQwen35}, {"gemma4_text", Family::kGemma4}};
 
 // model_type -> family; another multimodal checkpoint or another family is refused by name.
-Family parse_family(const json& j, const std::string& where, const std::string& type) {
+const Family* parse_family(const json& j, const std::string& where, const std::string& type) {
   if (present(j, "vision_config") || present(j, "text_config")) {
+    std::string forms;
+    for (const Family* f : all_families())
+      if (f->multimodal) forms += (forms.empty() ? "" : ", ") + std::string(f->multimodal->model_type) + "'s";
     fail(where, present(j, "vision_config") ? "vision_config" : "text_config",
-         "'" + type + "' is a multimodal checkpoint (a vision tower beside the language model); of those only "
-         "gemma3's, gemma4's and qwen3_5's language models are supported, otherwise text-only decoders (" + supported_model_types() + ")");
+         "'" + type + "' is a multimodal checkpoint (a vision tower beside the language model); of those only " + forms +
+             " language models are supported, otherwise text-only decoders (" + supported_model_types() + ")");
   }
-  for (const FamilyName& f : kFamilies)
-    if (type == f.model_type) return f.family;
+  for (const Family* f : all_families())
+    for (const char* t : f->model_types)
+      if (type == t) return f;
   fail(where, "model_type", "'" + type + "' is not supported (supported: " + supported_model_types() + ")");
-}
-
-// HF's per-class defaults for keys a config.json may leave out.
-
-// A soft-cap key: absent means the family's default, null means none.
-std::optional<double> softcap(const json& j, const char* key, const std::string& where, std::optional<double> dflt) {
-  if (!j.contains(key)) return dflt;
-  if (j.at(key).is_null()) return std::nullopt;
-  const double v = get_num(j, key, where);
-  if (!(v > 0)) fail(where, key, "must be positive or null, got " + j.at(key).dump());
-  return v;
 }
 
 // Which layers use the sliding window: layer_types when the config lists them (transformers 5),
 // else each family's rule for its older configs.
 void parse_sliding(const json& j, const std::string& where, DecoderConfig& c) {
-  const Family f = c.family;
-  // Qwen's and SmolLM3's classes slide only under use_sliding_window.
-  const bool qwen = f == Family::kQwen2 || f == Family::kQwen3 || f == Family::kSmolLM3;
+  const Family& f = *c.family;
   std::optional<int64_t> window;
   if (present(j, "sliding_window")) window = get_int(j, "sliding_window", where);
-  else if ((is_gemma2_or_3(f) || c.model_type == "olmo3") && !j.contains("sliding_window")) window = 4096;
-  else if (f == Family::kGemma4 && !j.contains("sliding_window")) window = 512;
-  if (qwen && !get_bool(j, "use_sliding_window", where, false)) window.reset();
+  else if (!j.contains("sliding_window")) window = f.sliding_window;
+  if (f.sliding_needs_flag && !get_bool(j, "use_sliding_window", where, false)) window.reset();
   // Gemma 4 writes "vision" (image tokens see each other; text stays causal) or "all" (an encoder).
-  const bool bidirectional = f == Family::kGemma4 && present(j, "use_bidirectional_attention")
+  const bool bidirectional = f.bidirectional_vision && present(j, "use_bidirectional_attention")
                                  ? get_str(j, "use_bidirectional_attention", where) != "vision"
                                  : get_bool(j, "use_bidirectional_attention", where, false);
   if (bidirectional) fail(where, "use_bidirectional_attention", "bidirectional (encoder) attention is not supported");
   const int64_t n = c.num_hidden_layers;
   c.sliding_layers.assign(static_cast<size_t>(n), false);
-  if (f == Family::kQwen35) {
-    window.reset();  // Qwen3.5 never slides; its other mixer is the Gated DeltaNet
+  const bool linear = f.gated_delta_layers;
+  if (linear) {
+    window.reset();  // never slides; its other mixer is the Gated DeltaNet
     c.linear_layers.assign(static_cast<size_t>(n), false);
     if (!present(j, "layer_types")) {  // the class's rule: every full_attention_interval-th layer attends
       const int64_t every = get_int(j, "full_attention_interval", where, 4);
@@ -269,30 +195,19 @@ void parse_sliding(const json& j, const std::string& where, DecoderConfig& c) {
     if (!t.is_array() || static_cast<int64_t>(t.size()) != n) {
       fail(where, "layer_types", "expected a list of " + std::to_string(n) + " layer types (num_hidden_layers)");
     }
-    const bool qwen35 = f == Family::kQwen35;
     for (int64_t i = 0; i < n; ++i) {
       const json& v = t.at(static_cast<size_t>(i));
-      if (v == "sliding_attention" && !qwen35) c.sliding_layers[static_cast<size_t>(i)] = true;
-      else if (v == "linear_attention" && qwen35) c.linear_layers[static_cast<size_t>(i)] = true;
+      if (v == "sliding_attention" && !linear) c.sliding_layers[static_cast<size_t>(i)] = true;
+      else if (v == "linear_attention" && linear) c.linear_layers[static_cast<size_t>(i)] = true;
       else if (v != "full_attention")
         fail(where, "layer_types", "entry " + std::to_string(i) + " is " + v.dump() + " (supported: \"full_attention\", " +
-                                       (qwen35 ? "\"linear_attention\")" : "\"sliding_attention\")"));
+                                       (linear ? "\"linear_attention\")" : "\"sliding_attention\")"));
     }
   } else if (window) {
-    const int64_t pattern = get_int(j, "sliding_window_pattern", where, 6);
-    const int64_t max_window_layers = get_int(j, "max_window_layers", where, 0);
-    for (int64_t i = 0; i < n; ++i) {
-      bool s = true;  // llama/mistral/phi3: every layer
-      if (f == Family::kGemma2) s = i % 2 == 0;
-      if (f == Family::kGemma3) s = pattern <= 0 || (i + 1) % pattern != 0;
-      if (f == Family::kGemma4) s = (i + 1) % 6 != 0;  // its class's fixed 5:1
-      if (qwen) s = i >= max_window_layers;
-      if (c.model_type == "olmo3") s = (i + 1) % 4 != 0;
-      c.sliding_layers[static_cast<size_t>(i)] = s;
-    }
+    for (int64_t i = 0; i < n; ++i) c.sliding_layers[static_cast<size_t>(i)] = !f.slides || f.slides(j, where, i);
   }
   // Gemma 4's class makes the last layer full attention whatever layer_types says (with a warning).
-  if (f == Family::kGemma4) c.sliding_layers.back() = false;
+  if (f.last_layer_full) c.sliding_layers.back() = false;
   const bool any = std::find(c.sliding_layers.begin(), c.sliding_layers.end(), true) != c.sliding_layers.end();
   if (any && !window) fail(where, "sliding_window", "layer_types has sliding layers but no window is set");
   if (any) c.sliding_window = window;
@@ -301,7 +216,7 @@ void parse_sliding(const json& j, const std::string& where, DecoderConfig& c) {
 // SmolLM3's NoPE layers: no_rope_layers lists 1 for a layer that rotates and 0 for one that does
 // not; without it, every no_rope_layer_interval-th layer (4) goes without, as the class defaults.
 void parse_nope(const json& j, const std::string& where, DecoderConfig& c) {
-  if (c.family != Family::kSmolLM3) return;
+  if (!c.family->nope_layers) return;
   const int64_t n = c.num_hidden_layers;
   c.nope_layers.assign(static_cast<size_t>(n), false);
   if (present(j, "no_rope_layers")) {
@@ -320,135 +235,27 @@ void parse_nope(const json& j, const std::string& where, DecoderConfig& c) {
   for (int64_t i = 0; i < n; ++i) c.nope_layers[static_cast<size_t>(i)] = (i + 1) % every == 0;
 }
 
-MlpActivation parse_activation(const json& j, const std::string& where, Family f) {
+MlpActivation parse_activation(const json& j, const std::string& where, const Family& f) {
   const char* key = present(j, "hidden_activation") ? "hidden_activation" : "hidden_act";
-  const bool gelu = is_any_gemma(f);
+  const bool gelu = f.activation == MlpActivation::kGeluTanh;
   const std::string act = present(j, key) ? get_str(j, key, where) : gelu ? "gelu_pytorch_tanh" : "silu";
   if (act == "silu") return MlpActivation::kSilu;
   if (act == "gelu_pytorch_tanh") return MlpActivation::kGeluTanh;
   fail(where, key, "'" + act + "' is not supported (silu or gelu_pytorch_tanh)");
 }
 
-// Gemma 4's layer index keys in per_layer_config: "5", or zero-padded "05" as transformers writes them.
-int64_t layer_index(const std::string& key, int64_t n, const std::string& where) {
-  const bool digits = !key.empty() && key.size() < 10 && key.find_first_not_of("0123456789") == std::string::npos;
-  const int64_t i = digits ? std::stoll(key) : -1;
-  if (i < 0 || i >= n) fail(where, "per_layer_config." + key, "expected a layer index in [0, " + std::to_string(n) + ")");
-  return i;
-}
-
-// Gemma 4's full-attention layers' head_dim and kv heads. transformers writes per_layer_config (each
-// layer's overrides); the Hub's configs give global_head_dim (the class's default: 512) and, under
-// attention_k_eq_v, num_global_key_value_heads. Each layer type has one size, as its RoPE table does.
-void parse_gemma4_heads(const json& j, const std::string& where, DecoderConfig& c) {
-  const int64_t n = c.num_hidden_layers;
-  if (!j.contains("per_layer_config")) {
-    c.global_head_dim = get_int(j, "global_head_dim", where, 512);
-    c.global_kv_heads = c.attention_k_eq_v ? get_int(j, "num_global_key_value_heads", where, c.num_key_value_heads)
-                                           : c.num_key_value_heads;
-    return;
-  }
-  std::vector<int64_t> hd(static_cast<size_t>(n), c.head_dim), kv(static_cast<size_t>(n), c.num_key_value_heads);
-  const json& p = j.at("per_layer_config");
-  if (!p.is_null() && !p.is_object()) fail(where, "per_layer_config", "expected an object of layer index -> overrides");
-  const json overrides = p.is_null() ? json::object() : p;  // named: items() refers to it
-  for (const auto& [key, ov] : overrides.items()) {
-    const auto i = static_cast<size_t>(layer_index(key, n, where));
-    const std::string w = where + " (per_layer_config." + key + ")";
-    if (!ov.is_object()) fail(where, "per_layer_config." + key, "expected an object of overrides");
-    for (const auto& [attr, v] : ov.items()) {
-      if (attr == "head_dim") hd[i] = get_int(ov, "head_dim", w);
-      else if (attr == "num_key_value_heads") kv[i] = get_int(ov, "num_key_value_heads", w);
-      else fail(where, "per_layer_config." + key + "." + attr, "only head_dim and num_key_value_heads may differ per layer");
-    }
-  }
-  int64_t type_hd[2] = {-1, -1}, type_kv[2] = {-1, -1};  // [full, sliding]
-  for (int64_t i = 0; i < n; ++i) {
-    const int t = c.is_sliding(i) ? 1 : 0;
-    const auto u = static_cast<size_t>(i);
-    if (type_hd[t] < 0) type_hd[t] = hd[u], type_kv[t] = kv[u];
-    if (hd[u] != type_hd[t] || kv[u] != type_kv[t])
-      fail(where, "per_layer_config", "layer " + std::to_string(i) + "'s head_dim / num_key_value_heads differ from " +
-                                          "those of the other " + (t ? "sliding" : "full") + " attention layers");
-  }
-  if (type_hd[1] > 0) c.head_dim = type_hd[1], c.num_key_value_heads = type_kv[1];
-  c.global_head_dim = type_hd[0] > 0 ? type_hd[0] : c.head_dim;
-  c.global_kv_heads = type_kv[0] > 0 ? type_kv[0] : c.num_key_value_heads;
-}
-
-// Gemma 4's KV sharing (transformers' kv_sharing_modes): each of the last num_kv_shared_layers layers
-// attends over the keys and values of the last earlier layer of its type.
-void parse_kv_sharing(const json& j, const std::string& where, DecoderConfig& c) {
-  const int64_t n = c.num_hidden_layers, shared = get_int(j, "num_kv_shared_layers", where, 0);
-  if (shared == 0) return;
-  if (shared < 0 || shared >= n) fail(where, "num_kv_shared_layers", "must be in [0, num_hidden_layers = " + std::to_string(n) + ")");
-  const int64_t first = n - shared;
-  c.kv_source.assign(static_cast<size_t>(n), -1);
-  for (int64_t i = first; i < n; ++i) {
-    int64_t src = first - 1;
-    while (src >= 0 && c.is_sliding(src) != c.is_sliding(i)) --src;
-    if (src < 0)
-      fail(where, "num_kv_shared_layers", "layer " + std::to_string(i) + " would reuse the keys and values of an earlier " +
-                                              (c.is_sliding(i) ? "sliding" : "full") + " attention layer, and none of the first " +
-                                              std::to_string(first) + " layers is one");
-    c.kv_source[static_cast<size_t>(i)] = src;
-  }
-}
-
-// Gemma 4 (see decoder_config.h); its mixture-of-experts form is refused.
-void parse_gemma4(const json& j, const std::string& where, DecoderConfig& c) {
-  if (get_bool(j, "enable_moe_block", where, false))
-    fail(where, "enable_moe_block", "Gemma 4's mixture-of-experts layers (gemma-4-26B-A4B) are not supported; fine-tune "
-                                    "a dense Gemma 4 (E2B, E4B, 31B) instead");
-  c.norm = modules::RmsScale::kWeightFp32;
-  c.embed_scale = std::sqrt(static_cast<double>(c.hidden_size));
-  c.query_pre_attn_scalar = 1.0;  // scores are q.k unscaled: q and k come out of RMSNorms
-  c.final_logit_softcapping = softcap(j, "final_logit_softcapping", where, std::nullopt);
-  c.attention_k_eq_v = get_bool(j, "attention_k_eq_v", where, false);
-  parse_gemma4_heads(j, where, c);
-  parse_kv_sharing(j, where, c);
-  c.double_wide_mlp = get_bool(j, "use_double_wide_mlp", where, false);
-  // null switches the per-layer inputs off, as 0 does; absent means the class's 256.
-  const char* ple = "hidden_size_per_layer_input";
-  c.per_layer_input_dim = !j.contains(ple) ? 256 : present(j, ple) ? get_int(j, ple, where) : 0;
-  if (c.per_layer_input_dim < 0) fail(where, ple, "must be 0 (none) or positive");
-  c.per_layer_input_vocab = get_int(j, "vocab_size_per_layer_input", where, 262144);
-  if (c.per_layer_input_dim > 0 && c.per_layer_input_vocab <= 0)
-    fail(where, "vocab_size_per_layer_input", "must be positive");
-}
-
-// What the family computes beyond a Llama block (see decoder_config.h).
+// What the family computes beyond a Llama block (its Family::parse), after the keys every family reads.
 void parse_family_numerics(const json& j, const std::string& where, DecoderConfig& c) {
-  c.activation = parse_activation(j, where, c.family);
-  const Family f = c.family;
-  if (f == Family::kPhi3) {
+  const Family& f = *c.family;
+  c.activation = parse_activation(j, where, f);
+  if (f.attention_bias == AttentionBiasKey::kRefused) {
     if (j.contains("attention_bias") && get_bool(j, "attention_bias", where, false))
-      fail(where, "attention_bias", "Phi-3 has no attention biases");
-  } else if (f != Family::kQwen2) {
+      fail(where, "attention_bias", std::string(f.name) + " has no attention biases");
+  } else if (f.attention_bias == AttentionBiasKey::kRead) {
     c.attention_bias = get_bool(j, "attention_bias", where, false);
   }
   if (get_bool(j, "mlp_bias", where, false)) fail(where, "mlp_bias", "MLP biases are not supported");
-  if (f == Family::kQwen35) {
-    c.norm = modules::RmsScale::kOnePlusWeight;  // every RMSNorm but the DeltaNet's gated one
-    c.attn_output_gate = true;
-    modules::GatedDeltaDims& g = c.gated_delta;
-    g.conv_kernel = get_int(j, "linear_conv_kernel_dim", where, 4);
-    g.key_head_dim = get_int(j, "linear_key_head_dim", where, 128);
-    g.value_head_dim = get_int(j, "linear_value_head_dim", where, 128);
-    g.num_key_heads = get_int(j, "linear_num_key_heads", where, 16);
-    g.num_value_heads = get_int(j, "linear_num_value_heads", where, 32);
-    c.mrope_section = mrope_section(j, where);
-    return;
-  }
-  if (f == Family::kGemma4) return parse_gemma4(j, where, c);
-  if (!is_gemma2_or_3(f)) return;
-  c.norm = modules::RmsScale::kOnePlusWeight;
-  c.embed_scale = std::sqrt(static_cast<double>(c.hidden_size));
-  c.query_pre_attn_scalar = get_num(j, "query_pre_attn_scalar", where, 256.0);
-  if (!(*c.query_pre_attn_scalar > 0)) fail(where, "query_pre_attn_scalar", "must be positive");
-  const bool g2 = f == Family::kGemma2;
-  c.attn_logit_softcapping = softcap(j, "attn_logit_softcapping", where, g2 ? std::optional<double>(50.0) : std::nullopt);
-  c.final_logit_softcapping = softcap(j, "final_logit_softcapping", where, g2 ? std::optional<double>(30.0) : std::nullopt);
+  if (f.parse) f.parse(j, where, c);
 }
 
 }  // namespace
@@ -522,15 +329,11 @@ DecoderConfig parse_text_config(const json& j, const std::string& where) {
   c.vocab_size = get_int(j, "vocab_size", where);
   if (c.num_attention_heads <= 0) fail(where, "num_attention_heads", "must be positive");
   if (c.num_hidden_layers <= 0) fail(where, "num_hidden_layers", "must be positive");
-  // Gemma's classes default head_dim to 256 rather than hidden / heads.
-  const bool head_256 = is_gemma2_or_3(c.family) || c.family == Family::kQwen35 || c.family == Family::kGemma4;
-  c.head_dim = get_int(j, "head_dim", where, head_256 ? 256 : c.hidden_size / c.num_attention_heads);
-  c.rms_norm_eps =
-      get_num(j, "rms_norm_eps", where, c.family == Family::kPhi3 || c.family == Family::kOlmo2 ? 1e-5 : 1e-6);
+  const Family& f = *c.family;
+  c.head_dim = get_int(j, "head_dim", where, f.head_dim > 0 ? f.head_dim : c.hidden_size / c.num_attention_heads);
+  c.rms_norm_eps = get_num(j, "rms_norm_eps", where, f.rms_norm_eps);
   c.max_position_embeddings = get_int(j, "max_position_embeddings", where, 2048);
-  c.tie_word_embeddings =
-      get_bool(j, "tie_word_embeddings", where,
-               is_gemma2_or_3(c.family) || c.family == Family::kSmolLM3 || c.family == Family::kGemma4);
+  c.tie_word_embeddings = get_bool(j, "tie_word_embeddings", where, f.tie_word_embeddings);
   parse_rope(j, where, c);
   if (present(j, "bos_token_id")) c.bos_token_id = get_int(j, "bos_token_id", where);
   c.eos_token_ids = eos_ids(j, where);
@@ -544,63 +347,29 @@ DecoderConfig parse_text_config(const json& j, const std::string& where) {
   return c;
 }
 
-// Gemma3Config's text_config (transformers' Gemma3TextConfig): a config.json may list only the
-// keys that differ from the class's defaults (the Hub's gemma-3-4b/12b/27b do: no vocab_size,
-// num_attention_heads, ...), so the defaults our parser does not share are filled in first.
-// Defaults it shares (head_dim 256, RoPE bases 1e6 / 1e4, window 4096, gelu_pytorch_tanh,
-// query_pre_attn_scalar 256, no soft-capping) are the parser's own for gemma3_text.
-json gemma3_text_defaults() {
-  return {{"model_type", "gemma3_text"}, {"vocab_size", 262208},      {"hidden_size", 2304},
-          {"intermediate_size", 9216},   {"num_hidden_layers", 26},   {"num_attention_heads", 8},
-          {"num_key_value_heads", 4},    {"max_position_embeddings", 131072},
-          {"bos_token_id", 2},           {"eos_token_id", 1}};
-}
-
-// Qwen3_5Config's text_config (Qwen3_5TextConfig): the class defaults our parser does not share
-// (head_dim 256, the linear_* sizes, partial rotary 0.25 and the layer pattern are the parser's own).
-json qwen35_text_defaults() {
-  return {{"model_type", "qwen3_5_text"}, {"vocab_size", 248320},     {"hidden_size", 4096},
-          {"intermediate_size", 12288},   {"num_hidden_layers", 32},  {"num_attention_heads", 16},
-          {"num_key_value_heads", 4},     {"max_position_embeddings", 32768}};
-}
-
-// Gemma4Config's text_config (Gemma4TextConfig): the class defaults our parser does not share (head_dim
-// 256, window 512, the RoPE pair, global_head_dim 512 and the per-layer input sizes are its own).
-json gemma4_text_defaults() {
-  return {{"model_type", "gemma4_text"}, {"vocab_size", 262144},     {"hidden_size", 2304},
-          {"intermediate_size", 9216},   {"num_hidden_layers", 30},  {"num_attention_heads", 8},
-          {"num_key_value_heads", 4},    {"max_position_embeddings", 131072},
-          {"bos_token_id", 2},           {"eos_token_id", 1}};
-}
-
-// A checkpoint whose language model sits beside a vision tower: the language model is text_config
-// (of model_type text_type); the tower's settings are nobody's business here (its weights are
-// copied, never computed).
-struct MultimodalForm {
-  const char* model_type;
-  const char* text_type;
-  json (*text_defaults)();
-  bool tie_default;  // the class's tie_word_embeddings
-};
-constexpr MultimodalForm kMultimodal[] = {{kGemma3Multimodal, "gemma3_text", gemma3_text_defaults, true},
-                                          {kQwen35Multimodal, "qwen3_5_text", qwen35_text_defaults, false},
-                                          {kGemma4Multimodal, "gemma4_text", gemma4_text_defaults, true}};
-
-DecoderConfig parse_multimodal(const json& j, const std::string& where, const MultimodalForm& form) {
+// A checkpoint whose language model sits beside a vision tower (Family::multimodal): the language
+// model is text_config, of the family's first model_type. A config.json may list only the keys that
+// differ from the text class's defaults (the Hub's gemma-3-4b/12b/27b do: no vocab_size,
+// num_attention_heads, ...), so the defaults our parser does not share are filled in first. The
+// tower's settings are nobody's business here (its weights are copied, never computed).
+DecoderConfig parse_multimodal(const json& j, const std::string& where, const Family& family) {
+  const Family::Multimodal& form = *family.multimodal;
+  const char* text_type = family.model_types.at(0);
   if (!present(j, "text_config"))
     fail(where, "text_config",
          std::string("missing (a ") + form.model_type + " config keeps its language model's settings there)");
   const json& t = j.at("text_config");
   if (!t.is_object()) fail(where, "text_config", "expected an object, got " + t.dump());
-  json text = form.text_defaults();
+  json text = json::parse(form.text_defaults);
+  text["model_type"] = text_type;
   text.update(t);
   // The model class ties its head by the top-level key, and its generation stops at the top-level
   // eos_token_id when there is one (Gemma 3's lists <end_of_turn> too).
-  text["tie_word_embeddings"] = get_bool(j, "tie_word_embeddings", where, form.tie_default);
+  text["tie_word_embeddings"] = get_bool(j, "tie_word_embeddings", where, form.tie_word_embeddings);
   if (present(j, "eos_token_id")) text["eos_token_id"] = j.at("eos_token_id");
   const std::string text_where = where + " (text_config)";
-  if (get_str(text, "model_type", text_where) != form.text_type)
-    fail(text_where, "model_type", std::string("expected \"") + form.text_type + "\", got " + text.at("model_type").dump());
+  if (get_str(text, "model_type", text_where) != text_type)
+    fail(text_where, "model_type", std::string("expected \"") + text_type + "\", got " + text.at("model_type").dump());
   DecoderConfig c = parse_text_config(text, text_where);
   c.model_type = form.model_type;
   c.multimodal = true;
@@ -609,7 +378,7 @@ DecoderConfig parse_multimodal(const json& j, const std::string& where, const Mu
 
 }  // namespace
 
-DecoderConfig parse_llama_config(const std::string& json_text, const std::string& where) {
+DecoderConfig parse_decoder_config(const std::string& json_text, const std::string& where) {
   json j;
   try {
     j = json::parse(json_text);
@@ -618,8 +387,8 @@ DecoderConfig parse_llama_config(const std::string& json_text, const std::string
   }
   if (!j.is_object()) throw std::invalid_argument(where + ": expected a JSON object");
   const std::string type = get_str(j, "model_type", where);
-  for (const MultimodalForm& form : kMultimodal)
-    if (type == form.model_type) return parse_multimodal(j, where, form);
+  for (const Family* f : all_families())
+    if (f->multimodal && type == f->multimodal->model_type) return parse_multimodal(j, where, *f);
   return parse_text_config(j, where);
 }
 
@@ -639,8 +408,10 @@ std::vector<int64_t> load_generation_eos_ids(const std::string& dir) {
 
 std::string supported_model_types() {
   std::string out;
-  for (const FamilyName& f : kFamilies) out += (out.empty() ? "" : ", ") + std::string(f.model_type);
-  for (const MultimodalForm& form : kMultimodal) out += std::string(", ") + form.model_type;
+  for (const Family* f : all_families())
+    for (const char* t : f->model_types) out += (out.empty() ? "" : ", ") + std::string(t);
+  for (const Family* f : all_families())
+    if (f->multimodal) out += std::string(", ") + f->multimodal->model_type;
   return out;
 }
 
@@ -650,7 +421,7 @@ DecoderConfig load_decoder_config(const std::string& path) {
   if (fs::is_directory(p)) p /= "config.json";
   const auto text = io::read_file(p.string());
   if (!text) throw std::invalid_argument(p.string() + ": cannot open config file");
-  return io::naming_file(p.string(), [&] { return parse_llama_config(*text, p.string()); });
+  return io::naming_file(p.string(), [&] { return parse_decoder_config(*text, p.string()); });
 }
 
 }  // namespace qlora::models

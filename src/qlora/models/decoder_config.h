@@ -1,31 +1,8 @@
 // A decoder-only model's architecture description, parsed from a Hugging Face config.json.
-// One struct serves every family we load (all are decoder-only transformers); the family decides which weights exist (models/architecture.h) and the
-// fields below say what its compute does differently:
-//   llama, mistral  Llama-2, Llama-3/3.1 (GQA, llama3 RoPE scaling), Mistral (sliding window)
-//   qwen2           Qwen2/2.5: q/k/v biases
-//   qwen3           Qwen3: per-head RMSNorm on q and k
-//   gemma2          (1 + w) norms, sqrt(hidden) embedding scale, four norms a block, soft-capping,
-//                   query_pre_attn_scalar, sliding window on alternate layers, GeGLU (gelu tanh)
-//   gemma3_text     Gemma 2's norms plus q/k norms, local:global layers with their own RoPE
-//   phi3            fused qkv_proj and gate_up_proj
-//   smollm3         SmolLM3: Llama's block, no RoPE on the layers no_rope_layers marks (NoPE)
-//   olmo2, olmo3    OLMo 2/3: no input norms, post-norms closing each branch, q/k RMSNorm over all
-//                   heads; OLMo 3 slides on three of four layers, YaRN RoPE on its full layers
-//   qwen3_5_text    Qwen3.5: three of four layers are Gated DeltaNet (linear_attention), the rest
-//                   full attention with a sigmoid output gate packed into q_proj, (1 + w) q/k norms
-//                   and rotary on the first partial_rotary_factor of head_dim; (1 + w) norms
-//   qwen3_5         the Hub's Qwen3.5 (Qwen3_5ForConditionalGeneration): the qwen3_5_text language
-//                   model of its text_config beside a vision tower (copied, never computed)
-//   gemma4_text     Gemma 4 (dense): w-scaled fp32 norms (not 1 + w), q/k norms and a weightless v
-//                   norm with attention scale 1, sliding layers and full layers with their own
-//                   head_dim / kv heads (global_head_dim) and proportional RoPE, per-layer input
-//                   embeddings (PLE), a layer_scalar per layer, KV sharing across the last layers,
-//                   attention_k_eq_v (v = k on full layers), double-wide MLPs on KV-shared layers
-//   gemma4          the Hub's Gemma 4 (Gemma4ForConditionalGeneration): gemma4_text's language
-//                   model of its text_config beside vision and audio towers (copied, never computed)
-//   gemma3          the Hub's Gemma 3 4B/12B/27B (Gemma3ForConditionalGeneration): the gemma3_text
-//                   language model of its text_config; the vision tower is never computed (its
-//                   weights are copied into merged exports), its weights' prefixes: key_layout.h
+// One struct serves every family we load (all are decoder-only transformers): the family
+// (models/family.h; one file each in models/families/) says which model_types it is, its class's
+// defaults, which weights exist (architecture.h) and how llama.cpp writes it; the fields below say
+// what its compute does differently (the family's file says which it sets and why).
 // Keys we do not model are ignored (HF configs carry many training/generation keys); keys we
 // model but whose value we cannot honour (another rope type, MLP biases, another activation, a
 // vision tower) are errors naming the key, because a silently different model is worse than none.
@@ -35,28 +12,18 @@
 #include <string>
 #include <vector>
 
+#include "qlora/models/family.h"
 #include "qlora/modules/options.h"
 
 namespace qlora::models {
 
 using modules::Llama3RopeScaling;
 
-enum class Family { kLlama, kQwen2, kQwen3, kGemma2, kGemma3, kPhi3, kSmolLM3, kOlmo2, kQwen35, kGemma4 };
-// Gemma 2 and 3: (1 + w) norms, the embedding scaled by sqrt(hidden), a default window.
-inline bool is_gemma2_or_3(Family f) { return f == Family::kGemma2 || f == Family::kGemma3; }
-// Every Gemma (2, 3 and 4): GeGLU, four norms a block.
-inline bool is_any_gemma(Family f) { return is_gemma2_or_3(f) || f == Family::kGemma4; }
-// The multimodal Gemma 3's model_type; its language model is Family::kGemma3.
-inline constexpr const char* kGemma3Multimodal = "gemma3";
-// The multimodal Qwen3.5's model_type; its language model is Family::kQwen35.
-inline constexpr const char* kQwen35Multimodal = "qwen3_5";
-// The multimodal Gemma 4's model_type; its language model is Family::kGemma4.
-inline constexpr const char* kGemma4Multimodal = "gemma4";
 using modules::MlpActivation;
 
 struct DecoderConfig {
   std::string model_type;  // as config.json spells it: "llama", "mistral", "qwen2", ...
-  Family family = Family::kLlama;
+  const Family* family = &default_family();
   // The language model of a multimodal checkpoint (gemma3): these settings are its text_config's,
   // and its weights sit under a language-model prefix beside a vision tower (key_layout.h).
   bool multimodal = false;
@@ -101,6 +68,7 @@ struct DecoderConfig {
   // num_key_value_heads); their values are their keys' projection under attention_k_eq_v.
   int64_t global_head_dim = 0, global_kv_heads = 0;
   bool attention_k_eq_v = false;
+  bool v_norm = false;  // Gemma 4: values RMS-normalised (no weight) per head, as keys are by k_norm
   // Gemma 4's KV sharing: per layer, the earlier layer whose keys and values it attends over (it
   // has no k/v projections of its own), or -1; empty: no layer shares.
   std::vector<int64_t> kv_source;
@@ -150,13 +118,13 @@ struct DecoderConfig {
 };
 
 // Parses JSON text; `where` (usually the file path) prefixes every error message.
-DecoderConfig parse_llama_config(const std::string& json_text, const std::string& where);
+DecoderConfig parse_decoder_config(const std::string& json_text, const std::string& where);
 // Reads `path`: a config.json file or a checkpoint directory containing one.
 DecoderConfig load_decoder_config(const std::string& path);
 // The eos_token_id(s) of `dir`/generation_config.json (what transformers' generate stops at; an
 // instruct model lists its end-of-turn there, e.g. Gemma's <end_of_turn>); none without the file.
 std::vector<int64_t> load_generation_eos_ids(const std::string& dir);
-// "llama, mistral, qwen2, qwen3, gemma2, gemma3_text, phi3, gemma3", for messages.
+// Every model_type the families read, then the multimodal ones ("llama, mistral, qwen2, ..."), for messages.
 std::string supported_model_types();
 
 }  // namespace qlora::models

@@ -8,7 +8,7 @@
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   try {
-    (void)qlora::models::parse_llama_config(std::string(reinterpret_cast<const char*>(data), size), "config.json");
+    (void)qlora::models::parse_decoder_config(std::string(reinterpret_cast<const char*>(data), size), "config.json");
   } catch (const std::exception&) {
   }
   return 0;

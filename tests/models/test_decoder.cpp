@@ -40,7 +40,7 @@ void randomize_lora_b(const DecoderModel& m) {
 }  // namespace
 
 TEST(DecoderConfig, Llama2Defaults) {
-  DecoderConfig c = parse_llama_config(R"({"model_type":"llama","hidden_size":4096,"intermediate_size":11008,
+  DecoderConfig c = parse_decoder_config(R"({"model_type":"llama","hidden_size":4096,"intermediate_size":11008,
     "num_hidden_layers":32,"num_attention_heads":32,"vocab_size":32000,"rms_norm_eps":1e-5,
     "bos_token_id":1,"eos_token_id":2,"torch_dtype":"float16","architectures":["LlamaForCausalLM"],
     "pretraining_tp":1,"rope_scaling":null})", "cfg.json");
@@ -57,10 +57,10 @@ TEST(DecoderConfig, Llama31OldAndNewRopeFormats) {
   const std::string common = R"("model_type":"llama","hidden_size":4096,"intermediate_size":14336,
     "num_hidden_layers":32,"num_attention_heads":32,"num_key_value_heads":8,"vocab_size":128256,
     "max_position_embeddings":131072,"eos_token_id":[128001,128008,128009],"bos_token_id":128000,)";
-  DecoderConfig old_fmt = parse_llama_config("{" + common + R"("rope_theta":500000.0,
+  DecoderConfig old_fmt = parse_decoder_config("{" + common + R"("rope_theta":500000.0,
     "rope_scaling":{"factor":8.0,"low_freq_factor":1.0,"high_freq_factor":4.0,
     "original_max_position_embeddings":8192,"rope_type":"llama3"}})", "cfg.json");
-  DecoderConfig new_fmt = parse_llama_config("{" + common + R"("rope_parameters":{"rope_theta":500000.0,
+  DecoderConfig new_fmt = parse_decoder_config("{" + common + R"("rope_parameters":{"rope_theta":500000.0,
     "factor":8.0,"low_freq_factor":1.0,"high_freq_factor":4.0,
     "original_max_position_embeddings":8192,"rope_type":"llama3"}})", "cfg.json");
   for (const DecoderConfig& c : {old_fmt, new_fmt}) {
@@ -74,7 +74,7 @@ TEST(DecoderConfig, Llama31OldAndNewRopeFormats) {
 }
 
 TEST(DecoderConfig, MistralSlidingWindow) {
-  DecoderConfig c = parse_llama_config(R"({"model_type":"mistral","hidden_size":4096,"intermediate_size":14336,
+  DecoderConfig c = parse_decoder_config(R"({"model_type":"mistral","hidden_size":4096,"intermediate_size":14336,
     "num_hidden_layers":32,"num_attention_heads":32,"num_key_value_heads":8,"vocab_size":32000,
     "rope_theta":10000.0,"sliding_window":4096,"head_dim":null})", "cfg.json");
   EXPECT_EQ(c.sliding_window, 4096);
