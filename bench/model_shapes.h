@@ -1,5 +1,5 @@
 // Real model shapes for the benches, as the published config.json files spell them: each shape is
-// built by parsing its config.json text through models::parse_llama_config, so the families' own
+// built by parsing its config.json text through models::parse_decoder_config, so the families' own
 // parsing (defaults, sliding layers, RoPE, soft-caps) decides what the bench runs. Only the keys
 // that decide sizes and compute are kept; the parser ignores the others.
 #pragma once
@@ -119,7 +119,7 @@ inline const ModelShape& model_shape(const std::string& name) {
 inline models::DecoderConfig model_shape_config(const std::string& name, int64_t layers = 0) {
   nlohmann::json j = nlohmann::json::parse(model_shape(name).config_json);
   if (layers > 0) j["num_hidden_layers"] = layers;
-  return models::parse_llama_config(j.dump(), "bench shape " + name);
+  return models::parse_decoder_config(j.dump(), "bench shape " + name);
 }
 
 }  // namespace qlora::bench
