@@ -25,8 +25,8 @@
 #include "bench/timing.h"
 #include "kernels/cpu_isa.h"
 #include "qlora/io/cpu_memory.h"
+#include "qlora/modules/attention.h"
 #include "qlora/modules/blocked_attention.h"
-#include "qlora/modules/layers.h"
 
 using nlohmann::json;
 

@@ -28,7 +28,9 @@
 #include "bench/timing.h"
 #include "kernels/cpu_isa.h"
 #include "qlora/io/cpu_memory.h"
-#include "qlora/modules/layers.h"
+#include "qlora/modules/attention.h"
+#include "qlora/modules/decoder_layer.h"
+#include "qlora/modules/rope.h"
 #include "qlora/ops/gated_delta_ops.h"
 
 using nlohmann::json;

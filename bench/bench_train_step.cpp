@@ -75,7 +75,7 @@
 #include "qlora/models/architecture.h"
 #include "qlora/models/decoder.h"
 #include "qlora/models/output_head.h"
-#include "qlora/modules/layers.h"
+#include "qlora/modules/decoder_layer.h"
 #include "qlora/io/crash_report.h"
 #include "qlora/optim/adamw.h"
 #include "qlora/train/device.h"

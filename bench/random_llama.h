@@ -21,7 +21,8 @@
 #include <vector>
 
 #include "qlora/models/decoder.h"
-#include "qlora/modules/layers.h"
+#include "qlora/modules/decoder_layer.h"
+#include "qlora/modules/rope.h"
 #include "qlora/ops/nf4_ops.h"
 #include "quant/nf4_tensor.h"
 

@@ -1,5 +1,5 @@
-// Tests for the model families' config parsing (models/llama_config), their architecture tables
-// (models/architecture) and the numerics they add to modules/layers: (1 + w) RMSNorm, windowed
+// Tests for the model families' config parsing (models/decoder_config), their architecture tables
+// (models/architecture) and the numerics they add to modules/: (1 + w) RMSNorm, windowed
 // and soft-capped attention, fused Phi-3 projections. The configs are the published config.json
 // files' keys (values as in the model repos named beside them); what transformers computes from
 // them is checked in conformance.families_transformers.
@@ -16,7 +16,10 @@
 
 #include "qlora/models/architecture.h"
 #include "qlora/models/decoder_config.h"
-#include "qlora/modules/layers.h"
+#include "qlora/modules/attention.h"
+#include "qlora/modules/decoder_layer.h"
+#include "qlora/modules/rms_norm.h"
+#include "qlora/modules/rope.h"
 #include "fixtures.h"
 
 using namespace qlora::models;

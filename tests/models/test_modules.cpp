@@ -8,10 +8,14 @@
 #include <array>
 #include <cmath>
 
+#include "qlora/modules/activation_checkpointing.h"
+#include "qlora/modules/attention.h"
 #include "qlora/modules/blocked_attention.h"
-#include "qlora/modules/layers.h"
+#include "qlora/modules/decoder_layer.h"
 #include "qlora/modules/lora_linear.h"
 #include "qlora/modules/nf4_linear.h"
+#include "qlora/modules/rms_norm.h"
+#include "qlora/modules/rope.h"
 #include "qlora/ops/nf4_ops.h"
 #include "fixtures.h"
 

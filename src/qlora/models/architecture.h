@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "qlora/models/decoder_config.h"
-#include "qlora/modules/layers.h"
+#include "qlora/modules/decoder_layer.h"
 #include "qlora/modules/per_layer_inputs.h"
 
 namespace qlora::models {

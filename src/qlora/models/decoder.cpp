@@ -24,7 +24,11 @@
 
 #include "qlora/io/quantize_checkpoint.h"
 #include "qlora/models/output_head.h"
+#include "qlora/modules/activation_checkpointing.h"
+#include "qlora/modules/gated_delta_net.h"
 #include "qlora/modules/per_layer_inputs.h"
+#include "qlora/modules/rms_norm.h"
+#include "qlora/modules/rope.h"
 #include "qlora/ops/nf4_ops.h"
 
 namespace qlora::models {

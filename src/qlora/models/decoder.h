@@ -15,7 +15,8 @@
 #include "qlora/models/architecture.h"
 #include "qlora/models/key_layout.h"
 #include "qlora/models/decoder_config.h"
-#include "qlora/modules/layers.h"
+#include "qlora/modules/decoder_layer.h"
+#include "qlora/modules/kv_cache.h"
 #include "qlora/modules/lora_linear.h"
 
 namespace qlora::models {

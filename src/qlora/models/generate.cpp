@@ -19,6 +19,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "qlora/modules/kv_cache.h"
+
 namespace qlora::models {
 
 namespace {

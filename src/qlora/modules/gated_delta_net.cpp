@@ -16,6 +16,7 @@
 #include <tuple>
 #include <vector>
 
+#include "qlora/modules/rms_norm.h"
 #include "qlora/ops/gated_delta_ops.h"
 
 namespace qlora::modules {

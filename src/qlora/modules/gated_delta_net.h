@@ -9,9 +9,27 @@
 #pragma once
 #include <ATen/core/Tensor.h>
 
-#include "qlora/modules/layers.h"
+#include <cstdint>
+
+#include "qlora/modules/decoder_layer.h"
+#include "qlora/modules/kv_cache.h"
 
 namespace qlora::modules {
+
+// Where each packed sample sits, for the mixer that carries state along a row (the Gated DeltaNet):
+// the samples of all rows are laid end to end in one row, each padded with zeros to a whole number
+// of the gated delta rule's chunks and by at least conv_kernel - 1 tokens, so neither the conv
+// window nor the recurrent state passes from one sample to the next (the last padding slot of each
+// sample decays the state to zero). A sample starts where its position is 0, as transformers
+// derives cu_seqlens from position_ids.
+struct Segments {
+  at::Tensor gather;   // [total] int64: the flat [batch * seq] token each slot takes, or batch * seq
+                       // (a zero row appended) for padding
+  at::Tensor reset;    // [total] bool: true at each sample's last padding slot
+  at::Tensor scatter;  // [batch * seq] int64: the slot each token's output comes from
+};
+// positions: [batch, seq] int64.
+Segments segments_from_positions(const at::Tensor& positions, int64_t conv_kernel);
 
 // x: [batch, seq, hidden], the layer's normed input. cache (optional): the layer's conv window and
 // recurrent state, read and updated (not with segments). Returns [batch, seq, hidden].

@@ -6,7 +6,7 @@
 
 #include <cmath>
 
-#include "qlora/modules/layers.h"
+#include "qlora/modules/rms_norm.h"
 
 namespace qlora::modules {
 
