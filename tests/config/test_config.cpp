@@ -262,10 +262,72 @@ TEST(Config, ToTomlRoundTripsExactly) {
   EXPECT_EQ(back.model.checkpoint_dir, c.model.checkpoint_dir);
   EXPECT_EQ(back.training.seed, c.training.seed);
   EXPECT_EQ(to_toml(back), text);
-  EXPECT_CONTAINS(text, "alpha = 3.0\n");
-  EXPECT_CONTAINS(text, "add_bos = false\nmax_seq_len");  // add_eos "auto" (unset) is not written
+  EXPECT_CONTAINS(text, "\nalpha = 3.0\n");
+  EXPECT_CONTAINS(text, "\nadd_bos = false\n");
+  EXPECT_EQ(text.find("add_eos"), std::string::npos);  // "auto" (unset) is not written
   EXPECT_EQ(back.data.template_kwargs.dump(), c.data.template_kwargs.dump());
-  EXPECT_CONTAINS(text, "[optim]\nlr = 0.30000000000000004\n");
+  EXPECT_CONTAINS(text, "\nlr = 0.30000000000000004\n");
+  EXPECT_CONTAINS(text, "\ncheckpoint_dir = \"C:\\\\odd \\\"path\\\"\\twith\\ncontrol\\u0001\"\n");
+}
+
+// toml++ writes floats with 17 significant digits (0.00020000000000000001) or, relaxed, with 6
+// (not always exact): a text takes the 6 where everything then reads back the same.
+TEST(Config, FloatsAreWrittenAsShortAsReadsBackExactly) {
+  RecipeConfig c;
+  const std::string text = to_toml(c);
+  EXPECT_CONTAINS(text, "\nlr = 0.0002\n");
+  EXPECT_CONTAINS(text, "\neps = 1e-08\n");
+  EXPECT_CONTAINS(text, "\nbetas = [ 0.9, 0.999 ]\n");
+  EXPECT_CONTAINS(text, "\nalpha = 16.0\n");
+  c.optim.lr = 1.0 / 3;  // needs 17 digits: the whole text takes them (and stays exact)
+  const std::string exact = to_toml(c);
+  EXPECT_CONTAINS(exact, "\nlr = 0.33333333333333331\n");
+  EXPECT_CONTAINS(exact, "\nbetas = [ 0.90000000000000002, 0.999 ]\n");
+  EXPECT_TRUE(parse_config(exact, "exact") == c);
+  // One value at a time (`qlora config`, the resume check): each as short as it reads back.
+  const auto values = key_values(c);
+  const auto value_of = [&](const std::string& key) {
+    for (const auto& [k, v] : values)
+      if (k == key) return v;
+    return std::string("?");
+  };
+  EXPECT_EQ(value_of("optim.lr"), "0.33333333333333331");
+  EXPECT_EQ(value_of("optim.betas"), "[ 0.9, 0.999 ]");
+  EXPECT_EQ(value_of("lora.targets"), "[ \"q\", \"k\", \"v\", \"o\" ]");
+  EXPECT_EQ(value_of("data.add_eos"), "\"auto\"");
+}
+
+// A config as the hand-written TOML writer before toml++ put it in each resume checkpoint's
+// meta.json (tests/data/legacy_resume/config_before_tomlpp.toml: keys in the key table's order,
+// other spacing, every float kind, escapes, template_kwargs and grpo.rewards): it reads back as
+// the same config, so those checkpoints resume. Only config_hash, a hash of the text, moved
+// (meta.json records it; resume compares the keys themselves, never the hash).
+TEST(Config, TextOfTheEarlierWriterReadsBackAsTheSameConfig) {
+  RecipeConfig c = parse_config(
+      "[grpo]\nreward_command = \"python3 score.py\"\n"
+      "[[grpo.rewards]]\nkind = \"answer\"\nweight = 2\n"
+      "[[grpo.rewards]]\nkind = \"regex\"\npattern = \"^<think>(?s).*</think>\"\nweight = 0.5\n",
+      "t.toml");
+  c.model.checkpoint_dir = "C:\\odd \"path\"\twith\ncontrol\x01 caf\xc3\xa9";
+  c.optim.lr = 0.1 + 0.2;
+  c.optim.eps = 1e-300;
+  c.lora.alpha = 3.0;
+  c.lora.targets = {"gate", "output"};
+  c.training.seed = 9007199254740993;
+  c.data.template_ = std::nullopt;
+  c.data.template_kwargs = {{"enable_thinking", false}, {"f", 0.5}, {"list", {1, "a"}}, {"n", 2},
+                            {"name", "x \"y\""}, {"nested", {{"k", true}}}};
+  c.data.add_bos = false;
+  const char* data = std::getenv("QLORA_TEST_DATA");
+  ASSERT_NE(data, nullptr) << "set QLORA_TEST_DATA=<repo>/tests/data";
+  const RecipeConfig old = load_config((fs::path(data) / "legacy_resume" / "config_before_tomlpp.toml").string());
+  EXPECT_TRUE(old == c) << to_toml(old) << "\nvs\n" << to_toml(c);
+  EXPECT_TRUE(exactness_breaking_differences(old, c).empty());
+  EXPECT_EQ(old.optim.lr, c.optim.lr);
+  EXPECT_EQ(old.model.checkpoint_dir, c.model.checkpoint_dir);
+  EXPECT_EQ(old.data.template_kwargs.dump(), c.data.template_kwargs.dump());
+  EXPECT_EQ(config_hash(c, HashScope::Full), config_hash(old, HashScope::Full));
+  EXPECT_NE(config_hash(c, HashScope::Full), "e46e1cb6552dbae4");  // the earlier writer's text hashed so
 }
 
 // grpo.rewards: an array of tables, each with its kind's keys only; values refused naming the
@@ -287,9 +349,12 @@ TEST(Config, GrpoRewards) {
   EXPECT_EQ(c.grpo.reward_command, "python3 score.py");
   EXPECT_EQ(c.grpo.reward_timeout_s, 5);
   const std::string text = to_toml(c);
-  EXPECT_CONTAINS(text, "[grpo]\nrewards = [{ kind = \"answer\", weight = 2.0, field = \"answer\", tolerance = 1e-06 }, "
-                        "{ kind = \"regex\", weight = 0.5, pattern = \"^<think>(?s).*</think>\" }, "
-                        "{ kind = \"length\", weight = 1.0, target = 200, max = 256 }]\n");
+  // Each table with its kind's keys only; toml++ puts an array past 120 columns one element a line.
+  EXPECT_CONTAINS(text, "\nrewards = [\n"
+                        "    { field = \"answer\", kind = \"answer\", tolerance = 1e-06, weight = 2.0 },\n"
+                        "    { kind = \"regex\", pattern = \"^<think>(?s).*</think>\", weight = 0.5 },\n"
+                        "    { kind = \"length\", max = 256, target = 200, weight = 1.0 }\n"
+                        "]\n");
   EXPECT_TRUE(parse_config(text, "back") == c);
   RecipeConfig o;
   apply_override(o, "grpo.rewards=[{kind=\"regex\", pattern=\"\\\\d\"}]");
@@ -358,10 +423,10 @@ TEST(Config, HashIsStableAndScoped) {
   // Pinned: meta.json records it, so a change makes new checkpoints' hashes differ from older
   // ones' for the same run (resume compares the keys themselves, not the hash). New keys change
   // it (last: #26 lora.use_rslora and lora.use_dora, #27 logging.tensorboard, #37 model.untrained_tokens,
-  // #38 data.split, #39 grpo.*);
-  // restructuring must not.
-  EXPECT_EQ(config_hash(a, HashScope::Full), "b5f8e40528313d03");
-  EXPECT_EQ(config_hash(a, HashScope::Exactness), "c6ee2497b05c3864");
+  // #38 data.split, #39 grpo.*), and so did the text's writer becoming toml++'s (#50: sorted keys,
+  // its spacing; was b5f8e40528313d03 and c6ee2497b05c3864); restructuring must not.
+  EXPECT_EQ(config_hash(a, HashScope::Full), "e812cc9953532f09");
+  EXPECT_EQ(config_hash(a, HashScope::Exactness), "0d482a3b2bc17330");
   EXPECT_EQ(config_hash(a, HashScope::Exactness), config_hash(parse_config(to_toml(a), "x"), HashScope::Exactness));
   RecipeConfig b = a;
   b.logging.log_every_steps = 10;
@@ -374,11 +439,12 @@ TEST(Config, HashIsStableAndScoped) {
 }
 
 // The embedded default (configs/tiny_qlora.toml): its resume checkpoints store the exactness hash,
-// so the canonical text must not drift when the config code is restructured (new keys do move it).
+// so the canonical text must not drift when the config code is restructured (new keys do move it;
+// so did toml++ writing it, #50: was d0442749aee16735 and 276d8482e7f80a31).
 TEST(Config, EmbeddedDefaultHashIsPinned) {
   const RecipeConfig c = load_config((configs_dir() / "tiny_qlora.toml").string());
-  EXPECT_EQ(config_hash(c, HashScope::Full), "d0442749aee16735");
-  EXPECT_EQ(config_hash(c, HashScope::Exactness), "276d8482e7f80a31");
+  EXPECT_EQ(config_hash(c, HashScope::Full), "39754b9168ed381b");
+  EXPECT_EQ(config_hash(c, HashScope::Exactness), "fec74012ffe3e5eb");
 }
 
 TEST(Config, ExactnessBreakingDifferences) {

@@ -10,14 +10,15 @@
 #include <toml++/toml.h>
 
 #include <algorithm>
+#include <array>
 #include <cctype>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <map>
+#include <memory>
 #include <optional>
 #include <set>
 #include <sstream>
@@ -385,112 +386,101 @@ void read_rewards(const toml::array& a, RewardSpecs& out, const Origin& o, const
   out = std::move(specs);
 }
 
-// ---- emitting -----------------------------------------------------------------------------
-// Shortest %.{15,16,17}g that reads back to the same double: exact round trip, readable text.
-std::string format_double(double x) {
-  if (std::isnan(x)) return "nan";
-  if (std::isinf(x)) return x > 0 ? "inf" : "-inf";
-  char buf[40];
-  for (int digits = 15; digits <= 17; ++digits) {
-    std::snprintf(buf, sizeof buf, "%.*g", digits, x);
-    if (std::strtod(buf, nullptr) == x) break;
-  }
-  std::string s = buf;
-  if (s.find_first_of(".en") == std::string::npos) s += ".0";  // keep it a TOML float
-  return s;
-}
+// ---- writing (toml++) ----------------------------------------------------------------------
+// The config is written as a toml::table streamed by toml++'s formatter: one table per section,
+// keys in toml++'s order (sorted), template_kwargs and grpo.rewards as inline tables. toml++ (as
+// built on Linux) writes a float with 17 significant digits, which is exact but shows 0.0002 as
+// 0.00020000000000000001, or with relaxed_float_precision with 6, which is not always exact: a text
+// is written with 6 where it then reads back to the same values, else with 17.
 
-std::string quote(const std::string& s) {
-  std::string out = "\"";
-  for (unsigned char ch : s) {
-    switch (ch) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\t': out += "\\t"; break;
-      case '\r': out += "\\r"; break;
-      default:
-        if (ch < 0x20 || ch == 0x7f) {
-          char buf[8];
-          std::snprintf(buf, sizeof buf, "\\u%04x", ch);
-          out += buf;
-        } else {
-          out += static_cast<char>(ch);
-        }
-    }
-  }
-  return out + "\"";
-}
-
-// JSON as a TOML inline value (the canonical text of template_kwargs).
-std::string json_to_toml(const nlohmann::ordered_json& j) {
-  std::string out;
-  if (j.is_object()) {
-    for (const auto& [k, v] : j.items()) out += (out.empty() ? "" : ", ") + quote(k) + " = " + json_to_toml(v);
-    return "{" + (out.empty() ? "" : " " + out + " ") + "}";
+std::unique_ptr<toml::node> json_node(const nlohmann::ordered_json& j) {
+  if (j.is_object() || j.is_null()) {  // null: no keyword arguments, {}
+    auto t = std::make_unique<toml::table>();
+    t->is_inline(true);
+    for (const auto& [k, v] : j.items()) t->insert(k, std::move(*json_node(v)));
+    return t;
   }
   if (j.is_array()) {
-    for (const auto& v : j) out += (out.empty() ? "" : ", ") + json_to_toml(v);
-    return "[" + out + "]";
+    auto a = std::make_unique<toml::array>();
+    for (const auto& v : j) a->push_back(std::move(*json_node(v)));
+    return a;
   }
-  if (j.is_string()) return quote(j.get<std::string>());
-  if (j.is_number_float()) return format_double(j.get<double>());
-  return j.dump();  // booleans, integers
+  if (j.is_string()) return std::make_unique<toml::value<std::string>>(j.get<std::string>());
+  if (j.is_number_float()) return std::make_unique<toml::value<double>>(j.get<double>());
+  if (j.is_boolean()) return std::make_unique<toml::value<bool>>(j.get<bool>());
+  return std::make_unique<toml::value<int64_t>>(j.get<int64_t>());  // toml_to_json makes no other kind
 }
 
+// A member as the TOML value it is written as.
 template <class T>
-std::string value_text(const T& v) {
-  if constexpr (std::is_same_v<T, bool>) return v ? "true" : "false";
-  else if constexpr (std::is_same_v<T, std::optional<bool>>) return v ? (*v ? "true" : "false") : "\"auto\"";
-  else if constexpr (std::is_same_v<T, nlohmann::ordered_json>) return json_to_toml(v);
-  else if constexpr (std::is_same_v<T, int64_t>) return std::to_string(v);
-  else if constexpr (std::is_same_v<T, double>) return format_double(v);
-  else if constexpr (std::is_same_v<T, std::string>) return quote(v);
-  else if constexpr (is_named<T>) return quote(enum_name(v));
-  else if constexpr (std::is_same_v<T, RewardSpecs>) {
-    std::string out;
+std::unique_ptr<toml::node> to_node(const T& v) {
+  if constexpr (std::is_same_v<T, std::optional<bool>>) {
+    return v ? to_node(*v) : to_node(std::string("auto"));
+  } else if constexpr (std::is_same_v<T, nlohmann::ordered_json>) {
+    return json_node(v);
+  } else if constexpr (is_named<T>) {
+    return to_node(std::string(enum_name(v)));
+  } else if constexpr (std::is_same_v<T, RewardSpecs>) {
+    auto a = std::make_unique<toml::array>();
     for (const train::RewardSpec& r : v) {
-      std::string table;
+      toml::table t;  // its kind's keys only
+      t.is_inline(true);
       const std::vector<std::string> keys = train::reward_keys(r.kind);
       visit_reward_keys(r, [&](const char* k, const auto& member) {
-        if (std::find(keys.begin(), keys.end(), k) != keys.end())
-          table += (table.empty() ? "" : ", ") + std::string(k) + " = " + value_text(member);
+        if (std::find(keys.begin(), keys.end(), k) != keys.end()) t.insert(k, std::move(*to_node(member)));
       });
-      out += (out.empty() ? "" : ", ") + ("{ " + table + " }");
+      a->push_back(std::move(t));
     }
-    return "[" + out + "]";
-  } else {
-    std::string out = "[";
-    for (size_t i = 0; i < v.size(); ++i) {
-      if (i) out += ", ";
-      if constexpr (std::is_same_v<T, std::vector<std::string>>) out += quote(v[i]);
-      else out += format_double(v[i]);
-    }
-    return out + "]";
+    return a;
+  } else if constexpr (std::is_same_v<T, std::vector<std::string>> || std::is_same_v<T, std::array<double, 2>>) {
+    auto a = std::make_unique<toml::array>();
+    for (const auto& e : v) a->push_back(e);
+    return a;
+  } else {  // bool, int64_t, double, std::string
+    return std::make_unique<toml::value<T>>(v);
   }
 }
 
-// Canonical text of the keys passing `keep`, grouped by section in table order.
+// Keys added after checkpoints existed are written only when set, so that the text (and the
+// hash) of every config that leaves them unset stays what it was.
+template <class T>
+bool written(const T& v) {
+  if constexpr (std::is_same_v<T, std::optional<bool>>) return v.has_value();
+  else if constexpr (std::is_same_v<T, nlohmann::ordered_json>) return !v.empty();
+  else return true;
+}
+
+// The keys passing `keep`, one table per section.
 template <class Keep>
-std::string emit(const RecipeConfig& cfg, Keep keep) {
-  std::string out;
-  std::string current;
+toml::table to_table(const RecipeConfig& cfg, Keep keep) {
+  toml::table root;
   visit_fields(cfg, [&](const char* section, const char* key, const auto& member, bool exact) {
-    if (!keep(exact)) return;
-    // Keys added after checkpoints existed are written only when set, so that the canonical text
-    // (and the resume hash) of every earlier config stays what it was.
-    if constexpr (std::is_same_v<std::decay_t<decltype(member)>, std::optional<bool>>) {
-      if (!member) return;
-    } else if constexpr (std::is_same_v<std::decay_t<decltype(member)>, nlohmann::ordered_json>) {
-      if (member.empty()) return;
-    }
-    if (current != section) {
-      out += (out.empty() ? "[" : "\n[") + std::string(section) + "]\n";
-      current = section;
-    }
-    out += std::string(key) + " = " + value_text(member) + "\n";
+    if (!keep(exact) || !written(member)) return;
+    root.emplace<toml::table>(section).first->second.as_table()->insert(key, std::move(*to_node(member)));
   });
-  return out;
+  return root;
+}
+
+// toml++'s text of `doc`, with floats as short as reads back exactly (see above); no final newline.
+std::string toml_text(const toml::table& doc) {
+  constexpr auto kFlags = toml::format_flags::allow_unicode_strings | toml::format_flags::indent_array_elements;
+  std::ostringstream relaxed;
+  relaxed << toml::toml_formatter(doc, kFlags | toml::format_flags::relaxed_float_precision);
+  try {
+    if (toml::parse(relaxed.str()) == doc) return relaxed.str();
+  } catch (const toml::parse_error&) {  // not expected; the exact form below is written then
+  }
+  std::ostringstream exact;
+  exact << toml::toml_formatter(doc, kFlags);
+  return exact.str();
+}
+
+// One value as to_toml writes it ("\"q\"", "[ \"q\", \"v\" ]", "0.0002").
+template <class T>
+std::string value_text(const T& v) {
+  toml::table doc;
+  doc.insert("v", std::move(*to_node(v)));
+  return toml_text(doc).substr(4);  // after "v = "
 }
 
 // ---- parsing --------------------------------------------------------------------------------
@@ -566,7 +556,7 @@ void validate(const RecipeConfig& c, const Origin& o, const LineMap& lines) {
     if (o.has_lines && it != lines.end() && it->second) where = " (line " + std::to_string(it->second) + ")";
     fail(o, "'" + key + "'" + where + " must be " + rule + ", got " + got);
   };
-  const auto d = [](double x) { return format_double(x); };
+  const auto d = [](double x) { return value_text(x); };
   const auto i = [](int64_t x) { return std::to_string(x); };
   check(is_device_name(c.model.device), "model.device", "\"auto\", \"cpu\", \"cuda\" or \"cuda:N\"",
         "\"" + c.model.device + "\"");
@@ -729,12 +719,12 @@ void apply_override(RecipeConfig& cfg, std::string_view override_text) {
 }
 
 std::string to_toml(const RecipeConfig& cfg) {
-  return emit(cfg, [](bool) { return true; });
+  return toml_text(to_table(cfg, [](bool) { return true; })) + "\n";
 }
 
 std::string config_hash(const RecipeConfig& cfg, HashScope scope) {
   const std::string text = scope == HashScope::Full ? to_toml(cfg)
-                                                    : emit(cfg, [](bool exact) { return exact; });
+                                                    : toml_text(to_table(cfg, [](bool exact) { return exact; })) + "\n";
   uint64_t h = 1469598103934665603ull;  // FNV-1a 64 offset basis
   for (unsigned char ch : text) {
     h ^= ch;

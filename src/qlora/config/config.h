@@ -242,8 +242,9 @@ RecipeConfig parse_config(std::string_view toml_text, const std::string& source_
 // validated again afterwards; errors name the override.
 void apply_override(RecipeConfig& cfg, std::string_view override_text);
 
-// Canonical TOML: every key, fixed order, floats with 17 significant digits, so
-// parse_config(to_toml(c)) == c exactly.
+// Canonical TOML, written by toml++ (a table per section, keys sorted): every key (those added
+// later only when set), floats as short as reads back exactly, so parse_config(to_toml(c)) == c
+// exactly. Every resume checkpoint keeps it (meta.json's config_toml); a resume parses it again.
 std::string to_toml(const RecipeConfig& cfg);
 
 enum class HashScope {
@@ -267,8 +268,8 @@ struct KeyInfo {
 };
 std::vector<KeyInfo> known_keys();
 
-// Every key of cfg as {"section.key", value as to_toml writes it}, in known_keys' order
-// (`qlora config` prints them beside the defaults).
+// Every key of cfg as {"section.key", its value as TOML}, in known_keys' order (`qlora config`
+// prints them beside the defaults). A float is as short as reads back exactly on its own.
 std::vector<std::pair<std::string, std::string>> key_values(const RecipeConfig& cfg);
 
 // One line of what "section.key" does (key_docs.cpp); empty for a key without one.

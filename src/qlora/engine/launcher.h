@@ -7,7 +7,8 @@
 // other stream is read line by line and printed with a "[rank K] " prefix, so errors say whose
 // they are. Failure: when one rank exits non-zero or dies by a signal, the launcher names it, sends
 // SIGTERM to the others, SIGKILL after a grace period, and exits non-zero. SIGINT/SIGTERM to the
-// launcher are passed on to the ranks.
+// launcher are passed on to the ranks. The ranks are started and watched with io/subprocess.h
+// (io::Process, io::PipePump), which every program qlora runs goes through.
 #pragma once
 
 #include <string>
