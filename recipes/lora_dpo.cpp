@@ -35,8 +35,8 @@
 #include "qlora/train/preference_batch.h"
 #include "qlora/train/preference_loss.h"
 #include "qlora/train/untrained_tokens.h"
-#include "recipe_config.h"
-#include "session.h"
+#include "recipes/recipes.h"
+#include "recipes/session.h"
 
 namespace qlora::recipes {
 

@@ -24,8 +24,8 @@
 #include "qlora/train/faults.h"
 #include "qlora/train/tiny_default.h"
 #include "qlora/train/untrained_tokens.h"
-#include "recipe_config.h"
-#include "session.h"
+#include "recipes/recipes.h"
+#include "recipes/session.h"
 
 namespace qlora::recipes {
 

@@ -40,8 +40,8 @@
 #include "qlora/train/grpo_loss.h"
 #include "qlora/train/rewards.h"
 #include "qlora/train/untrained_tokens.h"
-#include "recipe_config.h"
-#include "session.h"
+#include "recipes/recipes.h"
+#include "recipes/session.h"
 
 namespace qlora::recipes {
 

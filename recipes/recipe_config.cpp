@@ -1,4 +1,4 @@
-#include "recipe_config.h"
+#include "recipes/recipe_config.h"
 
 #include <cstdio>
 #include <stdexcept>

@@ -21,7 +21,7 @@ struct ConfigArgs {
   std::vector<std::string> overrides;
 };
 
-// Adds --config FILE and the positional overrides to `cmd` (recipes/cli.h), parsed into `a`.
+// Adds --config FILE and the positional overrides to `cmd` (cli/cli.h), parsed into `a`.
 void add_config_args(CLI::App& cmd, ConfigArgs& a);
 
 // The config of --config FILE (none: the embedded tiny default, configs/tiny_qlora.toml compiled

@@ -1,4 +1,4 @@
-#include "session.h"
+#include "recipes/session.h"
 
 #include <ATen/Parallel.h>
 #include <torch/csrc/autograd/autograd.h>
@@ -36,7 +36,7 @@
 #include "qlora/train/output_dir.h"
 #include "qlora/train/tiny_default.h"
 #include "qlora/train/untrained_tokens.h"
-#include "recipe_config.h"
+#include "recipes/recipe_config.h"
 
 namespace qlora::recipes {
 

@@ -28,7 +28,7 @@
 #include "qlora/models/decoder.h"
 #include "qlora/train/metrics.h"
 #include "qlora/train/output_dir.h"
-#include "recipe_config.h"
+#include "recipes/recipe_config.h"
 
 namespace qlora::recipes {
 

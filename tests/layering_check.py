@@ -8,7 +8,7 @@ import re
 import sys
 
 ORDER = ["quant", "kernels", "ops", "io", "jinja", "data", "modules", "models", "optim", "checkpoint", "gguf", "engine",
-         "train", "config", "recipes"]
+         "train", "config", "recipes", "cli"]
 INCLUDE = re.compile(r'^\s*#\s*include\s+"(?:qlora/)?([a-z_]+)/')
 
 
@@ -22,7 +22,7 @@ def folder_of(root, path):
 def main():
     root = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     passed = failed = 0
-    for top in ("quant", "kernels", "src", "recipes"):
+    for top in ("quant", "kernels", "src", "recipes", "cli"):
         for dirpath, _, files in os.walk(os.path.join(root, top)):
             for name in files:
                 if not name.endswith((".h", ".cpp", ".cu", ".cuh", ".in")):

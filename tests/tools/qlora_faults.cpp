@@ -24,7 +24,7 @@
 
 #include "qlora/train/faults.h"
 
-namespace qlora::recipes {
+namespace qlora::cli {
 int qlora_cli(int argc, char** argv);
 }
 
@@ -84,5 +84,5 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  return qlora::recipes::qlora_cli(argc, argv);
+  return qlora::cli::qlora_cli(argc, argv);
 }

@@ -25,7 +25,7 @@ struct LaunchOptions {
   double kill_grace_s = 10.0;
 };
 
-// What the flags' ranges alone cannot check (`qlora run` parses them, recipes/cli.cpp): the node
+// What the flags' ranges alone cannot check (`qlora run` parses them, cli/cli.cpp): the node
 // rank below the node count, and a port given for several nodes; errors name the flag.
 void check_launch_options(const LaunchOptions& o);
 

@@ -17,9 +17,9 @@
 #include <nlohmann/json.hpp>
 
 #include "qlora/data/tokenizer.h"
-#include "cli.h"
+#include "cli/cli.h"
 
-namespace qlora::recipes {
+namespace qlora::cli {
 namespace {
 
 struct TokenizeArgs {
@@ -101,4 +101,4 @@ Command tokenize_command(CLI::App& cmd) {
   };
 }
 
-}  // namespace qlora::recipes
+}  // namespace qlora::cli

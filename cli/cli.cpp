@@ -1,6 +1,7 @@
-// The `qlora` command line: one CLI11 app with a subcommand per command (cli.h); recipes/main.cpp is
+// The `qlora` command line: one CLI11 app with a subcommand per command (cli.h); cli/main.cpp is
 // the binary's main, and tests/tools/qlora_faults.cpp runs the same command line with a fault plan.
-#include "cli.h"
+#include "cli/cli.h"
+#include "recipes/recipes.h"
 
 #include <algorithm>
 #include <cstdio>
@@ -16,8 +17,12 @@
 #include "qlora/engine/launcher.h"
 #include "qlora/io/cpu_memory.h"
 
-namespace qlora::recipes {
+namespace qlora::cli {
 namespace {
+
+using recipes::lora_dpo_main;
+using recipes::lora_finetune_main;
+using recipes::lora_grpo_main;
 
 struct Recipe {
   const char* name;
@@ -197,4 +202,4 @@ int qlora_cli(int argc, char** argv) {
   }
 }
 
-}  // namespace qlora::recipes
+}  // namespace qlora::cli

@@ -2,7 +2,7 @@
 #include "qlora/engine/omp_wait_policy.h"
 #include "qlora/io/crash_report.h"
 
-namespace qlora::recipes {
+namespace qlora::cli {
 int qlora_cli(int argc, char** argv);
 }
 
@@ -10,5 +10,5 @@ QLORA_OMP_WAIT_POLICY_PREINIT;  // OpenMP workers that sleep instead of spinning
 
 int main(int argc, char** argv) {
   qlora::io::install_crash_report(argv[0]);
-  return qlora::recipes::qlora_cli(argc, argv);
+  return qlora::cli::qlora_cli(argc, argv);
 }

@@ -16,9 +16,9 @@
 
 #include "qlora/io/durable_file.h"
 #include "qlora/train/plot.h"
-#include "cli.h"
+#include "cli/cli.h"
 
-namespace qlora::recipes {
+namespace qlora::cli {
 
 namespace {
 
@@ -66,4 +66,4 @@ Command plot_command(CLI::App& cmd) {
   return [dirs, out] { return plot(*dirs, *out); };
 }
 
-}  // namespace qlora::recipes
+}  // namespace qlora::cli

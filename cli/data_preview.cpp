@@ -31,9 +31,9 @@
 #include "qlora/data/stats.h"
 #include "qlora/data/tokenizer.h"
 #include "qlora/train/tiny_default.h"
-#include "cli.h"
+#include "cli/cli.h"
 
-namespace qlora::recipes {
+namespace qlora::cli {
 namespace {
 
 // Plain-text markers (wdiff's), kept when colour is on so that copied output keeps its meaning.
@@ -353,4 +353,4 @@ Command data_command(CLI::App& cmd) {
   return [a] { return preview(*a); };
 }
 
-}  // namespace qlora::recipes
+}  // namespace qlora::cli

@@ -1,4 +1,4 @@
-// The `qlora` command line is one CLI11 app (recipes/cli.cpp) with a subcommand per command. Each
+// The `qlora` command line is one CLI11 app (cli/cli.cpp) with a subcommand per command. Each
 // command's file adds its options to its subcommand and returns what runs it once they are parsed;
 // CLI11 answers --help/-h with the subcommand's usage and refuses unknown options; cli.cpp prints
 // every error, and the usage of the command it came from after an error in the command line only
@@ -10,9 +10,20 @@
 
 #include <CLI/CLI.hpp>
 
-#include "recipe_config.h"
+#include "recipes/recipe_config.h"
 
-namespace qlora::recipes {
+namespace qlora::cli {
+
+// What every command that reads a recipe config shares (recipes/recipe_config.h).
+using recipes::add_config_args;
+using recipes::base_model_dir;
+using recipes::base_model_name;
+using recipes::ConfigArgs;
+using recipes::find_tokenizer;
+using recipes::load_grpo_prompts;
+using recipes::load_recipe_config;
+using recipes::train_data_path;
+using recipes::val_data_path;
 
 // An error in the command line itself (options that do not combine, a missing or malformed value):
 // cli.cpp prints the command's usage after it. Errors in what the command reads (a model's files,
@@ -37,11 +48,7 @@ Command gguf_command(CLI::App& cmd);
 Command quantize_command(CLI::App& cmd);
 Command dequantize_command(CLI::App& cmd);
 
-int lora_finetune_main(const ConfigArgs& a);
-int lora_dpo_main(const ConfigArgs& a);
-int lora_grpo_main(const ConfigArgs& a);
-
-// The binary's main (recipes/main.cpp, tests/tools/qlora_faults.cpp).
+// The binary's main (cli/main.cpp, tests/tools/qlora_faults.cpp).
 int qlora_cli(int argc, char** argv);
 
-}  // namespace qlora::recipes
+}  // namespace qlora::cli

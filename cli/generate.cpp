@@ -38,9 +38,9 @@
 #include "qlora/models/generate.h"
 #include "qlora/models/decoder.h"
 #include "qlora/train/device.h"
-#include "cli.h"
+#include "cli/cli.h"
 
-namespace qlora::recipes {
+namespace qlora::cli {
 
 namespace {
 
@@ -281,4 +281,4 @@ Command generate_command(CLI::App& cmd) {
   return [g] { return generate(*g); };
 }
 
-}  // namespace qlora::recipes
+}  // namespace qlora::cli

@@ -20,9 +20,9 @@
 #include "qlora/gguf/convert.h"
 #include "qlora/gguf/modelfile.h"
 #include "qlora/io/cpu_memory.h"
-#include "cli.h"
+#include "cli/cli.h"
 
-namespace qlora::recipes {
+namespace qlora::cli {
 namespace {
 namespace fs = std::filesystem;
 
@@ -106,4 +106,4 @@ Command gguf_command(CLI::App& cmd) {
   return [a] { return a->adapter ? adapter_main(*a) : model_main(*a); };
 }
 
-}  // namespace qlora::recipes
+}  // namespace qlora::cli

@@ -12,9 +12,9 @@
 
 #include "qlora/io/cpu_memory.h"
 #include "qlora/io/quantize_checkpoint.h"
-#include "cli.h"
+#include "cli/cli.h"
 
-namespace qlora::recipes {
+namespace qlora::cli {
 
 namespace {
 
@@ -89,4 +89,4 @@ Command dequantize_command(CLI::App& cmd) {
   return [a] { return dequantize(*a); };
 }
 
-}  // namespace qlora::recipes
+}  // namespace qlora::cli
