@@ -1,6 +1,6 @@
 // Sharded training on CPU ranks (Gloo), measured in one run and printed as one JSON object:
 //   - tokens/s of the QLoRA step on 1 rank vs 2 ranks (~100M Llama shape, the recipe's path:
-//     load_decoder streaming each layer into the sharded engine), each rank batch 1 x seq;
+//     its build_model streaming each layer into the sharded engine), each rank batch 1 x seq;
 //   - decoder-layer bytes all-gathered per step as NF4 against what bf16 weights would move (the
 //     embedding and head are dense and move as stored, reported in the total);
 //   - the 2-rank step with prefetch (gather overlapped with compute) against prefetch off;
@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "bench/random_llama.h"
+#include "bench/recipe_model.h"
 #include "bench/run_json.h"
 #include "bench/shape_args.h"
 #include "qlora/engine/launcher.h"
@@ -96,29 +97,21 @@ json run_worker(const Args& a) {
   at::set_num_threads(std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / env.local_world_size));
   // One process is a world of one: the same engine, nothing gathered.
   const std::unique_ptr<engine::World> world = engine::World::join(env, 0, std::chrono::seconds(900), c10::kCPU);
-  engine::ShardingOptions so;
-  so.prefetch = a.prefetch;
-  const std::shared_ptr<engine::ShardedDecoder> engine = engine::ShardedDecoder::begin(*world, so);
-  auto on_layer = [&engine](int64_t i, modules::DecoderLayer& L, const models::Architecture& a) {
-    engine->shard_layer(i, L, a);
-  };
+  // The recipe's model of the checkpoint (the embedding and head stored in bf16, as it stores a bf16
+  // checkpoint's), or a real shape built in memory.
+  config::RecipeConfig cfg = bench::recipe_config(at::kFloat, 8, 16.0, true);
+  cfg.dist.prefetch = a.prefetch;
+  recipes::DecoderBuilder build;
+  if (!a.shape.empty())
+    build = [&](const models::DecoderLoadOptions& o) {
+      return bench::random_model(a.shape_config(), o.lora_r, o.lora_alpha, o.activation_checkpointing, o.on_layer_loaded);
+    };
   const auto t0 = std::chrono::steady_clock::now();
-  models::DecoderModel m;
-  if (!a.shape.empty()) {
-    m = bench::random_model(a.shape_config(), 8, 16.0, true, on_layer);
-  } else {
-    models::DecoderLoadOptions o;
-    o.base_in_nf4 = true;
-    o.lora_targets = models::layer_peft_names(models::llama_architecture());
-    o.activation_checkpointing = true;
-    o.frozen_dtype = at::kBFloat16;  // as the recipe stores a bf16 checkpoint's embedding and head
-    o.on_layer_loaded = on_layer;
-    m = models::load_decoder(a.workdir, o);
-  }
-  engine->finish(m);
+  recipes::Model model = recipes::build_model(bench::session(cfg, c10::kCPU, *world, a.workdir), build);
   const double load_s = seconds_since(t0);
-  m.training = true;
-  optim::AdamW opt(engine->param_shards(), optim::AdamWOptions{});
+  models::DecoderModel& m = model.decoder;
+  const std::shared_ptr<engine::ShardedDecoder>& engine = model.engine;
+  const std::unique_ptr<optim::AdamW> opt = recipes::make_adamw(cfg, model);
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(7 + env.rank);
   const at::Tensor tokens = at::randint(0, m.config.vocab_size, {1, a.seq + 1}, gen);
   const at::Tensor inp = tokens.narrow(1, 0, a.seq), labels = tokens.narrow(1, 1, a.seq);
@@ -128,7 +121,7 @@ json run_worker(const Args& a) {
     torch::autograd::backward({loss});
     engine->finish_backward();
     engine->clip_grad_norm(1.0);
-    opt.step();
+    opt->step();
     engine->gather_params();
   };
   if (!a.export_to.empty()) {  // the export of this model instead of training steps

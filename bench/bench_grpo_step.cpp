@@ -1,6 +1,6 @@
 // One lora_grpo step split into its phases, beside lora_finetune's step on the same tokens, on the
 // ~100M Llama shape (the random checkpoint bench_train_step uses; NF4 base, LoRA r 8 on every decoder
-// projection, AdamW, one rank through the sharded engine as the recipes run it):
+// projection, AdamW, one rank through the sharded engine, set up by the recipes' own build_model):
 //   generation  P prompts x G completions of --new tokens, one batch (models::generate_batch,
 //               temperature 1, no stop token: every completion runs to --new)
 //   old_policy  the completions' per-token log-probs, no gradient (grpo.num_iterations > 1)
@@ -27,6 +27,7 @@
 
 #include "bench/bench_dtype.h"
 #include "bench/machine.h"
+#include "bench/recipe_model.h"
 #include "bench/shape_args.h"
 #include "kernels/cpu_isa.h"
 #include "qlora/engine/omp_wait_policy.h"
@@ -65,20 +66,11 @@ double median(std::vector<double> v) {
 
 json run(const Args& a, at::ScalarType dtype) {
   const auto world = qlora::engine::World::join(qlora::engine::RankEnv{}, 0, std::chrono::seconds(60), c10::kCPU);
-  const auto engine = qlora::engine::ShardedDecoder::begin(*world, {});
-  qlora::models::DecoderLoadOptions o;
-  o.base_in_nf4 = true;
-  o.compute_dtype = dtype;
-  o.lora_targets = qlora::models::layer_peft_names(qlora::models::llama_architecture());
-  o.on_layer_loaded = [&engine](int64_t i, qlora::modules::DecoderLayer& L, const qlora::models::Architecture& ar) {
-    engine->shard_layer(i, L, ar);
-  };
-  qlora::models::DecoderModel m = qlora::models::load_decoder(a.workdir, o);
-  engine->finish(m);
-  qlora::io::release_free_cpu_memory();
-  m.training = true;
-  qlora::optim::AdamW opt(engine->param_shards(), qlora::optim::AdamWOptions{});
-
+  const qlora::config::RecipeConfig cfg = qlora::bench::recipe_config(dtype, 8, 16.0, false);
+  qlora::recipes::Model model = qlora::recipes::build_model(qlora::bench::session(cfg, c10::kCPU, *world),
+                                                            qlora::bench::load_in_compute_dtype(a.workdir));
+  qlora::models::DecoderModel& m = model.decoder;
+  const std::unique_ptr<qlora::optim::AdamW> opt = qlora::recipes::make_adamw(cfg, model);
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(3);
   std::vector<std::vector<int64_t>> prompts;
   std::vector<qlora::models::BatchSequence> seqs;
@@ -109,9 +101,9 @@ json run(const Args& a, at::ScalarType dtype) {
     in.mask = tr::grpo_loss_mask(b.completion_mask, b.truncated, false);
     const auto update = [&](const at::Tensor& loss) {
       loss.backward();
-      engine->finish_backward();
-      opt.step();
-      engine->gather_params();
+      model.engine->finish_backward();
+      opt->step();
+      model.engine->gather_params();
     };
     s["update"] = seconds_of([&] {
       in.logps = tr::completion_logps(m, b, at::kCPU, tr::LogpsOf::kPolicy);

@@ -1,6 +1,6 @@
 // The cost of lora_dpo's step and of DoRA against their baselines, measured in the same run on the
 // ~100M Llama shape (the random checkpoint bench_train_step uses; NF4 base, LoRA on every decoder
-// projection, AdamW, one rank through the sharded engine as the recipes run it):
+// projection, AdamW, one rank through the sharded engine, set up by the recipes' own build_model):
 //   sft   one SFT step over the pairs' 2P rows (chosen, then rejected), the response tokens scored
 //   dpo   one sigmoid-DPO step over the same P pairs (train/preference_batch.h, the recipe's path):
 //         the policy's forward and backward on the 2P rows plus the reference's no-grad forward
@@ -30,6 +30,7 @@
 
 #include "bench/bench_dtype.h"
 #include "bench/machine.h"
+#include "bench/recipe_model.h"
 #include "bench/run_json.h"
 #include "bench/shape_args.h"
 #include "kernels/cpu_isa.h"
@@ -76,21 +77,12 @@ std::vector<qlora::data::PreferencePair> random_pairs(const Args& a) {
 
 json run_worker(const Args& a) {
   const auto world = qlora::engine::World::join(qlora::engine::RankEnv{}, 0, std::chrono::seconds(60), c10::kCPU);
-  const auto engine = qlora::engine::ShardedDecoder::begin(*world, {});
-  qlora::models::DecoderLoadOptions o;
-  o.base_in_nf4 = true;
-  o.compute_dtype = a.compute_dtype;
-  o.lora_targets = qlora::models::layer_peft_names(qlora::models::llama_architecture());
-  o.lora_use_dora = a.worker == "dora";
-  o.activation_checkpointing = a.ac;
-  o.on_layer_loaded = [&engine](int64_t i, qlora::modules::DecoderLayer& L, const qlora::models::Architecture& ar) {
-    engine->shard_layer(i, L, ar);
-  };
-  qlora::models::DecoderModel m = qlora::models::load_decoder(a.workdir, o);
-  engine->finish(m);
-  qlora::io::release_free_cpu_memory();
-  m.training = true;
-  qlora::optim::AdamW opt(engine->param_shards(), qlora::optim::AdamWOptions{});
+  qlora::config::RecipeConfig cfg = qlora::bench::recipe_config(a.compute_dtype, 8, 16.0, a.ac);
+  cfg.lora.use_dora = a.worker == "dora";
+  qlora::recipes::Model model = qlora::recipes::build_model(qlora::bench::session(cfg, c10::kCPU, *world),
+                                                            qlora::bench::load_in_compute_dtype(a.workdir));
+  qlora::models::DecoderModel& m = model.decoder;
+  const std::unique_ptr<qlora::optim::AdamW> opt = qlora::recipes::make_adamw(cfg, model);
   const std::vector<qlora::data::PreferencePair> pairs = random_pairs(a);
   std::vector<int64_t> all(pairs.size());
   for (size_t i = 0; i < all.size(); ++i) all[i] = static_cast<int64_t>(i);
@@ -113,9 +105,9 @@ json run_worker(const Args& a) {
       loss = m.loss(b.tokens, b.labels) / scored;
     }
     loss.backward();
-    engine->finish_backward();
-    opt.step();
-    engine->gather_params();
+    model.engine->finish_backward();
+    opt->step();
+    model.engine->gather_params();
     return loss.item<double>();
   };
   std::vector<double> times, losses = {step()};  // the first step warms up, untimed

@@ -64,6 +64,7 @@
 #include "bench/machine.h"
 #include "bench/memory_account.h"
 #include "bench/random_llama.h"
+#include "bench/recipe_model.h"
 #include "bench/shape_args.h"
 #include "bench/step_profile.h"
 #include "bench/run_json.h"
@@ -155,39 +156,39 @@ std::vector<qlora::bench::GemmShape> gemm_shapes(const qlora::models::DecoderMod
 }
 
 // The qlora side, in its own process: load, warm-up step, timed steps, through the training
-// engine as the recipe runs it in one process (a world of one).
+// engine as the recipe runs it in one process (a world of one), the model and AdamW set up by the
+// recipes' own build_model and make_adamw.
 json run_worker(const Args& a) {
   qlora::bench::MemoryAccount& acct = qlora::bench::MemoryAccount::install();
   acct.phase("load");
   const auto t0 = std::chrono::steady_clock::now();
   const at::Device dev = qlora::train::resolve_device(a.device.empty() ? "cpu" : a.device, "--device");
   const auto world = qlora::engine::World::join(qlora::engine::RankEnv{}, 0, std::chrono::seconds(60), dev);
-  const auto engine = qlora::engine::ShardedDecoder::begin(*world, {});
-  auto on_layer = [&engine](int64_t i, qlora::modules::DecoderLayer& L, const qlora::models::Architecture& a) {
-    engine->shard_layer(i, L, a);
-  };
-  qlora::models::DecoderModel m;
+  // The default shape's checkpoint trains without activation checkpointing, as its peers do.
+  const qlora::config::RecipeConfig cfg =
+      qlora::bench::recipe_config(a.compute_dtype, a.r, a.alpha, !a.no_ac && a.model.empty(), 1e-4);
+  qlora::recipes::DecoderBuilder build = qlora::bench::load_in_compute_dtype(a.model);
   if (!a.device.empty()) {
-    m = qlora::bench::seeded_model(a.shape_config(), a.r, a.alpha, !a.no_ac, dev, a.compute_dtype, on_layer);
+    build = [&](const qlora::models::DecoderLoadOptions& o) {
+      return qlora::bench::seeded_model(a.shape_config(), o.lora_r, o.lora_alpha, o.activation_checkpointing, o.device,
+                                        o.compute_dtype, o.on_layer_loaded);
+    };
   } else if (!a.shape.empty()) {
-    m = qlora::bench::random_model(a.shape_config(), a.r, a.alpha, !a.no_ac, on_layer, a.compute_dtype);
-  } else {
-    qlora::models::DecoderLoadOptions o;
-    o.base_in_nf4 = true;
-    o.compute_dtype = a.compute_dtype;
-    o.lora_targets = kTargets;
-    o.lora_r = a.r;
-    o.lora_alpha = a.alpha;
-    o.on_layer_loaded = on_layer;
-    m = qlora::models::load_decoder(a.model, o);
+    build = [&](const qlora::models::DecoderLoadOptions& o) {
+      return qlora::bench::random_model(a.shape_config(), o.lora_r, o.lora_alpha, o.activation_checkpointing,
+                                        o.on_layer_loaded, o.compute_dtype);
+    };
   }
-  if (a.lora_head) {
-    at::Generator g = at::make_generator<at::CPUGeneratorImpl>(7);
-    qlora::modules::lora_linear_add_adapter(m.lm_head, a.r, a.alpha, 0.0, g, at::kCPU);
-  }
-  m.chunked_loss = !a.full_logits;
-  engine->finish(m);
-  qlora::io::release_free_cpu_memory();  // as the recipe does after loading
+  const auto prepare = [&](qlora::models::DecoderModel& m) {
+    if (a.lora_head) {
+      at::Generator g = at::make_generator<at::CPUGeneratorImpl>(7);
+      qlora::modules::lora_linear_add_adapter(m.lm_head, a.r, a.alpha, 0.0, g, at::kCPU);
+    }
+    m.chunked_loss = !a.full_logits;
+  };
+  qlora::recipes::Model model = qlora::recipes::build_model(qlora::bench::session(cfg, dev, *world), build, prepare);
+  qlora::models::DecoderModel& m = model.decoder;
+  const auto& engine = model.engine;
   const double load_s = seconds_since(t0);
   const int64_t rss_after_load = qlora::io::peak_rss_bytes();
   // The device's peaks while loading (the seeded draws' fp32 temporaries), then the steps' own:
@@ -195,12 +196,9 @@ json run_worker(const Args& a) {
   const qlora::train::DeviceMemoryPeaks load_peaks = qlora::train::device_memory_peaks(dev);
   qlora::train::release_cached_device_memory(dev);
   qlora::train::reset_device_memory_peaks(dev);
-  m.training = true;
   int64_t trainable = 0;
   for (const auto& [name, t] : m.lora_parameters()) trainable += t.numel();
-  qlora::optim::AdamWOptions ao;
-  ao.lr = 1e-4;
-  qlora::optim::AdamW opt(engine->param_shards(), ao);
+  const std::unique_ptr<qlora::optim::AdamW> opt = qlora::recipes::make_adamw(cfg, model);
   const int64_t V = m.config.vocab_size, chunk = qlora::models::default_loss_chunk_tokens(std::min(V, m.lm_head_chunk_rows));
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(1);
   const at::Tensor tokens = at::randint(0, V, {a.batch, a.seq + 1}, gen).to(dev);  // [batch, seq + 1]
@@ -215,7 +213,7 @@ json run_worker(const Args& a) {
     loss.backward();
     engine->finish_backward();
     acct.phase("optimizer");
-    opt.step();
+    opt->step();
     engine->gather_params();
     qlora::train::synchronize_device(dev);  // a wall clock around GPU work
     return loss.item<double>();

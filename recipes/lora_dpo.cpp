@@ -45,13 +45,13 @@ using config::RecipeConfig;
 
 struct Pairs {
   std::vector<data::PreferencePair> train, validation;
-  std::unique_ptr<data::Sampler> sampler;  // one global batch of pairs per micro-step
+  std::unique_ptr<data::Sampler> sampler;  // this rank's pairs of one global batch per micro-step
   // dpo.precompute_reference: the reference's summed log-probs of each pair's chosen and rejected
   // response, [pairs] fp64 each, indexed like `train` / `validation`.
   at::Tensor ref_train, ref_validation;
 };
 
-Pairs setup_pairs(const RecipeConfig& cfg, const TextSetup& text, int64_t ranks) {
+Pairs setup_pairs(const RecipeConfig& cfg, const TextSetup& text, const engine::World& world) {
   if (cfg.data.format != data::DatasetKind::kPreference)
     throw std::invalid_argument("qlora run lora_dpo trains on preference pairs: set data.format = \"preference\" "
                                 "(records {\"prompt\", \"chosen\", \"rejected\"} or conversational chosen/rejected)");
@@ -62,7 +62,8 @@ Pairs setup_pairs(const RecipeConfig& cfg, const TextSetup& text, int64_t ranks)
     p.validation = data::load_preference_pairs(val, text.tokenizer, text.options, config::preference_options(cfg));
   hold_out_validation(cfg, p.train, p.validation);
   p.sampler = std::make_unique<data::Sampler>(
-      config::sampler_options(cfg.data, cfg.training, static_cast<int64_t>(p.train.size()), ranks));
+      config::sampler_options(cfg.data, cfg.training, static_cast<int64_t>(p.train.size()), world.size(),
+                              world.rank()));
   return p;
 }
 
@@ -101,11 +102,6 @@ nlohmann::ordered_json metrics_json(const std::vector<double>& sums, double pair
   return j;
 }
 
-// The pairs `picked` of this rank's share of a global batch of `per_rank` x ranks pairs.
-std::vector<int64_t> my_share(const std::vector<int64_t>& global, int64_t per_rank, int64_t rank) {
-  return {global.begin() + rank * per_rank, global.begin() + (rank + 1) * per_rank};
-}
-
 // Rows `picked` of a precomputed [pairs, 2] reference table as the batch's [2n] (chosen, then rejected).
 at::Tensor ref_rows(const at::Tensor& table, const std::vector<int64_t>& picked) {
   if (!table.defined()) return at::Tensor();
@@ -120,7 +116,7 @@ StepResult dpo_step(const RecipeConfig& cfg, engine::World& world, Model& m, Pai
   std::vector<std::vector<int64_t>> picked;
   double chosen_tokens = 0, tokens = 0;
   for (int64_t k = 0; k < cfg.training.grad_accum; ++k) {
-    picked.push_back(my_share(d.sampler->next(), per_rank, world.rank()));
+    picked.push_back(d.sampler->next());
     for (int64_t i : picked.back()) {
       const data::PreferencePair& p = d.train[static_cast<size_t>(i)];
       const auto scored = [](const data::Sample& s) {
@@ -273,7 +269,7 @@ void reference_tables(Session& s, Pairs& d, const Model& m, int64_t pad) {
 int run_dpo(Session& s) {
   const RecipeConfig& cfg = s.cfg;
   const TextSetup text = open_text(s);
-  Pairs d = setup_pairs(cfg, text, s.world.size());
+  Pairs d = setup_pairs(cfg, text, s.world);
   train::TokenIdSet ids;
   for (const auto* set : {&d.train, &d.validation})
     for (const data::PreferencePair& x : *set) ids.add(x.chosen), ids.add(x.rejected);

@@ -33,7 +33,7 @@ namespace {
 using config::RecipeConfig;
 
 // The training data as this run sees it: tokenized samples, packed rows when packing, and the
-// sampler that draws one global batch (batch_size x ranks rows) per micro-step.
+// sampler that gives this rank its rows of one global batch (batch_size x ranks rows) per micro-step.
 struct Data {
   const TextSetup* text = nullptr;  // the file, tokenizer and rendering options
   std::vector<data::Sample> samples;
@@ -63,7 +63,7 @@ void split_validation(const RecipeConfig& cfg, Data& d) {
   hold_out_validation(cfg, d.samples, d.validation);
 }
 
-Data setup_data(const RecipeConfig& cfg, const TextSetup& text, int64_t ranks) {
+Data setup_data(const RecipeConfig& cfg, const TextSetup& text, const engine::World& world) {
   Data d{&text, {}, {}, {}, cfg.data.packing, nullptr};
   d.samples = data::load_dataset(text.path, text.tokenizer, text.options);
   split_validation(cfg, d);
@@ -83,7 +83,8 @@ Data setup_data(const RecipeConfig& cfg, const TextSetup& text, int64_t ranks) {
   if (d.packed) d.rows = data::pack_samples(d.samples, cfg.data.max_seq_len, text.tokenizer.pad_id());
   const int64_t size = static_cast<int64_t>(d.packed ? d.rows.size() : d.samples.size());
   // One global batch per micro-step; each rank trains on its own batch_size rows of it.
-  d.sampler = std::make_unique<data::Sampler>(config::sampler_options(cfg.data, cfg.training, size, ranks));
+  d.sampler = std::make_unique<data::Sampler>(
+      config::sampler_options(cfg.data, cfg.training, size, world.size(), world.rank()));
   return d;
 }
 
@@ -93,12 +94,10 @@ Data setup_data(const RecipeConfig& cfg, const TextSetup& text, int64_t ranks) {
 // summed loss, so every rank judges the step alike.
 StepResult train_step(const RecipeConfig& cfg, engine::World& world, Model& m, Data& d, c10::Device device,
                       int64_t step) {
-  const int64_t per_rank = cfg.training.batch_size, me = world.rank();
   std::vector<data::Batch> micro;
   StepResult r;
   for (int64_t k = 0; k < cfg.training.grad_accum; ++k) {
-    const std::vector<int64_t> global = d.sampler->next();
-    micro.push_back(d.batch({global.begin() + me * per_rank, global.begin() + (me + 1) * per_rank}));
+    micro.push_back(d.batch(d.sampler->next()));
     r.tokens += micro.back().num_label_tokens;
   }
   r.tokens = static_cast<int64_t>(train::all_ranks_sum(world, static_cast<double>(r.tokens), device));
@@ -127,7 +126,7 @@ train::ValidationMetrics validate(const RecipeConfig& cfg, engine::World& world,
 int run_finetune(Session& s) {
   const RecipeConfig& cfg = s.cfg;
   const TextSetup text = open_text(s);
-  Data d = setup_data(cfg, text, s.world.size());
+  Data d = setup_data(cfg, text, s.world);
   train::TokenIdSet ids;
   for (const auto* set : {&d.samples, &d.validation})
     for (const data::Sample& x : *set) ids.add(x);

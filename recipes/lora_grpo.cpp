@@ -50,7 +50,7 @@ using config::RecipeConfig;
 
 struct Prompts {
   std::vector<data::PromptRecord> train, validation;
-  std::unique_ptr<data::Sampler> sampler;  // one global batch of prompts per micro-step
+  std::unique_ptr<data::Sampler> sampler;  // this rank's prompts of one global batch per micro-step
   std::vector<int64_t> stop_ids;           // EOS, the end of turn: where a completion ends
 };
 
@@ -69,7 +69,8 @@ Prompts setup_prompts(const Session& s, const TextSetup& text, const train::Rewa
     p.validation = load_grpo_prompts(val, text.tokenizer, text.options, rewards);
   hold_out_validation(cfg, p.train, p.validation);
   p.sampler = std::make_unique<data::Sampler>(
-      config::sampler_options(cfg.data, cfg.training, static_cast<int64_t>(p.train.size()), s.world.size()));
+      config::sampler_options(cfg.data, cfg.training, static_cast<int64_t>(p.train.size()), s.world.size(),
+                              s.world.rank()));
   p.stop_ids = checkpoint::stop_ids(s.base_dir, text.tokenizer, p.train.front().end_of_turn);
   return p;
 }
@@ -81,6 +82,21 @@ std::string completion_text(const data::Tokenizer& tok, const Prompts& d, const 
   std::string text = tok.decode(ids);
   if (!r.end_of_turn.empty() && text.find(r.end_of_turn) != std::string::npos) text.erase(text.find(r.end_of_turn));
   return text;
+}
+
+// The rewards of `completions`, completion c sampled from records[c / per_prompt].
+train::RewardScores score(const train::Rewards& rewards, const data::Tokenizer& tok, const Prompts& d,
+                          const std::vector<const data::PromptRecord*>& records, int64_t per_prompt,
+                          const std::vector<models::Completion>& completions) {
+  std::vector<std::string> texts;
+  std::vector<train::RewardInput> inputs;
+  texts.reserve(completions.size());  // the inputs view them
+  for (size_t c = 0; c < completions.size(); ++c) {
+    const data::PromptRecord& r = *records[c / static_cast<size_t>(per_prompt)];
+    texts.push_back(completion_text(tok, d, r, completions[c].ids));
+    inputs.push_back({r.record, texts.back(), static_cast<int64_t>(completions[c].ids.size()), r.origin});
+  }
+  return rewards.score(inputs);
 }
 
 // The base gathered on every rank while it lives (a collective to make and to end): generation
@@ -167,9 +183,9 @@ Rollout make_rollout(const Session& s, Model& m, Prompts& d, const TextSetup& te
   std::vector<const data::PromptRecord*> mine;
   std::vector<int64_t> first_row;  // per micro-batch: the step row of this rank's first completion
   for (int64_t k = 0; k < accum; ++k) {
-    const std::vector<int64_t> global = d.sampler->next();
+    // This rank's prompts are the rank-th per_rank of the micro-batch's global batch (data/sampler.h).
     first_row.push_back((k * per_micro + rank * per_rank) * G);
-    for (int64_t i = 0; i < per_rank; ++i) mine.push_back(&d.train[static_cast<size_t>(global[rank * per_rank + i])]);
+    for (int64_t i : d.sampler->next()) mine.push_back(&d.train[static_cast<size_t>(i)]);
   }
   models::GenerateOptions o{cfg.grpo.max_completion_length, cfg.grpo.temperature, cfg.grpo.top_p, cfg.grpo.top_k, 0, d.stop_ids};
   // Prompt i of this rank sits in micro-batch i / per_rank; its completions' step rows follow.
@@ -182,15 +198,7 @@ Rollout make_rollout(const Session& s, Model& m, Prompts& d, const TextSetup& te
     const Gathered base(*m.engine);
     sampled = sample(m, mine, G, o, cfg.data.max_seq_len, seed_of);
   }
-
-  std::vector<std::string> texts;
-  std::vector<train::RewardInput> inputs;
-  texts.reserve(sampled.size());
-  for (size_t c = 0; c < sampled.size(); ++c)
-    texts.push_back(completion_text(text.tokenizer, d, *mine[c / G], sampled[c].ids));
-  for (size_t c = 0; c < sampled.size(); ++c)
-    inputs.push_back({mine[c / G]->record, texts[c], static_cast<int64_t>(sampled[c].ids.size()), mine[c / G]->origin});
-  const train::RewardScores scores = rewards.score(inputs);
+  const train::RewardScores scores = score(rewards, text.tokenizer, d, mine, G, sampled);
 
   // Every rank's values in step order (each row is one rank's; the others add 0): the total, each
   // reward, the length, whether truncated.
@@ -321,12 +329,7 @@ train::ValidationMetrics Grpo::validate(const Position& p) {
     const std::vector<const data::PromptRecord*> part(mine.begin() + c0, mine.begin() + std::min(mine.size(), c0 + chunk));
     const std::vector<models::Completion> out =
         sample(m, part, 1, greedy, s.cfg.data.max_seq_len, [](int64_t, int64_t) { return 0; });
-    std::vector<std::string> texts;
-    std::vector<train::RewardInput> inputs;
-    for (size_t i = 0; i < out.size(); ++i) texts.push_back(completion_text(text.tokenizer, d, *part[i], out[i].ids));
-    for (size_t i = 0; i < out.size(); ++i)
-      inputs.push_back({part[i]->record, texts[i], static_cast<int64_t>(out[i].ids.size()), part[i]->origin});
-    const train::RewardScores scores = rewards.score(inputs);
+    const train::RewardScores scores = score(rewards, text.tokenizer, d, part, 1, out);
     for (size_t i = 0; i < out.size(); ++i) {
       sums[0] += scores.total[i];
       for (size_t r = 0; r < R; ++r) sums[r + 1] += scores.each[r][i];

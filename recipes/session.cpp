@@ -170,19 +170,19 @@ TextSetup open_text(const Session& s) {
   return t;
 }
 
-Model setup_model(const Session& s, const TextSetup& text, const std::vector<int64_t>& data_token_ids) {
+Model build_model(const Session& s, const DecoderBuilder& build,
+                  const std::function<void(models::DecoderModel&)>& prepare) {
   const RecipeConfig& cfg = s.cfg;
   Model m{{}, engine::ShardedDecoder::begin(s.world, config::sharding_options(cfg.dist))};
   // LoRA init draws from its own generator (training.seed): the same adapters on every rank.
-  models::DecoderLoadOptions mopts =
-      config::decoder_load_options(cfg, s.device, frozen_storage_dtype(s.base_dir, cfg.model.dtype));
+  models::DecoderLoadOptions mopts = config::decoder_load_options(
+      cfg, s.device, build ? at::ScalarType::Undefined : frozen_storage_dtype(s.base_dir, cfg.model.dtype));
   mopts.on_layer_loaded = [&m](int64_t i, modules::DecoderLayer& L, const models::Architecture& a) {
     m.engine->shard_layer(i, L, a);
   };
-  m.decoder = models::load_decoder(s.base_dir, mopts);
+  m.decoder = build ? build(mopts) : models::load_decoder(s.base_dir, mopts);
   fit_threads_to_model(m.decoder.config, s.device);
-  // While embed_tokens and lm_head are whole: every rank has the whole data set's ids, so all do the same.
-  train::apply_untrained_tokens_policy(m.decoder, data_token_ids, text.tokenizer, cfg.model.untrained_tokens, s.lead);
+  if (prepare) prepare(m.decoder);
   m.engine->finish(m.decoder);
   io::release_free_cpu_memory();  // the load's temporaries
   m.decoder.training = true;
@@ -192,11 +192,23 @@ Model setup_model(const Session& s, const TextSetup& text, const std::vector<int
   // Dropout draws from the default generator, seeded apart per rank so masks differ between ranks
   // (LoRA init drew from its own, identical everywhere). Seeds CUDA too, now that it is up.
   at::manual_seed(static_cast<uint64_t>(cfg.training.seed) + static_cast<uint64_t>(s.world.rank()));
+  return m;
+}
+
+Model setup_model(const Session& s, const TextSetup& text, const std::vector<int64_t>& data_token_ids) {
+  // While embed_tokens and lm_head are whole: every rank has the whole data set's ids, so all do the same.
+  Model m = build_model(s, {}, [&](models::DecoderModel& d) {
+    train::apply_untrained_tokens_policy(d, data_token_ids, text.tokenizer, s.cfg.model.untrained_tokens, s.lead);
+  });
   if (text.tokenizer.vocab_size() > m.decoder.config.vocab_size)
     throw std::invalid_argument(text.tokenizer_path + ": the tokenizer has " + std::to_string(text.tokenizer.vocab_size()) +
                                 " ids but " + s.base_dir + "/config.json says vocab_size " +
                                 std::to_string(m.decoder.config.vocab_size) + " (a tokenizer of another model?)");
   return m;
+}
+
+std::unique_ptr<optim::AdamW> make_adamw(const RecipeConfig& cfg, const Model& m) {
+  return std::make_unique<optim::AdamW>(m.engine->param_shards(), config::adamw_options(cfg.optim));
 }
 
 void backward_micro_batch(Model& m, const at::Tensor& loss, bool last) {
@@ -216,7 +228,7 @@ struct Optimizer {
 Optimizer setup_optimizer(const RecipeConfig& cfg, const Model& m, const std::string& path, const RecipeParts& d,
                           int64_t ranks) {
   Optimizer o;
-  o.adamw = std::make_unique<optim::AdamW>(m.engine->param_shards(), config::adamw_options(cfg.optim));
+  o.adamw = make_adamw(cfg, m);
   o.steps_per_epoch = d.sampler->batches_per_epoch() / cfg.training.grad_accum * d.steps_per_batch;
   if (cfg.training.max_steps_per_epoch > 0) o.steps_per_epoch = std::min(o.steps_per_epoch, cfg.training.max_steps_per_epoch);
   if (o.steps_per_epoch < 1)

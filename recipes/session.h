@@ -1,7 +1,8 @@
 // What every training recipe shares (lora_finetune, lora_dpo, lora_grpo), so that none copies
 // another's loop: the model (NF4 base + LoRA, sharded by the engine), the optimizer and schedule, resume,
 // the step loop with its non-finite guard, resume checkpoints, per-epoch exports and the metrics.
-// A recipe keeps what is its own: its data, the loss of one optimizer step, its validation.
+// A recipe keeps what is its own: its data, the loss of one optimizer step, its validation. The
+// benches set up the models they time here too (build_model, make_adamw; bench/recipe_model.h).
 //
 //   int my_recipe_main(args) { return run_recipe("my_recipe", args, [](Session& s) { ...; return train(s, m, parts); }); }
 #pragma once
@@ -26,6 +27,7 @@
 #include "qlora/engine/process_group.h"
 #include "qlora/engine/sharded_model.h"
 #include "qlora/models/decoder.h"
+#include "qlora/optim/adamw.h"
 #include "qlora/train/metrics.h"
 #include "qlora/train/output_dir.h"
 #include "recipes/recipe_config.h"
@@ -69,6 +71,21 @@ struct Model {
 // loads it) feeds in or scores; their untrained rows get model.untrained_tokens
 // (train/untrained_tokens.h) before the model is sharded.
 Model setup_model(const Session& s, const TextSetup& text, const std::vector<int64_t>& data_token_ids);
+
+// Makes the decoder from the load options the config gives (on_layer_loaded shards each layer as it
+// is made): a bench's model built in memory, or a checkpoint loaded its own way.
+using DecoderBuilder = std::function<models::DecoderModel(const models::DecoderLoadOptions&)>;
+
+// setup_model without a tokenizer or data, for a program that trains without a recipe's data (the
+// benches): the decoder loaded from s.base_dir with the embedding and head stored as a recipe stores
+// them, or made by `build` (its options leave that storage to it: the compute dtype unless it says
+// otherwise), each layer sharded as it is made; `prepare` sees the model whole (its embedding and
+// head not yet sharded); then finished, in training mode, dropout's generator seeded per rank.
+Model build_model(const Session& s, const DecoderBuilder& build = {},
+                  const std::function<void(models::DecoderModel&)>& prepare = {});
+
+// AdamW over this rank's flat shards of the adapters, with the config's optim settings.
+std::unique_ptr<optim::AdamW> make_adamw(const config::RecipeConfig& cfg, const Model& m);
 
 // Where the loop is: epoch and step within it (0-based), optimizer steps done.
 struct Position {

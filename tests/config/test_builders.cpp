@@ -64,21 +64,21 @@ TEST(Builders, DatasetOptionsFromData) {
   EXPECT_THROW(dataset_options(d, tok), std::invalid_argument);
 }
 
-TEST(Builders, SamplerOptionsDrawOneGlobalBatchForAllRanks) {
+TEST(Builders, SamplerOptionsSplitOneGlobalBatchBetweenRanks) {
   DataConfig d;
   d.shuffle = false;
   TrainingConfig t;
   t.batch_size = 3;
   t.seed = 1234;
-  const data::SamplerOptions o = sampler_options(d, t, 500, 4);
+  const data::SamplerOptions o = sampler_options(d, t, 500, 4, 2);
   EXPECT_EQ(o.dataset_size, 500);
-  EXPECT_EQ(o.batch_size, 12);  // batch_size x ranks
+  EXPECT_EQ(o.batch_size, 3);  // this rank's share of the global batch of batch_size x ranks
   EXPECT_EQ(o.seed, 1234u);
   EXPECT_FALSE(o.shuffle);
   EXPECT_TRUE(o.drop_last);
-  EXPECT_EQ(o.world_size, 1);
-  EXPECT_EQ(o.rank, 0);
-  EXPECT_TRUE(sampler_options(DataConfig{}, t, 500, 1).shuffle);
+  EXPECT_EQ(o.world_size, 4);
+  EXPECT_EQ(o.rank, 2);
+  EXPECT_TRUE(sampler_options(DataConfig{}, t, 500, 1, 0).shuffle);
 }
 
 TEST(Builders, LlamaLoadOptionsFromModelLoraAndSeed) {

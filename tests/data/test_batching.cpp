@@ -7,6 +7,9 @@
 #include <cstdio>
 #include <fstream>
 #include <set>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "qlora/data/batching.h"
 #include "qlora/data/sampler.h"
@@ -258,6 +261,48 @@ TEST(Sampler, ShardingCoversEveryIndexExactlyOnce) {
     }
     ASSERT_EQ(seen.size(), 50u) << "world " << world;
     for (int64_t i = 0; i < 50; ++i) EXPECT_EQ(seen.count(i), 1u) << "index " << i;
+  }
+}
+
+// The p-th batches of the W ranks are the global batch one process draws with batch_size x W, in
+// rank order: every recipe's rows, the same on 1 and N ranks.
+TEST(Sampler, RanksSplitTheGlobalBatchOfOneProcess) {
+  for (const int64_t world : {1, 2, 3}) {
+    const Sampler one(SamplerOptions{.dataset_size = 50, .batch_size = 4 * world, .seed = 3, .drop_last = true});
+    for (int64_t rank = 0; rank < world; ++rank) {
+      const Sampler s(SamplerOptions{.dataset_size = 50, .batch_size = 4, .seed = 3, .drop_last = true,
+                                     .world_size = world, .rank = rank});
+      ASSERT_EQ(s.batches_per_epoch(), one.batches_per_epoch()) << "world " << world;
+      for (int64_t epoch = 0; epoch < 2; ++epoch)
+        for (int64_t b = 0; b < s.batches_per_epoch(); ++b) {
+          const auto global = one.batch(epoch, b);
+          EXPECT_EQ(s.batch(epoch, b), std::vector<int64_t>(global.begin() + rank * 4, global.begin() + (rank + 1) * 4))
+              << "world " << world << ", rank " << rank << ", epoch " << epoch << ", batch " << b;
+        }
+    }
+  }
+}
+
+// A resume checkpoint keeps one rank's state: it continues any rank of a run with the same global
+// batch on any number of ranks (and one process's state of earlier releases: world_size 1).
+TEST(Sampler, StateResumesOnAnyRankOfAnyMeshWithTheSameGlobalBatch) {
+  Sampler two(SamplerOptions{.dataset_size = 50, .batch_size = 2, .seed = 3, .drop_last = true, .world_size = 2});
+  take(two, 14);  // 12 an epoch: into the second
+  const std::string saved = two.state_json();
+  for (const auto& [batch, world] : {std::pair<int64_t, int64_t>{4, 1}, {2, 2}, {1, 4}})
+    for (int64_t rank = 0; rank < world; ++rank) {
+      Sampler s(SamplerOptions{.dataset_size = 50, .batch_size = batch, .seed = 3, .drop_last = true,
+                               .world_size = world, .rank = rank});
+      s.load_state_json(saved);
+      EXPECT_EQ(s.state(), two.state()) << world << " ranks, rank " << rank;
+    }
+  Sampler other(SamplerOptions{.dataset_size = 50, .batch_size = 3, .seed = 3, .drop_last = true, .world_size = 2});
+  try {
+    other.load_state_json(saved, "ckpt/meta.json");
+    FAIL() << "expected a mismatch error";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("\"batch_size x world_size\" is 4 but this run has 6"), std::string::npos)
+        << e.what();
   }
 }
 

@@ -42,13 +42,15 @@ data::PreferenceOptions preference_options(const RecipeConfig& cfg) {
 }
 
 data::SamplerOptions sampler_options(const DataConfig& data_cfg, const TrainingConfig& training,
-                                     int64_t dataset_size, int64_t ranks) {
+                                     int64_t dataset_size, int64_t ranks, int64_t rank) {
   data::SamplerOptions o;
   o.dataset_size = dataset_size;
-  o.batch_size = training.batch_size * ranks;
+  o.batch_size = training.batch_size;
   o.seed = static_cast<uint64_t>(training.seed);
   o.shuffle = data_cfg.shuffle;
   o.drop_last = true;
+  o.world_size = ranks;
+  o.rank = rank;
   return o;
 }
 

@@ -36,11 +36,11 @@ checkpoint::PromptFormat prompt_format(const data::DatasetOptions& options);
 // tokens at most (0: half of data.max_seq_len).
 data::PreferenceOptions preference_options(const RecipeConfig& cfg);
 
-// Every rank draws the same global batch of batch_size x ranks rows per micro-step and trains on
-// its own batch_size of them, so the sampler itself is unsharded (world_size 1, rank 0); drop_last
-// keeps every global batch full.
+// Rank `rank`'s sampler: per micro-step its own batch_size rows of one global batch of batch_size x
+// ranks rows (the sampler's split, data/sampler.h: the rows one process draws, whatever the number
+// of ranks); drop_last keeps every global batch full.
 data::SamplerOptions sampler_options(const DataConfig& data_cfg, const TrainingConfig& training,
-                                     int64_t dataset_size, int64_t ranks);
+                                     int64_t dataset_size, int64_t ranks, int64_t rank);
 
 // model.dtype / base / activation_checkpointing, the [lora] section and training.seed (LoRA init).
 // frozen_dtype is the recipe's to choose: it depends on the checkpoint's files, not on the config.

@@ -148,11 +148,10 @@ void Sampler::load_state_json(const std::string& text, const std::string& origin
   const auto& o = options_;
   must_match("seed", seed_it->get<uint64_t>(), o.seed);
   must_match("dataset_size", get_int("dataset_size"), o.dataset_size);
-  must_match("batch_size", get_int("batch_size"), o.batch_size);
+  // The global batch, however many ranks share it (states of earlier releases: one rank drawing it all).
+  must_match("batch_size x world_size", get_int("batch_size") * get_int("world_size"), o.batch_size * o.world_size);
   must_match("shuffle", get_bool("shuffle"), o.shuffle);
   must_match("drop_last", get_bool("drop_last"), o.drop_last);
-  must_match("world_size", get_int("world_size"), o.world_size);
-  must_match("rank", get_int("rank"), o.rank);
   try {
     set_state(SamplerState{get_int("epoch"), get_int("position")});
   } catch (const std::invalid_argument& e) {

@@ -3,7 +3,10 @@
 // The order depends only on (seed, epoch): a splitmix64 stream drives a Fisher-Yates shuffle,
 // so it never depends on ATen's generator, the thread count or the platform. The permutation is
 // cut into global batches of batch_size; rank r takes global batches r, r + W, r + 2W, ...
-// (strided, so every rank sees the whole epoch's spread of data). With drop_last the number of
+// (strided, so every rank sees the whole epoch's spread of data). Together the ranks' p-th batches
+// are the permutation's W x batch_size indices from p x W x batch_size on, rank r's the r-th
+// batch_size of them: the rows one process draws with batch_size x W, split between the ranks (how
+// every recipe gives each rank its rows of a step). With drop_last the number of
 // global batches is rounded down to a multiple of W and the partial tail batch is dropped, so all
 // ranks run the same number of steps. Without drop_last every index is used exactly once, the
 // last batch may be short and ranks may get one batch more than others: use drop_last for W > 1.
@@ -53,7 +56,8 @@ class Sampler {
 
   // Small JSON with the state and the options it belongs to; loading checks the options match
   // (resuming with another seed or dataset size would silently change the order) and names the
-  // file and key when not.
+  // file and key when not. The state is the same on every rank (with drop_last), so any rank's, of
+  // a run on any number of ranks with the same batch_size x world_size, continues the same order.
   std::string state_json() const;
   void load_state_json(const std::string& text, const std::string& origin = "<sampler state>");
   void save_state(const std::string& path) const;
