@@ -12,23 +12,37 @@ every machine, so that none pre-trains) is what scripts/make_tiny_base.sh produc
    exact match, counted as transformers' argmax at every answer position given the right prefix
    (the same verdict as greedy decoding, in one forward). The shipped base's counts are pinned
    (SHIPPED); the fresh base must reach MIN_ACCURACY on each task.
-Pre-training takes ~5 minutes on one thread. Prints "N passed, M failed"; exit code 1 on any failure.
+The whole pre-training takes ~5 minutes on one thread. tiny_base_prefixes.txt (beside this file) keeps,
+per base version and kind of CPU, what an earlier whole run of this test there gave: the sha256 of
+model.safetensors after the first STEPS steps and after all of them, and the held-out counts. Where it
+has this CPU's line, the script pre-trains only the first STEPS steps (make_tiny_base.sh --prefix: the
+whole run's schedule, stopped there; seconds), and when they are that line's bit for bit, 2 and 3 are
+checked on the line's whole base: each step runs all of pre-training's code (the data, forward, backward,
+clipping, AdamW, the schedule, which spans all the steps) and the prefix is written as the whole base
+is, so a change to any of it, or to the kernels, changes those bits. Otherwise (the pre-training or the
+kernels changed since the line was written), and with --whole, the whole run as above, which then
+prints this CPU's line.
+Prints "N passed, M failed"; exit code 1 on any failure.
 """
-import argparse
+import hashlib
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.normpath(os.path.join(HERE, "..", ".."))
 sys.path.insert(0, HERE)
-from recipe_common import Checks  # noqa: E402
+from recipe_common import Checks, recipe_args  # noqa: E402
 
 HELDOUT = os.path.join(ROOT, "tests", "data", "tiny_tasks_heldout.jsonl")
+SCRIPT = os.path.join(ROOT, "scripts", "make_tiny_base.sh")
+PREFIXES = os.path.join(HERE, "tiny_base_prefixes.txt")
 FILES = ("config.json", "model.safetensors", "tokenizer.model")
+# Pre-training steps a new line of tiny_base_prefixes.txt records: past the 50 warm-up steps, into the
+# cosine decay over all 4000 (~15 s on one thread).
+PREFIX_STEPS = 200
 # The shipped v6 base's held-out counts (right, total) on the AMD EPYC (AVX2) that made it. fp32 in
 # another order of sums (another CPU's transformers) can flip an argmax that is a near tie: one
 # answer of slack, as tests/recipes/test_default_learns.py allows.
@@ -91,14 +105,51 @@ def heldout_scores(base):
     return scores
 
 
+def sha256(path):
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def read_prefixes():
+    """tiny_base_prefixes.txt: {(version, kind of CPU): {"steps", "prefix", "whole", "heldout"}}, from lines
+    "v<N> <vendor> <ISA> <steps> <sha256 after those steps> <sha256 of the whole base> <right/total per
+    task of SHIPPED>"."""
+    lines = {}
+    with open(PREFIXES) as f:
+        for line in f:
+            if line.strip() and not line.startswith("#"):
+                version, vendor, isa, steps, prefix, whole, *heldout = line.split()
+                counts = [tuple(int(x) for x in c.split("/")) for c in heldout]
+                lines[(version, f"{vendor} {isa}")] = {"steps": int(steps), "prefix": prefix, "whole": whole,
+                                                       "heldout": dict(zip(SHIPPED, counts))}
+    return lines
+
+
+def make(a, out, *args):
+    """scripts/make_tiny_base.sh [ARGS] OUT, as a maintainer runs it, with this build's binaries; true when
+    it exits 0 having pre-trained anew (to the end, or to the step --prefix STEPS asked for) and written the
+    three files."""
+    env = {**os.environ, "QLORA_BIN": os.path.abspath(a.qlora), "QLORA_FAULTS_BIN": os.path.abspath(a.qlora_faults)}
+    r = subprocess.run(["bash", SCRIPT, *args, out], env=env, capture_output=True, text=True, timeout=3600)
+    print(r.stdout[-2000:], r.stderr[-2000:])
+    last = re.findall(r"pre-training step (\d+)/(\d+) ", r.stdout)
+    stopped = last[-1] if last else (None, None)
+    anew = stopped[0] == (args[1] if args else stopped[1])
+    return r.returncode == 0 and anew and all(os.path.exists(os.path.join(out, f)) for f in FILES)
+
+
+def same_bytes(a, b):
+    with open(a, "rb") as x, open(b, "rb") as y:
+        return x.read() == y.read()
+
+
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--qlora", required=True, help="the qlora binary make_tiny_base.sh runs")
-    ap.add_argument("--workdir", required=True)
-    ap.add_argument("--shipped-only", action="store_true", help="score the shipped base only (to pin SHIPPED)")
-    a = ap.parse_args()
+    a = recipe_args(("--shipped-only", {"action": "store_true", "help": "score the shipped base only (to pin SHIPPED)"}),
+                    ("--whole", {"action": "store_true", "help": "pre-train the whole base (~5 minutes) even where "
+                                                                 "tiny_base_prefixes.txt has this CPU's line"}))
     check = Checks()
-    shipped = os.path.join(ROOT, "src", "qlora", "train", f"tiny_base_v{base_version()}")
+    version = f"v{base_version()}"
+    shipped = os.path.join(ROOT, "src", "qlora", "train", f"tiny_base_{version}")
     ours = heldout_scores(shipped)
     print(f"shipped base {shipped}: held-out {ours}")
     for task, (right, total) in SHIPPED.items():
@@ -107,42 +158,65 @@ def main():
               f"{task!r}: the shipped base gets {got[0]}/{got[1]} held-out answers right (pinned {right}/{total})")
     if a.shipped_only:
         return check.summary()
-
-    # 1. the script, as a maintainer runs it, with this build's qlora
-    shutil.rmtree(a.workdir, ignore_errors=True)
-    os.makedirs(a.workdir)
-    fresh = os.path.join(a.workdir, "tiny_base")
-    env = {**os.environ, "QLORA_BIN": os.path.abspath(a.qlora)}
-    r = subprocess.run(["bash", os.path.join(ROOT, "scripts", "make_tiny_base.sh"), fresh], env=env,
-                       capture_output=True, text=True, timeout=3600)
-    print(r.stdout[-2000:], r.stderr[-2000:])
-    if not check(r.returncode == 0 and all(os.path.exists(os.path.join(fresh, f)) for f in FILES),
-                 "scripts/make_tiny_base.sh exits 0 and writes config.json, model.safetensors, tokenizer.model"):
-        return check.summary()
-    check(re.search(r"pre-training step (\d+)/\1 ", r.stdout), "the script pre-trained anew (not a copy of a cached or the shipped base)")
-    same = {}
-    for f in FILES:
-        with open(os.path.join(fresh, f), "rb") as x, open(os.path.join(shipped, f), "rb") as y:
-            same[f] = x.read() == y.read()
-    check(same["config.json"] and same["tokenizer.model"], "config.json and tokenizer.model equal the shipped ones")
-
-    # 2 + 3. bit for bit where the CPU is the maker's kind, else by held-out accuracy
     with open(os.path.join(shipped, "made_on")) as f:
         maker = f.read().strip()
     here = cpu_key()
     print(f"shipped base made on {maker!r}; this CPU {here!r}")
-    if here == maker or same["model.safetensors"]:
-        check(same["model.safetensors"], "model.safetensors equals the shipped one bit for bit (the same kind of CPU: "
-              "if not, the pre-training changed since the shipped base was made: run scripts/make_tiny_base.sh)")
+    stale = "if not, the pre-training changed since the shipped base was made: run scripts/make_tiny_base.sh"
+
+    def small_files_same(fresh):
+        check(all(same_bytes(os.path.join(fresh, f), os.path.join(shipped, f)) for f in ("config.json", "tokenizer.model")),
+              "config.json and tokenizer.model equal the shipped ones")
+
+    # 1-3 from the first steps, where this kind of CPU has a line
+    line = read_prefixes().get((version, here))
+    if line and not a.whole:
+        fresh = os.path.join(a.workdir, "prefix")
+        if not check(make(a, fresh, "--prefix", str(line["steps"])),
+                     f"scripts/make_tiny_base.sh --prefix {line['steps']} exits 0, pre-trains anew up to step "
+                     f"{line['steps']} and writes config.json, model.safetensors, tokenizer.model"):
+            return check.summary()
+        small_files_same(fresh)
+        if sha256(os.path.join(fresh, "model.safetensors")) == line["prefix"]:
+            print(f"the first {line['steps']} steps are those of tiny_base_prefixes.txt's line for {version} on {here!r}")
+            if here == maker:
+                check(line["whole"] == sha256(os.path.join(shipped, "model.safetensors")),
+                      f"model.safetensors equals the shipped one bit for bit (the same kind of CPU, whose first "
+                      f"{line['steps']} steps here are the recorded ones: {stale})")
+            for task, (right, total) in line["heldout"].items():
+                check(right >= MIN_ACCURACY * total,
+                      f"{task!r}: the whole base pre-trained on this kind of CPU gets {right}/{total} held-out answers "
+                      f"right (>= {MIN_ACCURACY:.0%}; recorded, its first {line['steps']} steps equal this CPU's)")
+            return check.summary()
+        print(f"the first {line['steps']} steps differ from those recorded for {version} on {here!r} (the pre-training, "
+              "or this CPU's kernels, changed since): pre-training the whole base")
+
+    # 1-3: the whole pre-training
+    fresh = os.path.join(a.workdir, "tiny_base")
+    if not check(make(a, fresh), "scripts/make_tiny_base.sh exits 0, pre-trains anew (not a copy of a cached or the "
+                                 "shipped base) and writes config.json, model.safetensors, tokenizer.model"):
         return check.summary()
-    print("another kind of CPU than the maker's: the bits differ; comparing held-out accuracy")
-    theirs = heldout_scores(fresh)
-    print(f"fresh base: held-out {theirs}")
-    for task, (right, total) in SHIPPED.items():
-        got = theirs.get(task, (0, 0))
-        check(got[1] == total and got[0] >= MIN_ACCURACY * total,
-              f"{task!r}: the fresh base gets {got[0]}/{got[1]} held-out answers right (>= {MIN_ACCURACY:.0%}; "
-              f"shipped {ours[task][0]}/{total})")
+    small_files_same(fresh)
+    same = same_bytes(os.path.join(fresh, "model.safetensors"), os.path.join(shipped, "model.safetensors"))
+    if here == maker or same:
+        check(same, f"model.safetensors equals the shipped one bit for bit (the same kind of CPU: {stale})")
+        theirs = ours
+    else:
+        print("another kind of CPU than the maker's: the bits differ; comparing held-out accuracy")
+        theirs = heldout_scores(fresh)
+        print(f"fresh base: held-out {theirs}")
+        for task, (right, total) in SHIPPED.items():
+            got = theirs.get(task, (0, 0))
+            check(got[1] == total and got[0] >= MIN_ACCURACY * total,
+                  f"{task!r}: the fresh base gets {got[0]}/{got[1]} held-out answers right (>= {MIN_ACCURACY:.0%}; "
+                  f"shipped {ours[task][0]}/{total})")
+    if check.failed == 0:
+        prefix = os.path.join(a.workdir, "prefix")
+        if make(a, prefix, "--prefix", str(PREFIX_STEPS)):
+            counts = " ".join(f"{theirs[t][0]}/{theirs[t][1]}" for t in SHIPPED)
+            print(f"this kind of CPU's line for {os.path.relpath(PREFIXES, ROOT)}:\n{version} {here} {PREFIX_STEPS} "
+                  f"{sha256(os.path.join(prefix, 'model.safetensors'))} {sha256(os.path.join(fresh, 'model.safetensors'))} "
+                  f"{counts}")
     return check.summary()
 
 

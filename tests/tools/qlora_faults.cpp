@@ -11,6 +11,8 @@
 //   QLORA_FAULT_PLAN="nan_at_step=3,nan_steps=2,rank=1"  rank 1's loss is NaN at steps 3 and 4
 //                                                        (nan_steps defaults to 1)
 //   QLORA_FAULT_PLAN="gguf_fails_at_epoch=0"             writing epoch 0's GGUF files fails
+//   QLORA_FAULT_PLAN="stop_pretraining_after=200"        the tiny base's pre-training (QLORA_NO_SHIPPED_BASE)
+//                                                        stops after its step 200 (make_tiny_base.sh --prefix)
 #include <chrono>
 #include <csignal>
 #include <cstdint>
@@ -38,7 +40,7 @@ std::map<std::string, int64_t> parse_plan(const std::string& text) {
     if (eq == std::string::npos) throw std::invalid_argument("QLORA_FAULT_PLAN: '" + item + "' is not key=value");
     const std::string key = item.substr(0, eq);
     if (key != "kill_after_step" && key != "kill_in_save_at_step" && key != "hang_at_step" && key != "rank" &&
-        key != "nan_at_step" && key != "nan_steps" && key != "gguf_fails_at_epoch")
+        key != "nan_at_step" && key != "nan_steps" && key != "gguf_fails_at_epoch" && key != "stop_pretraining_after")
       throw std::invalid_argument("QLORA_FAULT_PLAN: unknown key '" + key + "'");
     kv[key] = std::stoll(item.substr(eq + 1));
   }
@@ -48,7 +50,8 @@ std::map<std::string, int64_t> parse_plan(const std::string& text) {
 qlora::train::FaultPlan make_plan(const std::map<std::string, int64_t>& kv) {
   const auto get = [&](const char* k) { return kv.count(k) ? kv.at(k) : int64_t{-1}; };
   const int64_t rank = get("rank"), kill_after = get("kill_after_step"), in_save = get("kill_in_save_at_step"),
-                hang = get("hang_at_step"), gguf_epoch = get("gguf_fails_at_epoch"), nan_at = get("nan_at_step"), nan_steps = kv.count("nan_steps") ? kv.at("nan_steps") : 1;
+                hang = get("hang_at_step"), gguf_epoch = get("gguf_fails_at_epoch"),
+                stop_pretraining = get("stop_pretraining_after"), nan_at = get("nan_at_step"), nan_steps = kv.count("nan_steps") ? kv.at("nan_steps") : 1;
   const auto mine = [rank](int r) { return rank < 0 || r == rank; };
   qlora::train::FaultPlan plan;
   if (kill_after >= 0)
@@ -68,6 +71,8 @@ qlora::train::FaultPlan make_plan(const std::map<std::string, int64_t>& kv) {
       if (name.rfind("epoch_" + std::to_string(gguf_epoch) + "/", 0) == 0)
         throw std::runtime_error("cannot write " + name + ": No space left on device (injected by QLORA_FAULT_PLAN)");
     };
+  if (stop_pretraining >= 0)
+    plan.stop_pretraining = [=](int64_t step) { return step == stop_pretraining; };
   if (nan_at >= 0)
     plan.poison_loss = [=](int r, int64_t step) { return mine(r) && step >= nan_at && step < nan_at + nan_steps; };
   return plan;

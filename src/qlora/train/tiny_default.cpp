@@ -25,6 +25,7 @@
 #include "qlora/models/decoder.h"
 #include "qlora/optim/adamw.h"
 #include "qlora/optim/schedule.h"
+#include "qlora/train/faults.h"
 
 namespace qlora::train {
 namespace fs = std::filesystem;
@@ -188,12 +189,14 @@ void pretrain(const models::DecoderModel& m, const data::Tokenizer& tok) {
     adamw.set_lr(kLr * optim::cosine_with_warmup_factor(step, kWarmup, kSteps));
     adamw.step();
     adamw.zero_grad();
-    if ((step + 1) % 500 == 0) {
+    const bool stop = fault_plan().stop_pretraining && fault_plan().stop_pretraining(step + 1);  // tests only
+    if ((step + 1) % 500 == 0 || stop) {
       const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       std::printf("  pre-training step %lld/%lld loss %.3f (%.0f s)\n", (long long)step + 1, (long long)kSteps,
                   loss.item<double>(), s);
       std::fflush(stdout);
     }
+    if (stop) break;
   }
   for (at::Tensor& p : params) p.requires_grad_(false);
   at::set_num_threads(threads);
