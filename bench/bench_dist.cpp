@@ -45,7 +45,7 @@
 #include "qlora/io/cpu_memory.h"
 #include "qlora/checkpoint/export.h"
 #include "qlora/optim/adamw.h"
-#include "qlora/train/metrics.h"
+#include "qlora/report/metrics.h"
 
 using nlohmann::json;
 namespace fs = std::filesystem;

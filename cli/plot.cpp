@@ -1,5 +1,5 @@
 // `qlora plot`: the training curves of one or several runs as one SVG picture (see
-// train/plot.h), from each run's metrics.jsonl.
+// report/plot.h), from each run's metrics.jsonl.
 //
 //   qlora plot OUT_DIR [OUT_DIR ...] [-o FILE]
 //
@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "qlora/io/durable_file.h"
-#include "qlora/train/plot.h"
+#include "qlora/report/plot.h"
 #include "cli/cli.h"
 
 namespace qlora::cli {
@@ -38,17 +38,17 @@ std::pair<std::string, std::string> locate_metrics(const std::string& arg) {
 }
 
 int plot(const std::vector<std::string>& dirs, std::string out) {
-  std::vector<train::RunCurves> runs;
+  std::vector<report::RunCurves> runs;
   for (const auto& d : dirs) {
     auto [path, name] = locate_metrics(d);
     for (const auto& r : runs)
       if (r.name == name) name = d;  // two runs of the same name: tell them apart by their paths
-    runs.push_back(train::read_run_curves(path, name));
+    runs.push_back(report::read_run_curves(path, name));
   }
   if (out.empty())
     out = dirs.size() == 1 ? (std::filesystem::path(locate_metrics(dirs[0]).first).parent_path() / "plot.svg").string()
                            : "plot.svg";
-  io::write_file_atomic(out, train::render_curves_svg(runs));
+  io::write_file_atomic(out, report::render_curves_svg(runs));
   size_t steps = 0;
   for (const auto& r : runs) steps = std::max(steps, r.loss.size());
   std::printf("wrote %s (%zu run%s, up to %zu steps)\n", out.c_str(), runs.size(), runs.size() == 1 ? "" : "s", steps);

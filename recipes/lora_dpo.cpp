@@ -188,7 +188,7 @@ at::Tensor precompute_reference(const Model& m, engine::World& world, const std:
 }
 
 // The validation pairs' mean loss and metrics now (collective).
-train::ValidationMetrics validate(const RecipeConfig& cfg, engine::World& world, Model& m, const Pairs& d,
+report::ValidationMetrics validate(const RecipeConfig& cfg, engine::World& world, Model& m, const Pairs& d,
                                   int64_t pad_id, const Position& p, c10::Device device) {
   std::vector<double> sums(std::size(kMetricNames) + 2, 0.0);  // the metrics, the loss, the scored tokens
   // No dropout and no random numbers: training continues exactly as without this pass.
@@ -208,7 +208,7 @@ train::ValidationMetrics validate(const RecipeConfig& cfg, engine::World& world,
   m.decoder.training = training;
   sums = train::all_ranks_sum(world, sums, device);
   const double pairs = static_cast<double>(d.validation.size());
-  train::ValidationMetrics v{p.global_step, p.epoch, sums[std::size(kMetricNames)] / pairs, -1.0,
+  report::ValidationMetrics v{p.global_step, p.epoch, sums[std::size(kMetricNames)] / pairs, -1.0,
                              static_cast<int64_t>(sums.back())};
   v.extra = metrics_json(sums, pairs);
   return v;

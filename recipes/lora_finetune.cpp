@@ -19,7 +19,7 @@
 #include "qlora/data/batching.h"
 #include "qlora/data/split.h"
 #include "qlora/data/stats.h"
-#include "qlora/train/demo.h"
+#include "demo.h"
 #include "qlora/train/evaluate.h"
 #include "qlora/train/faults.h"
 #include "qlora/train/tiny_default.h"
@@ -115,7 +115,7 @@ StepResult train_step(const RecipeConfig& cfg, engine::World& world, Model& m, D
 }
 
 // Validation loss now (every rank evaluates its share).
-train::ValidationMetrics validate(const RecipeConfig& cfg, engine::World& world, Model& m, const Data& d,
+report::ValidationMetrics validate(const RecipeConfig& cfg, engine::World& world, Model& m, const Data& d,
                                   const Position& p, c10::Device device) {
   const train::Evaluation e =
       train::evaluate(m.decoder, world, d.validation, cfg.training.batch_size, d.text->tokenizer.pad_id(), device);
@@ -152,7 +152,7 @@ int run_finetune(Session& s) {
   // The embedded default shows what it learned: greedy answers of the last export to held-out prompts.
   if (lead && cfg.model.checkpoint_dir.empty() && cfg.data.path.empty() && !cfg.checkpoint.adapter_only && cfg.data.template_) {
     const std::string last = out_dir + "/epoch_" + std::to_string(cfg.training.epochs - 1);
-    train::print_heldout(train::score_heldout(last, train::bundled_val_path(), *cfg.data.template_), train::bundled_val_path(), last);
+    print_heldout(score_heldout(last, train::bundled_val_path(), *cfg.data.template_), train::bundled_val_path(), last);
   }
   return 0;
 }

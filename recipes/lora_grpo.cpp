@@ -263,7 +263,7 @@ struct Grpo {
   std::optional<Rollout> rollout;
 
   StepResult step(int64_t step);
-  train::ValidationMetrics validate(const Position& p);
+  report::ValidationMetrics validate(const Position& p);
   std::vector<std::pair<std::string, at::Tensor>> save_state() const;
   void load_state(const checkpoint::ResumeCheckpoint& ck, bool remesh, const std::string& where);
 };
@@ -316,7 +316,7 @@ StepResult Grpo::step(int64_t step) {
 }
 
 // The greedy completion's mean reward on the validation prompts, each rank its share (collective).
-train::ValidationMetrics Grpo::validate(const Position& p) {
+report::ValidationMetrics Grpo::validate(const Position& p) {
   const int64_t ranks = s.world.size(), n = static_cast<int64_t>(d.validation.size());
   std::vector<const data::PromptRecord*> mine;
   for (int64_t i = s.world.rank(); i < n; i += ranks) mine.push_back(&d.validation[static_cast<size_t>(i)]);
@@ -339,7 +339,7 @@ train::ValidationMetrics Grpo::validate(const Position& p) {
   }
   sums = train::all_ranks_sum(s.world, sums, s.device);
   const double prompts = std::max(sums[R + 2], 1.0);
-  train::ValidationMetrics v{p.global_step, p.epoch, std::numeric_limits<double>::quiet_NaN(), -1.0,
+  report::ValidationMetrics v{p.global_step, p.epoch, std::numeric_limits<double>::quiet_NaN(), -1.0,
                              static_cast<int64_t>(sums[R + 1])};
   v.extra["reward"] = sums[0] / prompts;
   const std::vector<std::string> names = rewards.names();

@@ -484,15 +484,15 @@ void save_checkpoint(const Session& ses, const Model& m, const Optimizer& o, con
   checkpoint::save_resume_checkpoint(cfg.checkpoint.output_dir, p.global_step, s, cfg.checkpoint.keep_last_n, sync);
 }
 
-void log_validation(const train::ValidationMetrics& v, train::MetricsLog* metrics, train::Progress& progress) {
+void log_validation(const report::ValidationMetrics& v, report::MetricsLog* metrics, report::Progress& progress) {
   if (!metrics) return;  // not rank 0
   metrics->append(v);
   progress.validation(v);
 }
 
-void log_step(train::MetricsLog& metrics, train::Progress& progress, const RecipeConfig& cfg, const StepResult& r,
+void log_step(report::MetricsLog& metrics, report::Progress& progress, const RecipeConfig& cfg, const StepResult& r,
               const Position& p, double lr, double secs, c10::Device device, bool skipped) {
-  train::StepMetrics sm;
+  report::StepMetrics sm;
   sm.skipped = skipped;
   sm.step = p.global_step;
   sm.epoch = p.epoch;
@@ -529,9 +529,9 @@ Position train(const Session& s, Model& m, const TextSetup& text, RecipeParts& p
   const Position start = latest ? resume(cfg, *latest, s.device, world, m, o, parts, inputs) : Position{};
   latest.reset();  // its tensors are in the engine and optimizer now
 
-  std::optional<train::MetricsLog> metrics;
+  std::optional<report::MetricsLog> metrics;
   if (lead) metrics.emplace(out_dir, start.global_step, cfg.logging.tensorboard);
-  train::Progress progress(cfg.logging.progress);
+  report::Progress progress(cfg.logging.progress);
   // base_model_name_or_path: the base's Hub name (base_model_name), else its absolute path (PEFT would resolve a
   // relative one against the loader's working directory). qlora.json: how `qlora generate` renders prompts.
   const std::string base_name = base_model_name(cfg);
@@ -552,7 +552,7 @@ Position train(const Session& s, Model& m, const TextSetup& text, RecipeParts& p
     std::printf("%s\n", models::skipped_weights_note(m.decoder.skipped_weights).c_str());
 
   const train::FaultPlan& faults = train::fault_plan();  // empty unless a test installed one
-  train::MetricsLog* lead_metrics = lead ? &*metrics : nullptr;
+  report::MetricsLog* lead_metrics = lead ? &*metrics : nullptr;
   int64_t consecutive_skips = 0;
   Position p = start;
   for (; p.epoch < cfg.training.epochs; ++p.epoch, p.step_in_epoch = 0) {

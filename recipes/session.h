@@ -28,7 +28,7 @@
 #include "qlora/engine/sharded_model.h"
 #include "qlora/models/decoder.h"
 #include "qlora/optim/adamw.h"
-#include "qlora/train/metrics.h"
+#include "qlora/report/metrics.h"
 #include "qlora/train/output_dir.h"
 #include "recipes/recipe_config.h"
 
@@ -111,7 +111,7 @@ struct RecipeParts {
   std::function<StepResult(int64_t step)> step;
   // Validation now (collective: every rank computes, rank 0 logs what it returns). Empty: the run
   // has no validation data.
-  std::function<train::ValidationMetrics(const Position&)> validate;
+  std::function<report::ValidationMetrics(const Position&)> validate;
   // Optimizer steps each of the sampler's global batches feeds (GRPO's num_iterations: its rollouts
   // are used for that many updates); an epoch is batches_per_epoch / grad_accum times this.
   int64_t steps_per_batch = 1;

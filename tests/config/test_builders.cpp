@@ -197,7 +197,7 @@ TEST(Builders, EnumKeysAreSpelledByTheComponentsTables) {
                     [](const RecipeConfig& c) { return c.optim.schedule; });
   expect_spelled_by("checkpoint.merge_from", checkpoint::kMergeSourceNames,
                     [](const RecipeConfig& c) { return c.checkpoint.merge_from; });
-  expect_spelled_by("logging.progress", train::kProgressModeNames,
+  expect_spelled_by("logging.progress", report::kProgressModeNames,
                     [](const RecipeConfig& c) { return c.logging.progress; });
   expect_spelled_by("training.on_nonfinite", train::kNonFinitePolicyNames,
                     [](const RecipeConfig& c) { return c.training.on_nonfinite; });

@@ -103,7 +103,7 @@ progress = "plain"
   EXPECT_EQ(c.optim.betas[1], 0.95);
   EXPECT_EQ(c.optim.schedule, optim::ScheduleKind::Constant);
   EXPECT_EQ(c.checkpoint.merge_from, checkpoint::MergeSource::Original);
-  EXPECT_EQ(c.logging.progress, train::ProgressMode::Plain);
+  EXPECT_EQ(c.logging.progress, report::ProgressMode::Plain);
   EXPECT_EQ(c.training.seed, 42);  // untouched section keeps defaults
 }
 
@@ -450,7 +450,7 @@ TEST(Config, EmbeddedDefaultHashIsPinned) {
 TEST(Config, ExactnessBreakingDifferences) {
   const RecipeConfig a;
   RecipeConfig b = a;
-  b.logging.progress = train::ProgressMode::Bar;
+  b.logging.progress = report::ProgressMode::Bar;
   b.checkpoint.keep_last_n = 5;
   b.checkpoint.save_every_steps = 100;
   b.checkpoint.resume = true;

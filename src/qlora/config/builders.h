@@ -2,7 +2,7 @@
 // section's keys into one component's options struct, field for field, so a key reaches its
 // component in exactly one place and the recipe holds no conversions. Enum keys already hold the
 // components' enums (config.h), so they are copied like any other field; a key that is a whole
-// argument already (logging.progress: train::ProgressMode, checkpoint.merge_from:
+// argument already (logging.progress: report::ProgressMode, checkpoint.merge_from:
 // checkpoint::MergeSource) needs no builder.
 #pragma once
 

@@ -44,7 +44,7 @@ constexpr const auto& names_of(data::DatasetKind) { return data::kDatasetKindNam
 constexpr const auto& names_of(data::TemplateKind) { return data::kTemplateKindNames; }
 constexpr const auto& names_of(optim::ScheduleKind) { return optim::kScheduleKindNames; }
 constexpr const auto& names_of(checkpoint::MergeSource) { return checkpoint::kMergeSourceNames; }
-constexpr const auto& names_of(train::ProgressMode) { return train::kProgressModeNames; }
+constexpr const auto& names_of(report::ProgressMode) { return report::kProgressModeNames; }
 constexpr const auto& names_of(train::NonFinitePolicy) { return train::kNonFinitePolicyNames; }
 constexpr const auto& names_of(train::PreferenceLoss) { return train::kPreferenceLossNames; }
 constexpr const auto& names_of(train::UntrainedTokensPolicy) { return train::kUntrainedTokensPolicyNames; }

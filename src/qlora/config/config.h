@@ -21,7 +21,7 @@
 #include "qlora/checkpoint/export.h"
 #include "qlora/data/dataset.h"
 #include "qlora/optim/schedule.h"
-#include "qlora/train/metrics.h"
+#include "qlora/report/metrics.h"
 #include "qlora/train/nonfinite.h"
 #include "qlora/train/grpo_loss.h"
 #include "qlora/train/preference_loss.h"
@@ -153,7 +153,7 @@ struct CheckpointConfig {
 
 struct LoggingConfig {
   int64_t log_every_steps = 1;
-  train::ProgressMode progress = train::ProgressMode::Auto;
+  report::ProgressMode progress = report::ProgressMode::Auto;
   // TensorBoard event files in OUTPUT_DIR/tb from rank 0: every number metrics.jsonl logs.
   bool tensorboard = false;
 };

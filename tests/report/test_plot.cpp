@@ -6,9 +6,9 @@
 #include <stdexcept>
 #include <string>
 
-#include "qlora/train/plot.h"
+#include "qlora/report/plot.h"
 
-namespace qlora::train {
+namespace qlora::report {
 namespace {
 
 std::string write_temp(const std::string& name, const std::string& contents) {
@@ -128,4 +128,4 @@ TEST(PlotSvg, RewardAndCompletionLengthOfGrpo) {
 }
 
 }  // namespace
-}  // namespace qlora::train
+}  // namespace qlora::report

@@ -1,4 +1,4 @@
-#include "qlora/train/demo.h"
+#include "demo.h"
 
 #include <nlohmann/json.hpp>
 
@@ -11,7 +11,7 @@
 #include "qlora/models/generate.h"
 #include "qlora/models/decoder.h"
 
-namespace qlora::train {
+namespace qlora::recipes {
 
 namespace {
 
@@ -86,4 +86,4 @@ void print_heldout(const HeldoutResult& result, const std::string& val_path, con
   std::fflush(stdout);
 }
 
-}  // namespace qlora::train
+}  // namespace qlora::recipes

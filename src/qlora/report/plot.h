@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-namespace qlora::train {
+namespace qlora::report {
 
 struct CurvePoint {
   double step = 0;
@@ -55,4 +55,4 @@ std::string tick_label(double value, const PlotAxis& axis);
 // The whole picture. The loss panel is logarithmic when the losses span a factor of 10 or more.
 std::string render_curves_svg(const std::vector<RunCurves>& runs);
 
-}  // namespace qlora::train
+}  // namespace qlora::report

@@ -16,7 +16,7 @@
 #include <cstdio>
 #include <string>
 
-namespace qlora::train {
+namespace qlora::report {
 
 // CRC-32C (Castagnoli), as TFRecord frames use it (before masking).
 uint32_t crc32c(const void* data, size_t n);
@@ -43,4 +43,4 @@ class TensorBoardLog {
   std::FILE* file_ = nullptr;
 };
 
-}  // namespace qlora::train
+}  // namespace qlora::report

@@ -1,4 +1,4 @@
-#include "qlora/train/plot.h"
+#include "qlora/report/plot.h"
 
 #include <nlohmann/json.hpp>
 
@@ -11,7 +11,7 @@
 
 #include "qlora/io/read_file.h"
 
-namespace qlora::train {
+namespace qlora::report {
 namespace {
 
 using nlohmann::json;
@@ -377,4 +377,4 @@ std::string render_curves_svg(const std::vector<RunCurves>& runs) {
          body + "</svg>\n";
 }
 
-}  // namespace qlora::train
+}  // namespace qlora::report

@@ -5,9 +5,9 @@
 
 #include <string>
 
-#include "qlora/train/tensorboard.h"
+#include "qlora/report/tensorboard.h"
 
-using qlora::train::crc32c;
+using qlora::report::crc32c;
 
 TEST(TensorBoard, Crc32cMatchesPublishedCheckValues) {
   const std::string digits = "123456789";

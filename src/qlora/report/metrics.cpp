@@ -1,4 +1,4 @@
-#include "qlora/train/metrics.h"
+#include "qlora/report/metrics.h"
 
 #include <sys/stat.h>
 #include <unistd.h>
@@ -10,7 +10,7 @@
 
 #include "qlora/io/durable_file.h"
 
-namespace qlora::train {
+namespace qlora::report {
 
 nlohmann::json StepMetrics::to_json() const {
   nlohmann::json j = {{"step", step},
@@ -217,4 +217,4 @@ void Progress::end_epoch() {
   write_line(text + ", " + format_duration(elapsed));
 }
 
-}  // namespace qlora::train
+}  // namespace qlora::report

@@ -8,7 +8,7 @@
 
 #include "qlora/data/templates.h"
 
-namespace qlora::train {
+namespace qlora::recipes {
 
 struct HeldoutExample {
   std::string input, prompt, answer, expected;
@@ -37,4 +37,4 @@ HeldoutResult score_heldout(const std::string& export_dir, const std::string& va
 // record's whole prompt and answer.
 void print_heldout(const HeldoutResult& result, const std::string& val_path, const std::string& export_dir);
 
-}  // namespace qlora::train
+}  // namespace qlora::recipes

@@ -1,4 +1,4 @@
-#include "qlora/train/tensorboard.h"
+#include "qlora/report/tensorboard.h"
 
 #include <unistd.h>
 
@@ -14,7 +14,7 @@
 #include "qlora/io/read_file.h"
 #include "qlora/io/durable_file.h"
 
-namespace qlora::train {
+namespace qlora::report {
 namespace fs = std::filesystem;
 namespace {
 
@@ -180,4 +180,4 @@ void TensorBoardLog::add_row(const nlohmann::json& row) {
   write_event(e);
 }
 
-}  // namespace qlora::train
+}  // namespace qlora::report

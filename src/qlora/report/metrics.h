@@ -12,9 +12,9 @@
 #include <string>
 
 #include "qlora/io/enum_names.h"
-#include "qlora/train/tensorboard.h"
+#include "qlora/report/tensorboard.h"
 
-namespace qlora::train {
+namespace qlora::report {
 
 struct StepMetrics {
   int64_t step = 0;   // global optimizer step, 1-based
@@ -105,4 +105,4 @@ class Progress {
 std::string format_bytes(int64_t bytes);    // "1.2 GiB"
 std::string format_duration(double seconds);  // "1:02:03" or "2:03"
 
-}  // namespace qlora::train
+}  // namespace qlora::report

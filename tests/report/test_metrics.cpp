@@ -8,9 +8,9 @@
 #include <string>
 #include <vector>
 
-#include "qlora/train/metrics.h"
+#include "qlora/report/metrics.h"
 
-namespace qlora::train {
+namespace qlora::report {
 namespace {
 
 std::vector<nlohmann::json> read_lines(const std::string& path) {
@@ -139,4 +139,4 @@ TEST(Progress, Formats) {
 }
 
 }  // namespace
-}  // namespace qlora::train
+}  // namespace qlora::report
