@@ -1,0 +1,71 @@
+// A Mixture-of-Experts feed-forward's routed experts: E gated MLPs (SwiGLU), each token sent to k of
+// them and their outputs summed with the router's weights. The frozen experts stay NF4 (or dense),
+// each expert's matrix its own 2-D weight; an adapter (LoRA) per expert and projection is trainable.
+//
+// One autograd node runs all experts (grouped_experts): the tokens are grouped by expert, and only
+// experts that received tokens are touched, each one's weights dequantized just in time (one expert's
+// at a time, never a copy of all of them) for its products, then dropped, forward and backward. It
+// saves the input, the routing and each slot's gate/up activations; backward gives the input's
+// gradient, the routing weights' (so a router that is frozen still passes gradient to the residual
+// stream through its softmax) and the adapters'.
+//
+// The router (which experts, which weights) is the family's (modules/moe.h); this file takes its
+// choice as given.
+#pragma once
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "quant/nf4_tensor.h"
+
+namespace qlora::modules {
+
+// The routed experts of one layer. Expert e's gate and up projections are one weight gate_up[e]
+// [2 * inter, hidden] (gate's rows, then up's), as transformers 5 holds them fused; down[e] is
+// [hidden, inter]. Exactly one of the two bases is set, for all experts alike; both frozen.
+struct Experts {
+  std::vector<Nf4Tensor> gate_up_nf4, down_nf4;
+  std::vector<at::Tensor> gate_up_dense, down_dense;  // compute dtype
+  int64_t num_experts = 0, hidden = 0, inter = 0;
+
+  // Adapters, one per expert and projection, stacked along the first dim; undefined without them.
+  // fp32, requires_grad. Expert e's update of gate_up is (x @ A[e]^T @ B[e]^T) * scale.
+  at::Tensor gate_up_a;  // [E, r, hidden]
+  at::Tensor gate_up_b;  // [E, 2 * inter, r]
+  at::Tensor down_a;     // [E, r, inter]
+  at::Tensor down_b;     // [E, hidden, r]
+  int64_t r = 0;
+  double scale = 0.0;  // alpha / r, or alpha / sqrt(r) with rsLoRA
+
+  bool nf4() const { return !gate_up_nf4.empty(); }
+  bool has_lora() const { return r > 0; }
+  // The trainable tensors (the four adapters), empty without them.
+  std::vector<at::Tensor> trainable() const;
+};
+
+// Experts from per-expert weights (all NF4 or all dense, of the shapes above).
+Experts experts_nf4(std::vector<Nf4Tensor> gate_up, std::vector<Nf4Tensor> down);
+Experts experts_dense(std::vector<at::Tensor> gate_up, std::vector<at::Tensor> down);
+
+// Adds adapters as peft initialises LoRA on a parameter: each expert's A ~ U(-1/sqrt(in), 1/sqrt(in))
+// (kaiming_uniform, a=sqrt(5)) drawn from `gen` expert by expert (gate_up's, then down's), B = 0;
+// created in fp32 on `device`, requiring grad. `scale` as lora_scale gives it.
+void experts_add_adapters(Experts& experts, int64_t r, double scale, at::Generator gen, at::Device device);
+
+// y[t] = sum_j weights[t, j] * expert_{index[t, j]}(x[t]), with expert(x) = down(silu(gate(x)) * up(x)),
+// gate and up the halves of gate_up(x), each projection plus its adapter when the experts have them.
+// x: [T, hidden] in the compute dtype; index: [T, k] int64 in [0, E); weights: [T, k] (the compute
+// dtype or fp32: the family's), differentiable. Returns [T, hidden] in x's dtype, as transformers'
+// grouped_mm path computes it: each slot's expert output (x's dtype) times its weight in the promoted
+// dtype (rounded there), the k slots of a token summed with fp32 accumulation, rounded once to x's
+// dtype.
+at::Tensor grouped_experts(const Experts& experts, const at::Tensor& x, const at::Tensor& index,
+                           const at::Tensor& weights);
+
+// Expert e's merged weights W + scale * B[e] @ A[e], fp32 (for exports); base: the expert's weight
+// dequantized to fp32. Requires adapters.
+at::Tensor experts_merged_gate_up(const Experts& experts, int64_t e, const at::Tensor& base);
+at::Tensor experts_merged_down(const Experts& experts, int64_t e, const at::Tensor& base);
+
+}  // namespace qlora::modules
