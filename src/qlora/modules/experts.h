@@ -12,6 +12,7 @@
 // The router (which experts, which weights) is the family's (modules/moe.h); this file takes its
 // choice as given.
 #pragma once
+#include <ATen/core/Generator.h>
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
@@ -59,7 +60,8 @@ void experts_add_adapters(Experts& experts, int64_t r, double scale, at::Generat
 // dtype or fp32: the family's), differentiable. Returns [T, hidden] in x's dtype, as transformers'
 // grouped_mm path computes it: each slot's expert output (x's dtype) times its weight in the promoted
 // dtype (rounded there), the k slots of a token summed with fp32 accumulation, rounded once to x's
-// dtype.
+// dtype. Under an AdaptersDisabled (lora_linear.h) the experts compute their bases alone, as
+// LoraLinear does (the reference policy of preference tuning).
 at::Tensor grouped_experts(const Experts& experts, const at::Tensor& x, const at::Tensor& index,
                            const at::Tensor& weights);
 

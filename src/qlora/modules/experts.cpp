@@ -1,0 +1,403 @@
+// The routed experts of a Mixture-of-Experts layer (experts.h), as one autograd node.
+//
+// Design. The T*k (token, slot) pairs are sorted by expert (a stable sort, so each expert's rows
+// come in token order and every run sums the same way), and each expert that received rows runs
+// as a plain gated MLP on its gathered rows: its gate_up product into its slice of one [S, 2*inter]
+// buffer (S = T*k, grouped order), SwiGLU, its down product into its slice of [S, hidden]. Each
+// product is one member of lora_linear.cpp's group node: the frozen weight (NF4 dequantized just in
+// time to x's dtype by nf4_linear's chunks, or the dense one) through BLAS, the adapter's update in
+// x's dtype through the narrow kernels (ops/narrow_ops.h). The routing weights and the sum over
+// the k slots follow transformers' grouped_mm_experts_forward to the rounding. Backward walks the
+// experts again: the down product's gradient is formed from the unweighted output gradient, so the
+// routing weight's gradient <g_t, y_tj> is the dot of it with the activations (no extra GEMM, no
+// saved y), and only then are the rows scaled by their weights. Experts without rows are skipped
+// (never dequantized), so the cost follows the tokens, not E. A later fused CPU kernel (kernels/)
+// would replace, per expert, "dequantize W to memory, then BLAS" by a GEMM that decodes NF4 tiles
+// into registers/L1 as it goes (as decode_matmul_cpu does for a few rows), so no dequantized copy
+// of W is ever written: the per-expert products here (expert_project, expert_project_backward)
+// are the place it plugs in; the grouping, the saved state and the combine would stay as they are.
+#include "qlora/modules/experts.h"
+
+#include <ATen/ops/bincount.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/div.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
+#include <ATen/ops/sort.h>
+#include <ATen/ops/stack.h>
+#include <ATen/ops/zeros.h>
+#include <ATen/ops/zeros_like.h>
+#include <ATen/core/grad_mode.h>
+#include <ATen/record_function.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "qlora/modules/lora_linear.h"
+#include "qlora/modules/nf4_linear.h"
+#include "qlora/ops/decode_matmul_ops.h"
+#include "qlora/ops/narrow_ops.h"
+#include "qlora/ops/swiglu_ops.h"
+
+namespace qlora::modules {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// The T*k slots grouped by expert: slot s = t * k + j is at position p of the grouped order where
+// perm[p] = s; expert e's slots are positions [offsets[e], offsets[e] + counts[e]), in increasing s.
+struct ExpertSlots {
+  at::Tensor perm;  // [S] int64, on index's device
+  std::vector<int64_t> counts, offsets;
+  int64_t k = 1;
+
+  // The tokens of expert e's rows, [counts[e]] int64.
+  at::Tensor tokens(int64_t e) const { return at::div(perm.narrow(0, offsets[e], counts[e]), k, "floor"); }
+};
+
+ExpertSlots slots_from(at::Tensor perm, std::vector<int64_t> counts, int64_t k) {
+  ExpertSlots s{std::move(perm), std::move(counts), {}, k};
+  int64_t off = 0;
+  for (int64_t c : s.counts) {
+    s.offsets.push_back(off);
+    off += c;
+  }
+  return s;
+}
+
+ExpertSlots group_slots(const at::Tensor& index, int64_t num_experts) {
+  const at::Tensor flat = index.reshape(-1);
+  at::Tensor perm = std::get<1>(at::sort(flat, /*stable=*/true, /*dim=*/0, /*descending=*/false));
+  const at::Tensor counts = at::bincount(flat, {}, num_experts).to(at::kCPU).to(at::kLong).contiguous();
+  const int64_t* c = counts.data_ptr<int64_t>();
+  return slots_from(std::move(perm), std::vector<int64_t>(c, c + num_experts), index.size(1));
+}
+
+// One expert's frozen weight of one projection: NF4, or dense in the compute dtype.
+struct ExpertWeight {
+  Nf4Tensor nf4;
+  at::Tensor dense;
+};
+
+// Expert e's adapter of one projection: A [r, in], B [out, r] (fp32), and in backward the slices of
+// the stacked gradients its gradients go to; all undefined without adapters.
+struct ExpertAdapter {
+  at::Tensor a, b, grad_a, grad_b;
+  double scale = 0.0;
+};
+
+ExpertAdapter adapter_of(at::TensorList adapters, size_t first, int64_t e, double scale) {
+  if (adapters.empty()) return {};
+  return {adapters[first].select(0, e), adapters[first + 1].select(0, e), {}, {}, scale};
+}
+
+// y [n, out] = x2 @ W^T, plus scale * (x2 @ A^T) @ B^T with an adapter, whose x2 @ A^T is written
+// to xa [n, r] (kept for backward): one member of lora_linear.cpp's group node, on one expert's rows.
+void expert_project(const at::Tensor& x2, const ExpertWeight& w, const ExpertAdapter& ad, at::Tensor y, at::Tensor xa) {
+  const at::ScalarType lt = x2.scalar_type();
+  if (w.nf4.defined()) nf4_times_transposed_out(x2, w.nf4, y);
+  else if (!decode_rows(x2) || !ops::decode_matmul_out(x2, w.dense, y)) at::mm_out(y, x2, w.dense.to(lt).t());
+  if (!ad.a.defined()) return;
+  ops::narrow_product_out(xa, x2, ad.a.to(lt).t());
+  ops::narrow_update_(y, xa, ad.b.to(lt).t(), ad.scale);
+}
+
+// Back through expert_project for the output gradient g [n, out]: gx [n, in] = g @ W + scale *
+// (g @ B) @ A (when gx is defined), and the adapter's gradients for the output gradient g * rw
+// (rw [n, 1] the rows' routing weights, undefined: 1) into ad.grad_a / ad.grad_b. x2: the
+// projection's input rows, xa: x2 @ A^T as forward kept it.
+void expert_project_backward(const at::Tensor& g, const at::Tensor& x2, const at::Tensor& xa, const ExpertWeight& w,
+                             const ExpertAdapter& ad, const at::Tensor& rw, at::Tensor gx) {
+  const at::ScalarType lt = g.scalar_type();
+  if (gx.defined()) {
+    if (w.nf4.defined()) grad_times_nf4_out(g, w.nf4, gx, /*accumulate=*/false);
+    else at::mm_out(gx, g, w.dense.to(lt));
+  }
+  if (!ad.a.defined()) return;
+  const at::Tensor gxa = ops::narrow_product(g, ad.b.to(lt), ad.scale);  // [n, r]
+  if (gx.defined()) ops::narrow_update_(gx, gxa, ad.a.to(lt));
+  if (ad.grad_b.defined()) {
+    const at::Tensor xa_w = rw.defined() ? (xa * rw).to(lt) : xa;
+    ad.grad_b.copy_(ops::narrow_reduction(xa_w, g, ad.scale).t());  // [out, r]
+  }
+  if (ad.grad_a.defined()) ad.grad_a.copy_(ops::narrow_reduction(rw.defined() ? (gxa * rw).to(lt) : gxa, x2));
+}
+
+std::string weight_key(const char* proj, int64_t e) { return std::string(proj) + std::to_string(e) + "."; }
+
+// Expert e's weight of a projection ("gate_up" / "down"), from the experts (forward) or as forward
+// saved it (backward; ctx->saved_data).
+ExpertWeight weight_of(const Experts& ex, int64_t e, bool gate_up) {
+  if (ex.nf4()) return {gate_up ? ex.gate_up_nf4[e] : ex.down_nf4[e], {}};
+  return {{}, gate_up ? ex.gate_up_dense[e] : ex.down_dense[e]};
+}
+
+void save_weight(AutogradContext* ctx, const ExpertWeight& w, const std::string& key) {
+  if (w.nf4.defined()) save_nf4(ctx, w.nf4, key);
+  else ctx->saved_data[key + "dense"] = w.dense;
+}
+
+ExpertWeight load_weight(AutogradContext* ctx, const std::string& key) {
+  if (ctx->saved_data.count(key + "dense") > 0) return {{}, ctx->saved_data.at(key + "dense").toTensor()};
+  return {load_nf4(ctx, key), {}};
+}
+
+// Whether an AdaptersDisabled is in scope (LoraLinear::active() of a projection with an adapter).
+bool adapters_enabled() {
+  LoraLinear probe;
+  probe.r = 1;
+  return probe.active();
+}
+
+// The saved variables of a GroupedExpertsFunction, in order; then the four adapters, or none.
+enum ExpertsSaved : size_t {
+  kSavedX, kSavedWeights, kSavedPerm, kSavedGateUp, kSavedXaGateUp, kSavedXaDown, kSavedAdapters
+};
+
+// grouped_experts' node. Inputs: x [T, hidden], weights [T, k], index [T, k], the adapters (A and B
+// of gate_up, then of down, [E, ...] each; or none). Saved: x, weights, the grouping (perm; the
+// counts in saved_data), each slot's gate/up [S, 2*inter] and x @ A^T of both adapters [S, r]
+// (grouped order), the adapters, and the used experts' frozen weights (NF4 buffers by reference).
+struct GroupedExpertsFunction : public torch::autograd::Function<GroupedExpertsFunction> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weights,
+                            const at::Tensor& index, at::TensorList adapters, const Experts* experts) {
+    RECORD_USER_SCOPE("qlora::grouped_experts");
+    const Experts& ex = *experts;
+    const ExpertSlots slots = group_slots(index, ex.num_experts);
+    const int64_t n_slots = index.numel(), inter = ex.inter, r = adapters.empty() ? 0 : ex.r;
+    at::Tensor gu = at::empty({n_slots, 2 * inter}, x.options()), y = at::empty({n_slots, ex.hidden}, x.options());
+    at::Tensor xa_gu = at::empty({n_slots, r}, x.options()), xa_down = at::empty({n_slots, r}, x.options());
+    for (int64_t e = 0; e < ex.num_experts; ++e) {
+      const int64_t off = slots.offsets[e], n = slots.counts[e];
+      if (n == 0) continue;  // never touched: not dequantized, nothing saved
+      const ExpertWeight w_gu = weight_of(ex, e, true), w_down = weight_of(ex, e, false);
+      const at::Tensor gu_e = gu.narrow(0, off, n);
+      expert_project(x.index_select(0, slots.tokens(e)), w_gu, adapter_of(adapters, 0, e, ex.scale), gu_e,
+                     xa_gu.narrow(0, off, n));
+      const at::Tensor act = ops::swiglu(gu_e.narrow(1, 0, inter), gu_e.narrow(1, inter, inter));  // [n, inter]
+      expert_project(act, w_down, adapter_of(adapters, 2, e, ex.scale), y.narrow(0, off, n), xa_down.narrow(0, off, n));
+      save_weight(ctx, w_gu, weight_key("gate_up", e));
+      save_weight(ctx, w_down, weight_key("down", e));
+    }
+    std::vector<at::Tensor> saved = {x, weights, slots.perm, gu, xa_gu, xa_down};
+    saved.insert(saved.end(), adapters.begin(), adapters.end());
+    ctx->save_for_backward(saved);
+    ctx->saved_data["counts"] = slots.counts;
+    ctx->saved_data["k"] = slots.k;
+    ctx->saved_data["scale"] = ex.scale;
+    return combine(y, weights, slots.perm, x.scalar_type());
+  }
+
+  // As transformers' grouped_mm_experts_forward: each slot's output (x's dtype) times its weight in
+  // the promoted dtype, back in slot order, the k slots of a token summed (fp32 accumulation), one
+  // rounding to x's dtype. y: [S, hidden] in grouped order.
+  static at::Tensor combine(const at::Tensor& y, const at::Tensor& weights, const at::Tensor& perm,
+                            at::ScalarType dtype) {
+    const at::Tensor weighted = y * weights.reshape(-1).index_select(0, perm).unsqueeze(1);  // [S, hidden]
+    const at::Tensor in_slot_order = at::empty_like(weighted).index_copy_(0, perm, weighted);
+    return in_slot_order.view({weights.size(0), weights.size(1), y.size(1)}).sum(1).to(dtype);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    RECORD_USER_SCOPE("qlora::grouped_experts");
+    const variable_list saved = ctx->get_saved_variables();
+    const at::Tensor& x = saved[kSavedX];
+    const at::Tensor& weights = saved[kSavedWeights];
+    const ExpertSlots slots =
+        slots_from(saved[kSavedPerm], ctx->saved_data["counts"].toIntVector(), ctx->saved_data["k"].toInt());
+    const at::TensorList adapters = at::TensorList(saved).slice(kSavedAdapters);
+    variable_list result(4 + adapters.size());  // x, weights, index, the adapters, the experts (none)
+    if (ctx->needs_input_grad(0)) result[0] = at::zeros_like(x);
+    for (size_t i = 0; i < adapters.size(); ++i)
+      if (ctx->needs_input_grad(3 + i)) result[3 + i] = at::zeros_like(adapters[i]);
+    // The routing weights' gradient per slot, grouped order, fp32: one dot product of two rows each.
+    at::Tensor grad_w = ctx->needs_input_grad(1) ? at::empty({weights.numel()}, x.options().dtype(at::kFloat))
+                                                 : at::Tensor();
+    const at::Tensor w_grouped = weights.reshape(-1).index_select(0, slots.perm);
+    for (int64_t e = 0; e < static_cast<int64_t>(slots.counts.size()); ++e)
+      if (slots.counts[e] > 0) backward_expert(ctx, saved, slots, e, grad_outputs[0], w_grouped, grad_w, result);
+    if (grad_w.defined())
+      result[1] = at::empty_like(grad_w).index_copy_(0, slots.perm, grad_w).view_as(weights).to(weights.scalar_type());
+    return result;
+  }
+
+  // Expert e's part of backward: its rows of x's gradient added into result[0], its slices of the
+  // adapters' gradients, its slots' routing-weight gradients into grad_w (grouped order).
+  static void backward_expert(AutogradContext* ctx, const variable_list& saved, const ExpertSlots& slots, int64_t e,
+                              const at::Tensor& grad_out, const at::Tensor& w_grouped, const at::Tensor& grad_w,
+                              variable_list& result) {
+    const int64_t off = slots.offsets[e], n = slots.counts[e];
+    const at::TensorList adapters = at::TensorList(saved).slice(kSavedAdapters);
+    const double scale = ctx->saved_data["scale"].toDouble();
+    ExpertAdapter ad_gu = adapter_of(adapters, 0, e, scale), ad_down = adapter_of(adapters, 2, e, scale);
+    if (!adapters.empty()) {  // result[3 ..]: gate_up's A, B, down's A, B (defined where needed)
+      auto slice = [&](size_t i) { return result[i].defined() ? result[i].select(0, e) : at::Tensor(); };
+      ad_gu.grad_a = slice(3);
+      ad_gu.grad_b = slice(4);
+      ad_down.grad_a = slice(5);
+      ad_down.grad_b = slice(6);
+    }
+    const at::Tensor tok = slots.tokens(e);
+    const at::Tensor gu = saved[kSavedGateUp].narrow(0, off, n);
+    const int64_t inter = gu.size(1) / 2;
+    const at::Tensor gate = gu.narrow(1, 0, inter), up = gu.narrow(1, inter, inter);
+    const at::Tensor act = ops::swiglu(gate, up);                  // [n, inter], as forward had it
+    const at::Tensor rw = w_grouped.narrow(0, off, n).unsqueeze(1);  // [n, 1]
+    // d act before the routing weight: g @ W_down (+ LoRA), with g the unweighted output gradient.
+    at::Tensor dact = at::empty({n, inter}, gu.options());
+    expert_project_backward(grad_out.index_select(0, tok), act, saved[kSavedXaDown].narrow(0, off, n),
+                            load_weight(ctx, weight_key("down", e)), ad_down, rw, dact);
+    // d weights[t, j] = <g_t, y_tj> = <g_t @ W_eff, act_tj>: exact for a weight of 0 too.
+    if (grad_w.defined()) grad_w.narrow(0, off, n).copy_((dact.to(at::kFloat) * act.to(at::kFloat)).sum(1));
+    dact = (dact * rw).to(gu.scalar_type());
+    const bool need_x = result[0].defined();
+    if (!need_x && !ad_gu.grad_a.defined() && !ad_gu.grad_b.defined()) return;
+    auto [dgate, dup] = ops::swiglu_backward(dact, gate, up);
+    const at::Tensor dgu = at::cat({dgate, dup}, 1);  // [n, 2 * inter]
+    at::Tensor dx = need_x ? at::empty({n, saved[kSavedX].size(1)}, gu.options()) : at::Tensor();
+    const at::Tensor x_rows = ad_gu.a.defined() ? saved[kSavedX].index_select(0, tok) : at::Tensor();
+    expert_project_backward(dgu, x_rows, saved[kSavedXaGateUp].narrow(0, off, n),
+                            load_weight(ctx, weight_key("gate_up", e)), ad_gu, at::Tensor(), dx);
+    if (need_x) result[0].index_add_(0, tok, dx);
+  }
+};
+
+void check_inputs(const Experts& ex, const at::Tensor& x, const at::Tensor& index, const at::Tensor& weights) {
+  auto fail = [](const std::string& what) { throw std::invalid_argument("grouped_experts: " + what); };
+  if (ex.num_experts <= 0) fail("no experts");
+  if (x.dim() != 2 || x.size(1) != ex.hidden) fail("x must be [T, " + std::to_string(ex.hidden) + "]");
+  if (index.dim() != 2 || index.size(0) != x.size(0) || index.scalar_type() != at::kLong)
+    fail("index must be [T, k] int64 with x's T");
+  if (weights.sizes() != index.sizes() || !at::isFloatingType(weights.scalar_type()))
+    fail("weights must be floating point of index's shape [T, k]");
+  const at::Device dev = ex.nf4() ? ex.gate_up_nf4[0].device() : ex.gate_up_dense[0].device();
+  if (index.device() != x.device() || weights.device() != x.device() || dev != x.device())
+    fail("x, index, weights and the experts must be on one device");
+  if (index.numel() > 0 && (index.min().item<int64_t>() < 0 || index.max().item<int64_t>() >= ex.num_experts))
+    fail("index out of [0, " + std::to_string(ex.num_experts) + ")");
+}
+
+// Checks one expert's two weight shapes against the first's and fills the experts' sizes from it.
+void check_expert_shapes(Experts& ex, const std::vector<int64_t>& gu, const std::vector<int64_t>& down, size_t e) {
+  auto fail = [&](const std::string& what) {
+    throw std::invalid_argument("experts: expert " + std::to_string(e) + ": " + what);
+  };
+  if (gu.size() != 2 || down.size() != 2) fail("weights must be 2-D");
+  if (e == 0) {
+    if (gu[0] % 2 != 0) fail("gate_up's rows must be even (gate's, then up's)");
+    ex.inter = gu[0] / 2;
+    ex.hidden = gu[1];
+  }
+  if (gu != std::vector<int64_t>{2 * ex.inter, ex.hidden} || down != std::vector<int64_t>{ex.hidden, ex.inter})
+    fail("gate_up must be [" + std::to_string(2 * ex.inter) + ", " + std::to_string(ex.hidden) + "] and down [" +
+         std::to_string(ex.hidden) + ", " + std::to_string(ex.inter) + "]");
+}
+
+void check_counts(size_t gate_up, size_t down) {
+  if (gate_up == 0 || gate_up != down)
+    throw std::invalid_argument("experts: need as many gate_up as down weights, at least one");
+}
+
+}  // namespace
+
+std::vector<at::Tensor> Experts::trainable() const {
+  if (!has_lora()) return {};
+  return {gate_up_a, gate_up_b, down_a, down_b};
+}
+
+Experts experts_nf4(std::vector<Nf4Tensor> gate_up, std::vector<Nf4Tensor> down) {
+  check_counts(gate_up.size(), down.size());
+  Experts ex;
+  for (size_t e = 0; e < gate_up.size(); ++e) {
+    gate_up[e].validate("experts gate_up " + std::to_string(e));
+    down[e].validate("experts down " + std::to_string(e));
+    check_expert_shapes(ex, gate_up[e].shape, down[e].shape, e);
+  }
+  ex.num_experts = static_cast<int64_t>(gate_up.size());
+  ex.gate_up_nf4 = std::move(gate_up);
+  ex.down_nf4 = std::move(down);
+  return ex;
+}
+
+Experts experts_dense(std::vector<at::Tensor> gate_up, std::vector<at::Tensor> down) {
+  check_counts(gate_up.size(), down.size());
+  Experts ex;
+  for (size_t e = 0; e < gate_up.size(); ++e) {
+    check_expert_shapes(ex, gate_up[e].sizes().vec(), down[e].sizes().vec(), e);
+    gate_up[e] = gate_up[e].detach();
+    down[e] = down[e].detach();
+  }
+  ex.num_experts = static_cast<int64_t>(gate_up.size());
+  ex.gate_up_dense = std::move(gate_up);
+  ex.down_dense = std::move(down);
+  return ex;
+}
+
+namespace {
+
+// E adapters' A of one projection [E, r, in], drawn expert by expert from gen exactly as
+// lora_linear_add_adapter draws a LoRA A (kaiming_uniform, a = sqrt(5)).
+at::Tensor experts_draw_a(int64_t num_experts, int64_t r, int64_t in, const at::Generator& gen) {
+  std::vector<at::Tensor> as;
+  for (int64_t e = 0; e < num_experts; ++e) {
+    LoraLinear one;  // only its sizes: lora_linear_add_adapter's draw, on the CPU
+    one.in_features = in;
+    one.out_features = 1;
+    lora_linear_add_adapter(one, r, 1.0, 0.0, gen, at::kCPU);
+    as.push_back(one.lora_a.detach());
+  }
+  return at::stack(as);
+}
+
+// Expert e's adapter of one projection as a LoraLinear (A, B, scale), for lora_merged_weight.
+LoraLinear expert_as_lora(const at::Tensor& a, const at::Tensor& b, int64_t e, const Experts& ex) {
+  if (!ex.has_lora()) throw std::invalid_argument("experts_merged: the experts have no adapters");
+  if (e < 0 || e >= ex.num_experts) throw std::invalid_argument("experts_merged: no expert " + std::to_string(e));
+  LoraLinear l;
+  l.lora_a = a.select(0, e);
+  l.lora_b = b.select(0, e);
+  l.r = ex.r;
+  l.scale = ex.scale;
+  l.in_features = l.lora_a.size(1);
+  l.out_features = l.lora_b.size(0);
+  return l;
+}
+
+}  // namespace
+
+void experts_add_adapters(Experts& ex, int64_t r, double scale, at::Generator gen, at::Device device) {
+  if (r <= 0) throw std::invalid_argument("experts: rank r must be positive, got " + std::to_string(r));
+  const at::NoGradGuard no_grad;
+  const at::Tensor gu_a = experts_draw_a(ex.num_experts, r, ex.hidden, gen);
+  const at::Tensor down_a = experts_draw_a(ex.num_experts, r, ex.inter, gen);
+  const auto fp32 = at::TensorOptions().dtype(at::kFloat).device(device);
+  ex.gate_up_a = gu_a.to(device).set_requires_grad(true);
+  ex.gate_up_b = at::zeros({ex.num_experts, 2 * ex.inter, r}, fp32).set_requires_grad(true);
+  ex.down_a = down_a.to(device).set_requires_grad(true);
+  ex.down_b = at::zeros({ex.num_experts, ex.hidden, r}, fp32).set_requires_grad(true);
+  ex.r = r;
+  ex.scale = scale;
+}
+
+at::Tensor grouped_experts(const Experts& experts, const at::Tensor& x, const at::Tensor& index,
+                           const at::Tensor& weights) {
+  check_inputs(experts, x, index, weights);
+  std::vector<at::Tensor> adapters;
+  if (experts.has_lora() && adapters_enabled())
+    adapters = {experts.gate_up_a, experts.gate_up_b, experts.down_a, experts.down_b};
+  return GroupedExpertsFunction::apply(x, weights, index, at::TensorList(adapters), &experts);
+}
+
+at::Tensor experts_merged_gate_up(const Experts& experts, int64_t e, const at::Tensor& base) {
+  return lora_merged_weight(expert_as_lora(experts.gate_up_a, experts.gate_up_b, e, experts), base);
+}
+
+at::Tensor experts_merged_down(const Experts& experts, int64_t e, const at::Tensor& base) {
+  return lora_merged_weight(expert_as_lora(experts.down_a, experts.down_b, e, experts), base);
+}
+
+}  // namespace qlora::modules
