@@ -88,10 +88,13 @@ def nf4_roundtrip_projections(model):
         for n, p in model.named_parameters():
             decoder = n.startswith("model.layers.") or n.startswith("model.language_model.layers.")
             per_layer = n.endswith("per_layer_input_gate.weight") or n.endswith("per_layer_projection.weight")
-            if decoder and (n.endswith("_proj.weight") or ".in_proj_" in n or per_layer):
-                if p.numel() % NF4_NUMEL_MULTIPLE:
-                    raise ValueError(f"{n}: numel {p.numel()} is not a multiple of {NF4_NUMEL_MULTIPLE} (torchao)")
-                p.copy_(to_nf4(p.detach().clone()).get_original_weight())
+            # A MoE layer's fused experts [E, out, in]: each expert's matrix its own NF4 tensor.
+            experts = n.endswith("experts.gate_up_proj") or n.endswith("experts.down_proj")
+            if decoder and (n.endswith("_proj.weight") or ".in_proj_" in n or per_layer or experts):
+                for w in (p if experts else [p]):
+                    if w.numel() % NF4_NUMEL_MULTIPLE:
+                        raise ValueError(f"{n}: numel {w.numel()} is not a multiple of {NF4_NUMEL_MULTIPLE} (torchao)")
+                    w.copy_(to_nf4(w.detach().clone()).get_original_weight())
 
 
 def save_sharded(model, directory, max_shard_size="1MB"):

@@ -15,7 +15,8 @@ from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Ge
                           Olmo3Config, Olmo3ForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM,
                           Qwen3Config, Qwen3ForCausalLM, Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration,
                           Qwen3_5TextConfig, SmolLM3Config, SmolLM3ForCausalLM, Gemma4TextConfig, Gemma4ForCausalLM,
-                          Gemma4Config, Gemma4ForConditionalGeneration)
+                          Gemma4Config, Gemma4ForConditionalGeneration, MixtralConfig, MixtralForCausalLM,
+                          Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 from _common import randomize_norms
 
@@ -89,6 +90,26 @@ def _layer_scalar_one(model):
         for n, b in model.named_buffers():
             if n.endswith("layer_scalar"):
                 b.fill_(1.0)
+
+
+# Mixture of Experts: 8 experts of width 64, 2 a token (each expert's gate_up [128, 256] and down
+# [256, 64] are whole NF4 scaler groups). Qwen3-MoE: 3 layers, layer 1 dense (mlp_only_layers, an MLP of
+# 512), top-k not renormalised (the class default); Mixtral: every layer MoE, renormalised, fp32 weights,
+# a sliding window. transformers writes one tensor per expert; FUSED_CASES also run from the fused form.
+MOE = dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=2, num_experts_per_tok=2)
+QWEN3_MOE = dict(**MOE, head_dim=32, intermediate_size=512, num_experts=8, moe_intermediate_size=64,
+                 num_hidden_layers=3, mlp_only_layers=[1], tie_word_embeddings=False)
+MIXTRAL = dict(**MOE, intermediate_size=64, num_local_experts=8, sliding_window=WINDOW, tie_word_embeddings=False)
+MOE_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "experts"]
+FUSED_CASES = ["qwen3_moe", "mixtral"]
+
+
+def _router_uniform(model):
+    """Every router row equal: each token's top-k are experts 0..k-1 with equal weights."""
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("mlp.gate.weight"):
+                p.copy_(p[:1].expand_as(p))
 
 
 QWEN35_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
@@ -181,6 +202,15 @@ CASES = {
     "gemma4_vision": _case(gemma4_multimodal_config, Gemma4ForConditionalGeneration,
                            {**GEMMA4, "tie_word_embeddings": True}, targets=GEMMA4_TARGETS, attn="eager",
                            ablations=[("per-layer projection 0", {}, _set("per_layer_projection.weight", 0.0))]),
+    "qwen3_moe": _case(Qwen3MoeConfig, Qwen3MoeForCausalLM, QWEN3_MOE, targets=MOE_TARGETS,
+                       ablations=[("top-k renormalised", {"norm_topk_prob": True}, None),
+                                  ("router rows equal", {}, _router_uniform),
+                                  ("q/k norm weights 1", {}, lambda m: (_set("q_norm.weight", 1.0)(m),
+                                                                        _set("k_norm.weight", 1.0)(m)))]),
+    "mixtral": _case(MixtralConfig, MixtralForCausalLM, MIXTRAL, targets=MOE_TARGETS,
+                     ablations=[("one expert a token", {"num_experts_per_tok": 1}, None),
+                                ("router rows equal", {}, _router_uniform),
+                                ("no sliding window", {"sliding_window": None}, None)]),
 }
 
 

@@ -4,7 +4,8 @@
 For each tiny random model of _families.CASES (Llama as the control that loads today, Qwen2 untied/tied, Qwen3, Gemma 2, Gemma 3 text with
 mixed layer types and per-type RoPE bases, plus a linear-scaled global RoPE, Mistral and Phi-3 with a
 sliding window shorter than the sequence, SmolLM3 with a NoPE layer, OLMo 2 and OLMo 3 with YaRN on its full layers, Qwen3.5 with three Gated DeltaNet
-layers and a gated, partially rotary attention layer), written by transformers' save_pretrained in >= 2 shards:
+layers and a gated, partially rotary attention layer, Qwen3-MoE with a dense layer among its MoE ones and Mixtral, each
+also from fused 3-D expert tensors), written by transformers' save_pretrained in >= 2 shards:
   reference  each ablation of the case (a feature switched off) moves transformers' logits by far
              more than the tolerance, so the case exercises that feature (needs no tool)
   fp32       logits of a batch of 2 rows of SEQ tokens
@@ -62,7 +63,7 @@ GEN_GROUP = 2                # batched generation: sequences per prompt (GRPO's 
 # step are closer than two tolerances (each side may be off by one, so such a pair can swap).
 GEN_CASES = {"llama": {}, "qwen2_untied": {}, "gemma2": {"tie_word_embeddings": False},
              "gemma3": {"tie_word_embeddings": False}, "mistral_sliding": {}, "phi3": {},
-             "smollm3": {}, "olmo2": {}, "olmo3": {}, "qwen3_5": {}, "gemma4": {}}
+             "smollm3": {}, "olmo2": {}, "olmo3": {}, "qwen3_5": {}, "gemma4": {}, "qwen3_moe": {}, "mixtral": {}}
 # Tied Gemma embeddings (scaled by 16) make a random model repeat its input token forever, which
 # would test nothing about the cache; untied, the greedy continuation varies.
 
@@ -93,12 +94,21 @@ def forward_reference(model32, model64, tokens):
     return ref, max(atol_for(ref, ATOL_FP32_PER_UNIT), 2.0 * own)
 
 
+def as_float64(model):
+    """A float64 copy; a MoE model's experts run eager there (transformers' default grouped_mm has no
+    float64 kernel; in float64 the two sum the same products)."""
+    model64 = copy.deepcopy(model).double()
+    if getattr(model64.config, "_experts_implementation", None) not in (None, "eager"):
+        model64.set_experts_implementation("eager")
+    return model64
+
+
 def check_forwards(checks, args, name, model, ckpt, tokens):
     """fp32, packed and decode against transformers in float64; each step fails on its own.
 
     Against float64 the tolerance bounds our rounding alone; against transformers' fp32 it would
     also have to hold theirs, which can be as large as ours."""
-    model64 = copy.deepcopy(model).double()
+    model64 = as_float64(model)
     ref, atol = forward_reference(model, model64, tokens)
     out = lambda tag: os.path.join(args.workdir, f"{name}_{tag}.safetensors")
     try:
@@ -142,6 +152,22 @@ def check_cuda(checks, args, name, model, ckpt, tokens):
             checks.compare(f"{name} cuda {tag}", ours, ref, atol_for(ref, per_unit))
         except Exception as e:
             checks.crashed(f"{name} cuda {tag}", e)
+
+
+def check_fused(checks, args, name, model, tokens, ref):
+    """A MoE checkpoint with fused 3-D expert tensors (save_original_format=False: transformers' own
+    modules' names) gives the logits of the one with a tensor per expert."""
+    try:
+        ckpt = os.path.join(args.workdir, f"{name}_fused")
+        model.save_pretrained(ckpt, safe_serialization=True, save_original_format=False)
+        from safetensors import safe_open
+        with safe_open(os.path.join(ckpt, "model.safetensors"), "pt") as f:
+            fused = [k for k in f.keys() if k.endswith("experts.gate_up_proj")]
+        checks.check(f"{name} fused checkpoint holds 3-D experts", len(fused) > 0, f"{len(fused)} gate_up_proj tensors")
+        ours = logits_tool(args.tool, ckpt, tokens, os.path.join(args.workdir, f"{name}_fused.safetensors"))
+        checks.compare(f"{name} fused experts fp32", ours, ref, atol_for(ref, ATOL_FP32_PER_UNIT))
+    except Exception as e:
+        checks.crashed(f"{name} fused", e)
 
 
 def check_nf4(checks, args, name, model, ckpt, tokens):
@@ -254,6 +280,8 @@ def main():
             check_forwards(checks, args, name, model, ckpt, tokens)
             if torch.cuda.is_available():
                 check_cuda(checks, args, name, model, ckpt, tokens)
+            if name in F.FUSED_CASES:
+                check_fused(checks, args, name, model, tokens, reference_logits(model, tokens))
             check_nf4(checks, args, name, model, ckpt, tokens)  # last: rounds the model's weights
             if name in GEN_CASES:
                 check_generation(checks, args, name, seed)

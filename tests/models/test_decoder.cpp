@@ -81,6 +81,51 @@ TEST(DecoderConfig, MistralSlidingWindow) {
   EXPECT_EQ(c.head_dim, 128);
 }
 
+TEST(DecoderConfig, MixtureOfExpertsLayersAndRouter) {
+  const std::string qwen = R"("model_type":"qwen3_moe","hidden_size":64,"intermediate_size":128,"num_hidden_layers":4,
+    "num_attention_heads":4,"num_key_value_heads":2,"head_dim":16,"vocab_size":10,"moe_intermediate_size":32)";
+  // transformers writes the expert count as num_local_experts (Qwen3-MoE's attribute_map).
+  DecoderConfig c = parse_decoder_config("{" + qwen + R"(,"num_local_experts":6,"num_experts_per_tok":2,
+    "decoder_sparse_step":2,"mlp_only_layers":[3]})", "cfg.json");
+  EXPECT_EQ(c.moe.num_experts, 6);
+  EXPECT_EQ(c.moe.top_k, 2);
+  EXPECT_EQ(c.moe.inter, 32);
+  EXPECT_FALSE(c.moe.norm_topk_prob);  // the class default
+  EXPECT_FALSE(c.moe.fp32_weights);
+  EXPECT_EQ(c.moe_layers, (std::vector<bool>{false, true, false, false}));  // (i + 1) % 2 == 0, less layer 3
+  c = parse_decoder_config("{" + qwen + R"(,"num_experts":16,"norm_topk_prob":true})", "cfg.json");
+  EXPECT_EQ(c.moe.num_experts, 16);
+  EXPECT_EQ(c.moe.top_k, 8);  // Qwen3MoeConfig's default
+  EXPECT_TRUE(c.moe.norm_topk_prob);
+  EXPECT_EQ(c.moe_layers, (std::vector<bool>{true, true, true, true}));
+  DecoderConfig m = parse_decoder_config(R"({"model_type":"mixtral","hidden_size":64,"intermediate_size":32,
+    "num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":10})", "cfg.json");
+  EXPECT_EQ(m.moe.num_experts, 8);  // MixtralConfig's defaults
+  EXPECT_EQ(m.moe.top_k, 2);
+  EXPECT_EQ(m.moe.inter, 32);
+  EXPECT_TRUE(m.moe.norm_topk_prob);
+  EXPECT_TRUE(m.moe.fp32_weights);
+  EXPECT_DOUBLE_EQ(m.rms_norm_eps, 1e-5);
+  EXPECT_EQ(m.moe_layers, (std::vector<bool>{true, true}));
+}
+
+TEST(DecoderConfig, MixtureOfExpertsErrorsNameTheKey) {
+  const std::string qwen = R"("model_type":"qwen3_moe","hidden_size":64,"intermediate_size":128,"num_hidden_layers":2,
+    "num_attention_heads":4,"vocab_size":10,"moe_intermediate_size":32,"num_experts":4)";
+  std::string e = error_of("{" + qwen + "}");  // the class's 8 a token
+  EXPECT_NE(e.find("8 experts per token of 4"), std::string::npos) << e;
+  e = error_of("{" + qwen + R"(,"num_experts_per_tok":5})");
+  EXPECT_NE(e.find("num_experts_per_tok"), std::string::npos) << e;
+  EXPECT_NE(e.find("5 experts per token of 4"), std::string::npos) << e;
+  e = error_of("{" + qwen + R"(,"num_experts_per_tok":2,"mlp_only_layers":[2]})");
+  EXPECT_NE(e.find("mlp_only_layers"), std::string::npos) << e;
+  e = error_of("{" + qwen + R"(,"num_experts_per_tok":2,"decoder_sparse_step":0})");
+  EXPECT_NE(e.find("decoder_sparse_step"), std::string::npos) << e;
+  e = error_of(R"({"model_type":"mixtral","hidden_size":64,"intermediate_size":32,"num_hidden_layers":2,
+    "num_attention_heads":4,"vocab_size":10,"router_jitter_noise":0.1})");
+  EXPECT_NE(e.find("router_jitter_noise"), std::string::npos) << e;
+}
+
 TEST(DecoderConfig, ErrorsNameFileAndKey) {
   const std::string base = R"("model_type":"llama","intermediate_size":8,"num_hidden_layers":1,
     "num_attention_heads":2,"vocab_size":10)";

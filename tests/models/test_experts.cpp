@@ -76,6 +76,18 @@ at::Tensor grad_or_zeros(const at::Tensor& t) {
   return t.grad().defined() ? t.grad().to(at::kDouble) : at::zeros(t.sizes(), at::kDouble);
 }
 
+// Expert e's A [r, in] and B [out, r] in peft's stacking (target_parameters): A's rows e*r .. e*r + r
+// (expert-major), B's columns j*E + e (expert-minor).
+at::Tensor a_of(const at::Tensor& a, int64_t experts, int64_t e) {
+  const int64_t r = a.size(0) / experts;
+  return a.narrow(0, e * r, r);
+}
+at::Tensor b_of(const at::Tensor& b, int64_t experts, int64_t e) {
+  std::vector<at::Tensor> cols;
+  for (int64_t j = 0; j < b.size(1) / experts; ++j) cols.push_back(b.select(1, j * experts + e));
+  return at::stack(cols, 1);
+}
+
 // The fp64 reference, token by token and slot by slot, differentiated by autograd.
 Grads reference(const Experts& ex, const at::Tensor& x, const at::Tensor& index, const at::Tensor& weights,
                 const at::Tensor& grad) {
@@ -90,10 +102,11 @@ Grads reference(const Experts& ex, const at::Tensor& x, const at::Tensor& index,
       const int64_t e = index[t][j].item<int64_t>();
       const at::Tensor xt = x64[t];
       at::Tensor gu = at::mv(base64(ex, e, true), xt);
-      if (!ad.empty()) gu = gu + at::mv(ad[1][e], at::mv(ad[0][e], xt)) * ex.scale;
+      const int64_t E = ex.num_experts;
+      if (!ad.empty()) gu = gu + at::mv(b_of(ad[1], E, e), at::mv(a_of(ad[0], E, e), xt)) * ex.scale;
       const at::Tensor act = at::silu(gu.narrow(0, 0, inter)) * gu.narrow(0, inter, inter);
       at::Tensor out = at::mv(base64(ex, e, false), act);
-      if (!ad.empty()) out = out + at::mv(ad[3][e], at::mv(ad[2][e], act)) * ex.scale;
+      if (!ad.empty()) out = out + at::mv(b_of(ad[3], E, e), at::mv(a_of(ad[2], E, e), act)) * ex.scale;
       yt = yt + w64[t][j] * out;
     }
     ys.push_back(yt);
@@ -265,7 +278,8 @@ TEST(Experts, ExpertsWithoutTokensAreNeverDequantized) {
   for (const Pair& p : std::initializer_list<Pair>{{a.y, b.y}, {a.dx, b.dx}, {a.dw, b.dw}, {a.gu_a, b.gu_a},
                                                   {a.gu_b, b.gu_b}, {a.down_a, b.down_a}, {a.down_b, b.down_b}})
     EXPECT_TRUE(at::equal(p.first, p.second));
-  EXPECT_TRUE(at::equal(b.gu_a[3], at::zeros_like(b.gu_a[3])));  // no token, no gradient
+  const at::Tensor expert3 = a_of(b.gu_a, Shape{}.experts, 3);
+  EXPECT_TRUE(at::equal(expert3, at::zeros_like(expert3)));  // no token, no gradient
   // The check can fail: a token sent to expert 3 does reach its broken weights.
   at::Tensor to3 = index.clone();
   to3[4][1] = 3;
@@ -299,7 +313,7 @@ TEST(Experts, CombineRoundsAsTransformers) {
   }
 }
 
-TEST(Experts, AddAdaptersDrawsAsLoraLinearExpertByExpert) {
+TEST(Experts, AddAdaptersDrawsAsPeftStacksThem) {
   Shape s;
   s.lora = false;
   Experts ex = make_experts(s);
@@ -312,21 +326,22 @@ TEST(Experts, AddAdaptersDrawsAsLoraLinearExpertByExpert) {
     EXPECT_TRUE(t.is_leaf());
     EXPECT_EQ(t.scalar_type(), at::kFloat);
   }
-  EXPECT_EQ(ex.gate_up_a.sizes().vec(), (std::vector<int64_t>{5, 3, 64}));
-  EXPECT_EQ(ex.gate_up_b.sizes().vec(), (std::vector<int64_t>{5, 64, 3}));
-  EXPECT_EQ(ex.down_a.sizes().vec(), (std::vector<int64_t>{5, 3, 32}));
-  EXPECT_EQ(ex.down_b.sizes().vec(), (std::vector<int64_t>{5, 64, 3}));
+  // peft's lora_A [r * E, in] and lora_B [out, r * E].
+  EXPECT_EQ(ex.gate_up_a.sizes().vec(), (std::vector<int64_t>{15, 64}));
+  EXPECT_EQ(ex.gate_up_b.sizes().vec(), (std::vector<int64_t>{64, 15}));
+  EXPECT_EQ(ex.down_a.sizes().vec(), (std::vector<int64_t>{15, 32}));
+  EXPECT_EQ(ex.down_b.sizes().vec(), (std::vector<int64_t>{64, 15}));
   EXPECT_TRUE(at::equal(ex.gate_up_b, at::zeros_like(ex.gate_up_b)));
   EXPECT_TRUE(at::equal(ex.down_b, at::zeros_like(ex.down_b)));
-  // gate_up's A of every expert, then down's, each as lora_linear_add_adapter draws one.
+  // gate_up's stacked A, then down's, each drawn whole as lora_linear_add_adapter draws a LoRA A of
+  // r * E rows (peft's nn.Linear(in, r * E) under kaiming_uniform: the bound is 1/sqrt(in)).
   at::Generator gen = seeded(80);
   using Draw = std::pair<at::Tensor, int64_t>;  // the stacked A's, their in_features
-  for (const auto& [a, in] : std::initializer_list<Draw>{{ex.gate_up_a, 64}, {ex.down_a, 32}})
-    for (int64_t e = 0; e < 5; ++e) {
-      LoraLinear one = lora_linear_dense(at::zeros({7, in}));
-      lora_linear_add_adapter(one, 3, 1.0, 0.0, gen, at::kCPU);
-      EXPECT_TRUE(at::equal(a[e], one.lora_a)) << "expert " << e << ", in " << in;
-    }
+  for (const auto& [a, in] : std::initializer_list<Draw>{{ex.gate_up_a, 64}, {ex.down_a, 32}}) {
+    LoraLinear one = lora_linear_dense(at::zeros({7, in}));
+    lora_linear_add_adapter(one, 15, 1.0, 0.0, gen, at::kCPU);
+    EXPECT_TRUE(at::equal(a, one.lora_a)) << "in " << in;
+  }
   // B = 0: the adapted experts compute their bases exactly.
   const at::Tensor index = uneven_index(), x = randn({12, 64}, 81), w = random_weights(12, 2, 82, at::kFloat);
   EXPECT_TRUE(at::equal(grouped_experts(ex, x, index, w), grouped_experts(make_experts(s), x, index, w)));
@@ -351,7 +366,8 @@ TEST(Experts, MergedWeightsComputeTheAdaptedExperts) {
   std::vector<at::Tensor> gu, down;
   for (int64_t e = 0; e < s.experts; ++e) {
     const at::Tensor m = experts_merged_gate_up(ex, e, ex.gate_up_dense[e]);
-    EXPECT_TRUE(at::equal(m, ex.gate_up_dense[e].add(at::matmul(ex.gate_up_b[e], ex.gate_up_a[e]).detach(), 2.0)));
+    const at::Tensor delta = at::matmul(b_of(ex.gate_up_b, s.experts, e), a_of(ex.gate_up_a, s.experts, e)).detach();
+    EXPECT_TRUE(at::equal(m, ex.gate_up_dense[e].add(delta, 2.0)));
     gu.push_back(m);
     down.push_back(experts_merged_down(ex, e, ex.down_dense[e]));
   }

@@ -49,6 +49,21 @@ std::string module_of(const std::string& name) {
   return name.substr(start == std::string::npos ? 0 : start + 1, pos - (start == std::string::npos ? 0 : start + 1));
 }
 
+// peft's target_parameters entry of an adapter key on fused experts (models::DecoderModel::lora_parameters):
+// "...layers.0.mlp.experts.base_layer.lora_A.weight" -> "mlp.experts.gate_up_proj" (the inner wrapper),
+// "...layers.0.mlp.experts.lora_B.weight" -> "mlp.experts.down_proj"; "" for any other key.
+std::string expert_parameter(const std::string& name) {
+  for (const auto& [tail, param] : {std::pair{".experts.base_layer.lora_", "gate_up_proj"},
+                                    std::pair{".experts.lora_", "down_proj"}}) {
+    const auto pos = name.rfind(tail);
+    const auto layers = name.rfind("layers.", pos);
+    if (pos == std::string::npos || layers == std::string::npos) continue;
+    const auto module = name.find('.', layers + 7) + 1;  // past "layers.N."
+    return name.substr(module, pos + 8 - module) + "." + param;  // "mlp.experts" + param
+  }
+  return "";
+}
+
 nlohmann::json number(double v) {
   // PEFT writes lora_alpha as given (usually an int); keep integers integral.
   if (std::isfinite(v) && v == std::floor(v) && std::fabs(v) < 1e15) return static_cast<int64_t>(v);
@@ -73,6 +88,17 @@ struct Entry {
 at::Tensor model_base_fp32(const modules::LoraLinear& l) {
   if (l.base_nf4.defined()) return ops::nf4_dequantize(l.base_nf4, at::kFloat);
   return l.base_dense.to(at::kFloat);
+}
+
+// Expert e's gate_up [2 * inter, hidden] (or down [hidden, inter]) as an export writes it, fp32: the
+// original's (`original` defined) or the model's base, merged with its adapter when it has one.
+at::Tensor expert_weight_fp32(const modules::Experts& ex, int64_t e, bool gate_up, const at::Tensor& original) {
+  const auto i = static_cast<size_t>(e);
+  at::Tensor w = original.defined() ? original.to(at::kFloat)
+                 : ex.nf4()         ? ops::nf4_dequantize((gate_up ? ex.gate_up_nf4 : ex.down_nf4)[i], at::kFloat)
+                                    : (gate_up ? ex.gate_up_dense : ex.down_dense)[i].to(at::kFloat);
+  if (!ex.has_lora()) return w;
+  return gate_up ? modules::experts_merged_gate_up(ex, e, w) : modules::experts_merged_down(ex, e, w);
 }
 
 at::ScalarType model_base_dtype(const modules::LoraLinear& l) {
@@ -159,7 +185,7 @@ void write_peft_adapter(const std::string& dir, const std::vector<std::pair<std:
                         const AdapterInfo& info, at::ScalarType dtype) {
   if (lora_params.empty()) throw ExportError("write_peft_adapter " + dir + ": no LoRA parameters to write");
   if (info.r <= 0) throw ExportError("write_peft_adapter " + dir + ": r must be positive");
-  std::set<std::string> derived;
+  std::set<std::string> derived, parameters;
   std::vector<std::pair<std::string, at::Tensor>> cpu;
   bool dora = false;
   for (const auto& [name, t] : lora_params) {
@@ -178,19 +204,28 @@ void write_peft_adapter(const std::string& dir, const std::vector<std::pair<std:
       cpu.emplace_back(name, t.detach().to(at::kCPU, dtype).contiguous());
       continue;
     }
-    if (is_m ? !t.defined() || t.dim() != 1 : !t.defined() || t.dim() != 2 || (is_a ? t.size(0) : t.size(1)) != info.r) {
+    // LoRA on fused experts stacks every expert's rank: r * E rows (A) or columns (B).
+    const std::string param = expert_parameter(name);
+    const int64_t rank_dim = !t.defined() || t.dim() != 2 ? -1 : is_a ? t.size(0) : t.size(1);
+    if (is_m ? !t.defined() || t.dim() != 1
+             : rank_dim < 0 || (param.empty() ? rank_dim != info.r : rank_dim % info.r != 0)) {
       throw ExportError("write_peft_adapter " + dir + ": '" + name + "' must be " +
-                        (is_m ? std::string("1-D [out]") : "2-D with rank " + std::to_string(info.r) + (is_a ? " rows" : " columns")));
+                        (is_m ? std::string("1-D [out]")
+                              : "2-D with rank " + std::to_string(info.r) + (param.empty() ? "" : " x experts") +
+                                    (is_a ? " rows" : " columns")));
     }
     dora = dora || is_m;
-    derived.insert(module_of(name));
+    if (param.empty()) derived.insert(module_of(name));
+    else parameters.insert(param);
     cpu.emplace_back(name, t.detach().to(at::kCPU, dtype).contiguous());
   }
   fs::create_directories(dir);
   io::save_safetensors((fs::path(dir) / "adapter_model.safetensors").string(), cpu, {{"format", "pt"}});
 
-  const std::vector<std::string> targets =
+  // The experts are target_parameters, not a module.
+  std::vector<std::string> targets =
       info.target_modules.empty() ? std::vector<std::string>(derived.begin(), derived.end()) : info.target_modules;
+  targets.erase(std::remove(targets.begin(), targets.end(), models::kExpertsTarget), targets.end());
   nlohmann::json base = info.base_model_name_or_path.empty() ? nlohmann::json(nullptr)
                                                              : nlohmann::json(info.base_model_name_or_path);
   nlohmann::json cfg = {
@@ -216,6 +251,7 @@ void write_peft_adapter(const std::string& dir, const std::vector<std::pair<std:
   };
   // Written only when set: older peft releases reject fields they do not know.
   if (!info.trainable_token_indices.is_null()) cfg["trainable_token_indices"] = info.trainable_token_indices;
+  if (!parameters.empty()) cfg["target_parameters"] = std::vector<std::string>(parameters.begin(), parameters.end());
   // json's object keys are sorted, as PEFT's own json.dumps(sort_keys=True) writes them.
   io::write_file_atomic((fs::path(dir) / "adapter_config.json").string(), cfg.dump(2) + "\n");
 }
@@ -299,6 +335,53 @@ MergedModelWriter::MergedModelWriter(const std::string& dir, const models::Decod
   const models::Architecture& arch = model.architecture();
   // The table's text keys in the layout of the input files (key_layout.h).
   const auto key = [&model](const std::string& text_key) { return models::layout_key(model.key_layout, text_key); };
+  // A MoE layer's router and experts in the original's layout (fused, or a tensor per expert and
+  // projection), each expert merged with its adapter; without adapters, the original's bytes.
+  auto experts = [&](const modules::DecoderLayer& L, int64_t i) {
+    const models::ExpertsRow& row = *arch.experts;
+    const modules::Experts& ex = L.experts;
+    const std::string fused = key(models::hf_module(row.fused, i));
+    const bool is_fused = orig.contains(fused + ".gate_up_proj");
+    plain(key(models::hf_module(is_fused ? row.fused_router : row.split_router, i) + ".weight"), L.router);
+    const bool use_orig = source == MergeSource::Original;
+    const int64_t I = ex.inter;
+    // (key, its expert, gate_up or down, the rows of that weight it holds)
+    struct Part { std::string key; int64_t e; bool gate_up; int64_t row0, rows; };
+    std::vector<Part> parts;
+    if (is_fused) {
+      parts = {{fused + ".gate_up_proj", -1, true, 0, 2 * I}, {fused + ".down_proj", -1, false, 0, ex.hidden}};
+    } else {
+      for (int64_t e = 0; e < ex.num_experts; ++e) {
+        const std::string stem = key(models::hf_module(row.split, i)) + "." + std::to_string(e) + ".";
+        parts.push_back({stem + row.gate + ".weight", e, true, 0, I});
+        parts.push_back({stem + row.up + ".weight", e, true, I, I});
+        parts.push_back({stem + row.down + ".weight", e, false, 0, ex.hidden});
+      }
+    }
+    for (const Part& p : parts) {
+      if (!ex.has_lora()) {
+        plain(p.key, at::Tensor());
+        continue;
+      }
+      const io::TensorInfo& ti = orig.file_of(p.key).info(p.key);
+      const at::ScalarType out = io::to_scalar_type(ti.dtype);
+      // The original's matrix of expert e (fused: its row of the 3-D tensor; split: gate over up).
+      const auto original = [&ex, &orig, p, use_orig, fused, stem = p.key.substr(0, p.key.rfind('.', p.key.size() - 8) + 1),
+                             row](int64_t e) -> at::Tensor {
+        if (!use_orig) return at::Tensor();
+        if (p.e < 0) return orig.tensor(p.key)[e];
+        if (!p.gate_up) return orig.tensor(p.key);
+        return at::cat({orig.tensor(stem + row.gate + ".weight"), orig.tensor(stem + row.up + ".weight")});
+      };
+      push({p.key, out, ti.shape, [&ex, p, out, original]() {
+              if (p.e >= 0)
+                return expert_weight_fp32(ex, p.e, p.gate_up, original(p.e)).narrow(0, p.row0, p.rows).to(out).cpu().contiguous();
+              std::vector<at::Tensor> all;
+              for (int64_t e = 0; e < ex.num_experts; ++e) all.push_back(expert_weight_fp32(ex, e, p.gate_up, original(e)).to(out).cpu());
+              return at::stack(all);
+            }});
+    }
+  };
   const models::DecoderModel::TokenRows& token_rows = model.token_rows;
   const RowPatch embed_rows = token_rows_patch(token_rows.ids, token_rows.embed);
   // A tied head's rows are the embedding's.
@@ -317,6 +400,7 @@ MergedModelWriter::MergedModelWriter(const std::string& dir, const models::Decod
       projection(key(models::hf_key(row, current_unit)), L.*row.member);
       if ((L.*row.member).bias.defined()) plain(key(models::hf_bias_key(row, current_unit)), (L.*row.member).bias);
     }
+    if (L.is_moe()) experts(L, current_unit);
   }
   current_unit = static_cast<int64_t>(model.layers.size());
   plain(key(arch.final_norm_key), model.norm);
@@ -455,7 +539,8 @@ AdapterInfo adapter_info_for(const models::DecoderModel& model, AdapterInfo info
   if (!model.config.multimodal) return info;
   std::vector<std::string> names = info.target_modules;
   if (names.empty())
-    for (const auto& [name, t] : model.lora_parameters()) names.push_back(module_of(name));
+    for (const auto& [name, t] : model.lora_parameters())
+      if (expert_parameter(name).empty()) names.push_back(module_of(name));
   info.target_pattern = models::peft_target_pattern(model.architecture(), models::peft_layout(model.config), names);
   return info;
 }

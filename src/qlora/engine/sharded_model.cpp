@@ -84,15 +84,37 @@ struct Member {
   Setter set;
 };
 
+void add_nf4(std::vector<Member>& out, const std::string& stem, Nf4Tensor& w) {
+  out.push_back({stem + ".codes", w.codes, [&w](const at::Tensor& v) { w.codes = v; }});
+  out.push_back({stem + ".scalers", w.scalers, [&w](const at::Tensor& v) { w.scalers = v; }});
+  out.push_back({stem + ".factors", w.factors, [&w](const at::Tensor& v) { w.factors = v; }});
+  out.push_back({stem + ".mean", w.mean, [&w](const at::Tensor& v) { w.mean = v; }});
+}
+
+void add_dense(std::vector<Member>& out, const std::string& name, at::Tensor& t) {
+  out.push_back({name, t, [&t](const at::Tensor& v) { t = v; }});
+}
+
 void add_nf4(std::vector<Member>& out, const std::string& stem, modules::LoraLinear& l) {
-  if (l.base_nf4.defined()) {
-    Nf4Tensor& w = l.base_nf4;
-    out.push_back({stem + ".codes", w.codes, [&w](const at::Tensor& v) { w.codes = v; }});
-    out.push_back({stem + ".scalers", w.scalers, [&w](const at::Tensor& v) { w.scalers = v; }});
-    out.push_back({stem + ".factors", w.factors, [&w](const at::Tensor& v) { w.factors = v; }});
-    out.push_back({stem + ".mean", w.mean, [&w](const at::Tensor& v) { w.mean = v; }});
-  } else {
-    out.push_back({stem + ".weight", l.base_dense, [&l](const at::Tensor& v) { l.base_dense = v; }});
+  if (l.base_nf4.defined()) add_nf4(out, stem, l.base_nf4);
+  else add_dense(out, stem + ".weight", l.base_dense);
+}
+
+// A MoE layer's router and each expert's weights ("experts.3.gate_up_proj.codes", ...).
+void add_experts(std::vector<Member>& out, modules::DecoderLayer& L) {
+  if (!L.is_moe()) return;
+  add_dense(out, "mlp.gate", L.router);
+  modules::Experts& ex = L.experts;
+  for (int64_t e = 0; e < ex.num_experts; ++e) {
+    const std::string stem = "experts." + std::to_string(e) + ".";
+    const auto i = static_cast<size_t>(e);
+    if (ex.nf4()) {
+      add_nf4(out, stem + "gate_up_proj", ex.gate_up_nf4[i]);
+      add_nf4(out, stem + "down_proj", ex.down_nf4[i]);
+    } else {
+      add_dense(out, stem + "gate_up_proj.weight", ex.gate_up_dense[i]);
+      add_dense(out, stem + "down_proj.weight", ex.down_dense[i]);
+    }
   }
 }
 
@@ -158,8 +180,16 @@ void ShardedDecoder::shard_layer(int64_t index, modules::DecoderLayer& L, const 
     if (!(L.*member).defined()) continue;
     ms.push_back({nr.name, L.*member, [&L, member](const at::Tensor& v) { L.*member = v; }});
   }
+  add_experts(ms, L);
   frozen_.push_back(make_frozen("layer" + std::to_string(index), ms, n, me, L.post_attention_layernorm.device()));
-  add_trainable(projs, stems);
+  std::vector<std::pair<at::Tensor*, std::string>> expert_adapters;
+  if (L.experts.has_lora()) {
+    const std::string stem = "layer" + std::to_string(index) + ".experts.";
+    modules::Experts& ex = L.experts;
+    expert_adapters = {{&ex.gate_up_a, stem + "gate_up_proj.lora_A"}, {&ex.gate_up_b, stem + "gate_up_proj.lora_B"},
+                       {&ex.down_a, stem + "down_proj.lora_A"}, {&ex.down_b, stem + "down_proj.lora_B"}};
+  }
+  add_trainable(projs, stems, expert_adapters);
   ++num_layers_;
 }
 
@@ -231,7 +261,8 @@ std::unique_ptr<ShardedDecoder::FrozenGroup> make_frozen(const std::string& name
 
 }  // namespace
 
-void ShardedDecoder::add_trainable(const std::vector<modules::LoraLinear*>& ls, const std::vector<std::string>& stems) {
+void ShardedDecoder::add_trainable(const std::vector<modules::LoraLinear*>& ls, const std::vector<std::string>& stems,
+                                   const std::vector<std::pair<at::Tensor*, std::string>>& more) {
   const int64_t n = world_.shard().size(), me = world_.shard().rank();
   auto g = std::make_unique<TrainGroup>();
   g->layout = FlatLayout(at::kFloat, n);
@@ -242,6 +273,7 @@ void ShardedDecoder::add_trainable(const std::vector<modules::LoraLinear*>& ls, 
     slots.push_back({&ls[k]->lora_b, stems[k] + ".lora_B"});
     if (ls[k]->has_dora()) slots.push_back({&ls[k]->magnitude, stems[k] + ".lora_magnitude_vector"});
   }
+  slots.insert(slots.end(), more.begin(), more.end());
   if (slots.empty()) return;
   for (auto& [t, name] : slots) g->layout.add(name, at::kFloat, t->sizes().vec());
   const auto fopts = at::TensorOptions().device(slots[0].first->device()).dtype(at::kFloat);

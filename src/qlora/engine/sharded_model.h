@@ -34,6 +34,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "qlora/engine/flat_layout.h"
@@ -130,7 +131,9 @@ class ShardedDecoder : public models::UnitHooks, public std::enable_shared_from_
   void release(FrozenGroup& g);
   void prefetch(int64_t unit);
   void on_grad_ready(size_t group);
-  void add_trainable(const std::vector<modules::LoraLinear*>& layers, const std::vector<std::string>& stems);
+  // The adapters of `layers` (named stems[k].lora_A ...), then `more` (a MoE layer's expert adapters), as one group.
+  void add_trainable(const std::vector<modules::LoraLinear*>& layers, const std::vector<std::string>& stems,
+                     const std::vector<std::pair<at::Tensor*, std::string>>& more = {});
   // A shard group of one rank (one process, or pure replication): every group stays whole where
   // it is; gathers, releases and reduce-scatters do nothing.
   bool whole() const { return world_.shard().size() == 1; }

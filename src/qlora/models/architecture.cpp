@@ -18,7 +18,8 @@ std::vector<std::string> peft_targets(const Architecture& arch, const std::vecto
   std::vector<std::string> out;
   std::set<std::string> parts;
   for (const std::string& t : names) {
-    if (const ProjectionRow* row = find_projection(arch, t)) out.push_back(row->peft_name);
+    if (t == kExpertsTarget && arch.experts) out.push_back(t);
+    else if (const ProjectionRow* row = find_projection(arch, t)) out.push_back(row->peft_name);
     else if (is_known_target(t)) parts.insert(t);
     else out.push_back(peft_target(arch, t));  // throws, naming the allowed names
   }
@@ -41,6 +42,7 @@ std::vector<std::string> peft_targets(const Architecture& arch, const std::vecto
 
 bool is_known_target(const std::string& name) {
   for (const Family* f : all_families()) {
+    if (name == kExpertsTarget && f->architecture().experts) return true;
     const ProjectionRow* row = find_projection(f->architecture(), name);
     if (row && name == row->short_name) return true;
   }
@@ -52,6 +54,7 @@ std::string known_target_names() {
   for (const Family* f : all_families())
     for (const ProjectionRow& row : f->architecture().projections)
       if (std::find(seen.begin(), seen.end(), row.short_name) == seen.end()) seen.push_back(row.short_name);
+  seen.push_back(kExpertsTarget);
   std::string out;
   for (const std::string& n : seen) out += (out.empty() ? "" : ", ") + n;
   return out;
@@ -84,8 +87,10 @@ const ProjectionRow* find_projection(const Architecture& arch, const std::string
 
 std::string peft_target(const Architecture& arch, const std::string& name) {
   if (const ProjectionRow* row = find_projection(arch, name)) return row->peft_name;
+  const std::string experts = arch.experts ? std::string(", ") + kExpertsTarget : "";
   throw std::invalid_argument("unknown LoRA target '" + name + "' for " + arch.family + " (expected one of " +
-                              projection_names(arch, false) + ", or " + projection_names(arch, true) + ")");
+                              projection_names(arch, false) + experts + ", or " + projection_names(arch, true) +
+                              experts + ")");
 }
 
 std::string projection_names(const Architecture& arch, bool peft_spelling) {
@@ -155,6 +160,7 @@ bool in_layer(Mixer mixer, const DecoderConfig& c, int64_t layer) {
     case Mixer::kOwnKv: return !c.is_linear(layer) && !c.is_kv_shared(layer);
     case Mixer::kOwnV: return in_layer(Mixer::kOwnKv, c, layer) && !(c.attention_k_eq_v && !c.is_sliding(layer));
     case Mixer::kPerLayerInput: return c.per_layer_input_dim > 0;
+    case Mixer::kDenseMlp: return !c.is_moe(layer);
   }
   throw std::logic_error("in_layer: unknown Mixer");
 }

@@ -9,6 +9,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -46,7 +47,8 @@ enum class Dim {
 // Gated DeltaNet (DecoderConfig::is_linear); Gemma 4's attention layers with K/V of their own (not
 // KV-shared), those with a V of their own too (not full layers under attention_k_eq_v), and every
 // layer when the model has per-layer inputs.
-enum class Mixer { kAny, kAttention, kLinear, kOwnKv, kOwnV, kPerLayerInput };
+// kDenseMlp: layers whose feed-forward is the gated MLP, not a Mixture of Experts (DecoderConfig::is_moe).
+enum class Mixer { kAny, kAttention, kLinear, kOwnKv, kOwnV, kPerLayerInput, kDenseMlp };
 
 // Whether a projection has a (frozen) bias, <module>.bias.
 enum class Bias {
@@ -99,6 +101,23 @@ struct EmbedRow {
   bool host = false;
 };
 
+// A MoE layer's router and routed experts as a checkpoint holds them, "{i}" the layer index, in
+// either of two layouts (both are read; a merged export keeps the checkpoint's):
+// - one tensor per expert and projection, <split>.<e>.<gate|up|down>.weight ([inter, hidden] x2,
+//   [hidden, inter]) beside the router <split_router>.weight [experts, hidden]: the Hub's Qwen3-MoE
+//   and Mixtral, and what transformers 5 writes for them;
+// - fused 3-D tensors, <fused>.gate_up_proj [E, 2 * inter, hidden] (gate's rows, then up's) and
+//   <fused>.down_proj [E, hidden, inter], beside <fused_router>.weight: transformers 5's own modules.
+struct ExpertsRow {
+  const char* split_router;  // "model.layers.{i}.mlp.gate" (Mixtral: block_sparse_moe.gate)
+  const char* split;         // "model.layers.{i}.mlp.experts" (Mixtral: block_sparse_moe.experts)
+  const char* gate;          // "gate_proj" (Mixtral: "w1")
+  const char* up;            // "up_proj" (Mixtral: "w3")
+  const char* down;          // "down_proj" (Mixtral: "w2")
+  const char* fused_router;  // "model.layers.{i}.mlp.gate"
+  const char* fused;         // "model.layers.{i}.mlp.experts"
+};
+
 struct Architecture {
   const char* family;  // its family's name, for messages ("olmo2" for OLMo 2 and 3, which share it)
   // A decoder layer's projections in forward order (the order adapters are initialised, exported
@@ -109,6 +128,8 @@ struct Architecture {
   const char* final_norm_key;        // "model.norm.weight"
   // Held when the config has per-layer inputs (DecoderConfig::per_layer_input_dim); empty for most.
   std::vector<EmbedRow> embed_rows = {};
+  // A MoE family's router and experts, held by the layers DecoderConfig::is_moe names.
+  std::optional<ExpertsRow> experts = std::nullopt;
 };
 
 // Llama-2, Llama-3/3.1 and Mistral (same weights; Mistral differs only in config values):
@@ -123,6 +144,9 @@ bool has_bias(const ProjectionRow& row, const DecoderConfig& config);
 // is targeted by its own name or by naming all its parts (q, k, v); naming only some parts is an
 // error saying which module fuses them. Unknown names: std::invalid_argument naming the allowed.
 std::vector<std::string> peft_targets(const Architecture& arch, const std::vector<std::string>& names);
+// The LoRA target of a MoE layer's routed experts (every expert's gate/up and down), in both spellings.
+inline constexpr const char* kExpertsTarget = "experts";
+
 // Whether `name` is a LoRA target (short spelling) of some family: what a config can check before
 // it knows the checkpoint's family.
 bool is_known_target(const std::string& name);

@@ -92,7 +92,54 @@ struct Loader {
       if (has_bias(row, c)) modules::lora_linear_set_bias(p, dense(hf_bias_key(row, i), {shape[0]}));
       if (targets.count(row.peft_name)) add_adapter(p, gen);
     }
+    if (c.is_moe(i)) L.router = experts(*arch.experts, c, i, targets.count(kExpertsTarget) > 0, gen, L.experts);
     return L;
+  }
+  // Layer i's routed experts (architecture.h, ExpertsRow: fused or one tensor per expert, whichever
+  // the checkpoint holds) into `out`, each expert's gate_up [2 * inter, hidden] and down its own NF4
+  // (or dense) weight, with adapters when `adapt`. Returns the router's weight.
+  at::Tensor experts(const ExpertsRow& row, const DecoderConfig& c, int64_t i, bool adapt, at::Generator& gen,
+                     modules::Experts& out) const {
+    const int64_t E = c.moe.num_experts, H = c.hidden_size, I = c.moe.inter;
+    const std::string fused = hf_module(row.fused, i), split = hf_module(row.split, i);
+    const bool is_fused = ckpt.contains(layout_key(layout, fused + ".gate_up_proj"));
+    const at::Tensor router = dense(hf_module(is_fused ? row.fused_router : row.split_router, i) + ".weight", {E, H});
+    at::Tensor gate_up, down;  // fused: [E, 2I, H], [E, H, I] as the checkpoint stores them
+    if (is_fused) {
+      gate_up = checked(fused + ".gate_up_proj", {E, 2 * I, H});
+      down = checked(fused + ".down_proj", {E, H, I});
+    }
+    std::vector<Nf4Tensor> gu_nf4, down_nf4;
+    std::vector<at::Tensor> gu_dense, down_dense;
+    for (int64_t e = 0; e < E; ++e) {
+      const std::string stem = split + "." + std::to_string(e) + ".";
+      const at::Tensor gu = is_fused ? gate_up[e]
+                                     : at::cat({checked(stem + row.gate + ".weight", {I, H}),
+                                                checked(stem + row.up + ".weight", {I, H})});
+      const at::Tensor dn = is_fused ? down[e] : checked(stem + row.down + ".weight", {H, I});
+      const std::string name = ckpt.path() + ": " + (is_fused ? fused : stem.substr(0, stem.size() - 1));
+      if (opt.base_in_nf4) {
+        gu_nf4.push_back(ops::nf4_quantize(gu.contiguous(), name + " gate_up").to(opt.device));
+        down_nf4.push_back(ops::nf4_quantize(dn.contiguous(), name + " down").to(opt.device));
+      } else {
+        gu_dense.push_back(gu.to(opt.device, opt.compute_dtype).contiguous());
+        down_dense.push_back(dn.to(opt.device, opt.compute_dtype).contiguous());
+      }
+    }
+    out = opt.base_in_nf4 ? modules::experts_nf4(std::move(gu_nf4), std::move(down_nf4))
+                          : modules::experts_dense(std::move(gu_dense), std::move(down_dense));
+    if (adapt)
+      modules::experts_add_adapters(out, opt.lora_r, modules::lora_scale(opt.lora_alpha, opt.lora_r, opt.lora_use_rslora),
+                                    gen, opt.device);
+    return router;
+  }
+  // The checkpoint's tensor (mapped, its own dtype), of the shape config.json implies.
+  at::Tensor checked(const std::string& text_key, const std::vector<int64_t>& shape) const {
+    const std::string key = layout_key(layout, text_key);
+    if (!ckpt.contains(key)) throw std::invalid_argument(ckpt.path() + ": tensor '" + key + "' is missing");
+    at::Tensor t = ckpt.tensor(key);
+    check_shape(key, t.sizes(), shape);
+    return t;
   }
   // Gemma 4's per-layer inputs: the table as the checkpoint stores it, in host memory (EmbedRow::host),
   // the rest in the compute dtype on the device.
@@ -143,6 +190,7 @@ modules::LayerDims DecoderModel::dims(int64_t layer) const {
   d.rope = c.uses_rope(layer);
   d.output_gate = c.attn_output_gate;
   d.gated_delta = c.gated_delta;
+  d.moe = c.moe;
   return d;
 }
 
@@ -166,6 +214,12 @@ DecoderModel load_decoder(const std::string& checkpoint_dir, const DecoderLoadOp
                                 output_projection(arch).peft_name +
                                 ") among lora.targets: DoRA adapts the decoder projections, the output head's chunked "
                                 "loss takes plain LoRA; drop \"output\" from lora.targets or set lora.use_dora = false");
+  if (targets.count(kExpertsTarget) && (opt.lora_use_dora || opt.lora_dropout > 0))
+    throw std::invalid_argument(std::string("lora.targets has \"experts\" with ") +
+                                (opt.lora_use_dora ? "lora.use_dora = true" : "lora.dropout > 0") +
+                                ": peft's LoRA on fused expert tensors (target_parameters) has neither DoRA nor dropout; "
+                                "drop \"experts\" from lora.targets or set " +
+                                (opt.lora_use_dora ? "lora.use_dora = false" : "lora.dropout = 0"));
   m.compute_dtype = opt.compute_dtype;
   m.frozen_dtype = frozen;
   m.activation_checkpointing = opt.activation_checkpointing;
@@ -481,6 +535,16 @@ std::vector<std::pair<std::string, at::Tensor>> DecoderModel::lora_parameters() 
     for (const ProjectionRow& row : arch.projections)
       if (row.member && in_layer(row.mixer, config, static_cast<int64_t>(i)))
         add(layout_key(names, hf_module(row.hf_module, static_cast<int64_t>(i))), layers[i].*row.member);
+    const modules::Experts& ex = layers[i].experts;
+    if (!ex.has_lora()) continue;
+    // peft's target_parameters on both fused expert tensors: gate_up_proj's wrapper is the inner
+    // one (base_layer), down_proj's the outer.
+    const std::string stem =
+        "base_model.model." + layout_key(names, hf_module(arch.experts->fused, static_cast<int64_t>(i)));
+    out.emplace_back(stem + ".base_layer.lora_A.weight", ex.gate_up_a);
+    out.emplace_back(stem + ".base_layer.lora_B.weight", ex.gate_up_b);
+    out.emplace_back(stem + ".lora_A.weight", ex.down_a);
+    out.emplace_back(stem + ".lora_B.weight", ex.down_b);
   }
   add(layout_key(names, output_projection(arch).hf_module), lm_head);
   return out;

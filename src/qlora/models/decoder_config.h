@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "qlora/models/family.h"
+#include "qlora/modules/moe.h"
 #include "qlora/modules/options.h"
 
 namespace qlora::models {
@@ -80,6 +81,10 @@ struct DecoderConfig {
   // GGUF writes it (rope.dimension_sections). Empty: the config has none.
   std::vector<int64_t> mrope_section;
 
+  // Mixture-of-Experts (Qwen3-MoE, Mixtral): the router's settings and an expert's width, and the
+  // layers whose feed-forward is the MoE (one entry a layer; empty: none, every layer is dense).
+  modules::MoeDims moe;
+  std::vector<bool> moe_layers;
   MlpActivation activation = MlpActivation::kSilu;
   bool attention_bias = false;     // q/k/v/o biases (Llama/Qwen3 attention_bias); Qwen2: q/k/v always
   modules::RmsScale norm = modules::RmsScale::kWeight;  // Gemma 2/3: (1 + w) in fp32; Gemma 4: w in fp32
@@ -97,6 +102,9 @@ struct DecoderConfig {
   }
   bool is_linear(int64_t layer) const {
     return !linear_layers.empty() && linear_layers.at(static_cast<size_t>(layer));
+  }
+  bool is_moe(int64_t layer) const {
+    return !moe_layers.empty() && moe_layers.at(static_cast<size_t>(layer));
   }
   int64_t rope_dim() const { return rotary_dim > 0 ? rotary_dim : head_dim; }
   // The full-attention layers' rotary dims (Gemma 4: global_head_dim).

@@ -27,6 +27,7 @@ std::vector<at::Tensor> DecoderLayer::trainable() const {
       if (p->has_dora()) out.push_back(p->magnitude);
     }
   }
+  for (const at::Tensor& t : experts.trainable()) out.push_back(t);
   return out;
 }
 
@@ -133,7 +134,8 @@ at::Tensor decoder_layer_forward(const DecoderLayer& layer, const LayerDims& dim
   const at::Tensor hidden = h + out;
   if (sandwich) x = layer_norm(dims, hidden, layer.pre_feedforward_layernorm);
   else x = post_norms_only ? hidden : layer_norm(dims, hidden, layer.post_attention_layernorm);
-  at::Tensor mlp = gated_mlp(layer, dims, x, training);
+  at::Tensor mlp = layer.is_moe() ? moe_forward(layer.router, layer.experts, dims.moe, x, extras ? extras->routing : nullptr)
+                                  : gated_mlp(layer, dims, x, training);
   if (layer.post_feedforward_layernorm.defined()) mlp = layer_norm(dims, mlp, layer.post_feedforward_layernorm);
   at::Tensor out_h = hidden + mlp;
   if (layer.per_layer_input_gate.out_features > 0) out_h = out_h + per_layer_branch(layer, dims, out_h, extras, training);

@@ -13,6 +13,7 @@
 #include "qlora/modules/attention.h"
 #include "qlora/modules/kv_cache.h"
 #include "qlora/modules/lora_linear.h"
+#include "qlora/modules/moe.h"
 #include "qlora/modules/options.h"
 #include "qlora/modules/rope.h"
 
@@ -45,7 +46,12 @@ struct DecoderLayer {
   // added to the residual; then the whole output is scaled by layer_scalar [1].
   LoraLinear per_layer_input_gate, per_layer_projection;
   at::Tensor post_per_layer_input_norm, layer_scalar;
+  // A Mixture-of-Experts layer (modules/moe.h), instead of the gated MLP: the router's weight
+  // [experts, hidden] (compute dtype, frozen) and the routed experts.
+  at::Tensor router;
+  Experts experts;
   bool is_linear() const { return in_proj_qkv.out_features > 0; }
+  bool is_moe() const { return router.defined(); }
   // Gemma 4's KV-shared layers compute queries only and attend over an earlier layer's K/V.
   bool kv_shared() const { return q_proj.out_features > 0 && k_proj.out_features == 0; }
   // The trainable tensors of this layer (LoRA A/B of every adapted projection).
@@ -63,6 +69,7 @@ struct LayerDims {
   bool rope = true;  // false: q and k are not rotated (SmolLM3's NoPE layers)
   bool output_gate = false;  // Qwen3.5: q_proj yields [query, gate] per head; output *= sigmoid(gate)
   GatedDeltaDims gated_delta;  // a Gated DeltaNet layer's sizes
+  MoeDims moe;                 // a MoE layer's router
 };
 
 struct Segments;  // packed samples' places, for the Gated DeltaNet (modules/gated_delta_net.h)
@@ -78,9 +85,11 @@ struct SharedKv {
 // What a Gemma 4 layer takes besides h: its slice of the per-layer inputs [batch, seq, per-layer dim]
 // (undefined: none), and `kv`: a KV-shared layer attends over it; any other layer given one stores
 // its K/V there for the layers that reuse them.
+// `routing` (any layer): a MoE layer stores its router's choice there (router statistics).
 struct LayerExtras {
   at::Tensor per_layer_input;
   SharedKv* kv = nullptr;
+  Routing* routing = nullptr;
 };
 
 // One pre-norm decoder layer. h: [batch, seq, hidden]; rope tables for the seq positions.

@@ -90,9 +90,10 @@ struct ExpertAdapter {
   double scale = 0.0;
 };
 
-ExpertAdapter adapter_of(at::TensorList adapters, size_t first, int64_t e, double scale) {
+ExpertAdapter adapter_of(at::TensorList adapters, size_t first, int64_t num_experts, int64_t e, double scale) {
   if (adapters.empty()) return {};
-  return {adapters[first].select(0, e), adapters[first + 1].select(0, e), {}, {}, scale};
+  return {expert_lora_a(adapters[first], num_experts, e), expert_lora_b(adapters[first + 1], num_experts, e), {}, {},
+          scale};
 }
 
 // y [n, out] = x2 @ W^T, plus scale * (x2 @ A^T) @ B^T with an adapter, whose x2 @ A^T is written
@@ -159,7 +160,7 @@ enum ExpertsSaved : size_t {
 };
 
 // grouped_experts' node. Inputs: x [T, hidden], weights [T, k], index [T, k], the adapters (A and B
-// of gate_up, then of down, [E, ...] each; or none). Saved: x, weights, the grouping (perm; the
+// of gate_up, then of down, stacked as experts.h says; or none). Saved: x, weights, the grouping (perm; the
 // counts in saved_data), each slot's gate/up [S, 2*inter] and x @ A^T of both adapters [S, r]
 // (grouped order), the adapters, and the used experts' frozen weights (NF4 buffers by reference).
 struct GroupedExpertsFunction : public torch::autograd::Function<GroupedExpertsFunction> {
@@ -176,10 +177,10 @@ struct GroupedExpertsFunction : public torch::autograd::Function<GroupedExpertsF
       if (n == 0) continue;  // never touched: not dequantized, nothing saved
       const ExpertWeight w_gu = weight_of(ex, e, true), w_down = weight_of(ex, e, false);
       const at::Tensor gu_e = gu.narrow(0, off, n);
-      expert_project(x.index_select(0, slots.tokens(e)), w_gu, adapter_of(adapters, 0, e, ex.scale), gu_e,
+      expert_project(x.index_select(0, slots.tokens(e)), w_gu, adapter_of(adapters, 0, ex.num_experts, e, ex.scale), gu_e,
                      xa_gu.narrow(0, off, n));
       const at::Tensor act = ops::swiglu(gu_e.narrow(1, 0, inter), gu_e.narrow(1, inter, inter));  // [n, inter]
-      expert_project(act, w_down, adapter_of(adapters, 2, e, ex.scale), y.narrow(0, off, n), xa_down.narrow(0, off, n));
+      expert_project(act, w_down, adapter_of(adapters, 2, ex.num_experts, e, ex.scale), y.narrow(0, off, n), xa_down.narrow(0, off, n));
       save_weight(ctx, w_gu, weight_key("gate_up", e));
       save_weight(ctx, w_down, weight_key("down", e));
     }
@@ -233,13 +234,15 @@ struct GroupedExpertsFunction : public torch::autograd::Function<GroupedExpertsF
     const int64_t off = slots.offsets[e], n = slots.counts[e];
     const at::TensorList adapters = at::TensorList(saved).slice(kSavedAdapters);
     const double scale = ctx->saved_data["scale"].toDouble();
-    ExpertAdapter ad_gu = adapter_of(adapters, 0, e, scale), ad_down = adapter_of(adapters, 2, e, scale);
+    const auto E = static_cast<int64_t>(slots.counts.size());
+    ExpertAdapter ad_gu = adapter_of(adapters, 0, E, e, scale), ad_down = adapter_of(adapters, 2, E, e, scale);
     if (!adapters.empty()) {  // result[3 ..]: gate_up's A, B, down's A, B (defined where needed)
-      auto slice = [&](size_t i) { return result[i].defined() ? result[i].select(0, e) : at::Tensor(); };
-      ad_gu.grad_a = slice(3);
-      ad_gu.grad_b = slice(4);
-      ad_down.grad_a = slice(5);
-      ad_down.grad_b = slice(6);
+      auto a = [&](size_t i) { return result[i].defined() ? expert_lora_a(result[i], E, e) : at::Tensor(); };
+      auto b = [&](size_t i) { return result[i].defined() ? expert_lora_b(result[i], E, e) : at::Tensor(); };
+      ad_gu.grad_a = a(3);
+      ad_gu.grad_b = b(4);
+      ad_down.grad_a = a(5);
+      ad_down.grad_b = b(6);
     }
     const at::Tensor tok = slots.tokens(e);
     const at::Tensor gu = saved[kSavedGateUp].narrow(0, off, n);
@@ -339,18 +342,15 @@ Experts experts_dense(std::vector<at::Tensor> gate_up, std::vector<at::Tensor> d
 
 namespace {
 
-// E adapters' A of one projection [E, r, in], drawn expert by expert from gen exactly as
-// lora_linear_add_adapter draws a LoRA A (kaiming_uniform, a = sqrt(5)).
+// The stacked A of one projection, [r * E, in], drawn whole from gen exactly as lora_linear_add_adapter
+// draws a LoRA A (kaiming_uniform, a = sqrt(5): its bound depends on `in` alone), as peft draws its
+// lora_A of r * E rows.
 at::Tensor experts_draw_a(int64_t num_experts, int64_t r, int64_t in, const at::Generator& gen) {
-  std::vector<at::Tensor> as;
-  for (int64_t e = 0; e < num_experts; ++e) {
-    LoraLinear one;  // only its sizes: lora_linear_add_adapter's draw, on the CPU
-    one.in_features = in;
-    one.out_features = 1;
-    lora_linear_add_adapter(one, r, 1.0, 0.0, gen, at::kCPU);
-    as.push_back(one.lora_a.detach());
-  }
-  return at::stack(as);
+  LoraLinear one;  // only its sizes: lora_linear_add_adapter's draw, on the CPU
+  one.in_features = in;
+  one.out_features = 1;
+  lora_linear_add_adapter(one, r * num_experts, 1.0, 0.0, gen, at::kCPU);
+  return one.lora_a.detach();
 }
 
 // Expert e's adapter of one projection as a LoraLinear (A, B, scale), for lora_merged_weight.
@@ -358,8 +358,8 @@ LoraLinear expert_as_lora(const at::Tensor& a, const at::Tensor& b, int64_t e, c
   if (!ex.has_lora()) throw std::invalid_argument("experts_merged: the experts have no adapters");
   if (e < 0 || e >= ex.num_experts) throw std::invalid_argument("experts_merged: no expert " + std::to_string(e));
   LoraLinear l;
-  l.lora_a = a.select(0, e);
-  l.lora_b = b.select(0, e);
+  l.lora_a = expert_lora_a(a, ex.num_experts, e);
+  l.lora_b = expert_lora_b(b, ex.num_experts, e);
   l.r = ex.r;
   l.scale = ex.scale;
   l.in_features = l.lora_a.size(1);
@@ -376,9 +376,9 @@ void experts_add_adapters(Experts& ex, int64_t r, double scale, at::Generator ge
   const at::Tensor down_a = experts_draw_a(ex.num_experts, r, ex.inter, gen);
   const auto fp32 = at::TensorOptions().dtype(at::kFloat).device(device);
   ex.gate_up_a = gu_a.to(device).set_requires_grad(true);
-  ex.gate_up_b = at::zeros({ex.num_experts, 2 * ex.inter, r}, fp32).set_requires_grad(true);
+  ex.gate_up_b = at::zeros({2 * ex.inter, r * ex.num_experts}, fp32).set_requires_grad(true);
   ex.down_a = down_a.to(device).set_requires_grad(true);
-  ex.down_b = at::zeros({ex.num_experts, ex.hidden, r}, fp32).set_requires_grad(true);
+  ex.down_b = at::zeros({ex.hidden, r * ex.num_experts}, fp32).set_requires_grad(true);
   ex.r = r;
   ex.scale = scale;
 }
@@ -390,6 +390,15 @@ at::Tensor grouped_experts(const Experts& experts, const at::Tensor& x, const at
   if (experts.has_lora() && adapters_enabled())
     adapters = {experts.gate_up_a, experts.gate_up_b, experts.down_a, experts.down_b};
   return GroupedExpertsFunction::apply(x, weights, index, at::TensorList(adapters), &experts);
+}
+
+at::Tensor expert_lora_a(const at::Tensor& stacked_a, int64_t num_experts, int64_t e) {
+  const int64_t r = stacked_a.size(0) / num_experts;
+  return stacked_a.narrow(0, e * r, r);
+}
+
+at::Tensor expert_lora_b(const at::Tensor& stacked_b, int64_t num_experts, int64_t e) {
+  return stacked_b.view({stacked_b.size(0), stacked_b.size(1) / num_experts, num_experts}).select(2, e);
 }
 
 at::Tensor experts_merged_gate_up(const Experts& experts, int64_t e, const at::Tensor& base) {

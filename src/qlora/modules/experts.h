@@ -30,12 +30,15 @@ struct Experts {
   std::vector<at::Tensor> gate_up_dense, down_dense;  // compute dtype
   int64_t num_experts = 0, hidden = 0, inter = 0;
 
-  // Adapters, one per expert and projection, stacked along the first dim; undefined without them.
-  // fp32, requires_grad. Expert e's update of gate_up is (x @ A[e]^T @ B[e]^T) * scale.
-  at::Tensor gate_up_a;  // [E, r, hidden]
-  at::Tensor gate_up_b;  // [E, 2 * inter, r]
-  at::Tensor down_a;     // [E, r, inter]
-  at::Tensor down_b;     // [E, hidden, r]
+  // Adapters, one per expert and projection, held as peft holds LoRA on a fused expert parameter
+  // (target_parameters), so they are the PEFT adapter's tensors as they stand; undefined without them.
+  // fp32, requires_grad. Expert e's A is rows e*r .. e*r + r of lora_A (expert-major); its B is
+  // columns j*E + e, j < r, of lora_B (expert-minor: lora_B.view({out, r, E}).select(2, e)); its
+  // update of gate_up is (x @ A_e^T @ B_e^T) * scale.
+  at::Tensor gate_up_a;  // [r * E, hidden]
+  at::Tensor gate_up_b;  // [2 * inter, r * E]
+  at::Tensor down_a;     // [r * E, inter]
+  at::Tensor down_b;     // [hidden, r * E]
   int64_t r = 0;
   double scale = 0.0;  // alpha / r, or alpha / sqrt(r) with rsLoRA
 
@@ -49,9 +52,9 @@ struct Experts {
 Experts experts_nf4(std::vector<Nf4Tensor> gate_up, std::vector<Nf4Tensor> down);
 Experts experts_dense(std::vector<at::Tensor> gate_up, std::vector<at::Tensor> down);
 
-// Adds adapters as peft initialises LoRA on a parameter: each expert's A ~ U(-1/sqrt(in), 1/sqrt(in))
-// (kaiming_uniform, a=sqrt(5)) drawn from `gen` expert by expert (gate_up's, then down's), B = 0;
-// created in fp32 on `device`, requiring grad. `scale` as lora_scale gives it.
+// Adds adapters as peft initialises LoRA on a parameter: lora_A [r * E, in] ~ U(-1/sqrt(in), 1/sqrt(in))
+// (kaiming_uniform, a=sqrt(5)) drawn whole from `gen` (gate_up's, then down's), lora_B = 0; created
+// in fp32 on `device`, requiring grad. `scale` as lora_scale gives it.
 void experts_add_adapters(Experts& experts, int64_t r, double scale, at::Generator gen, at::Device device);
 
 // y[t] = sum_j weights[t, j] * expert_{index[t, j]}(x[t]), with expert(x) = down(silu(gate(x)) * up(x)),
@@ -65,7 +68,11 @@ void experts_add_adapters(Experts& experts, int64_t r, double scale, at::Generat
 at::Tensor grouped_experts(const Experts& experts, const at::Tensor& x, const at::Tensor& index,
                            const at::Tensor& weights);
 
-// Expert e's merged weights W + scale * B[e] @ A[e], fp32 (for exports); base: the expert's weight
+// Expert e's A [r, in] and B [out, r] (views of the stacked adapters).
+at::Tensor expert_lora_a(const at::Tensor& stacked_a, int64_t num_experts, int64_t e);
+at::Tensor expert_lora_b(const at::Tensor& stacked_b, int64_t num_experts, int64_t e);
+
+// Expert e's merged weights W + scale * B_e @ A_e, fp32 (for exports); base: the expert's weight
 // dequantized to fp32. Requires adapters.
 at::Tensor experts_merged_gate_up(const Experts& experts, int64_t e, const at::Tensor& base);
 at::Tensor experts_merged_down(const Experts& experts, int64_t e, const at::Tensor& base);

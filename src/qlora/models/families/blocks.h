@@ -32,6 +32,20 @@ constexpr NormRow kPostFfnNorm{"post_feedforward_layernorm", "model.layers.{i}.p
 constexpr NormRow kQNorm{"q_norm", "model.layers.{i}.self_attn.q_norm", &modules::DecoderLayer::q_norm, Dim::kHeadDim};
 constexpr NormRow kKNorm{"k_norm", "model.layers.{i}.self_attn.k_norm", &modules::DecoderLayer::k_norm, Dim::kHeadDim};
 
+// The rows with the gated MLP's (gate, up, down) held only by dense layers (Mixer::kDenseMlp): a
+// MoE family whose MoE replaces the MLP on the layers DecoderConfig::is_moe names.
+std::vector<ProjectionRow> dense_mlp_rows(std::vector<ProjectionRow> rows);
+
+// A MoE config's router and layers (DecoderConfig::moe, moe_layers): the expert count from
+// `experts_key` (or its alias: num_experts and num_local_experts are one setting in transformers),
+// top_k from num_experts_per_tok, the experts' width from `inter_key`; every layer is MoE unless `is_moe` says otherwise.
+// Refuses top_k outside [1, experts] and a width of 0, naming the key.
+void parse_moe(const nlohmann::json& j, const std::string& where, DecoderConfig& c, const char* experts_key,
+               int64_t experts_default, int64_t top_k_default, const char* inter_key);
+
+// GGUF of a MoE family: not written yet (refuse_gguf).
+void refuse_moe_gguf(const DecoderConfig& c, const std::string& where);
+
 // An architecture with the usual embedding and final norm keys.
 Architecture make_architecture(const char* family, std::vector<ProjectionRow> rows, std::vector<NormRow> norms);
 

@@ -17,11 +17,13 @@ const Family& olmo2_family();
 const Family& olmo3_family();
 const Family& qwen3_5_family();
 const Family& gemma4_family();
+const Family& qwen3_moe_family();
+const Family& mixtral_family();
 
 const std::vector<const Family*>& all_families() {
   static const std::vector<const Family*> families = {
       &llama_family(),   &qwen2_family(),   &qwen3_family(), &gemma2_family(),  &gemma3_family(), &phi3_family(),
-      &smollm3_family(), &olmo2_family(),   &olmo3_family(), &qwen3_5_family(), &gemma4_family(),
+      &smollm3_family(), &olmo2_family(),   &olmo3_family(), &qwen3_5_family(), &gemma4_family(), &qwen3_moe_family(), &mixtral_family(),
   };
   return families;
 }

@@ -1,0 +1,41 @@
+// A Mixture-of-Experts feed-forward: a router picks k of E experts per token and weighs them, the
+// routed experts (modules/experts.h) compute and sum. The router is frozen (as the other toolkits
+// keep it); its weights still carry gradient to the residual stream through their softmax.
+// Numerics follow transformers' router of each family op for op.
+#pragma once
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+
+#include "qlora/modules/experts.h"
+
+namespace qlora::modules {
+
+// How a family's router turns its logits into the top-k experts and their weights.
+struct MoeDims {
+  int64_t num_experts = 0, top_k = 0;
+  int64_t inter = 0;            // an expert's width (moe_intermediate_size)
+  bool norm_topk_prob = false;  // the k probabilities renormalised to sum to 1 (Qwen3-MoE's key; Mixtral always)
+  bool fp32_weights = false;    // the weights stay fp32 (Mixtral) instead of cast to the logits' dtype (Qwen3-MoE)
+};
+
+// The router's choice for T tokens: index [T, k] int64, weights [T, k] (fp32 or the compute dtype,
+// differentiable w.r.t. x), and the full probabilities [T, E] fp32 (detached; router statistics).
+struct Routing {
+  at::Tensor index, weights, probs;
+};
+
+// logits = x @ router^T in x's dtype; softmax over all experts in fp32; top k (ties to the lower
+// index, as torch.topk on the CPU); renormalised under norm_topk_prob; cast to x's dtype unless
+// fp32_weights. x: [T, hidden]; router: [E, hidden] in x's dtype, frozen.
+Routing route(const at::Tensor& router, const MoeDims& dims, const at::Tensor& x);
+
+// The layer's MoE output for x [batch, seq, hidden]: route, then grouped_experts. `routing` (optional)
+// receives the router's choice (for statistics).
+at::Tensor moe_forward(const at::Tensor& router, const Experts& experts, const MoeDims& dims, const at::Tensor& x,
+                       Routing* routing = nullptr);
+
+// Tokens each expert received, [E] int64, from a routing's index.
+at::Tensor expert_counts(const Routing& routing, int64_t num_experts);
+
+}  // namespace qlora::modules
