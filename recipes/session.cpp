@@ -484,6 +484,26 @@ void save_checkpoint(const Session& ses, const Model& m, const Optimizer& o, con
   checkpoint::save_resume_checkpoint(cfg.checkpoint.output_dir, p.global_step, s, cfg.checkpoint.keep_last_n, sync);
 }
 
+// Router statistics of the step just run (a MoE model's; DecoderModel::router_counts), summed over
+// ranks, into r.extra: per MoE layer, its busiest expert's tokens over the mean (1 is perfectly even,
+// E is one expert taking them all) and the experts that got no token, so a collapsing router shows.
+void add_router_metrics(Model& m, engine::World& world, StepResult& r) {
+  const std::shared_ptr<at::Tensor>& counts = m.decoder.router_counts;
+  if (!counts) return;
+  at::Tensor all = counts->to(m.decoder.embed_tokens.device());
+  if (world.size() > 1) engine::wait(world.world().all_reduce_sum(all));
+  all = all.cpu().to(at::kDouble);
+  counts->zero_();
+  for (int64_t i = 0; i < all.size(0); ++i) {
+    if (!m.decoder.config.is_moe(i)) continue;
+    const at::Tensor row = all[i];
+    const double mean = row.mean().item<double>();
+    const std::string layer = "router/layer" + std::to_string(i);
+    r.extra[layer + "/max_over_mean"] = mean > 0 ? row.max().item<double>() / mean : 0.0;
+    r.extra[layer + "/unused_experts"] = row.eq(0).sum().item<int64_t>();
+  }
+}
+
 void log_validation(const report::ValidationMetrics& v, report::MetricsLog* metrics, report::Progress& progress) {
   if (!metrics) return;  // not rank 0
   metrics->append(v);
@@ -553,6 +573,9 @@ Position train(const Session& s, Model& m, const TextSetup& text, RecipeParts& p
 
   const train::FaultPlan& faults = train::fault_plan();  // empty unless a test installed one
   report::MetricsLog* lead_metrics = lead ? &*metrics : nullptr;
+  const models::DecoderConfig& dc = m.decoder.config;
+  if (!dc.moe_layers.empty())
+    m.decoder.router_counts = std::make_shared<at::Tensor>(at::zeros({dc.num_hidden_layers, dc.moe.num_experts}, at::kLong));
   int64_t consecutive_skips = 0;
   Position p = start;
   for (; p.epoch < cfg.training.epochs; ++p.epoch, p.step_in_epoch = 0) {
@@ -564,6 +587,7 @@ Position train(const Session& s, Model& m, const TextSetup& text, RecipeParts& p
       const double lr = o.schedule.lr_at(p.global_step);
       o.adamw->set_lr(lr);
       StepResult r = parts.step(p.global_step + 1);
+      add_router_metrics(m, world, r);
       r.grad_norm = m.engine->clip_grad_norm(cfg.optim.max_grad_norm);
       const Verdict verdict = judge_step(cfg, r, consecutive_skips);  // the same on every rank
       if (verdict == Verdict::kUpdate) o.adamw->step();

@@ -303,13 +303,15 @@ at::Tensor checkpointed_layer(const DecoderModel& m, int64_t i, const at::Tensor
     for (const at::Tensor& t : {kv->k, kv->v})
       if (t.requires_grad()) params.push_back(t);
   const at::Tensor per_layer = ex.per_layer_input;
+  // The forward pass (not the replay) records the router's choice: it runs before this returns.
+  modules::Routing* routing = ex.routing;
   // Captured by value: the backward replays this closure after hidden_states has returned. The
   // hooks are held by the model, which outlives its backward.
   return modules::checkpointed(
-      [&layer, d, rope, attn_mask, segments, train, hooks, i, kv, per_layer](const at::Tensor& x) {
+      [&layer, d, rope, attn_mask, segments, train, hooks, i, kv, per_layer, routing](const at::Tensor& x) {
         const bool replay = at::GradMode::is_enabled();  // the forward pass runs without grad
         if (hooks && replay) hooks->before_forward(i, true);
-        const modules::LayerExtras e{per_layer, kv.get()};
+        const modules::LayerExtras e{per_layer, kv.get(), replay ? nullptr : routing};
         at::Tensor y = modules::decoder_layer_forward(layer, d, x, rope, train, nullptr, attn_mask,
                                                       segments.gather.defined() ? &segments : nullptr, &e);
         if (hooks && replay) hooks->after_forward(i, true);
@@ -355,7 +357,10 @@ at::Tensor hidden_states(const DecoderModel& m, const at::Tensor& tokens, const 
     const DecoderLayer& layer = m.layers[i];
     const modules::LayerDims d = m.dims(i);
     const modules::RopeTables& rope = c.is_sliding(i) ? rope_local : rope_global;
-    const modules::LayerExtras ex = sides.of(c, i);
+    modules::LayerExtras ex = sides.of(c, i);
+    modules::Routing routing;
+    const bool count = m.router_counts && m.training && !cache && layer.is_moe();
+    if (count) ex.routing = &routing;
     if (hooks) hooks->before_forward(i, false);
     if (cache) {
       h = modules::decoder_layer_forward(layer, d, h, rope, m.training, &cache->layers[i], attn_mask, nullptr, &ex);
@@ -364,6 +369,7 @@ at::Tensor hidden_states(const DecoderModel& m, const at::Tensor& tokens, const 
     } else {
       h = modules::decoder_layer_forward(layer, d, h, rope, m.training, nullptr, attn_mask, segs, &ex);
     }
+    if (count) (*m.router_counts)[i] += modules::expert_counts(routing, c.moe.num_experts);
     if (hooks) {
       hooks->after_forward(i, false);
       add_backward_hooks(h, hooks, i, /*feeds_next=*/true);

@@ -112,6 +112,10 @@ struct DecoderModel {
   bool activation_checkpointing = false;
   bool training = false;           // enables LoRA dropout
   std::shared_ptr<UnitHooks> hooks;  // optional; see UnitHooks
+  // Router statistics: when set, each training forward (m.training, no cache) adds the tokens each
+  // expert of each MoE layer received to it, [layers, experts] int64 on the CPU (rows of dense
+  // layers stay 0); the caller reads and clears it.
+  std::shared_ptr<at::Tensor> router_counts;
 
   // tokens: [batch, seq] int64. With a cache, the tokens continue the cached sequence and the
   // cache is extended (cache and activation checkpointing are exclusive: generation needs no
