@@ -25,6 +25,17 @@ qkv_proj / gate_up_proj, asked for as q, k, v, gate, up), qwen3_5_text (a Gated 
 partially rotary attention layer, LoRA on both mixers' projections), gemma4_text (per-layer inputs, KV
 sharing, values that are the keys, a double-wide MLP). The sliding-window families and Qwen3.5 train on
 packed rows, so windows meet rows holding several samples, and generate past the window (KV cache).
+The Mixture-of-Experts families: qwen3_moe (8 experts, top-2 renormalised, a dense first layer by
+mlp_only_layers) and mixtral (4 experts, top-2, routing weights kept in fp32, sliding window, packed),
+LoRA on q, k, v, o and the experts (lora.targets "experts": peft's target_parameters on the fused
+mlp.experts.gate_up_proj and down_proj; the checkpoints hold one tensor per expert, as transformers
+writes them). Beyond the checks above, for them:
+5. the merged export keeps the checkpoint's per-expert tensors and its routers bit for bit;
+6. peft itself reads the adapter: PeftModel.from_pretrained(the transformers base, the adapter) loads
+   every tensor (nothing missing or unexpected), its logits equal the merged export's in transformers,
+   and its merge_and_unload() equals the merged export's weights. peft merges onto the full-precision
+   base, so these use the 2-rank run, exported with checkpoint.merge_from=original (the others' export
+   merges onto the NF4 base that trained, the default); it also shows the ranks' shared merged export.
 
     python tests/recipes/test_families_recipe.py --qlora build/qlora --qlora-faults build/qlora_faults
         --workdir build/recipe_families [--families qwen2,phi3]
@@ -37,17 +48,18 @@ import shutil
 import subprocess
 import sys
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import sentencepiece
 import torch
 import transformers
-from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 from tokenizers import Tokenizer
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from recipe_common import (Checks, RANKS_TOL, adapter, losses, max_diff, max_tensor_diff, recipe_args, step_rows, run_recipe,
                            safetensors_of)
+from safetensors.torch import load_file as load_torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "conformance"))
@@ -57,6 +69,11 @@ DATA = os.path.join(HERE, "..", "data")
 SP_TOKENIZER = os.path.join(DATA, "tokenizer", "tokenizer.model")  # 512 pieces, <unk> 0, <s> 1, </s> 2
 LAYER_TARGETS = ["q", "k", "v", "o", "gate", "up", "down"]
 LLAMA_PEFT = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+MOE_TARGETS = ["q", "k", "v", "o", "experts"]
+ATTENTION_PEFT = ["q_proj", "k_proj", "v_proj", "o_proj"]
+EXPERTS_PEFT = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]  # peft's target_parameters for "experts"
+# A MoE layer's router: frozen and never quantized (Mixtral's checkpoints name it block_sparse_moe.gate).
+ROUTER = re.compile(r"\.(mlp|block_sparse_moe)\.gate\.weight$")
 # initializer_range 0.1 rather than 0.02: logits of a few units, so greedy decoding rarely meets a
 # near tie that the two implementations' rounding could break apart.
 SIZES = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -82,6 +99,7 @@ class Family:
     peft_targets: list      # the module names peft targets for them
     packing: bool = False
     byte_level: bool = False  # a tokenizer.json (Qwen's kind) instead of the sentencepiece model
+    peft_parameters: list = field(default_factory=list)  # peft's target_parameters (fused MoE experts)
 
 
 GEMMA = dict(head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=16,
@@ -114,6 +132,14 @@ FAMILIES = [
                                final_logit_softcapping=30.0, tie_word_embeddings=False),
            LAYER_TARGETS + ["ple_gate", "ple_proj"], LLAMA_PEFT + ["per_layer_input_gate", "per_layer_projection"],
            packing=True),
+    # Mixtures of Experts: experts of width 32 (gate_up [64, 64], down [64, 32] each), top-2. Qwen3-MoE's
+    # layer 0 keeps a dense MLP (intermediate_size 96), untargeted: no "gate", "up", "down" here.
+    Family("qwen3_moe", dict(head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                             mlp_only_layers=[0], norm_topk_prob=True, tie_word_embeddings=False),
+           MOE_TARGETS, ATTENTION_PEFT, peft_parameters=EXPERTS_PEFT),
+    Family("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, sliding_window=WINDOW,
+                           tie_word_embeddings=False),
+           MOE_TARGETS, ATTENTION_PEFT, packing=True, peft_parameters=EXPERTS_PEFT),
 ]
 
 
@@ -187,15 +213,19 @@ def check_export(check, name, family, base_dir, run_dir):
     # The adapter's keys as peft names them for this family's target modules. Only the LoRA
     # tensors: with lm_head targeted peft would also save the (frozen, unchanged) base head unless
     # told not to, which a QLoRA adapter has no reason to carry.
+    # MoE: the experts are peft's target_parameters (its ParamWrapper on the fused 3-D tensors).
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    peft_model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=family.peft_targets))
+    peft_model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=family.peft_targets,
+                                                 target_parameters=family.peft_parameters or None))
     want = {k: tuple(v.shape) for k, v in get_peft_model_state_dict(peft_model, save_embedding_layers=False).items()}
     got = {k: tuple(v.shape) for k, v in adapter(run_dir).items()}
     check(got == want, f"{name}: adapter keys and shapes are peft's ({len(want)} tensors; "
                        f"ours only {sorted(set(got) - set(want))[:3]}, peft's only {sorted(set(want) - set(got))[:3]})")
     with open(os.path.join(export, "adapter", "adapter_config.json")) as f:
-        targets = json.load(f)["target_modules"]
-    check(sorted(targets) == sorted(family.peft_targets), f"{name}: adapter_config target_modules {sorted(targets)}")
+        config = json.load(f)
+    targets, parameters = config["target_modules"], config.get("target_parameters") or []
+    check(sorted(targets) == sorted(family.peft_targets) and parameters == sorted(family.peft_parameters),
+          f"{name}: adapter_config target_modules {sorted(targets)}, target_parameters {parameters}")
 
     merged, info = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32, attn_implementation="eager",
                                                         output_loading_info=True)
@@ -205,12 +235,85 @@ def check_export(check, name, family, base_dir, run_dir):
     missing = sorted(set(original) - set(exported))
     check(not missing and all(exported[k].shape == original[k].shape for k in original),
           f"{name}: the merged export holds every tensor of the original ({len(original)}; missing {missing[:4]})")
-    frozen = [k for k in original if original[k].dim() == 1 or k == "model.embed_tokens.weight"]
+    frozen = [k for k in original if original[k].dim() == 1 or k == "model.embed_tokens.weight" or ROUTER.search(k)]
     changed = [k for k in frozen if k in exported and not torch.equal(exported[k].float(), original[k])]
     kinds = sorted({re.sub(r"model\.layers\.\d+\.", "", k) for k in frozen})
-    check(not changed, f"{name}: {len(frozen)} norms, biases and embeddings equal the original's ({', '.join(kinds)}); "
-                       f"changed: {changed[:4]}")
+    check(not changed, f"{name}: {len(frozen)} norms, biases{', routers' if family.peft_parameters else ''} and "
+                       f"embeddings equal the original's ({', '.join(kinds)}); changed: {changed[:4]}")
+    if family.peft_parameters:
+        # The checkpoint holds one tensor per expert and projection (what transformers writes); the
+        # export keeps that layout (same keys, shapes and dtypes), not transformers' fused in-memory one.
+        experts = sorted(k for k in original if ".experts." in k)
+        ours = sorted(k for k in exported if ".experts." in k)
+        check(experts and ours == experts and all(exported[k].dtype == original[k].dtype for k in experts),
+              f"{name}: the merged export holds the checkpoint's {len(experts)} per-expert tensors "
+              f"({experts[0] if experts else None}, ...) and no others; ours only {sorted(set(ours) - set(experts))[:3]}")
     return merged
+
+
+# peft's forward folds each expert's adapter into its weight in the parameter's dtype (fp32 here:
+# baddbmm, W + s * B_e @ A_e) and runs the experts on that, while the attention projections add
+# s * (x @ A^T) @ B^T to x @ W^T; the merged export holds W + s * B @ A as qlora computes it, and
+# transformers runs it unfolded. The same values in another order of fp32 operations: the logits
+# differ by a few roundings (~1e-7 of the largest logit per operation, through 2 layers), the merged
+# weights by at most a rounding of each sum. The adapters' own effect on the logits and on each
+# adapted tensor is checked to be far larger than these tolerances, so equality within them means
+# the adapters are read as qlora trained them.
+PEFT_LOGITS_TOL = 1e-5  # of the largest logit
+PEFT_MERGE_TOL = 1e-6   # of each tensor's largest entry
+
+
+def check_peft(check, name, family, base_dir, run_dir, ids):
+    """peft reads our adapter: PeftModel.from_pretrained on the transformers base loads every tensor,
+    gives the merged export's logits, and its merge_and_unload() gives the merged export's weights
+    (run_dir exported with checkpoint.merge_from=original: peft merges onto the full-precision base)."""
+    adapter_dir = os.path.join(run_dir, "epoch_0", "adapter")
+    load = lambda d: AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = PeftModel.from_pretrained(load(base_dir), adapter_dir)
+    warned = [str(w.message)[:200] for w in caught if "missing adapter keys" in str(w.message)]
+    # from_pretrained warns about missing adapter keys only; loading the file once more returns what
+    # load_state_dict saw, unexpected keys too (the same values: nothing changes).
+    file = load_torch(os.path.join(adapter_dir, "adapter_model.safetensors"))
+    result = set_peft_model_state_dict(model, file)
+    missing = [k for k in result.missing_keys if "lora_" in k]
+    loaded = [n for n, _ in model.named_parameters() if "lora_" in n]
+    config = model.peft_config["default"]
+    check(not warned and not missing and not result.unexpected_keys and len(loaded) == len(file)
+          and sorted(config.target_parameters or []) == sorted(family.peft_parameters),
+          f"{name}: PeftModel.from_pretrained loads the adapter's {len(file)} tensors into {len(loaded)} LoRA "
+          f"parameters (target_parameters {sorted(config.target_parameters or [])}); missing {missing[:3]} {warned[:1]}, "
+          f"unexpected {result.unexpected_keys[:3]}")
+
+    merged, original = load(os.path.join(run_dir, "epoch_0")), load(base_dir)
+    tokens = torch.tensor([ids])
+    with torch.no_grad():
+        theirs, ours, before = model(tokens).logits, merged(tokens).logits, original(tokens).logits
+    scale = float(ours.abs().max())
+    d, effect = float((theirs - ours).abs().max()) / scale, float((before - ours).abs().max()) / scale
+    check(d < PEFT_LOGITS_TOL and effect > 100 * PEFT_LOGITS_TOL,
+          f"{name}: peft's logits equal the merged export's in transformers ({len(ids)} tokens, fp32): "
+          f"{d:.1e} < {PEFT_LOGITS_TOL} of the largest logit; the adapters move them {effect:.1e}")
+
+    unloaded = model.merge_and_unload().state_dict()
+    mine, base = merged.state_dict(), original.state_dict()
+    worst, moved, adapted = 0.0, float("inf"), []
+    for k in sorted(mine):
+        if k not in unloaded or unloaded[k].shape != mine[k].shape:
+            worst = float("inf")
+            continue
+        size = float(mine[k].abs().max()) or 1.0
+        worst = max(worst, float((unloaded[k] - mine[k]).abs().max()) / size)
+        if not torch.equal(unloaded[k], base[k]):
+            adapted.append(re.sub(r"model\.layers\.\d+\.", "", k))
+            moved = min(moved, float((unloaded[k] - base[k]).abs().max()) / size)
+    kinds = sorted(set(adapted))
+    check(unloaded.keys() == mine.keys() and worst < PEFT_MERGE_TOL and moved > 100 * PEFT_MERGE_TOL
+          and any(".experts." in k for k in kinds),
+          f"{name}: peft's merge_and_unload() equals the merged export's weights ({len(mine)} tensors): "
+          f"{worst:.1e} < {PEFT_MERGE_TOL} of each one's largest; the {len(adapted)} adapted ({', '.join(kinds)}) "
+          f"moved at least {moved:.1e}")
 
 
 def check_generate(check, name, qlora, tok, merged, export):
@@ -257,17 +360,25 @@ def family_checks(check, a, family):
     check(len(ref) == STEPS and all(math.isfinite(x) for x in ref) and ref[-1] < ref[0] and min(tokens) > 0,
           f"{name}: {len(ref)} finite losses that fall ({ref[0]:.4f} -> {ref[-1]:.4f}), label tokens {tokens}")
     ref_adapter = adapter(one)
+    peft_run = None  # MoE: the 2-rank run, merged from the original weights for peft's checks (docstring, 6)
     for nproc in (2, 3):
         out = os.path.join(work, f"ranks{nproc}")
-        r = run_recipe(a.qlora, out, *common, f"training.batch_size={GLOBAL_BATCH // nproc}", nproc=nproc)
+        merge = ["checkpoint.merge_from=original"] if family.peft_parameters and nproc == 2 else []
+        r = run_recipe(a.qlora, out, *common, *merge, f"training.batch_size={GLOBAL_BATCH // nproc}", nproc=nproc)
         if not check(r.returncode == 0, f"{name}: {nproc} ranks train"):
             continue
+        if merge:
+            peft_run = out
         dl, da = max_diff(losses(out), ref), max_tensor_diff(adapter(out), ref_adapter)
         check(dl < RANKS_TOL and da < RANKS_TOL,
               f"{name}: {nproc} ranks give one process's losses and adapter within {RANKS_TOL} ({dl:.1e}, {da:.1e})")
 
-    # 2. the export
+    # 2. the export (and, for MoE, peft's reading of it)
     merged = check_export(check, name, family, base_dir, one)
+    if peft_run:
+        with open(os.path.join(DATA, "tiny_tasks.jsonl")) as f:
+            sample = json.loads(f.readline())
+        check_peft(check, name, family, base_dir, peft_run, tok.prompt_ids(ALPACA.format(**sample)))
 
     # 3. killed after step 3, resumed
     killed = os.path.join(work, "killed")

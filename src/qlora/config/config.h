@@ -67,7 +67,9 @@ struct LoraConfig {
   double alpha = 16.0;
   double dropout = 0.05;
   // Short names of architecture rows (models/architecture.h): q, k, v, o, gate, up, down, output;
-  // Phi-3 adds qkv and gate_up (its fused modules), which q, k, v / gate, up also select.
+  // Phi-3 adds qkv and gate_up (its fused modules), which q, k, v / gate, up also select; the MoE
+  // families (Qwen3-MoE, Mixtral) add experts: every routed expert's gate/up and down (peft's
+  // target_parameters; neither DoRA nor dropout, as peft refuses them there).
   std::vector<std::string> targets = {"q", "k", "v", "o"};
   bool use_rslora = false;  // rank-stabilised LoRA: scale alpha / sqrt(rank) instead of alpha / rank
   // DoRA (peft's use_dora): a trainable magnitude per output row of each adapted projection.
