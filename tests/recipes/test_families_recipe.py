@@ -340,6 +340,24 @@ def check_generate(check, name, qlora, tok, merged, export):
           f"tokens, smallest top-2 margin {margin:.2e}): {ours!r} vs {ref!r}")
 
 
+def check_router_metrics(check, name, family, run_dir):
+    """Each step's line holds, for each MoE layer (and no dense one), the busiest expert's tokens over
+    the mean, in [1, experts] (above 1 unless perfectly even), and the experts that got no token."""
+    cfg = AutoConfig.from_pretrained(os.path.join(run_dir, "epoch_0"))
+    experts = getattr(cfg, "num_experts", None) or cfg.num_local_experts
+    dense = set(getattr(cfg, "mlp_only_layers", None) or [])
+    rows = step_rows(run_dir)
+    keys = sorted({k for row in rows for k in row if k.startswith("router/")})
+    want = sorted(f"router/layer{i}/{m}" for i in range(cfg.num_hidden_layers) if i not in dense
+                  for m in ("max_over_mean", "unused_experts"))
+    ratios = [row[k] for row in rows for k in row if k.endswith("/max_over_mean")]
+    unused = [row[k] for row in rows for k in row if k.endswith("/unused_experts")]
+    check(keys == want and all(1.0 <= r <= experts for r in ratios) and max(ratios) > 1.0
+          and all(0 <= u < experts for u in unused),
+          f"{name}: metrics.jsonl's router statistics {keys}: max/mean in [{min(ratios):.2f}, {max(ratios):.2f}], "
+          f"unused experts {min(unused)}..{max(unused)} of {experts}")
+
+
 def family_checks(check, a, family):
     name = family.model_type
     work = os.path.join(a.workdir, name)
@@ -360,6 +378,8 @@ def family_checks(check, a, family):
     check(len(ref) == STEPS and all(math.isfinite(x) for x in ref) and ref[-1] < ref[0] and min(tokens) > 0,
           f"{name}: {len(ref)} finite losses that fall ({ref[0]:.4f} -> {ref[-1]:.4f}), label tokens {tokens}")
     ref_adapter = adapter(one)
+    if family.peft_parameters:
+        check_router_metrics(check, name, family, one)
     peft_run = None  # MoE: the 2-rank run, merged from the original weights for peft's checks (docstring, 6)
     for nproc in (2, 3):
         out = os.path.join(work, f"ranks{nproc}")
