@@ -340,6 +340,35 @@ def check_generate(check, name, qlora, tok, merged, export):
           f"tokens, smallest top-2 margin {margin:.2e}): {ours!r} vs {ref!r}")
 
 
+def check_fused_layout(check, name, a, tok, base_model, work, common, one):
+    """The same base saved with fused 3-D experts (save_original_format=False) trains to the same
+    losses and adapter bytes, and its merged export keeps the fused layout, each expert's gate_up the
+    per-expert export's gate over up and its down the same, bit for bit (both merge each expert into
+    the NF4 of its [2 * inter, hidden] matrix)."""
+    fused_base = os.path.join(work, "base_fused")
+    base_model.save_pretrained(fused_base, max_shard_size="100KB", save_original_format=False)
+    tok.install(fused_base)
+    out = os.path.join(work, "fused")
+    r = run_recipe(a.qlora, out, *common, f"model.checkpoint_dir={fused_base}", f"training.batch_size={GLOBAL_BATCH}")
+    if not check(r.returncode == 0, f"{name}: trains from fused experts"):
+        return
+    check(losses(out) == losses(one) and adapter_bytes(out) == adapter_bytes(one),
+          f"{name}: fused experts give the per-expert checkpoint's losses and adapter bit for bit")
+    fused, split = safetensors_of(os.path.join(out, "epoch_0")), safetensors_of(os.path.join(one, "epoch_0"))
+    stacks = sorted(k for k in fused if k.endswith("experts.gate_up_proj") or k.endswith("experts.down_proj"))
+    same = bool(stacks)
+    for k in stacks:
+        prefix = k.rsplit(".experts.", 1)[0].replace(".mlp", ".block_sparse_moe" if name == "mixtral" else ".mlp")
+        names = (("w1", "w3") if name == "mixtral" else ("gate_proj", "up_proj")) if k.endswith("gate_up_proj") \
+            else (("w2",) if name == "mixtral" else ("down_proj",))
+        for e in range(fused[k].shape[0]):
+            want = torch.cat([split[f"{prefix}.experts.{e}.{n}.weight"] for n in names])
+            same = same and torch.equal(fused[k][e], want)
+    check(same and not any(".experts.0." in k for k in fused),
+          f"{name}: the fused run's merged export is fused ({len(stacks)} stacks), each expert equal to the "
+          f"per-expert export's")
+
+
 def check_router_metrics(check, name, family, run_dir):
     """Each step's line holds, for each MoE layer (and no dense one), the busiest expert's tokens over
     the mean, in [1, experts] (above 1 unless perfectly even), and the experts that got no token."""
@@ -364,7 +393,7 @@ def family_checks(check, a, family):
     os.makedirs(work)
     tok = TokenizerRef(family, work)
     base_dir = os.path.join(work, "base")
-    build_checkpoint(family, tok, base_dir)
+    base_model = build_checkpoint(family, tok, base_dir)
     common = [*RUN, f"model.checkpoint_dir={base_dir}", f"data.packing={str(family.packing).lower()}",
               "lora.targets=[" + ",".join(f'"{t}"' for t in family.targets) + "]"]
 
@@ -380,6 +409,7 @@ def family_checks(check, a, family):
     ref_adapter = adapter(one)
     if family.peft_parameters:
         check_router_metrics(check, name, family, one)
+        check_fused_layout(check, name, a, tok, base_model, work, common, one)
     peft_run = None  # MoE: the 2-rank run, merged from the original weights for peft's checks (docstring, 6)
     for nproc in (2, 3):
         out = os.path.join(work, f"ranks{nproc}")
