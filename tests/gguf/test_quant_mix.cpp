@@ -144,7 +144,9 @@ TEST(GgufQuantMix, TensorsLlamaCppNeverQuantizes) {
                             {"blk.0.attn_q_norm.weight", {64}},
                             {"blk.0.ssm_conv1d.weight", {256, 4}}};
   const auto m = mix(t, GgmlType::Q4_K, ModelFacts{"llama", 1, 8, 8, 0});
-  EXPECT_EQ(m.at("blk.0.ffn_gate_inp.weight"), GgmlType::F16);
+  // A MoE router: the converter writes it in f32 and llama-quantize keeps it (in every file type).
+  EXPECT_EQ(m.at("blk.0.ffn_gate_inp.weight"), GgmlType::F32);
+  EXPECT_EQ(mix(t, GgmlType::F16, ModelFacts{"qwen3moe", 1, 8, 8, 8}).at("blk.0.ffn_gate_inp.weight"), GgmlType::F32);
   EXPECT_EQ(m.at("blk.0.attn_q_norm.weight"), GgmlType::F32);
   // The converter writes it in f32 and llama-quantize keeps it; ggml_ssm_conv reads f32 only.
   EXPECT_EQ(m.at("blk.0.ssm_conv1d.weight"), GgmlType::F32);
