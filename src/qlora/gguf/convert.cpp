@@ -85,15 +85,17 @@ std::vector<StackedTensor> stacked_experts(const io::CheckpointDir& ckpt, const 
   return out;
 }
 
-// A stacked expert tensor's values [experts, rows, cols], in the checkpoint's dtype.
-at::Tensor stacked_values(const io::CheckpointDir& ckpt, const StackedTensor& t) {
-  if (t.parts.size() == 1 && t.parts[0].all_experts) {
-    const StackedTensor::Part& p = t.parts[0];
-    return ckpt.tensor(p.key).narrow(1, p.row0, p.rows).contiguous();
+// Writes a stacked expert tensor [experts, rows, cols] one expert's matrix at a time (peak memory:
+// one expert's rows in fp32), from the checkpoint's mapped tensors.
+void write_stacked(Writer& out, const io::CheckpointDir& ckpt, const StackedTensor& t, GgmlType type) {
+  for (const StackedTensor::Part& p : t.parts) {
+    const at::Tensor x = ckpt.tensor(p.key);
+    if (!p.all_experts) {
+      write_tensor(out, x.narrow(0, p.row0, p.rows), type);
+      continue;
+    }
+    for (int64_t e = 0; e < x.size(0); ++e) write_tensor(out, x[e].narrow(0, p.row0, p.rows), type);
   }
-  std::vector<at::Tensor> experts;
-  for (const StackedTensor::Part& p : t.parts) experts.push_back(ckpt.tensor(p.key).narrow(0, p.row0, p.rows));
-  return at::stack(experts);
 }
 
 Plan plan_gguf(const io::CheckpointDir& ckpt, const models::DecoderConfig& c, const std::string& dir,
@@ -153,9 +155,7 @@ size_t write_gguf(const std::string& dir, const std::string& out_path, const Con
   const size_t first_stacked = first + plan.from_checkpoint.size();
   for (size_t i = 0; i < plan.stacked.size(); ++i) {
     const StackedTensor& t = plan.stacked[i];
-    at::Tensor x = stacked_values(ckpt, t);
-    write_tensor(out, x, plan.specs[first_stacked + i].type);
-    x = at::Tensor();
+    write_stacked(out, ckpt, t, plan.specs[first_stacked + i].type);
     // A fused gate_up key serves the gate and the up tensor, written one after the other: released after both.
     const bool read_next = i + 1 < plan.stacked.size() && t.parts[0].all_experts &&
                            plan.stacked[i + 1].parts[0].key == t.parts[0].key;
