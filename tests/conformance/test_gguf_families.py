@@ -21,6 +21,12 @@ family's kind, converted with `qlora gguf --type f32` and `--type f16`:
            the full layers (attention_k_eq_v), proportional RoPE, KV-shared layers with double-wide
            MLPs, per-layer inputs, layer scalars, a final soft-cap; and the Hub's
            Gemma4ForConditionalGeneration, of which only the language model is written
+  qwen3_moe  Qwen3-MoE as llama.cpp's qwen3moe: the router as ffn_gate_inp, each layer's experts
+           stacked into ffn_{gate,up,down}_exps, from transformers' one tensor per expert and from
+           the fused experts.gate_up_proj / down_proj; q4_k_m and q8_0 are llama-quantize's of our
+           f32 file; a LoRA on the experts (peft's target_parameters) applied by llama.cpp
+  mixtral  Mixtral as llama.cpp's llama with expert_count (block_sparse_moe.experts.<e>.w1/w3/w2),
+           fused too; q4_k_m and q8_0 as llama-quantize makes them; the experts' LoRA too
 
 For each: llama.cpp's logits on the f32 and f16 files equal transformers' within the tolerance
 beside the check, and its greedy continuation of 24 tokens is transformers'; llama.cpp tokenizes a
@@ -32,6 +38,7 @@ refusal (unknown model_type, unsupported RoPE, what llama.cpp would compute diff
 without a GGUF name, an unknown pre-tokenizer) is checked once, with no file left behind.
 
     python tests/conformance/test_gguf_families.py --tool build/qlora --workdir build/conformance_gguf_families
+    (--only qwen3_moe mixtral: those families' checks alone, with their refusals)
 """
 import json
 import os
@@ -240,7 +247,13 @@ FAMILIES = {
     # llama.cpp's gemma4 has its KV-shared layers read the last non-shared layer (full layers) and the
     # one before it (sliding layers), as Gemma 4's checkpoints lay them out: layers 2 full, 1 sliding.
     "gemma4": ("gemma4", dict(layer_types=GEMMA4_LAYERS), "sp-gemma"),
+    # Mixture of Experts. llama.cpp's qwen3moe makes every layer MoE and always renormalises the top k
+    # (qlora refuses mlp_only_layers and norm_topk_prob false: check_moe_refusals).
+    "qwen3_moe": ("qwen3_moe", dict(mlp_only_layers=[], norm_topk_prob=True), "qwen2"),
+    # Mixtral as llama.cpp's llama with expert_count; no window (mistral's check_window covers it).
+    "mixtral": ("mixtral", dict(sliding_window=None), "sp-llama"),
 }
+MOE_FAMILIES = ["qwen3_moe", "mixtral"]
 
 
 def build_family(name, work, seed=0):
@@ -391,7 +404,10 @@ def check_adapter(tool, name, d, model, tok, base_gguf):
     torch.manual_seed(1)
     # Gemma 4: every linear layer but per_layer_model_projection, which llama.cpp multiplies without a
     # LoRA (qlora refuses one there).
-    targets = _families.GEMMA4_TARGETS if name.startswith("gemma4") else "all-linear"
+    # MoE: the attention (peft's all-linear adds the experts and the router as target_parameters with a
+    # rank_pattern; the experts' LoRA is check_expert_adapter's).
+    targets = (_families.GEMMA4_TARGETS if name.startswith("gemma4") else
+               ["q_proj", "k_proj", "v_proj", "o_proj"] if name in MOE_FAMILIES else "all-linear")
     peft_model = get_peft_model(copy.deepcopy(model), LoraConfig(r=8, lora_alpha=16, target_modules=targets,
                                                                  init_lora_weights=False)).eval()
     adapter = os.path.join(d, "adapter")
@@ -429,26 +445,28 @@ def check_gemma4_projection_adapter(tool, d, model):
           and not os.path.exists(out + ".tmp"), f"refused: a LoRA on gemma4's per_layer_model_projection: {msg[:300]}")
 
 
-def check_llama_quantize_mix(tool, name, d, f32_path):
+def check_llama_quantize_mix(tool, name, d, f32_path, qtype="q4_k_m"):
     """`qlora gguf --type q4_k_m` gives every tensor the type and bytes llama.cpp's own quantizer makes
-    of our f32 file (for Qwen3.5: ssm_conv1d kept in f32, ssm_out's 128-wide rows in q5_0)."""
+    of our f32 file (for Qwen3.5: ssm_conv1d kept in f32, ssm_out's 128-wide rows in q5_0; for MoE: the
+    3-D expert tensors, the router kept in f32, attn_v/attn_k in q8_0 with 8 experts)."""
     import ctypes
 
     import llama_cpp
     from gguf import GGUFReader
-    r, ours_path = qlora_gguf(tool, d, "q4_k_m")
-    if not check(r.returncode == 0, f"{name}: qlora gguf --type q4_k_m: {r.stderr.strip()[:200]}"):
+    r, ours_path = qlora_gguf(tool, d, qtype)
+    if not check(r.returncode == 0, f"{name}: qlora gguf --type {qtype}: {r.stderr.strip()[:200]}"):
         return
     params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype, params.pure, params.nthread = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M, False, 2
-    theirs_path = os.path.join(d, "llama-quantize-q4_k_m.gguf")
+    params.ftype = {"q4_k_m": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M, "q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0}[qtype]
+    params.pure, params.nthread = False, 2
+    theirs_path = os.path.join(d, f"llama-quantize-{qtype}.gguf")
     rc = llama_cpp.llama_model_quantize(f32_path.encode(), theirs_path.encode(), ctypes.byref(params))
     theirs = {x.name: x for x in GGUFReader(theirs_path).tensors}
     ours = {x.name: x for x in GGUFReader(ours_path).tensors}
     differ = [n for n in ours if n not in theirs or theirs[n].tensor_type != ours[n].tensor_type or
               not np.array_equal(np.asarray(theirs[n].data).view(np.uint8), np.asarray(ours[n].data).view(np.uint8))]
     check(rc == 0 and len(theirs) == len(ours) and not differ,
-          f"{name}: our q4_k_m file is llama-quantize's of our f32 file, type and bytes ({len(ours)} tensors; "
+          f"{name}: our {qtype} file is llama-quantize's of our f32 file, type and bytes ({len(ours)} tensors; "
           f"differ: {differ[:4]})")
 
 
@@ -702,6 +720,72 @@ def gemma4_layer_types(cfg, types):
     cfg.update(layer_types=types, per_layer_config={str(i): full for i, t in enumerate(types) if t == "full_attention"})
 
 
+def check_moe_fused(tool, name, d, model, tok):
+    """The same model saved in transformers' in-memory (fused) layout, experts.gate_up_proj [E, 2I, H]
+    and experts.down_proj [E, H, I], as a qlora merged export of a fused checkpoint writes it: the same
+    GGUF logits (gate_up split into its gate and up halves)."""
+    fused = d + "_fused"
+    shutil.rmtree(fused, ignore_errors=True)
+    shutil.copytree(d, fused, ignore=shutil.ignore_patterns("*.gguf", "*.safetensors", "adapter*", "transformers_reads"))
+    model.save_pretrained(fused, save_original_format=False)
+    from safetensors import safe_open
+    with safe_open(os.path.join(fused, "model.safetensors"), "pt") as f:
+        keys = list(f.keys())
+    if not check(any(k.endswith("mlp.experts.gate_up_proj") for k in keys), f"{name}: the fused save holds "
+                 f"experts.gate_up_proj ({[k for k in keys if 'experts' in k][:2]})"):
+        return
+    ids = prompt_ids(tok)
+    ref = hf_logits(model, ids)
+    r, out = qlora_gguf(tool, fused, "f32")
+    if not check(r.returncode == 0, f"{name} fused: qlora gguf --type f32: {r.stderr.strip()[:300]}"):
+        return
+    diff = rel_diff(llama_cpp_logits(llama_cpp_model(out), ids), ref)
+    CHECKS.check(f"{name} fused experts: llama.cpp's logits on our f32 file equal transformers'",
+                 diff < tolerance(name, "f32"), f"max|diff| / max(1, max|ref|) = {diff:.2e} (< {tolerance(name, 'f32'):g})")
+
+
+def check_expert_adapter(tool, name, d, model, tok, base_gguf, params):
+    """A random PEFT LoRA on the experts (target_parameters: peft's stacked A [r*E, in], B [out, r*E])
+    beside the attention: `qlora gguf --adapter` writes it per expert on ffn_*_exps, and llama.cpp with
+    it on our f32 file of the base gives peft's logits."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+    torch.manual_seed(4)
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], target_parameters=params,
+                     init_lora_weights=False, lora_dropout=0.0)
+    peft_model = get_peft_model(copy.deepcopy(model), cfg).eval()
+    with torch.no_grad():  # B non-zero and small: the adapted experts stay near the base's routing scale
+        for n, p in peft_model.named_parameters():
+            if "lora_" in n:
+                p.mul_(0.5)
+    label = "+".join(x.split(".")[-1] for x in params)
+    adapter = os.path.join(d, f"adapter_experts_{label}")
+    peft_model.save_pretrained(adapter)
+    out = adapter + ".gguf"
+    r = subprocess.run([tool, "gguf", adapter, "--adapter", "--base", d, "--type", "f32", "-o", out],
+                       capture_output=True, text=True)
+    if not check(r.returncode == 0, f"{name}: qlora gguf --adapter (experts: {label}): {(r.stdout or r.stderr).strip()[:300]}"):
+        return
+    ids = prompt_ids(tok)
+    ref = hf_logits(peft_model, ids)
+    diff = rel_diff(llama_cpp_logits(llama_cpp_model(base_gguf, lora_path=out), ids), ref)
+    moved = rel_diff(hf_logits(model, ids), ref)
+    tol = tolerance(name, "f32")
+    CHECKS.check(f"{name}: llama.cpp with our expert LoRA GGUF ({label}) on the base's f32 file gives peft's logits",
+                 diff < tol < moved, f"{diff:.2e} (< {tol:g}; the adapter moves them by {moved:.2e})")
+
+
+def check_moe_refusals(tool, work, dirs):
+    if "qwen3_moe" in dirs:
+        refused(tool, edited_copy(dirs["qwen3_moe"], work, "refuse_qwen3_moe_norm", lambda c: c.update(
+            norm_topk_prob=False)), "qwen3_moe with norm_topk_prob false", "norm_topk_prob", "renormalises")
+        refused(tool, edited_copy(dirs["qwen3_moe"], work, "refuse_qwen3_moe_dense", lambda c: c.update(
+            mlp_only_layers=[1])), "qwen3_moe with a dense layer (mlp_only_layers)", "mlp_only_layers", "layer 1")
+        refused(tool, edited_copy(dirs["qwen3_moe"], work, "refuse_qwen3_moe_step", lambda c: c.update(
+            decoder_sparse_step=2)), "qwen3_moe with decoder_sparse_step 2", "decoder_sparse_step", "layer 0")
+
+
 def check_refusals(tool, work, dirs):
     refused(tool, edited_copy(dirs["llama3"], work, "refuse_model_type", lambda c: c.update(model_type="gpt_neox")),
             "an unknown model_type", "model_type", "gpt_neox")
@@ -754,12 +838,14 @@ def check_refusals(tool, work, dirs):
 
 
 def main():
-    a = parse_tool_args()
+    a = parse_tool_args(lambda ap: ap.add_argument(
+        "--only", nargs="+", choices=list(FAMILIES), metavar="FAMILY",
+        help="run these families' checks (and their refusals) alone: " + ", ".join(FAMILIES)))
     shutil.rmtree(a.workdir, ignore_errors=True)
     os.makedirs(a.workdir)
     torch.set_num_threads(2)
     dirs = {}
-    for name in FAMILIES:
+    for name in (a.only or FAMILIES):
         try:
             got = check_family(a.tool, a.workdir, name)
         except Exception as e:  # noqa: BLE001 - one family's crash is that family's failure
@@ -772,6 +858,8 @@ def main():
         check_tokenization(paths["f32"], tok, f"{name} ({FAMILIES[name][2]})")
         if name.startswith("gemma4"):  # its GGUF reader takes one feed_forward_length, not one a layer
             print(f"SKIP {name}: transformers' GGUF loader cannot read per-layer feed_forward_length arrays")
+        elif name in MOE_FAMILIES:  # it reads llama-with-experts as a dense Llama, qwen3moe's experts not at all
+            print(f"SKIP {name}: transformers' GGUF loader does not read llama.cpp's stacked expert tensors")
         else:
             check_transformers_loader(name, paths["f32"], model)
         check_adapter(a.tool, name, d, model, tok, paths["f32"])
@@ -781,6 +869,16 @@ def main():
             check_tied_head_adapter(a.tool, a.workdir, d, model)
         if name == "qwen35":  # tensors no other family has (ssm_*): llama-quantize's mix of them
             check_llama_quantize_mix(a.tool, name, d, paths["f32"])
+        if name in MOE_FAMILIES:  # 3-D expert tensors and the router: llama-quantize's mix of them
+            check_llama_quantize_mix(a.tool, name, d, paths["f32"])
+            check_llama_quantize_mix(a.tool, name, d, paths["f32"], "q8_0")
+            check_moe_fused(a.tool, name, d, model, tok)
+            for params in (["mlp.experts.gate_up_proj", "mlp.experts.down_proj"], ["mlp.experts.gate_up_proj"],
+                           ["mlp.experts.down_proj"]):
+                check_expert_adapter(a.tool, name, d, model, tok, paths["f32"], params)
+    if a.only:
+        check_moe_refusals(a.tool, a.workdir, dirs)
+        return CHECKS.summary()
     check_window(a.tool, a.workdir, "mistral", "mistral_sliding", "sp-llama")
     check_window(a.tool, a.workdir, "phi3", "phi3", "sp-phi3")
     check_gemma3_multimodal(a.tool, a.workdir)
@@ -791,6 +889,7 @@ def main():
         check_olmo3_attention_factor(a.tool, a.workdir, dirs["olmo3"])
     check_full_qwen_vocab(a.tool, a.workdir)
     check_refusals(a.tool, a.workdir, dirs)
+    check_moe_refusals(a.tool, a.workdir, dirs)
     return CHECKS.summary()
 
 

@@ -144,12 +144,36 @@ TEST(GgufQuantMix, TensorsLlamaCppNeverQuantizes) {
                             {"blk.0.attn_q_norm.weight", {64}},
                             {"blk.0.ssm_conv1d.weight", {256, 4}}};
   const auto m = mix(t, GgmlType::Q4_K, ModelFacts{"llama", 1, 8, 8, 0});
-  EXPECT_EQ(m.at("blk.0.ffn_gate_inp.weight"), GgmlType::F16);
+  // A MoE router: the converter writes it in f32 and llama-quantize keeps it (in every file type).
+  EXPECT_EQ(m.at("blk.0.ffn_gate_inp.weight"), GgmlType::F32);
+  EXPECT_EQ(mix(t, GgmlType::F16, ModelFacts{"qwen3moe", 1, 8, 8, 8}).at("blk.0.ffn_gate_inp.weight"), GgmlType::F32);
   EXPECT_EQ(m.at("blk.0.attn_q_norm.weight"), GgmlType::F32);
   // The converter writes it in f32 and llama-quantize keeps it; ggml_ssm_conv reads f32 only.
   EXPECT_EQ(m.at("blk.0.ssm_conv1d.weight"), GgmlType::F32);
   EXPECT_EQ(m.at("token_embd.weight"), GgmlType::Q6_K);  // tied: the head
   EXPECT_EQ(mix(t, GgmlType::F16, ModelFacts{"qwen35", 1, 8, 8, 0}).at("blk.0.ssm_conv1d.weight"), GgmlType::F32);
+}
+
+// A MoE model's 3-D expert tensors [E, rows, cols] (written after the layers' other tensors, as the
+// converter stacks them): rows of cols like 2-D ones, their layer read from the name (the file's
+// order would give ffn_down_exps of layer 0 another layer's place), the router in f32.
+TEST(GgufQuantMix, ExpertTensors) {
+  std::vector<TensorSpec> t{{"token_embd.weight", {1000, 256}}, {"output.weight", {1000, 256}}};
+  for (int i = 0; i < 8; ++i) t.push_back({blk(i, "ffn_gate_inp"), {8, 256}});
+  for (int i = 7; i >= 0; --i) {
+    t.push_back({blk(i, "ffn_gate_exps"), {8, 512, 256}});
+    t.push_back({blk(i, "ffn_up_exps"), {8, 512, 256}});
+    t.push_back({blk(i, "ffn_down_exps"), {8, 256, 512}});
+  }
+  const auto m = mix(t, GgmlType::Q4_K, ModelFacts{"qwen3moe", 8, 8, 2, 8});
+  EXPECT_EQ(m.at(blk(0, "ffn_down_exps")), GgmlType::Q6_K);  // use_more_bits(0, 8): the first eighth
+  EXPECT_EQ(m.at(blk(1, "ffn_down_exps")), GgmlType::Q4_K);
+  EXPECT_EQ(m.at(blk(3, "ffn_down_exps")), GgmlType::Q6_K);  // (3 - 1) % 3 == 2
+  EXPECT_EQ(m.at(blk(7, "ffn_down_exps")), GgmlType::Q6_K);  // the last eighth
+  EXPECT_EQ(m.at(blk(1, "ffn_gate_exps")), GgmlType::Q4_K);
+  EXPECT_EQ(m.at(blk(1, "ffn_up_exps")), GgmlType::Q4_K);
+  EXPECT_EQ(m.at(blk(5, "ffn_gate_inp")), GgmlType::F32);
+  EXPECT_EQ(mix(t, GgmlType::F16, ModelFacts{"qwen3moe", 8, 8, 2, 8}).at(blk(2, "ffn_down_exps")), GgmlType::F16);
 }
 
 }  // namespace

@@ -4,6 +4,11 @@
 // each adapted matrix W its "<W's GGUF name>.lora_a" ([r, in]) and ".lora_b" ([out, r]), with the
 // row order llama.cpp's converter gives W (B's rows follow W's Q/K permutation).
 //
+// A LoRA on a MoE layer's experts (peft's target_parameters on the fused experts.gate_up_proj and
+// experts.down_proj: A [r * E, in] expert-major, B [out, r * E] expert-minor) is written per expert as
+// llama.cpp applies it to ffn_{gate,up,down}_exps: lora_a [E, r, in], lora_b [E, out, r] (gate_up's B
+// split into its gate and up rows, its A written for both).
+//
 // llama.cpp scales by alpha / r; an rsLoRA adapter (alpha / sqrt(r)) is written with alpha * sqrt(r)
 // so the product is the same. DoRA, bias training, modules_to_save, trainable tokens, fan_in_fan_out and a matrix
 // the architecture has no GGUF name for are refused by name before the file is opened; so is a LoRA

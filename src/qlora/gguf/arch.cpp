@@ -5,6 +5,8 @@
 #include <stdexcept>
 #include <type_traits>
 
+#include "qlora/models/architecture.h"
+
 namespace qlora::gguf {
 namespace {
 
@@ -147,6 +149,12 @@ ArchPlan plan_architecture(const DecoderConfig& c, const std::string& where) {
   if (c.rope_scaling) p.extra.push_back({"rope_freqs.weight", llama3_divisors(c)});
   if (c.rope_yarn) add_yarn_keys(*c.rope_yarn, add);
   if (g.window_key && c.sliding_window) add("attention.sliding_window", Value::u32(static_cast<uint32_t>(*c.sliding_window)));
+  // Experts: llama.cpp's loader reads their count and the top-k (expert_count > 0 is what makes
+  // llama's layers MoE); both architectures softmax the router's logits and renormalise the top k.
+  if (c.family->architecture().experts) {
+    add("expert_count", Value::u32(static_cast<uint32_t>(c.moe.num_experts)));
+    add("expert_used_count", Value::u32(static_cast<uint32_t>(c.moe.top_k)));
+  }
   if (g.add) {
     models::GgufAdditions more;
     g.add(c, where, more);
@@ -168,6 +176,13 @@ std::optional<TensorPlan> gguf_tensor(const std::string& hf, const DecoderConfig
   std::smatch m;
   if (!std::regex_match(hf, m, layer)) return std::nullopt;
   const std::string part = m[2], kind = m[3];
+  // A MoE layer's router, in either layout's spelling: ffn_gate_inp (its experts: expert_tensors).
+  if (const auto& ex = c.family->architecture().experts; ex && kind == "weight") {
+    const int64_t i = std::stoll(m[1].str());
+    if (i < c.num_hidden_layers && c.is_moe(i) &&
+        (hf == models::hf_module(ex->split_router, i) + ".weight" || hf == models::hf_module(ex->fused_router, i) + ".weight"))
+      return TensorPlan{"blk." + m[1].str() + ".ffn_gate_inp.weight"};
+  }
   for (const auto& [module, name] : g.tensors) {
     if (part != module) continue;
     const std::string stem = name;
@@ -183,6 +198,35 @@ std::optional<TensorPlan> gguf_tensor(const std::string& hf, const DecoderConfig
     return t;
   }
   return std::nullopt;
+}
+
+std::string fused_experts_key(const DecoderConfig& c, int64_t layer) {
+  const auto& ex = c.family->architecture().experts;
+  return ex ? models::hf_module(ex->fused, layer) + ".gate_up_proj" : std::string();
+}
+
+std::vector<StackedTensor> expert_tensors(const DecoderConfig& c, int64_t layer, bool fused) {
+  const auto& ex = c.family->architecture().experts;
+  if (!ex || !c.is_moe(layer)) return {};
+  const int64_t E = c.moe.num_experts, H = c.hidden_size, I = c.moe.inter;
+  const std::string blk = "blk." + std::to_string(layer) + ".";
+  std::vector<StackedTensor> out{{blk + "ffn_gate_exps.weight", {E, I, H}, {}},
+                                 {blk + "ffn_up_exps.weight", {E, I, H}, {}},
+                                 {blk + "ffn_down_exps.weight", {E, H, I}, {}}};
+  if (fused) {
+    const std::string stem = models::hf_module(ex->fused, layer) + ".";
+    out[0].parts.push_back({stem + "gate_up_proj", {E, 2 * I, H}, true, 0, I});
+    out[1].parts.push_back({stem + "gate_up_proj", {E, 2 * I, H}, true, I, I});
+    out[2].parts.push_back({stem + "down_proj", {E, H, I}, true, 0, H});
+    return out;
+  }
+  for (int64_t e = 0; e < E; ++e) {
+    const std::string stem = models::hf_module(ex->split, layer) + "." + std::to_string(e) + ".";
+    out[0].parts.push_back({stem + ex->gate + ".weight", {I, H}, false, 0, I});
+    out[1].parts.push_back({stem + ex->up + ".weight", {I, H}, false, 0, I});
+    out[2].parts.push_back({stem + ex->down + ".weight", {H, I}, false, 0, H});
+  }
+  return out;
 }
 
 }  // namespace qlora::gguf

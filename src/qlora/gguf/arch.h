@@ -40,6 +40,30 @@ struct ArchPlan {
 // something the architecture cannot compute exactly.
 ArchPlan plan_architecture(const models::DecoderConfig& c, const std::string& where);
 
+// A MoE layer's experts as llama.cpp holds them: ffn_gate_exps, ffn_up_exps and ffn_down_exps, each
+// one 3-D tensor [experts, rows, cols] (ggml's ne = [cols, rows, experts]) stacked from the
+// checkpoint's parts: one key per expert (transformers' save: experts.<e>.gate_proj / Mixtral's w1,
+// up_proj / w3, down_proj / w2), or the fused experts.gate_up_proj [E, 2I, H] (gate rows, then up
+// rows) and experts.down_proj [E, H, I]. The router (mlp.gate / block_sparse_moe.gate) is
+// ffn_gate_inp [E, H], which gguf_tensor names.
+struct StackedTensor {
+  std::string name;            // "blk.3.ffn_gate_exps.weight"
+  std::vector<int64_t> shape;  // [experts, rows, cols]
+  struct Part {
+    std::string key;             // text-only HF key
+    std::vector<int64_t> shape;  // what the checkpoint must hold under it
+    bool all_experts;            // the key is [E, R, cols] (fused); else one expert's [R, cols], in expert order
+    int64_t row0, rows;          // the rows of each expert's matrix this tensor takes
+  };
+  std::vector<Part> parts;
+};
+
+// Layer `layer`'s stacked expert tensors (none for a layer without experts); `fused`: the checkpoint
+// holds the fused layout.
+std::vector<StackedTensor> expert_tensors(const models::DecoderConfig& c, int64_t layer, bool fused);
+// The key whose presence says a layer's experts are fused ("model.layers.3.mlp.experts.gate_up_proj").
+std::string fused_experts_key(const models::DecoderConfig& c, int64_t layer);
+
 // The GGUF tensor of a text-only HF key ("model.layers.3.self_attn.q_proj.weight",
 // "lm_head.weight", ".bias" keys, Qwen3.5's "model.layers.0.linear_attn.A_log"); nullopt when the
 // architecture has no such tensor.

@@ -4,6 +4,7 @@
 
 #include <cstdio>
 #include <filesystem>
+#include <set>
 #include <stdexcept>
 
 #include "qlora/gguf/arch.h"
@@ -49,16 +50,65 @@ struct Plan {
   ArchPlan arch;
   std::vector<TensorSpec> specs;                                // the extra tensors first
   std::vector<std::pair<std::string, TensorPlan>> from_checkpoint;  // key, what to do on the way
+  std::vector<StackedTensor> stacked;  // the MoE layers' experts, after those (their keys in the layout's spelling)
   Metadata metadata;
 };
 
+// The MoE layers' expert tensors (arch.h, expert_tensors) in whichever layout the checkpoint holds,
+// their parts' keys in the checkpoint's spelling and checked against the config's shapes; the text
+// keys they read go into `read`.
+std::vector<StackedTensor> stacked_experts(const io::CheckpointDir& ckpt, const models::DecoderConfig& c,
+                                           models::KeyLayout layout, const std::string& dir,
+                                           std::set<std::string>& read) {
+  std::vector<StackedTensor> out;
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    const bool fused = ckpt.contains(models::layout_key(layout, fused_experts_key(c, i)));
+    for (StackedTensor& t : expert_tensors(c, i, fused)) {
+      for (StackedTensor::Part& part : t.parts) {
+        read.insert(part.key);
+        part.key = models::layout_key(layout, part.key);
+        if (!ckpt.contains(part.key))
+          throw std::invalid_argument(dir + ": tensor '" + part.key + "' is missing (layer " + std::to_string(i) +
+                                      "'s experts, for " + t.name + "); no GGUF is written");
+        const auto& shape = ckpt.file_of(part.key).info(part.key).shape;
+        if (shape != part.shape) {
+          std::string want, got;
+          for (int64_t d : part.shape) want += (want.empty() ? "" : ", ") + std::to_string(d);
+          for (int64_t d : shape) got += (got.empty() ? "" : ", ") + std::to_string(d);
+          throw std::invalid_argument(dir + ": tensor '" + part.key + "' is [" + got + "], config.json implies [" +
+                                      want + "]; no GGUF is written");
+        }
+      }
+      out.push_back(std::move(t));
+    }
+  }
+  return out;
+}
+
+// Writes a stacked expert tensor [experts, rows, cols] one expert's matrix at a time (peak memory:
+// one expert's rows in fp32), from the checkpoint's mapped tensors.
+void write_stacked(Writer& out, const io::CheckpointDir& ckpt, const StackedTensor& t, GgmlType type) {
+  for (const StackedTensor::Part& p : t.parts) {
+    const at::Tensor x = ckpt.tensor(p.key);
+    if (!p.all_experts) {
+      write_tensor(out, x.narrow(0, p.row0, p.rows), type);
+      continue;
+    }
+    for (int64_t e = 0; e < x.size(0); ++e) write_tensor(out, x[e].narrow(0, p.row0, p.rows), type);
+  }
+}
+
 Plan plan_gguf(const io::CheckpointDir& ckpt, const models::DecoderConfig& c, const std::string& dir,
                const ConvertOptions& options) {
-  Plan p{plan_architecture(c, dir + "/config.json"), {}, {}, {}};
+  Plan p{plan_architecture(c, dir + "/config.json"), {}, {}, {}, {}};
   for (const ExtraTensor& e : p.arch.extra)
     p.specs.push_back({e.name, {static_cast<int64_t>(e.values.size())}, GgmlType::F32});
-  for (const Source& s : language_model_keys(ckpt, models::key_layout_of(ckpt, c))) {
+  const models::KeyLayout layout = models::key_layout_of(ckpt, c);
+  std::set<std::string> expert_keys;
+  p.stacked = stacked_experts(ckpt, c, layout, dir, expert_keys);
+  for (const Source& s : language_model_keys(ckpt, layout)) {
     if (s.text == "lm_head.weight" && c.tie_word_embeddings) continue;
+    if (expert_keys.count(s.text)) continue;  // stacked below
     const auto mapped = gguf_tensor(s.text, c);
     if (!mapped)
       throw std::invalid_argument(dir + ": tensor '" + s.key + "' has no GGUF name in llama.cpp's " + p.arch.arch +
@@ -73,7 +123,9 @@ Plan plan_gguf(const io::CheckpointDir& ckpt, const models::DecoderConfig& c, co
     p.specs.push_back({mapped->name, planned_shape(info.shape, *mapped)});
     p.from_checkpoint.emplace_back(s.key, *mapped);
   }
-  set_types(p.specs, {p.arch.arch, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, 0}, options.type);
+  for (const StackedTensor& t : p.stacked) p.specs.push_back({t.name, t.shape});
+  set_types(p.specs, {p.arch.arch, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.moe.num_experts},
+            options.type);
   p.metadata = general_metadata(p.arch.arch, options, dir);
   for (const auto& kv : p.arch.metadata) p.metadata.push_back(kv);
   add_tokenizer_metadata(dir, c.vocab_size, p.metadata);
@@ -99,6 +151,16 @@ size_t write_gguf(const std::string& dir, const std::string& out_path, const Con
     write_tensor(out, x, plan.specs[first + i].type);
     x = at::Tensor();
     ckpt.file_of(key).release(key);  // its mapped pages leave the resident set
+  }
+  const size_t first_stacked = first + plan.from_checkpoint.size();
+  for (size_t i = 0; i < plan.stacked.size(); ++i) {
+    const StackedTensor& t = plan.stacked[i];
+    write_stacked(out, ckpt, t, plan.specs[first_stacked + i].type);
+    // A fused gate_up key serves the gate and the up tensor, written one after the other: released after both.
+    const bool read_next = i + 1 < plan.stacked.size() && t.parts[0].all_experts &&
+                           plan.stacked[i + 1].parts[0].key == t.parts[0].key;
+    if (!read_next)
+      for (const StackedTensor::Part& part : t.parts) ckpt.file_of(part.key).release(part.key);
   }
   out.commit();
   return plan.specs.size();

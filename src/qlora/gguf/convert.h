@@ -5,8 +5,10 @@
 //
 // Families: llama/mistral, qwen2, qwen3, gemma2, gemma3 and qwen3_5 (text-only, or the language model
 // of a Gemma3ForConditionalGeneration / Qwen3_5ForConditionalGeneration, whose vision tower is skipped
-// with a log line), phi3, smollm3, olmo2/3; each as the llama.cpp architecture, metadata keys, tensor
-// names and value transforms arch.h lists.
+// with a log line), phi3, smollm3, olmo2/3, qwen3_moe and mixtral (each MoE layer's experts stacked
+// into llama.cpp's 3-D ffn_*_exps from one tensor per expert or from the fused gate_up_proj /
+// down_proj); each as the llama.cpp architecture, metadata keys, tensor names and value transforms
+// arch.h lists.
 // Types: f32, f16, bf16 (1-D tensors and ssm_conv1d stay f32, as llama.cpp's converter keeps them); q8_0, q4_0,
 // q4_k_m, q5_k_m, q6_k with each tensor in the type llama-quantize's default mix gives it
 // (quant_mix.h: e.g. the output head in q6_K, q6_K for some layers' attn_v/ffn_down in the _m

@@ -28,7 +28,7 @@ Role role_of(const std::string& name) {
 
 // Matrices llama-quantize leaves in the input's type (small, or precision-critical).
 bool quantizable(const TensorSpec& t) {
-  static const char* const kKept[] = {"_norm.weight",  "ffn_gate_inp.weight",  "ffn_gate_tid2eid.weight",
+  static const char* const kKept[] = {"_norm.weight",  "ffn_gate_tid2eid.weight",
                                       "altup",         "laurel",               "per_layer_model_proj",
                                       "ssm_conv1d",    "shortconv.conv.weight", "indexer.k_proj.weight",
                                       "indexer.q_proj.weight", "attn_rel_b.weight", "time_mix_"};
@@ -147,7 +147,7 @@ std::vector<GgmlType> choose_types(const std::vector<TensorSpec>& tensors, const
   });
   for (size_t i : order) {
     const TensorSpec& t = tensors[i];
-    if (t.shape.size() < 2 || has(t.name, "ssm_conv1d")) types[i] = GgmlType::F32;
+    if (t.shape.size() < 2 || has(t.name, "ssm_conv1d") || has(t.name, "ffn_gate_inp.weight")) types[i] = GgmlType::F32;
     else if (!quantized) types[i] = main;
     else if (!quantizable(t)) types[i] = GgmlType::F16;
     else types[i] = fallback(s.mixed(t), t.shape.back());

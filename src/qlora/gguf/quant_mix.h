@@ -2,10 +2,13 @@
 // default (no --pure, no importance matrix, no overrides: llama_tensor_get_type in
 // src/llama-quant.cpp) for the file type whose main type is given:
 //
-//   1-D tensors (norms, biases) and ssm_conv1d (which llama.cpp's converter always writes in f32 and
-//   llama-quantize keeps; ggml_ssm_conv reads f32 only): f32. f32/f16/bf16 files: every other matrix in
-//   that type.
-//   Matrices llama.cpp never quantizes (norm weights, expert routers, position embeddings): f16.
+//   1-D tensors (norms, biases), ssm_conv1d (which llama.cpp's converter always writes in f32 and
+//   llama-quantize keeps; ggml_ssm_conv reads f32 only) and a MoE layer's router ffn_gate_inp (the
+//   converter keeps it in f32, llama-quantize never quantizes it; f16 could flip near-tied top-k
+//   choices): f32. f32/f16/bf16 files: every other matrix in that type.
+//   Other matrices llama.cpp never quantizes (norm weights, position embeddings): f16.
+//   Experts' 3-D ffn_{gate,up,down}_exps [E, rows, cols]: rows of cols, as the 2-D ones, their
+//   layer read from the name (with more than one expert llama-quantize counts ffn_* by name, not order).
 //   The output head (token_embd when the embeddings are tied, i.e. there is no output.weight):
 //   q6_K; q8_0 where its rows are not whole blocks of the main type (and in q8_0 files).
 //   attn_v (and fused attn_qkv / attn_kv_b), counted over the file in llama.cpp's order (by layer,

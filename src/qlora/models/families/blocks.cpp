@@ -58,10 +58,6 @@ void parse_moe(const nlohmann::json& j, const std::string& where, DecoderConfig&
   c.moe_layers.assign(static_cast<size_t>(c.num_hidden_layers), true);
 }
 
-void refuse_moe_gguf(const DecoderConfig& c, const std::string& where) {
-  refuse_gguf(where, c, "model_type", "GGUF export of Mixture-of-Experts layers is not written yet (issue 51)");
-}
-
 Architecture make_architecture(const char* family, std::vector<ProjectionRow> rows, std::vector<NormRow> norms) {
   return {family, std::move(rows), std::move(norms), "model.embed_tokens.weight", "model.norm.weight"};
 }

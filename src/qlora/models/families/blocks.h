@@ -43,9 +43,6 @@ std::vector<ProjectionRow> dense_mlp_rows(std::vector<ProjectionRow> rows);
 void parse_moe(const nlohmann::json& j, const std::string& where, DecoderConfig& c, const char* experts_key,
                int64_t experts_default, int64_t top_k_default, const char* inter_key);
 
-// GGUF of a MoE family: not written yet (refuse_gguf).
-void refuse_moe_gguf(const DecoderConfig& c, const std::string& where);
-
 // An architecture with the usual embedding and final norm keys.
 Architecture make_architecture(const char* family, std::vector<ProjectionRow> rows, std::vector<NormRow> norms);
 

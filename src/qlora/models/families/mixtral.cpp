@@ -4,6 +4,10 @@
 // hold each expert as block_sparse_moe.experts.<e>.w1 (gate), w3 (up), w2 (down) beside
 // block_sparse_moe.gate (transformers 5 fuses them into mlp.experts on load, and writes them back so).
 // router_jitter_noise (training-time input noise) is refused: no checkpoint ships with it.
+// llama.cpp reads Mixtral as its "llama" architecture with expert_count > 0: Mistral's tensors, the
+// router as ffn_gate_inp, the experts stacked into ffn_{gate,up,down}_exps (gguf/arch.h,
+// expert_tensors), feed_forward_length the experts' width; every layer MoE, the top k renormalised,
+// as Mixtral's class computes them.
 #include <nlohmann/json.hpp>
 
 #include "qlora/models/config_json.h"
@@ -49,7 +53,6 @@ const Family& mixtral_family() {
     f.gguf.tensors = families::llama_tensor_names();
     f.gguf.permute_qk = true;
     f.gguf.window_as_context = true;
-    f.gguf.check = families::refuse_moe_gguf;
     return f;
   }();
   return f;

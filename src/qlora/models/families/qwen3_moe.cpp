@@ -4,6 +4,10 @@
 // compute dtype. A layer is MoE unless it is in mlp_only_layers or (i + 1) % decoder_sparse_step != 0;
 // the others keep a dense MLP of intermediate_size. No router auxiliary loss (its class adds one only
 // under output_router_logits).
+// llama.cpp's "qwen3moe": Qwen3's tensors with the router as ffn_gate_inp and the experts stacked
+// into ffn_{gate,up,down}_exps (gguf/arch.h, expert_tensors), their width as expert_feed_forward_length.
+// Its graph makes every layer MoE and always renormalises the top k (build_moe_ffn's norm_w is true;
+// no key says otherwise): a config with dense layers or norm_topk_prob false is refused.
 #include <nlohmann/json.hpp>
 
 #include "qlora/models/config_json.h"
@@ -43,6 +47,31 @@ void parse_qwen3_moe(const nlohmann::json& j, const std::string& where, DecoderC
   }
 }
 
+// What llama.cpp's qwen3moe fixes: every layer MoE, the top-k weights renormalised.
+void check_qwen3_moe_gguf(const DecoderConfig& c, const std::string& where) {
+  if (!c.moe.norm_topk_prob)
+    refuse_gguf(where, c, "norm_topk_prob",
+                "false: llama.cpp's qwen3moe always renormalises the top num_experts_per_tok routing weights to sum "
+                "to 1 (it reads no key for it)");
+  std::vector<int64_t> dense;
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i)
+    if (!c.is_moe(i)) dense.push_back(i);
+  if (dense.empty()) return;
+  // decoder_sparse_step s > 1 leaves exactly the layers with (i + 1) % s != 0 dense; the first MoE layer is s - 1.
+  int64_t step = 0;
+  for (int64_t i = 0; i < c.num_hidden_layers && step == 0; ++i)
+    if (c.is_moe(i)) step = i + 1;
+  bool by_step = step > 1;
+  for (int64_t i = 0; i < c.num_hidden_layers && by_step; ++i) by_step = c.is_moe(i) == ((i + 1) % step == 0);
+  refuse_gguf(where, c, by_step ? "decoder_sparse_step" : "mlp_only_layers",
+              "layer " + std::to_string(dense.front()) + " has a dense MLP where llama.cpp's qwen3moe makes every "
+              "layer a Mixture of Experts (it has no dense-layer tensors for this architecture)");
+}
+
+void add_qwen3_moe_gguf(const DecoderConfig& c, const std::string&, GgufAdditions& out) {
+  out.keys.emplace_back("expert_feed_forward_length", static_cast<uint32_t>(c.moe.inter));
+}
+
 }  // namespace
 
 const Family& qwen3_moe_family() {
@@ -59,7 +88,8 @@ const Family& qwen3_moe_family() {
     f.gguf.tensors.insert(f.gguf.tensors.end(),
                           {{"self_attn.q_norm", "attn_q_norm"}, {"self_attn.k_norm", "attn_k_norm"}});
     f.gguf.window_refused = true;
-    f.gguf.check = families::refuse_moe_gguf;
+    f.gguf.check = check_qwen3_moe_gguf;
+    f.gguf.add = add_qwen3_moe_gguf;
     return f;
   }();
   return f;
