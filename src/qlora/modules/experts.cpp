@@ -11,13 +11,19 @@
 // experts again: the down product's gradient is formed from the unweighted output gradient, so the
 // routing weight's gradient <g_t, y_tj> is the dot of it with the activations (no extra GEMM, no
 // saved y), and only then are the rows scaled by their weights. Experts without rows are skipped
-// (never dequantized), so the cost follows the tokens, not E. A later fused CPU kernel (kernels/)
-// would replace, per expert, "dequantize W to memory, then BLAS" by a GEMM that decodes NF4 tiles
-// into registers/L1 as it goes (as decode_matmul_cpu does for a few rows), so no dequantized copy
-// of W is ever written: the per-expert products here (expert_project, expert_project_backward)
-// are the place it plugs in; the grouping, the saved state and the combine would stay as they are.
+// (never dequantized), so the cost follows the tokens, not E. What is alike for every expert is done
+// once for all rows, not expert by expert (a few small ops each, 128 experts a layer): the gathers
+// of x's and the output gradient's rows, the adapters' cast to x's dtype, the activations backward
+// reads, the routing weights' gradient, and x's gradient, summed per token after the experts in
+// the order index_add_ expert after expert would sum it (the same roundings). A later fused CPU
+// kernel (kernels/) would replace, per expert, "dequantize W to memory, then BLAS" by a GEMM that
+// decodes NF4 tiles into registers/L1 as it goes (as decode_matmul_cpu does for a few rows), so no
+// dequantized copy of W is ever written: the per-expert products here (expert_project,
+// expert_project_backward) are the place it plugs in; the grouping, the saved state and the
+// combine would stay as they are.
 #include "qlora/modules/experts.h"
 
+#include <ATen/ops/arange.h>
 #include <ATen/ops/bincount.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/div.h>
@@ -31,6 +37,7 @@
 #include <ATen/record_function.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <algorithm>
 #include <stdexcept>
 #include <string>
 #include <tuple>
@@ -55,8 +62,8 @@ struct ExpertSlots {
   std::vector<int64_t> counts, offsets;
   int64_t k = 1;
 
-  // The tokens of expert e's rows, [counts[e]] int64.
-  at::Tensor tokens(int64_t e) const { return at::div(perm.narrow(0, offsets[e], counts[e]), k, "floor"); }
+  // The token of every row, grouped order, [S] int64: expert e's are rows [offsets[e], offsets[e] + counts[e]).
+  at::Tensor rows() const { return at::div(perm, k, "floor"); }
 };
 
 ExpertSlots slots_from(at::Tensor perm, std::vector<int64_t> counts, int64_t k) {
@@ -90,8 +97,27 @@ struct ExpertAdapter {
   double scale = 0.0;
 };
 
-ExpertAdapter adapter_of(at::TensorList adapters, size_t first, int64_t num_experts, int64_t e, double scale) {
+// One projection's adapters for every expert in the compute dtype, converted once per pass rather
+// than expert by expert: A [r * E, in] as it stands, B [E, out, r] (expert e's B contiguous, as
+// B_e.to(dtype) gives it). Undefined where the adapters already have that dtype (the experts then
+// take views of them, which the products read in place).
+struct CastAdapters {
+  at::Tensor a, b;
+};
+
+CastAdapters cast_adapters(at::TensorList adapters, size_t first, int64_t num_experts, at::ScalarType dtype) {
+  if (adapters.empty() || adapters[first].scalar_type() == dtype) return {};
+  const at::Tensor& b = adapters[first + 1];
+  const int64_t out = b.size(0), r = b.size(1) / num_experts;
+  at::Tensor b_cast = at::empty({num_experts, out, r}, b.options().dtype(dtype));
+  b_cast.copy_(b.view({out, r, num_experts}).permute({2, 0, 1}));
+  return {adapters[first].to(dtype), b_cast};
+}
+
+ExpertAdapter adapter_of(at::TensorList adapters, size_t first, int64_t num_experts, int64_t e, double scale,
+                         const CastAdapters& cast = {}) {
   if (adapters.empty()) return {};
+  if (cast.a.defined()) return {expert_lora_a(cast.a, num_experts, e), cast.b.select(0, e), {}, {}, scale};
   return {expert_lora_a(adapters[first], num_experts, e), expert_lora_b(adapters[first + 1], num_experts, e), {}, {},
           scale};
 }
@@ -110,7 +136,8 @@ void expert_project(const at::Tensor& x2, const ExpertWeight& w, const ExpertAda
 // Back through expert_project for the output gradient g [n, out]: gx [n, in] = g @ W + scale *
 // (g @ B) @ A (when gx is defined), and the adapter's gradients for the output gradient g * rw
 // (rw [n, 1] the rows' routing weights, undefined: 1) into ad.grad_a / ad.grad_b. x2: the
-// projection's input rows, xa: x2 @ A^T as forward kept it.
+// projection's input rows, xa: x2 @ A^T as forward kept it, times rw in g's dtype where rw is
+// defined ((xa * rw).to(g's dtype), formed for all experts at once by the caller).
 void expert_project_backward(const at::Tensor& g, const at::Tensor& x2, const at::Tensor& xa, const ExpertWeight& w,
                              const ExpertAdapter& ad, const at::Tensor& rw, at::Tensor gx) {
   const at::ScalarType lt = g.scalar_type();
@@ -122,8 +149,7 @@ void expert_project_backward(const at::Tensor& g, const at::Tensor& x2, const at
   const at::Tensor gxa = ops::narrow_product(g, ad.b.to(lt), ad.scale);  // [n, r]
   if (gx.defined()) ops::narrow_update_(gx, gxa, ad.a.to(lt));
   if (ad.grad_b.defined()) {
-    const at::Tensor xa_w = rw.defined() ? (xa * rw).to(lt) : xa;
-    ad.grad_b.copy_(ops::narrow_reduction(xa_w, g, ad.scale).t());  // [out, r]
+    ad.grad_b.copy_(ops::narrow_reduction(xa, g, ad.scale).t());  // [out, r]
   }
   if (ad.grad_a.defined()) ad.grad_a.copy_(ops::narrow_reduction(rw.defined() ? (gxa * rw).to(lt) : gxa, x2));
 }
@@ -172,18 +198,7 @@ struct GroupedExpertsFunction : public torch::autograd::Function<GroupedExpertsF
     const int64_t n_slots = index.numel(), inter = ex.inter, r = adapters.empty() ? 0 : ex.r;
     at::Tensor gu = at::empty({n_slots, 2 * inter}, x.options()), y = at::empty({n_slots, ex.hidden}, x.options());
     at::Tensor xa_gu = at::empty({n_slots, r}, x.options()), xa_down = at::empty({n_slots, r}, x.options());
-    for (int64_t e = 0; e < ex.num_experts; ++e) {
-      const int64_t off = slots.offsets[e], n = slots.counts[e];
-      if (n == 0) continue;  // never touched: not dequantized, nothing saved
-      const ExpertWeight w_gu = weight_of(ex, e, true), w_down = weight_of(ex, e, false);
-      const at::Tensor gu_e = gu.narrow(0, off, n);
-      expert_project(x.index_select(0, slots.tokens(e)), w_gu, adapter_of(adapters, 0, ex.num_experts, e, ex.scale), gu_e,
-                     xa_gu.narrow(0, off, n));
-      const at::Tensor act = ops::swiglu(gu_e.narrow(1, 0, inter), gu_e.narrow(1, inter, inter));  // [n, inter]
-      expert_project(act, w_down, adapter_of(adapters, 2, ex.num_experts, e, ex.scale), y.narrow(0, off, n), xa_down.narrow(0, off, n));
-      save_weight(ctx, w_gu, weight_key("gate_up", e));
-      save_weight(ctx, w_down, weight_key("down", e));
-    }
+    run_experts(ctx, ex, x, adapters, slots, gu, y, xa_gu, xa_down);
     std::vector<at::Tensor> saved = {x, weights, slots.perm, gu, xa_gu, xa_down};
     saved.insert(saved.end(), adapters.begin(), adapters.end());
     ctx->save_for_backward(saved);
@@ -191,6 +206,32 @@ struct GroupedExpertsFunction : public torch::autograd::Function<GroupedExpertsF
     ctx->saved_data["k"] = slots.k;
     ctx->saved_data["scale"] = ex.scale;
     return combine(y, weights, slots.perm, x.scalar_type());
+  }
+
+  // Each expert that received rows on them: gate_up into gu, SwiGLU, down into y, x @ A^T of both
+  // adapters into xa_gu / xa_down (all [S, ...], grouped order); its frozen weights saved for
+  // backward. x's rows are gathered for all experts at once (freed before the combine) and the
+  // adapters cast to x's dtype once.
+  static void run_experts(AutogradContext* ctx, const Experts& ex, const at::Tensor& x, at::TensorList adapters,
+                          const ExpertSlots& slots, const at::Tensor& gu, const at::Tensor& y, const at::Tensor& xa_gu,
+                          const at::Tensor& xa_down) {
+    const int64_t inter = ex.inter;
+    const at::Tensor x_rows = x.index_select(0, slots.rows());  // [S, hidden]
+    const CastAdapters cast_gu = cast_adapters(adapters, 0, ex.num_experts, x.scalar_type());
+    const CastAdapters cast_down = cast_adapters(adapters, 2, ex.num_experts, x.scalar_type());
+    for (int64_t e = 0; e < ex.num_experts; ++e) {
+      const int64_t off = slots.offsets[e], n = slots.counts[e];
+      if (n == 0) continue;  // never touched: not dequantized, nothing saved
+      const ExpertWeight w_gu = weight_of(ex, e, true), w_down = weight_of(ex, e, false);
+      const at::Tensor gu_e = gu.narrow(0, off, n);
+      expert_project(x_rows.narrow(0, off, n), w_gu, adapter_of(adapters, 0, ex.num_experts, e, ex.scale, cast_gu),
+                     gu_e, xa_gu.narrow(0, off, n));
+      const at::Tensor act = ops::swiglu(gu_e.narrow(1, 0, inter), gu_e.narrow(1, inter, inter));  // [n, inter]
+      expert_project(act, w_down, adapter_of(adapters, 2, ex.num_experts, e, ex.scale, cast_down), y.narrow(0, off, n),
+                     xa_down.narrow(0, off, n));
+      save_weight(ctx, w_gu, weight_key("gate_up", e));
+      save_weight(ctx, w_down, weight_key("down", e));
+    }
   }
 
   // As transformers' grouped_mm_experts_forward: each slot's output (x's dtype) times its weight in
@@ -211,31 +252,88 @@ struct GroupedExpertsFunction : public torch::autograd::Function<GroupedExpertsF
     const ExpertSlots slots =
         slots_from(saved[kSavedPerm], ctx->saved_data["counts"].toIntVector(), ctx->saved_data["k"].toInt());
     const at::TensorList adapters = at::TensorList(saved).slice(kSavedAdapters);
+    const auto E = static_cast<int64_t>(slots.counts.size());
     variable_list result(4 + adapters.size());  // x, weights, index, the adapters, the experts (none)
-    if (ctx->needs_input_grad(0)) result[0] = at::zeros_like(x);
     for (size_t i = 0; i < adapters.size(); ++i)
       if (ctx->needs_input_grad(3 + i)) result[3 + i] = at::zeros_like(adapters[i]);
-    // The routing weights' gradient per slot, grouped order, fp32: one dot product of two rows each.
-    at::Tensor grad_w = ctx->needs_input_grad(1) ? at::empty({weights.numel()}, x.options().dtype(at::kFloat))
-                                                 : at::Tensor();
-    const at::Tensor w_grouped = weights.reshape(-1).index_select(0, slots.perm);
-    for (int64_t e = 0; e < static_cast<int64_t>(slots.counts.size()); ++e)
-      if (slots.counts[e] > 0) backward_expert(ctx, saved, slots, e, grad_outputs[0], w_grouped, grad_w, result);
-    if (grad_w.defined())
+    const at::Tensor& grad_out = grad_outputs[0];
+    const at::Tensor& gu = saved[kSavedGateUp];  // [S, 2 * inter]
+    const int64_t inter = gu.size(1) / 2;
+    // What every expert's rows need, formed for all rows at once (grouped order) instead of expert
+    // by expert: the output gradient's and x's rows, the activations as forward had them, the
+    // down adapter's x @ A^T times the routing weights, the adapters in the compute dtype.
+    GroupedBackward g;
+    const at::Tensor rows = slots.rows();
+    g.grad_out = grad_out.index_select(0, rows);  // [S, hidden]
+    if (!adapters.empty()) {
+      g.x = x.index_select(0, rows);
+      g.xa_down_w = (saved[kSavedXaDown] * weights.reshape(-1).index_select(0, slots.perm).unsqueeze(1)).to(
+          grad_out.scalar_type());
+    }
+    g.act = ops::swiglu(gu.narrow(1, 0, inter), gu.narrow(1, inter, inter));  // [S, inter]
+    g.w = weights.reshape(-1).index_select(0, slots.perm);
+    g.cast_gu = cast_adapters(adapters, 0, E, gu.scalar_type());
+    g.cast_down = cast_adapters(adapters, 2, E, grad_out.scalar_type());
+    // The routing weights' gradient per slot: one dot product of two rows each, of d act before
+    // the weight (kept for all rows) and act.
+    if (ctx->needs_input_grad(1)) g.dact = at::empty({gu.size(0), inter}, gu.options());
+    // x's gradient rows, grouped order, summed per token after the experts; an expert writes its
+    // rows over its rows of the output gradient, which it has then used (nothing reads them again).
+    if (ctx->needs_input_grad(0))
+      g.dx = g.grad_out.scalar_type() == gu.scalar_type() ? g.grad_out
+                                                          : at::empty({gu.size(0), x.size(1)}, gu.options());
+    for (int64_t e = 0; e < E; ++e)
+      if (slots.counts[e] > 0) backward_expert(ctx, saved, slots, e, g, result);
+    if (g.dact.defined()) {
+      const at::Tensor grad_w = routing_weight_grads(g.dact, g.act);  // [S] fp32, grouped order
       result[1] = at::empty_like(grad_w).index_copy_(0, slots.perm, grad_w).view_as(weights).to(weights.scalar_type());
+    }
+    if (g.dx.defined()) result[0] = sum_rows_per_token(g.dx, slots.perm, weights.size(0), weights.size(1));
     return result;
   }
 
-  // Expert e's part of backward: its rows of x's gradient added into result[0], its slices of the
-  // adapters' gradients, its slots' routing-weight gradients into grad_w (grouped order).
+  // The backward's per-row tensors, grouped order ([S, ...]; undefined where not needed).
+  struct GroupedBackward {
+    at::Tensor grad_out, x, xa_down_w, act, w, dact, dx;
+    CastAdapters cast_gu, cast_down;
+  };
+
+  // The routing weights' gradients [S] fp32: the fp32 dot of each row of dact and act, a block of
+  // rows at a time (the fp32 copies of a block stay under 1 MiB each).
+  static at::Tensor routing_weight_grads(const at::Tensor& dact, const at::Tensor& act) {
+    const int64_t S = dact.size(0), width = std::max<int64_t>(1, dact.size(1));
+    const int64_t block = std::max<int64_t>(1, (int64_t{1} << 18) / width);
+    at::Tensor out = at::empty({S}, dact.options().dtype(at::kFloat));
+    for (int64_t r0 = 0; r0 < S; r0 += block) {
+      const int64_t n = std::min(block, S - r0);
+      out.narrow(0, r0, n).copy_((dact.narrow(0, r0, n).to(at::kFloat) * act.narrow(0, r0, n).to(at::kFloat)).sum(1));
+    }
+    return out;
+  }
+
+  // x's gradient [T, hidden] from each row's dx [S, hidden] (grouped order): token t's k rows added
+  // into zeros in increasing expert order, which is increasing grouped position, one rounding to
+  // x's dtype per addition: what index_add_ expert after expert gives (its bf16 form is a scalar
+  // loop), in k vectorised additions.
+  static at::Tensor sum_rows_per_token(const at::Tensor& dx, const at::Tensor& perm, int64_t tokens, int64_t k) {
+    const int64_t S = perm.numel();
+    const at::Tensor pos = at::empty_like(perm).index_copy_(0, perm, at::arange(S, perm.options()));  // slot -> row
+    const at::Tensor order = std::get<0>(at::sort(pos.view({tokens, k}), /*dim=*/1)).t().contiguous();  // [k, T]
+    at::Tensor out = at::zeros({tokens, dx.size(1)}, dx.options());
+    for (int64_t j = 0; j < k; ++j) out.add_(dx.index_select(0, order[j]));
+    return out;
+  }
+
+  // Expert e's part of backward: its rows of x's gradient into g.dx, its slices of the adapters'
+  // gradients, its rows of d act into g.dact.
   static void backward_expert(AutogradContext* ctx, const variable_list& saved, const ExpertSlots& slots, int64_t e,
-                              const at::Tensor& grad_out, const at::Tensor& w_grouped, const at::Tensor& grad_w,
-                              variable_list& result) {
+                              const GroupedBackward& g, variable_list& result) {
     const int64_t off = slots.offsets[e], n = slots.counts[e];
     const at::TensorList adapters = at::TensorList(saved).slice(kSavedAdapters);
     const double scale = ctx->saved_data["scale"].toDouble();
     const auto E = static_cast<int64_t>(slots.counts.size());
-    ExpertAdapter ad_gu = adapter_of(adapters, 0, E, e, scale), ad_down = adapter_of(adapters, 2, E, e, scale);
+    ExpertAdapter ad_gu = adapter_of(adapters, 0, E, e, scale, g.cast_gu);
+    ExpertAdapter ad_down = adapter_of(adapters, 2, E, e, scale, g.cast_down);
     if (!adapters.empty()) {  // result[3 ..]: gate_up's A, B, down's A, B (defined where needed)
       auto a = [&](size_t i) { return result[i].defined() ? expert_lora_a(result[i], E, e) : at::Tensor(); };
       auto b = [&](size_t i) { return result[i].defined() ? expert_lora_b(result[i], E, e) : at::Tensor(); };
@@ -244,28 +342,26 @@ struct GroupedExpertsFunction : public torch::autograd::Function<GroupedExpertsF
       ad_down.grad_a = a(5);
       ad_down.grad_b = b(6);
     }
-    const at::Tensor tok = slots.tokens(e);
     const at::Tensor gu = saved[kSavedGateUp].narrow(0, off, n);
     const int64_t inter = gu.size(1) / 2;
     const at::Tensor gate = gu.narrow(1, 0, inter), up = gu.narrow(1, inter, inter);
-    const at::Tensor act = ops::swiglu(gate, up);                  // [n, inter], as forward had it
-    const at::Tensor rw = w_grouped.narrow(0, off, n).unsqueeze(1);  // [n, 1]
+    const at::Tensor act = g.act.narrow(0, off, n);               // [n, inter], as forward had it
+    const at::Tensor rw = g.w.narrow(0, off, n).unsqueeze(1);  // [n, 1]
     // d act before the routing weight: g @ W_down (+ LoRA), with g the unweighted output gradient.
-    at::Tensor dact = at::empty({n, inter}, gu.options());
-    expert_project_backward(grad_out.index_select(0, tok), act, saved[kSavedXaDown].narrow(0, off, n),
-                            load_weight(ctx, weight_key("down", e)), ad_down, rw, dact);
-    // d weights[t, j] = <g_t, y_tj> = <g_t @ W_eff, act_tj>: exact for a weight of 0 too.
-    if (grad_w.defined()) grad_w.narrow(0, off, n).copy_((dact.to(at::kFloat) * act.to(at::kFloat)).sum(1));
-    dact = (dact * rw).to(gu.scalar_type());
-    const bool need_x = result[0].defined();
+    // d weights[t, j] = <g_t, y_tj> = <g_t @ W_eff, act_tj> (exact for a weight of 0 too), after the experts.
+    at::Tensor dact = g.dact.defined() ? g.dact.narrow(0, off, n) : at::empty({n, inter}, gu.options());
+    const at::Tensor xa_down = adapters.empty() ? at::Tensor() : g.xa_down_w.narrow(0, off, n);
+    expert_project_backward(g.grad_out.narrow(0, off, n), act, xa_down, load_weight(ctx, weight_key("down", e)),
+                            ad_down, rw, dact);
+    const bool need_x = g.dx.defined();
     if (!need_x && !ad_gu.grad_a.defined() && !ad_gu.grad_b.defined()) return;
+    dact = (dact * rw).to(gu.scalar_type());
     auto [dgate, dup] = ops::swiglu_backward(dact, gate, up);
     const at::Tensor dgu = at::cat({dgate, dup}, 1);  // [n, 2 * inter]
-    at::Tensor dx = need_x ? at::empty({n, saved[kSavedX].size(1)}, gu.options()) : at::Tensor();
-    const at::Tensor x_rows = ad_gu.a.defined() ? saved[kSavedX].index_select(0, tok) : at::Tensor();
+    at::Tensor dx = need_x ? g.dx.narrow(0, off, n) : at::Tensor();
+    const at::Tensor x_rows = ad_gu.a.defined() ? g.x.narrow(0, off, n) : at::Tensor();
     expert_project_backward(dgu, x_rows, saved[kSavedXaGateUp].narrow(0, off, n),
                             load_weight(ctx, weight_key("gate_up", e)), ad_gu, at::Tensor(), dx);
-    if (need_x) result[0].index_add_(0, tok, dx);
   }
 };
 
