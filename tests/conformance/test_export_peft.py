@@ -47,6 +47,8 @@ def peft_grads(base_dir, out_dir, tokens, attn, dtype):
     from peft import PeftModel
 
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtype, attn_implementation=attn).eval()
+    if dtype == torch.float64 and getattr(base.config, "_experts_implementation", None) not in (None, "eager"):
+        base.set_experts_implementation("eager")  # grouped_mm, MoE's default, has no float64 kernel
     model = PeftModel.from_pretrained(base, os.path.join(out_dir, "adapter"), is_trainable=True).eval().to(dtype)
     logits = model(tokens).logits[0]
     torch.nn.functional.cross_entropy(logits[:-1], tokens[0, 1:]).backward()
@@ -90,8 +92,9 @@ def check_export(checks, tool, name, base_dir, out_dir, targets, attn, tokens=No
         base_logits = base(tokens).logits
         peft_model = PeftModel.from_pretrained(base, os.path.join(out_dir, "adapter")).eval()
         n_lora = sum(1 for n, _ in peft_model.named_parameters() if "lora_A" in n)
-        # Every module of the base that a target names (a Qwen3.5 layer holds one mixer's projections).
-        want = sum(1 for n, _ in base.named_modules() if n.rsplit(".", 1)[-1] in targets)
+        # Every module of the base that a target names (a Qwen3.5 layer holds one mixer's projections);
+        # a MoE layer's experts carry two (peft's target_parameters on gate_up_proj and down_proj).
+        want = sum(2 if n.endswith("experts") else 1 for n, _ in base.named_modules() if n.rsplit(".", 1)[-1] in targets)
         checks.check(f"{name} adapter loads every module", n_lora == want, f"{n_lora} lora_A modules (want {want})")
         ref = peft_model(tokens).logits
         checks.compare(f"{name} peft adapter logits", logits, ref,
@@ -110,17 +113,21 @@ def check_export(checks, tool, name, base_dir, out_dir, targets, attn, tokens=No
         peft_merged = peft_model.merge_and_unload().state_dict()
         ours_merged = merged.state_dict()
         worst = max((ours_merged[k] - v).abs().max().item() / max(v.abs().max().item(), 1e-6)
-                    for k, v in peft_merged.items() if k.endswith("_proj.weight"))
+                    for k, v in peft_merged.items()
+                    if k.endswith("_proj.weight") or k.endswith("experts.gate_up_proj") or k.endswith("experts.down_proj"))
         checks.check(f"{name} merged weights equal peft's merge_and_unload", worst <= MERGED_ATOL_PER_UNIT,
                      f"max relative |diff| {worst:.3e} (tol {MERGED_ATOL_PER_UNIT:g})")
 
     with open(os.path.join(out_dir, "adapter", "adapter_config.json")) as f:
         raw = json.load(f)
     lc = LoraConfig.from_pretrained(os.path.join(out_dir, "adapter"))
+    # The experts are peft's target_parameters, not a module.
+    params = {"mlp.experts.down_proj", "mlp.experts.gate_up_proj"} if "experts" in targets else set()
     ok = lc.r == LORA_R and lc.lora_alpha == LORA_ALPHA and lc.peft_type.value == "LORA" and \
-        set(lc.target_modules) == set(targets)
+        set(lc.target_modules) == set(targets) - {"experts"} and set(lc.target_parameters or []) == params
     checks.check(f"{name} adapter_config via LoraConfig", ok,
-                 f"r={lc.r} alpha={lc.lora_alpha} targets={sorted(lc.target_modules)}")
+                 f"r={lc.r} alpha={lc.lora_alpha} targets={sorted(lc.target_modules)} "
+                 f"parameters={sorted(lc.target_parameters or [])}")
     checks.check(f"{name} adapter_config task_type", raw.get("task_type") == "CAUSAL_LM", str(raw.get("task_type")))
     want = {"use_dora": "--dora" in variant, "use_rslora": "--rslora" in variant}
     got = {k: raw.get(k) for k in want}
