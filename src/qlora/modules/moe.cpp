@@ -1,10 +1,11 @@
 #include "qlora/modules/moe.h"
 
 #include <ATen/TensorOperators.h>
-#include <ATen/ops/bincount.h>
 #include <ATen/ops/linear.h>
+#include <ATen/ops/ones_like.h>
 #include <ATen/ops/softmax.h>
 #include <ATen/ops/topk.h>
+#include <ATen/ops/zeros.h>
 
 #include <stdexcept>
 #include <string>
@@ -33,7 +34,9 @@ at::Tensor moe_forward(const at::Tensor& router, const Experts& experts, const M
 }
 
 at::Tensor expert_counts(const Routing& routing, int64_t num_experts) {
-  return at::bincount(routing.index.reshape(-1).cpu(), {}, num_experts);
+  // index_add_ rather than bincount: bincount on CUDA reads the largest index back to the host first.
+  const at::Tensor flat = routing.index.reshape(-1);
+  return at::zeros({num_experts}, flat.options()).index_add_(0, flat, at::ones_like(flat));
 }
 
 }  // namespace qlora::modules

@@ -35,7 +35,7 @@ Routing route(const at::Tensor& router, const MoeDims& dims, const at::Tensor& x
 at::Tensor moe_forward(const at::Tensor& router, const Experts& experts, const MoeDims& dims, const at::Tensor& x,
                        Routing* routing = nullptr);
 
-// Tokens each expert received, [E] int64, from a routing's index.
+// Tokens each expert received, [E] int64 on the routing's device (no host sync), from its index.
 at::Tensor expert_counts(const Routing& routing, int64_t num_experts);
 
 }  // namespace qlora::modules
