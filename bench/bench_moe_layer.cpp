@@ -23,7 +23,8 @@
 // one layer step and one MoE block step (bench/step_profile.h): where the time goes.
 // Prints one JSON object with the CPU, qlora's ISA and the load average.
 //
-//   build/bench_moe_layer [--seq 512] [--reps 3] [--runs 1] [--r 8] [--dtype auto|fp32|bf16]
+//   build/bench_moe_layer [--model qwen3-30b-a3b|qwen3.5-35b-a3b|gpt-oss-20b] [--seq 512] [--reps 3]
+//                         [--runs 1] [--r 8] [--dtype auto|fp32|bf16]
 //                         [--threads N] [--no-peer] [--no-profile]
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -88,7 +89,7 @@ struct Args {
   int64_t seq = 512, r = 8;
   double alpha = -1;  // default 2 r
   int reps = 3, runs = 1, threads = 0;
-  std::string dtype = "auto", why;
+  std::string dtype = "auto", why, model = "qwen3-30b-a3b";
   at::ScalarType compute = at::kFloat;
   bool peer = true, worker = false, profile = true;
 };
@@ -108,6 +109,7 @@ Args parse(int argc, char** argv) {
     else if (s == "--runs") a.runs = std::stoi(next());
     else if (s == "--threads") a.threads = std::stoi(next());
     else if (s == "--dtype") a.dtype = next();
+    else if (s == "--model") a.model = next();
     else if (s == "--no-peer") a.peer = false;
     else if (s == "--no-profile") a.profile = false;
     else if (s == "--worker") a.worker = true;
@@ -120,11 +122,37 @@ Args parse(int argc, char** argv) {
   return a;
 }
 
-qlora::models::DecoderConfig moe_config() {
-  nlohmann::json j = nlohmann::json::parse(kQwen3MoeConfig);
-  j["num_hidden_layers"] = 1;
-  j["vocab_size"] = 1024;
-  return qlora::models::parse_decoder_config(j.dump(), "bench shape qwen3-30b-a3b");
+// The MoE shapes --model takes: Qwen3-30B-A3B's layer as it is (kQwen3MoeConfig), or another
+// model's MoE block and attention sizes in a Qwen3-MoE layer (q/k norms, SwiGLU experts, top-k
+// renormalised), the sizes from its published config.json: Qwen/Qwen3.5-35B-A3B (text_config:
+// hidden 2048, 16 / 2 heads of 256, 256 experts of 512, top 8; its Gated DeltaNet layers and
+// shared expert are not in the bench's layer) and openai/gpt-oss-20b (hidden 2880, 64 / 8 heads of
+// 64, 32 experts of intermediate_size 2880, top 4; its biases, sinks and clamp are not either).
+// bench/moe_model_memory.py composes whole-model memory from these per-layer figures.
+struct MoeShape {
+  const char* name;
+  const char* overrides;  // config.json keys over kQwen3MoeConfig's
+};
+constexpr MoeShape kMoeShapes[] = {
+    {"qwen3-30b-a3b", "{}"},
+    {"qwen3.5-35b-a3b", R"({"hidden_size": 2048, "num_attention_heads": 16, "num_key_value_heads": 2,
+      "head_dim": 256, "num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512})"},
+    {"gpt-oss-20b", R"({"hidden_size": 2880, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
+      "num_experts": 32, "num_experts_per_tok": 4, "moe_intermediate_size": 2880})"},
+};
+
+qlora::models::DecoderConfig moe_config(const std::string& model) {
+  for (const MoeShape& s : kMoeShapes) {
+    if (model != s.name) continue;
+    nlohmann::json j = nlohmann::json::parse(kQwen3MoeConfig);
+    j.merge_patch(nlohmann::json::parse(s.overrides));
+    j["num_hidden_layers"] = 1;
+    j["vocab_size"] = 1024;
+    return qlora::models::parse_decoder_config(j.dump(), "bench shape " + model);
+  }
+  std::string known;
+  for (const MoeShape& s : kMoeShapes) known += std::string(known.empty() ? "" : ", ") + s.name;
+  throw std::invalid_argument("--model " + model + ": expected one of " + known);
 }
 
 // A random frozen NF4 weight [out, in], as random_llama.h's random_nf4_projection draws one.
@@ -234,7 +262,7 @@ json profile_json(const ProfileSnapshot& before, const ProfileSnapshot& after, d
 // Our side, in this (fresh) process.
 json worker(const Args& a) {
   namespace M = qlora::modules;
-  const qlora::models::DecoderConfig c = moe_config();
+  const qlora::models::DecoderConfig c = moe_config(a.model);
   if (!c.is_moe(0)) throw std::logic_error("the bench layer is not a MoE layer");
   const qlora::models::DecoderModel m = qlora::bench::random_model(
       c, a.r, a.alpha, false,
@@ -323,7 +351,8 @@ std::string self_exe() {
 
 std::string worker_flags(const Args& a) {
   std::ostringstream s;
-  s << " --seq " << a.seq << " --r " << a.r << " --alpha " << a.alpha << " --reps " << a.reps << " --dtype " << a.dtype
+  s << " --model " << a.model << " --seq " << a.seq << " --r " << a.r << " --alpha " << a.alpha << " --reps " << a.reps
+    << " --dtype " << a.dtype
     << " --threads " << a.threads << (a.profile ? "" : " --no-profile");
   return s.str();
 }
@@ -365,7 +394,8 @@ int main(int argc, char** argv) {
     a = parse(argc, argv);
   } catch (const std::exception& e) {
     std::cerr << "bench_moe_layer: " << e.what()
-              << "\nusage: bench_moe_layer [--seq 512] [--reps 3] [--runs 1] [--r 8] [--alpha 2r] "
+              << "\nusage: bench_moe_layer [--model qwen3-30b-a3b|qwen3.5-35b-a3b|gpt-oss-20b] [--seq 512] [--reps 3] "
+                 "[--runs 1] [--r 8] [--alpha 2r] "
                  "[--dtype auto|fp32|bf16] [--threads N] [--no-peer] [--no-profile]\n";
     return 2;
   }
@@ -375,12 +405,12 @@ int main(int argc, char** argv) {
     std::cout << worker(a).dump() << std::endl;
     return 0;
   }
-  const qlora::models::DecoderConfig c = moe_config();
+  const qlora::models::DecoderConfig c = moe_config(a.model);
   json j{{"bench", "moe_layer_fwd_bwd"},
          {"machine", {{"cpu", qlora::bench::cpu_model()}, {"load_average", qlora::bench::load_average()},
                       {"qlora_isa", qlora::kernels::isa_name(qlora::kernels::active_isa())},
                       {"logical_cpus", sysconf(_SC_NPROCESSORS_ONLN)}, {"threads", at::get_num_threads()}}},
-         {"shape", {{"model", "qwen3-30b-a3b (one layer, random weights)"}, {"hidden", c.hidden_size},
+         {"shape", {{"model", a.model + " (one layer, random weights)"}, {"hidden", c.hidden_size},
                     {"heads", c.num_attention_heads}, {"kv_heads", c.num_key_value_heads}, {"head_dim", c.head_dim},
                     {"experts", c.moe.num_experts}, {"top_k", c.moe.top_k}, {"moe_intermediate", c.moe.inter},
                     {"norm_topk_prob", c.moe.norm_topk_prob}, {"seq", a.seq}, {"batch", 1}, {"tokens", a.seq},
