@@ -2,6 +2,7 @@
 
   trl_missing     why TRL cannot be imported (the test then exits SKIP), or None
   tiny_base       a tiny fp32 LlamaForCausalLM saved as an HF directory
+  tiny_moe_base   a tiny fp32 Qwen3MoeForCausalLM the same way (LoRA on its experts: MOE_TARGETS)
   tiny_tokenizer  a word-level tokenizer over its 128 ids (pad t0, eos t1), built here, never downloaded
   trl_lora_config our adapter's LoraConfig, trainable, for a trainer's peft_config
   load_adapter_weights  our adapter's tensors into a peft model
@@ -46,6 +47,25 @@ def tiny_base(workdir, seed):
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                       rms_norm_eps=1e-5, tie_word_embeddings=False)
     model = LlamaForCausalLM(cfg).to(torch.float32)
+    randomize_norms(model, seed)
+    model.save_pretrained(base_dir)
+    return base_dir
+
+
+# LoRA on the attention and on every expert (peft's target_parameters on the fused expert tensors).
+MOE_TARGETS = "q_proj,k_proj,v_proj,o_proj,experts"
+
+
+def tiny_moe_base(workdir, seed):
+    """Two layers of 4 experts (width 32), 2 a token, the class's default: top-k not renormalised."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    base_dir = os.path.join(workdir, "base_moe")
+    torch.manual_seed(seed)
+    cfg = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
+                         num_experts_per_tok=2, moe_intermediate_size=32, max_position_embeddings=64,
+                         rms_norm_eps=1e-5, tie_word_embeddings=False)
+    model = Qwen3MoeForCausalLM(cfg).to(torch.float32)
     randomize_norms(model, seed)
     model.save_pretrained(base_dir)
     return base_dir

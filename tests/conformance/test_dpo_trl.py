@@ -6,6 +6,8 @@ unequal lengths (used as given: no BOS/EOS) for each case of CASES, and checks w
   sigmoid, cDPO, ipo, hinge (also rsLoRA, DoRA): a real DPOTrainer on the same base with our initial
     adapter (reference = adapters disabled), fed our ids through its collator and compute_loss: per-pair
     logps, loss, rewards, every LoRA gradient; then its loss code on OUR logps, for the formulas alone.
+  sigmoid_moe: sigmoid on a tiny Qwen3-MoE with LoRA on its experts (peft's target_parameters): the
+    reference is the experts' bases alone, the expert adapters' gradients TRL's.
   orpo, simpo: ORPOTrainer.odds_ratio_loss / CPOTrainer.cpo_loss ("simpo", cpo_alpha 0) on our averaged
     logps, and on get_batch_logps of PeftModel.from_pretrained(our adapter) for logps and gradients.
   python test_dpo_trl.py --tool build/dpo_tool --workdir /tmp/x
@@ -24,8 +26,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from _common import run_checked
-from _trl import (adapter_params, compare_grads, load_adapter_weights, tiny_base, tiny_tokenizer, trl_lora_config,
-                  trl_main)
+from _trl import (MOE_TARGETS, adapter_params, compare_grads, load_adapter_weights, tiny_base, tiny_moe_base,
+                  tiny_tokenizer, trl_lora_config, trl_main)
 
 # Summed response logps of ~5 nats a token over <= 8 tokens: fp32 rounding of our forward vs torch's is
 # ~1e-6 a token, so 1e-4 leaves ~10x margin, while one token too many or too few (a prompt token, a
@@ -41,7 +43,7 @@ SIMPO_GAMMA = 0.8
 # (prompt, chosen, rejected) lengths: unequal, so the batch is padded and per-token averages differ.
 LENGTHS = [(5, 3, 6), (2, 7, 2), (8, 1, 4), (3, 4, 4)]
 
-Case = namedtuple("Case", "loss beta eps flags")
+Case = namedtuple("Case", "loss beta eps flags moe", defaults=[False])
 CASES = {
     "sigmoid": Case("sigmoid", 0.1, 0.0, []),
     "sigmoid_label_smoothing": Case("sigmoid", 0.5, 0.2, []),
@@ -49,20 +51,22 @@ CASES = {
     "hinge": Case("hinge", 1.0, 0.0, []),
     "sigmoid_rslora": Case("sigmoid", 0.1, 0.0, ["--rslora"]),
     "sigmoid_dora": Case("sigmoid", 0.1, 0.0, ["--dora"]),
+    "sigmoid_moe": Case("sigmoid", 0.1, 0.0, ["--targets", MOE_TARGETS], moe=True),
     "orpo": Case("orpo", 0.25, 0.0, []),
     "simpo": Case("simpo", 2.0, 0.1, []),
 }
 
 
 def make_inputs(workdir):
-    """The tiny base checkpoint and the pairs file; returns (base_dir, pairs_path, pairs)."""
-    base_dir, pairs_path = tiny_base(workdir, SEED), os.path.join(workdir, "pairs.json")
+    """The tiny base checkpoints and the pairs file; returns ({"dense"|"moe": base_dir}, pairs_path, pairs)."""
+    bases = {"dense": tiny_base(workdir, SEED), "moe": tiny_moe_base(workdir, SEED)}
+    pairs_path = os.path.join(workdir, "pairs.json")
     g = torch.Generator().manual_seed(SEED)
     ids = lambda n: torch.randint(2, 128, (n,), generator=g).tolist()  # 0/1 are the tokenizer's pad/eos
     pairs = [{"prompt": ids(p), "chosen": ids(c), "rejected": ids(r)} for p, c, r in LENGTHS]
     with open(pairs_path, "w") as f:
         json.dump(pairs, f)
-    return base_dir, pairs_path, pairs
+    return bases, pairs_path, pairs
 
 
 def counts(pairs, key):
@@ -94,9 +98,13 @@ def dpo_trainer(case, base_dir, adapter_dir, workdir):
     # ((1-e)S - eS')/(1-2e) with S' the flipped term, so cDPO (1-e)S + eS' = 2(1-e) sigmoid - (1-2e) robust.
     if case.eps:
         types, weights = ["sigmoid", "robust"], [2 * (1 - case.eps), -(1 - 2 * case.eps)]
+    # TRL adds a MoE model's router load-balancing loss by default (router_aux_loss_coef: the config's,
+    # 0.001 for Qwen3-MoE, even with output_router_logits false); qlora adds none (docs/moe.md), so the
+    # MoE case compares the preference loss alone.
+    aux = {"router_aux_loss_coef": 0.0} if case.moe else {}
     args = DPOConfig(output_dir=os.path.join(workdir, "trl"), use_cpu=True, bf16=False, fp16=False,
                      gradient_checkpointing=False, max_length=None, report_to="none", beta=case.beta,
-                     loss_type=types, loss_weights=weights, label_smoothing=case.eps, seed=SEED)
+                     loss_type=types, loss_weights=weights, label_smoothing=case.eps, seed=SEED, **aux)
     dummy = Dataset.from_list([{"prompt": "t2", "chosen": " t3", "rejected": " t4"}])  # required, unused
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     trainer = DPOTrainer(model=base, args=args, train_dataset=dummy, processing_class=tiny_tokenizer(),
@@ -248,8 +256,8 @@ def check_ref_free(checks, name, case, ours, adapter_dir, base_dir, pairs):
     compare_grads(checks, name, ours, params, GRAD_RTOL)
 
 
-def run_case(checks, tool, workdir, name, case, base_dir, pairs_path, pairs):
-    out = os.path.join(workdir, name)
+def run_case(checks, tool, workdir, name, case, bases, pairs_path, pairs):
+    out, base_dir = os.path.join(workdir, name), bases["moe" if case.moe else "dense"]
     cmd = [tool, "--checkpoint", base_dir, "--pairs", pairs_path, "--out", out, "--loss", case.loss,
            "--beta", case.beta, "--seed", SEED, *case.flags]
     if case.eps:

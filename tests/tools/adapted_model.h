@@ -10,6 +10,7 @@
 #include <c10/core/GradMode.h>
 
 #include <cstdint>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -19,6 +20,14 @@ namespace qlora::test_tools {
 
 inline constexpr int64_t kRank = 8;
 inline constexpr double kAlpha = 16.0;
+
+// "q_proj,k_proj" -> {"q_proj", "k_proj"} (the tools' --targets); "" -> {} (the default).
+inline std::vector<std::string> split_targets(const std::string& csv) {
+  std::vector<std::string> out;
+  std::stringstream s(csv);
+  for (std::string t; std::getline(s, t, ',');) out.push_back(t);
+  return out;
+}
 
 inline models::DecoderModel adapted_model(const std::string& checkpoint, std::vector<std::string> targets, uint64_t seed,
                                         bool dora, bool rslora) {

@@ -2,6 +2,7 @@
 // given token ids, for tests/conformance/test_dpo_trl.py to compare with TRL:
 //   dpo_tool --checkpoint DIR --pairs PAIRS.json --out DIR --loss sigmoid|ipo|hinge|orpo|simpo
 //            [--beta B] [--label-smoothing E] [--gamma G] [--seed N] [--dora] [--rslora]
+//            [--targets q_proj,k_proj,...]  (PEFT names; default: every Llama projection)
 // PAIRS.json: [{"prompt": [ids], "chosen": [ids], "rejected": [ids]}, ...], used as given (no BOS
 // or EOS added); each row is prompt + response, scored on the response's tokens.
 // The model: tests/tools/adapted_model.h's on DIR (so the policy differs from the reference). Writes
@@ -28,7 +29,7 @@ namespace {
 [[noreturn]] void usage(const std::string& why) {
   std::cerr << "dpo_tool: " << why << "\nusage: dpo_tool --checkpoint DIR --pairs PAIRS.json --out DIR"
                " --loss sigmoid|ipo|hinge|orpo|simpo [--beta B] [--label-smoothing E] [--gamma G] [--seed N]"
-               " [--dora] [--rslora]\n";
+               " [--dora] [--rslora] [--targets NAME,...]\n";
   std::exit(2);
 }
 
@@ -69,6 +70,7 @@ int main(int argc, char** argv) {
   tr::PreferenceLossOptions lo;
   uint64_t seed = 1234;
   bool dora = false, rslora = false;
+  std::string targets;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--dora") { dora = true; continue; }
@@ -83,6 +85,7 @@ int main(int argc, char** argv) {
     else if (a == "--label-smoothing") lo.label_smoothing = std::stod(v);
     else if (a == "--gamma") lo.simpo_gamma = std::stod(v);
     else if (a == "--seed") seed = std::stoull(v);
+    else if (a == "--targets") targets = v;
     else usage("unknown argument '" + a + "'");
   }
   if (checkpoint.empty() || pairs_path.empty() || out.empty() || loss_name.empty())
@@ -90,7 +93,8 @@ int main(int argc, char** argv) {
   try {
     lo.loss = qlora::io::enum_from_name(tr::kPreferenceLossNames, loss_name, "--loss");
     const std::vector<qlora::data::PreferencePair> pairs = read_pairs(pairs_path);
-    qlora::models::DecoderModel m = qlora::test_tools::adapted_model(checkpoint, {}, seed, dora, rslora);
+    namespace tt = qlora::test_tools;
+    qlora::models::DecoderModel m = tt::adapted_model(checkpoint, tt::split_targets(targets), seed, dora, rslora);
     qlora::checkpoint::AdapterInfo info{qlora::test_tools::kRank, qlora::test_tools::kAlpha, 0.0, {}, checkpoint};
     info.use_rslora = rslora;
     qlora::checkpoint::write_peft_adapter(out + "/adapter", m.lora_parameters(), info);

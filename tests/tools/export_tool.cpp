@@ -56,10 +56,8 @@ int main(int argc, char** argv) {
   if (checkpoint.empty() || out.empty()) usage("--checkpoint and --out are required");
   try {
     namespace ck = qlora::checkpoint;
-    std::vector<std::string> target_list;
-    std::stringstream ts(targets);
-    for (std::string t; std::getline(ts, t, ',');) target_list.push_back(t);
-    qlora::models::DecoderModel m = qlora::test_tools::adapted_model(checkpoint, target_list, seed, dora, rslora);
+    qlora::models::DecoderModel m =
+        qlora::test_tools::adapted_model(checkpoint, qlora::test_tools::split_targets(targets), seed, dora, rslora);
     ck::AdapterInfo info{qlora::test_tools::kRank, qlora::test_tools::kAlpha, 0.0, {}, checkpoint};
     info.use_rslora = rslora;
     ck::write_peft_adapter(out + "/adapter", m.lora_parameters(), info);
