@@ -57,14 +57,15 @@ MOE_TARGETS = "q_proj,k_proj,v_proj,o_proj,experts"
 
 
 def tiny_moe_base(workdir, seed):
-    """Two layers of 4 experts (width 32), 2 a token, the class's default: top-k not renormalised."""
+    """Two layers of 4 experts (width 32), 2 a token, the class's default: top-k not renormalised. BOS 1
+    and EOS 2 as tiny_base's (LlamaConfig's defaults), so both have the same stop tokens."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
     base_dir = os.path.join(workdir, "base_moe")
     torch.manual_seed(seed)
     cfg = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
                          num_experts_per_tok=2, moe_intermediate_size=32, max_position_embeddings=64,
-                         rms_norm_eps=1e-5, tie_word_embeddings=False)
+                         rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
     model = Qwen3MoeForCausalLM(cfg).to(torch.float32)
     randomize_norms(model, seed)
     model.save_pretrained(base_dir)

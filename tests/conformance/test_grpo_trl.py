@@ -8,7 +8,9 @@ GRPOTrainer (our adapter on a fresh PEFT adapter of the same config, reference =
 runs its own: a rollout_func hands it our ids, a reward function our rewards, and
 _generate_and_score_completions builds its masks, reference log-probs and advantages, then
 compute_loss and backward. Compared: loss mask, advantages, per-token policy and reference log-probs,
-loss, the KL, clip and entropy metrics TRL logs, and every LoRA gradient.
+loss, the KL, clip and entropy metrics TRL logs, and every LoRA gradient. MOE_CASES run the same on a tiny
+Qwen3-MoE with LoRA on its experts (peft's target_parameters; TRL's default router load-balancing loss
+off: qlora adds none, docs/moe.md).
   python test_grpo_trl.py --tool build/grpo_tool --workdir /tmp/x
 """
 import json
@@ -26,8 +28,8 @@ import torch
 from safetensors.torch import load_file
 
 from _common import run_checked
-from _trl import (VOCAB, adapter_params, compare_grads, load_adapter_weights, tiny_base, tiny_tokenizer,
-                  trl_lora_config, trl_main)
+from _trl import (MOE_TARGETS, VOCAB, adapter_params, compare_grads, load_adapter_weights, tiny_base, tiny_moe_base,
+                  tiny_tokenizer, trl_lora_config, trl_main)
 
 SEED = 1234
 G = 3  # num_generations
@@ -81,6 +83,8 @@ CASES = {
     "cispo_sequence_kl": Case("cispo", "sequence", "group", 0.02, 2, 0.2, 1.1, False, False),
     "cispo_token_default_bound": Case("cispo", "token", "batch", 0.0, 1, 0.2, None, False),
 }
+# On the tiny Qwen3-MoE (the reference pass through the experts' bases alone: beta > 0).
+MOE_CASES = {"grpo_token_kl_moe": Case("grpo", "token", "group", 0.04, 1, 0.2, None, False)}
 # What both sides share: the group size, and dr_grpo's denominator (longer than every completion here).
 COMMON = {"num_generations": G, "max_completion_length": MAX_COMPLETION_LENGTH}
 
@@ -100,20 +104,21 @@ def make_rollout(stop_ids):
     return {"stop_ids": stop_ids, "rows": rows}
 
 
-def run_tool(tool, base_dir, rollout_path, out, cases):
+def run_tool(tool, base_dir, rollout_path, out, cases, targets=None):
     """grpo_tool on {name: Case}: OUT/adapter, and per case OUT/<name>/result.safetensors (returned)."""
     cases_path = os.path.join(out, "cases.json")
     os.makedirs(out, exist_ok=True)
     with open(cases_path, "w") as f:
         json.dump([{"name": name, **COMMON, **case._asdict()} for name, case in cases.items()], f)
     run_checked([tool, "--checkpoint", base_dir, "--rollout", rollout_path, "--cases", cases_path, "--out", out,
-                 "--seed", SEED])
+                 "--seed", SEED, *(["--targets", targets] if targets else [])])
     return {name: load_file(os.path.join(out, name, "result.safetensors")) for name in cases}
 
 
-def grpo_trainer(case, base_dir, adapter_dir, workdir, rollout):
+def grpo_trainer(case, base_dir, adapter_dir, workdir, rollout, moe):
     """A GRPOTrainer whose rollout_func returns our ids for each prompt "p<row>" and whose reward
-    function our rewards: everything after generation is TRL's own code."""
+    function our rewards: everything after generation is TRL's own code. moe: TRL's router
+    load-balancing loss (on by default for a MoE model) off."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
     from trl import GRPOConfig, GRPOTrainer
@@ -129,7 +134,7 @@ def grpo_trainer(case, base_dir, adapter_dir, workdir, rollout):
 
     args = GRPOConfig(output_dir=os.path.join(workdir, "trl"), use_cpu=True, bf16=False, fp16=False,
                       gradient_checkpointing=False, report_to="none", seed=SEED, per_device_train_batch_size=len(rows),
-                      **COMMON, **case._asdict())
+                      **COMMON, **case._asdict(), **({"router_aux_loss_coef": 0.0} if moe else {}))
     dummy = Dataset.from_list([{"prompt": f"p{i}", "row": i} for i in range(len(rows))])
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     trainer = GRPOTrainer(model=base, reward_funcs=reward, args=args, train_dataset=dummy,
@@ -206,9 +211,10 @@ def check_case(checks, name, case, ours, trainer, batch, trl_logps, loss):
                  f"|ours - {other}| {apart:.3e} (> {10 * LOSS_ATOL:g})")
 
 
-def run_case(checks, workdir, name, case, base_dir, rollout, old_logps, ours_dir, results):
-    ours, adapter_dir = results[name], os.path.join(ours_dir, "adapter")
-    trainer = grpo_trainer(case, base_dir, adapter_dir, os.path.join(workdir, name), rollout)
+def run_case(checks, workdir, name, case, bases, rollout, old_logps, ours_dirs, results):
+    kind = "moe" if name in MOE_CASES else "dense"
+    ours, adapter_dir = results[name], os.path.join(ours_dirs[kind], "adapter")
+    trainer = grpo_trainer(case, bases[kind], adapter_dir, os.path.join(workdir, name), rollout, kind == "moe")
     params = adapter_params(checks, name, trainer.model, adapter_dir)
     batch, trl_logps, loss = trl_step(trainer, rollout, old_logps)
     check_case(checks, name, case, ours, trainer, batch, trl_logps, loss)
@@ -228,9 +234,9 @@ def stop_ids(base_dir):
 
 
 def make_inputs(tool, workdir):
-    """The base, the rollout with old log-probs (our policy's on a first run, the adapter being the same
-    for every run: one seed, plus OLD_NOISE·N(0, 1)), and our results for every case. Returns (base_dir,
-    rollout, old [B, C], our output directory, {name: our tensors})."""
+    """The bases, the rollout with old log-probs (our dense policy's on a first run, the adapter being the
+    same for every run: one seed, plus OLD_NOISE·N(0, 1)), and our results for every case. Returns
+    ({"dense"|"moe": base_dir}, rollout, old [B, C], {"dense"|"moe": our output directory}, {name: our tensors})."""
     base_dir = tiny_base(workdir, SEED)
     rollout = make_rollout(stop_ids(base_dir))
     path = os.path.join(workdir, "rollout.json")
@@ -244,12 +250,15 @@ def make_inputs(tool, workdir):
         row["old_logps"] = old[i, :len(row["completion"])].tolist()
     with open(path, "w") as f:
         json.dump(rollout, f)
-    ours_dir = os.path.join(workdir, "ours")
-    return base_dir, rollout, old, ours_dir, run_tool(tool, base_dir, path, ours_dir, CASES)
+    bases = {"dense": base_dir, "moe": tiny_moe_base(workdir, SEED)}
+    ours_dirs = {kind: os.path.join(workdir, "ours_" + kind) for kind in bases}
+    results = {**run_tool(tool, base_dir, path, ours_dirs["dense"], CASES),
+               **run_tool(tool, bases["moe"], path, ours_dirs["moe"], MOE_CASES, MOE_TARGETS)}
+    return bases, rollout, old, ours_dirs, results
 
 
 def main():
-    return trl_main(CASES, lambda args: make_inputs(args.tool, args.workdir),
+    return trl_main({**CASES, **MOE_CASES}, lambda args: make_inputs(args.tool, args.workdir),
                     lambda checks, args, name, case, *inputs: run_case(checks, args.workdir, name, case, *inputs))
 
 

@@ -1,6 +1,7 @@
 // grpo_tool: GRPO micro-batches of the recipe's own path (train/grpo_batch.h, train/grpo_loss.h) on
 // given completions and rewards, for tests/conformance/test_grpo_trl.py to compare with TRL:
 //   grpo_tool --checkpoint DIR --rollout ROLLOUT.json --cases CASES.json --out DIR [--seed N]
+//             [--targets q_proj,...]  (PEFT names; default: every Llama projection)
 // A case's "temperature" divides the logits of every log-prob (DecoderModel::logit_temperature).
 // ROLLOUT.json: {"stop_ids": [ids], "rows": [{"prompt": [ids], "completion": [ids], "reward": r or null,
 // "old_logps": [one a completion token], optional}, ...]}, groups of num_generations consecutive rows;
@@ -39,7 +40,8 @@ namespace tr = qlora::train;
 
 [[noreturn]] void usage(const std::string& why) {
   std::cerr << "grpo_tool: " << why
-            << "\nusage: grpo_tool --checkpoint DIR --rollout ROLLOUT.json --cases CASES.json --out DIR [--seed N]\n";
+            << "\nusage: grpo_tool --checkpoint DIR --rollout ROLLOUT.json --cases CASES.json --out DIR [--seed N]"
+               " [--targets NAME,...]\n";
   std::exit(2);
 }
 
@@ -141,7 +143,7 @@ void run_case(qlora::models::DecoderModel m, const Rollout& r, const tr::Complet
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string checkpoint, rollout_path, cases_path, out;
+  std::string checkpoint, rollout_path, cases_path, out, targets;
   uint64_t seed = 1234;
   for (int i = 1; i < argc; ++i) {
     const std::string k = argv[i];
@@ -152,6 +154,7 @@ int main(int argc, char** argv) {
     else if (k == "--cases") cases_path = v;
     else if (k == "--out") out = v;
     else if (k == "--seed") seed = std::stoull(v);
+    else if (k == "--targets") targets = v;
     else usage("unknown argument '" + k + "'");
   }
   if (checkpoint.empty() || rollout_path.empty() || cases_path.empty() || out.empty())
@@ -161,7 +164,8 @@ int main(int argc, char** argv) {
     if (!f) usage("cannot open " + cases_path);
     const nlohmann::json cases = nlohmann::json::parse(f);
     const Rollout r = read_rollout(rollout_path);
-    qlora::models::DecoderModel m = qlora::test_tools::adapted_model(checkpoint, {}, seed, false, false);
+    namespace tt = qlora::test_tools;
+    qlora::models::DecoderModel m = tt::adapted_model(checkpoint, tt::split_targets(targets), seed, false, false);
     const qlora::checkpoint::AdapterInfo info{qlora::test_tools::kRank, qlora::test_tools::kAlpha, 0.0, {}, checkpoint};
     qlora::checkpoint::write_peft_adapter(out + "/adapter", m.lora_parameters(), info);
     const tr::CompletionBatch b = tr::completion_batch(r.completions, /*pad_id=*/0);
