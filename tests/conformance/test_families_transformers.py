@@ -63,7 +63,8 @@ GEN_GROUP = 2                # batched generation: sequences per prompt (GRPO's 
 # step are closer than two tolerances (each side may be off by one, so such a pair can swap).
 GEN_CASES = {"llama": {}, "qwen2_untied": {}, "gemma2": {"tie_word_embeddings": False},
              "gemma3": {"tie_word_embeddings": False}, "mistral_sliding": {}, "phi3": {},
-             "smollm3": {}, "olmo2": {}, "olmo3": {}, "qwen3_5": {}, "gemma4": {}, "qwen3_moe": {}, "mixtral": {}}
+             "smollm3": {}, "olmo2": {}, "olmo3": {}, "qwen3_5": {}, "gemma4": {}, "qwen3_moe": {}, "mixtral": {},
+             "qwen3_5_moe": {}}
 # Tied Gemma embeddings (scaled by 16) make a random model repeat its input token forever, which
 # would test nothing about the cache; untied, the greedy continuation varies.
 
