@@ -12,6 +12,7 @@
 #include "qlora/io/safetensors.h"
 #include "qlora/models/decoder.h"
 #include "qlora/models/decoder_config.h"
+#include "qlora/models/key_layout.h"
 #include "fixtures.h"
 
 using namespace qlora;
@@ -168,6 +169,9 @@ TEST(DecoderConfig, MixtureOfExpertsQwen35) {
   EXPECT_TRUE(is_known_target("shared_expert"));
   EXPECT_THROW(peft_targets(architecture_of(c), {"gate"}), std::invalid_argument);  // no dense MLP
   EXPECT_THROW(peft_targets(llama_architecture(), {"shared_expert"}), std::invalid_argument);
+  // A multimodal adapter's pattern: a module's last name picks the row it ends (as PEFT matches names).
+  EXPECT_EQ(peft_target_pattern(architecture_of(c), KeyLayout::kModelLanguage, {"gate_proj"}),
+            "model\\.(?:language_model\\.)?layers\\.\\d+\\.mlp\\.shared_expert\\.gate_proj");
 }
 
 TEST(DecoderConfig, ErrorsNameFileAndKey) {
