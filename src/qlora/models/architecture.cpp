@@ -66,11 +66,14 @@ bool is_known_target(const std::string& name) {
 
 std::string known_target_names() {
   std::vector<std::string> seen;
+  std::vector<std::string> groups;
   for (const Family* f : all_families())
-    for (const ProjectionRow& row : f->architecture().projections)
-      for (const char* name : {row.short_name, row.group})
-        if (name && std::find(seen.begin(), seen.end(), name) == seen.end()) seen.push_back(name);
+    for (const ProjectionRow& row : f->architecture().projections) {
+      if (std::find(seen.begin(), seen.end(), row.short_name) == seen.end()) seen.push_back(row.short_name);
+      if (row.group && std::find(groups.begin(), groups.end(), row.group) == groups.end()) groups.push_back(row.group);
+    }
   seen.push_back(kExpertsTarget);
+  seen.insert(seen.end(), groups.begin(), groups.end());
   std::string out;
   for (const std::string& n : seen) out += (out.empty() ? "" : ", ") + n;
   return out;
