@@ -29,7 +29,8 @@ family's kind, converted with `qlora gguf --type f32` and `--type f16`:
            fused too; q4_k_m and q8_0 as llama-quantize makes them; the experts' LoRA too
   qwen35moe  Qwen3.5-MoE as llama.cpp's qwen35moe: qwen35's layers with the experts as qwen3_moe's and
            the shared expert as ffn_{gate,up,down}_shexp scaled by ffn_gate_inp_shexp; the same checks
-           as qwen3_moe, its LoRA over the shared expert and the DeltaNet too
+           as qwen3_moe, its LoRA over the shared expert and the DeltaNet too; and the Hub's
+           Qwen3_5MoeForConditionalGeneration, of which only the language model is written
 
 For each: llama.cpp's logits on the f32 and f16 files equal transformers' within the tolerance
 beside the check, and its greedy continuation of 24 tokens is transformers'; llama.cpp tokenizes a
@@ -915,6 +916,7 @@ def main():
     check_gemma3_multimodal(a.tool, a.workdir)
     check_sentencepiece_json(a.tool, a.workdir, dirs)
     check_hub_multimodal(a.tool, a.workdir, "qwen35", "qwen3_5_vision", "qwen35", **QWEN35_LLAMA_CPP)
+    check_hub_multimodal(a.tool, a.workdir, "qwen35moe", "qwen3_5_moe_vision", "qwen35", **QWEN35_LLAMA_CPP)
     check_hub_multimodal(a.tool, a.workdir, "gemma4", "gemma4_vision", "sp-gemma", layer_types=GEMMA4_LAYERS)
     if "olmo3" in dirs:
         check_olmo3_attention_factor(a.tool, a.workdir, dirs["olmo3"])
