@@ -4,6 +4,7 @@
 #include <ATen/core/grad_mode.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -146,6 +147,16 @@ TEST(DecoderConfig, MixtureOfExpertsQwen35) {
   EXPECT_TRUE(c.is_linear(0) && c.is_linear(2) && !c.is_linear(3));  // full_attention_interval 4
   EXPECT_TRUE(c.attn_output_gate);
   EXPECT_EQ(c.gated_delta.num_value_heads, 4);
+  const Architecture& arch = architecture_of(c);
+  EXPECT_EQ(projection_shape(*find_projection(arch, "shared_gate"), c, 0), (std::vector<int64_t>{48, 64}));
+  EXPECT_EQ(projection_shape(*find_projection(arch, "shared_expert.down_proj"), c, 3), (std::vector<int64_t>{64, 48}));
+  EXPECT_EQ(hf_key(*find_projection(arch, "shared_up"), 1), "model.layers.1.mlp.shared_expert.up_proj.weight");
+  EXPECT_EQ(find_projection(arch, "gate_proj"), nullptr);  // no dense MLP
+  const auto gate = std::find_if(arch.layer_norms.begin(), arch.layer_norms.end(),
+                                 [](const NormRow& n) { return std::string(n.name) == "mlp.shared_expert_gate"; });
+  ASSERT_NE(gate, arch.layer_norms.end());
+  EXPECT_EQ(norm_shape(*gate, c, 2), (std::vector<int64_t>{1, 64}));
+  EXPECT_EQ(hf_key(*gate, 2), "model.layers.2.mlp.shared_expert_gate.weight");
   c = parse_decoder_config("{" + base + "}", "cfg.json");  // Qwen3_5MoeTextConfig's defaults
   EXPECT_EQ(c.moe.num_experts, 256);
   EXPECT_EQ(c.moe.top_k, 8);
