@@ -134,6 +134,30 @@ TEST(MergedModel, EqualsIndependentMergeAndCopiesTheRest) {
   fs::remove_all(orig_dir);
 }
 
+// A text-only checkpoint's tensors outside the language model (Qwen3.5's multi-token prediction block,
+// mtp.*) are never read and go into the merged export as they are.
+TEST(MergedModel, CopiesTensorsOutsideTheLanguageModel) {
+  const fs::path src = fresh_dir("mtp_src"), out = fresh_dir("mtp_out");
+  for (const auto& f : fs::directory_iterator(tiny_dir())) fs::copy(f.path(), src / f.path().filename());
+  const at::Tensor mtp = at::randn({4, 8}).to(at::kBFloat16);
+  save_safetensors((src / "mtp.safetensors").string(), {{"mtp.fc.weight", mtp}}, {{"format", "pt"}});
+  nlohmann::json index = read_json(src / "model.safetensors.index.json");
+  index["weight_map"]["mtp.fc.weight"] = "mtp.safetensors";
+  std::ofstream(src / "model.safetensors.index.json") << index.dump(2);
+  models::DecoderLoadOptions opt;
+  opt.base_in_nf4 = true;
+  const models::DecoderModel m = models::load_decoder(src.string(), opt);
+  EXPECT_EQ(m.skipped_weights.tensors, 1);
+  EXPECT_EQ(m.skipped_weights.first, "mtp.fc.weight");
+  write_merged_model(out.string(), m, src.string(), MergeSource::Nf4);
+  const CheckpointDir merged = CheckpointDir::open(out.string());
+  ASSERT_TRUE(merged.contains("mtp.fc.weight"));
+  EXPECT_TRUE(at::equal(merged.tensor("mtp.fc.weight"), mtp));
+  EXPECT_EQ(merged.tensor_names().size(), CheckpointDir::open(tiny_dir()).tensor_names().size() + 1);
+  fs::remove_all(src);
+  fs::remove_all(out);
+}
+
 TEST(MergedModel, ShardsBySizeWithIndexAndCopiesTokenizer) {
   const models::DecoderModel m = tiny_model(false);
   const fs::path d = fresh_dir("sharded"), tok = fresh_dir("tok");

@@ -149,7 +149,8 @@ TEST(Config, RangeChecksNameKeyAndLine) {
   EXPECT_CONTAINS(parse_error("[optim]\nbetas = [0.9, 1.0]\n"), "'optim.betas'");
   EXPECT_CONTAINS(parse_error("[lora]\ntargets = [\"q\", \"qkvo\"]\n"),
                   "'lora.targets' (line 2) must be a list of q, k, v, o, gate, up, down, output, qkv, gate_up, linear_qkv, "
-                  "linear_z, linear_b, linear_a, linear_out, ple_gate, ple_proj, experts, got 'qkvo'");
+                  "linear_z, linear_b, linear_a, linear_out, ple_gate, ple_proj, shared_gate, shared_up, shared_down, experts, "
+                  "shared_expert, got 'qkvo'");
   EXPECT_CONTAINS(parse_error("[lora]\ntargets = [\"q\", \"q\"]\n"), "duplicates");
   EXPECT_CONTAINS(parse_error("[lora]\ntargets = []\n"), "'lora.targets' (line 2) must be non-empty");
   EXPECT_CONTAINS(parse_error("[data]\nval_fraction = 1.0\n"), "'data.val_fraction' (line 2) must be in [0, 1)");

@@ -16,7 +16,8 @@ from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Ge
                           Qwen3Config, Qwen3ForCausalLM, Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration,
                           Qwen3_5TextConfig, SmolLM3Config, SmolLM3ForCausalLM, Gemma4TextConfig, Gemma4ForCausalLM,
                           Gemma4Config, Gemma4ForConditionalGeneration, MixtralConfig, MixtralForCausalLM,
-                          Qwen3MoeConfig, Qwen3MoeForCausalLM)
+                          Qwen3MoeConfig, Qwen3MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM,
+                          Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration)
 
 from _common import randomize_norms
 
@@ -61,6 +62,11 @@ def qwen35_multimodal_config(**kw):
     return Qwen3_5Config(text_config=kw, vision_config=QWEN35_VISION, tie_word_embeddings=tie)
 
 
+def qwen35_moe_multimodal_config(**kw):
+    tie = kw.pop("tie_word_embeddings", False)
+    return Qwen3_5MoeConfig(text_config=kw, vision_config=QWEN35_VISION, tie_word_embeddings=tie)
+
+
 # Gemma 4: sliding layers head_dim 64 with 2 kv heads, full layers global_head_dim 128 with 1 kv head
 # whose values are its keys (attention_k_eq_v) and proportional RoPE on a quarter of it; the last two
 # layers (3 sliding, 4 full: the class makes the last layer full) reuse the K/V of layers 2 and 1 and
@@ -101,7 +107,13 @@ QWEN3_MOE = dict(**MOE, head_dim=32, intermediate_size=512, num_experts=8, moe_i
                  num_hidden_layers=3, mlp_only_layers=[1], tie_word_embeddings=False)
 MIXTRAL = dict(**MOE, intermediate_size=64, num_local_experts=8, sliding_window=WINDOW, tie_word_embeddings=False)
 MOE_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "experts"]
-FUSED_CASES = ["qwen3_moe", "mixtral"]
+# Qwen3.5-MoE: Qwen3.5's tiny hybrid cut to 2 layers (layer 0 Gated DeltaNet, layer 1 full attention),
+# every layer MoE (always renormalised) beside a shared expert of 128 ([128, 256], [256, 128]) scaled by
+# sigmoid(shared_expert_gate [1, 256]).
+QWEN35_MOE = dict({k: v for k, v in QWEN35.items() if k != "intermediate_size"}, num_hidden_layers=2,
+                  layer_types=["linear_attention", "full_attention"], num_experts=8, num_experts_per_tok=2,
+                  moe_intermediate_size=64, shared_expert_intermediate_size=128)
+FUSED_CASES = ["qwen3_moe", "mixtral", "qwen3_5_moe", "qwen3_5_moe_vision"]
 
 
 def _router_uniform(model):
@@ -114,6 +126,8 @@ def _router_uniform(model):
 
 QWEN35_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
                   "out_proj", "gate_proj", "up_proj", "down_proj"]
+QWEN35_MOE_TARGETS = QWEN35_TARGETS[:-3] + ["experts", "shared_expert.gate_proj", "shared_expert.up_proj",
+                                            "shared_expert.down_proj"]
 
 
 def _set(suffix, value):
@@ -211,6 +225,16 @@ CASES = {
                      ablations=[("one expert a token", {"num_experts_per_tok": 1}, None),
                                 ("router rows equal", {}, _router_uniform),
                                 ("no sliding window", {"sliding_window": None}, None)]),
+    "qwen3_5_moe": _case(Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM, QWEN35_MOE, targets=QWEN35_MOE_TARGETS,
+                         ablations=[("no shared expert (its down_proj 0)", {}, _set("shared_expert.down_proj.weight", 0.0)),
+                                    ("shared expert gate 0 (sigmoid 1/2)", {}, _set("shared_expert_gate.weight", 0.0)),
+                                    ("router rows equal", {}, _router_uniform),
+                                    ("one expert a token", {"num_experts_per_tok": 1}, None),
+                                    ("no decay (A_log -30)", {}, _set("A_log", -30.0))]),
+    # The Hub's form: Qwen3_5MoeForConditionalGeneration (model.language_model.*, the tower copied).
+    "qwen3_5_moe_vision": _case(qwen35_moe_multimodal_config, Qwen3_5MoeForConditionalGeneration, QWEN35_MOE,
+                                targets=QWEN35_MOE_TARGETS,
+                                ablations=[("shared expert gate 0 (sigmoid 1/2)", {}, _set("shared_expert_gate.weight", 0.0))]),
 }
 
 

@@ -94,7 +94,10 @@ def check_export(checks, tool, name, base_dir, out_dir, targets, attn, tokens=No
         n_lora = sum(1 for n, _ in peft_model.named_parameters() if "lora_A" in n)
         # Every module of the base that a target names (a Qwen3.5 layer holds one mixer's projections);
         # a MoE layer's experts carry two (peft's target_parameters on gate_up_proj and down_proj).
-        want = sum(2 if n.endswith("experts") else 1 for n, _ in base.named_modules() if n.rsplit(".", 1)[-1] in targets)
+        # A target matches a module named by it or ending in "." + it (peft's rule; Qwen3.5-MoE's
+        # "shared_expert.gate_proj"); the experts hold two adapters (gate_up_proj, down_proj).
+        want = sum(2 if n.endswith("experts") else 1 for n, _ in base.named_modules()
+                   if any(n == t or n.endswith("." + t) for t in targets))
         checks.check(f"{name} adapter loads every module", n_lora == want, f"{n_lora} lora_A modules (want {want})")
         ref = peft_model(tokens).logits
         checks.compare(f"{name} peft adapter logits", logits, ref,
@@ -124,7 +127,8 @@ def check_export(checks, tool, name, base_dir, out_dir, targets, attn, tokens=No
     # The experts are peft's target_parameters, not a module.
     params = {"mlp.experts.down_proj", "mlp.experts.gate_up_proj"} if "experts" in targets else set()
     ok = lc.r == LORA_R and lc.lora_alpha == LORA_ALPHA and lc.peft_type.value == "LORA" and \
-        set(lc.target_modules) == set(targets) - {"experts"} and set(lc.target_parameters or []) == params
+        set(lc.target_modules) == {t.rsplit(".", 1)[-1] for t in targets} - {"experts"} and \
+        set(lc.target_parameters or []) == params  # the tool names modules by their last name, as peft matches
     checks.check(f"{name} adapter_config via LoraConfig", ok,
                  f"r={lc.r} alpha={lc.lora_alpha} targets={sorted(lc.target_modules)} "
                  f"parameters={sorted(lc.target_parameters or [])}")

@@ -4,7 +4,8 @@
 For each tiny random model of _families.CASES (Llama as the control that loads today, Qwen2 untied/tied, Qwen3, Gemma 2, Gemma 3 text with
 mixed layer types and per-type RoPE bases, plus a linear-scaled global RoPE, Mistral and Phi-3 with a
 sliding window shorter than the sequence, SmolLM3 with a NoPE layer, OLMo 2 and OLMo 3 with YaRN on its full layers, Qwen3.5 with three Gated DeltaNet
-layers and a gated, partially rotary attention layer, Qwen3-MoE with a dense layer among its MoE ones and Mixtral, each
+layers and a gated, partially rotary attention layer, Qwen3-MoE with a dense layer among its MoE ones, Mixtral and
+Qwen3.5-MoE (its hybrid with a MoE and a gated shared expert in every layer; also the Hub's multimodal form), each
 also from fused 3-D expert tensors), written by transformers' save_pretrained in >= 2 shards:
   reference  each ablation of the case (a feature switched off) moves transformers' logits by far
              more than the tolerance, so the case exercises that feature (needs no tool)
@@ -63,7 +64,8 @@ GEN_GROUP = 2                # batched generation: sequences per prompt (GRPO's 
 # step are closer than two tolerances (each side may be off by one, so such a pair can swap).
 GEN_CASES = {"llama": {}, "qwen2_untied": {}, "gemma2": {"tie_word_embeddings": False},
              "gemma3": {"tie_word_embeddings": False}, "mistral_sliding": {}, "phi3": {},
-             "smollm3": {}, "olmo2": {}, "olmo3": {}, "qwen3_5": {}, "gemma4": {}, "qwen3_moe": {}, "mixtral": {}}
+             "smollm3": {}, "olmo2": {}, "olmo3": {}, "qwen3_5": {}, "gemma4": {}, "qwen3_moe": {}, "mixtral": {},
+             "qwen3_5_moe": {}}
 # Tied Gemma embeddings (scaled by 16) make a random model repeat its input token forever, which
 # would test nothing about the cache; untied, the greedy continuation varies.
 

@@ -4,6 +4,7 @@
 #include <ATen/core/grad_mode.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -12,6 +13,7 @@
 #include "qlora/io/safetensors.h"
 #include "qlora/models/decoder.h"
 #include "qlora/models/decoder_config.h"
+#include "qlora/models/key_layout.h"
 #include "fixtures.h"
 
 using namespace qlora;
@@ -124,6 +126,63 @@ TEST(DecoderConfig, MixtureOfExpertsErrorsNameTheKey) {
   e = error_of(R"({"model_type":"mixtral","hidden_size":64,"intermediate_size":32,"num_hidden_layers":2,
     "num_attention_heads":4,"vocab_size":10,"router_jitter_noise":0.1})");
   EXPECT_NE(e.find("router_jitter_noise"), std::string::npos) << e;
+}
+
+// Qwen3.5-MoE: Qwen3.5's hybrid (layer types, DeltaNet sizes, output gate) with every layer MoE,
+// always renormalised, and the shared expert's width as the dense MLP's.
+TEST(DecoderConfig, MixtureOfExpertsQwen35) {
+  const std::string base = R"("model_type":"qwen3_5_moe_text","hidden_size":64,"num_hidden_layers":4,
+    "num_attention_heads":4,"num_key_value_heads":2,"head_dim":16,"vocab_size":10,"linear_num_key_heads":2,
+    "linear_key_head_dim":8,"linear_num_value_heads":4,"linear_value_head_dim":8,"moe_intermediate_size":32)";
+  DecoderConfig c = parse_decoder_config("{" + base + R"(,"num_experts":8,"num_experts_per_tok":2,
+    "shared_expert_intermediate_size":48})", "cfg.json");
+  EXPECT_STREQ(c.family->name, "qwen3_5_moe");
+  EXPECT_EQ(c.moe.num_experts, 8);
+  EXPECT_EQ(c.moe.top_k, 2);
+  EXPECT_EQ(c.moe.inter, 32);
+  EXPECT_TRUE(c.moe.norm_topk_prob);  // the class always renormalises
+  EXPECT_FALSE(c.moe.fp32_weights);   // and casts the weights to the logits' dtype
+  EXPECT_EQ(c.intermediate_size, 48);
+  EXPECT_EQ(c.moe_layers, (std::vector<bool>{true, true, true, true}));
+  EXPECT_TRUE(c.is_linear(0) && c.is_linear(2) && !c.is_linear(3));  // full_attention_interval 4
+  EXPECT_TRUE(c.attn_output_gate);
+  EXPECT_EQ(c.gated_delta.num_value_heads, 4);
+  const Architecture& arch = architecture_of(c);
+  EXPECT_EQ(projection_shape(*find_projection(arch, "shared_gate"), c, 0), (std::vector<int64_t>{48, 64}));
+  EXPECT_EQ(projection_shape(*find_projection(arch, "shared_expert.down_proj"), c, 3), (std::vector<int64_t>{64, 48}));
+  EXPECT_EQ(hf_key(*find_projection(arch, "shared_up"), 1), "model.layers.1.mlp.shared_expert.up_proj.weight");
+  EXPECT_EQ(find_projection(arch, "gate_proj"), nullptr);  // no dense MLP
+  const auto gate = std::find_if(arch.layer_norms.begin(), arch.layer_norms.end(),
+                                 [](const NormRow& n) { return std::string(n.name) == "mlp.shared_expert_gate"; });
+  ASSERT_NE(gate, arch.layer_norms.end());
+  EXPECT_EQ(norm_shape(*gate, c, 2), (std::vector<int64_t>{1, 64}));
+  EXPECT_EQ(hf_key(*gate, 2), "model.layers.2.mlp.shared_expert_gate.weight");
+  c = parse_decoder_config("{" + base + "}", "cfg.json");  // Qwen3_5MoeTextConfig's defaults
+  EXPECT_EQ(c.moe.num_experts, 256);
+  EXPECT_EQ(c.moe.top_k, 8);
+  EXPECT_EQ(c.intermediate_size, 512);
+  std::string e = error_of("{" + base + R"(,"num_experts":4})");
+  EXPECT_NE(e.find("8 experts per token of 4"), std::string::npos) << e;
+  e = error_of("{" + base + R"(,"shared_expert_intermediate_size":0})");
+  EXPECT_NE(e.find("shared_expert_intermediate_size"), std::string::npos) << e;
+  e = error_of(R"({"model_type":"qwen3_5_moe_text","hidden_size":64,"num_hidden_layers":2,"num_attention_heads":4,
+    "vocab_size":10})");
+  EXPECT_NE(e.find("moe_intermediate_size"), std::string::npos) << e;
+  // The Hub's form: the language model is text_config.
+  c = parse_decoder_config(R"({"model_type":"qwen3_5_moe","text_config":{)" + base + R"(,"num_experts":8}})", "cfg.json");
+  EXPECT_EQ(c.model_type, "qwen3_5_moe");
+  EXPECT_TRUE(c.multimodal);
+  EXPECT_EQ(c.moe.num_experts, 8);
+  // lora.targets: shared_expert names its gate, up and down; experts the routed ones.
+  EXPECT_EQ(peft_targets(architecture_of(c), {"shared_expert", "experts", "q"}),
+            (std::vector<std::string>{"experts", "q_proj", "shared_expert.down_proj", "shared_expert.gate_proj",
+                                      "shared_expert.up_proj"}));
+  EXPECT_TRUE(is_known_target("shared_expert"));
+  EXPECT_THROW(peft_targets(architecture_of(c), {"gate"}), std::invalid_argument);  // no dense MLP
+  EXPECT_THROW(peft_targets(llama_architecture(), {"shared_expert"}), std::invalid_argument);
+  // A multimodal adapter's pattern: a module's last name picks the row it ends (as PEFT matches names).
+  EXPECT_EQ(peft_target_pattern(architecture_of(c), KeyLayout::kModelLanguage, {"gate_proj"}),
+            "model\\.(?:language_model\\.)?layers\\.\\d+\\.mlp\\.shared_expert\\.gate_proj");
 }
 
 TEST(DecoderConfig, ErrorsNameFileAndKey) {

@@ -29,7 +29,8 @@ The Mixture-of-Experts families: qwen3_moe (8 experts, top-2 renormalised, a den
 mlp_only_layers) and mixtral (4 experts, top-2, routing weights kept in fp32, sliding window, packed),
 LoRA on q, k, v, o and the experts (lora.targets "experts": peft's target_parameters on the fused
 mlp.experts.gate_up_proj and down_proj; the checkpoints hold one tensor per expert, as transformers
-writes them). Beyond the checks above, for them:
+writes them); qwen3_5_moe_text (Qwen3.5's two mixers, every layer MoE beside a shared expert scaled by
+its gate, LoRA on the mixers, the experts and the shared expert: lora.targets "shared_expert"). Beyond the checks above, for them:
 5. the merged export keeps the checkpoint's per-expert tensors and its routers bit for bit;
 6. peft itself reads the adapter: PeftModel.from_pretrained(the transformers base, the adapter) loads
    every tensor (nothing missing or unexpected), its logits equal the merged export's in transformers,
@@ -72,8 +73,9 @@ LLAMA_PEFT = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 MOE_TARGETS = ["q", "k", "v", "o", "experts"]
 ATTENTION_PEFT = ["q_proj", "k_proj", "v_proj", "o_proj"]
 EXPERTS_PEFT = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]  # peft's target_parameters for "experts"
-# A MoE layer's router: frozen and never quantized (Mixtral's checkpoints name it block_sparse_moe.gate).
-ROUTER = re.compile(r"\.(mlp|block_sparse_moe)\.gate\.weight$")
+# A MoE layer's router: frozen and never quantized (Mixtral's checkpoints name it block_sparse_moe.gate);
+# so is Qwen3.5-MoE's shared expert's gate.
+ROUTER = re.compile(r"\.(mlp|block_sparse_moe)\.(gate|shared_expert_gate)\.weight$")
 # initializer_range 0.1 rather than 0.02: logits of a few units, so greedy decoding rarely meets a
 # near tie that the two implementations' rounding could break apart.
 SIZES = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -140,6 +142,18 @@ FAMILIES = [
     Family("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, sliding_window=WINDOW,
                            tie_word_embeddings=False),
            MOE_TARGETS, ATTENTION_PEFT, packing=True, peft_parameters=EXPERTS_PEFT),
+    # Qwen3.5-MoE: qwen3_5_text's two layers, each MoE (8 experts of 32, top-2) beside a shared expert of
+    # 32 scaled by its gate; LoRA on both mixers, the experts and the shared expert; packed.
+    Family("qwen3_5_moe_text", dict(head_dim=16, linear_num_key_heads=2, linear_key_head_dim=16,
+                                    linear_num_value_heads=4, linear_value_head_dim=16,
+                                    layer_types=["linear_attention", "full_attention"], num_experts=8,
+                                    num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                                    tie_word_embeddings=False),
+           ["q", "k", "v", "o", "linear_qkv", "linear_z", "linear_b", "linear_a", "linear_out", "experts",
+            "shared_expert"],
+           ATTENTION_PEFT + ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "shared_expert.gate_proj",
+                             "shared_expert.up_proj", "shared_expert.down_proj"],
+           packing=True, peft_parameters=EXPERTS_PEFT),
 ]
 
 

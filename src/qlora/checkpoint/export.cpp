@@ -423,13 +423,12 @@ MergedModelWriter::MergedModelWriter(const std::string& dir, const models::Decod
   }
 
   impl_->untie = untie;
-  // A multimodal checkpoint's vision tower and projector: copied as they are (no LoRA reaches them).
-  if (model.key_layout != models::KeyLayout::kText) {
-    for (const std::string& k : orig.tensor_names()) {
-      if (models::is_language_model_key(model.key_layout, k)) continue;
-      const io::TensorInfo& ti = orig.file_of(k).info(k);
-      push({k, io::to_scalar_type(ti.dtype), ti.shape, from_orig(k)});
-    }
+  // What no text computation reads (a multimodal checkpoint's vision tower and projector, Qwen3.5's
+  // mtp.*): copied as it is (no LoRA reaches it).
+  for (const std::string& k : orig.tensor_names()) {
+    if (models::is_language_model_key(model.key_layout, k)) continue;
+    const io::TensorInfo& ti = orig.file_of(k).info(k);
+    push({k, io::to_scalar_type(ti.dtype), ti.shape, from_orig(k)});
   }
 
   // Greedy sharding in checkpoint order, as transformers' split_torch_state_dict_into_shards.

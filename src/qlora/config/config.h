@@ -69,7 +69,8 @@ struct LoraConfig {
   // Short names of architecture rows (models/architecture.h): q, k, v, o, gate, up, down, output;
   // Phi-3 adds qkv and gate_up (its fused modules), which q, k, v / gate, up also select; the MoE
   // families (Qwen3-MoE, Mixtral) add experts: every routed expert's gate/up and down (peft's
-  // target_parameters; neither DoRA nor dropout, as peft refuses them there).
+  // target_parameters; neither DoRA nor dropout, as peft refuses them there); Qwen3.5-MoE adds
+  // shared_expert: its shared expert's gate, up and down (shared_gate, shared_up, shared_down).
   std::vector<std::string> targets = {"q", "k", "v", "o"};
   bool use_rslora = false;  // rank-stabilised LoRA: scale alpha / sqrt(rank) instead of alpha / rank
   // DoRA (peft's use_dora): a trainable magnitude per output row of each adapted projection.

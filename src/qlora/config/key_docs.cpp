@@ -20,7 +20,7 @@ constexpr std::pair<std::string_view, std::string_view> kKeyDocs[] = {
     {"lora.rank", "rank of each LoRA adapter"},
     {"lora.alpha", "LoRA scale numerator (scale alpha / rank)"},
     {"lora.dropout", "dropout on the adapters' input"},
-    {"lora.targets", "projections that get adapters: q, k, v, o, gate, up, down, output (qkv, gate_up); experts (a MoE layer's routed experts)"},
+    {"lora.targets", "projections that get adapters: q, k, v, o, gate, up, down, output (qkv, gate_up); experts (a MoE layer's routed experts); shared_expert (Qwen3.5-MoE's shared expert: shared_gate, shared_up, shared_down)"},
     {"lora.use_rslora", "rank-stabilised LoRA: scale alpha / sqrt(rank)"},
     {"lora.use_dora", "DoRA: a trainable magnitude per output row of each adapted projection"},
     {"data.path", "training data: a file, a directory of split files, or a Hub data set id in the local cache; empty: the embedded tiny default data set"},

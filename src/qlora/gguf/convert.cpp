@@ -139,7 +139,8 @@ size_t write_gguf(const std::string& dir, const std::string& out_path, const Con
   const io::CheckpointDir ckpt = io::CheckpointDir::open(dir);
   Plan plan = plan_gguf(ckpt, c, dir, options);
   if (const auto skipped = models::skipped_weights(ckpt, models::key_layout_of(ckpt, c)); skipped.tensors > 0)
-    std::fprintf(stderr, "gguf: the vision tower and projector are not written (%lld tensors, e.g. '%s'): the GGUF "
+    std::fprintf(stderr, "gguf: the tensors outside the language model (a vision tower and projector, mtp.*) are not "
+                 "written (%lld tensors, e.g. '%s'): the GGUF "
                  "holds the language model only\n", static_cast<long long>(skipped.tensors), skipped.first.c_str());
   for (const std::string& note : plan.arch.notes) std::fprintf(stderr, "gguf: %s\n", note.c_str());
   Writer out(out_path, std::move(plan.metadata), plan.specs);

@@ -14,11 +14,25 @@ bool has_bias(const ProjectionRow& row, const DecoderConfig& config) {
   return row.bias == Bias::kAlways || (row.bias == Bias::kIfAttentionBias && config.attention_bias);
 }
 
+namespace {
+
+// The PEFT names of the rows of target group `name` (ProjectionRow::group); empty when it is none.
+std::vector<std::string> group_rows(const Architecture& arch, const std::string& name) {
+  std::vector<std::string> out;
+  for (const ProjectionRow& row : arch.projections)
+    if (row.group && name == row.group) out.push_back(row.peft_name);
+  return out;
+}
+
+}  // namespace
+
 std::vector<std::string> peft_targets(const Architecture& arch, const std::vector<std::string>& names) {
   std::vector<std::string> out;
   std::set<std::string> parts;
   for (const std::string& t : names) {
+    const std::vector<std::string> group = group_rows(arch, t);
     if (t == kExpertsTarget && arch.experts) out.push_back(t);
+    else if (!group.empty()) out.insert(out.end(), group.begin(), group.end());
     else if (const ProjectionRow* row = find_projection(arch, t)) out.push_back(row->peft_name);
     else if (is_known_target(t)) parts.insert(t);
     else out.push_back(peft_target(arch, t));  // throws, naming the allowed names
@@ -43,6 +57,7 @@ std::vector<std::string> peft_targets(const Architecture& arch, const std::vecto
 bool is_known_target(const std::string& name) {
   for (const Family* f : all_families()) {
     if (name == kExpertsTarget && f->architecture().experts) return true;
+    if (!group_rows(f->architecture(), name).empty()) return true;
     const ProjectionRow* row = find_projection(f->architecture(), name);
     if (row && name == row->short_name) return true;
   }
@@ -51,10 +66,14 @@ bool is_known_target(const std::string& name) {
 
 std::string known_target_names() {
   std::vector<std::string> seen;
+  std::vector<std::string> groups;
   for (const Family* f : all_families())
-    for (const ProjectionRow& row : f->architecture().projections)
+    for (const ProjectionRow& row : f->architecture().projections) {
       if (std::find(seen.begin(), seen.end(), row.short_name) == seen.end()) seen.push_back(row.short_name);
+      if (row.group && std::find(groups.begin(), groups.end(), row.group) == groups.end()) groups.push_back(row.group);
+    }
   seen.push_back(kExpertsTarget);
+  seen.insert(seen.end(), groups.begin(), groups.end());
   std::string out;
   for (const std::string& n : seen) out += (out.empty() ? "" : ", ") + n;
   return out;
@@ -87,7 +106,9 @@ const ProjectionRow* find_projection(const Architecture& arch, const std::string
 
 std::string peft_target(const Architecture& arch, const std::string& name) {
   if (const ProjectionRow* row = find_projection(arch, name)) return row->peft_name;
-  const std::string experts = arch.experts ? std::string(", ") + kExpertsTarget : "";
+  std::string experts = arch.experts ? std::string(", ") + kExpertsTarget : "";
+  for (const ProjectionRow& row : arch.projections)
+    if (row.group && experts.find(std::string(", ") + row.group) == std::string::npos) experts += std::string(", ") + row.group;
   throw std::invalid_argument("unknown LoRA target '" + name + "' for " + arch.family + " (expected one of " +
                               projection_names(arch, false) + experts + ", or " + projection_names(arch, true) +
                               experts + ")");

@@ -74,6 +74,9 @@ struct ProjectionRow {
   std::vector<const char*> fused_parts;
   Bias bias = Bias::kNone;
   Mixer mixer = Mixer::kAny;
+  // A LoRA target that names every row of its group at once ("shared_expert": Qwen3.5-MoE's shared
+  // expert's gate, up and down); null: none.
+  const char* group = nullptr;
 };
 
 // A layer's frozen dense tensor: a norm weight, or (Qwen3.5's DeltaNet) its conv weight, A_log, dt_bias.

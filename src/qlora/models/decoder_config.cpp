@@ -265,7 +265,7 @@ void DecoderConfig::validate(const std::string& where) const {
     if (v <= 0) fail(where, key, "must be positive, got " + std::to_string(v));
   };
   positive(hidden_size, "hidden_size");
-  positive(intermediate_size, "intermediate_size");
+  positive(intermediate_size, family ? family->intermediate_key : "intermediate_size");
   positive(num_hidden_layers, "num_hidden_layers");
   positive(num_attention_heads, "num_attention_heads");
   positive(num_key_value_heads, "num_key_value_heads");
@@ -322,7 +322,10 @@ DecoderConfig parse_text_config(const json& j, const std::string& where) {
   c.model_type = get_str(j, "model_type", where);
   c.family = parse_family(j, where, c.model_type);
   c.hidden_size = get_int(j, "hidden_size", where);
-  c.intermediate_size = get_int(j, "intermediate_size", where);
+  const char* inter_key = c.family->intermediate_key;
+  c.intermediate_size = c.family->intermediate_default > 0
+                            ? get_int(j, inter_key, where, c.family->intermediate_default)
+                            : get_int(j, inter_key, where);
   c.num_hidden_layers = get_int(j, "num_hidden_layers", where);
   c.num_attention_heads = get_int(j, "num_attention_heads", where);
   c.num_key_value_heads = get_int(j, "num_key_value_heads", where, c.num_attention_heads);

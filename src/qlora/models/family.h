@@ -129,6 +129,10 @@ struct Family {
   // What the family computes beyond a Llama block: norms, scales, soft-caps, mixers (after the
   // keys every family has are read).
   void (*parse)(const nlohmann::json& config, const std::string& where, DecoderConfig& c) = nullptr;
+  // The key of the dense MLP's width (DecoderConfig::intermediate_size): Qwen3.5-MoE has no dense
+  // MLP and reads its shared expert's, shared_expert_intermediate_size. Its class default; 0: required.
+  const char* intermediate_key = "intermediate_size";
+  int64_t intermediate_default = 0;
 
   // llama.cpp's architecture for this family.
   struct Gguf {

@@ -50,8 +50,15 @@ std::string peft_target_pattern(const Architecture& arch, KeyLayout layout,
   // (model.layers.N...): an adapter must apply under either. Both prefixes leave the towers out.
   const std::string body = "model\\.", optional = layout == KeyLayout::kText ? "" : "(?:language_model\\.)?";
   std::string out;
+  // A name matches the row it names or ends (PEFT's rule: "gate_proj" matches shared_expert.gate_proj).
+  const auto named = [&peft_names](const std::string& row) {
+    for (const std::string& n : peft_names)
+      if (row == n || (row.size() > n.size() && row.compare(row.size() - n.size() - 1, std::string::npos, "." + n) == 0))
+        return true;
+    return false;
+  };
   for (const ProjectionRow& row : arch.projections) {
-    if (std::find(peft_names.begin(), peft_names.end(), row.peft_name) == peft_names.end()) continue;
+    if (!named(row.peft_name)) continue;
     std::string alt;
     for (char ch : layout_key(KeyLayout::kText, row.hf_module)) alt += ch == '.' ? std::string("\\.") : std::string(1, ch);
     const auto at = alt.find("{i}");
@@ -79,8 +86,7 @@ bool is_language_model_key(KeyLayout layout, const std::string& key) {
 }
 
 SkippedWeights skipped_weights(const io::CheckpointDir& ckpt, KeyLayout layout) {
-  SkippedWeights s;
-  if (layout == KeyLayout::kText) return s;
+  SkippedWeights s;  // a text-only checkpoint's too: Qwen3.5's multi-token prediction block (mtp.*)
   for (const std::string& key : ckpt.tensor_names()) {
     if (is_language_model_key(layout, key)) continue;
     if (s.first.empty()) s.first = key;
@@ -96,7 +102,7 @@ std::string skipped_weights_note(const SkippedWeights& s) {
   char size[32];
   std::snprintf(size, sizeof size, "%.3g MB", static_cast<double>(s.bytes) / 1e6);
   return "skipped " + std::to_string(s.tensors) + " tensors (" + size + ", " + std::to_string(s.bytes) +
-         " bytes) outside the language model (the vision tower and multi-modal projector, e.g. '" + s.first +
+         " bytes) outside the language model (a vision tower, a multi-modal projector, mtp.*; e.g. '" + s.first +
          "'): not computed, copied unchanged into merged exports";
 }
 

@@ -45,16 +45,16 @@ KeyLayout key_layout_of(const io::CheckpointDir& ckpt, const DecoderConfig& conf
 // e.g. "vision_tower.*" and "multi_modal_projector.*").
 bool is_language_model_key(KeyLayout layout, const std::string& key);
 
-// The checkpoint tensors outside the language model (a vision tower, a projector): never read,
-// copied as they are into merged exports.
+// The checkpoint tensors outside the language model (a vision tower, a projector, Qwen3.5's
+// multi-token prediction block mtp.*, in any layout): never read, copied as they are into merged exports.
 struct SkippedWeights {
   int64_t tensors = 0;
   int64_t bytes = 0;
   std::string first;  // a key of them, to name in the log
 };
 SkippedWeights skipped_weights(const io::CheckpointDir& ckpt, KeyLayout layout);
-// One line for the log: "skipped 437 tensors (0.84 GB) outside the language model (the vision
-// tower and multi-modal projector, e.g. 'vision_tower...'): not computed, copied unchanged into
+// One line for the log: "skipped 437 tensors (0.84 GB) outside the language model (a vision
+// tower, a multi-modal projector, mtp.*; e.g. 'vision_tower...'): not computed, copied unchanged into
 // merged exports"; empty when nothing was skipped.
 std::string skipped_weights_note(const SkippedWeights& skipped);
 

@@ -2,6 +2,7 @@
 
 #include <ATen/TensorOperators.h>
 #include <ATen/ops/gelu.h>
+#include <ATen/ops/linear.h>
 #include <ATen/ops/ones.h>
 #include <ATen/ops/sigmoid.h>
 #include <ATen/ops/silu.h>
@@ -20,7 +21,8 @@ std::vector<at::Tensor> DecoderLayer::trainable() const {
   std::vector<at::Tensor> out;
   for (const LoraLinear* p : {&q_proj, &k_proj, &v_proj, &qkv_proj, &o_proj, &in_proj_qkv, &in_proj_z, &in_proj_b,
                               &in_proj_a, &out_proj, &gate_proj, &up_proj, &gate_up_proj, &down_proj,
-                              &per_layer_input_gate, &per_layer_projection}) {
+                              &shared_gate_proj, &shared_up_proj, &shared_down_proj, &per_layer_input_gate,
+                              &per_layer_projection}) {
     if (p->has_lora()) {
       out.push_back(p->lora_a);
       out.push_back(p->lora_b);
@@ -116,6 +118,17 @@ at::Tensor per_layer_branch(const DecoderLayer& layer, const LayerDims& dims, co
   return layer_norm(dims, p, layer.post_per_layer_input_norm);  // [b, s, hidden]
 }
 
+// A MoE layer's feed-forward: the routed experts, plus Qwen3.5-MoE's shared expert scaled by the
+// sigmoid of its gate, added in that order and in the compute dtype as transformers does.
+at::Tensor moe_mlp(const DecoderLayer& layer, const LayerDims& dims, const at::Tensor& x, bool training,
+                   const LayerExtras* extras) {
+  const at::Tensor routed = moe_forward(layer.router, layer.experts, dims.moe, x, extras ? extras->routing : nullptr);
+  if (!layer.shared_expert_gate.defined()) return routed;
+  const at::Tensor shared = gated_mlp(layer.shared_gate_proj, layer.shared_up_proj, layer.shared_down_proj, dims, x,
+                                      training);  // [b, s, hidden]
+  return routed + at::sigmoid(at::linear(x, layer.shared_expert_gate)) * shared;
+}
+
 }  // namespace
 
 at::Tensor decoder_layer_forward(const DecoderLayer& layer, const LayerDims& dims, const at::Tensor& h,
@@ -134,8 +147,7 @@ at::Tensor decoder_layer_forward(const DecoderLayer& layer, const LayerDims& dim
   const at::Tensor hidden = h + out;
   if (sandwich) x = layer_norm(dims, hidden, layer.pre_feedforward_layernorm);
   else x = post_norms_only ? hidden : layer_norm(dims, hidden, layer.post_attention_layernorm);
-  at::Tensor mlp = layer.is_moe() ? moe_forward(layer.router, layer.experts, dims.moe, x, extras ? extras->routing : nullptr)
-                                  : gated_mlp(layer, dims, x, training);
+  at::Tensor mlp = layer.is_moe() ? moe_mlp(layer, dims, x, training, extras) : gated_mlp(layer, dims, x, training);
   if (layer.post_feedforward_layernorm.defined()) mlp = layer_norm(dims, mlp, layer.post_feedforward_layernorm);
   at::Tensor out_h = hidden + mlp;
   if (layer.per_layer_input_gate.out_features > 0) out_h = out_h + per_layer_branch(layer, dims, out_h, extras, training);

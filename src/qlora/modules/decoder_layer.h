@@ -50,6 +50,11 @@ struct DecoderLayer {
   // [experts, hidden] (compute dtype, frozen) and the routed experts.
   at::Tensor router;
   Experts experts;
+  // Qwen3.5-MoE's shared expert beside the routed ones: a gated MLP (gate, up [inter, hidden], down
+  // [hidden, inter]) every token takes, scaled by sigmoid(x @ shared_expert_gate^T) ([1, hidden],
+  // compute dtype, frozen).
+  LoraLinear shared_gate_proj, shared_up_proj, shared_down_proj;
+  at::Tensor shared_expert_gate;
   bool is_linear() const { return in_proj_qkv.out_features > 0; }
   bool is_moe() const { return router.defined(); }
   // Gemma 4's KV-shared layers compute queries only and attend over an earlier layer's K/V.

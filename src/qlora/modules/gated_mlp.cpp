@@ -31,23 +31,24 @@ struct SwiGluFunction : public torch::autograd::Function<SwiGluFunction> {
   }
 };
 
+at::Tensor activate(const LayerDims& dims, const at::Tensor& gate, const at::Tensor& up) {
+  return dims.activation == MlpActivation::kSilu ? SwiGluFunction::apply(gate, up) : at::gelu(gate, "tanh") * up;
+}
+
 }  // namespace
 
 at::Tensor gated_mlp(const DecoderLayer& layer, const LayerDims& dims, const at::Tensor& x, bool training) {
-  at::Tensor gate, up;  // [b, s, inter]
-  if (layer.gate_up_proj.out_features > 0) {
-    const at::Tensor gu = lora_linear_forward(layer.gate_up_proj, x, training);  // [b, s, 2 * inter]
-    const int64_t inter = gu.size(-1) / 2;
-    gate = gu.narrow(-1, 0, inter);
-    up = gu.narrow(-1, inter, inter);
-  } else {
-    const std::vector<at::Tensor> gu = lora_linear_group_forward({&layer.gate_proj, &layer.up_proj}, x, training);
-    gate = gu[0];
-    up = gu[1];
-  }
-  const at::Tensor act = dims.activation == MlpActivation::kSilu ? SwiGluFunction::apply(gate, up)
-                                                                 : at::gelu(gate, "tanh") * up;
-  return lora_linear_forward(layer.down_proj, act, training);  // [b, s, hidden]
+  if (layer.gate_up_proj.out_features == 0) return gated_mlp(layer.gate_proj, layer.up_proj, layer.down_proj, dims, x, training);
+  const at::Tensor gu = lora_linear_forward(layer.gate_up_proj, x, training);  // [b, s, 2 * inter]
+  const int64_t inter = gu.size(-1) / 2;
+  return lora_linear_forward(layer.down_proj, activate(dims, gu.narrow(-1, 0, inter), gu.narrow(-1, inter, inter)),
+                             training);  // [b, s, hidden]
+}
+
+at::Tensor gated_mlp(const LoraLinear& gate_proj, const LoraLinear& up_proj, const LoraLinear& down_proj,
+                     const LayerDims& dims, const at::Tensor& x, bool training) {
+  const std::vector<at::Tensor> gu = lora_linear_group_forward({&gate_proj, &up_proj}, x, training);  // [b, s, inter]
+  return lora_linear_forward(down_proj, activate(dims, gu[0], gu[1]), training);  // [b, s, hidden]
 }
 
 }  // namespace qlora::modules

@@ -11,5 +11,8 @@ namespace qlora::modules {
 // down(act(gate(x)) * up(x)), gate and up from gate_up_proj when the layer has it.
 // x: [batch, seq, hidden].
 at::Tensor gated_mlp(const DecoderLayer& layer, const LayerDims& dims, const at::Tensor& x, bool training);
+// The same MLP over three given projections (Qwen3.5-MoE's shared expert).
+at::Tensor gated_mlp(const LoraLinear& gate_proj, const LoraLinear& up_proj, const LoraLinear& down_proj,
+                     const LayerDims& dims, const at::Tensor& x, bool training);
 
 }  // namespace qlora::modules

@@ -18,61 +18,64 @@
 
 #include "qlora/models/config_json.h"
 #include "qlora/models/families/blocks.h"
+#include "qlora/models/families/qwen3_5.h"
 #include "qlora/models/family.h"
 
 namespace qlora::models {
-namespace {
+namespace families {
 
-using namespace families;
 using modules::DecoderLayer;
 using cfg::json;
 
 // Qwen3.5: attention layers with the output gate in q_proj and per-head (1 + w) q/k norms, Gated
-// DeltaNet layers with their own projections, conv, decay parameters and gated norm; one MLP for both.
-const Architecture& qwen35_architecture() {
-  static const Architecture a = [] {
-    std::vector<ProjectionRow> llama = llama_rows();
-    std::vector<ProjectionRow> rows;
-    for (size_t i = 0; i < 4; ++i) {  // q, k, v, o
-      rows.push_back(llama[i]);
-      rows.back().mixer = Mixer::kAttention;
-    }
-    rows[0].out = Dim::kQHeadsGated;
-    const auto linear = [](const char* short_name, const char* peft, const char* module,
-                           modules::LoraLinear DecoderLayer::*member, Dim out, Dim in) {
-      return ProjectionRow{short_name, peft, module, member, out, in, {}, Bias::kNone, Mixer::kLinear};
-    };
-    rows.push_back(linear("linear_qkv", "in_proj_qkv", "model.layers.{i}.linear_attn.in_proj_qkv",
-                          &DecoderLayer::in_proj_qkv, Dim::kLinearQkv, Dim::kHidden));
-    rows.push_back(linear("linear_z", "in_proj_z", "model.layers.{i}.linear_attn.in_proj_z", &DecoderLayer::in_proj_z,
-                          Dim::kLinearValue, Dim::kHidden));
-    rows.push_back(linear("linear_b", "in_proj_b", "model.layers.{i}.linear_attn.in_proj_b", &DecoderLayer::in_proj_b,
-                          Dim::kLinearHeads, Dim::kHidden));
-    rows.push_back(linear("linear_a", "in_proj_a", "model.layers.{i}.linear_attn.in_proj_a", &DecoderLayer::in_proj_a,
-                          Dim::kLinearHeads, Dim::kHidden));
-    rows.push_back(linear("linear_out", "out_proj", "model.layers.{i}.linear_attn.out_proj", &DecoderLayer::out_proj,
-                          Dim::kHidden, Dim::kLinearValue));
-    rows.insert(rows.end(), llama.begin() + 4, llama.end());  // gate, up, down, output
-    NormRow q_norm = kQNorm, k_norm = kKNorm;
-    q_norm.mixer = k_norm.mixer = Mixer::kAttention;
-    const std::vector<NormRow> norms = {
-        kInputNorm,
-        kPostAttnNorm,
-        q_norm,
-        k_norm,
-        {"linear_attn.conv1d", "model.layers.{i}.linear_attn.conv1d", &DecoderLayer::conv1d, Dim::kLinearQkv,
-         Mixer::kLinear, false, 3, {Dim::kOne, Dim::kConvKernel}},
-        {"linear_attn.A_log", "model.layers.{i}.linear_attn.A_log", &DecoderLayer::A_log, Dim::kLinearHeads,
-         Mixer::kLinear, true},
-        {"linear_attn.dt_bias", "model.layers.{i}.linear_attn.dt_bias", &DecoderLayer::dt_bias, Dim::kLinearHeads,
-         Mixer::kLinear, true},
-        {"linear_attn.norm", "model.layers.{i}.linear_attn.norm", &DecoderLayer::linear_norm, Dim::kLinearHeadDim,
-         Mixer::kLinear},
-    };
-    return make_architecture("qwen3_5", rows, norms);
-  }();
-  return a;
+// DeltaNet layers with their own projections, conv, decay parameters and gated norm; one feed-forward for both.
+std::vector<ProjectionRow> qwen35_rows(const std::vector<ProjectionRow>& ffn) {
+  std::vector<ProjectionRow> llama = llama_rows();
+  std::vector<ProjectionRow> rows;
+  for (size_t i = 0; i < 4; ++i) {  // q, k, v, o
+    rows.push_back(llama[i]);
+    rows.back().mixer = Mixer::kAttention;
+  }
+  rows[0].out = Dim::kQHeadsGated;
+  const auto linear = [](const char* short_name, const char* peft, const char* module,
+                         modules::LoraLinear DecoderLayer::*member, Dim out, Dim in) {
+    return ProjectionRow{short_name, peft, module, member, out, in, {}, Bias::kNone, Mixer::kLinear};
+  };
+  rows.push_back(linear("linear_qkv", "in_proj_qkv", "model.layers.{i}.linear_attn.in_proj_qkv",
+                        &DecoderLayer::in_proj_qkv, Dim::kLinearQkv, Dim::kHidden));
+  rows.push_back(linear("linear_z", "in_proj_z", "model.layers.{i}.linear_attn.in_proj_z", &DecoderLayer::in_proj_z,
+                        Dim::kLinearValue, Dim::kHidden));
+  rows.push_back(linear("linear_b", "in_proj_b", "model.layers.{i}.linear_attn.in_proj_b", &DecoderLayer::in_proj_b,
+                        Dim::kLinearHeads, Dim::kHidden));
+  rows.push_back(linear("linear_a", "in_proj_a", "model.layers.{i}.linear_attn.in_proj_a", &DecoderLayer::in_proj_a,
+                        Dim::kLinearHeads, Dim::kHidden));
+  rows.push_back(linear("linear_out", "out_proj", "model.layers.{i}.linear_attn.out_proj", &DecoderLayer::out_proj,
+                        Dim::kHidden, Dim::kLinearValue));
+  rows.insert(rows.end(), ffn.begin(), ffn.end());
+  rows.push_back(llama.back());  // output
+  return rows;
 }
+
+std::vector<NormRow> qwen35_norms() {
+  NormRow q_norm = kQNorm, k_norm = kKNorm;
+  q_norm.mixer = k_norm.mixer = Mixer::kAttention;
+  return {
+      kInputNorm,
+      kPostAttnNorm,
+      q_norm,
+      k_norm,
+      {"linear_attn.conv1d", "model.layers.{i}.linear_attn.conv1d", &DecoderLayer::conv1d, Dim::kLinearQkv,
+       Mixer::kLinear, false, 3, {Dim::kOne, Dim::kConvKernel}},
+      {"linear_attn.A_log", "model.layers.{i}.linear_attn.A_log", &DecoderLayer::A_log, Dim::kLinearHeads,
+       Mixer::kLinear, true},
+      {"linear_attn.dt_bias", "model.layers.{i}.linear_attn.dt_bias", &DecoderLayer::dt_bias, Dim::kLinearHeads,
+       Mixer::kLinear, true},
+      {"linear_attn.norm", "model.layers.{i}.linear_attn.norm", &DecoderLayer::linear_norm, Dim::kLinearHeadDim,
+       Mixer::kLinear},
+  };
+}
+
+namespace {
 
 // Qwen3.5's rope_parameters.mrope_section (or rope_scaling's): a list of non-negative integers.
 std::vector<int64_t> mrope_section(const json& j, const std::string& where) {
@@ -91,6 +94,8 @@ std::vector<int64_t> mrope_section(const json& j, const std::string& where) {
   return out;
 }
 
+}  // namespace
+
 void parse_qwen35(const json& j, const std::string& where, DecoderConfig& c) {
   c.norm = modules::RmsScale::kOnePlusWeight;  // every RMSNorm but the DeltaNet's gated one
   c.attn_output_gate = true;
@@ -102,6 +107,8 @@ void parse_qwen35(const json& j, const std::string& where, DecoderConfig& c) {
   g.num_value_heads = cfg::get_int(j, "linear_num_value_heads", where, 32);
   c.mrope_section = mrope_section(j, where);
 }
+
+namespace {
 
 // llama.cpp's qwen35 attends on layer i when (i + 1) % full_attention_interval == 0 and runs the
 // Gated DeltaNet elsewhere: the interval the config's layers follow (its first full layer + 1).
@@ -119,6 +126,8 @@ int64_t full_attention_interval(const DecoderConfig& c, const std::string& where
                                           "th layer only (full_attention_interval)");
   return every;
 }
+
+}  // namespace
 
 void check_qwen35(const DecoderConfig& c, const std::string& where) {
   const modules::GatedDeltaDims& g = c.gated_delta;
@@ -150,6 +159,8 @@ void add_qwen35_keys(const DecoderConfig& c, const std::string& where, GgufAddit
   for (const auto& [key, v] : keys) out.keys.emplace_back(key, v);
 }
 
+namespace {
+
 // A Gated DeltaNet tensor ("linear_attn.<part>") of layer `layer`, as llama.cpp's converter writes it.
 std::optional<TensorPlan> linear_tensor(const std::string& layer, const std::string& part, const DecoderConfig& c) {
   const modules::GatedDeltaDims& g = c.gated_delta;
@@ -174,6 +185,8 @@ std::optional<TensorPlan> linear_tensor(const std::string& layer, const std::str
   return t;
 }
 
+}  // namespace
+
 // The Gated DeltaNet's tensors ("model.layers.N.linear_attn.<part>").
 std::optional<TensorPlan> qwen35_tensor(const std::string& hf, const DecoderConfig& c) {
   static const std::regex linear(R"(model\.layers\.(\d+)\.linear_attn\.(.+))");
@@ -182,28 +195,44 @@ std::optional<TensorPlan> qwen35_tensor(const std::string& hf, const DecoderConf
   return linear_tensor(m[1], m[2], c);
 }
 
+namespace {
+
+const Architecture& qwen35_architecture() {
+  static const Architecture a = [] {
+    const std::vector<ProjectionRow> llama = llama_rows();
+    return make_architecture("qwen3_5", qwen35_rows({llama.begin() + 4, llama.end() - 1}), qwen35_norms());  // gate, up, down
+  }();
+  return a;
+}
+
 }  // namespace
+
+void qwen35_family_base(Family& f) {
+  f.head_dim = 256;
+  f.partial_rotary_factor = 0.25;
+  f.gated_delta_layers = true;
+  f.gguf.tensors = post_norm_tensor_names(true);
+  f.gguf.check = check_qwen35;
+  f.gguf.add = add_qwen35_keys;
+  f.gguf.tensor = qwen35_tensor;
+}
+
+}  // namespace families
 
 const Family& qwen3_5_family() {
   static const Family f = [] {
     Family f;
+    families::qwen35_family_base(f);
     f.name = "qwen3_5";
     f.model_types = {"qwen3_5_text"};
-    f.architecture = qwen35_architecture;
+    f.architecture = families::qwen35_architecture;
     f.multimodal = Family::Multimodal{"qwen3_5",
                                       R"({"vocab_size": 248320, "hidden_size": 4096, "intermediate_size": 12288,
                                           "num_hidden_layers": 32, "num_attention_heads": 16, "num_key_value_heads": 4,
                                           "max_position_embeddings": 32768})",
                                       false};
-    f.head_dim = 256;
-    f.partial_rotary_factor = 0.25;
-    f.gated_delta_layers = true;
-    f.parse = parse_qwen35;
+    f.parse = families::parse_qwen35;
     f.gguf.arch = "qwen35";
-    f.gguf.tensors = post_norm_tensor_names(true);
-    f.gguf.check = check_qwen35;
-    f.gguf.add = add_qwen35_keys;
-    f.gguf.tensor = qwen35_tensor;
     return f;
   }();
   return f;
