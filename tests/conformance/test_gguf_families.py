@@ -27,6 +27,11 @@ family's kind, converted with `qlora gguf --type f32` and `--type f16`:
            f32 file; a LoRA on the experts (peft's target_parameters) applied by llama.cpp
   mixtral  Mixtral as llama.cpp's llama with expert_count (block_sparse_moe.experts.<e>.w1/w3/w2),
            fused too; q4_k_m and q8_0 as llama-quantize makes them; the experts' LoRA too
+  gemma4_moe  Gemma 4's MoE form (26B-A4B) as llama.cpp's gemma4 with experts: the router as
+           ffn_gate_inp with its scale (ffn_gate_inp.scale), the experts as one ffn_gate_up_exps and
+           ffn_down_exps with per_expert_scale (ffn_down_exps.scale), the MoE norms; from transformers'
+           fused experts and from a tensor per expert; q4_k_m and q8_0 as llama-quantize makes them;
+           the experts' LoRA on ffn_gate_up_exps / ffn_down_exps
 
 For each: llama.cpp's logits on the f32 and f16 files equal transformers' within the tolerance
 beside the check, and its greedy continuation of 24 tokens is transformers'; llama.cpp tokenizes a
@@ -252,8 +257,9 @@ FAMILIES = {
     "qwen3_moe": ("qwen3_moe", dict(mlp_only_layers=[], norm_topk_prob=True), "qwen2"),
     # Mixtral as llama.cpp's llama with expert_count; no window (mistral's check_window covers it).
     "mixtral": ("mixtral", dict(sliding_window=None), "sp-llama"),
+    "gemma4_moe": ("gemma4_moe", {}, "sp-gemma"),
 }
-MOE_FAMILIES = ["qwen3_moe", "mixtral"]
+MOE_FAMILIES = ["qwen3_moe", "mixtral", "gemma4_moe"]
 
 
 def build_family(name, work, seed=0):
@@ -744,6 +750,24 @@ def check_moe_fused(tool, name, d, model, tok):
                  diff < tolerance(name, "f32"), f"max|diff| / max(1, max|ref|) = {diff:.2e} (< {tolerance(name, 'f32'):g})")
 
 
+def check_moe_split(tool, name, d, model, tok):
+    """The same model saved with a tensor per expert and projection (experts.<e>.gate_proj / up_proj /
+    down_proj), the layout transformers does not write for Gemma 4: the same GGUF logits (the experts
+    restacked into ffn_gate_up_exps)."""
+    split = d + "_split"
+    shutil.rmtree(split, ignore_errors=True)
+    shutil.copytree(d, split, ignore=shutil.ignore_patterns("*.gguf", "*.safetensors", "adapter*", "transformers_reads"))
+    if not check(_families.save_split_experts(model, split) > 0, f"{name}: the split save holds per-expert tensors"):
+        return
+    ids = prompt_ids(tok)
+    r, out = qlora_gguf(tool, split, "f32")
+    if not check(r.returncode == 0, f"{name} split: qlora gguf --type f32: {r.stderr.strip()[:300]}"):
+        return
+    diff = rel_diff(llama_cpp_logits(llama_cpp_model(out), ids), hf_logits(model, ids))
+    CHECKS.check(f"{name} per-expert experts: llama.cpp's logits on our f32 file equal transformers'",
+                 diff < tolerance(name, "f32"), f"max|diff| / max(1, max|ref|) = {diff:.2e} (< {tolerance(name, 'f32'):g})")
+
+
 def check_expert_adapter(tool, name, d, model, tok, base_gguf, params):
     """A random PEFT LoRA on the experts (target_parameters: peft's stacked A [r*E, in], B [out, r*E])
     beside the attention: `qlora gguf --adapter` writes it per expert on ffn_*_exps, and llama.cpp with
@@ -872,9 +896,10 @@ def main():
         if name in MOE_FAMILIES:  # 3-D expert tensors and the router: llama-quantize's mix of them
             check_llama_quantize_mix(a.tool, name, d, paths["f32"])
             check_llama_quantize_mix(a.tool, name, d, paths["f32"], "q8_0")
-            check_moe_fused(a.tool, name, d, model, tok)
-            for params in (["mlp.experts.gate_up_proj", "mlp.experts.down_proj"], ["mlp.experts.gate_up_proj"],
-                           ["mlp.experts.down_proj"]):
+            (check_moe_split if name in _families.SPLIT_CASES else check_moe_fused)(a.tool, name, d, model, tok)
+            stem = "experts" if name == "gemma4_moe" else "mlp.experts"  # Gemma 4's sit on the layer itself
+            for params in ([f"{stem}.gate_up_proj", f"{stem}.down_proj"], [f"{stem}.gate_up_proj"],
+                           [f"{stem}.down_proj"]):
                 check_expert_adapter(a.tool, name, d, model, tok, paths["f32"], params)
     if a.only:
         check_moe_refusals(a.tool, a.workdir, dirs)
