@@ -31,7 +31,8 @@ family's kind, converted with `qlora gguf --type f32` and `--type f16`:
            ffn_gate_inp with its scale (ffn_gate_inp.scale), the experts as one ffn_gate_up_exps and
            ffn_down_exps with per_expert_scale (ffn_down_exps.scale), the MoE norms; from transformers'
            fused experts and from a tensor per expert; q4_k_m and q8_0 as llama-quantize makes them;
-           the experts' LoRA on ffn_gate_up_exps / ffn_down_exps
+           the experts' LoRA on ffn_gate_up_exps / ffn_down_exps; and the Hub's
+           Gemma4ForConditionalGeneration form, of which only the language model is written
 
 For each: llama.cpp's logits on the f32 and f16 files equal transformers' within the tolerance
 beside the check, and its greedy continuation of 24 tokens is transformers'; llama.cpp tokenizes a
@@ -897,6 +898,9 @@ def main():
             check_llama_quantize_mix(a.tool, name, d, paths["f32"])
             check_llama_quantize_mix(a.tool, name, d, paths["f32"], "q8_0")
             (check_moe_split if name in _families.SPLIT_CASES else check_moe_fused)(a.tool, name, d, model, tok)
+            if name == "gemma4_moe":  # the Hub's 26B-A4B is a Gemma4ForConditionalGeneration
+                check_hub_multimodal(a.tool, a.workdir, "gemma4_moe", "gemma4_vision", "sp-gemma",
+                                     **{k: v for k, v in _families.GEMMA4_MOE.items() if _families.GEMMA4.get(k) != v})
             stem = "experts" if name == "gemma4_moe" else "mlp.experts"  # Gemma 4's sit on the layer itself
             for params in ([f"{stem}.gate_up_proj", f"{stem}.down_proj"], [f"{stem}.gate_up_proj"],
                            [f"{stem}.down_proj"]):
