@@ -1,26 +1,27 @@
 // The routed experts of a Mixture-of-Experts layer (experts.h), as one autograd node.
 //
 // Design. The T*k (token, slot) pairs are sorted by expert (a stable sort, so each expert's rows
-// come in token order and every run sums the same way), and each expert that received rows runs as
-// a plain gated MLP on its gathered rows: its gate_up product into its slice of one [S, 2*inter]
-// buffer (S = T*k, grouped order), the activation (SwiGLU or gelu-tanh), its down product into its
-// slice of [S, hidden]. Each product is one member of lora_linear.cpp's group node: the frozen
-// weight (NF4 dequantized just in time to x's dtype by nf4_linear's chunks, or the dense one)
-// through BLAS, the adapter's update in x's dtype through the narrow kernels (ops/narrow_ops.h).
-// The routing weights and the sum over the k slots follow transformers' grouped_mm_experts_forward
-// to the rounding. Backward walks the experts again: the down product's gradient is formed from the
-// unweighted output gradient, so the routing weight's gradient <g_t, y_tj> is the dot of it with
-// the activations (no extra GEMM, no saved y), and only then are the rows scaled by their weights.
-// Experts without rows are skipped (never dequantized), so the cost follows the tokens, not E. What
-// is alike for every expert is done once for all rows, not expert by expert (a few small ops each,
-// 128 experts a layer): the gathers of x's and the output gradient's rows, the adapters' cast to
-// x's dtype, the activations backward reads, the routing weights' gradient, and x's gradient,
-// summed per token after the experts in the order index_add_ expert after expert would sum it (the
-// same roundings). A later fused CPU kernel (kernels/) would replace, per expert, "dequantize W to
-// memory, then BLAS" by a GEMM that decodes NF4 tiles into registers/L1 as it goes (as
-// decode_matmul_cpu does for a few rows), so no dequantized copy of W is ever written: the
-// per-expert products here (expert_project, expert_project_backward) are the place it plugs in; the
-// grouping, the saved state and the combine would stay as they are.
+// come in token order and every run sums the same way), and each expert that received rows runs
+// as a plain gated MLP on its gathered rows: its gate_up product into its slice of one [S, 2*inter]
+// buffer (S = T*k, grouped order), act(gate) * up (SwiGLU, gelu-tanh: ExpertActivation), its down
+// product into its slice of [S, hidden]. Each
+// product is one member of lora_linear.cpp's group node: the frozen weight (NF4 dequantized just in
+// time to x's dtype by nf4_linear's chunks, or the dense one) through BLAS, the adapter's update in
+// x's dtype through the narrow kernels (ops/narrow_ops.h). The routing weights and the sum over
+// the k slots follow transformers' grouped_mm_experts_forward to the rounding. Backward walks the
+// experts again: the down product's gradient is formed from the unweighted output gradient, so the
+// routing weight's gradient <g_t, y_tj> is the dot of it with the activations (no extra GEMM, no
+// saved y), and only then are the rows scaled by their weights. Experts without rows are skipped
+// (never dequantized), so the cost follows the tokens, not E. What is alike for every expert is done
+// once for all rows, not expert by expert (a few small ops each, 128 experts a layer): the gathers
+// of x's and the output gradient's rows, the adapters' cast to x's dtype, the activations backward
+// reads, the routing weights' gradient, and x's gradient, summed per token after the experts in
+// the order index_add_ expert after expert would sum it (the same roundings). A later fused CPU
+// kernel (kernels/) would replace, per expert, "dequantize W to memory, then BLAS" by a GEMM that
+// decodes NF4 tiles into registers/L1 as it goes (as decode_matmul_cpu does for a few rows), so no
+// dequantized copy of W is ever written: the per-expert products here (expert_project,
+// expert_project_backward) are the place it plugs in; the grouping, the saved state and the
+// combine would stay as they are.
 #include "qlora/modules/experts.h"
 
 #include <ATen/ops/arange.h>
