@@ -32,7 +32,7 @@ struct Shape {
   int64_t experts = 5, hidden = 64, inter = 32, r = 4;
   bool nf4 = true, lora = true;
   at::ScalarType dtype = at::kFloat;  // x's, the dense weights' and the NF4 weights'
-  ExpertActivation activation = ExpertActivation::kSilu;
+  ExpertActivation activation = ExpertActivation::kSwiglu;
 };
 
 // Experts with random weights; adapters with B set to random values, so that every LoRA path
@@ -236,7 +236,7 @@ TEST(Experts, GeluTanhNf4Fp32MatchesFp64Reference) {
   const Experts ex = make_experts(s);
   const at::Tensor index = uneven_index(), x = randn({12, s.hidden}, 20), w = random_weights(12, 2, 21, at::kFloat);
   const at::Tensor grad = randn({12, s.hidden}, 22);
-  const Grads got = run(ex, x, index, w, grad), silu = reference(ex, x, index, w, grad, ExpertActivation::kSilu);
+  const Grads got = run(ex, x, index, w, grad), silu = reference(ex, x, index, w, grad, ExpertActivation::kSwiglu);
   EXPECT_GT(rel_err(got.y, silu.y), 1e-2);
   EXPECT_GT(rel_err(got.dx, silu.dx), 1e-2);
 }

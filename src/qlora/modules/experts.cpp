@@ -93,7 +93,7 @@ ExpertSlots group_slots(const at::Tensor& index, int64_t num_experts) {
 // the operands' dtype (rounded there), as Gemma 4's experts compute it.
 at::Tensor gated_activation(ExpertActivation act, const at::Tensor& gate, const at::Tensor& up) {
   switch (act) {
-    case ExpertActivation::kSilu: return ops::swiglu(gate, up);
+    case ExpertActivation::kSwiglu: return ops::swiglu(gate, up);
     case ExpertActivation::kGeluTanh: return at::gelu(gate, "tanh") * up;
   }
   throw std::invalid_argument("grouped_experts: unknown expert activation");
@@ -104,7 +104,7 @@ at::Tensor gated_activation(ExpertActivation act, const at::Tensor& gate, const 
 std::pair<at::Tensor, at::Tensor> gated_activation_backward(ExpertActivation act, const at::Tensor& grad,
                                                             const at::Tensor& gate, const at::Tensor& up) {
   switch (act) {
-    case ExpertActivation::kSilu: return ops::swiglu_backward(grad, gate, up);
+    case ExpertActivation::kSwiglu: return ops::swiglu_backward(grad, gate, up);
     case ExpertActivation::kGeluTanh: return {at::gelu_backward(grad * up, gate, "tanh"), grad * at::gelu(gate, "tanh")};
   }
   throw std::invalid_argument("grouped_experts: unknown expert activation");
@@ -324,7 +324,7 @@ struct GroupedExpertsFunction : public torch::autograd::Function<GroupedExpertsF
   struct GroupedBackward {
     at::Tensor grad_out, x, xa_down_w, act, w, dact, dx;
     CastAdapters cast_gu, cast_down;
-    ExpertActivation activation = ExpertActivation::kSilu;
+    ExpertActivation activation = ExpertActivation::kSwiglu;
   };
 
   // The routing weights' gradients [S] fp32: the fp32 dot of each row of dact and act, a block of

@@ -25,7 +25,7 @@ namespace qlora::modules {
 
 // An expert's activation between its gate/up and down products: act(gate) * up.
 enum class ExpertActivation {
-  kSilu,      // SwiGLU (Qwen3-MoE, Mixtral, Qwen3.5-MoE)
+  kSwiglu,    // silu(gate) * up (Qwen3-MoE, Mixtral, Qwen3.5-MoE)
   kGeluTanh,  // gelu(gate, tanh approximation) * up (Gemma 4: its hidden_activation gelu_pytorch_tanh)
 };
 
@@ -49,7 +49,7 @@ struct Experts {
   int64_t r = 0;
   double scale = 0.0;  // alpha / r, or alpha / sqrt(r) with rsLoRA
 
-  ExpertActivation activation = ExpertActivation::kSilu;
+  ExpertActivation activation = ExpertActivation::kSwiglu;
 
   bool nf4() const { return !gate_up_nf4.empty(); }
   bool has_lora() const { return r > 0; }

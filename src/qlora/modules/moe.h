@@ -17,7 +17,7 @@ struct MoeDims {
   int64_t inter = 0;            // an expert's width (moe_intermediate_size)
   bool norm_topk_prob = false;  // the k probabilities renormalised to sum to 1 (Qwen3-MoE's key; Mixtral always)
   bool fp32_weights = false;    // the weights stay fp32 (Mixtral) instead of cast to the logits' dtype (Qwen3-MoE)
-  ExpertActivation activation = ExpertActivation::kSilu;  // the experts' (Experts::activation)
+  ExpertActivation activation = ExpertActivation::kSwiglu;  // the experts' (Experts::activation)
   // Gemma 4's router (Gemma4TextRouter): its input RMS-normalised without a weight (eps norm_eps),
   // times RouterScales::scale and hidden^-0.5, before the projection; the renormalised top-k weights
   // (fp32) times RouterScales::per_expert_scale[index].

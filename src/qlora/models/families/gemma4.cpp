@@ -171,7 +171,7 @@ void parse_gemma4_moe(const json& j, const std::string& where, DecoderConfig& c)
   c.moe.scaled_router = true;
   c.moe.norm_eps = c.rms_norm_eps;
   c.moe.activation = c.activation == modules::MlpActivation::kGeluTanh ? modules::ExpertActivation::kGeluTanh
-                                                                       : modules::ExpertActivation::kSilu;
+                                                                       : modules::ExpertActivation::kSwiglu;
 }
 
 // Gemma 4 (see decoder_config.h), dense or with its MoE (parse_gemma4_moe).
