@@ -65,11 +65,14 @@ class Checks:
 
 def randomize_norms(model, seed):
     """Norm weights ~ 1 + 0.2 N(0, 1) and biases ~ 0.1 N(0, 1), drawn from `seed`; Gemma 4's
-    layer_scalar buffers (1 at init, not in the checkpoints it ships) ~ U(0.5, 1)."""
+    layer_scalar buffers (1 at init, not in the checkpoints it ships) ~ U(0.5, 1); Gemma 4's MoE
+    norms (pre_feedforward_layernorm_2, post_feedforward_layernorm_1/_2) and its router's scale and
+    per_expert_scale (1 at init) like norm weights."""
     g = torch.Generator().manual_seed(seed)
+    gemma4_moe = ("layernorm_1.weight", "layernorm_2.weight", "router.scale", "router.per_expert_scale")
     with torch.no_grad():
         for n, p in model.named_parameters():
-            if n.endswith("norm.weight"):
+            if n.endswith("norm.weight") or n.endswith(gemma4_moe):
                 p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
             elif n.endswith(".bias"):
                 p.copy_(0.1 * torch.randn(p.shape, generator=g))

@@ -114,6 +114,23 @@ QWEN35_MOE = dict({k: v for k, v in QWEN35.items() if k != "intermediate_size"},
                   layer_types=["linear_attention", "full_attention"], num_experts=8, num_experts_per_tok=2,
                   moe_intermediate_size=64, shared_expert_intermediate_size=128)
 FUSED_CASES = ["qwen3_moe", "mixtral", "qwen3_5_moe", "qwen3_5_moe_vision"]
+# Gemma 4's MoE form (26B-A4B, enable_moe_block): GEMMA4's attention (sliding head_dim 64, full layers of
+# global_head_dim 128 under attention_k_eq_v) in 3 layers, the last full, without per-layer inputs or KV
+# sharing (the 26B has neither), and in every layer beside the MLP of 512 a router over 8 experts of
+# width 64, top-2, gelu-tanh experts; the router's scale and per_expert_scale and the MoE norms random
+# (randomize_norms). transformers writes the experts fused (no conversion mapping for gemma4).
+GEMMA4_MOE = {**GEMMA4, "num_hidden_layers": 3, "num_kv_shared_layers": 0, "use_double_wide_mlp": False,
+              "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+              "hidden_size_per_layer_input": 0, "enable_moe_block": True, "num_experts": 8, "top_k_experts": 2,
+              "moe_intermediate_size": 64}
+GEMMA4_MOE_TARGETS = LLAMA_TARGETS + ["experts"]
+
+
+def _experts_silu(model):
+    """Gemma 4's experts with SiLU instead of the model's gelu-tanh (its MLP keeps gelu-tanh)."""
+    for m in model.modules():
+        if type(m).__name__ == "Gemma4TextExperts":
+            m.act_fn = torch.nn.SiLU()
 
 
 def _router_uniform(model):
@@ -235,7 +252,46 @@ CASES = {
     "qwen3_5_moe_vision": _case(qwen35_moe_multimodal_config, Qwen3_5MoeForConditionalGeneration, QWEN35_MOE,
                                 targets=QWEN35_MOE_TARGETS,
                                 ablations=[("shared expert gate 0 (sigmoid 1/2)", {}, _set("shared_expert_gate.weight", 0.0))]),
+    "gemma4_moe": _case(Gemma4TextConfig, Gemma4ForCausalLM, GEMMA4_MOE, targets=GEMMA4_MOE_TARGETS, attn="eager",
+                        ablations=[("router scale 1", {}, _set("router.scale", 1.0)),
+                                   ("per_expert_scale 1", {}, _set("router.per_expert_scale", 1.0)),
+                                   ("pre_feedforward_layernorm_2 weights 1", {},
+                                    _set("pre_feedforward_layernorm_2.weight", 1.0)),
+                                   ("post_feedforward_layernorm_1 weights 1", {},
+                                    _set("post_feedforward_layernorm_1.weight", 1.0)),
+                                   ("post_feedforward_layernorm_2 weights 1", {},
+                                    _set("post_feedforward_layernorm_2.weight", 1.0)),
+                                   ("experts' activation SiLU", {}, _experts_silu),
+                                   ("one expert a token", {"top_k_experts": 1}, None)]),
 }
+
+
+# The MoE cases whose transformers save holds fused 3-D experts (no conversion mapping): they also run
+# from a checkpoint with one tensor per expert and projection (save_split_experts), the other layout.
+SPLIT_CASES = ["gemma4_moe"]
+
+
+def save_split_experts(model, directory):
+    """save_pretrained with each layer's fused experts.gate_up_proj [E, 2I, H] / down_proj [E, H, I]
+    written as experts.<e>.gate_proj / up_proj / down_proj.weight ([I, H], [I, H], [H, I]); returns the
+    number of per-expert tensors."""
+    import os
+    from safetensors.torch import load_file, save_file
+    model.save_pretrained(directory)
+    path = os.path.join(directory, "model.safetensors")
+    tensors, split = load_file(path), {}
+    for k, v in tensors.items():
+        for param, parts in (("gate_up_proj", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",))):
+            if k.endswith(".experts." + param):
+                stem = k[: -len(param)]
+                for e in range(v.shape[0]):
+                    for part, w in zip(parts, v[e].chunk(len(parts))):
+                        split[f"{stem}{e}.{part}.weight"] = w.contiguous()
+                break
+        else:
+            split[k] = v
+    save_file(split, path, metadata={"format": "pt"})
+    return sum(1 for k in split if ".experts." in k)
 
 
 def config(name, **overrides):

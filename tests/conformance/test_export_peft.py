@@ -74,6 +74,17 @@ def check_grads(checks, name, base_dir, out_dir, tokens, attn):
     checks.check(f"{name} every adapter tensor has a gradient", seen == len(ours), f"{seen} of {len(ours)}")
 
 
+def expert_parameters(model):
+    """peft's target_parameters for the experts: each MoE layer's fused tensors named from the layer
+    ("mlp.experts.gate_up_proj"; Gemma 4's sit on the layer itself: "experts.gate_up_proj")."""
+    out = set()
+    for n, _ in model.named_modules():
+        if n.endswith(".experts") and ".layers." in n:
+            stem = n.split(".layers.", 1)[1].split(".", 1)[1]  # past "layers.N."
+            out |= {stem + ".down_proj", stem + ".gate_up_proj"}
+    return out
+
+
 def check_export(checks, tool, name, base_dir, out_dir, targets, attn, tokens=None, variant=()):
     """Runs export_tool on base_dir (variant: extra flags, --dora / --rslora) and checks what peft
     and transformers make of its output."""
@@ -125,7 +136,7 @@ def check_export(checks, tool, name, base_dir, out_dir, targets, attn, tokens=No
         raw = json.load(f)
     lc = LoraConfig.from_pretrained(os.path.join(out_dir, "adapter"))
     # The experts are peft's target_parameters, not a module.
-    params = {"mlp.experts.down_proj", "mlp.experts.gate_up_proj"} if "experts" in targets else set()
+    params = expert_parameters(base) if "experts" in targets else set()
     ok = lc.r == LORA_R and lc.lora_alpha == LORA_ALPHA and lc.peft_type.value == "LORA" and \
         set(lc.target_modules) == {t.rsplit(".", 1)[-1] for t in targets} - {"experts"} and \
         set(lc.target_parameters or []) == params  # the tool names modules by their last name, as peft matches

@@ -65,7 +65,8 @@ GEN_GROUP = 2                # batched generation: sequences per prompt (GRPO's 
 GEN_CASES = {"llama": {}, "qwen2_untied": {}, "gemma2": {"tie_word_embeddings": False},
              "gemma3": {"tie_word_embeddings": False}, "mistral_sliding": {}, "phi3": {},
              "smollm3": {}, "olmo2": {}, "olmo3": {}, "qwen3_5": {}, "gemma4": {}, "qwen3_moe": {}, "mixtral": {},
-             "qwen3_5_moe": {}}
+             "qwen3_5_moe": {}, "gemma4_moe": {}}
+
 # Tied Gemma embeddings (scaled by 16) make a random model repeat its input token forever, which
 # would test nothing about the cache; untied, the greedy continuation varies.
 
@@ -170,6 +171,19 @@ def check_fused(checks, args, name, model, tokens, ref):
         checks.compare(f"{name} fused experts fp32", ours, ref, atol_for(ref, ATOL_FP32_PER_UNIT))
     except Exception as e:
         checks.crashed(f"{name} fused", e)
+
+
+def check_split(checks, args, name, model, tokens, ref):
+    """A MoE checkpoint with one tensor per expert and projection (the layout transformers does not
+    write for this family) gives the logits of the fused one."""
+    try:
+        ckpt = os.path.join(args.workdir, f"{name}_split")
+        n = F.save_split_experts(model, ckpt)
+        checks.check(f"{name} split checkpoint holds a tensor per expert", n > 0, f"{n} per-expert tensors")
+        ours = logits_tool(args.tool, ckpt, tokens, os.path.join(args.workdir, f"{name}_split.safetensors"))
+        checks.compare(f"{name} per-expert experts fp32", ours, ref, atol_for(ref, ATOL_FP32_PER_UNIT))
+    except Exception as e:
+        checks.crashed(f"{name} split", e)
 
 
 def check_nf4(checks, args, name, model, ckpt, tokens):
@@ -284,6 +298,8 @@ def main():
                 check_cuda(checks, args, name, model, ckpt, tokens)
             if name in F.FUSED_CASES:
                 check_fused(checks, args, name, model, tokens, reference_logits(model, tokens))
+            if name in F.SPLIT_CASES:
+                check_split(checks, args, name, model, tokens, reference_logits(model, tokens))
             check_nf4(checks, args, name, model, ckpt, tokens)  # last: rounds the model's weights
             if name in GEN_CASES:
                 check_generation(checks, args, name, seed)

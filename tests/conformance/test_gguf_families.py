@@ -31,6 +31,12 @@ family's kind, converted with `qlora gguf --type f32` and `--type f16`:
            the shared expert as ffn_{gate,up,down}_shexp scaled by ffn_gate_inp_shexp; the same checks
            as qwen3_moe, its LoRA over the shared expert and the DeltaNet too; and the Hub's
            Qwen3_5MoeForConditionalGeneration, of which only the language model is written
+  gemma4_moe  Gemma 4's MoE form (26B-A4B) as llama.cpp's gemma4 with experts: the router as
+           ffn_gate_inp with its scale (ffn_gate_inp.scale), the experts as one ffn_gate_up_exps and
+           ffn_down_exps with per_expert_scale (ffn_down_exps.scale), the MoE norms; from transformers'
+           fused experts and from a tensor per expert; q4_k_m and q8_0 as llama-quantize makes them;
+           the experts' LoRA on ffn_gate_up_exps / ffn_down_exps; and the Hub's
+           Gemma4ForConditionalGeneration form, of which only the language model is written
 
 For each: llama.cpp's logits on the f32 and f16 files equal transformers' within the tolerance
 beside the check, and its greedy continuation of 24 tokens is transformers'; llama.cpp tokenizes a
@@ -259,8 +265,9 @@ FAMILIES = {
     # Qwen3.5-MoE as llama.cpp's qwen35moe: qwen35's DeltaNet (one head size, as above) and every layer
     # MoE beside the shared expert (ffn_*_shexp, its gate ffn_gate_inp_shexp).
     "qwen35moe": ("qwen3_5_moe", QWEN35_LLAMA_CPP, "qwen35"),
+    "gemma4_moe": ("gemma4_moe", {}, "sp-gemma"),
 }
-MOE_FAMILIES = ["qwen3_moe", "mixtral", "qwen35moe"]
+MOE_FAMILIES = ["qwen3_moe", "mixtral", "qwen35moe", "gemma4_moe"]
 
 
 def build_family(name, work, seed=0):
@@ -776,6 +783,24 @@ def check_moe_fused(tool, name, d, model, tok):
                  diff < tolerance(name, "f32"), f"max|diff| / max(1, max|ref|) = {diff:.2e} (< {tolerance(name, 'f32'):g})")
 
 
+def check_moe_split(tool, name, d, model, tok):
+    """The same model saved with a tensor per expert and projection (experts.<e>.gate_proj / up_proj /
+    down_proj), the layout transformers does not write for Gemma 4: the same GGUF logits (the experts
+    restacked into ffn_gate_up_exps)."""
+    split = d + "_split"
+    shutil.rmtree(split, ignore_errors=True)
+    shutil.copytree(d, split, ignore=shutil.ignore_patterns("*.gguf", "*.safetensors", "adapter*", "transformers_reads"))
+    if not check(_families.save_split_experts(model, split) > 0, f"{name}: the split save holds per-expert tensors"):
+        return
+    ids = prompt_ids(tok)
+    r, out = qlora_gguf(tool, split, "f32")
+    if not check(r.returncode == 0, f"{name} split: qlora gguf --type f32: {r.stderr.strip()[:300]}"):
+        return
+    diff = rel_diff(llama_cpp_logits(llama_cpp_model(out), ids), hf_logits(model, ids))
+    CHECKS.check(f"{name} per-expert experts: llama.cpp's logits on our f32 file equal transformers'",
+                 diff < tolerance(name, "f32"), f"max|diff| / max(1, max|ref|) = {diff:.2e} (< {tolerance(name, 'f32'):g})")
+
+
 def check_expert_adapter(tool, name, d, model, tok, base_gguf, params):
     """A random PEFT LoRA on the experts (target_parameters: peft's stacked A [r*E, in], B [out, r*E])
     beside the attention: `qlora gguf --adapter` writes it per expert on ffn_*_exps, and llama.cpp with
@@ -904,9 +929,13 @@ def main():
         if name in MOE_FAMILIES:  # 3-D expert tensors and the router: llama-quantize's mix of them
             check_llama_quantize_mix(a.tool, name, d, paths["f32"])
             check_llama_quantize_mix(a.tool, name, d, paths["f32"], "q8_0")
-            check_moe_fused(a.tool, name, d, model, tok)
-            for params in (["mlp.experts.gate_up_proj", "mlp.experts.down_proj"], ["mlp.experts.gate_up_proj"],
-                           ["mlp.experts.down_proj"]):
+            (check_moe_split if name in _families.SPLIT_CASES else check_moe_fused)(a.tool, name, d, model, tok)
+            if name == "gemma4_moe":  # the Hub's 26B-A4B is a Gemma4ForConditionalGeneration
+                check_hub_multimodal(a.tool, a.workdir, "gemma4_moe", "gemma4_vision", "sp-gemma",
+                                     **{k: v for k, v in _families.GEMMA4_MOE.items() if _families.GEMMA4.get(k) != v})
+            stem = "experts" if name == "gemma4_moe" else "mlp.experts"  # Gemma 4's sit on the layer itself
+            for params in ([f"{stem}.gate_up_proj", f"{stem}.down_proj"], [f"{stem}.gate_up_proj"],
+                           [f"{stem}.down_proj"]):
                 check_expert_adapter(a.tool, name, d, model, tok, paths["f32"], params)
     if a.only:
         check_moe_refusals(a.tool, a.workdir, dirs)

@@ -1,7 +1,7 @@
 // Tests for grouped_experts (modules/experts.h): a Mixture-of-Experts layer's routed experts as one
 // autograd node, against a float64 reference written plainly here (per token, per slot: the expert's
-// dense weights = its NF4 weights dequantized, in fp64, its adapters in fp64, silu, the weighted
-// sum; every gradient by autograd on that reference graph).
+// dense weights = its NF4 weights dequantized, in fp64, its adapters in fp64, silu (or gelu-tanh:
+// ExpertActivation), the weighted sum; every gradient by autograd on that reference graph).
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
 #include <ATen/core/grad_mode.h>
@@ -10,6 +10,7 @@
 
 #include <cmath>
 #include <initializer_list>
+#include <optional>
 #include <utility>
 #include <stdexcept>
 #include <vector>
@@ -31,6 +32,7 @@ struct Shape {
   int64_t experts = 5, hidden = 64, inter = 32, r = 4;
   bool nf4 = true, lora = true;
   at::ScalarType dtype = at::kFloat;  // x's, the dense weights' and the NF4 weights'
+  ExpertActivation activation = ExpertActivation::kSwiglu;
 };
 
 // Experts with random weights; adapters with B set to random values, so that every LoRA path
@@ -52,6 +54,7 @@ Experts make_experts(const Shape& s, uint64_t seed = 10) {
   } else {
     ex = experts_dense(gu, down);
   }
+  ex.activation = s.activation;
   if (s.lora) {
     experts_add_adapters(ex, s.r, 2.0, seeded(seed + 100), at::kCPU);
     at::NoGradGuard ng;
@@ -88,9 +91,11 @@ at::Tensor b_of(const at::Tensor& b, int64_t experts, int64_t e) {
   return at::stack(cols, 1);
 }
 
-// The fp64 reference, token by token and slot by slot, differentiated by autograd.
+// The fp64 reference, token by token and slot by slot, differentiated by autograd, with the experts'
+// activation (or `act` where given).
 Grads reference(const Experts& ex, const at::Tensor& x, const at::Tensor& index, const at::Tensor& weights,
-                const at::Tensor& grad) {
+                const at::Tensor& grad, std::optional<ExpertActivation> act = std::nullopt) {
+  const bool gelu = act.value_or(ex.activation) == ExpertActivation::kGeluTanh;
   const at::Tensor x64 = x.to(at::kDouble).requires_grad_(true), w64 = weights.to(at::kDouble).requires_grad_(true);
   std::vector<at::Tensor> ad;  // gate_up's A, B, down's A, B in fp64, leaves
   for (const at::Tensor& t : ex.trainable()) ad.push_back(t.detach().to(at::kDouble).requires_grad_(true));
@@ -104,9 +109,10 @@ Grads reference(const Experts& ex, const at::Tensor& x, const at::Tensor& index,
       at::Tensor gu = at::mv(base64(ex, e, true), xt);
       const int64_t E = ex.num_experts;
       if (!ad.empty()) gu = gu + at::mv(b_of(ad[1], E, e), at::mv(a_of(ad[0], E, e), xt)) * ex.scale;
-      const at::Tensor act = at::silu(gu.narrow(0, 0, inter)) * gu.narrow(0, inter, inter);
-      at::Tensor out = at::mv(base64(ex, e, false), act);
-      if (!ad.empty()) out = out + at::mv(b_of(ad[3], E, e), at::mv(a_of(ad[2], E, e), act)) * ex.scale;
+      const at::Tensor gate = gu.narrow(0, 0, inter);
+      const at::Tensor a = (gelu ? at::gelu(gate, "tanh") : at::silu(gate)) * gu.narrow(0, inter, inter);
+      at::Tensor out = at::mv(base64(ex, e, false), a);
+      if (!ad.empty()) out = out + at::mv(b_of(ad[3], E, e), at::mv(a_of(ad[2], E, e), a)) * ex.scale;
       yt = yt + w64[t][j] * out;
     }
     ys.push_back(yt);
@@ -216,6 +222,28 @@ TEST(Experts, Nf4Bf16MatchesFp64Reference) {
 
 TEST(Experts, DenseBf16WithFp32RoutingWeightsMatchesFp64Reference) {
   Shape s;
+  s.dtype = at::kBFloat16;
+  s.nf4 = false;
+  expect_matches_reference(s, uneven_index(), at::kFloat, kBf16TolY, kBf16TolGrad);
+}
+
+// Gemma 4's experts: gelu-tanh(gate) * up, forward and backward (the activation's gradient through
+// both halves), NF4 in fp32 and dense in bf16; a SiLU reference is far off (the activation is used).
+TEST(Experts, GeluTanhNf4Fp32MatchesFp64Reference) {
+  Shape s;
+  s.activation = ExpertActivation::kGeluTanh;
+  expect_matches_reference(s, uneven_index(), at::kFloat, kFp32Tol, kFp32Tol);
+  const Experts ex = make_experts(s);
+  const at::Tensor index = uneven_index(), x = randn({12, s.hidden}, 20), w = random_weights(12, 2, 21, at::kFloat);
+  const at::Tensor grad = randn({12, s.hidden}, 22);
+  const Grads got = run(ex, x, index, w, grad), silu = reference(ex, x, index, w, grad, ExpertActivation::kSwiglu);
+  EXPECT_GT(rel_err(got.y, silu.y), 1e-2);
+  EXPECT_GT(rel_err(got.dx, silu.dx), 1e-2);
+}
+
+TEST(Experts, GeluTanhDenseBf16WithFp32RoutingWeightsMatchesFp64Reference) {
+  Shape s;
+  s.activation = ExpertActivation::kGeluTanh;
   s.dtype = at::kBFloat16;
   s.nf4 = false;
   expect_matches_reference(s, uneven_index(), at::kFloat, kBf16TolY, kBf16TolGrad);

@@ -491,6 +491,31 @@ TEST(FamilyConfig, Gemma4HubFormIsItsTextConfig) {
   EXPECT_EQ(embed_shape(arch.embed_rows[0], c), (std::vector<int64_t>{262144, 42 * 256}));
 }
 
+TEST(FamilyConfig, Gemma4MixtureOfExperts) {
+  const std::string base = R"({"model_type":"gemma4_text","hidden_size":64,"intermediate_size":128,
+    "num_hidden_layers":3,"num_attention_heads":4,"num_key_value_heads":2,"head_dim":16,"vocab_size":128,
+    "hidden_size_per_layer_input":0,"rms_norm_eps":1e-5)";
+  const DecoderConfig c = parse_decoder_config(
+      base + R"(,"enable_moe_block":true,"num_experts":8,"top_k_experts":2,"moe_intermediate_size":32})", "g/config.json");
+  EXPECT_EQ(c.moe.num_experts, 8);
+  EXPECT_EQ(c.moe.top_k, 2);
+  EXPECT_EQ(c.moe.inter, 32);
+  EXPECT_TRUE(c.moe.norm_topk_prob);  // Gemma4TextRouter always renormalises
+  EXPECT_TRUE(c.moe.fp32_weights);    // and keeps the weights fp32 (times per_expert_scale)
+  EXPECT_TRUE(c.moe.scaled_router);
+  EXPECT_DOUBLE_EQ(c.moe.norm_eps, 1e-5);
+  EXPECT_EQ(c.moe.activation, qlora::modules::ExpertActivation::kGeluTanh);  // hidden_activation's
+  EXPECT_EQ(c.moe_layers, (std::vector<bool>{true, true, true}));
+  const Architecture& arch = architecture_of(c);
+  ASSERT_TRUE(arch.experts.has_value());
+  EXPECT_EQ(hf_module(arch.experts->fused_router, 1), "model.layers.1.router.proj");
+  EXPECT_TRUE(in_layer(find_projection(arch, "gate_proj")->mixer, c, 0));  // the MLP stays beside the MoE
+  // A dense Gemma 4 (enable_moe_block false or absent) has no MoE layers, and null sizes are its defaults.
+  const DecoderConfig dense = parse_decoder_config(
+      base + R"(,"enable_moe_block":false,"num_experts":null,"top_k_experts":null})", "g/config.json");
+  EXPECT_TRUE(dense.moe_layers.empty());
+}
+
 TEST(FamilyConfig, Gemma4SavedFormAndRefusals) {
   // What transformers' save_pretrained writes: per_layer_config overrides instead of global_head_dim.
   const auto json_of = [](const std::string& extra) {
@@ -513,7 +538,11 @@ TEST(FamilyConfig, Gemma4SavedFormAndRefusals) {
   const auto refused = [&](const std::string& extra, const std::string& key) {
     EXPECT_NE(error_of(json_of(extra)).find("'" + key + "'"), std::string::npos) << error_of(json_of(extra));
   };
-  refused(R"(,"enable_moe_block":true)", "enable_moe_block");
+  // The MoE form needs its sizes (no class defaults) and at most num_experts a token.
+  refused(R"(,"enable_moe_block":true,"top_k_experts":2,"moe_intermediate_size":8)", "num_experts");
+  refused(R"(,"enable_moe_block":true,"num_experts":4,"moe_intermediate_size":8)", "top_k_experts");
+  refused(R"(,"enable_moe_block":true,"num_experts":4,"top_k_experts":5,"moe_intermediate_size":8)", "top_k_experts");
+  refused(R"(,"enable_moe_block":true,"num_experts":null,"top_k_experts":2,"moe_intermediate_size":8)", "num_experts");
   refused(R"(,"use_bidirectional_attention":"all")", "use_bidirectional_attention");
   refused(R"(,"per_layer_config":{"1":{"intermediate_size":64}})", "per_layer_config.1.intermediate_size");
   refused(R"(,"per_layer_config":{"1":{"head_dim":32}})", "per_layer_config");  // full layer 3 differs

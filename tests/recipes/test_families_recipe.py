@@ -30,8 +30,13 @@ mlp_only_layers) and mixtral (4 experts, top-2, routing weights kept in fp32, sl
 LoRA on q, k, v, o and the experts (lora.targets "experts": peft's target_parameters on the fused
 mlp.experts.gate_up_proj and down_proj; the checkpoints hold one tensor per expert, as transformers
 writes them); qwen3_5_moe_text (Qwen3.5's two mixers, every layer MoE beside a shared expert scaled by
-its gate, LoRA on the mixers, the experts and the shared expert: lora.targets "shared_expert"). Beyond the checks above, for them:
-5. the merged export keeps the checkpoint's per-expert tensors and its routers bit for bit;
+its gate, LoRA on the mixers, the experts and the shared expert: lora.targets "shared_expert"); and gemma4_moe
+(Gemma 4's enable_moe_block: a scaled router and 4 gelu-tanh experts, top-2,
+beside each layer's MLP, LoRA on the MLP and the experts too, peft's experts.gate_up_proj /
+experts.down_proj on the layer itself; transformers writes them fused, so the fused-layout run below
+is not made for it). Beyond the checks above, for them:
+5. the merged export keeps the checkpoint's per-expert (gemma4_moe: fused) tensors and its routers
+   bit for bit (Gemma 4's router scales too);
 6. peft itself reads the adapter: PeftModel.from_pretrained(the transformers base, the adapter) loads
    every tensor (nothing missing or unexpected), its logits equal the merged export's in transformers,
    and its merge_and_unload() equals the merged export's weights. peft merges onto the full-precision
@@ -74,8 +79,8 @@ MOE_TARGETS = ["q", "k", "v", "o", "experts"]
 ATTENTION_PEFT = ["q_proj", "k_proj", "v_proj", "o_proj"]
 EXPERTS_PEFT = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]  # peft's target_parameters for "experts"
 # A MoE layer's router: frozen and never quantized (Mixtral's checkpoints name it block_sparse_moe.gate);
-# so is Qwen3.5-MoE's shared expert's gate.
-ROUTER = re.compile(r"\.(mlp|block_sparse_moe)\.(gate|shared_expert_gate)\.weight$")
+# so is Qwen3.5-MoE's shared expert's gate. Gemma 4's is router.proj beside the layer's MLP.
+ROUTER = re.compile(r"\.((mlp|block_sparse_moe)\.(gate|shared_expert_gate)|router\.proj)\.weight$")
 # initializer_range 0.1 rather than 0.02: logits of a few units, so greedy decoding rarely meets a
 # near tie that the two implementations' rounding could break apart.
 SIZES = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -102,6 +107,12 @@ class Family:
     packing: bool = False
     byte_level: bool = False  # a tokenizer.json (Qwen's kind) instead of the sentencepiece model
     peft_parameters: list = field(default_factory=list)  # peft's target_parameters (fused MoE experts)
+    label: str = ""  # the family's name in messages and --families where two share a model_type
+    fused: bool = False  # transformers writes its experts fused (Gemma 4): no per-expert save to compare with
+
+    @property
+    def name(self):
+        return self.label or self.model_type
 
 
 GEMMA = dict(head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=16,
@@ -154,6 +165,15 @@ FAMILIES = [
            ATTENTION_PEFT + ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "shared_expert.gate_proj",
                              "shared_expert.up_proj", "shared_expert.down_proj"],
            packing=True, peft_parameters=EXPERTS_PEFT),
+    # Gemma 4's MoE form (enable_moe_block): a router (its scale and per_expert_scale random like the
+    # norms) over 4 experts of width 32, top-2, beside each layer's MLP, a sliding then a full layer;
+    # transformers writes the experts fused, experts.gate_up_proj / down_proj on the layer itself.
+    Family("gemma4_text", dict(head_dim=16, global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
+                               layer_types=["sliding_attention", "full_attention"], sliding_window=WINDOW,
+                               hidden_size_per_layer_input=0, final_logit_softcapping=30.0, tie_word_embeddings=False,
+                               enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32),
+           LAYER_TARGETS + ["experts"], LLAMA_PEFT, packing=True,
+           peft_parameters=["experts.gate_up_proj", "experts.down_proj"], label="gemma4_moe", fused=True),
 ]
 
 
@@ -324,7 +344,7 @@ def check_peft(check, name, family, base_dir, run_dir, ids):
             moved = min(moved, float((unloaded[k] - base[k]).abs().max()) / size)
     kinds = sorted(set(adapted))
     check(unloaded.keys() == mine.keys() and worst < PEFT_MERGE_TOL and moved > 100 * PEFT_MERGE_TOL
-          and any(".experts." in k for k in kinds),
+          and any("experts." in k for k in kinds),  # mlp.experts.* (Gemma 4: experts.* on the layer)
           f"{name}: peft's merge_and_unload() equals the merged export's weights ({len(mine)} tensors): "
           f"{worst:.1e} < {PEFT_MERGE_TOL} of each one's largest; the {len(adapted)} adapted ({', '.join(kinds)}) "
           f"moved at least {moved:.1e}")
@@ -402,7 +422,7 @@ def check_router_metrics(check, name, family, run_dir):
 
 
 def family_checks(check, a, family):
-    name = family.model_type
+    name = family.name
     work = os.path.join(a.workdir, name)
     os.makedirs(work)
     tok = TokenizerRef(family, work)
@@ -423,7 +443,8 @@ def family_checks(check, a, family):
     ref_adapter = adapter(one)
     if family.peft_parameters:
         check_router_metrics(check, name, family, one)
-        check_fused_layout(check, name, a, tok, base_model, work, common, one)
+        if not family.fused:
+            check_fused_layout(check, name, a, tok, base_model, work, common, one)
     peft_run = None  # MoE: the 2-rank run, merged from the original weights for peft's checks (docstring, 6)
     for nproc in (2, 3):
         out = os.path.join(work, f"ranks{nproc}")
@@ -466,7 +487,7 @@ def main():
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
     warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' and peft's deprecations
-    chosen = [f for f in FAMILIES if not a.families or f.model_type in a.families.split(",")]
+    chosen = [f for f in FAMILIES if not a.families or f.name in a.families.split(",")]
     check = Checks()
     for family in chosen:
         family_checks(check, a, family)

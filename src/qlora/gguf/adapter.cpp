@@ -85,7 +85,7 @@ bool base_head_is_tied(const models::DecoderConfig& trained_on, const std::strin
 // wrappers: gate_up_proj's A/B are experts.base_layer.lora_*, down_proj's experts.lora_*; one alone
 // is experts.lora_*, named by target_parameters. llama.cpp applies a LoRA to ffn_*_exps per expert
 // (mul_mat_id): lora_a [E, r, in], lora_b [E, out, r]; gate_up's B rows split into gate and up
-// halves, its A shared by both.
+// halves, its A shared by both (gemma4's one ffn_gate_up_exps takes them whole).
 struct ExpertLora {
   int64_t layer;
   bool gate_up;
@@ -167,6 +167,23 @@ std::vector<Pair> pairs_of(const io::SafetensorsFile& f, const models::DecoderCo
   return out;
 }
 
+// The per-expert scale llama.cpp multiplies layer `layer`'s down products by (ffn_down_exps.scale:
+// Gemma 4's router.per_expert_scale), [E] fp32, from the base checkpoint; undefined where the family
+// has none. llama.cpp scales the base product alone and adds the LoRA's after it, where transformers
+// scales the whole expert output (the routing weight carries the scale): the LoRA's B is written
+// times it, expert by expert, so that llama.cpp's sum is transformers' s_e (W + B A) x.
+at::Tensor down_exps_scale(const io::CheckpointDir& ckpt, models::KeyLayout layout, const models::DecoderConfig& c,
+                           int64_t layer) {
+  const std::string want = "blk." + std::to_string(layer) + ".ffn_down_exps.scale";
+  for (const models::NormRow& n : c.family->architecture().layer_norms) {
+    if (!models::in_layer(n.mixer, c, layer)) continue;
+    const std::string key = models::hf_key(n, layer);
+    const std::optional<TensorPlan> t = gguf_tensor(key, c);
+    if (t && t->name == want) return ckpt.tensor(models::layout_key(layout, key)).to(at::kFloat);
+  }
+  return {};
+}
+
 // Adapters are small; llama.cpp's converter writes every matrix in one type, f16 where a row is not
 // whole blocks of it (B's rows are r long).
 GgmlType adapter_type(const std::vector<int64_t>& shape, GgmlType chosen) {
@@ -185,11 +202,13 @@ size_t write_adapter_gguf(const std::string& adapter_dir, const std::string& bas
                                                 [&] { return read_adapter_config(adapter_dir); });
   const models::DecoderConfig c = models::load_decoder_config(base_dir);
   const ArchPlan arch = plan_architecture(c, base_dir + "/config.json");
-  const models::KeyLayout layout = models::key_layout_of(io::CheckpointDir::open(base_dir), c);
+  const auto base = io::CheckpointDir::open(base_dir);
+  const models::KeyLayout layout = models::key_layout_of(base, c);
   const auto f = io::SafetensorsFile::open((fs::path(adapter_dir) / "adapter_model.safetensors").string());
   const std::vector<Pair> pairs =
       pairs_of(f, c, layout, base_head_is_tied(c, adapter.base_name), adapter.target_parameters);
   const int64_t E = c.moe.num_experts, I = c.moe.inter;
+  const bool fused_gate_up = c.family->gguf.fused_gate_up_exps;  // one ffn_gate_up_exps (gemma4)
   std::vector<TensorSpec> specs;
   for (const Pair& p : pairs) {
     if (p.expert) {
@@ -203,11 +222,11 @@ size_t write_adapter_gguf(const std::string& adapter_dir, const std::string& bas
                                     std::to_string(out) + ", r * " + std::to_string(E) + "])");
       const int64_t r = a[0] / E;
       const std::string blk = "blk." + std::to_string(p.expert->layer) + ".";
-      const std::vector<std::string> names = p.expert->gate_up
-                                                 ? std::vector<std::string>{"ffn_gate_exps", "ffn_up_exps"}
-                                                 : std::vector<std::string>{"ffn_down_exps"};
+      const std::vector<std::string> names = !p.expert->gate_up ? std::vector<std::string>{"ffn_down_exps"}
+                                             : fused_gate_up ? std::vector<std::string>{"ffn_gate_up_exps"}
+                                                             : std::vector<std::string>{"ffn_gate_exps", "ffn_up_exps"};
       for (const std::string& n : names) {
-        const std::vector<int64_t> sa{E, r, in}, sb{E, p.expert->gate_up ? I : out, r};
+        const std::vector<int64_t> sa{E, r, in}, sb{E, p.expert->gate_up && !fused_gate_up ? I : out, r};
         specs.push_back({blk + n + ".weight.lora_a", sa, adapter_type(sa, options.type)});
         specs.push_back({blk + n + ".weight.lora_b", sb, adapter_type(sb, options.type)});
       }
@@ -234,14 +253,17 @@ size_t write_adapter_gguf(const std::string& adapter_dir, const std::string& bas
       const at::Tensor a3 = a.reshape({E, r, a.size(1)});
       const at::Tensor b = f.tensor(p.b_key);  // [out, r * E], expert-minor
       const at::Tensor b3 = b.reshape({b.size(0), r, E}).permute({2, 0, 1});  // [E, out, r]
-      if (p.expert->gate_up) {
+      if (p.expert->gate_up && !fused_gate_up) {
         for (int64_t half = 0; half < 2; ++half) {
           write_tensor(out, a3, specs[i++].type);
           write_tensor(out, b3.narrow(1, half * I, I).contiguous(), specs[i++].type);
         }
       } else {
         write_tensor(out, a3, specs[i++].type);
-        write_tensor(out, b3.contiguous(), specs[i++].type);
+        const at::Tensor scale =  // [E], or undefined
+            p.expert->gate_up ? at::Tensor() : down_exps_scale(base, layout, c, p.expert->layer);
+        write_tensor(out, (scale.defined() ? b3.to(at::kFloat) * scale.view({E, 1, 1}) : b3).contiguous(),
+                     specs[i++].type);
       }
       continue;
     }

@@ -151,7 +151,7 @@ ArchPlan plan_architecture(const DecoderConfig& c, const std::string& where) {
   if (g.window_key && c.sliding_window) add("attention.sliding_window", Value::u32(static_cast<uint32_t>(*c.sliding_window)));
   // Experts: llama.cpp's loader reads their count and the top-k (expert_count > 0 is what makes
   // llama's layers MoE); both architectures softmax the router's logits and renormalise the top k.
-  if (c.family->architecture().experts) {
+  if (c.family->architecture().experts && !c.moe_layers.empty()) {  // not a dense Gemma 4
     add("expert_count", Value::u32(static_cast<uint32_t>(c.moe.num_experts)));
     add("expert_used_count", Value::u32(static_cast<uint32_t>(c.moe.top_k)));
   }
@@ -205,11 +205,38 @@ std::string fused_experts_key(const DecoderConfig& c, int64_t layer) {
   return ex ? models::hf_module(ex->fused, layer) + ".gate_up_proj" : std::string();
 }
 
+namespace {
+
+// llama.cpp's gemma4: ffn_gate_up_exps [E, 2I, H] (each expert's gate rows, then its up rows, as the
+// fused gate_up_proj holds them) and ffn_down_exps [E, H, I].
+std::vector<StackedTensor> fused_gate_up_tensors(const models::ExpertsRow& ex, int64_t layer, bool fused, int64_t E,
+                                                 int64_t H, int64_t I) {
+  const std::string blk = "blk." + std::to_string(layer) + ".";
+  std::vector<StackedTensor> out{{blk + "ffn_gate_up_exps.weight", {E, 2 * I, H}, {}},
+                                 {blk + "ffn_down_exps.weight", {E, H, I}, {}}};
+  if (fused) {
+    const std::string stem = models::hf_module(ex.fused, layer) + ".";
+    out[0].parts.push_back({stem + "gate_up_proj", {E, 2 * I, H}, true, 0, 2 * I});
+    out[1].parts.push_back({stem + "down_proj", {E, H, I}, true, 0, H});
+    return out;
+  }
+  for (int64_t e = 0; e < E; ++e) {
+    const std::string stem = models::hf_module(ex.split, layer) + "." + std::to_string(e) + ".";
+    out[0].parts.push_back({stem + ex.gate + ".weight", {I, H}, false, 0, I});
+    out[0].parts.push_back({stem + ex.up + ".weight", {I, H}, false, 0, I});
+    out[1].parts.push_back({stem + ex.down + ".weight", {H, I}, false, 0, H});
+  }
+  return out;
+}
+
+}  // namespace
+
 std::vector<StackedTensor> expert_tensors(const DecoderConfig& c, int64_t layer, bool fused) {
   const auto& ex = c.family->architecture().experts;
   if (!ex || !c.is_moe(layer)) return {};
   const int64_t E = c.moe.num_experts, H = c.hidden_size, I = c.moe.inter;
   const std::string blk = "blk." + std::to_string(layer) + ".";
+  if (c.family->gguf.fused_gate_up_exps) return fused_gate_up_tensors(*ex, layer, fused, E, H, I);
   std::vector<StackedTensor> out{{blk + "ffn_gate_exps.weight", {E, I, H}, {}},
                                  {blk + "ffn_up_exps.weight", {E, I, H}, {}},
                                  {blk + "ffn_down_exps.weight", {E, H, I}, {}}};

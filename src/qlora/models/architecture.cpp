@@ -169,6 +169,7 @@ int64_t dim_size(Dim d, const DecoderConfig& c, int64_t layer) {
     case Dim::kPerLayer: return c.per_layer_input_dim;
     case Dim::kPerLayerAll: return c.num_hidden_layers * c.per_layer_input_dim;
     case Dim::kPerLayerVocab: return c.per_layer_input_vocab;
+    case Dim::kExperts: return c.moe.num_experts;
   }
   throw std::logic_error("dim_size: unknown Dim");
 }
@@ -182,6 +183,7 @@ bool in_layer(Mixer mixer, const DecoderConfig& c, int64_t layer) {
     case Mixer::kOwnV: return in_layer(Mixer::kOwnKv, c, layer) && !(c.attention_k_eq_v && !c.is_sliding(layer));
     case Mixer::kPerLayerInput: return c.per_layer_input_dim > 0;
     case Mixer::kDenseMlp: return !c.is_moe(layer);
+    case Mixer::kMoe: return c.is_moe(layer);
   }
   throw std::logic_error("in_layer: unknown Mixer");
 }

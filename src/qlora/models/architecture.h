@@ -41,14 +41,16 @@ enum class Dim {
   kPerLayer,       // hidden_size_per_layer_input (Gemma 4)
   kPerLayerAll,    // num_hidden_layers * hidden_size_per_layer_input
   kPerLayerVocab,  // vocab_size_per_layer_input
+  kExperts,        // the MoE's expert count (Gemma 4's router.per_expert_scale)
 };
 
 // Which layers hold a row: every layer, or only those whose mixer is attention or (Qwen3.5) the
 // Gated DeltaNet (DecoderConfig::is_linear); Gemma 4's attention layers with K/V of their own (not
 // KV-shared), those with a V of their own too (not full layers under attention_k_eq_v), and every
 // layer when the model has per-layer inputs.
-// kDenseMlp: layers whose feed-forward is the gated MLP, not a Mixture of Experts (DecoderConfig::is_moe).
-enum class Mixer { kAny, kAttention, kLinear, kOwnKv, kOwnV, kPerLayerInput, kDenseMlp };
+// kDenseMlp: layers whose feed-forward is the gated MLP, not a Mixture of Experts (DecoderConfig::is_moe);
+// kMoe: the MoE layers (Gemma 4's router scales and MoE norms).
+enum class Mixer { kAny, kAttention, kLinear, kOwnKv, kOwnV, kPerLayerInput, kDenseMlp, kMoe };
 
 // Whether a projection has a (frozen) bias, <module>.bias.
 enum class Bias {

@@ -128,6 +128,7 @@ struct Loader {
     }
     out = opt.base_in_nf4 ? modules::experts_nf4(std::move(gu_nf4), std::move(down_nf4))
                           : modules::experts_dense(std::move(gu_dense), std::move(down_dense));
+    out.activation = c.moe.activation;
     if (adapt)
       modules::experts_add_adapters(out, opt.lora_r, modules::lora_scale(opt.lora_alpha, opt.lora_r, opt.lora_use_rslora),
                                     gen, opt.device);
@@ -220,6 +221,9 @@ DecoderModel load_decoder(const std::string& checkpoint_dir, const DecoderLoadOp
                                 ": peft's LoRA on fused expert tensors (target_parameters) has neither DoRA nor dropout; "
                                 "drop \"experts\" from lora.targets or set " +
                                 (opt.lora_use_dora ? "lora.use_dora = false" : "lora.dropout = 0"));
+  if (targets.count(kExpertsTarget) && m.config.moe_layers.empty())
+    throw std::invalid_argument(checkpoint_dir + "/config.json: lora.targets has \"experts\", but the model has no "
+                                "mixture-of-experts layers (Gemma 4: enable_moe_block is false); drop \"experts\"");
   m.compute_dtype = opt.compute_dtype;
   m.frozen_dtype = frozen;
   m.activation_checkpointing = opt.activation_checkpointing;

@@ -147,6 +147,7 @@ struct Family {
     bool linear_rope = false;         // linear RoPE scaling is read (rope.scaling.*)
     bool llama3_rope = false;         // Llama-3's RoPE scaling is read (rope_freqs)
     bool yarn_rope = false;           // YaRN is read (OLMo 3's full layers)
+    bool fused_gate_up_exps = false;  // the experts' gate and up as one ffn_gate_up_exps (llama.cpp's gemma4)
     // What llama.cpp fixes that the config may say otherwise: refuse_gguf when it does.
     void (*check)(const DecoderConfig& c, const std::string& where) = nullptr;
     // Its keys and tensors beyond the common ones.

@@ -121,12 +121,26 @@ at::Tensor per_layer_branch(const DecoderLayer& layer, const LayerDims& dims, co
 // A MoE layer's feed-forward: the routed experts, plus Qwen3.5-MoE's shared expert scaled by the
 // sigmoid of its gate, added in that order and in the compute dtype as transformers does.
 at::Tensor moe_mlp(const DecoderLayer& layer, const LayerDims& dims, const at::Tensor& x, bool training,
-                   const LayerExtras* extras) {
-  const at::Tensor routed = moe_forward(layer.router, layer.experts, dims.moe, x, extras ? extras->routing : nullptr);
+                   Routing* routing) {
+  const at::Tensor routed = moe_forward(layer.router, layer.experts, dims.moe, x, routing);
   if (!layer.shared_expert_gate.defined()) return routed;
   const at::Tensor shared = gated_mlp(layer.shared_gate_proj, layer.shared_up_proj, layer.shared_down_proj, dims, x,
                                       training);  // [b, s, hidden]
   return routed + at::sigmoid(at::linear(x, layer.shared_expert_gate)) * shared;
+}
+
+// Gemma 4's feed-forward with a MoE beside the MLP, on the residual stream h [b, s, hidden]: the
+// MLP on x (pre_feedforward_layernorm(h)) closed by post_feedforward_layernorm_1, plus the experts
+// on pre_feedforward_layernorm_2(h), routed by h itself, closed by post_feedforward_layernorm_2.
+at::Tensor mlp_beside_moe(const DecoderLayer& layer, const LayerDims& dims, const at::Tensor& h, const at::Tensor& x,
+                          bool training, Routing* routing) {
+  const at::Tensor mlp = layer_norm(dims, gated_mlp(layer, dims, x, training), layer.post_feedforward_layernorm_1);
+  const at::Tensor h2 = h.reshape({-1, h.size(-1)});
+  Routing r = route(layer.router, dims.moe, h2, {layer.router_scale, layer.per_expert_scale});
+  const at::Tensor y = grouped_experts(layer.experts, layer_norm(dims, h2, layer.pre_feedforward_layernorm_2), r.index,
+                                       r.weights);
+  if (routing) *routing = std::move(r);
+  return mlp + layer_norm(dims, y.view(h.sizes()), layer.post_feedforward_layernorm_2);
 }
 
 }  // namespace
@@ -147,7 +161,10 @@ at::Tensor decoder_layer_forward(const DecoderLayer& layer, const LayerDims& dim
   const at::Tensor hidden = h + out;
   if (sandwich) x = layer_norm(dims, hidden, layer.pre_feedforward_layernorm);
   else x = post_norms_only ? hidden : layer_norm(dims, hidden, layer.post_attention_layernorm);
-  at::Tensor mlp = layer.is_moe() ? moe_mlp(layer, dims, x, training, extras) : gated_mlp(layer, dims, x, training);
+  Routing* routing = extras ? extras->routing : nullptr;
+  at::Tensor mlp = layer.pre_feedforward_layernorm_2.defined() ? mlp_beside_moe(layer, dims, hidden, x, training, routing)
+                   : layer.is_moe()                             ? moe_mlp(layer, dims, x, training, routing)
+                                                                : gated_mlp(layer, dims, x, training);
   if (layer.post_feedforward_layernorm.defined()) mlp = layer_norm(dims, mlp, layer.post_feedforward_layernorm);
   at::Tensor out_h = hidden + mlp;
   if (layer.per_layer_input_gate.out_features > 0) out_h = out_h + per_layer_branch(layer, dims, out_h, extras, training);

@@ -55,6 +55,11 @@ struct DecoderLayer {
   // compute dtype, frozen).
   LoraLinear shared_gate_proj, shared_up_proj, shared_down_proj;
   at::Tensor shared_expert_gate;
+  // Gemma 4's MoE (enable_moe_block), beside the gated MLP rather than instead of it: the router's
+  // scale [hidden] and per_expert_scale [experts] (RouterScales), the experts' input norm and the
+  // norms closing the MLP's and the experts' branches before post_feedforward_layernorm.
+  at::Tensor router_scale, per_expert_scale;
+  at::Tensor pre_feedforward_layernorm_2, post_feedforward_layernorm_1, post_feedforward_layernorm_2;
   bool is_linear() const { return in_proj_qkv.out_features > 0; }
   bool is_moe() const { return router.defined(); }
   // Gemma 4's KV-shared layers compute queries only and attend over an earlier layer's K/V.

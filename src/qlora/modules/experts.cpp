@@ -3,7 +3,8 @@
 // Design. The T*k (token, slot) pairs are sorted by expert (a stable sort, so each expert's rows
 // come in token order and every run sums the same way), and each expert that received rows runs
 // as a plain gated MLP on its gathered rows: its gate_up product into its slice of one [S, 2*inter]
-// buffer (S = T*k, grouped order), SwiGLU, its down product into its slice of [S, hidden]. Each
+// buffer (S = T*k, grouped order), act(gate) * up (SwiGLU, gelu-tanh: ExpertActivation), its down
+// product into its slice of [S, hidden]. Each
 // product is one member of lora_linear.cpp's group node: the frozen weight (NF4 dequantized just in
 // time to x's dtype by nf4_linear's chunks, or the dense one) through BLAS, the adapter's update in
 // x's dtype through the narrow kernels (ops/narrow_ops.h). The routing weights and the sum over
@@ -28,6 +29,8 @@
 #include <ATen/ops/cat.h>
 #include <ATen/ops/div.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/gelu.h>
+#include <ATen/ops/gelu_backward.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/sort.h>
 #include <ATen/ops/stack.h>
@@ -41,6 +44,7 @@
 #include <stdexcept>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "qlora/modules/lora_linear.h"
@@ -82,6 +86,28 @@ ExpertSlots group_slots(const at::Tensor& index, int64_t num_experts) {
   const at::Tensor counts = at::bincount(flat, {}, num_experts).to(at::kCPU).to(at::kLong).contiguous();
   const int64_t* c = counts.data_ptr<int64_t>();
   return slots_from(std::move(perm), std::vector<int64_t>(c, c + num_experts), index.size(1));
+}
+
+// act(gate) * up, [n, inter], for the experts' activation (gate, up: the halves of gate_up's output).
+// SwiGLU through ops/swiglu_ops.h; gelu-tanh as transformers' GELUTanh then the product, each in
+// the operands' dtype (rounded there), as Gemma 4's experts compute it.
+at::Tensor gated_activation(ExpertActivation act, const at::Tensor& gate, const at::Tensor& up) {
+  switch (act) {
+    case ExpertActivation::kSwiglu: return ops::swiglu(gate, up);
+    case ExpertActivation::kGeluTanh: return at::gelu(gate, "tanh") * up;
+  }
+  throw std::invalid_argument("grouped_experts: unknown expert activation");
+}
+
+// The gradients of gate and up from act(gate) * up's gradient, as autograd forms them from the
+// forward's ops (in grad's dtype).
+std::pair<at::Tensor, at::Tensor> gated_activation_backward(ExpertActivation act, const at::Tensor& grad,
+                                                            const at::Tensor& gate, const at::Tensor& up) {
+  switch (act) {
+    case ExpertActivation::kSwiglu: return ops::swiglu_backward(grad, gate, up);
+    case ExpertActivation::kGeluTanh: return {at::gelu_backward(grad * up, gate, "tanh"), grad * at::gelu(gate, "tanh")};
+  }
+  throw std::invalid_argument("grouped_experts: unknown expert activation");
 }
 
 // One expert's frozen weight of one projection: NF4, or dense in the compute dtype.
@@ -205,6 +231,7 @@ struct GroupedExpertsFunction : public torch::autograd::Function<GroupedExpertsF
     ctx->saved_data["counts"] = slots.counts;
     ctx->saved_data["k"] = slots.k;
     ctx->saved_data["scale"] = ex.scale;
+    ctx->saved_data["activation"] = static_cast<int64_t>(ex.activation);
     return combine(y, weights, slots.perm, x.scalar_type());
   }
 
@@ -226,7 +253,7 @@ struct GroupedExpertsFunction : public torch::autograd::Function<GroupedExpertsF
       const at::Tensor gu_e = gu.narrow(0, off, n);
       expert_project(x_rows.narrow(0, off, n), w_gu, adapter_of(adapters, 0, ex.num_experts, e, ex.scale, cast_gu),
                      gu_e, xa_gu.narrow(0, off, n));
-      const at::Tensor act = ops::swiglu(gu_e.narrow(1, 0, inter), gu_e.narrow(1, inter, inter));  // [n, inter]
+      const at::Tensor act = gated_activation(ex.activation, gu_e.narrow(1, 0, inter), gu_e.narrow(1, inter, inter));
       expert_project(act, w_down, adapter_of(adapters, 2, ex.num_experts, e, ex.scale, cast_down), y.narrow(0, off, n),
                      xa_down.narrow(0, off, n));
       save_weight(ctx, w_gu, weight_key("gate_up", e));
@@ -270,7 +297,8 @@ struct GroupedExpertsFunction : public torch::autograd::Function<GroupedExpertsF
       g.xa_down_w = (saved[kSavedXaDown] * weights.reshape(-1).index_select(0, slots.perm).unsqueeze(1)).to(
           grad_out.scalar_type());
     }
-    g.act = ops::swiglu(gu.narrow(1, 0, inter), gu.narrow(1, inter, inter));  // [S, inter]
+    g.activation = static_cast<ExpertActivation>(ctx->saved_data["activation"].toInt());
+    g.act = gated_activation(g.activation, gu.narrow(1, 0, inter), gu.narrow(1, inter, inter));  // [S, inter]
     g.w = weights.reshape(-1).index_select(0, slots.perm);
     g.cast_gu = cast_adapters(adapters, 0, E, gu.scalar_type());
     g.cast_down = cast_adapters(adapters, 2, E, grad_out.scalar_type());
@@ -296,6 +324,7 @@ struct GroupedExpertsFunction : public torch::autograd::Function<GroupedExpertsF
   struct GroupedBackward {
     at::Tensor grad_out, x, xa_down_w, act, w, dact, dx;
     CastAdapters cast_gu, cast_down;
+    ExpertActivation activation = ExpertActivation::kSwiglu;
   };
 
   // The routing weights' gradients [S] fp32: the fp32 dot of each row of dact and act, a block of
@@ -356,7 +385,7 @@ struct GroupedExpertsFunction : public torch::autograd::Function<GroupedExpertsF
     const bool need_x = g.dx.defined();
     if (!need_x && !ad_gu.grad_a.defined() && !ad_gu.grad_b.defined()) return;
     dact = (dact * rw).to(gu.scalar_type());
-    auto [dgate, dup] = ops::swiglu_backward(dact, gate, up);
+    auto [dgate, dup] = gated_activation_backward(g.activation, dact, gate, up);
     const at::Tensor dgu = at::cat({dgate, dup}, 1);  // [n, 2 * inter]
     at::Tensor dx = need_x ? g.dx.narrow(0, off, n) : at::Tensor();
     const at::Tensor x_rows = ad_gu.a.defined() ? g.x.narrow(0, off, n) : at::Tensor();

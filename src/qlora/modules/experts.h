@@ -1,4 +1,5 @@
-// A Mixture-of-Experts feed-forward's routed experts: E gated MLPs (SwiGLU), each token sent to k of
+// A Mixture-of-Experts feed-forward's routed experts: E gated MLPs (SwiGLU, or the family's gated
+// activation: ExpertActivation), each token sent to k of
 // them and their outputs summed with the router's weights. The frozen experts stay NF4 (or dense),
 // each expert's matrix its own 2-D weight; an adapter (LoRA) per expert and projection is trainable.
 //
@@ -22,6 +23,12 @@
 
 namespace qlora::modules {
 
+// An expert's activation between its gate/up and down products: act(gate) * up.
+enum class ExpertActivation {
+  kSwiglu,    // silu(gate) * up (Qwen3-MoE, Mixtral, Qwen3.5-MoE)
+  kGeluTanh,  // gelu(gate, tanh approximation) * up (Gemma 4: its hidden_activation gelu_pytorch_tanh)
+};
+
 // The routed experts of one layer. Expert e's gate and up projections are one weight gate_up[e]
 // [2 * inter, hidden] (gate's rows, then up's), as transformers 5 holds them fused; down[e] is
 // [hidden, inter]. Exactly one of the two bases is set, for all experts alike; both frozen.
@@ -42,6 +49,8 @@ struct Experts {
   int64_t r = 0;
   double scale = 0.0;  // alpha / r, or alpha / sqrt(r) with rsLoRA
 
+  ExpertActivation activation = ExpertActivation::kSwiglu;
+
   bool nf4() const { return !gate_up_nf4.empty(); }
   bool has_lora() const { return r > 0; }
   // The trainable tensors (the four adapters), empty without them.
@@ -57,7 +66,8 @@ Experts experts_dense(std::vector<at::Tensor> gate_up, std::vector<at::Tensor> d
 // in fp32 on `device`, requiring grad. `scale` as lora_scale gives it.
 void experts_add_adapters(Experts& experts, int64_t r, double scale, at::Generator gen, at::Device device);
 
-// y[t] = sum_j weights[t, j] * expert_{index[t, j]}(x[t]), with expert(x) = down(silu(gate(x)) * up(x)),
+// y[t] = sum_j weights[t, j] * expert_{index[t, j]}(x[t]), with expert(x) = down(act(gate(x)) * up(x))
+// (act: experts.activation),
 // gate and up the halves of gate_up(x), each projection plus its adapter when the experts have them.
 // x: [T, hidden] in the compute dtype; index: [T, k] int64 in [0, E); weights: [T, k] (the compute
 // dtype or fp32: the family's), differentiable. Returns [T, hidden] in x's dtype, as transformers'

@@ -2,24 +2,43 @@
 
 #include <ATen/TensorOperators.h>
 #include <ATen/ops/linear.h>
+#include <ATen/ops/ones.h>
 #include <ATen/ops/ones_like.h>
 #include <ATen/ops/softmax.h>
 #include <ATen/ops/topk.h>
 #include <ATen/ops/zeros.h>
 
+#include <cmath>
 #include <stdexcept>
 #include <string>
 
+#include "qlora/modules/rms_norm.h"
+
 namespace qlora::modules {
 
-Routing route(const at::Tensor& router, const MoeDims& dims, const at::Tensor& x) {
+namespace {
+
+// Gemma 4's router input: x normalised in fp32 without a weight (Gemma4RMSNorm, with_scale False)
+// and cast to x's dtype, times scale, times hidden^-0.5, each product rounded to x's dtype.
+at::Tensor scaled_router_input(const MoeDims& dims, const RouterScales& scales, const at::Tensor& x) {
+  if (!scales.scale.defined() || !scales.per_expert_scale.defined())
+    throw std::invalid_argument("route: a scaled router (Gemma 4) needs its scale and per_expert_scale");
+  const at::Tensor normed = rms_norm(x, at::ones({x.size(-1)}, x.options()), dims.norm_eps, RmsScale::kWeightFp32);
+  return normed * scales.scale * std::pow(static_cast<double>(x.size(-1)), -0.5);
+}
+
+}  // namespace
+
+Routing route(const at::Tensor& router, const MoeDims& dims, const at::Tensor& x, const RouterScales& scales) {
   if (dims.top_k < 1 || dims.top_k > dims.num_experts)
     throw std::invalid_argument("route: top_k " + std::to_string(dims.top_k) + " of " +
                                 std::to_string(dims.num_experts) + " experts");
-  const at::Tensor logits = at::linear(x, router);                     // [T, E], x's dtype
+  const at::Tensor input = dims.scaled_router ? scaled_router_input(dims, scales, x) : x;
+  const at::Tensor logits = at::linear(input, router);                 // [T, E], x's dtype
   const at::Tensor probs = at::softmax(logits, -1, at::kFloat);        // fp32
   auto [top, index] = at::topk(probs, dims.top_k, -1);                 // sorted, largest first
   if (dims.norm_topk_prob) top = top / top.sum(-1, /*keepdim=*/true);
+  if (dims.scaled_router) top = top * scales.per_expert_scale.index_select(0, index.reshape(-1)).view_as(index);
   if (!dims.fp32_weights) top = top.to(logits.scalar_type());
   return {index, top, probs.detach()};
 }

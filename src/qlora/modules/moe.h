@@ -17,6 +17,18 @@ struct MoeDims {
   int64_t inter = 0;            // an expert's width (moe_intermediate_size)
   bool norm_topk_prob = false;  // the k probabilities renormalised to sum to 1 (Qwen3-MoE's key; Mixtral always)
   bool fp32_weights = false;    // the weights stay fp32 (Mixtral) instead of cast to the logits' dtype (Qwen3-MoE)
+  ExpertActivation activation = ExpertActivation::kSwiglu;  // the experts' (Experts::activation)
+  // Gemma 4's router (Gemma4TextRouter): its input RMS-normalised without a weight (eps norm_eps),
+  // times RouterScales::scale and hidden^-0.5, before the projection; the renormalised top-k weights
+  // (fp32) times RouterScales::per_expert_scale[index].
+  bool scaled_router = false;
+  double norm_eps = 1e-6;
+};
+
+// A router's tensors besides its projection, frozen, in the compute dtype: Gemma 4's scale [hidden]
+// and per_expert_scale [experts] (undefined for the other families).
+struct RouterScales {
+  at::Tensor scale, per_expert_scale;
 };
 
 // The router's choice for T tokens: index [T, k] int64, weights [T, k] (fp32 or the compute dtype,
@@ -27,8 +39,9 @@ struct Routing {
 
 // logits = x @ router^T in x's dtype; softmax over all experts in fp32; top k (ties to the lower
 // index, as torch.topk on the CPU); renormalised under norm_topk_prob; cast to x's dtype unless
-// fp32_weights. x: [T, hidden]; router: [E, hidden] in x's dtype, frozen.
-Routing route(const at::Tensor& router, const MoeDims& dims, const at::Tensor& x);
+// fp32_weights. x: [T, hidden]; router: [E, hidden] in x's dtype, frozen. Under dims.scaled_router
+// (Gemma 4) x is first normalised and scaled and the weights scaled per expert (MoeDims, `scales`).
+Routing route(const at::Tensor& router, const MoeDims& dims, const at::Tensor& x, const RouterScales& scales = {});
 
 // The layer's MoE output for x [batch, seq, hidden]: route, then grouped_experts. `routing` (optional)
 // receives the router's choice (for statistics).

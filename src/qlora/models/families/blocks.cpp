@@ -40,18 +40,18 @@ std::vector<ProjectionRow> dense_mlp_rows(std::vector<ProjectionRow> rows) {
 }
 
 void parse_moe(const nlohmann::json& j, const std::string& where, DecoderConfig& c, const char* experts_key,
-               int64_t experts_default, int64_t top_k_default, const char* inter_key) {
+               int64_t experts_default, int64_t top_k_default, const char* inter_key, const char* top_k_key) {
   modules::MoeDims& m = c.moe;
   // transformers maps num_experts and num_local_experts onto each other (attribute_map) and writes
   // either: Qwen3-MoE's config.json as saved by transformers 5 says num_local_experts.
   const char* alias = std::string(experts_key) == "num_experts" ? "num_local_experts" : "num_experts";
   if (!cfg::present(j, experts_key) && cfg::present(j, alias)) experts_key = alias;
   m.num_experts = cfg::get_int(j, experts_key, where, experts_default);
-  m.top_k = cfg::get_int(j, "num_experts_per_tok", where, top_k_default);
+  m.top_k = cfg::get_int(j, top_k_key, where, top_k_default);
   m.inter = cfg::get_int(j, inter_key, where);
   if (m.num_experts < 1) cfg::fail(where, experts_key, "must be at least 1, got " + std::to_string(m.num_experts));
   if (m.top_k < 1 || m.top_k > m.num_experts)
-    cfg::fail(where, "num_experts_per_tok",
+    cfg::fail(where, top_k_key,
               "asks for " + std::to_string(m.top_k) + " experts per token of " + std::to_string(m.num_experts) +
                   " (" + experts_key + "); expected 1.." + std::to_string(m.num_experts));
   if (m.inter < 1) cfg::fail(where, inter_key, "must be at least 1, got " + std::to_string(m.inter));

@@ -40,8 +40,10 @@ std::vector<ProjectionRow> dense_mlp_rows(std::vector<ProjectionRow> rows);
 // `experts_key` (or its alias: num_experts and num_local_experts are one setting in transformers),
 // top_k from num_experts_per_tok, the experts' width from `inter_key`; every layer is MoE unless `is_moe` says otherwise.
 // Refuses top_k outside [1, experts] and a width of 0, naming the key.
+// `top_k_key`: the top-k's key where a family names it otherwise (Gemma 4: top_k_experts).
 void parse_moe(const nlohmann::json& j, const std::string& where, DecoderConfig& c, const char* experts_key,
-               int64_t experts_default, int64_t top_k_default, const char* inter_key);
+               int64_t experts_default, int64_t top_k_default, const char* inter_key,
+               const char* top_k_key = "num_experts_per_tok");
 
 // An architecture with the usual embedding and final norm keys.
 Architecture make_architecture(const char* family, std::vector<ProjectionRow> rows, std::vector<NormRow> norms);

@@ -4,7 +4,9 @@
 // per-layer input embeddings (PLE), a layer_scalar per layer, KV sharing across the last layers,
 // attention_k_eq_v (v = k on full layers), double-wide MLPs on KV-shared layers. gemma4 is the Hub's
 // Gemma 4 (Gemma4ForConditionalGeneration): gemma4_text's language model of its text_config beside
-// vision and audio towers (copied, never computed). Its mixture-of-experts form is refused.
+// vision and audio towers (copied, never computed). Its mixture-of-experts form (26B-A4B,
+// enable_moe_block) adds to every layer a router and experts beside the MLP (parse_gemma4_moe,
+// modules/decoder_layer.cpp's mlp_beside_moe).
 // llama.cpp's "gemma4": Gemma 3's block with plain w norms (no + 1), a weightless v norm and
 // attention scale 1 (llama.cpp's own); the full layers' head size, kv heads and MLP widths
 // (key_length, head_count_kv and feed_forward_length arrays, *_swa for the sliding layers), the
@@ -13,7 +15,10 @@
 // attention_k_eq_v are written so (llama.cpp then takes the keys as values); the per-layer inputs
 // (per_layer_token_embd, per_layer_model_proj, per_layer_proj_norm; blk.N.inp_gate, proj,
 // post_norm) and layer_scalar as blk.N.layer_output_scale. llama.cpp fixes the layers KV-shared
-// layers read, so a config that differs is refused.
+// layers read, so a config that differs is refused. A MoE layer: the router as ffn_gate_inp with its
+// scale as ffn_gate_inp.scale, the experts fused as ffn_gate_up_exps beside ffn_down_exps with
+// per_expert_scale as ffn_down_exps.scale, the norms as pre_ffw_norm_2, post_ffw_norm_1/_2;
+// expert_count, expert_used_count and expert_feed_forward_length.
 #include <algorithm>
 #include <cmath>
 #include <functional>
@@ -56,8 +61,23 @@ const Architecture& gemma4_architecture() {
         {"post_per_layer_input_norm", "model.layers.{i}.post_per_layer_input_norm",
          &DecoderLayer::post_per_layer_input_norm, Dim::kHidden, Mixer::kPerLayerInput},
         {"layer_scalar", "model.layers.{i}.layer_scalar", &DecoderLayer::layer_scalar, Dim::kOne, Mixer::kAny, true},
+        // The MoE layers' (enable_moe_block): the router's scales, the experts' input norm, the branches' norms.
+        {"router.scale", "model.layers.{i}.router.scale", &DecoderLayer::router_scale, Dim::kHidden, Mixer::kMoe, true},
+        {"router.per_expert_scale", "model.layers.{i}.router.per_expert_scale", &DecoderLayer::per_expert_scale,
+         Dim::kExperts, Mixer::kMoe, true},
+        {"pre_feedforward_layernorm_2", "model.layers.{i}.pre_feedforward_layernorm_2",
+         &DecoderLayer::pre_feedforward_layernorm_2, Dim::kHidden, Mixer::kMoe},
+        {"post_feedforward_layernorm_1", "model.layers.{i}.post_feedforward_layernorm_1",
+         &DecoderLayer::post_feedforward_layernorm_1, Dim::kHidden, Mixer::kMoe},
+        {"post_feedforward_layernorm_2", "model.layers.{i}.post_feedforward_layernorm_2",
+         &DecoderLayer::post_feedforward_layernorm_2, Dim::kHidden, Mixer::kMoe},
     };
     Architecture arch = make_architecture("gemma4", rows, norms);
+    // Gemma 4's MoE sits on the layer beside the MLP: router.proj [E, hidden] and experts.gate_up_proj /
+    // down_proj (transformers writes them fused; a checkpoint with a tensor per expert names them
+    // experts.<e>.gate_proj / up_proj / down_proj).
+    arch.experts = ExpertsRow{"model.layers.{i}.router.proj", "model.layers.{i}.experts", "gate_proj", "up_proj",
+                              "down_proj", "model.layers.{i}.router.proj", "model.layers.{i}.experts"};
     using modules::PerLayerInputs;
     arch.embed_rows = {
         {"embed_tokens_per_layer", "model.embed_tokens_per_layer.weight", &PerLayerInputs::table,
@@ -137,11 +157,26 @@ void parse_kv_sharing(const json& j, const std::string& where, DecoderConfig& c)
   }
 }
 
-// Gemma 4 (see decoder_config.h); its mixture-of-experts form is refused.
+// Gemma 4's mixture-of-experts form (enable_moe_block, gemma-4-26B-A4B): every layer's MoE beside its
+// MLP, num_experts experts of moe_intermediate_size, top_k_experts a token (no class defaults: each
+// key is required), Gemma4TextRouter's routing (renormalised, fp32 weights scaled per expert), the
+// experts' activation the model's hidden_activation.
+void parse_gemma4_moe(const json& j, const std::string& where, DecoderConfig& c) {
+  if (!cfg::get_bool(j, "enable_moe_block", where, false)) return;
+  for (const char* key : {"num_experts", "top_k_experts", "moe_intermediate_size"})
+    if (!cfg::present(j, key)) cfg::fail(where, key, "is missing: enable_moe_block is true, and the MoE layers need it");
+  parse_moe(j, where, c, "num_experts", 0, 0, "moe_intermediate_size", "top_k_experts");
+  c.moe.norm_topk_prob = true;
+  c.moe.fp32_weights = true;
+  c.moe.scaled_router = true;
+  c.moe.norm_eps = c.rms_norm_eps;
+  c.moe.activation = c.activation == modules::MlpActivation::kGeluTanh ? modules::ExpertActivation::kGeluTanh
+                                                                       : modules::ExpertActivation::kSwiglu;
+}
+
+// Gemma 4 (see decoder_config.h), dense or with its MoE (parse_gemma4_moe).
 void parse_gemma4(const json& j, const std::string& where, DecoderConfig& c) {
-  if (cfg::get_bool(j, "enable_moe_block", where, false))
-    cfg::fail(where, "enable_moe_block", "Gemma 4's mixture-of-experts layers (gemma-4-26B-A4B) are not supported; fine-tune "
-                                    "a dense Gemma 4 (E2B, E4B, 31B) instead");
+  parse_gemma4_moe(j, where, c);
   c.norm = modules::RmsScale::kWeightFp32;
   c.v_norm = true;
   c.embed_scale = std::sqrt(static_cast<double>(c.hidden_size));
@@ -242,11 +277,13 @@ void add_gemma4_keys(const DecoderConfig& c, const std::string&, GgufAdditions& 
   for (const auto& [key, v] : keys) out.keys.emplace_back(key, v);
   if (c.final_logit_softcapping)
     out.keys.emplace_back("final_logit_softcapping", static_cast<float>(*c.final_logit_softcapping));
+  if (!c.moe_layers.empty()) out.keys.emplace_back("expert_feed_forward_length", u32(c.moe.inter));
   out.extra.push_back({"rope_freqs.weight", gemma4_rope_divisors(c)});
 }
 
 // Gemma 4's tensors beyond Gemma 3's block (llama.cpp's names): the per-layer inputs' table,
-// projection and norm, and in each layer their gate, projection and norm and the layer_scalar.
+// projection and norm, and in each layer their gate, projection and norm and the layer_scalar; a MoE
+// layer's router scales and its norms.
 std::optional<TensorPlan> gemma4_tensor(const std::string& hf, const DecoderConfig&) {
   static const std::map<std::string, std::string> model = {
       {"model.embed_tokens_per_layer.weight", "per_layer_token_embd.weight"},
@@ -256,7 +293,13 @@ std::optional<TensorPlan> gemma4_tensor(const std::string& hf, const DecoderConf
       {"per_layer_input_gate.weight", "inp_gate.weight"},
       {"per_layer_projection.weight", "proj.weight"},
       {"post_per_layer_input_norm.weight", "post_norm.weight"},
-      {"layer_scalar", "layer_output_scale.weight"}};
+      {"layer_scalar", "layer_output_scale.weight"},
+      // The MoE layers' (the router's projection is ffn_gate_inp, the experts ffn_gate_up_exps / ffn_down_exps).
+      {"router.scale", "ffn_gate_inp.scale"},
+      {"router.per_expert_scale", "ffn_down_exps.scale"},
+      {"pre_feedforward_layernorm_2.weight", "pre_ffw_norm_2.weight"},
+      {"post_feedforward_layernorm_1.weight", "post_ffw_norm_1.weight"},
+      {"post_feedforward_layernorm_2.weight", "post_ffw_norm_2.weight"}};
   if (const auto it = model.find(hf); it != model.end()) {
     TensorPlan t{it->second};
     t.no_lora = it->first == "model.per_layer_model_projection.weight";
@@ -300,6 +343,7 @@ const Family& gemma4_family() {
     f.gguf.check = check_gemma4;
     f.gguf.add = add_gemma4_keys;
     f.gguf.tensor = gemma4_tensor;
+    f.gguf.fused_gate_up_exps = true;
     return f;
   }();
   return f;
