@@ -163,7 +163,7 @@ int main(int argc, char** argv) {
     const Rollout r = read_rollout(rollout_path);
     qlora::models::DecoderModel m = qlora::test_tools::adapted_model(checkpoint, {}, seed, false, false);
     const qlora::checkpoint::AdapterInfo info{qlora::test_tools::kRank, qlora::test_tools::kAlpha, 0.0, {}, checkpoint};
-    qlora::checkpoint::write_peft_adapter(out + "/adapter", m.lora_parameters(), info);
+    qlora::checkpoint::write_peft_adapter(out + "/adapter", m.peft_parameters(), info);
     const tr::CompletionBatch b = tr::completion_batch(r.completions, /*pad_id=*/0);
     for (const nlohmann::json& c : cases) {
       const std::string name = c.at("name").get<std::string>();

@@ -97,7 +97,8 @@ at::Tensor attention_mixer(const DecoderLayer& layer, const LayerDims& dims, con
     std::tie(k, v) = extend_cache(cache, k, v.transpose(1, 2));
     if (extras && extras->kv) *extras->kv = {k, v};
   }
-  const AttentionOptions& ao = dims.attention;
+  AttentionOptions ao = dims.attention;
+  ao.sinks = layer.sinks;
   at::Tensor attn = (attn_mask.defined() ? masked_attention(q, k, v, attn_mask, ao) : causal_attention(q, k, v, ao))
                         .transpose(1, 2)
                         .reshape({b, s, dims.num_heads * dims.head_dim});  // [b, s, heads * d]
@@ -134,7 +135,8 @@ at::Tensor decoder_layer_forward(const DecoderLayer& layer, const LayerDims& dim
   const at::Tensor hidden = h + out;
   if (sandwich) x = layer_norm(dims, hidden, layer.pre_feedforward_layernorm);
   else x = post_norms_only ? hidden : layer_norm(dims, hidden, layer.post_attention_layernorm);
-  at::Tensor mlp = layer.is_moe() ? moe_forward(layer.router, layer.experts, dims.moe, x, extras ? extras->routing : nullptr)
+  at::Tensor mlp = layer.is_moe() ? moe_forward(layer.router, layer.experts, dims.moe, x, extras ? extras->routing : nullptr,
+                                                layer.router_bias)
                                   : gated_mlp(layer, dims, x, training);
   if (layer.post_feedforward_layernorm.defined()) mlp = layer_norm(dims, mlp, layer.post_feedforward_layernorm);
   at::Tensor out_h = hidden + mlp;

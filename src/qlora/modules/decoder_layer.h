@@ -50,6 +50,9 @@ struct DecoderLayer {
   // [experts, hidden] (compute dtype, frozen) and the routed experts.
   at::Tensor router;
   Experts experts;
+  // gpt-oss: the router's bias [experts] (compute dtype, frozen; undefined: none) and each attention
+  // head's learned sink logit [heads] (AttentionOptions::sinks).
+  at::Tensor router_bias, sinks;
   bool is_linear() const { return in_proj_qkv.out_features > 0; }
   bool is_moe() const { return router.defined(); }
   // Gemma 4's KV-shared layers compute queries only and attend over an earlier layer's K/V.

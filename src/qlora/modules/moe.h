@@ -17,6 +17,12 @@ struct MoeDims {
   int64_t inter = 0;            // an expert's width (moe_intermediate_size)
   bool norm_topk_prob = false;  // the k probabilities renormalised to sum to 1 (Qwen3-MoE's key; Mixtral always)
   bool fp32_weights = false;    // the weights stay fp32 (Mixtral) instead of cast to the logits' dtype (Qwen3-MoE)
+  // gpt-oss: the top k of the logits themselves (the router has a bias), then a softmax over those k
+  // in the logits' dtype (no softmax over all experts, no renormalisation).
+  bool softmax_after_topk = false;
+  // The experts' activation and its constants (experts.h), for the loader to give the experts.
+  ExpertActivation activation = ExpertActivation::kSwiglu;
+  double swiglu_alpha = 1.702, swiglu_limit = 7.0;
 };
 
 // The router's choice for T tokens: index [T, k] int64, weights [T, k] (fp32 or the compute dtype,
@@ -25,15 +31,18 @@ struct Routing {
   at::Tensor index, weights, probs;
 };
 
-// logits = x @ router^T in x's dtype; softmax over all experts in fp32; top k (ties to the lower
-// index, as torch.topk on the CPU); renormalised under norm_topk_prob; cast to x's dtype unless
-// fp32_weights. x: [T, hidden]; router: [E, hidden] in x's dtype, frozen.
-Routing route(const at::Tensor& router, const MoeDims& dims, const at::Tensor& x);
+// logits = x @ router^T (+ router_bias) in x's dtype; softmax over all experts in fp32; top k (ties
+// to the lower index, as torch.topk on the CPU); renormalised under norm_topk_prob; cast to x's dtype
+// unless fp32_weights. Under softmax_after_topk (gpt-oss): the top k of the logits, softmax over
+// those k in x's dtype. x: [T, hidden]; router: [E, hidden], router_bias: [E] or undefined, in x's
+// dtype, frozen.
+Routing route(const at::Tensor& router, const MoeDims& dims, const at::Tensor& x,
+              const at::Tensor& router_bias = at::Tensor());
 
 // The layer's MoE output for x [batch, seq, hidden]: route, then grouped_experts. `routing` (optional)
 // receives the router's choice (for statistics).
 at::Tensor moe_forward(const at::Tensor& router, const Experts& experts, const MoeDims& dims, const at::Tensor& x,
-                       Routing* routing = nullptr);
+                       Routing* routing = nullptr, const at::Tensor& router_bias = at::Tensor());
 
 // Tokens each expert received, [E] int64, from a routing's index.
 at::Tensor expert_counts(const Routing& routing, int64_t num_experts);
