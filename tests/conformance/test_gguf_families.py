@@ -27,6 +27,9 @@ family's kind, converted with `qlora gguf --type f32` and `--type f16`:
            f32 file; a LoRA on the experts (peft's target_parameters) applied by llama.cpp
   mixtral  Mixtral as llama.cpp's llama with expert_count (block_sparse_moe.experts.<e>.w1/w3/w2),
            fused too; q4_k_m and q8_0 as llama-quantize makes them; the experts' LoRA too
+  gpt_oss  gpt-oss as llama.cpp's gpt-oss: q/k/v/o biases, attn_sinks, the router's bias, the experts
+           (transposed, gate/up interleaved) split into ffn_{gate,up,down}_exps by even and odd columns with
+           their biases, a window on even layers, YaRN; q4_k_m and q8_0; the experts' LoRA (B's even/odd rows)
 
 For each: llama.cpp's logits on the f32 and f16 files equal transformers' within the tolerance
 beside the check, and its greedy continuation of 24 tokens is transformers'; llama.cpp tokenizes a
@@ -38,7 +41,7 @@ refusal (unknown model_type, unsupported RoPE, what llama.cpp would compute diff
 without a GGUF name, an unknown pre-tokenizer) is checked once, with no file left behind.
 
     python tests/conformance/test_gguf_families.py --tool build/qlora --workdir build/conformance_gguf_families
-    (--only qwen3_moe mixtral: those families' checks alone, with their refusals)
+    (--only qwen3_moe mixtral gpt_oss: those families' checks alone, with their refusals)
 """
 import json
 import os
@@ -252,8 +255,13 @@ FAMILIES = {
     "qwen3_moe": ("qwen3_moe", dict(mlp_only_layers=[], norm_topk_prob=True), "qwen2"),
     # Mixtral as llama.cpp's llama with expert_count; no window (mistral's check_window covers it).
     "mixtral": ("mixtral", dict(sliding_window=None), "sp-llama"),
+    # gpt-oss as llama.cpp's gpt-oss, which fixes the clamp at 7: weights of 0.2 std make 2% of the
+    # gates and 3% of the ups reach it (without the clamp transformers' logits move by 0.34 of the
+    # largest), and rounds YaRN's ramp to whole dimensions (truncate true here; false: a note).
+    "gpt_oss": ("gpt_oss", dict(swiglu_limit=7.0, initializer_range=0.2,
+                                rope_parameters={**_families.GPT_OSS_ROPE, "truncate": True}), "llama-bpe"),
 }
-MOE_FAMILIES = ["qwen3_moe", "mixtral"]
+MOE_FAMILIES = ["qwen3_moe", "mixtral", "gpt_oss"]
 
 
 def build_family(name, work, seed=0):
@@ -348,7 +356,15 @@ TOL_GEMMA4 = {"f32": 2e-2, "f16": 1e-1}
 TOL_GEMMA4_ADAPTER = 3e-2
 
 
+# gpt-oss in f16: rounding this case's weights to f16 alone moves transformers' own logits by 1.2e-2 of
+# the largest (gates near the clamp, routing near ties), and ggml's f16 products round activations too
+# (2.8e-2 in all); a lost feature moves them by 0.2 or more (the ablations). f32 is as tight as the others.
+TOL_GPT_OSS = {"f32": 1e-4, "f16": 5e-2}
+
+
 def tolerance(name, qtype):
+    if name == "gpt_oss":
+        return TOL_GPT_OSS[qtype]
     if name.startswith("qwen35"):
         return TOL_QWEN35[qtype]
     if name.startswith("gemma4"):
@@ -776,7 +792,22 @@ def check_expert_adapter(tool, name, d, model, tok, base_gguf, params):
                  diff < tol < moved, f"{diff:.2e} (< {tol:g}; the adapter moves them by {moved:.2e})")
 
 
+def check_gpt_oss_truncate_note(tool, work, src):
+    """gpt-oss's own YaRN (truncate false): written, with a note that ggml rounds the ramp's ends."""
+    d = edited_copy(src, work, "gpt_oss_untruncated", lambda c: c["rope_parameters"].update(truncate=False))
+    r, _ = qlora_gguf(tool, d, "f32")
+    check(r.returncode == 0 and "truncate is false" in r.stderr, f"gpt_oss with YaRN truncate false: written with a "
+          f"note: {r.stderr.strip()[:300]}")
+
+
 def check_moe_refusals(tool, work, dirs):
+    if "gpt_oss" in dirs:
+        refused(tool, edited_copy(dirs["gpt_oss"], work, "refuse_gpt_oss_limit", lambda c: c.update(swiglu_limit=1.0)),
+                "gpt_oss with swiglu_limit 1", "swiglu_limit", "7")
+        refused(tool, edited_copy(dirs["gpt_oss"], work, "refuse_gpt_oss_layers", lambda c: c.update(
+            layer_types=["full_attention", "sliding_attention"])), "gpt_oss with the window on odd layers",
+            "layer_types", "layer 0")
+        check_gpt_oss_truncate_note(tool, work, dirs["gpt_oss"])
     if "qwen3_moe" in dirs:
         refused(tool, edited_copy(dirs["qwen3_moe"], work, "refuse_qwen3_moe_norm", lambda c: c.update(
             norm_topk_prob=False)), "qwen3_moe with norm_topk_prob false", "norm_topk_prob", "renormalises")
@@ -872,7 +903,8 @@ def main():
         if name in MOE_FAMILIES:  # 3-D expert tensors and the router: llama-quantize's mix of them
             check_llama_quantize_mix(a.tool, name, d, paths["f32"])
             check_llama_quantize_mix(a.tool, name, d, paths["f32"], "q8_0")
-            check_moe_fused(a.tool, name, d, model, tok)
+            if name != "gpt_oss":  # its one layout is fused
+                check_moe_fused(a.tool, name, d, model, tok)
             for params in (["mlp.experts.gate_up_proj", "mlp.experts.down_proj"], ["mlp.experts.gate_up_proj"],
                            ["mlp.experts.down_proj"]):
                 check_expert_adapter(a.tool, name, d, model, tok, paths["f32"], params)

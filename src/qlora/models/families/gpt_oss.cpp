@@ -8,6 +8,8 @@
 // capped above at swiglu_limit, up clamped to [-limit, limit], then (up + 1) * gate * sigmoid(1.702 gate).
 // Its module holds the experts transposed, gate and up interleaved (architecture.h, ExpertsRow);
 // qlora loads them into its own layout and writes them back in gpt-oss's.
+// llama.cpp's "gpt-oss" computes all of it, with the activation's constants fixed (alpha 1.702, limit
+// 7) and YaRN's ramp rounded to whole dimensions (a note says so where truncate is false).
 #include <nlohmann/json.hpp>
 
 #include <cmath>
@@ -63,6 +65,32 @@ void parse_gpt_oss(const nlohmann::json& j, const std::string& where, DecoderCon
   }
 }
 
+// What llama.cpp's gpt-oss fixes: the activation's constants (build_moe_ffn's swiglu_oai: alpha 1.702,
+// limit 7), a window on the even layers (attention.sliding_window_pattern 2).
+void check_gpt_oss_gguf(const DecoderConfig& c, const std::string& where) {
+  if (c.moe.swiglu_alpha != 1.702 || c.moe.swiglu_limit != 7.0)
+    refuse_gguf(where, c, c.moe.swiglu_limit != 7.0 ? "swiglu_limit" : "swiglu_alpha",
+                "llama.cpp's gpt-oss clamps at 7 with alpha 1.702 whatever the file says");
+  if (!c.sliding_window) refuse_gguf(where, c, "sliding_window", "null: llama.cpp's gpt-oss reads a window");
+  const std::string pattern = families::sliding_mismatch(c, 2);
+  if (!pattern.empty()) refuse_gguf(where, c, "layer_types", pattern);
+}
+
+void add_gpt_oss_gguf(const DecoderConfig& c, const std::string&, GgufAdditions& out) {
+  out.keys.emplace_back("expert_feed_forward_length", static_cast<uint32_t>(c.moe.inter));
+}
+
+// The tensors no row names: the sinks ([heads], a parameter without .weight) and the router's bias.
+std::optional<TensorPlan> gpt_oss_tensor(const std::string& hf, const DecoderConfig& c) {
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    const std::string blk = "blk." + std::to_string(i) + ".";
+    if (hf == hf_module(kSinks.hf_module, i)) return TensorPlan{blk + "attn_sinks.weight"};
+    if (hf == hf_module(gpt_oss_architecture().experts->fused_router, i) + ".bias")
+      return TensorPlan{blk + "ffn_gate_inp.bias"};
+  }
+  return std::nullopt;
+}
+
 }  // namespace
 
 const Family& gpt_oss_family() {
@@ -76,6 +104,19 @@ const Family& gpt_oss_family() {
     f.sliding_window = 128;
     f.slides = gpt_oss_slides;
     f.parse = parse_gpt_oss;
+    // llama.cpp's "gpt-oss": the router as ffn_gate_inp (with its bias), the experts split into
+    // ffn_{gate,up,down}_exps with their biases (gguf/arch.h, expert_tensors), the sinks as attn_sinks.
+    f.gguf.arch = "gpt-oss";
+    f.gguf.tensors = {{"self_attn.q_proj", "attn_q"},       {"self_attn.k_proj", "attn_k"},
+                      {"self_attn.v_proj", "attn_v"},       {"self_attn.o_proj", "attn_output"},
+                      {"input_layernorm", "attn_norm"},     {"post_attention_layernorm", "post_attention_norm"}};
+    f.gguf.attn_bias = true;
+    f.gguf.window_key = true;
+    f.gguf.yarn_rope = true;
+    f.gguf.yarn_untruncated_note = true;
+    f.gguf.check = check_gpt_oss_gguf;
+    f.gguf.add = add_gpt_oss_gguf;
+    f.gguf.tensor = gpt_oss_tensor;
     return f;
   }();
   return f;
