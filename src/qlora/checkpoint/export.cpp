@@ -348,8 +348,10 @@ MergedModelWriter::MergedModelWriter(const std::string& dir, const models::Decod
     plain(router + ".weight", L.router);
     if (row.biases) {  // gpt-oss's, in its own order
       plain(router + ".bias", L.router_bias);
-      plain(fused + ".gate_up_proj_bias",
-            row.transposed_interleaved ? modules::interleave_gate_up(ex.gate_up_bias, 1) : ex.gate_up_bias);
+      // Re-interleaved only where the original lacks it: a sharded model's tensors are not resident here.
+      const std::string gu_bias = fused + ".gate_up_proj_bias";
+      plain(gu_bias, row.transposed_interleaved && !orig.contains(gu_bias) ? modules::interleave_gate_up(ex.gate_up_bias, 1)
+                                                                           : ex.gate_up_bias);
       plain(fused + ".down_proj_bias", ex.down_bias);
     }
     const bool use_orig = source == MergeSource::Original;
