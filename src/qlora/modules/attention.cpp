@@ -70,12 +70,13 @@ at::Tensor sink_softmax(const at::Tensor& s, const at::Tensor& sinks) {
 
 // Scores, optional mask and softmax over expanded K/V (kk, vv [b, heads, total, d]). mask:
 // broadcastable to [b, heads, seq, total] bool, or undefined with is_causal (square, top-left).
-// Without soft-capping or sinks this is SDPA; with them, transformers' eager path: scores * scale,
-// then cap * tanh(scores / cap), then the mask, then softmax in fp32 (with sinks: sink_softmax).
+// Without soft-capping this is the blocked attention or SDPA (with sinks: the blocked attention where
+// it applies); else transformers' eager path: scores * scale, then cap * tanh(scores / cap), then the
+// mask, then softmax in fp32 (with sinks: sink_softmax).
 at::Tensor attend(const at::Tensor& q, const at::Tensor& kk, const at::Tensor& vv, at::Tensor mask, bool is_causal,
                   const AttentionOptions& opt) {
   const double scale = attention_scale(q, opt);
-  if (opt.softcap <= 0 && !opt.sinks.defined()) {
+  if (opt.softcap <= 0) {
     // Training's case on the CPU: by query blocks, skipping the masked half (blocked_attention.h),
     // and with packed rows the keys before each block's earliest sample. bf16 runs it in fp32 on
     // widened q, k, v, its output rounded once. bf16 block GEMMs are faster (5.1-5.4 ms against
@@ -84,14 +85,18 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& kk, const at::Tensor& v
     // bf16 flash kernel takes 9.9 ms.
     bool blocked = false;
     const at::Tensor allowed = blocked_mask(q, kk, mask, &blocked);
+    // gpt-oss's sinks there too (blocked_attention.h).
     if (blocked && (is_causal || allowed.defined())) {
-      if (q.scalar_type() == at::kFloat) return blocked_causal_attention(q, kk, vv, scale, 64, std::nullopt, allowed);
+      if (q.scalar_type() == at::kFloat)
+        return blocked_causal_attention(q, kk, vv, scale, 64, std::nullopt, allowed, opt.sinks);
       const at::ScalarType f32 = at::kFloat;
-      return blocked_causal_attention(q.to(f32), kk.to(f32), vv.to(f32), scale, 64, std::nullopt, allowed)
+      return blocked_causal_attention(q.to(f32), kk.to(f32), vv.to(f32), scale, 64, std::nullopt, allowed, opt.sinks)
           .to(q.scalar_type());
     }
-    const std::optional<at::Tensor> m = mask.defined() ? std::optional<at::Tensor>(mask) : std::nullopt;
-    return at::scaled_dot_product_attention(q, kk, vv, m, 0.0, is_causal, scale);
+    if (!opt.sinks.defined()) {  // SDPA has no sinks: those take the eager path below
+      const std::optional<at::Tensor> m = mask.defined() ? std::optional<at::Tensor>(mask) : std::nullopt;
+      return at::scaled_dot_product_attention(q, kk, vv, m, 0.0, is_causal, scale);
+    }
   }
   at::Tensor s = at::matmul(q, kk.transpose(2, 3)) * scale;  // [b, heads, seq, total]
   if (opt.softcap > 0) s = at::tanh(s / opt.softcap) * opt.softcap;
