@@ -1,8 +1,8 @@
 // Causal GQA attention (sliding window, logit soft-capping, attention sinks) and attention under an
 // explicit mask (packed rows, a generation batch's padding), as free functions over q, k and v:
 // training's case on the CPU by query blocks (modules/blocked_attention.h), a generation step's one
-// query through ops::decode_attention, the rest SDPA or, with soft-capping or sinks, transformers'
-// eager path (sinks: gpt-oss, training and decode steps alike).
+// query through ops::decode_attention, the rest SDPA or, with soft-capping, transformers' eager path.
+// gpt-oss's sinks: the blocked attention where it runs, else the eager path (decode steps included).
 // Numerics follow transformers' implementation of each family op for op where the order matters.
 #pragma once
 #include <ATen/core/Tensor.h>
