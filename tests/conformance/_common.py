@@ -64,21 +64,43 @@ class Checks:
 
 
 def randomize_norms(model, seed):
-    """Norm weights ~ 1 + 0.2 N(0, 1) and biases ~ 0.1 N(0, 1), drawn from `seed`; Gemma 4's
-    layer_scalar buffers (1 at init, not in the checkpoints it ships) ~ U(0.5, 1); Gemma 4's MoE
-    norms (pre_feedforward_layernorm_2, post_feedforward_layernorm_1/_2) and its router's scale and
-    per_expert_scale (1 at init) like norm weights."""
+    """Norm weights ~ 1 + 0.2 N(0, 1) and biases (gpt-oss's experts' *_proj_bias too) ~ 0.1 N(0, 1),
+    drawn from `seed`; Gemma 4's layer_scalar buffers (1 at init, not in the checkpoints it ships) ~
+    U(0.5, 1); Gemma 4's MoE norms (pre_feedforward_layernorm_2, post_feedforward_layernorm_1/_2) and
+    its router's scale and per_expert_scale (1 at init) like norm weights."""
     g = torch.Generator().manual_seed(seed)
     gemma4_moe = ("layernorm_1.weight", "layernorm_2.weight", "router.scale", "router.per_expert_scale")
     with torch.no_grad():
         for n, p in model.named_parameters():
             if n.endswith("norm.weight") or n.endswith(gemma4_moe):
                 p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
-            elif n.endswith(".bias"):
+            elif n.endswith(".bias") or n.endswith("_proj_bias"):
                 p.copy_(0.1 * torch.randn(p.shape, generator=g))
         for n, b in model.named_buffers():
             if n.endswith("layer_scalar"):
                 b.copy_(0.5 + 0.5 * torch.rand(b.shape, generator=g))
+
+
+def _our_layout(w, name):
+    """A gpt-oss expert's matrix [in, out] (gate_up_proj: gate and up interleaved along out) as qlora holds
+    it: [out, in], gate's rows then up's."""
+    w = w.t()
+    return torch.cat([w[0::2], w[1::2]]) if name.endswith("gate_up_proj") else w
+
+
+def _gpt_oss_layout(w, name):
+    """_our_layout's inverse."""
+    if name.endswith("gate_up_proj"):
+        half = w.size(0) // 2
+        w = torch.stack([w[:half], w[half:]], 1).flatten(0, 1)
+    return w.t()
+
+
+def _nf4_roundtrip(w):
+    from torchao.dtypes.nf4tensor import to_nf4
+    if w.numel() % NF4_NUMEL_MULTIPLE:
+        raise ValueError(f"numel {w.numel()} is not a multiple of {NF4_NUMEL_MULTIPLE} (torchao)")
+    return to_nf4(w.detach().contiguous().clone()).get_original_weight()
 
 
 def nf4_roundtrip_projections(model):
@@ -93,7 +115,10 @@ def nf4_roundtrip_projections(model):
             per_layer = n.endswith("per_layer_input_gate.weight") or n.endswith("per_layer_projection.weight")
             # A MoE layer's fused experts [E, out, in]: each expert's matrix its own NF4 tensor.
             experts = n.endswith("experts.gate_up_proj") or n.endswith("experts.down_proj")
-            if decoder and (n.endswith("_proj.weight") or ".in_proj_" in n or per_layer or experts):
+            if decoder and experts and getattr(model.config, "model_type", "") == "gpt_oss":
+                for w in p:  # [in, out], gate/up interleaved: qlora quantizes [out, in], gate's rows then up's
+                    w.copy_(_gpt_oss_layout(_nf4_roundtrip(_our_layout(w, n)), n))
+            elif decoder and (n.endswith("_proj.weight") or ".in_proj_" in n or per_layer or experts):
                 for w in (p if experts else [p]):
                     if w.numel() % NF4_NUMEL_MULTIPLE:
                         raise ValueError(f"{n}: numel {w.numel()} is not a multiple of {NF4_NUMEL_MULTIPLE} (torchao)")

@@ -9,6 +9,8 @@ overrides, or an edit of the parameters); the tests check that each one moves th
 logits by far more than the tolerance, so the case really exercises that feature and a forward that
 skips it cannot pass.
 """
+import os
+
 import torch
 from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig,
                           LlamaForCausalLM, MistralConfig, MistralForCausalLM, Olmo2Config, Olmo2ForCausalLM,
@@ -17,7 +19,7 @@ from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Ge
                           Qwen3_5TextConfig, SmolLM3Config, SmolLM3ForCausalLM, Gemma4TextConfig, Gemma4ForCausalLM,
                           Gemma4Config, Gemma4ForConditionalGeneration, MixtralConfig, MixtralForCausalLM,
                           Qwen3MoeConfig, Qwen3MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM,
-                          Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration)
+                          Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration, GptOssConfig, GptOssForCausalLM)
 
 from _common import randomize_norms
 
@@ -133,12 +135,80 @@ def _experts_silu(model):
             m.act_fn = torch.nn.SiLU()
 
 
+# gpt-oss: 2 layers (sliding, then full), q/k/v/o biases, a sink per head, the router's and the experts'
+# biases (randomize_norms draws them all), YaRN over a short original context (factor 4 over 32, truncate
+# false as gpt-oss has it, so the ramp's ends are fractional), the clamp at 1 (at the class's 7 random
+# activations of O(1) would never reach it). transformers holds and writes the experts fused, transposed,
+# gate and up interleaved.
+GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "beta_fast": 32.0,
+                "beta_slow": 1.0, "truncate": False, "rope_theta": 150000.0}
+GPT_OSS = dict(**MOE, head_dim=32, intermediate_size=64, num_local_experts=8, sliding_window=WINDOW,
+               rope_parameters=GPT_OSS_ROPE, swiglu_limit=1.0, tie_word_embeddings=False)
+
+
 def _router_uniform(model):
     """Every router row equal: each token's top-k are experts 0..k-1 with equal weights."""
     with torch.no_grad():
         for n, p in model.named_parameters():
             if n.endswith("mlp.gate.weight"):
                 p.copy_(p[:1].expand_as(p))
+
+
+def _gate_up_halves(model):
+    """gpt-oss's experts read as if gate and up were halves, not interleaved (a loader that forgot it)."""
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("experts.gate_up_proj") or n.endswith("experts.gate_up_proj_bias"):
+                p.copy_(torch.cat([p[..., ::2], p[..., 1::2]], -1))
+
+
+# OCP Microscaling MXFP4, as gpt-oss's Hub checkpoints store their experts: E2M1 elements (a nibble each, the
+# low one first) in groups of 32 sharing an E8M0 scale 2^(s - 127).
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def mxfp4_pack(w):
+    """w [..., out, in] -> (blocks [..., out, in / 32, 16], scales [..., out, in / 32]) uint8, as the OCP spec
+    quantizes: the shared exponent floor(log2 amax) - 2 (E2M1's largest exponent), each element the nearest
+    E2M1 value of w / 2^e (saturating at 6)."""
+    g = w.detach().reshape(*w.shape[:-1], -1, 32).double()
+    e = torch.floor(torch.log2(g.abs().amax(-1, keepdim=True).clamp_min(2.0 ** -126))) - 2
+    x = g / torch.exp2(e)
+    code = (x.abs().unsqueeze(-1) - E2M1[:8].double()).abs().argmin(-1) + 8 * (x < 0).long()
+    return (code[..., 0::2] | (code[..., 1::2] << 4)).to(torch.uint8), (e.squeeze(-1) + 127).to(torch.uint8)
+
+
+def mxfp4_unpack(blocks, scales):
+    """The OCP decode of mxfp4_pack's output: [..., out, in] float32."""
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], -1).flatten(-2).long()  # [..., groups, 32]
+    w = E2M1[codes] * torch.exp2(scales.float() - 127).unsqueeze(-1)
+    return w.flatten(-2)
+
+
+def save_mxfp4(model, directory):
+    """A gpt-oss checkpoint as the Hub ships one: the experts' gate_up_proj / down_proj as MXFP4 *_blocks /
+    *_scales of their [E, out, in] matrices (transformers' [E, in, out] transposed), a quantization_config."""
+    from safetensors.torch import load_file, save_file
+    import json
+    model.save_pretrained(directory)
+    path = os.path.join(directory, "model.safetensors")
+    sd = load_file(path)
+    for k in [k for k in sd if k.endswith("experts.gate_up_proj") or k.endswith("experts.down_proj")]:
+        sd[k + "_blocks"], sd[k + "_scales"] = mxfp4_pack(sd.pop(k).transpose(1, 2))
+    save_file(sd, path, metadata={"format": "pt"})
+    with open(os.path.join(directory, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+
+
+def load_mxfp4(directory):
+    """transformers' own reading of save_mxfp4's checkpoint: dequantized on the CPU (Mxfp4Config(dequantize=True))."""
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+    return AutoModelForCausalLM.from_pretrained(directory, quantization_config=Mxfp4Config(dequantize=True),
+                                                dtype=torch.float32, attn_implementation="eager").eval()
 
 
 QWEN35_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
@@ -242,27 +312,8 @@ CASES = {
                      ablations=[("one expert a token", {"num_experts_per_tok": 1}, None),
                                 ("router rows equal", {}, _router_uniform),
                                 ("no sliding window", {"sliding_window": None}, None)]),
-    "qwen3_5_moe": _case(Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM, QWEN35_MOE, targets=QWEN35_MOE_TARGETS,
-                         ablations=[("no shared expert (its down_proj 0)", {}, _set("shared_expert.down_proj.weight", 0.0)),
-                                    ("shared expert gate 0 (sigmoid 1/2)", {}, _set("shared_expert_gate.weight", 0.0)),
-                                    ("router rows equal", {}, _router_uniform),
-                                    ("one expert a token", {"num_experts_per_tok": 1}, None),
-                                    ("no decay (A_log -30)", {}, _set("A_log", -30.0))]),
-    # The Hub's form: Qwen3_5MoeForConditionalGeneration (model.language_model.*, the tower copied).
-    "qwen3_5_moe_vision": _case(qwen35_moe_multimodal_config, Qwen3_5MoeForConditionalGeneration, QWEN35_MOE,
-                                targets=QWEN35_MOE_TARGETS,
-                                ablations=[("shared expert gate 0 (sigmoid 1/2)", {}, _set("shared_expert_gate.weight", 0.0))]),
-    "gemma4_moe": _case(Gemma4TextConfig, Gemma4ForCausalLM, GEMMA4_MOE, targets=GEMMA4_MOE_TARGETS, attn="eager",
-                        ablations=[("router scale 1", {}, _set("router.scale", 1.0)),
-                                   ("per_expert_scale 1", {}, _set("router.per_expert_scale", 1.0)),
-                                   ("pre_feedforward_layernorm_2 weights 1", {},
-                                    _set("pre_feedforward_layernorm_2.weight", 1.0)),
-                                   ("post_feedforward_layernorm_1 weights 1", {},
-                                    _set("post_feedforward_layernorm_1.weight", 1.0)),
-                                   ("post_feedforward_layernorm_2 weights 1", {},
-                                    _set("post_feedforward_layernorm_2.weight", 1.0)),
-                                   ("experts' activation SiLU", {}, _experts_silu),
-                                   ("one expert a token", {"top_k_experts": 1}, None)]),
+                          Qwen3MoeConfig, Qwen3MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM,
+                          Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration, GptOssConfig, GptOssForCausalLM)
 }
 
 

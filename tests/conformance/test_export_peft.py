@@ -186,6 +186,45 @@ def family_cases(checks, tool, workdir, only):
             checks.crashed(name, e)
 
 
+def mxfp4_case(checks, tool, workdir):
+    """gpt-oss from its Hub form (experts in MXFP4, _families.save_mxfp4): peft on transformers' reading of that
+    checkpoint (dequantized) gives our adapter's logits; the merged export holds the experts in bf16 (peft's
+    merge_and_unload rounded to bf16, bit for bit), no quantization_config, and the log says so."""
+    import subprocess
+    import _families as F
+    from peft import PeftModel
+    name = "gpt_oss mxfp4"
+    try:
+        base_dir, out_dir = os.path.join(workdir, "gpt_oss_mxfp4", "base"), os.path.join(workdir, "gpt_oss_mxfp4", "out")
+        F.save_mxfp4(F.build("gpt_oss", seed=3100), base_dir)
+        tokens = list(range(3, 3 + F.SEQ))
+        r = subprocess.run([tool, "--checkpoint", base_dir, "--out", out_dir, "--targets", ",".join(F.MOE_TARGETS),
+                            "--tokens", ",".join(map(str, tokens))], capture_output=True, text=True)
+        checks.check(f"{name} export ran", r.returncode == 0, r.stderr.strip()[-300:])
+        checks.check(f"{name} log says the experts are written in bf16", "MXFP4" in r.stdout and "bf16" in r.stdout,
+                     r.stdout.strip()[-300:])
+        ours = load_file(os.path.join(out_dir, "logits.safetensors"))
+        with torch.no_grad():
+            peft_model = PeftModel.from_pretrained(F.load_mxfp4(base_dir), os.path.join(out_dir, "adapter")).eval()
+            ref = peft_model(ours["tokens"]).logits
+            checks.compare(f"{name} peft adapter logits", ours["logits"], ref,
+                           ADAPTER_ATOL_PER_UNIT * max(1.0, ref.abs().max().item()))
+            peft_merged = peft_model.merge_and_unload().state_dict()
+        merged = load_file(os.path.join(out_dir, "merged", "model.safetensors"))
+        experts = [k for k in merged if k.endswith("experts.gate_up_proj") or k.endswith("experts.down_proj")]
+        checks.check(f"{name} merged experts bf16, no MXFP4 tensors",
+                     len(experts) == 4 and all(merged[k].dtype == torch.bfloat16 for k in experts) and
+                     not any(k.endswith("_blocks") or k.endswith("_scales") for k in merged), str(sorted(experts)))
+        worst = max((merged[k].float() - peft_merged[k].to(torch.bfloat16).float()).abs().max().item() for k in experts)
+        checks.check(f"{name} merged experts = peft's merge_and_unload in bf16", worst == 0.0, f"max|diff| {worst:.3e}")
+        with open(os.path.join(out_dir, "merged", "config.json")) as f:
+            cfg = json.load(f)
+        checks.check(f"{name} merged config has no quantization_config", "quantization_config" not in cfg,
+                     str(cfg.get("quantization_config")))
+    except Exception as e:
+        checks.crashed(name, e)
+
+
 def main():
     def options(ap):
         ap.add_argument("--families", action="store_true", help="the families of _families.CASES instead of Llama")
@@ -194,6 +233,8 @@ def main():
     checks = Checks()
     if args.families:
         family_cases(checks, args.tool, args.workdir, args.case)
+        if not args.case or "gpt_oss" in args.case:
+            mxfp4_case(checks, args.tool, args.workdir)
     else:
         llama_case(checks, args.tool, args.workdir)
     return checks.summary()

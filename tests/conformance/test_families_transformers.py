@@ -6,7 +6,8 @@ mixed layer types and per-type RoPE bases, plus a linear-scaled global RoPE, Mis
 sliding window shorter than the sequence, SmolLM3 with a NoPE layer, OLMo 2 and OLMo 3 with YaRN on its full layers, Qwen3.5 with three Gated DeltaNet
 layers and a gated, partially rotary attention layer, Qwen3-MoE with a dense layer among its MoE ones, Mixtral and
 Qwen3.5-MoE (its hybrid with a MoE and a gated shared expert in every layer; also the Hub's multimodal form), each
-also from fused 3-D expert tensors), written by transformers' save_pretrained in >= 2 shards:
+also from fused 3-D expert tensors, gpt-oss with sinks, biases, its clamped activation and interleaved experts
+(and its Hub form: MXFP4 experts)), written by transformers' save_pretrained in >= 2 shards:
   reference  each ablation of the case (a feature switched off) moves transformers' logits by far
              more than the tolerance, so the case exercises that feature (needs no tool)
   fp32       logits of a batch of 2 rows of SEQ tokens
@@ -16,6 +17,8 @@ also from fused 3-D expert tensors), written by transformers' save_pretrained in
              forward; the logits equal transformers' full forward
   nf4        the base projections in NF4: the reference gets each decoder *_proj.weight replaced by
              torchao's to_nf4(w).get_original_weight(), our tool runs with --nf4
+  mxfp4      gpt-oss's experts in MXFP4 as the Hub ships them (packed by the test): against transformers'
+             model loaded from that checkpoint (its CPU decode), fp32 and NF4; a bad scales shape refused
 Then greedy generation (models::generate through llama_logits --generate) equals transformers'
 generate(do_sample=False) for prompts shorter and longer than the window, prompt + new tokens > window;
 and so does batched generation (models::generate_batch, --batch-lengths): all those prompts, of both
@@ -65,7 +68,7 @@ GEN_GROUP = 2                # batched generation: sequences per prompt (GRPO's 
 GEN_CASES = {"llama": {}, "qwen2_untied": {}, "gemma2": {"tie_word_embeddings": False},
              "gemma3": {"tie_word_embeddings": False}, "mistral_sliding": {}, "phi3": {},
              "smollm3": {}, "olmo2": {}, "olmo3": {}, "qwen3_5": {}, "gemma4": {}, "qwen3_moe": {}, "mixtral": {},
-             "qwen3_5_moe": {}, "gemma4_moe": {}}
+             "qwen3_5_moe": {}, "gemma4_moe": {}, "gpt_oss": {}}
 
 # Tied Gemma embeddings (scaled by 16) make a random model repeat its input token forever, which
 # would test nothing about the cache; untied, the greedy continuation varies.
@@ -186,6 +189,43 @@ def check_split(checks, args, name, model, tokens, ref):
         checks.crashed(f"{name} split", e)
 
 
+def check_mxfp4(checks, args, name, model, tokens):
+    """gpt-oss's Hub form: the experts in MXFP4, packed by the test from the OCP definition. transformers'
+    own decode (convert_moe_packed_tensors) equals the OCP decode of the packed bytes; our logits on that
+    checkpoint equal those of transformers' model loaded from it (dequantized on the CPU), in fp32 and with
+    the NF4 base; a scales tensor of the wrong shape is refused naming its file and key."""
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+    ckpt = os.path.join(args.workdir, f"{name}_mxfp4")
+    try:
+        F.save_mxfp4(model, ckpt)
+        sd = load_file(os.path.join(ckpt, "model.safetensors"))
+        key = "model.layers.0.mlp.experts.gate_up_proj"
+        theirs = convert_moe_packed_tensors(sd[key + "_blocks"], sd[key + "_scales"], dtype=torch.float32)
+        ocp = F.mxfp4_unpack(sd[key + "_blocks"], sd[key + "_scales"]).transpose(1, 2)
+        checks.check(f"{name} mxfp4: transformers' decode = the OCP decode", torch.equal(theirs, ocp),
+                     f"max|diff| {(theirs - ocp).abs().max().item():.3e}")
+        ref_model = F.load_mxfp4(ckpt)
+        ref, atol = forward_reference(ref_model, as_float64(ref_model), tokens)
+        ours = logits_tool(args.tool, ckpt, tokens, os.path.join(args.workdir, f"{name}_mxfp4.safetensors"))
+        checks.compare(f"{name} mxfp4 experts fp32", ours, ref, atol)
+        nf4_roundtrip_projections(ref_model)
+        ref_nf4 = reference_logits(ref_model, tokens)
+        ours = logits_tool(args.tool, ckpt, tokens, os.path.join(args.workdir, f"{name}_mxfp4_nf4.safetensors"), nf4=True)
+        checks.compare(f"{name} mxfp4 experts nf4", ours, ref_nf4, atol_for(ref_nf4, ATOL_NF4_PER_UNIT))
+        bad = key.replace("layers.0", "layers.1").replace("gate_up_proj", "down_proj") + "_scales"
+        sd[bad] = sd[bad][:, :-1].contiguous()
+        save_file(sd, os.path.join(ckpt, "model.safetensors"), metadata={"format": "pt"})
+        try:
+            logits_tool(args.tool, ckpt, tokens, os.path.join(args.workdir, f"{name}_mxfp4_bad.safetensors"))
+            checks.check(f"{name} mxfp4 scales of the wrong shape refused", False, "loaded")
+        except RuntimeError as e:
+            checks.check(f"{name} mxfp4 scales of the wrong shape refused", "model.safetensors" in str(e) and bad in str(e),
+                         str(e)[:300])
+    except Exception as e:
+        checks.crashed(f"{name} mxfp4", e)
+
+
 def check_nf4(checks, args, name, model, ckpt, tokens):
     try:
         nf4_roundtrip_projections(model)
@@ -300,6 +340,8 @@ def main():
                 check_fused(checks, args, name, model, tokens, reference_logits(model, tokens))
             if name in F.SPLIT_CASES:
                 check_split(checks, args, name, model, tokens, reference_logits(model, tokens))
+            if name == "gpt_oss":
+                check_mxfp4(checks, args, name, model, tokens)
             check_nf4(checks, args, name, model, ckpt, tokens)  # last: rounds the model's weights
             if name in GEN_CASES:
                 check_generation(checks, args, name, seed)

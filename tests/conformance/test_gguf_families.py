@@ -37,6 +37,9 @@ family's kind, converted with `qlora gguf --type f32` and `--type f16`:
            fused experts and from a tensor per expert; q4_k_m and q8_0 as llama-quantize makes them;
            the experts' LoRA on ffn_gate_up_exps / ffn_down_exps; and the Hub's
            Gemma4ForConditionalGeneration form, of which only the language model is written
+  gpt_oss  gpt-oss as llama.cpp's gpt-oss: q/k/v/o biases, attn_sinks, the router's bias, the experts
+           (transposed, gate/up interleaved) split into ffn_{gate,up,down}_exps by even and odd columns with
+           their biases, a window on even layers, YaRN; q4_k_m and q8_0; the experts' LoRA (B's even/odd rows)
 
 For each: llama.cpp's logits on the f32 and f16 files equal transformers' within the tolerance
 beside the check, and its greedy continuation of 24 tokens is transformers'; llama.cpp tokenizes a
@@ -48,7 +51,7 @@ refusal (unknown model_type, unsupported RoPE, what llama.cpp would compute diff
 without a GGUF name, an unknown pre-tokenizer) is checked once, with no file left behind.
 
     python tests/conformance/test_gguf_families.py --tool build/qlora --workdir build/conformance_gguf_families
-    (--only qwen3_moe mixtral: those families' checks alone, with their refusals)
+    (--only qwen3_moe mixtral gpt_oss: those families' checks alone, with their refusals)
 """
 import json
 import os
@@ -266,8 +269,13 @@ FAMILIES = {
     # MoE beside the shared expert (ffn_*_shexp, its gate ffn_gate_inp_shexp).
     "qwen35moe": ("qwen3_5_moe", QWEN35_LLAMA_CPP, "qwen35"),
     "gemma4_moe": ("gemma4_moe", {}, "sp-gemma"),
+    # gpt-oss as llama.cpp's gpt-oss, which fixes the clamp at 7: weights of 0.2 std make 2% of the
+    # gates and 3% of the ups reach it (without the clamp transformers' logits move by 0.34 of the
+    # largest), and rounds YaRN's ramp to whole dimensions (truncate true here; false: a note).
+    "gpt_oss": ("gpt_oss", dict(swiglu_limit=7.0, initializer_range=0.2,
+                                rope_parameters={**_families.GPT_OSS_ROPE, "truncate": True}), "llama-bpe"),
 }
-MOE_FAMILIES = ["qwen3_moe", "mixtral", "qwen35moe", "gemma4_moe"]
+MOE_FAMILIES = ["qwen3_moe", "mixtral", "qwen35moe", "gemma4_moe", "gpt_oss"]
 
 
 def build_family(name, work, seed=0):
@@ -381,7 +389,15 @@ def f16_weights(model):
     return other
 
 
+# gpt-oss in f16: rounding this case's weights to f16 alone moves transformers' own logits by 1.2e-2 of
+# the largest (gates near the clamp, routing near ties), and ggml's f16 products round activations too
+# (2.8e-2 in all); a lost feature moves them by 0.2 or more (the ablations). f32 is as tight as the others.
+TOL_GPT_OSS = {"f32": 1e-4, "f16": 5e-2}
+
+
 def tolerance(name, qtype):
+    if name == "gpt_oss":
+        return TOL_GPT_OSS[qtype]
     if name.startswith("qwen35"):
         return TOL_QWEN35[qtype]
     if name.startswith("gemma4"):
@@ -833,7 +849,22 @@ def check_expert_adapter(tool, name, d, model, tok, base_gguf, params):
                  diff < tol < moved, f"{diff:.2e} (< {tol:g}; the adapter moves them by {moved:.2e})")
 
 
+def check_gpt_oss_truncate_note(tool, work, src):
+    """gpt-oss's own YaRN (truncate false): written, with a note that ggml rounds the ramp's ends."""
+    d = edited_copy(src, work, "gpt_oss_untruncated", lambda c: c["rope_parameters"].update(truncate=False))
+    r, _ = qlora_gguf(tool, d, "f32")
+    check(r.returncode == 0 and "truncate is false" in r.stderr, f"gpt_oss with YaRN truncate false: written with a "
+          f"note: {r.stderr.strip()[:300]}")
+
+
 def check_moe_refusals(tool, work, dirs):
+    if "gpt_oss" in dirs:
+        refused(tool, edited_copy(dirs["gpt_oss"], work, "refuse_gpt_oss_limit", lambda c: c.update(swiglu_limit=1.0)),
+                "gpt_oss with swiglu_limit 1", "swiglu_limit", "7")
+        refused(tool, edited_copy(dirs["gpt_oss"], work, "refuse_gpt_oss_layers", lambda c: c.update(
+            layer_types=["full_attention", "sliding_attention"])), "gpt_oss with the window on odd layers",
+            "layer_types", "layer 0")
+        check_gpt_oss_truncate_note(tool, work, dirs["gpt_oss"])
     if "qwen3_moe" in dirs:
         refused(tool, edited_copy(dirs["qwen3_moe"], work, "refuse_qwen3_moe_norm", lambda c: c.update(
             norm_topk_prob=False)), "qwen3_moe with norm_topk_prob false", "norm_topk_prob", "renormalises")
@@ -929,7 +960,8 @@ def main():
         if name in MOE_FAMILIES:  # 3-D expert tensors and the router: llama-quantize's mix of them
             check_llama_quantize_mix(a.tool, name, d, paths["f32"])
             check_llama_quantize_mix(a.tool, name, d, paths["f32"], "q8_0")
-            (check_moe_split if name in _families.SPLIT_CASES else check_moe_fused)(a.tool, name, d, model, tok)
+            if name != "gpt_oss":  # its one layout is fused
+                (check_moe_split if name in _families.SPLIT_CASES else check_moe_fused)(a.tool, name, d, model, tok)
             if name == "gemma4_moe":  # the Hub's 26B-A4B is a Gemma4ForConditionalGeneration
                 check_hub_multimodal(a.tool, a.workdir, "gemma4_moe", "gemma4_vision", "sp-gemma",
                                      **{k: v for k, v in _families.GEMMA4_MOE.items() if _families.GEMMA4.get(k) != v})

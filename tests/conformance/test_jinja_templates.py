@@ -108,12 +108,35 @@ def contexts(name):
     if name == "markup.jinja":
         yield {**SPECIALS, "messages": [], "tools": None, "add_generation_prompt": False}
         return
+    if "gpt-oss" in name:  # harmony: reasoning in `thinking`, a developer message, its own template kwargs
+        yield from gpt_oss_contexts()
     tool_conv = [{"role": "user", "content": "Weather in Paris?"}]
     yield {**SPECIALS, "messages": tool_conv, "tools": TOOLS, "add_generation_prompt": True}
     yield {**SPECIALS, "messages": tool_conv, "tools": HTML_TOOLS, "add_generation_prompt": True}
     yield {**SPECIALS, "messages": TOOL_CALL_CONV, "tools": TOOLS, "add_generation_prompt": True}
     yield {**SPECIALS, "messages": TOOL_CALL_CONV2, "tools": TOOLS, "add_generation_prompt": False}
     yield {**SPECIALS, "messages": TOOL_CALL_JSON_STRING, "tools": TOOLS, "add_generation_prompt": False}
+
+
+def gpt_oss_contexts():
+    """gpt-oss's template (harmony) beyond the common contexts: assistant turns with their reasoning in
+    `thinking` (kept for the last turn only), a developer message, reasoning_effort, model_identity and
+    builtin_tools, a tool call with its reasoning, and a final turn after it."""
+    thinking = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
+                {"role": "assistant", "thinking": "Add them.", "content": "4"},
+                {"role": "user", "content": "And 3+3?"}, {"role": "assistant", "thinking": "Again: 6.", "content": "6"}]
+    for agp in (False, True):
+        yield {**SPECIALS, "messages": thinking, "tools": None, "add_generation_prompt": agp}
+        yield {**SPECIALS, "messages": thinking[:4], "tools": TOOLS, "add_generation_prompt": agp,
+               "reasoning_effort": "high", "model_identity": "You are Tiny.", "builtin_tools": ["browser", "python"]}
+    yield {**SPECIALS, "messages": [{"role": "developer", "content": "Answer in French."}, {"role": "user", "content": "Hi"}],
+           "tools": None, "add_generation_prompt": True, "reasoning_effort": "low"}
+    call = [{"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "thinking": "Use the tool.", "tool_calls": [
+                {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+            {"role": "tool", "content": "18 C"}, {"role": "assistant", "content": "18 C in Paris."}]
+    yield {**SPECIALS, "messages": call, "tools": TOOLS, "add_generation_prompt": False}
+    yield {**SPECIALS, "messages": call[:3], "tools": TOOLS, "add_generation_prompt": True}
 
 
 class FixedClock(datetime.datetime):

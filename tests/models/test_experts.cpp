@@ -13,6 +13,7 @@
 #include <optional>
 #include <utility>
 #include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "qlora/modules/experts.h"
@@ -33,6 +34,10 @@ struct Shape {
   bool nf4 = true, lora = true;
   at::ScalarType dtype = at::kFloat;  // x's, the dense weights' and the NF4 weights'
   ExpertActivation activation = ExpertActivation::kSwiglu;
+  // gpt-oss's experts: the clamped SwiGLU (a limit of 0.5 clamps about half the gate and up values of
+  // these weights) and per-expert biases.
+  bool gpt_oss = false;
+  double limit = 0.5;
 };
 
 // Experts with random weights; adapters with B set to random values, so that every LoRA path
@@ -55,6 +60,13 @@ Experts make_experts(const Shape& s, uint64_t seed = 10) {
     ex = experts_dense(gu, down);
   }
   ex.activation = s.activation;
+  if (s.gpt_oss) {
+    ex.activation = ExpertActivation::kClampedSwiglu;
+    ex.alpha = 1.702;
+    ex.limit = s.limit;
+    ex.gate_up_bias = randn({s.experts, 2 * s.inter}, seed + 200, 0.3).to(s.dtype);
+    ex.down_bias = randn({s.experts, s.hidden}, seed + 201, 0.3).to(s.dtype);
+  }
   if (s.lora) {
     experts_add_adapters(ex, s.r, 2.0, seeded(seed + 100), at::kCPU);
     at::NoGradGuard ng;
@@ -91,11 +103,20 @@ at::Tensor b_of(const at::Tensor& b, int64_t experts, int64_t e) {
   return at::stack(cols, 1);
 }
 
+// The experts' activation `act` on fp64 gate and up, as transformers writes it (clamped:
+// GptOssExperts._apply_gate; its constants the experts').
+at::Tensor reference_act(const Experts& ex, ExpertActivation act, const at::Tensor& gate, const at::Tensor& up) {
+  if (act == ExpertActivation::kSwiglu) return at::silu(gate) * up;
+  if (act == ExpertActivation::kGeluTanh) return at::gelu(gate, "tanh") * up;
+  const at::Tensor g = gate.clamp_max(ex.limit), u = up.clamp(-ex.limit, ex.limit);
+  return (u + 1) * (g * at::sigmoid(g * ex.alpha));
+}
+
 // The fp64 reference, token by token and slot by slot, differentiated by autograd, with the experts'
 // activation (or `act` where given).
 Grads reference(const Experts& ex, const at::Tensor& x, const at::Tensor& index, const at::Tensor& weights,
                 const at::Tensor& grad, std::optional<ExpertActivation> act = std::nullopt) {
-  const bool gelu = act.value_or(ex.activation) == ExpertActivation::kGeluTanh;
+  const ExpertActivation activation = act.value_or(ex.activation);
   const at::Tensor x64 = x.to(at::kDouble).requires_grad_(true), w64 = weights.to(at::kDouble).requires_grad_(true);
   std::vector<at::Tensor> ad;  // gate_up's A, B, down's A, B in fp64, leaves
   for (const at::Tensor& t : ex.trainable()) ad.push_back(t.detach().to(at::kDouble).requires_grad_(true));
@@ -109,10 +130,11 @@ Grads reference(const Experts& ex, const at::Tensor& x, const at::Tensor& index,
       at::Tensor gu = at::mv(base64(ex, e, true), xt);
       const int64_t E = ex.num_experts;
       if (!ad.empty()) gu = gu + at::mv(b_of(ad[1], E, e), at::mv(a_of(ad[0], E, e), xt)) * ex.scale;
-      const at::Tensor gate = gu.narrow(0, 0, inter);
-      const at::Tensor a = (gelu ? at::gelu(gate, "tanh") : at::silu(gate)) * gu.narrow(0, inter, inter);
-      at::Tensor out = at::mv(base64(ex, e, false), a);
-      if (!ad.empty()) out = out + at::mv(b_of(ad[3], E, e), at::mv(a_of(ad[2], E, e), a)) * ex.scale;
+      if (ex.gate_up_bias.defined()) gu = gu + ex.gate_up_bias[e].to(at::kDouble);
+      const at::Tensor act = reference_act(ex, activation, gu.narrow(0, 0, inter), gu.narrow(0, inter, inter));
+      at::Tensor out = at::mv(base64(ex, e, false), act);
+      if (!ad.empty()) out = out + at::mv(b_of(ad[3], E, e), at::mv(a_of(ad[2], E, e), act)) * ex.scale;
+      if (ex.down_bias.defined()) out = out + ex.down_bias[e].to(at::kDouble);
       yt = yt + w64[t][j] * out;
     }
     ys.push_back(yt);
@@ -253,6 +275,22 @@ TEST(Experts, WithoutAdaptersMatchesFp64Reference) {
   Shape s;
   s.lora = false;
   expect_matches_reference(s, uneven_index(), at::kFloat, kFp32Tol, kFp32Tol);
+}
+
+TEST(Experts, ClampedSwigluWithBiasesMatchesFp64Reference) {  // gpt-oss's experts
+  for (bool nf4 : {true, false}) {
+    SCOPED_TRACE(nf4);
+    Shape s;
+    s.gpt_oss = true;
+    s.nf4 = nf4;
+    expect_matches_reference(s, uneven_index(), at::kFloat, kFp32Tol, kFp32Tol);
+    // bf16 at gpt-oss's own limit (7), which these activations never reach: at 0.5 a gate or up that
+    // rounds to the other side of the limit than its fp64 value gets the other gradient (0 or all of
+    // it), one element of which moves the max-norm error past any bf16 tolerance (measured 7.7% in dx).
+    s.dtype = at::kBFloat16;
+    s.limit = 7.0;
+    expect_matches_reference(s, uneven_index(), at::kBFloat16, kBf16TolY, kBf16TolGrad);
+  }
 }
 
 TEST(Experts, OneExpertTakesAllTokensWithK1) {
@@ -418,6 +456,12 @@ TEST(Experts, RejectsBadInputs) {
   EXPECT_THROW(experts_dense({at::zeros({6, 4})}, {at::zeros({4, 4})}), std::invalid_argument);  // down [4, 3]
   EXPECT_THROW(experts_dense({at::zeros({6, 4})}, {}), std::invalid_argument);
   EXPECT_NO_THROW(experts_dense({at::zeros({6, 4})}, {at::zeros({4, 3})}));
+  Experts biased = make_experts({});
+  biased.down_bias = at::zeros({5, 63});  // [E, hidden] is [5, 64]
+  EXPECT_THROW(grouped_experts(biased, x, index, w), std::invalid_argument);
+  biased.down_bias = at::Tensor();
+  biased.gate_up_bias = at::zeros({4, 64});  // [E, 2 * inter] is [5, 64]
+  EXPECT_THROW(grouped_experts(biased, x, index, w), std::invalid_argument);
 }
 
 namespace {
@@ -429,6 +473,8 @@ Experts experts_on(const Experts& ex, at::Device device) {
   for (Nf4Tensor& w : d.down_nf4) w = w.to(device);
   for (at::Tensor* t : {&d.gate_up_a, &d.gate_up_b, &d.down_a, &d.down_b})
     *t = t->detach().to(device).requires_grad_(true);
+  for (at::Tensor* t : {&d.gate_up_bias, &d.down_bias})
+    if (t->defined()) *t = t->to(device);
   return d;
 }
 
@@ -441,10 +487,12 @@ Experts experts_on(const Experts& ex, at::Device device) {
 TEST(Experts, CudaMatchesCpu) {
   if (!(at::hasCUDA() && at::detail::getCUDAHooks().deviceCount() > 0)) GTEST_SKIP() << "no CUDA device";
   const at::Device gpu(at::kCUDA, 0);
-  for (at::ScalarType dt : {at::kFloat, at::kBFloat16}) {
-    SCOPED_TRACE(c10::toString(dt));
+  for (const auto& [dt, gpt_oss] : {std::pair{at::kFloat, false}, std::pair{at::kBFloat16, false},
+                                    std::pair{at::kFloat, true}, std::pair{at::kBFloat16, true}}) {
+    SCOPED_TRACE(std::string(c10::toString(dt)) + (gpt_oss ? " gpt-oss" : ""));
     Shape s;
     s.dtype = dt;
+    s.gpt_oss = gpt_oss;
     const Experts cpu = make_experts(s), cuda = experts_on(cpu, gpu);
     const at::Tensor index = uneven_index(), x = randn({12, 64}, 100).to(dt), grad = randn({12, 64}, 102).to(dt);
     const at::Tensor w = random_weights(12, 2, 101, at::kFloat);

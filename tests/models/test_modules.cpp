@@ -2,6 +2,7 @@
 // LoRA linear, activation checkpointing.
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
+#include <c10/core/InferenceMode.h>
 #include <gtest/gtest.h>
 #include <torch/csrc/autograd/custom_function.h>
 
@@ -291,6 +292,45 @@ TEST(Attention, BlockedMaskedMatchesSdpaWithGradients) {
   windowed.window = 7;
   const at::Tensor sdpa_window = at::scaled_dot_product_attention(q, k, v, window.unsqueeze(1), 0.0, false, 0.3);
   EXPECT_LT(max_abs(causal_attention(q, k, v, windowed) - sdpa_window), 1e-5);
+}
+
+// gpt-oss's attention sinks: one more logit per head in every row's softmax, attending to nothing.
+// The blocked attention (probabilities kept or recomputed, causal or under a packed mask) and
+// causal_attention's eager path for a decode step equal the definition written plainly (the sink a
+// last column of the scores, dropped after the softmax), in value and in the gradients of q, k, v.
+TEST(Attention, SinksMatchTheirDefinitionWithGradients) {
+  const int64_t s = 29;
+  const at::Tensor q = randn({2, 4, s, 8}, 50), k = randn({2, 4, s, 8}, 51), v = randn({2, 4, s, 8}, 52);
+  const at::Tensor g = randn({2, 4, s, 8}, 53), sinks = randn({4}, 54).mul_(2.0);
+  at::Tensor packed = at::zeros({2, s, s}, at::kBool);  // row 0: samples [0, 11), [11, s); row 1: one sample
+  packed[0].narrow(0, 0, 11).narrow(1, 0, 11).fill_(true);
+  packed[0].narrow(0, 11, s - 11).narrow(1, 11, s - 11).fill_(true);
+  packed[1].fill_(true);
+  packed.logical_and_(at::ones({s, s}, at::kBool).tril());
+  for (const at::Tensor& allowed : {at::Tensor(), packed}) {
+    const at::Tensor visible = allowed.defined() ? allowed.unsqueeze(1) : at::ones({s, s}, at::kBool).tril();
+    const auto want = with_grads(q, k, v, g, [&](const at::Tensor& a, const at::Tensor& b, const at::Tensor& c) {
+      const at::Tensor scores = (at::matmul(a, b.transpose(-1, -2)) * 0.3).masked_fill(visible.logical_not(), -INFINITY);
+      const at::Tensor sink = sinks.view({1, 4, 1, 1}).expand({2, 4, s, 1});
+      return at::matmul(at::softmax(at::cat({scores, sink}, -1), -1).narrow(-1, 0, s), c);
+    });
+    for (const bool keep : {false, true})
+      for (const int64_t block : {int64_t{1}, int64_t{16}, int64_t{64}}) {
+        const auto got = with_grads(q, k, v, g, [&](const at::Tensor& a, const at::Tensor& b, const at::Tensor& c) {
+          return blocked_causal_attention(a, b, c, 0.3, block, keep, allowed, sinks);
+        });
+        for (size_t i = 0; i < got.size(); ++i)
+          EXPECT_LT(max_abs(got[i] - want[i]), 1e-5) << "mask " << allowed.defined() << " block " << block << " #" << i;
+      }
+    if (allowed.defined()) continue;
+    // A decode step: the last query against every key (causal_attention's eager path), in inference mode.
+    AttentionOptions opt{0.3};
+    opt.sinks = sinks;
+    const c10::InferenceMode inference;
+    const at::Tensor step = causal_attention(q.narrow(2, s - 1, 1), k, v, opt);
+    EXPECT_LT(max_abs(step - want[0].narrow(2, s - 1, 1)), 1e-5);
+  }
+  EXPECT_THROW(blocked_causal_attention(q, k, v, 0.3, 64, std::nullopt, {}, randn({3}, 55)), std::invalid_argument);
 }
 
 // In bf16 (a bf16 run's CPU path) causal attention is the fp32 blocked attention of the widened

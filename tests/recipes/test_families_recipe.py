@@ -26,7 +26,8 @@ partially rotary attention layer, LoRA on both mixers' projections), gemma4_text
 sharing, values that are the keys, a double-wide MLP). The sliding-window families and Qwen3.5 train on
 packed rows, so windows meet rows holding several samples, and generate past the window (KV cache).
 The Mixture-of-Experts families: qwen3_moe (8 experts, top-2 renormalised, a dense first layer by
-mlp_only_layers) and mixtral (4 experts, top-2, routing weights kept in fp32, sliding window, packed),
+mlp_only_layers), mixtral (4 experts, top-2, routing weights kept in fp32, sliding window, packed) and
+gpt_oss (4 experts, top-2 of the biased router's logits, biases, sinks, a window, packed; fused experts only),
 LoRA on q, k, v, o and the experts (lora.targets "experts": peft's target_parameters on the fused
 mlp.experts.gate_up_proj and down_proj; the checkpoints hold one tensor per expert, as transformers
 writes them); qwen3_5_moe_text (Qwen3.5's two mixers, every layer MoE beside a shared expert scaled by
@@ -79,8 +80,8 @@ MOE_TARGETS = ["q", "k", "v", "o", "experts"]
 ATTENTION_PEFT = ["q_proj", "k_proj", "v_proj", "o_proj"]
 EXPERTS_PEFT = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]  # peft's target_parameters for "experts"
 # A MoE layer's router: frozen and never quantized (Mixtral's checkpoints name it block_sparse_moe.gate);
-# so is Qwen3.5-MoE's shared expert's gate. Gemma 4's is router.proj beside the layer's MLP.
-ROUTER = re.compile(r"\.((mlp|block_sparse_moe)\.(gate|shared_expert_gate)|router\.proj)\.weight$")
+# so are Qwen3.5-MoE's shared expert's gate and gpt-oss's mlp.router. Gemma 4's is router.proj beside the layer's MLP.
+ROUTER = re.compile(r"\.((mlp|block_sparse_moe)\.(gate|shared_expert_gate|router)|router\.proj)\.weight$")
 # initializer_range 0.1 rather than 0.02: logits of a few units, so greedy decoding rarely meets a
 # near tie that the two implementations' rounding could break apart.
 SIZES = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -174,6 +175,13 @@ FAMILIES = [
                                enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32),
            LAYER_TARGETS + ["experts"], LLAMA_PEFT, packing=True,
            peft_parameters=["experts.gate_up_proj", "experts.down_proj"], label="gemma4_moe", fused=True),
+    # gpt-oss: biases, a sink per head, a window on layer 0, fused experts only (transposed, gate/up
+    # interleaved). The class's clamp at 7, which these activations do not reach: one that binds makes
+    # the gradient jump wherever a value crosses it, and the ranks' other order of sums tips a few
+    # (1.1e-4 between the adapters at a limit of 1); conformance.families_transformers has it bind.
+    Family("gpt_oss", dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2, intermediate_size=32,
+                           sliding_window=WINDOW, tie_word_embeddings=False),
+           MOE_TARGETS, ATTENTION_PEFT, packing=True, peft_parameters=EXPERTS_PEFT, fused=True),
 ]
 
 

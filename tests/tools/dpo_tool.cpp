@@ -97,7 +97,7 @@ int main(int argc, char** argv) {
     qlora::models::DecoderModel m = tt::adapted_model(checkpoint, tt::split_targets(targets), seed, dora, rslora);
     qlora::checkpoint::AdapterInfo info{qlora::test_tools::kRank, qlora::test_tools::kAlpha, 0.0, {}, checkpoint};
     info.use_rslora = rslora;
-    qlora::checkpoint::write_peft_adapter(out + "/adapter", m.lora_parameters(), info);
+    qlora::checkpoint::write_peft_adapter(out + "/adapter", m.peft_parameters(), info);
 
     std::vector<int64_t> all(pairs.size());
     for (size_t i = 0; i < all.size(); ++i) all[i] = static_cast<int64_t>(i);

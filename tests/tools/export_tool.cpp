@@ -60,7 +60,7 @@ int main(int argc, char** argv) {
         qlora::test_tools::adapted_model(checkpoint, qlora::test_tools::split_targets(targets), seed, dora, rslora);
     ck::AdapterInfo info{qlora::test_tools::kRank, qlora::test_tools::kAlpha, 0.0, {}, checkpoint};
     info.use_rslora = rslora;
-    ck::write_peft_adapter(out + "/adapter", m.lora_parameters(), info);
+    ck::write_peft_adapter(out + "/adapter", m.peft_parameters(), info);
     ck::write_merged_model(out + "/merged", m, checkpoint, ck::MergeSource::Original);
     std::vector<int64_t> ids;
     std::stringstream ss(tokens);
@@ -70,7 +70,7 @@ int main(int argc, char** argv) {
     const int64_t n = tok.size(1) - 1;
     at::cross_entropy_loss(logits[0].narrow(0, 0, n), tok[0].narrow(0, 1, n)).backward();
     std::vector<std::pair<std::string, at::Tensor>> grads;
-    for (auto& [name, t] : m.lora_parameters()) grads.emplace_back(name, t.grad().contiguous());
+    for (auto& [name, t] : m.lora_parameters()) grads.emplace_back(name, m.to_peft(name, t.grad()).contiguous());
     qlora::io::save_safetensors(out + "/grads.safetensors", grads);
     qlora::io::save_safetensors(out + "/logits.safetensors", {{"tokens", tok}, {"logits", logits.detach().contiguous()}});
   } catch (const std::exception& e) {

@@ -167,7 +167,7 @@ int main(int argc, char** argv) {
     namespace tt = qlora::test_tools;
     qlora::models::DecoderModel m = tt::adapted_model(checkpoint, tt::split_targets(targets), seed, false, false);
     const qlora::checkpoint::AdapterInfo info{qlora::test_tools::kRank, qlora::test_tools::kAlpha, 0.0, {}, checkpoint};
-    qlora::checkpoint::write_peft_adapter(out + "/adapter", m.lora_parameters(), info);
+    qlora::checkpoint::write_peft_adapter(out + "/adapter", m.peft_parameters(), info);
     const tr::CompletionBatch b = tr::completion_batch(r.completions, /*pad_id=*/0);
     for (const nlohmann::json& c : cases) {
       const std::string name = c.at("name").get<std::string>();

@@ -20,6 +20,7 @@
 #include "qlora/io/durable_file.h"
 #include "qlora/io/safetensors.h"
 #include "qlora/models/architecture.h"
+#include "qlora/models/fused_experts.h"
 #include "qlora/models/key_layout.h"
 #include "qlora/ops/nf4_ops.h"
 
@@ -267,13 +268,14 @@ struct MergedModelWriter::Impl {
   std::map<std::string, std::string> weight_map;
   int64_t total = 0;
   bool untie = false;
+  bool mxfp4_experts = false;  // the original's experts are MXFP4; the merged ones bf16
   std::set<size_t> written;  // files this process wrote entries into, to fsync once each
 };
 
 MergedModelWriter::MergedModelWriter(const std::string& dir, const models::DecoderModel& model,
                                      const std::string& base_checkpoint_dir, MergeSource source,
                                      int64_t max_shard_bytes)
-    : impl_(new Impl{dir, base_checkpoint_dir, io::CheckpointDir{}, {}, {}, {}, {}, {}, {}, 0, false, {}}) {
+    : impl_(new Impl{dir, base_checkpoint_dir, io::CheckpointDir{}, {}, {}, {}, {}, {}, {}, 0, false, false, {}}) {
   if (max_shard_bytes <= 0) throw ExportError("write_merged_model " + dir + ": max_shard_bytes must be positive");
   if (base_checkpoint_dir.empty() || !fs::is_regular_file(fs::path(base_checkpoint_dir) / "config.json")) {
     throw ExportError("write_merged_model " + dir + ": base checkpoint '" + base_checkpoint_dir +
@@ -341,8 +343,17 @@ MergedModelWriter::MergedModelWriter(const std::string& dir, const models::Decod
     const models::ExpertsRow& row = *arch.experts;
     const modules::Experts& ex = L.experts;
     const std::string fused = key(models::hf_module(row.fused, i));
-    const bool is_fused = orig.contains(fused + ".gate_up_proj");
-    plain(key(models::hf_module(is_fused ? row.fused_router : row.split_router, i) + ".weight"), L.router);
+    const bool is_fused = row.transposed_interleaved || orig.contains(fused + ".gate_up_proj");
+    const std::string router = key(models::hf_module(is_fused ? row.fused_router : row.split_router, i));
+    plain(router + ".weight", L.router);
+    if (row.biases) {  // gpt-oss's, in its own order
+      plain(router + ".bias", L.router_bias);
+      // Re-interleaved only where the original lacks it: a sharded model's tensors are not resident here.
+      const std::string gu_bias = fused + ".gate_up_proj_bias";
+      plain(gu_bias, row.transposed_interleaved && !orig.contains(gu_bias) ? modules::interleave_gate_up(ex.gate_up_bias, 1)
+                                                                           : ex.gate_up_bias);
+      plain(fused + ".down_proj_bias", ex.down_bias);
+    }
     const bool use_orig = source == MergeSource::Original;
     const int64_t I = ex.inter;
     // (key, its expert, gate_up or down, the rows of that weight it holds)
@@ -358,27 +369,45 @@ MergedModelWriter::MergedModelWriter(const std::string& dir, const models::Decod
         parts.push_back({stem + row.down + ".weight", e, false, 0, ex.hidden});
       }
     }
+    // A fused tensor: every expert merged (the original's, or the model's base), in the checkpoint's
+    // layout; an MXFP4 original in bf16 (merging into MXFP4 would round it), which write_extras says.
+    auto fused_part = [&](const std::string& k, bool gate_up) {
+      const bool mxfp4 = models::is_mxfp4(orig, row, k);
+      if (mxfp4) impl_->mxfp4_experts = true;
+      const models::FusedExperts src = use_orig ? models::read_fused_experts(orig, row, gate_up, k, ex.num_experts,
+                                                                             ex.hidden, ex.inter)
+                                                : models::FusedExperts{};
+      const at::ScalarType out = mxfp4 ? at::kBFloat16 : io::to_scalar_type(orig.file_of(k).info(k).dtype);
+      push({k, out, models::fused_expert_shape(row, gate_up, ex.num_experts, ex.hidden, ex.inter),
+            [&ex, &row, gate_up, src, out, use_orig]() {
+              std::vector<at::Tensor> all;
+              for (int64_t e = 0; e < ex.num_experts; ++e) {
+                const at::Tensor w = expert_weight_fp32(ex, e, gate_up, use_orig ? src.expert(e) : at::Tensor());
+                all.push_back(models::expert_to_checkpoint(row, gate_up, w).to(out).cpu());
+              }
+              return at::stack(all);
+            }});
+    };
     for (const Part& p : parts) {
-      if (!ex.has_lora()) {
+      if (!ex.has_lora() && !(p.e < 0 && models::is_mxfp4(orig, row, p.key))) {
         plain(p.key, at::Tensor());
+        continue;
+      }
+      if (p.e < 0) {
+        fused_part(p.key, p.gate_up);
         continue;
       }
       const io::TensorInfo& ti = orig.file_of(p.key).info(p.key);
       const at::ScalarType out = io::to_scalar_type(ti.dtype);
-      // The original's matrix of expert e (fused: its row of the 3-D tensor; split: gate over up).
-      const auto original = [&ex, &orig, p, use_orig, fused, stem = p.key.substr(0, p.key.rfind('.', p.key.size() - 8) + 1),
-                             row](int64_t e) -> at::Tensor {
+      // The original's matrix of expert e (gate over up).
+      const auto original = [&orig, p, use_orig, stem = p.key.substr(0, p.key.rfind('.', p.key.size() - 8) + 1),
+                             row]() -> at::Tensor {
         if (!use_orig) return at::Tensor();
-        if (p.e < 0) return orig.tensor(p.key)[e];
         if (!p.gate_up) return orig.tensor(p.key);
         return at::cat({orig.tensor(stem + row.gate + ".weight"), orig.tensor(stem + row.up + ".weight")});
       };
       push({p.key, out, ti.shape, [&ex, p, out, original]() {
-              if (p.e >= 0)
-                return expert_weight_fp32(ex, p.e, p.gate_up, original(p.e)).narrow(0, p.row0, p.rows).to(out).cpu().contiguous();
-              std::vector<at::Tensor> all;
-              for (int64_t e = 0; e < ex.num_experts; ++e) all.push_back(expert_weight_fp32(ex, e, p.gate_up, original(e)).to(out).cpu());
-              return at::stack(all);
+              return expert_weight_fp32(ex, p.e, p.gate_up, original()).narrow(0, p.row0, p.rows).to(out).cpu().contiguous();
             }});
     }
   };
@@ -518,13 +547,20 @@ void MergedModelWriter::write_extras(const std::string& tokenizer_path) const {
       throw ExportError("write_merged_model " + dir + ": tokenizer path '" + tokenizer_path + "' does not exist");
     }
   }
-  if (impl_->untie) {
+  if (impl_->untie || impl_->mxfp4_experts) {
     const fs::path cfg_path = fs::path(dir) / "config.json";
     nlohmann::json cfg = nlohmann::json::parse(read_file(cfg_path));
-    cfg["tie_word_embeddings"] = false;
-    // A multimodal config's language model says it too (transformers reads the top-level key).
-    if (cfg.contains("text_config") && cfg["text_config"].is_object())
-      cfg["text_config"]["tie_word_embeddings"] = false;
+    if (impl_->untie) {
+      cfg["tie_word_embeddings"] = false;
+      // A multimodal config's language model says it too (transformers reads the top-level key).
+      if (cfg.contains("text_config") && cfg["text_config"].is_object())
+        cfg["text_config"]["tie_word_embeddings"] = false;
+    }
+    if (impl_->mxfp4_experts) {  // the experts are bf16 now: no quantization_config
+      cfg.erase("quantization_config");
+      std::printf("note: %s stores its experts in MXFP4; the merged model %s holds them in bf16 (LoRA merged into "
+                  "MXFP4 would be rounded to it)\n", base_checkpoint_dir.c_str(), dir.c_str());
+    }
     io::write_file_atomic(cfg_path.string(), cfg.dump(2) + "\n");
   }
 }
@@ -613,7 +649,7 @@ void export_epoch(const std::string& output_dir, int64_t epoch, const models::De
     fs::create_directories(output_dir);
     fs::remove_all(tmp);  // an export that crashed: incomplete by construction
     fs::create_directories(tmp);
-    std::vector<std::pair<std::string, at::Tensor>> tensors = model.lora_parameters();
+    std::vector<std::pair<std::string, at::Tensor>> tensors = model.peft_parameters();
     AdapterInfo adapter = adapter_info_for(model, info);
     add_token_rows(model, adapter, tensors);
     write_peft_adapter((tmp / "adapter").string(), tensors, adapter);

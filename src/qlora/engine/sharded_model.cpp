@@ -105,6 +105,10 @@ void add_experts(std::vector<Member>& out, modules::DecoderLayer& L) {
   if (!L.is_moe()) return;
   add_dense(out, "mlp.gate", L.router);
   modules::Experts& ex = L.experts;
+  // gpt-oss's biases: the router's and the experts'.
+  if (L.router_bias.defined()) add_dense(out, "mlp.gate.bias", L.router_bias);
+  if (ex.gate_up_bias.defined()) add_dense(out, "experts.gate_up_proj_bias", ex.gate_up_bias);
+  if (ex.down_bias.defined()) add_dense(out, "experts.down_proj_bias", ex.down_bias);
   for (int64_t e = 0; e < ex.num_experts; ++e) {
     const std::string stem = "experts." + std::to_string(e) + ".";
     const auto i = static_cast<size_t>(e);

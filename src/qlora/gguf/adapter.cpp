@@ -85,7 +85,8 @@ bool base_head_is_tied(const models::DecoderConfig& trained_on, const std::strin
 // wrappers: gate_up_proj's A/B are experts.base_layer.lora_*, down_proj's experts.lora_*; one alone
 // is experts.lora_*, named by target_parameters. llama.cpp applies a LoRA to ffn_*_exps per expert
 // (mul_mat_id): lora_a [E, r, in], lora_b [E, out, r]; gate_up's B rows split into gate and up
-// halves, its A shared by both (gemma4's one ffn_gate_up_exps takes them whole).
+// halves (gpt-oss: its even and odd rows), its A shared by both (gemma4's one ffn_gate_up_exps takes
+// them whole).
 struct ExpertLora {
   int64_t layer;
   bool gate_up;
@@ -246,6 +247,7 @@ size_t write_adapter_gguf(const std::string& adapter_dir, const std::string& bas
                        {"adapter.lora.alpha", Value::f32(static_cast<float>(adapter.alpha))}};
   Writer out(out_path, std::move(metadata), specs);
   size_t i = 0;
+  const bool interleaved = c.family->architecture().experts && c.family->architecture().experts->transposed_interleaved;
   for (const Pair& p : pairs) {
     if (p.expert) {
       const at::Tensor a = f.tensor(p.a_key);  // [r * E, in], expert-major
@@ -256,7 +258,9 @@ size_t write_adapter_gguf(const std::string& adapter_dir, const std::string& bas
       if (p.expert->gate_up && !fused_gate_up) {
         for (int64_t half = 0; half < 2; ++half) {
           write_tensor(out, a3, specs[i++].type);
-          write_tensor(out, b3.narrow(1, half * I, I).contiguous(), specs[i++].type);
+          // gpt-oss's gate_up interleaves gate's and up's rows (ExpertsRow::transposed_interleaved).
+          const at::Tensor rows = interleaved ? b3.slice(1, half, 2 * I, 2) : b3.narrow(1, half * I, I);
+          write_tensor(out, rows.contiguous(), specs[i++].type);
         }
       } else {
         write_tensor(out, a3, specs[i++].type);

@@ -20,7 +20,8 @@ void check_activation_and_biases(const DecoderConfig& c, const std::string& wher
     refuse_gguf(where, c, "hidden_act", std::string("the MLP activation is ") + (gelu ? "gelu_pytorch_tanh" : "silu") +
                                             ", the architecture's is the other one");
   }
-  if (c.attention_bias) refuse_gguf(where, c, "attention_bias", "llama.cpp loads no attention biases for this family");
+  if (c.attention_bias && !c.family->gguf.attn_bias)
+    refuse_gguf(where, c, "attention_bias", "llama.cpp loads no attention biases for this family");
 }
 
 void check_rope(const DecoderConfig& c, const std::string& where) {
@@ -29,7 +30,7 @@ void check_rope(const DecoderConfig& c, const std::string& where) {
   // ramp's ends outward to whole dimensions, as transformers' truncate does.
   if (c.rope_yarn && !g.yarn_rope)
     refuse_gguf(where, c, "rope_parameters", "YaRN RoPE scaling is written for OLMo 3 (llama.cpp's olmo2) only");
-  if (c.rope_yarn && !c.rope_yarn->truncate)
+  if (c.rope_yarn && !c.rope_yarn->truncate && !g.yarn_untruncated_note)
     refuse_gguf(where, c, "rope_parameters.truncate", "false: ggml's YaRN rounds the ramp's ends to whole dimensions");
   // llama.cpp takes the betas from its context parameters (32 and 1 unless a user sets them), not the file.
   if (c.rope_yarn && (c.rope_yarn->beta_fast != 32.0 || c.rope_yarn->beta_slow != 1.0))
@@ -148,6 +149,10 @@ ArchPlan plan_architecture(const DecoderConfig& c, const std::string& where) {
   }
   if (c.rope_scaling) p.extra.push_back({"rope_freqs.weight", llama3_divisors(c)});
   if (c.rope_yarn) add_yarn_keys(*c.rope_yarn, add);
+  if (c.rope_yarn && !c.rope_yarn->truncate)
+    p.notes.push_back("rope_parameters.truncate is false, but ggml rounds the YaRN ramp's ends to whole dimensions (as "
+                      "llama.cpp's own converter leaves it): the rotary frequencies between those ends differ slightly "
+                      "from transformers'");
   if (g.window_key && c.sliding_window) add("attention.sliding_window", Value::u32(static_cast<uint32_t>(*c.sliding_window)));
   // Experts: llama.cpp's loader reads their count and the top-k (expert_count > 0 is what makes
   // llama's layers MoE); both architectures softmax the router's logits and renormalise the top k.
@@ -188,7 +193,7 @@ std::optional<TensorPlan> gguf_tensor(const std::string& hf, const DecoderConfig
     const std::string stem = name;
     // Biases: q/k/v only, where the family has them (the others' are refused with attention_bias).
     const bool qkv = stem == "attn_q" || stem == "attn_k" || stem == "attn_v";
-    if (kind == "bias" && !(g.qkv_bias && qkv)) return std::nullopt;
+    if (kind == "bias" && !(g.qkv_bias && qkv) && !g.attn_bias) return std::nullopt;
     TensorPlan t{"blk." + m[1].str() + "." + stem + "." + kind};
     if (stem.find("norm") != std::string::npos) t.add = norm_add;
     // llama.cpp's llama and smollm3 (its converter's LlamaModel) rotate interleaved pairs: the
@@ -229,11 +234,33 @@ std::vector<StackedTensor> fused_gate_up_tensors(const models::ExpertsRow& ex, i
   return out;
 }
 
+// gpt-oss's experts (models::ExpertsRow::transposed_interleaved): each expert's gate_up [hidden, 2I]
+// transposed, gate's the even columns, up's the odd ones; down [I, hidden] transposed; and the biases,
+// ffn_{gate,up}_exps.bias [E, I] from gate_up_proj_bias's even and odd entries, ffn_down_exps.bias [E, H].
+std::vector<StackedTensor> gpt_oss_expert_tensors(const models::ExpertsRow& ex, const DecoderConfig& c, int64_t layer) {
+  const int64_t E = c.moe.num_experts, H = c.hidden_size, I = c.moe.inter;
+  const std::string blk = "blk." + std::to_string(layer) + ".", stem = models::hf_module(ex.fused, layer) + ".";
+  const auto part = [&](const char* key, std::vector<int64_t> shape, bool transposed, int64_t row0, int64_t rows,
+                        int64_t stride) {
+    return StackedTensor::Part{stem + key, std::move(shape), true, row0, rows, transposed, stride};
+  };
+  std::vector<StackedTensor> out{
+      {blk + "ffn_gate_exps.weight", {E, I, H}, {part("gate_up_proj", {E, H, 2 * I}, true, 0, I, 2)}},
+      {blk + "ffn_up_exps.weight", {E, I, H}, {part("gate_up_proj", {E, H, 2 * I}, true, 1, I, 2)}},
+      {blk + "ffn_down_exps.weight", {E, H, I}, {part("down_proj", {E, I, H}, true, 0, H, 1)}}};
+  if (!ex.biases) return out;
+  out.push_back({blk + "ffn_gate_exps.bias", {E, I}, {part("gate_up_proj_bias", {E, 2 * I}, false, 0, I, 2)}});
+  out.push_back({blk + "ffn_up_exps.bias", {E, I}, {part("gate_up_proj_bias", {E, 2 * I}, false, 1, I, 2)}});
+  out.push_back({blk + "ffn_down_exps.bias", {E, H}, {part("down_proj_bias", {E, H}, false, 0, H, 1)}});
+  return out;
+}
+
 }  // namespace
 
 std::vector<StackedTensor> expert_tensors(const DecoderConfig& c, int64_t layer, bool fused) {
   const auto& ex = c.family->architecture().experts;
   if (!ex || !c.is_moe(layer)) return {};
+  if (ex->transposed_interleaved) return gpt_oss_expert_tensors(*ex, c, layer);
   const int64_t E = c.moe.num_experts, H = c.hidden_size, I = c.moe.inter;
   const std::string blk = "blk." + std::to_string(layer) + ".";
   if (c.family->gguf.fused_gate_up_exps) return fused_gate_up_tensors(*ex, layer, fused, E, H, I);

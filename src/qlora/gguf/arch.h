@@ -54,6 +54,8 @@ struct StackedTensor {
     std::vector<int64_t> shape;  // what the checkpoint must hold under it
     bool all_experts;            // the key is [E, R, cols] (fused); else one expert's [R, cols], in expert order
     int64_t row0, rows;          // the rows of each expert's matrix this tensor takes
+    bool transposed = false;     // gpt-oss: each expert's matrix is stored [cols, R] (transposed first)
+    int64_t stride = 1;          // gpt-oss: rows row0, row0 + stride, ... (gate's and up's interleaved rows)
   };
   std::vector<Part> parts;
 };

@@ -94,7 +94,10 @@ void write_stacked(Writer& out, const io::CheckpointDir& ckpt, const StackedTens
       write_tensor(out, x.narrow(0, p.row0, p.rows), type);
       continue;
     }
-    for (int64_t e = 0; e < x.size(0); ++e) write_tensor(out, x[e].narrow(0, p.row0, p.rows), type);
+    for (int64_t e = 0; e < x.size(0); ++e) {
+      const at::Tensor m = p.transposed ? x[e].t() : x[e];
+      write_tensor(out, m.slice(0, p.row0, p.row0 + p.rows * p.stride, p.stride).contiguous(), type);
+    }
   }
 }
 

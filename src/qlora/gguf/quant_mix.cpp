@@ -147,7 +147,9 @@ std::vector<GgmlType> choose_types(const std::vector<TensorSpec>& tensors, const
   });
   for (size_t i : order) {
     const TensorSpec& t = tensors[i];
-    if (t.shape.size() < 2 || has(t.name, "ssm_conv1d") || has(t.name, "ffn_gate_inp.weight")) types[i] = GgmlType::F32;
+    // Biases stay f32, 2-D ones too (gpt-oss's per-expert ffn_*_exps.bias): ggml adds them in f32 only.
+    const bool bias = t.name.size() > 5 && t.name.compare(t.name.size() - 5, 5, ".bias") == 0;
+    if (t.shape.size() < 2 || bias || has(t.name, "ssm_conv1d") || has(t.name, "ffn_gate_inp.weight")) types[i] = GgmlType::F32;
     else if (!quantized) types[i] = main;
     else if (!quantizable(t)) types[i] = GgmlType::F16;
     else types[i] = fallback(s.mixed(t), t.shape.back());

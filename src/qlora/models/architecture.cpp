@@ -170,6 +170,7 @@ int64_t dim_size(Dim d, const DecoderConfig& c, int64_t layer) {
     case Dim::kPerLayerAll: return c.num_hidden_layers * c.per_layer_input_dim;
     case Dim::kPerLayerVocab: return c.per_layer_input_vocab;
     case Dim::kExperts: return c.moe.num_experts;
+    case Dim::kHeads: return c.num_attention_heads;
   }
   throw std::logic_error("dim_size: unknown Dim");
 }

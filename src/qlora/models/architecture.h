@@ -42,6 +42,7 @@ enum class Dim {
   kPerLayerAll,    // num_hidden_layers * hidden_size_per_layer_input
   kPerLayerVocab,  // vocab_size_per_layer_input
   kExperts,        // the MoE's expert count (Gemma 4's router.per_expert_scale)
+  kHeads,          // num_attention_heads (gpt-oss's attention sinks)
 };
 
 // Which layers hold a row: every layer, or only those whose mixer is attention or (Qwen3.5) the
@@ -121,6 +122,13 @@ struct ExpertsRow {
   const char* down;          // "down_proj" (Mixtral: "w2")
   const char* fused_router;  // "model.layers.{i}.mlp.gate"
   const char* fused;         // "model.layers.{i}.mlp.experts"
+  // gpt-oss: its fused tensors as its module holds them, transposed (gate_up_proj [E, hidden, 2 * inter],
+  // down_proj [E, inter, hidden]) with gate's and up's columns interleaved (gate's the even ones), the
+  // only layout it has; loaded into the layout above, written back in its own.
+  bool transposed_interleaved = false;
+  // gpt-oss: per-expert biases <fused>.gate_up_proj_bias [E, 2 * inter] (ordered as gate_up_proj's
+  // columns) and <fused>.down_proj_bias [E, hidden], and the router's bias <fused_router>.bias [E].
+  bool biases = false;
 };
 
 struct Architecture {

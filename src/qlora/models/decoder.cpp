@@ -23,6 +23,7 @@
 #include "qlora/io/checkpoint_dir.h"
 
 #include "qlora/io/quantize_checkpoint.h"
+#include "qlora/models/fused_experts.h"
 #include "qlora/models/output_head.h"
 #include "qlora/modules/activation_checkpointing.h"
 #include "qlora/modules/gated_delta_net.h"
@@ -44,7 +45,8 @@ struct Loader {
 
   void check_shape(const std::string& key, at::IntArrayRef got, const std::vector<int64_t>& want) const {
     if (got.vec() != want) {
-      throw std::invalid_argument(ckpt.path() + ": tensor '" + key + "' has shape " + c10::str(got) +
+      throw std::invalid_argument((ckpt.contains(key) ? ckpt.file_of(key).path() : ckpt.path()) + ": tensor '" + key +
+                                  "' has shape " + c10::str(got) +
                                   ", expected " + c10::str(at::IntArrayRef(want)) + " from config.json");
     }
   }
@@ -92,31 +94,33 @@ struct Loader {
       if (has_bias(row, c)) modules::lora_linear_set_bias(p, dense(hf_bias_key(row, i), {shape[0]}));
       if (targets.count(row.peft_name)) add_adapter(p, gen);
     }
-    if (c.is_moe(i)) L.router = experts(*arch.experts, c, i, targets.count(kExpertsTarget) > 0, gen, L.experts);
+    if (c.is_moe(i)) L.router = experts(*arch.experts, c, i, targets.count(kExpertsTarget) > 0, gen, L);
     return L;
   }
   // Layer i's routed experts (architecture.h, ExpertsRow: fused or one tensor per expert, whichever
   // the checkpoint holds) into `out`, each expert's gate_up [2 * inter, hidden] and down its own NF4
-  // (or dense) weight, with adapters when `adapt`. Returns the router's weight.
+  // (or dense) weight, with adapters when `adapt`, and (gpt-oss) its biases and the router's into L.
+  // Returns the router's weight.
   at::Tensor experts(const ExpertsRow& row, const DecoderConfig& c, int64_t i, bool adapt, at::Generator& gen,
-                     modules::Experts& out) const {
+                     DecoderLayer& L) const {
     const int64_t E = c.moe.num_experts, H = c.hidden_size, I = c.moe.inter;
     const std::string fused = hf_module(row.fused, i), split = hf_module(row.split, i);
-    const bool is_fused = ckpt.contains(layout_key(layout, fused + ".gate_up_proj"));
-    const at::Tensor router = dense(hf_module(is_fused ? row.fused_router : row.split_router, i) + ".weight", {E, H});
-    at::Tensor gate_up, down;  // fused: [E, 2I, H], [E, H, I] as the checkpoint stores them
+    const bool is_fused = row.transposed_interleaved || ckpt.contains(layout_key(layout, fused + ".gate_up_proj"));
+    const std::string router_module = hf_module(is_fused ? row.fused_router : row.split_router, i);
+    modules::Experts& out = L.experts;
+    FusedExperts gate_up, down;  // fused: as the checkpoint stores them
     if (is_fused) {
-      gate_up = checked(fused + ".gate_up_proj", {E, 2 * I, H});
-      down = checked(fused + ".down_proj", {E, H, I});
+      gate_up = read_fused_experts(ckpt, row, true, layout_key(layout, fused + ".gate_up_proj"), E, H, I);
+      down = read_fused_experts(ckpt, row, false, layout_key(layout, fused + ".down_proj"), E, H, I);
     }
     std::vector<Nf4Tensor> gu_nf4, down_nf4;
     std::vector<at::Tensor> gu_dense, down_dense;
     for (int64_t e = 0; e < E; ++e) {
       const std::string stem = split + "." + std::to_string(e) + ".";
-      const at::Tensor gu = is_fused ? gate_up[e]
+      const at::Tensor gu = is_fused ? gate_up.expert(e)
                                      : at::cat({checked(stem + row.gate + ".weight", {I, H}),
                                                 checked(stem + row.up + ".weight", {I, H})});
-      const at::Tensor dn = is_fused ? down[e] : checked(stem + row.down + ".weight", {H, I});
+      const at::Tensor dn = is_fused ? down.expert(e) : checked(stem + row.down + ".weight", {H, I});
       const std::string name = ckpt.path() + ": " + (is_fused ? fused : stem.substr(0, stem.size() - 1));
       if (opt.base_in_nf4) {
         gu_nf4.push_back(ops::nf4_quantize(gu.contiguous(), name + " gate_up").to(opt.device));
@@ -129,10 +133,18 @@ struct Loader {
     out = opt.base_in_nf4 ? modules::experts_nf4(std::move(gu_nf4), std::move(down_nf4))
                           : modules::experts_dense(std::move(gu_dense), std::move(down_dense));
     out.activation = c.moe.activation;
+    out.alpha = c.moe.swiglu_alpha;
+    out.limit = c.moe.swiglu_limit;
+    if (row.biases) {
+      L.router_bias = dense(router_module + ".bias", {E});
+      const at::Tensor gu_bias = dense(fused + ".gate_up_proj_bias", {E, 2 * I});
+      out.gate_up_bias = row.transposed_interleaved ? modules::deinterleave_gate_up(gu_bias, 1).contiguous() : gu_bias;
+      out.down_bias = dense(fused + ".down_proj_bias", {E, H});
+    }
     if (adapt)
       modules::experts_add_adapters(out, opt.lora_r, modules::lora_scale(opt.lora_alpha, opt.lora_r, opt.lora_use_rslora),
                                     gen, opt.device);
-    return router;
+    return dense(router_module + ".weight", {E, H});
   }
   // The checkpoint's tensor (mapped, its own dtype), of the shape config.json implies.
   at::Tensor checked(const std::string& text_key, const std::vector<int64_t>& shape) const {
@@ -557,6 +569,27 @@ std::vector<std::pair<std::string, at::Tensor>> DecoderModel::lora_parameters() 
     out.emplace_back(stem + ".lora_B.weight", ex.down_b);
   }
   add(layout_key(names, output_projection(arch).hf_module), lm_head);
+  return out;
+}
+
+namespace {
+
+// Whether lora_parameters()' entry `name` is a fused gate_up's lora_B whose rows peft interleaves.
+bool interleaved_in_peft(const Architecture& arch, const std::string& name) {
+  static const std::string tail = ".experts.base_layer.lora_B.weight";
+  return arch.experts && arch.experts->transposed_interleaved && name.size() > tail.size() &&
+         name.compare(name.size() - tail.size(), tail.size(), tail) == 0;
+}
+
+}  // namespace
+
+at::Tensor DecoderModel::to_peft(const std::string& name, const at::Tensor& t) const {
+  return interleaved_in_peft(architecture(), name) ? modules::interleave_gate_up(t, 0) : t;
+}
+
+std::vector<std::pair<std::string, at::Tensor>> DecoderModel::peft_parameters() const {
+  std::vector<std::pair<std::string, at::Tensor>> out = lora_parameters();
+  for (auto& [name, t] : out) t = to_peft(name, t);
   return out;
 }
 

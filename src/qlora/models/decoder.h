@@ -158,6 +158,11 @@ struct DecoderModel {
   // (a multimodal gemma3: base_model.model.model.language_model.layers.0...; key_layout.h), and
   // with DoRA each adapted projection's .lora_magnitude_vector ([out], peft's key).
   std::vector<std::pair<std::string, at::Tensor>> lora_parameters() const;
+  // lora_parameters() as the PEFT adapter holds them: the same tensors, except where peft orders a
+  // family's fused expert rows otherwise (gpt-oss: gate_up's lora_B rows interleave gate's and up's),
+  // a copy in peft's order there. to_peft: one entry's tensor (or its gradient) in peft's order.
+  std::vector<std::pair<std::string, at::Tensor>> peft_parameters() const;
+  at::Tensor to_peft(const std::string& name, const at::Tensor& t) const;
   // Layer i's forward options (its window, the family's norm and attention numerics).
   modules::LayerDims dims(int64_t layer) const;
   const Architecture& architecture() const { return architecture_of(config); }

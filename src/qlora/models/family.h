@@ -148,6 +148,10 @@ struct Family {
     bool llama3_rope = false;         // Llama-3's RoPE scaling is read (rope_freqs)
     bool yarn_rope = false;           // YaRN is read (OLMo 3's full layers)
     bool fused_gate_up_exps = false;  // the experts' gate and up as one ffn_gate_up_exps (llama.cpp's gemma4)
+    bool attn_bias = false;           // q/k/v/o biases are written (gpt-oss; the config's attention_bias)
+    // YaRN with truncate false is written with a note: ggml rounds the ramp's ends to whole dimensions,
+    // and llama.cpp's own converter writes gpt-oss's YaRN so (the frequencies between them differ).
+    bool yarn_untruncated_note = false;
     // What llama.cpp fixes that the config may say otherwise: refuse_gguf when it does.
     void (*check)(const DecoderConfig& c, const std::string& where) = nullptr;
     // Its keys and tensors beyond the common ones.

@@ -1,7 +1,9 @@
 #include "qlora/modules/attention.h"
 
 #include <ATen/TensorOperators.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/matmul.h>
+#include <ATen/ops/max.h>
 #include <ATen/ops/ones.h>
 #include <ATen/ops/scaled_dot_product_attention.h>
 #include <ATen/ops/softmax.h>
@@ -56,10 +58,21 @@ double attention_scale(const at::Tensor& q, const AttentionOptions& opt) {
   return opt.scale > 0 ? opt.scale : 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
 }
 
+// gpt-oss's softmax of scores s [b, heads, seq, total] beside each head's sink [heads], as
+// transformers' eager_attention_forward: the sink a last column, the row's max subtracted, softmax in
+// s's dtype, the sink's column dropped. Returns [b, heads, seq, total].
+at::Tensor sink_softmax(const at::Tensor& s, const at::Tensor& sinks) {
+  const at::Tensor sink = sinks.to(s.scalar_type()).view({1, -1, 1, 1}).expand({s.size(0), -1, s.size(2), 1});
+  at::Tensor c = at::cat({s, sink}, -1);
+  c = c - std::get<0>(c.max(-1, /*keepdim=*/true));
+  return at::softmax(c, -1).narrow(-1, 0, s.size(-1));
+}
+
 // Scores, optional mask and softmax over expanded K/V (kk, vv [b, heads, total, d]). mask:
 // broadcastable to [b, heads, seq, total] bool, or undefined with is_causal (square, top-left).
-// Without soft-capping this is SDPA; with it, transformers' eager path: scores * scale, then
-// cap * tanh(scores / cap), then the mask, then softmax in fp32.
+// Without soft-capping this is the blocked attention or SDPA (with sinks: the blocked attention where
+// it applies); else transformers' eager path: scores * scale, then cap * tanh(scores / cap), then the
+// mask, then softmax in fp32 (with sinks: sink_softmax).
 at::Tensor attend(const at::Tensor& q, const at::Tensor& kk, const at::Tensor& vv, at::Tensor mask, bool is_causal,
                   const AttentionOptions& opt) {
   const double scale = attention_scale(q, opt);
@@ -72,19 +85,24 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& kk, const at::Tensor& v
     // bf16 flash kernel takes 9.9 ms.
     bool blocked = false;
     const at::Tensor allowed = blocked_mask(q, kk, mask, &blocked);
+    // gpt-oss's sinks there too (blocked_attention.h).
     if (blocked && (is_causal || allowed.defined())) {
-      if (q.scalar_type() == at::kFloat) return blocked_causal_attention(q, kk, vv, scale, 64, std::nullopt, allowed);
+      if (q.scalar_type() == at::kFloat)
+        return blocked_causal_attention(q, kk, vv, scale, 64, std::nullopt, allowed, opt.sinks);
       const at::ScalarType f32 = at::kFloat;
-      return blocked_causal_attention(q.to(f32), kk.to(f32), vv.to(f32), scale, 64, std::nullopt, allowed)
+      return blocked_causal_attention(q.to(f32), kk.to(f32), vv.to(f32), scale, 64, std::nullopt, allowed, opt.sinks)
           .to(q.scalar_type());
     }
-    const std::optional<at::Tensor> m = mask.defined() ? std::optional<at::Tensor>(mask) : std::nullopt;
-    return at::scaled_dot_product_attention(q, kk, vv, m, 0.0, is_causal, scale);
+    if (!opt.sinks.defined()) {  // SDPA has no sinks: those take the eager path below
+      const std::optional<at::Tensor> m = mask.defined() ? std::optional<at::Tensor>(mask) : std::nullopt;
+      return at::scaled_dot_product_attention(q, kk, vv, m, 0.0, is_causal, scale);
+    }
   }
   at::Tensor s = at::matmul(q, kk.transpose(2, 3)) * scale;  // [b, heads, seq, total]
-  s = at::tanh(s / opt.softcap) * opt.softcap;
+  if (opt.softcap > 0) s = at::tanh(s / opt.softcap) * opt.softcap;
   if (is_causal) mask = causal_window_mask(q.size(2), kk.size(2), 0, q.options());
   if (mask.defined()) s = s.masked_fill(mask.logical_not(), -std::numeric_limits<double>::infinity());
+  if (opt.sinks.defined()) return at::matmul(sink_softmax(s, opt.sinks), vv);
   return at::matmul(at::softmax(s, -1, at::kFloat).to(q.scalar_type()), vv);  // [b, heads, seq, d]
 }
 
@@ -93,7 +111,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& kk, const at::Tensor& v
 // keys each row may see, [b, total] bool, or undefined for all, narrowed here by the window.
 at::Tensor attend_one_query(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor allowed,
                             const AttentionOptions& opt) {
-  if (!c10::InferenceMode::is_enabled() || q.size(2) != 1) return {};
+  if (!c10::InferenceMode::is_enabled() || q.size(2) != 1 || opt.sinks.defined()) return {};
   const int64_t total = k.size(2);
   if (opt.window > 0 && opt.window < total) {
     const at::Tensor w = causal_window_mask(1, total, opt.window, q.options());  // [1, total]

@@ -1,7 +1,8 @@
-// Causal GQA attention (sliding window, logit soft-capping) and attention under an explicit mask
-// (packed rows, a generation batch's padding), as free functions over q, k and v: training's case
-// on the CPU by query blocks (modules/blocked_attention.h), a generation step's one query through
-// ops::decode_attention, the rest SDPA or, with soft-capping, transformers' eager path.
+// Causal GQA attention (sliding window, logit soft-capping, attention sinks) and attention under an
+// explicit mask (packed rows, a generation batch's padding), as free functions over q, k and v:
+// training's case on the CPU by query blocks (modules/blocked_attention.h), a generation step's one
+// query through ops::decode_attention, the rest SDPA or, with soft-capping, transformers' eager path.
+// gpt-oss's sinks: the blocked attention where it runs, else the eager path (decode steps included).
 // Numerics follow transformers' implementation of each family op for op where the order matters.
 #pragma once
 #include <ATen/core/Tensor.h>
@@ -17,6 +18,10 @@ struct AttentionOptions {
   double scale = 0.0;    // 0: 1 / sqrt(head_dim)
   double softcap = 0.0;  // 0: none
   int64_t window = 0;    // 0: full causal
+  // gpt-oss's learned attention sinks, [heads] in q's dtype: one more logit per head in each row's
+  // softmax, attending to no value (transformers' eager_attention_forward: the row's max over the
+  // scores and its sink subtracted, softmax in q's dtype, the sink's column dropped). Undefined: none.
+  at::Tensor sinks;
 };
 
 // Causal attention over q [batch, heads, seq, d], k/v [batch, kv_heads, total, d] where the q

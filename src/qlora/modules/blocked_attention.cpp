@@ -54,6 +54,7 @@ struct Hidden {
   at::Tensor hidden;
   int64_t heads = 1;
   std::vector<int64_t> first;
+  at::Tensor sinks;  // gpt-oss: each flattened head's sink logit [bh] fp32; undefined: none
   int64_t first_key(int64_t i0, int64_t block) const { return first.empty() ? 0 : first[i0 / block]; }
 };
 
@@ -82,6 +83,16 @@ void fill_hidden(const at::Tensor& s, const Hidden& m, int64_t h0, int64_t i0, i
   }
 }
 
+// Attention sinks (gpt-oss): one more logit per head in each row's softmax, attending to nothing. The
+// rows' probabilities p [h, n, keys] (normalised without it) shrink by exp(lse - lse'), lse' =
+// logaddexp(lse, sink), and lse [h, n] becomes lse', from which backward recomputes p (its dS = p (dP -
+// delta) holds as it is: the sink has no value, so no dP).
+void add_sinks(const at::Tensor& p, at::Tensor lse, const at::Tensor& sinks) {
+  const at::Tensor with = at::logaddexp(lse, sinks.unsqueeze(1).to(lse.scalar_type()));  // [h, n]
+  p.mul_((lse - with).exp_().unsqueeze(-1).to(p.scalar_type()));
+  lse.copy_(with);
+}
+
 // Query block b's probabilities [h1 - h0, n, keys] of heads [h0, h1): a slice of the kept ones, or
 // undefined when they are not kept.
 at::Tensor kept_probs(const std::vector<at::Tensor>& probs, size_t b, int64_t h0, int64_t h1) {
@@ -102,7 +113,8 @@ void forward_heads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
     if (!kept) p = at::empty({h, n, i0 + n - k0}, q.options());
     scores(q, k, i0, n, k0, scale, p);
     fill_hidden(p, m, h0, i0, k0, -std::numeric_limits<double>::infinity());
-    ops::causal_softmax_(p, kept ? at::Tensor() : lse.narrow(1, i0, n));
+    ops::causal_softmax_(p, kept && !m.sinks.defined() ? at::Tensor() : lse.narrow(1, i0, n));
+    if (m.sinks.defined()) add_sinks(p, lse.narrow(1, i0, n), heads_of(m.sinks, h0, h0 + h));
     fill_hidden(p, m, h0, i0, k0, 0.0);  // exactly 0 (the kernel's exp(-inf) is ~1e-38)
     at::Tensor o_block = o.narrow(1, i0, n);
     at::bmm_out(o_block, p, v.narrow(1, k0, i0 + n - k0));
@@ -151,6 +163,8 @@ void over_heads(int64_t heads, Fn fn) {
 struct BlockedCausalAttention : public torch::autograd::Function<BlockedCausalAttention> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             double scale, int64_t block, bool keep_probs, const Hidden& m) {
+    // The sinks (frozen, not an input) only change the probabilities and their log-sum-exp, which
+    // backward reads as forward left them.
     RECORD_USER_SCOPE("qlora::attention");  // a phase of bench_train_step's profile
     const int64_t bh = q.size(0), seq = q.size(1);
     at::Tensor o = at::empty_like(q), lse = at::empty({bh, seq}, q.options());  // [bh, seq, d], [bh, seq]
@@ -182,7 +196,7 @@ struct BlockedCausalAttention : public torch::autograd::Function<BlockedCausalAt
     const int64_t block = ctx->saved_data["block"].toInt();
     const std::vector<at::Tensor> probs = ctx->saved_data["probs"].toTensorVector();
     const auto hidden = ctx->saved_data.find("hidden");
-    Hidden m{at::Tensor(), ctx->saved_data["heads"].toInt(), {}};
+    Hidden m{at::Tensor(), ctx->saved_data["heads"].toInt(), {}, at::Tensor()};
     if (hidden != ctx->saved_data.end()) {
       m.hidden = hidden->second.toTensor();
       m.first = ctx->saved_data["first"].toIntVector();
@@ -202,7 +216,8 @@ struct BlockedCausalAttention : public torch::autograd::Function<BlockedCausalAt
 }  // namespace
 
 at::Tensor blocked_causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
-                                    int64_t block, std::optional<bool> keep_probs, const at::Tensor& allowed) {
+                                    int64_t block, std::optional<bool> keep_probs, const at::Tensor& allowed,
+                                    const at::Tensor& sinks) {
   if (q.dim() != 4 || k.sizes() != q.sizes() || v.sizes() != q.sizes())
     throw std::invalid_argument("blocked_causal_attention: q, k and v must all be [b, heads, seq, d]");
   if (block < 1) throw std::invalid_argument("blocked_causal_attention: block must be >= 1");
@@ -217,7 +232,12 @@ at::Tensor blocked_causal_attention(const at::Tensor& q, const at::Tensor& k, co
   // (4 seq d per head), i.e. seq <= 8 d; longer sequences recompute them in backward.
   const bool keep = keep_probs.value_or(seq <= 8 * d);
   const std::vector<int64_t> first = allowed.defined() ? first_keys(allowed, block) : std::vector<int64_t>{};
-  return BlockedCausalAttention::apply(flat(q), flat(k), flat(v), scale, block, keep, Hidden{hidden, h, first})
+  if (sinks.defined() && (sinks.dim() != 1 || sinks.size(0) != h))
+    throw std::invalid_argument("blocked_causal_attention: sinks must be [heads]");
+  // Flattened head i is head i % h of its batch row.
+  const at::Tensor flat_sinks = sinks.defined() ? sinks.to(q.device(), at::kFloat).repeat({b}) : at::Tensor();
+  return BlockedCausalAttention::apply(flat(q), flat(k), flat(v), scale, block, keep,
+                                       Hidden{hidden, h, first, flat_sinks})
       .view({b, h, seq, d});
 }
 

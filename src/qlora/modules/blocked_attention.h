@@ -22,9 +22,11 @@ namespace qlora::modules {
 // keep the probabilities for backward (nullopt: when seq <= 8 head_dim). allowed: undefined, or a
 // bool mask [1 or b, seq, seq] (true: query i may attend to key j) that hides more than the causal
 // mask does (packed rows' block-causal mask, a sliding window). Only keys j <= i are ever computed,
-// so an allowed key after its query is ignored; every query must keep at least one key.
+// so an allowed key after its query is ignored; every query must keep at least one key. sinks:
+// undefined, or [heads] (gpt-oss): one more logit per head in every row's softmax, attending to no
+// value (frozen: no gradient).
 at::Tensor blocked_causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
                                     int64_t block = 64, std::optional<bool> keep_probs = std::nullopt,
-                                    const at::Tensor& allowed = {});
+                                    const at::Tensor& allowed = {}, const at::Tensor& sinks = {});
 
 }  // namespace qlora::modules

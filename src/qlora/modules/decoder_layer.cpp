@@ -99,7 +99,8 @@ at::Tensor attention_mixer(const DecoderLayer& layer, const LayerDims& dims, con
     std::tie(k, v) = extend_cache(cache, k, v.transpose(1, 2));
     if (extras && extras->kv) *extras->kv = {k, v};
   }
-  const AttentionOptions& ao = dims.attention;
+  AttentionOptions ao = dims.attention;
+  ao.sinks = layer.sinks;
   at::Tensor attn = (attn_mask.defined() ? masked_attention(q, k, v, attn_mask, ao) : causal_attention(q, k, v, ao))
                         .transpose(1, 2)
                         .reshape({b, s, dims.num_heads * dims.head_dim});  // [b, s, heads * d]
@@ -122,7 +123,8 @@ at::Tensor per_layer_branch(const DecoderLayer& layer, const LayerDims& dims, co
 // sigmoid of its gate, added in that order and in the compute dtype as transformers does.
 at::Tensor moe_mlp(const DecoderLayer& layer, const LayerDims& dims, const at::Tensor& x, bool training,
                    Routing* routing) {
-  const at::Tensor routed = moe_forward(layer.router, layer.experts, dims.moe, x, routing);
+  const at::Tensor routed =
+      moe_forward(layer.router, layer.experts, dims.moe, x, routing, {{}, {}, layer.router_bias});
   if (!layer.shared_expert_gate.defined()) return routed;
   const at::Tensor shared = gated_mlp(layer.shared_gate_proj, layer.shared_up_proj, layer.shared_down_proj, dims, x,
                                       training);  // [b, s, hidden]
@@ -136,7 +138,7 @@ at::Tensor mlp_beside_moe(const DecoderLayer& layer, const LayerDims& dims, cons
                           bool training, Routing* routing) {
   const at::Tensor mlp = layer_norm(dims, gated_mlp(layer, dims, x, training), layer.post_feedforward_layernorm_1);
   const at::Tensor h2 = h.reshape({-1, h.size(-1)});
-  Routing r = route(layer.router, dims.moe, h2, {layer.router_scale, layer.per_expert_scale});
+  Routing r = route(layer.router, dims.moe, h2, {layer.router_scale, layer.per_expert_scale, {}});
   const at::Tensor y = grouped_experts(layer.experts, layer_norm(dims, h2, layer.pre_feedforward_layernorm_2), r.index,
                                        r.weights);
   if (routing) *routing = std::move(r);

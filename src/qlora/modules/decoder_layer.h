@@ -56,10 +56,13 @@ struct DecoderLayer {
   LoraLinear shared_gate_proj, shared_up_proj, shared_down_proj;
   at::Tensor shared_expert_gate;
   // Gemma 4's MoE (enable_moe_block), beside the gated MLP rather than instead of it: the router's
-  // scale [hidden] and per_expert_scale [experts] (RouterScales), the experts' input norm and the
+  // scale [hidden] and per_expert_scale [experts] (RouterTensors), the experts' input norm and the
   // norms closing the MLP's and the experts' branches before post_feedforward_layernorm.
   at::Tensor router_scale, per_expert_scale;
   at::Tensor pre_feedforward_layernorm_2, post_feedforward_layernorm_1, post_feedforward_layernorm_2;
+  // gpt-oss: the router's bias [experts] (compute dtype, frozen; undefined: none) and each attention
+  // head's learned sink logit [heads] (AttentionOptions::sinks).
+  at::Tensor router_bias, sinks;
   bool is_linear() const { return in_proj_qkv.out_features > 0; }
   bool is_moe() const { return router.defined(); }
   // Gemma 4's KV-shared layers compute queries only and attend over an earlier layer's K/V.

@@ -24,6 +24,7 @@
 // combine would stay as they are.
 #include "qlora/modules/experts.h"
 
+#include <ATen/TensorOperators.h>
 #include <ATen/ops/arange.h>
 #include <ATen/ops/bincount.h>
 #include <ATen/ops/cat.h>
@@ -32,8 +33,11 @@
 #include <ATen/ops/gelu.h>
 #include <ATen/ops/gelu_backward.h>
 #include <ATen/ops/mm.h>
+#include <ATen/ops/repeat_interleave.h>
+#include <ATen/ops/sigmoid.h>
 #include <ATen/ops/sort.h>
 #include <ATen/ops/stack.h>
+#include <ATen/ops/tensor.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/ops/zeros_like.h>
 #include <ATen/core/grad_mode.h>
@@ -86,28 +90,6 @@ ExpertSlots group_slots(const at::Tensor& index, int64_t num_experts) {
   const at::Tensor counts = at::bincount(flat, {}, num_experts).to(at::kCPU).to(at::kLong).contiguous();
   const int64_t* c = counts.data_ptr<int64_t>();
   return slots_from(std::move(perm), std::vector<int64_t>(c, c + num_experts), index.size(1));
-}
-
-// act(gate) * up, [n, inter], for the experts' activation (gate, up: the halves of gate_up's output).
-// SwiGLU through ops/swiglu_ops.h; gelu-tanh as transformers' GELUTanh then the product, each in
-// the operands' dtype (rounded there), as Gemma 4's experts compute it.
-at::Tensor gated_activation(ExpertActivation act, const at::Tensor& gate, const at::Tensor& up) {
-  switch (act) {
-    case ExpertActivation::kSwiglu: return ops::swiglu(gate, up);
-    case ExpertActivation::kGeluTanh: return at::gelu(gate, "tanh") * up;
-  }
-  throw std::invalid_argument("grouped_experts: unknown expert activation");
-}
-
-// The gradients of gate and up from act(gate) * up's gradient, as autograd forms them from the
-// forward's ops (in grad's dtype).
-std::pair<at::Tensor, at::Tensor> gated_activation_backward(ExpertActivation act, const at::Tensor& grad,
-                                                            const at::Tensor& gate, const at::Tensor& up) {
-  switch (act) {
-    case ExpertActivation::kSwiglu: return ops::swiglu_backward(grad, gate, up);
-    case ExpertActivation::kGeluTanh: return {at::gelu_backward(grad * up, gate, "tanh"), grad * at::gelu(gate, "tanh")};
-  }
-  throw std::invalid_argument("grouped_experts: unknown expert activation");
 }
 
 // One expert's frozen weight of one projection: NF4, or dense in the compute dtype.
@@ -180,6 +162,60 @@ void expert_project_backward(const at::Tensor& g, const at::Tensor& x2, const at
   if (ad.grad_a.defined()) ad.grad_a.copy_(ops::narrow_reduction(rw.defined() ? (gxa * rw).to(lt) : gxa, x2));
 }
 
+// The experts' activation (experts.h, ExpertActivation) and its constants, as forward saves them.
+struct Activation {
+  ExpertActivation kind = ExpertActivation::kSwiglu;
+  double alpha = 0.0, limit = 0.0;
+};
+
+Activation activation_of(const Experts& ex) { return {ex.activation, ex.alpha, ex.limit}; }
+
+void save_activation(AutogradContext* ctx, const Activation& a) {
+  ctx->saved_data["act"] = static_cast<int64_t>(a.kind);
+  ctx->saved_data["alpha"] = a.alpha;
+  ctx->saved_data["limit"] = a.limit;
+}
+
+Activation load_activation(AutogradContext* ctx) {
+  return {static_cast<ExpertActivation>(ctx->saved_data["act"].toInt()), ctx->saved_data["alpha"].toDouble(),
+          ctx->saved_data["limit"].toDouble()};
+}
+
+// act(gate, up) [n, inter] in their dtype. SwiGLU through ops/swiglu_ops.h; gelu-tanh as
+// transformers' GELUTanh then the product, each rounded to the operands' dtype (Gemma 4's experts).
+at::Tensor activate(const Activation& a, const at::Tensor& gate, const at::Tensor& up) {
+  switch (a.kind) {
+    case ExpertActivation::kSwiglu: break;
+    case ExpertActivation::kGeluTanh: return at::gelu(gate, "tanh") * up;
+    case ExpertActivation::kClampedSwiglu: {  // GptOssExperts._apply_gate, op for op
+      const at::Tensor g = gate.clamp_max(a.limit), u = up.clamp(-a.limit, a.limit);
+      return (u + 1) * (g * at::sigmoid(g * a.alpha));
+    }
+  }
+  return ops::swiglu(gate, up);
+}
+
+// Back through activate for its output gradient: (d gate, d up) in gate's dtype. The clamped form in
+// fp32, rounded once: clamp passes the gradient where its input is within its bounds, ends included
+// (as torch's clamp backward), and d/dg of g * sigmoid(alpha g) is s + alpha g s (1 - s).
+std::pair<at::Tensor, at::Tensor> activate_backward(const Activation& a, const at::Tensor& grad, const at::Tensor& gate,
+                                                    const at::Tensor& up) {
+  switch (a.kind) {
+    case ExpertActivation::kSwiglu: break;
+    case ExpertActivation::kGeluTanh:  // as autograd forms them from the forward's ops
+      return {at::gelu_backward(grad * up, gate, "tanh"), grad * at::gelu(gate, "tanh")};
+    case ExpertActivation::kClampedSwiglu: {
+      const at::Tensor d = grad.to(at::kFloat), gf = gate.to(at::kFloat), uf = up.to(at::kFloat);
+      const at::Tensor g = gf.clamp_max(a.limit), s = at::sigmoid(g * a.alpha);
+      const at::Tensor dup = (d * (g * s)).masked_fill(uf.abs() > a.limit, 0.0);
+      const at::Tensor dgate = (d * (uf.clamp(-a.limit, a.limit) + 1) * (s + a.alpha * g * s * (1 - s)))
+                                   .masked_fill(gf > a.limit, 0.0);
+      return {dgate.to(gate.scalar_type()), dup.to(gate.scalar_type())};
+    }
+  }
+  return ops::swiglu_backward(grad, gate, up);
+}
+
 std::string weight_key(const char* proj, int64_t e) { return std::string(proj) + std::to_string(e) + "."; }
 
 // Expert e's weight of a projection ("gate_up" / "down"), from the experts (forward) or as forward
@@ -231,11 +267,13 @@ struct GroupedExpertsFunction : public torch::autograd::Function<GroupedExpertsF
     ctx->saved_data["counts"] = slots.counts;
     ctx->saved_data["k"] = slots.k;
     ctx->saved_data["scale"] = ex.scale;
-    ctx->saved_data["activation"] = static_cast<int64_t>(ex.activation);
+    save_activation(ctx, activation_of(ex));
+    if (ex.down_bias.defined()) ctx->saved_data["down_bias"] = ex.down_bias;
     return combine(y, weights, slots.perm, x.scalar_type());
   }
 
-  // Each expert that received rows on them: gate_up into gu, SwiGLU, down into y, x @ A^T of both
+  // Each expert that received rows on them: gate_up into gu, the activation, down into y (each product
+  // plus the expert's bias where the experts have biases), x @ A^T of both
   // adapters into xa_gu / xa_down (all [S, ...], grouped order); its frozen weights saved for
   // backward. x's rows are gathered for all experts at once (freed before the combine) and the
   // adapters cast to x's dtype once.
@@ -253,9 +291,12 @@ struct GroupedExpertsFunction : public torch::autograd::Function<GroupedExpertsF
       const at::Tensor gu_e = gu.narrow(0, off, n);
       expert_project(x_rows.narrow(0, off, n), w_gu, adapter_of(adapters, 0, ex.num_experts, e, ex.scale, cast_gu),
                      gu_e, xa_gu.narrow(0, off, n));
-      const at::Tensor act = gated_activation(ex.activation, gu_e.narrow(1, 0, inter), gu_e.narrow(1, inter, inter));
-      expert_project(act, w_down, adapter_of(adapters, 2, ex.num_experts, e, ex.scale, cast_down), y.narrow(0, off, n),
+      if (ex.gate_up_bias.defined()) gu_e.add_(ex.gate_up_bias[e]);
+      const at::Tensor act = activate(activation_of(ex), gu_e.narrow(1, 0, inter), gu_e.narrow(1, inter, inter));
+      const at::Tensor y_e = y.narrow(0, off, n);  // [n, hidden]
+      expert_project(act, w_down, adapter_of(adapters, 2, ex.num_experts, e, ex.scale, cast_down), y_e,
                      xa_down.narrow(0, off, n));
+      if (ex.down_bias.defined()) y_e.add_(ex.down_bias[e]);
       save_weight(ctx, w_gu, weight_key("gate_up", e));
       save_weight(ctx, w_down, weight_key("down", e));
     }
@@ -297,14 +338,15 @@ struct GroupedExpertsFunction : public torch::autograd::Function<GroupedExpertsF
       g.xa_down_w = (saved[kSavedXaDown] * weights.reshape(-1).index_select(0, slots.perm).unsqueeze(1)).to(
           grad_out.scalar_type());
     }
-    g.activation = static_cast<ExpertActivation>(ctx->saved_data["activation"].toInt());
-    g.act = gated_activation(g.activation, gu.narrow(1, 0, inter), gu.narrow(1, inter, inter));  // [S, inter]
+    g.act = activate(load_activation(ctx), gu.narrow(1, 0, inter), gu.narrow(1, inter, inter));  // [S, inter]
     g.w = weights.reshape(-1).index_select(0, slots.perm);
     g.cast_gu = cast_adapters(adapters, 0, E, gu.scalar_type());
     g.cast_down = cast_adapters(adapters, 2, E, grad_out.scalar_type());
     // The routing weights' gradient per slot: one dot product of two rows each, of d act before
     // the weight (kept for all rows) and act.
     if (ctx->needs_input_grad(1)) g.dact = at::empty({gu.size(0), inter}, gu.options());
+    // With down biases, <g_t, y_tj> also holds <g_t, b_e>: taken now, before dx's rows overwrite g's.
+    const at::Tensor bias_dots = g.dact.defined() ? down_bias_dots(ctx, g.grad_out, slots.counts) : at::Tensor();
     // x's gradient rows, grouped order, summed per token after the experts; an expert writes its
     // rows over its rows of the output gradient, which it has then used (nothing reads them again).
     if (ctx->needs_input_grad(0))
@@ -313,7 +355,8 @@ struct GroupedExpertsFunction : public torch::autograd::Function<GroupedExpertsF
     for (int64_t e = 0; e < E; ++e)
       if (slots.counts[e] > 0) backward_expert(ctx, saved, slots, e, g, result);
     if (g.dact.defined()) {
-      const at::Tensor grad_w = routing_weight_grads(g.dact, g.act);  // [S] fp32, grouped order
+      at::Tensor grad_w = routing_weight_grads(g.dact, g.act);  // [S] fp32, grouped order
+      if (bias_dots.defined()) grad_w.add_(bias_dots);
       result[1] = at::empty_like(grad_w).index_copy_(0, slots.perm, grad_w).view_as(weights).to(weights.scalar_type());
     }
     if (g.dx.defined()) result[0] = sum_rows_per_token(g.dx, slots.perm, weights.size(0), weights.size(1));
@@ -324,8 +367,17 @@ struct GroupedExpertsFunction : public torch::autograd::Function<GroupedExpertsF
   struct GroupedBackward {
     at::Tensor grad_out, x, xa_down_w, act, w, dact, dx;
     CastAdapters cast_gu, cast_down;
-    ExpertActivation activation = ExpertActivation::kSwiglu;
   };
+
+  // <grad_out row, its expert's down bias> per row [S] fp32 (grouped order); undefined without biases.
+  static at::Tensor down_bias_dots(AutogradContext* ctx, const at::Tensor& grad_out, const std::vector<int64_t>& counts) {
+    if (ctx->saved_data.count("down_bias") == 0) return {};
+    const at::Tensor bias = ctx->saved_data.at("down_bias").toTensor();  // [E, hidden]
+    const auto E = static_cast<int64_t>(counts.size());
+    const at::Tensor experts = at::repeat_interleave(at::arange(E, bias.options().dtype(at::kLong)),
+                                                     at::tensor(counts, bias.options().dtype(at::kLong)));
+    return (grad_out.to(at::kFloat) * bias.index_select(0, experts).to(at::kFloat)).sum(1);
+  }
 
   // The routing weights' gradients [S] fp32: the fp32 dot of each row of dact and act, a block of
   // rows at a time (the fp32 copies of a block stay under 1 MiB each).
@@ -385,7 +437,7 @@ struct GroupedExpertsFunction : public torch::autograd::Function<GroupedExpertsF
     const bool need_x = g.dx.defined();
     if (!need_x && !ad_gu.grad_a.defined() && !ad_gu.grad_b.defined()) return;
     dact = (dact * rw).to(gu.scalar_type());
-    auto [dgate, dup] = gated_activation_backward(g.activation, dact, gate, up);
+    auto [dgate, dup] = activate_backward(load_activation(ctx), dact, gate, up);
     const at::Tensor dgu = at::cat({dgate, dup}, 1);  // [n, 2 * inter]
     at::Tensor dx = need_x ? g.dx.narrow(0, off, n) : at::Tensor();
     const at::Tensor x_rows = ad_gu.a.defined() ? g.x.narrow(0, off, n) : at::Tensor();
@@ -405,6 +457,10 @@ void check_inputs(const Experts& ex, const at::Tensor& x, const at::Tensor& inde
   const at::Device dev = ex.nf4() ? ex.gate_up_nf4[0].device() : ex.gate_up_dense[0].device();
   if (index.device() != x.device() || weights.device() != x.device() || dev != x.device())
     fail("x, index, weights and the experts must be on one device");
+  if (ex.gate_up_bias.defined() && ex.gate_up_bias.sizes() != at::IntArrayRef({ex.num_experts, 2 * ex.inter}))
+    fail("gate_up_bias must be [" + std::to_string(ex.num_experts) + ", " + std::to_string(2 * ex.inter) + "]");
+  if (ex.down_bias.defined() && ex.down_bias.sizes() != at::IntArrayRef({ex.num_experts, ex.hidden}))
+    fail("down_bias must be [" + std::to_string(ex.num_experts) + ", " + std::to_string(ex.hidden) + "]");
   if (index.numel() > 0 && (index.min().item<int64_t>() < 0 || index.max().item<int64_t>() >= ex.num_experts))
     fail("index out of [0, " + std::to_string(ex.num_experts) + ")");
 }
@@ -524,6 +580,17 @@ at::Tensor expert_lora_a(const at::Tensor& stacked_a, int64_t num_experts, int64
 
 at::Tensor expert_lora_b(const at::Tensor& stacked_b, int64_t num_experts, int64_t e) {
   return stacked_b.view({stacked_b.size(0), stacked_b.size(1) / num_experts, num_experts}).select(2, e);
+}
+
+at::Tensor interleave_gate_up(const at::Tensor& t, int64_t dim) {
+  const int64_t half = t.size(dim) / 2;
+  const int64_t d = dim < 0 ? dim + t.dim() : dim;
+  return at::stack({t.narrow(d, 0, half), t.narrow(d, half, half)}, d + 1).flatten(d, d + 1);
+}
+
+at::Tensor deinterleave_gate_up(const at::Tensor& t, int64_t dim) {
+  const int64_t n = t.size(dim);
+  return at::cat({t.slice(dim, 0, n, 2), t.slice(dim, 1, n, 2)}, dim);
 }
 
 at::Tensor experts_merged_gate_up(const Experts& experts, int64_t e, const at::Tensor& base) {

@@ -23,11 +23,12 @@
 
 namespace qlora::modules {
 
-// An expert's activation between its gate/up and down products: act(gate) * up.
-enum class ExpertActivation {
-  kSwiglu,    // silu(gate) * up (Qwen3-MoE, Mixtral, Qwen3.5-MoE)
-  kGeluTanh,  // gelu(gate, tanh approximation) * up (Gemma 4: its hidden_activation gelu_pytorch_tanh)
-};
+// What an expert computes between its gate_up and down products, from gate and up (the halves of gate_up):
+// kSwiglu: silu(gate) * up (Qwen, Mixtral); kGeluTanh: gelu(gate, tanh approximation) * up (Gemma 4: its
+// hidden_activation gelu_pytorch_tanh); kClampedSwiglu (gpt-oss): gate clamped above at limit, up to
+// [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate), each op rounded to the compute dtype
+// as transformers' GptOssExperts._apply_gate rounds it.
+enum class ExpertActivation { kSwiglu, kGeluTanh, kClampedSwiglu };
 
 // The routed experts of one layer. Expert e's gate and up projections are one weight gate_up[e]
 // [2 * inter, hidden] (gate's rows, then up's), as transformers 5 holds them fused; down[e] is
@@ -49,7 +50,12 @@ struct Experts {
   int64_t r = 0;
   double scale = 0.0;  // alpha / r, or alpha / sqrt(r) with rsLoRA
 
+  // The activation (ExpertActivation) and kClampedSwiglu's constants (gpt-oss's swiglu_alpha, swiglu_limit).
   ExpertActivation activation = ExpertActivation::kSwiglu;
+  double alpha = 1.702, limit = 7.0;
+  // gpt-oss: per-expert biases, frozen, compute dtype: gate_up's [E, 2 * inter] (gate's, then up's, as
+  // the weight's rows) added to each gate_up product, down's [E, hidden] to each down product; undefined: none.
+  at::Tensor gate_up_bias, down_bias;
 
   bool nf4() const { return !gate_up_nf4.empty(); }
   bool has_lora() const { return r > 0; }
@@ -66,9 +72,9 @@ Experts experts_dense(std::vector<at::Tensor> gate_up, std::vector<at::Tensor> d
 // in fp32 on `device`, requiring grad. `scale` as lora_scale gives it.
 void experts_add_adapters(Experts& experts, int64_t r, double scale, at::Generator gen, at::Device device);
 
-// y[t] = sum_j weights[t, j] * expert_{index[t, j]}(x[t]), with expert(x) = down(act(gate(x)) * up(x))
-// (act: experts.activation),
-// gate and up the halves of gate_up(x), each projection plus its adapter when the experts have them.
+// y[t] = sum_j weights[t, j] * expert_{index[t, j]}(x[t]), with expert(x) = down(act(gate(x), up(x))),
+// gate and up the halves of gate_up(x), each projection plus its adapter when the experts have them
+// and its bias when they have biases; act the experts' activation (silu(gate) * up by default).
 // x: [T, hidden] in the compute dtype; index: [T, k] int64 in [0, E); weights: [T, k] (the compute
 // dtype or fp32: the family's), differentiable. Returns [T, hidden] in x's dtype, as transformers'
 // grouped_mm path computes it: each slot's expert output (x's dtype) times its weight in the promoted
@@ -81,6 +87,11 @@ at::Tensor grouped_experts(const Experts& experts, const at::Tensor& x, const at
 // Expert e's A [r, in] and B [out, r] (views of the stacked adapters).
 at::Tensor expert_lora_a(const at::Tensor& stacked_a, int64_t num_experts, int64_t e);
 at::Tensor expert_lora_b(const at::Tensor& stacked_b, int64_t num_experts, int64_t e);
+
+// gpt-oss's order of gate and up along `dim` (interleaved: gate's entries at even indices, up's at odd
+// ones) from ours (gate's half, then up's), and back; `dim` has 2 * inter entries.
+at::Tensor interleave_gate_up(const at::Tensor& t, int64_t dim);
+at::Tensor deinterleave_gate_up(const at::Tensor& t, int64_t dim);
 
 // Expert e's merged weights W + scale * B_e @ A_e, fp32 (for exports); base: the expert's weight
 // dequantized to fp32. Requires adapters.

@@ -20,33 +20,37 @@ namespace {
 
 // Gemma 4's router input: x normalised in fp32 without a weight (Gemma4RMSNorm, with_scale False)
 // and cast to x's dtype, times scale, times hidden^-0.5, each product rounded to x's dtype.
-at::Tensor scaled_router_input(const MoeDims& dims, const RouterScales& scales, const at::Tensor& x) {
-  if (!scales.scale.defined() || !scales.per_expert_scale.defined())
+at::Tensor scaled_router_input(const MoeDims& dims, const RouterTensors& extra, const at::Tensor& x) {
+  if (!extra.scale.defined() || !extra.per_expert_scale.defined())
     throw std::invalid_argument("route: a scaled router (Gemma 4) needs its scale and per_expert_scale");
   const at::Tensor normed = rms_norm(x, at::ones({x.size(-1)}, x.options()), dims.norm_eps, RmsScale::kWeightFp32);
-  return normed * scales.scale * std::pow(static_cast<double>(x.size(-1)), -0.5);
+  return normed * extra.scale * std::pow(static_cast<double>(x.size(-1)), -0.5);
 }
 
 }  // namespace
 
-Routing route(const at::Tensor& router, const MoeDims& dims, const at::Tensor& x, const RouterScales& scales) {
+Routing route(const at::Tensor& router, const MoeDims& dims, const at::Tensor& x, const RouterTensors& extra) {
   if (dims.top_k < 1 || dims.top_k > dims.num_experts)
     throw std::invalid_argument("route: top_k " + std::to_string(dims.top_k) + " of " +
                                 std::to_string(dims.num_experts) + " experts");
-  const at::Tensor input = dims.scaled_router ? scaled_router_input(dims, scales, x) : x;
-  const at::Tensor logits = at::linear(input, router);                 // [T, E], x's dtype
+  const at::Tensor input = dims.scaled_router ? scaled_router_input(dims, extra, x) : x;
+  const at::Tensor logits = at::linear(input, router, extra.bias);     // [T, E], x's dtype
+  if (dims.softmax_after_topk) {  // gpt-oss: top k of the logits, softmax over those k in their dtype
+    auto [top, index] = at::topk(logits, dims.top_k, -1);
+    return {index, at::softmax(top, -1), at::softmax(logits.detach(), -1, at::kFloat)};
+  }
   const at::Tensor probs = at::softmax(logits, -1, at::kFloat);        // fp32
   auto [top, index] = at::topk(probs, dims.top_k, -1);                 // sorted, largest first
   if (dims.norm_topk_prob) top = top / top.sum(-1, /*keepdim=*/true);
-  if (dims.scaled_router) top = top * scales.per_expert_scale.index_select(0, index.reshape(-1)).view_as(index);
+  if (dims.scaled_router) top = top * extra.per_expert_scale.index_select(0, index.reshape(-1)).view_as(index);
   if (!dims.fp32_weights) top = top.to(logits.scalar_type());
   return {index, top, probs.detach()};
 }
 
 at::Tensor moe_forward(const at::Tensor& router, const Experts& experts, const MoeDims& dims, const at::Tensor& x,
-                       Routing* routing) {
+                       Routing* routing, const RouterTensors& extra) {
   const at::Tensor x2 = x.reshape({-1, x.size(-1)});
-  Routing r = route(router, dims, x2);
+  Routing r = route(router, dims, x2, extra);
   at::Tensor y = grouped_experts(experts, x2, r.index, r.weights);
   if (routing) *routing = std::move(r);
   return y.view(x.sizes());

@@ -20,12 +20,14 @@ const Family& gemma4_family();
 const Family& qwen3_moe_family();
 const Family& mixtral_family();
 const Family& qwen3_5_moe_family();
+const Family& gpt_oss_family();
 
 const std::vector<const Family*>& all_families() {
   static const std::vector<const Family*> families = {
       &llama_family(),   &qwen2_family(),   &qwen3_family(), &gemma2_family(),  &gemma3_family(), &phi3_family(),
       &smollm3_family(), &olmo2_family(),   &olmo3_family(), &qwen3_5_family(), &gemma4_family(), &qwen3_moe_family(), &mixtral_family(),
       &qwen3_5_moe_family(),
+      &gpt_oss_family(),
   };
   return families;
 }
