@@ -25,6 +25,7 @@ from recipe_common import Checks, losses, recipe_args, run_recipe
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "conformance"))
 import _families  # noqa: E402
+import _gguf_tokenizers as T  # noqa: E402
 import test_gguf_families as G  # noqa: E402
 
 TARGETS = 'lora.targets=["q","v","output"]'
@@ -38,7 +39,7 @@ TOL = G.TOL_GELU["f32"]
 
 def build(work, case, **overrides):
     d = os.path.join(work, case)
-    tok = G.SpTokenizer(G.gemma_sentencepiece(d))
+    tok = T.SpTokenizer(T.gemma_sentencepiece(d))
     _families.build(case, 0, vocab_size=len(tok), max_position_embeddings=256, tie_word_embeddings=True,
                     **overrides).save_pretrained(d)
     return d, tok
