@@ -58,4 +58,25 @@ at::Tensor dequantize(const at::Tensor& blocks, const at::Tensor& scales, at::Sc
   return dtype == at::kFloat ? out : out.to(dtype);
 }
 
+at::Tensor to_ggml_blocks(const at::Tensor& blocks, const at::Tensor& scales, const std::string& what) {
+  check(blocks, scales, at::kFloat, what);
+  const at::Tensor b = blocks.contiguous(), s = scales.contiguous();
+  std::vector<int64_t> shape = blocks.sizes().vec();
+  shape.back() = 17;
+  at::Tensor out = at::empty(shape, b.options());
+  const uint8_t* pb = b.data_ptr<uint8_t>();
+  const uint8_t* ps = s.data_ptr<uint8_t>();
+  uint8_t* po = out.data_ptr<uint8_t>();
+  at::parallel_for(0, s.numel(), 4096, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const uint8_t* in = pb + g * 16;  // element 2i: low nibble of byte i, 2i + 1: its high nibble
+      uint8_t* o = po + g * 17;
+      o[0] = ps[g];
+      const auto code = [in](int e) { return static_cast<uint8_t>((in[e / 2] >> (4 * (e % 2))) & 0x0F); };
+      for (int j = 0; j < 16; ++j) o[1 + j] = static_cast<uint8_t>(code(j) | (code(j + 16) << 4));
+    }
+  });
+  return out;
+}
+
 }  // namespace qlora::mxfp4

@@ -18,4 +18,10 @@ float e2m1_value(int code);
 // with `what`, e.g. "<file>: <key>").
 at::Tensor dequantize(const at::Tensor& blocks, const at::Tensor& scales, at::ScalarType dtype, const std::string& what);
 
+// The same groups as ggml's block_mxfp4 (llama.cpp's MXFP4 tensor type) holds them: uint8 [..., groups, 17],
+// each group its scale byte unchanged (ggml halves its E8M0 and doubles its E2M1 table: the same values),
+// then 16 bytes whose byte j holds element j's code in its low nibble and element j + 16's in its high one.
+// The codes are moved, never decoded: exact. Checked as dequantize checks.
+at::Tensor to_ggml_blocks(const at::Tensor& blocks, const at::Tensor& scales, const std::string& what);
+
 }  // namespace qlora::mxfp4

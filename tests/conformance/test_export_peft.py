@@ -221,8 +221,36 @@ def mxfp4_case(checks, tool, workdir):
             cfg = json.load(f)
         checks.check(f"{name} merged config has no quantization_config", "quantization_config" not in cfg,
                      str(cfg.get("quantization_config")))
+        mxfp4_unchanged_experts(checks, tool, base_dir, os.path.join(workdir, "gpt_oss_mxfp4", "attention"), tokens)
     except Exception as e:
         checks.crashed(name, e)
+
+
+def mxfp4_unchanged_experts(checks, tool, base_dir, out_dir, tokens):
+    """LoRA on the attention alone: the merged export keeps the experts' MXFP4 blocks and scales bit for bit
+    (and the quantization_config), and transformers' reading of it gives peft's logits."""
+    import subprocess
+    import _families as F
+    from peft import PeftModel
+    name = "gpt_oss mxfp4, experts unchanged"
+    r = subprocess.run([tool, "--checkpoint", base_dir, "--out", out_dir, "--targets", "q_proj,k_proj,v_proj,o_proj",
+                        "--tokens", ",".join(map(str, tokens))], capture_output=True, text=True)
+    if not checks.check(f"{name}: export ran", r.returncode == 0, r.stderr.strip()[-300:]):
+        return
+    base = load_file(os.path.join(base_dir, "model.safetensors"))
+    merged = load_file(os.path.join(out_dir, "merged", "model.safetensors"))
+    packed = [k for k in base if k.endswith("_blocks") or k.endswith("_scales")]
+    checks.check(f"{name}: the merged export holds the original's MXFP4 tensors bit for bit",
+                 len(packed) == 8 and all(k in merged and torch.equal(merged[k], base[k]) for k in packed),
+                 str(sorted(set(packed) - set(merged))))
+    with open(os.path.join(out_dir, "merged", "config.json")) as f:
+        checks.check(f"{name}: its quantization_config kept", "quantization_config" in json.load(f), "")
+    with torch.no_grad():
+        ref = PeftModel.from_pretrained(F.load_mxfp4(base_dir), os.path.join(out_dir, "adapter")).eval()(
+            torch.tensor([tokens])).logits
+        got = F.load_mxfp4(os.path.join(out_dir, "merged"))(torch.tensor([tokens])).logits
+    checks.compare(f"{name}: transformers on the merged export = peft's adapter", got, ref,
+                   ADAPTER_ATOL_PER_UNIT * max(1.0, ref.abs().max().item()))
 
 
 def main():

@@ -350,10 +350,11 @@ def check_gemma4_projection_adapter(tool, d, model):
           and not os.path.exists(out + ".tmp"), f"refused: a LoRA on gemma4's per_layer_model_projection: {msg[:300]}")
 
 
-def check_llama_quantize_mix(tool, name, d, f32_path, qtype="q4_k_m"):
+def check_llama_quantize_mix(tool, name, d, f32_path, qtype="q4_k_m", requantize=False):
     """`qlora gguf --type q4_k_m` gives every tensor the type and bytes llama.cpp's own quantizer makes
     of our f32 file (for Qwen3.5: ssm_conv1d kept in f32, ssm_out's 128-wide rows in q5_0; for MoE: the
-    3-D expert tensors, the router kept in f32, attn_v/attn_k in q8_0 with 8 experts)."""
+    3-D expert tensors, the router kept in f32, attn_v/attn_k in q8_0 with 8 experts). `requantize`: the
+    f32 file holds MXFP4 experts, which llama-quantize decodes only when allowed to (--allow-requantize)."""
     import ctypes
 
     import llama_cpp
@@ -363,7 +364,7 @@ def check_llama_quantize_mix(tool, name, d, f32_path, qtype="q4_k_m"):
         return
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = {"q4_k_m": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M, "q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0}[qtype]
-    params.pure, params.nthread = False, 2
+    params.pure, params.nthread, params.allow_requantize = False, 2, requantize
     theirs_path = os.path.join(d, f"llama-quantize-{qtype}.gguf")
     rc = llama_cpp.llama_model_quantize(f32_path.encode(), theirs_path.encode(), ctypes.byref(params))
     theirs = {x.name: x for x in GGUFReader(theirs_path).tensors}
@@ -699,6 +700,60 @@ def check_expert_adapter(tool, name, d, model, tok, base_gguf, params):
                  diff < tol < moved, f"{diff:.2e} (< {tol:g}; the adapter moves them by {moved:.2e})")
 
 
+def check_gpt_oss_mxfp4(tool, work, src, model, tok):
+    """gpt-oss's Hub form (experts in MXFP4, _families.save_mxfp4): our f32 file keeps the experts in llama.cpp's
+    MXFP4 type, their codes moved, never decoded: gguf's own dequantization of them is the OCP decode of the
+    checkpoint, bit for bit, and llama.cpp's logits equal transformers' reading of the checkpoint. A q8_0
+    file holds llama-quantize's bytes of that f32 file."""
+    import copy
+
+    from gguf import GGUFReader, GGMLQuantizationType
+    from gguf.quants import dequantize
+    from safetensors.torch import load_file
+    d = edited_copy(src, work, "gpt_oss_mxfp4")
+    for f in os.listdir(d):
+        if f.endswith(".safetensors") or f.endswith(".gguf"):
+            os.remove(os.path.join(d, f))
+    _families.save_mxfp4(model, d)
+    r, out = qlora_gguf(tool, d, "f32")
+    if not check(r.returncode == 0, f"gpt_oss mxfp4: qlora gguf --type f32: {r.stderr.strip()[:300]}"):
+        return
+    sd = load_file(os.path.join(d, "model.safetensors"))
+    tensors = {x.name: x for x in GGUFReader(out).tensors}
+    exact, types = True, set()
+    for i in range(model.config.num_hidden_layers):
+        stem = f"model.layers.{i}.mlp.experts."
+        gate_up = _families.mxfp4_unpack(sd[stem + "gate_up_proj_blocks"], sd[stem + "gate_up_proj_scales"])
+        down = _families.mxfp4_unpack(sd[stem + "down_proj_blocks"], sd[stem + "down_proj_scales"])
+        for name, want in (("gate", gate_up[:, 0::2]), ("up", gate_up[:, 1::2]), ("down", down)):
+            t = tensors[f"blk.{i}.ffn_{name}_exps.weight"]
+            types.add(t.tensor_type.name)
+            got = dequantize(np.asarray(t.data), t.tensor_type).reshape(want.shape)
+            exact = exact and np.array_equal(got, want.numpy())
+    check(types == {GGMLQuantizationType.MXFP4.name} and exact, f"gpt_oss mxfp4: the experts are MXFP4 in the f32 "
+          f"file ({sorted(types)}) and gguf decodes them to the checkpoint's values exactly ({exact})")
+    ids = prompt_ids(tok)
+    theirs = _families.load_mxfp4(d)
+    ref = hf_logits(theirs, ids)
+    # ggml's CPU product of MXFP4 weights rounds the activations to q8_0 blocks (as with f16 weights it
+    # rounds them to f16): the f16 tolerance. The same decoded values in f32 give the f32 one.
+    diff = rel_diff(llama_cpp_logits(llama_cpp_model(out), ids), ref)
+    CHECKS.check("gpt_oss mxfp4: llama.cpp's logits on our f32 file (MXFP4 experts) equal transformers'",
+                 diff < tolerance("gpt_oss", "f16"), f"{diff:.2e} (< {tolerance('gpt_oss', 'f16'):g})")
+    dense = edited_copy(src, work, "gpt_oss_mxfp4_decoded")
+    decoded = copy.deepcopy(model)
+    with torch.no_grad():
+        for n, p in decoded.named_parameters():
+            if n + "_blocks" in sd:  # [E, in, out]: the blocks' [E, out, in] transposed
+                p.copy_(_families.mxfp4_unpack(sd[n + "_blocks"], sd[n + "_scales"]).transpose(1, 2))
+    decoded.save_pretrained(dense)
+    r, dense_out = qlora_gguf(tool, dense, "f32")
+    diff = rel_diff(llama_cpp_logits(llama_cpp_model(dense_out), ids), ref) if r.returncode == 0 else float("inf")
+    CHECKS.check("gpt_oss mxfp4: the same experts decoded, in an f32 file: llama.cpp's logits equal transformers'",
+                 diff < tolerance("gpt_oss", "f32"), f"{diff:.2e} (< {tolerance('gpt_oss', 'f32'):g})")
+    check_llama_quantize_mix(tool, "gpt_oss mxfp4", d, out, "q8_0", requantize=True)
+
+
 def check_gpt_oss_truncate_note(tool, work, src):
     """gpt-oss's own YaRN (truncate false): written, with a note that ggml rounds the ramp's ends."""
     d = edited_copy(src, work, "gpt_oss_untruncated", lambda c: c["rope_parameters"].update(truncate=False))
@@ -812,6 +867,8 @@ def main():
             check_llama_quantize_mix(a.tool, name, d, paths["f32"], "q8_0")
             if name != "gpt_oss":  # its one layout is fused
                 (check_moe_split if name in _families.SPLIT_CASES else check_moe_fused)(a.tool, name, d, model, tok)
+            else:  # and its Hub form MXFP4
+                check_gpt_oss_mxfp4(a.tool, a.workdir, d, model, tok)
             if name == "gemma4_moe":  # the Hub's 26B-A4B is a Gemma4ForConditionalGeneration
                 check_hub_multimodal(a.tool, a.workdir, "gemma4_moe", "gemma4_vision", "sp-gemma",
                                      **{k: v for k, v in _families.GEMMA4_MOE.items() if _families.GEMMA4.get(k) != v})

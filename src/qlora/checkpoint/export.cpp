@@ -371,6 +371,7 @@ MergedModelWriter::MergedModelWriter(const std::string& dir, const models::Decod
     }
     // A fused tensor: every expert merged (the original's, or the model's base), in the checkpoint's
     // layout; an MXFP4 original in bf16 (merging into MXFP4 would round it), which write_extras says.
+    // Experts without adapters keep an MXFP4 original's blocks and scales, bit for bit.
     auto fused_part = [&](const std::string& k, bool gate_up) {
       const bool mxfp4 = models::is_mxfp4(orig, row, k);
       if (mxfp4) impl_->mxfp4_experts = true;
@@ -389,7 +390,13 @@ MergedModelWriter::MergedModelWriter(const std::string& dir, const models::Decod
             }});
     };
     for (const Part& p : parts) {
-      if (!ex.has_lora() && !(p.e < 0 && models::is_mxfp4(orig, row, p.key))) {
+      const bool mxfp4 = p.e < 0 && models::is_mxfp4(orig, row, p.key);
+      if (!ex.has_lora() && mxfp4 && use_orig) {  // unchanged MXFP4 experts: the original's bytes
+        plain(p.key + "_blocks", at::Tensor());
+        plain(p.key + "_scales", at::Tensor());
+        continue;
+      }
+      if (!ex.has_lora() && !mxfp4) {
         plain(p.key, at::Tensor());
         continue;
       }

@@ -56,6 +56,9 @@ struct StackedTensor {
     int64_t row0, rows;          // the rows of each expert's matrix this tensor takes
     bool transposed = false;     // gpt-oss: each expert's matrix is stored [cols, R] (transposed first)
     int64_t stride = 1;          // gpt-oss: rows row0, row0 + stride, ... (gate's and up's interleaved rows)
+    // gpt-oss's Hub form: the key names <key>_blocks [E, out, in / 32, 16] (MXFP4, out-major: never
+    // transposed) beside <key>_scales; convert.cpp sets it where the checkpoint holds the pair.
+    bool mxfp4 = false;
   };
   std::vector<Part> parts;
 };

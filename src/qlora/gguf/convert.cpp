@@ -15,6 +15,7 @@
 #include "qlora/io/checkpoint_dir.h"
 #include "qlora/models/key_layout.h"
 #include "qlora/models/decoder_config.h"
+#include "quant/mxfp4.h"
 
 namespace qlora::gguf {
 namespace {
@@ -54,6 +55,33 @@ struct Plan {
   Metadata metadata;
 };
 
+// A fused expert tensor that gpt-oss's Hub form holds in MXFP4: <key>_blocks [E, out, in / 32, 16]
+// (out-major, where the plain tensor is [E, in, out]) beside <key>_scales.
+void as_mxfp4(StackedTensor::Part& part) {
+  part.shape = {part.shape[0], part.shape[2], part.shape[1] / 32, 16};
+  part.key += "_blocks";
+  part.transposed = false;
+  part.mxfp4 = true;
+}
+
+std::string scales_key(const std::string& blocks_key) {
+  return blocks_key.substr(0, blocks_key.size() - 7) + "_scales";
+}
+
+// Tensor `key` is in the checkpoint with `shape`, or the conversion is refused naming it (`what`: whose it is).
+void check_part(const io::CheckpointDir& ckpt, const std::string& key, const std::vector<int64_t>& shape,
+                const std::string& dir, const std::string& what) {
+  if (!ckpt.contains(key))
+    throw std::invalid_argument(dir + ": tensor '" + key + "' is missing (" + what + "); no GGUF is written");
+  const auto& got = ckpt.file_of(key).info(key).shape;
+  if (got == shape) return;
+  std::string want_s, got_s;
+  for (int64_t d : shape) want_s += (want_s.empty() ? "" : ", ") + std::to_string(d);
+  for (int64_t d : got) got_s += (got_s.empty() ? "" : ", ") + std::to_string(d);
+  throw std::invalid_argument(dir + ": tensor '" + key + "' is [" + got_s + "], config.json implies [" + want_s +
+                              "]; no GGUF is written");
+}
+
 // The MoE layers' expert tensors (arch.h, expert_tensors) in whichever layout the checkpoint holds,
 // their parts' keys in the checkpoint's spelling and checked against the config's shapes; the text
 // keys they read go into `read`.
@@ -65,19 +93,18 @@ std::vector<StackedTensor> stacked_experts(const io::CheckpointDir& ckpt, const 
     const bool fused = ckpt.contains(models::layout_key(layout, fused_experts_key(c, i)));
     for (StackedTensor& t : expert_tensors(c, i, fused)) {
       for (StackedTensor::Part& part : t.parts) {
-        read.insert(part.key);
+        const std::string text = part.key;
         part.key = models::layout_key(layout, part.key);
-        if (!ckpt.contains(part.key))
-          throw std::invalid_argument(dir + ": tensor '" + part.key + "' is missing (layer " + std::to_string(i) +
-                                      "'s experts, for " + t.name + "); no GGUF is written");
-        const auto& shape = ckpt.file_of(part.key).info(part.key).shape;
-        if (shape != part.shape) {
-          std::string want, got;
-          for (int64_t d : part.shape) want += (want.empty() ? "" : ", ") + std::to_string(d);
-          for (int64_t d : shape) got += (got.empty() ? "" : ", ") + std::to_string(d);
-          throw std::invalid_argument(dir + ": tensor '" + part.key + "' is [" + got + "], config.json implies [" +
-                                      want + "]; no GGUF is written");
+        if (part.transposed && !ckpt.contains(part.key) && ckpt.contains(part.key + "_blocks")) {
+          as_mxfp4(part);
+          read.insert({text + "_blocks", text + "_scales"});
+        } else {
+          read.insert(text);
         }
+        check_part(ckpt, part.key, part.shape, dir, "layer " + std::to_string(i) + "'s experts, for " + t.name);
+        if (part.mxfp4)
+          check_part(ckpt, scales_key(part.key), {part.shape.begin(), part.shape.end() - 1}, dir,
+                     "layer " + std::to_string(i) + "'s MXFP4 scales, for " + t.name);
       }
       out.push_back(std::move(t));
     }
@@ -85,11 +112,32 @@ std::vector<StackedTensor> stacked_experts(const io::CheckpointDir& ckpt, const 
   return out;
 }
 
+// An MXFP4 part, one expert's rows at a time: its blocks moved into ggml's MXFP4 as they are (the
+// unchanged experts of a gpt-oss checkpoint: exact, and a quarter of bf16's bytes), or decoded
+// exactly to fp32 and encoded in a quantized file's type.
+void write_mxfp4(Writer& out, const at::Tensor& blocks, const at::Tensor& scales, const StackedTensor::Part& p,
+                 GgmlType type) {
+  for (int64_t e = 0; e < blocks.size(0); ++e) {
+    const int64_t end = p.row0 + p.rows * p.stride;
+    const at::Tensor b = blocks[e].slice(0, p.row0, end, p.stride), s = scales[e].slice(0, p.row0, end, p.stride);
+    if (type == GgmlType::MXFP4) {
+      const at::Tensor g = mxfp4::to_ggml_blocks(b, s, p.key);
+      out.write(g.data_ptr(), static_cast<size_t>(g.numel()));
+    } else {
+      write_tensor(out, mxfp4::dequantize(b, s, at::kFloat, p.key), type);
+    }
+  }
+}
+
 // Writes a stacked expert tensor [experts, rows, cols] one expert's matrix at a time (peak memory:
 // one expert's rows in fp32), from the checkpoint's mapped tensors.
 void write_stacked(Writer& out, const io::CheckpointDir& ckpt, const StackedTensor& t, GgmlType type) {
   for (const StackedTensor::Part& p : t.parts) {
     const at::Tensor x = ckpt.tensor(p.key);
+    if (p.mxfp4) {
+      write_mxfp4(out, x, ckpt.tensor(scales_key(p.key)), p, type);
+      continue;
+    }
     if (!p.all_experts) {
       write_tensor(out, x.narrow(0, p.row0, p.rows), type);
       continue;
@@ -129,6 +177,9 @@ Plan plan_gguf(const io::CheckpointDir& ckpt, const models::DecoderConfig& c, co
   for (const StackedTensor& t : p.stacked) p.specs.push_back({t.name, t.shape});
   set_types(p.specs, {p.arch.arch, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.moe.num_experts},
             options.type);
+  // MXFP4 experts stay MXFP4 in an f32/f16/bf16 file, as llama.cpp's converter keeps them.
+  for (size_t i = 0, first = p.specs.size() - p.stacked.size(); i < p.stacked.size(); ++i)
+    if (p.stacked[i].parts[0].mxfp4 && !is_quantized(options.type)) p.specs[first + i].type = GgmlType::MXFP4;
   p.metadata = general_metadata(p.arch.arch, options, dir);
   for (const auto& kv : p.arch.metadata) p.metadata.push_back(kv);
   add_tokenizer_metadata(dir, c.vocab_size, p.metadata);
@@ -163,8 +214,11 @@ size_t write_gguf(const std::string& dir, const std::string& out_path, const Con
     // A fused gate_up key serves the gate and the up tensor, written one after the other: released after both.
     const bool read_next = i + 1 < plan.stacked.size() && t.parts[0].all_experts &&
                            plan.stacked[i + 1].parts[0].key == t.parts[0].key;
-    if (!read_next)
-      for (const StackedTensor::Part& part : t.parts) ckpt.file_of(part.key).release(part.key);
+    if (read_next) continue;
+    for (const StackedTensor::Part& part : t.parts) {
+      ckpt.file_of(part.key).release(part.key);
+      if (part.mxfp4) ckpt.file_of(scales_key(part.key)).release(scales_key(part.key));
+    }
   }
   out.commit();
   return plan.specs.size();

@@ -8,7 +8,8 @@
 // with a log line), phi3, smollm3, olmo2/3, qwen3_moe and mixtral (each MoE layer's experts stacked
 // into llama.cpp's 3-D ffn_*_exps from one tensor per expert or from the fused gate_up_proj /
 // down_proj); each as the llama.cpp architecture, metadata keys, tensor names and value transforms
-// arch.h lists.
+// arch.h lists. gpt-oss's MXFP4 experts (*_blocks, *_scales) are written in llama.cpp's MXFP4 type in
+// the f32/f16/bf16 types (their codes moved, never decoded), decoded and encoded in the quantized ones.
 // Types: f32, f16, bf16 (1-D tensors and ssm_conv1d stay f32, as llama.cpp's converter keeps them); q8_0, q4_0,
 // q4_k_m, q5_k_m, q6_k with each tensor in the type llama-quantize's default mix gives it
 // (quant_mix.h: e.g. the output head in q6_K, q6_K for some layers' attn_v/ffn_down in the _m

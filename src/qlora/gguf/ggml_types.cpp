@@ -25,6 +25,7 @@ constexpr GgmlTypeInfo kTypes[] = {
     {GgmlType::Q6_K, "q6_K", 256, 210, 18, "q6_k"},
     {GgmlType::Q5_0, "q5_0", 32, 22, 8, nullptr},
     {GgmlType::Q5_1, "q5_1", 32, 24, 9, nullptr},
+    {GgmlType::MXFP4, "mxfp4", 32, 17, 38, nullptr},
 };
 
 void put_half(float v, uint8_t* out) {
@@ -170,7 +171,9 @@ void encode_row(GgmlType type, const float* x, int64_t n, uint8_t* out) {
     case GgmlType::Q4_K: return blocks(encode_q4_k);
     case GgmlType::Q5_K: return blocks(encode_q5_k);
     case GgmlType::Q6_K: return blocks(encode_q6_k);
+    case GgmlType::MXFP4: break;
   }
+  throw std::invalid_argument(std::string("GGUF: ") + t.name + " is copied from an MXFP4 checkpoint, never encoded from floats");
 }
 
 }  // namespace qlora::gguf

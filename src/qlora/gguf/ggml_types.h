@@ -15,7 +15,8 @@ namespace qlora::gguf {
 
 // The numbers are ggml's enum ggml_type.
 enum class GgmlType : uint32_t {
-  F32 = 0, F16 = 1, Q4_0 = 2, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, BF16 = 30
+  F32 = 0, F16 = 1, Q4_0 = 2, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, BF16 = 30,
+  MXFP4 = 39  // only copied from an MXFP4 checkpoint (quant/mxfp4.h), never encoded from floats
 };
 
 struct GgmlTypeInfo {
