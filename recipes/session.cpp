@@ -488,11 +488,11 @@ void save_checkpoint(const Session& ses, const Model& m, const Optimizer& o, con
 // ranks, into r.extra: per MoE layer, its busiest expert's tokens over the mean (1 is perfectly even,
 // E is one expert taking them all) and the experts that got no token, so a collapsing router shows.
 void add_router_metrics(Model& m, engine::World& world, StepResult& r) {
-  const std::shared_ptr<at::Tensor>& counts = m.decoder.router_counts;
-  if (!counts) return;
-  if (world.size() > 1) engine::wait(world.world().all_reduce_sum(*counts));  // on the model's device
-  const at::Tensor all = counts->cpu().to(at::kDouble);  // the step's one read-back
-  counts->zero_();
+  if (!m.decoder.router_counts) return;
+  at::Tensor& counts = m.decoder.router_counts->counts;
+  if (world.size() > 1) engine::wait(world.world().all_reduce_sum(counts));  // on the model's device
+  const at::Tensor all = counts.cpu().to(at::kDouble);  // the step's one read-back
+  counts.zero_();
   for (int64_t i = 0; i < all.size(0); ++i) {
     if (!m.decoder.config.is_moe(i)) continue;
     const at::Tensor row = all[i];
@@ -574,8 +574,9 @@ Position train(const Session& s, Model& m, const TextSetup& text, RecipeParts& p
   report::MetricsLog* lead_metrics = lead ? &*metrics : nullptr;
   const models::DecoderConfig& dc = m.decoder.config;
   if (!dc.moe_layers.empty())
-    m.decoder.router_counts = std::make_shared<at::Tensor>(at::zeros(
-        {dc.num_hidden_layers, dc.moe.num_experts}, at::TensorOptions(at::kLong).device(m.decoder.embed_tokens.device())));
+    m.decoder.router_counts = std::make_shared<models::DecoderModel::RouterCounts>(models::DecoderModel::RouterCounts{
+        at::zeros({dc.num_hidden_layers, dc.moe.num_experts},
+                  at::TensorOptions(at::kLong).device(m.decoder.embed_tokens.device())), {}});
   int64_t consecutive_skips = 0;
   Position p = start;
   for (; p.epoch < cfg.training.epochs; ++p.epoch, p.step_in_epoch = 0) {

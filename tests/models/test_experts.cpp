@@ -18,6 +18,7 @@
 
 #include "qlora/modules/experts.h"
 #include "qlora/modules/lora_linear.h"
+#include "qlora/modules/moe.h"
 #include "qlora/ops/nf4_ops.h"
 #include "fixtures.h"
 
@@ -484,6 +485,15 @@ Experts experts_on(const Experts& ex, at::Device device) {
 // order of the GEMMs' sums differs (NF4 dequantizes to the same bits on both): fp32 (no TF32) to
 // ~1e-6, 2e-5 allowed; bf16 roundings at other places in the sums, 3e-2 allowed (as
 // test_cuda_parity.cpp's one-layer tolerances).
+TEST(Experts, CountsAreTheValidTokensSlots) {  // router statistics: padding is not counted
+  modules::Routing r;
+  r.index = at::tensor({0, 2, 2, 1, 3, 2}, at::kLong).view({3, 2});  // 3 tokens, k 2
+  EXPECT_TRUE(at::equal(modules::expert_counts(r, 4), at::tensor({1, 1, 3, 1}, at::kLong)));
+  const at::Tensor valid = at::tensor({1, 0, 1}, at::kLong).to(at::kBool).view({1, 3});  // [batch, seq]: token 1 padding
+  EXPECT_TRUE(at::equal(modules::expert_counts(r, 4, valid), at::tensor({1, 0, 2, 1}, at::kLong)));
+  EXPECT_THROW(modules::expert_counts(r, 4, at::ones({2}, at::kBool)), std::invalid_argument);
+}
+
 TEST(Experts, CudaMatchesCpu) {
   if (!(at::hasCUDA() && at::detail::getCUDAHooks().deviceCount() > 0)) GTEST_SKIP() << "no CUDA device";
   const at::Device gpu(at::kCUDA, 0);

@@ -385,7 +385,7 @@ at::Tensor hidden_states(const DecoderModel& m, const at::Tensor& tokens, const 
     } else {
       h = modules::decoder_layer_forward(layer, d, h, rope, m.training, nullptr, attn_mask, segs, &ex);
     }
-    if (count) (*m.router_counts)[i] += modules::expert_counts(routing, c.moe.num_experts);
+    if (count) m.router_counts->counts[i] += modules::expert_counts(routing, c.moe.num_experts, m.router_counts->valid);
     if (hooks) {
       hooks->after_forward(i, false);
       add_backward_hooks(h, hooks, i, /*feeds_next=*/true);

@@ -113,9 +113,14 @@ struct DecoderModel {
   bool training = false;           // enables LoRA dropout
   std::shared_ptr<UnitHooks> hooks;  // optional; see UnitHooks
   // Router statistics: when set, each training forward (m.training, no cache) adds the tokens each
-  // expert of each MoE layer received to it, [layers, experts] int64 on the model's device (rows of
-  // dense layers stay 0; counted there, no host sync per layer); the caller reads and clears it.
-  std::shared_ptr<at::Tensor> router_counts;
+  // expert of each MoE layer received to `counts`, [layers, experts] int64 on the model's device (rows
+  // of dense layers stay 0; counted there, no host sync per layer); the caller reads and clears it.
+  // `valid` [batch, seq] bool (the caller's, per batch; undefined: every token) marks the tokens
+  // counted, so padding is not.
+  struct RouterCounts {
+    at::Tensor counts, valid;
+  };
+  std::shared_ptr<RouterCounts> router_counts;
 
   // tokens: [batch, seq] int64. With a cache, the tokens continue the cached sequence and the
   // cache is extended (cache and activation checkpointing are exclusive: generation needs no

@@ -56,10 +56,15 @@ at::Tensor moe_forward(const at::Tensor& router, const Experts& experts, const M
   return y.view(x.sizes());
 }
 
-at::Tensor expert_counts(const Routing& routing, int64_t num_experts) {
+at::Tensor expert_counts(const Routing& routing, int64_t num_experts, const at::Tensor& valid) {
   // index_add_ rather than bincount: bincount on CUDA reads the largest index back to the host first.
   const at::Tensor flat = routing.index.reshape(-1);
-  return at::zeros({num_experts}, flat.options()).index_add_(0, flat, at::ones_like(flat));
+  if (valid.defined() && valid.numel() != routing.index.size(0))
+    throw std::invalid_argument("expert_counts: valid has " + std::to_string(valid.numel()) + " tokens, the routing " +
+                                std::to_string(routing.index.size(0)));
+  const at::Tensor ones = valid.defined() ? valid.reshape({-1, 1}).expand(routing.index.sizes()).reshape(-1).to(flat.options())
+                                          : at::ones_like(flat);
+  return at::zeros({num_experts}, flat.options()).index_add_(0, flat, ones);
 }
 
 }  // namespace qlora::modules

@@ -54,7 +54,8 @@ Routing route(const at::Tensor& router, const MoeDims& dims, const at::Tensor& x
 at::Tensor moe_forward(const at::Tensor& router, const Experts& experts, const MoeDims& dims, const at::Tensor& x,
                        Routing* routing = nullptr, const RouterTensors& extra = {});
 
-// Tokens each expert received, [E] int64 on the routing's device (no host sync), from its index.
-at::Tensor expert_counts(const Routing& routing, int64_t num_experts);
+// Tokens each expert received, [E] int64 on the routing's device (no host sync), from its index;
+// `valid` (the routed tokens' [T] bool, or any shape of T elements; undefined: all) limits them to its true ones.
+at::Tensor expert_counts(const Routing& routing, int64_t num_experts, const at::Tensor& valid = {});
 
 }  // namespace qlora::modules

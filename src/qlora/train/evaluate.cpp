@@ -12,6 +12,7 @@ namespace qlora::train {
 
 at::Tensor summed_token_loss(const models::DecoderModel& model, const data::Batch& b, bool packed, c10::Device device) {
   const at::Tensor labels = b.labels.to(device);  // [batch, seq]
+  if (model.router_counts) model.router_counts->valid = b.document_ids.ge(0).to(device);  // padding is not counted
   return packed ? model.loss(b.tokens.to(device), b.position_ids.to(device),
                              data::block_causal_mask(b.document_ids).to(device), labels)
                 : model.loss(b.tokens.to(device), labels);

@@ -16,6 +16,7 @@ namespace qlora::train {
 
 // The summed token cross-entropy of a batch over its non-masked labels (fp32 logits, by chunks of
 // tokens: DecoderModel::loss; packed rows attend within their own sample only). Divide by the tokens it stands for.
+// A MoE model's router statistics (DecoderModel::router_counts) count the batch's tokens, not its padding.
 at::Tensor summed_token_loss(const models::DecoderModel& model, const data::Batch& batch, bool packed,
                              c10::Device device);
 
