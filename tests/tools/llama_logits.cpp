@@ -13,6 +13,9 @@
 //   models::generate (KV cache), no stop ids. With --batch-lengths (one per row): one
 //   models::generate_batch over G greedy sequences per row, row r's prompt its first L_r tokens;
 //   "ids": int64 [batch * G, N], row r's sequences at rows r*G .. r*G+G-1.
+// --images FILE (safetensors): image features placed at image tokens (models/multimodal.h): "features"
+//   float32 [n, hidden], "mask" uint8 [batch, seq] (the image tokens), and for Qwen3.5's M-RoPE
+//   "grids" int64 [images, 3] (t, h, w patches) with "spatial_merge" int64 [1]; with --packed or alone.
 #include <ATen/ops/cat.h>
 #include <ATen/ops/tensor.h>
 #include <c10/core/GradMode.h>
@@ -92,6 +95,24 @@ std::pair<at::Tensor, at::Tensor> packed_inputs(const std::vector<int64_t>& leng
   return {position_ids, qlora::data::block_causal_mask(document_ids)};
 }
 
+// --images FILE: the batch's ImageInputs (see the header); position_ids restart where packed samples start.
+qlora::models::ImageInputs read_images(const std::string& path, const at::Tensor& position_ids, at::Device device,
+                                       at::ScalarType dtype) {
+  const qlora::io::SafetensorsFile f = qlora::io::SafetensorsFile::open(path);
+  qlora::models::ImageInputs in;
+  in.features = f.tensor("features").to(device, dtype);
+  in.mask = f.tensor("mask").to(at::kBool);
+  if (f.find("grids")) {
+    const at::Tensor g = f.tensor("grids").to(at::kLong).contiguous();
+    std::vector<qlora::models::ImageGrid> grids;
+    for (int64_t i = 0; i < g.size(0); ++i) grids.push_back({g[i][0].item<int64_t>(), g[i][1].item<int64_t>(), g[i][2].item<int64_t>()});
+    in.positions = qlora::models::mrope_positions(in.mask, grids, f.tensor("spatial_merge").item<int64_t>(), position_ids.cpu())
+                       .to(device);
+  }
+  in.mask = in.mask.to(device);
+  return in;
+}
+
 // --generate N [--batch-lengths ...]: the greedy continuations as "ids" in `out` (see the header).
 void write_generation(const qlora::models::DecoderModel& model, const at::Tensor& ids, int64_t generate_n,
                       const std::vector<int64_t>& batch_lengths, int64_t generations, const std::string& out) {
@@ -129,7 +150,7 @@ void write_generation(const qlora::models::DecoderModel& model, const at::Tensor
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string checkpoint, tokens, out, packed;
+  std::string checkpoint, tokens, out, packed, images;
   int64_t generate_n = -1, decode_from = -1, generations = 1;
   std::vector<int64_t> batch_lengths;
   qlora::models::DecoderLoadOptions opt;
@@ -145,6 +166,7 @@ int main(int argc, char** argv) {
     else if (a == "--nf4") opt.base_in_nf4 = true;
     else if (a == "--device") opt.device = at::Device(value());
     else if (a == "--packed") packed = value();
+    else if (a == "--images") images = value();
     else if (a == "--generate") generate_n = parse_ints(value(), "--generate").at(0);
     else if (a == "--batch-lengths") batch_lengths = parse_ints(value(), "--batch-lengths");
     else if (a == "--generations") generations = parse_ints(value(), "--generations").at(0);
@@ -159,8 +181,8 @@ int main(int argc, char** argv) {
     }
   }
   if (checkpoint.empty() || tokens.empty() || out.empty()) usage("--checkpoint, --tokens and --out are required");
-  if (!packed.empty() + (generate_n >= 0) + (decode_from >= 0) > 1)
-    usage("--packed, --decode-from and --generate exclude each other");
+  if (!packed.empty() + (generate_n >= 0) + (decode_from >= 0) > 1 || (!images.empty() && (generate_n >= 0 || decode_from >= 0)))
+    usage("--packed, --decode-from and --generate exclude each other, and --images takes --packed or nothing");
   try {
     const at::Tensor ids = parse_tokens(tokens).to(opt.device);  // [batch, seq]
     const qlora::models::DecoderModel model = qlora::models::load_decoder(checkpoint, opt);
@@ -177,11 +199,14 @@ int main(int argc, char** argv) {
       std::vector<at::Tensor> steps{model.forward(ids.narrow(1, 0, decode_from), &cache)};
       for (int64_t t = decode_from; t < ids.size(1); ++t) steps.push_back(model.forward(ids.narrow(1, t, 1), &cache));
       logits = at::cat(steps, 1);
-    } else if (packed.empty()) {
+    } else if (packed.empty() && images.empty()) {
       logits = model.forward(ids);
     } else {
-      const auto [position_ids, mask] = packed_inputs(parse_ints(packed, "--packed"), ids.size(0), ids.size(1));
-      logits = model.forward(ids, position_ids.to(opt.device), mask.to(opt.device));
+      const std::vector<int64_t> lengths = packed.empty() ? std::vector<int64_t>{ids.size(1)} : parse_ints(packed, "--packed");
+      const auto [position_ids, mask] = packed_inputs(lengths, ids.size(0), ids.size(1));
+      const qlora::models::ImageInputs in =
+          images.empty() ? qlora::models::ImageInputs{} : read_images(images, position_ids, opt.device, model.compute_dtype);
+      logits = model.forward(ids, position_ids.to(opt.device), mask.to(opt.device), nullptr, images.empty() ? nullptr : &in);
     }
     qlora::io::save_safetensors(out, {{"logits", logits.cpu().contiguous()}});
   } catch (const std::exception& e) {

@@ -336,11 +336,26 @@ at::Tensor checkpointed_layer(const DecoderModel& m, int64_t i, const at::Tensor
       h, params);
 }
 
+// h [batch, seq, hidden] with the image tokens' rows replaced by the images' features, in order
+// (transformers' masked_scatter); differentiable in both.
+at::Tensor with_image_features(const at::Tensor& h, const ImageInputs& images) {
+  const at::Tensor& f = images.features;
+  if (!images.mask.defined() || images.mask.scalar_type() != at::kBool || images.mask.sizes() != h.sizes().slice(0, 2))
+    throw std::invalid_argument("DecoderModel: the image-token mask must be bool [batch, seq] = " +
+                                c10::str(h.sizes().slice(0, 2)));
+  const at::Tensor mask = images.mask.to(h.device());
+  const int64_t n = mask.sum().item<int64_t>();
+  if (f.dim() != 2 || f.size(0) != n || f.size(1) != h.size(2))
+    throw std::invalid_argument("DecoderModel: " + std::to_string(n) + " image tokens take [" + std::to_string(n) +
+                                ", " + std::to_string(h.size(2)) + "] features, got " + c10::str(f.sizes()));
+  return h.masked_scatter(mask.unsqueeze(-1), f.to(h.scalar_type()));
+}
+
 // The decoder up to the last layer's output, shared by the forwards and the losses.
 // positions: [seq] (plain rows) or [batch, seq] (packed rows), already on the model's device;
 // attn_mask: undefined (causal) or [batch, seq, seq] bool.
 at::Tensor hidden_states(const DecoderModel& m, const at::Tensor& tokens, const at::Tensor& positions,
-                         const at::Tensor& attn_mask, modules::KvCache* cache) {
+                         const at::Tensor& attn_mask, modules::KvCache* cache, const ImageInputs* images = nullptr) {
   if (cache && cache->layers.empty()) cache->layers.resize(m.layers.size());
   const DecoderConfig& c = m.config;
   // Packed rows: where each sample sits, for the Gated DeltaNet layers (attention reads the mask).
@@ -350,8 +365,11 @@ at::Tensor hidden_states(const DecoderModel& m, const at::Tensor& tokens, const 
                                          : modules::Segments{};
   const modules::Segments* segs = segments.gather.defined() ? &segments : nullptr;
   // [seq, head_dim] or [batch, seq, head_dim]
+  const bool mrope = images && images->positions.defined();
   const modules::RopeTables rope_global =
-      modules::rope_tables(m.inv_freq, positions, m.compute_dtype, modules::rope_attention_scaling(c.rope()));
+      mrope ? modules::mrope_tables(m.inv_freq, images->positions.to(positions.device()), c.mrope_section,
+                                    m.compute_dtype, modules::rope_attention_scaling(c.rope()))
+            : modules::rope_tables(m.inv_freq, positions, m.compute_dtype, modules::rope_attention_scaling(c.rope()));
   const modules::RopeTables rope_local =
       m.inv_freq_local.defined()
           ? modules::rope_tables(m.inv_freq_local, positions, m.compute_dtype,
@@ -367,6 +385,7 @@ at::Tensor hidden_states(const DecoderModel& m, const at::Tensor& tokens, const 
   if (h.scalar_type() != m.compute_dtype) h = h.to(m.compute_dtype);  // bf16 rows widen exactly
   // Gemma: times sqrt(hidden), rounded to the compute dtype first as transformers does.
   if (c.embed_scale != 1.0) h = h * at::scalar_tensor(c.embed_scale, h.options());
+  if (images && images->features.defined()) h = with_image_features(h, *images);
   if (m.per_layer_inputs.defined()) sides.per_layer = modules::per_layer_inputs_forward(m.per_layer_inputs, tokens, h);
   if (hooks) hooks->after_forward(UnitHooks::kEmbedUnit, false);
   for (int64_t i = 0; i < num_layers; ++i) {
@@ -507,7 +526,7 @@ at::Tensor DecoderModel::forward(const at::Tensor& tokens, modules::KvCache* cac
 }
 
 at::Tensor DecoderModel::forward(const at::Tensor& tokens, const at::Tensor& position_ids,
-                               const at::Tensor& attn_mask, modules::KvCache* cache) const {
+                               const at::Tensor& attn_mask, modules::KvCache* cache, const ImageInputs* images) const {
   if (cache && !config.linear_layers.empty() && tokens.size(1) > 1) {
     // A Gated DeltaNet layer reads no mask: with a cache it would carry padding or another
     // sample into a row's state.
@@ -516,18 +535,18 @@ at::Tensor DecoderModel::forward(const at::Tensor& tokens, const at::Tensor& pos
         "one token per row only (prefill each sequence without them)");
   }
   const auto [positions, mask] = packed_inputs(*this, tokens, position_ids, attn_mask, cache ? cache->length() : 0);
-  return logits_of(*this, hidden_states(*this, tokens, positions, mask, cache));
+  return logits_of(*this, hidden_states(*this, tokens, positions, mask, cache, images));
 }
 
-at::Tensor DecoderModel::loss(const at::Tensor& tokens, const at::Tensor& labels) const {
+at::Tensor DecoderModel::loss(const at::Tensor& tokens, const at::Tensor& labels, const ImageInputs* images) const {
   const at::Tensor positions = plain_positions(*this, tokens, 0);  // [seq]
-  return loss_of(*this, hidden_states(*this, tokens, positions, at::Tensor(), nullptr), labels);
+  return loss_of(*this, hidden_states(*this, tokens, positions, at::Tensor(), nullptr, images), labels);
 }
 
 at::Tensor DecoderModel::loss(const at::Tensor& tokens, const at::Tensor& position_ids, const at::Tensor& attn_mask,
-                            const at::Tensor& labels) const {
+                            const at::Tensor& labels, const ImageInputs* images) const {
   const auto [positions, mask] = packed_inputs(*this, tokens, position_ids, attn_mask);
-  return loss_of(*this, hidden_states(*this, tokens, positions, mask, nullptr), labels);
+  return loss_of(*this, hidden_states(*this, tokens, positions, mask, nullptr, images), labels);
 }
 
 at::Tensor DecoderModel::row_losses(const at::Tensor& tokens, const at::Tensor& labels) const {

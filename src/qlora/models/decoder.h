@@ -15,6 +15,7 @@
 #include "qlora/models/architecture.h"
 #include "qlora/models/key_layout.h"
 #include "qlora/models/decoder_config.h"
+#include "qlora/models/multimodal.h"
 #include "qlora/modules/decoder_layer.h"
 #include "qlora/modules/kv_cache.h"
 #include "qlora/modules/lora_linear.h"
@@ -137,17 +138,19 @@ struct DecoderModel {
   // and the new ones (false on a row's left padding).
   // A model with Gated DeltaNet layers takes one token per row here (those layers read no mask: each
   // row's state is its own, so a row prefilled alone never needs padding).
+  // images (optional, models/multimodal.h): the batch's image features placed at its image tokens
+  // and, for Qwen3.5, their 3-D positions (the 1-D position_ids still say where packed samples start).
   at::Tensor forward(const at::Tensor& tokens, const at::Tensor& position_ids, const at::Tensor& attn_mask,
-                     modules::KvCache* cache = nullptr) const;
+                     modules::KvCache* cache = nullptr, const ImageInputs* images = nullptr) const;
 
   // The summed token cross-entropy over labels != -100 (labels: [batch, seq] int64, already shifted
   // as data::collate makes them), as at::cross_entropy_loss(forward(...), labels, Sum) computes it, but
   // by chunks of tokens: no [tokens, vocab] logits tensor exists, in forward or backward (see
   // chunked_token_loss). Returns a 0-dim fp32 tensor; the unit hooks fire as in forward().
-  at::Tensor loss(const at::Tensor& tokens, const at::Tensor& labels) const;
+  at::Tensor loss(const at::Tensor& tokens, const at::Tensor& labels, const ImageInputs* images = nullptr) const;
   // The same over packed rows (position_ids and attn_mask as the packed forward takes them).
   at::Tensor loss(const at::Tensor& tokens, const at::Tensor& position_ids, const at::Tensor& attn_mask,
-                  const at::Tensor& labels) const;
+                  const at::Tensor& labels, const ImageInputs* images = nullptr) const;
   // The same summed per row: [batch] fp32, row b = -(log-probability of its scored labels), the
   // sequence log-probabilities of preference losses; its backward weighs each row by its gradient.
   at::Tensor row_losses(const at::Tensor& tokens, const at::Tensor& labels) const;

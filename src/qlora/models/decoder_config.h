@@ -76,9 +76,10 @@ struct DecoderConfig {
   bool double_wide_mlp = false;  // KV-shared layers' MLPs are 2 * intermediate_size wide
   // Gemma 4's per-layer input embeddings (hidden_size_per_layer_input; 0: none) and their table's rows.
   int64_t per_layer_input_dim = 0, per_layer_input_vocab = 0;
-  // Qwen3.5: the rope dict's mrope_section (rotary frequencies per position axis: text, height,
-  // width). Text positions are the same on every axis, so a text model's RoPE does not depend on it;
-  // GGUF writes it (rope.dimension_sections). Empty: the config has none.
+  // Qwen3.5: the rope dict's mrope_section (rotary frequencies per position axis: temporal, height,
+  // width; [11, 11, 10] where the config has none, as transformers). Text positions are the same on
+  // every axis, so text alone does not depend on it; image tokens do (modules::mrope_tables). GGUF
+  // writes it (rope.dimension_sections). Empty: not Qwen3.5.
   std::vector<int64_t> mrope_section;
 
   // Mixture-of-Experts (Qwen3-MoE, Mixtral): the router's settings and an expert's width, and the

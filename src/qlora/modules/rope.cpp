@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <stdexcept>
 
 #include "qlora/ops/rope_ops.h"
 
@@ -83,12 +84,38 @@ at::Tensor rope_inv_freq(int64_t head_dim, const RopeParams& params) {
   return params.linear_factor == 1.0 ? inv_freq : inv_freq / params.linear_factor;
 }
 
-RopeTables rope_tables(const at::Tensor& inv_freq, const at::Tensor& positions, at::ScalarType dtype,
-                       double scale) {
-  at::Tensor freqs = positions.unsqueeze(-1).to(at::kFloat) * inv_freq.to(positions.device(), at::kFloat);  // [(b,) seq, d/2]
-  at::Tensor emb = at::cat({freqs, freqs}, -1);  // [(b,) seq, d]
+namespace {
+
+// The tables of angles freqs [..., d/2]: cos and sin of [freqs, freqs], times scale, cast last.
+RopeTables tables_of(const at::Tensor& freqs, at::ScalarType dtype, double scale) {
+  const at::Tensor emb = at::cat({freqs, freqs}, -1);  // [..., d]
   if (scale == 1.0) return {emb.cos().to(dtype), emb.sin().to(dtype)};
   return {(emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)};
+}
+
+}  // namespace
+
+RopeTables rope_tables(const at::Tensor& inv_freq, const at::Tensor& positions, at::ScalarType dtype,
+                       double scale) {
+  // [(b,) seq, d/2]
+  return tables_of(positions.unsqueeze(-1).to(at::kFloat) * inv_freq.to(positions.device(), at::kFloat), dtype, scale);
+}
+
+RopeTables mrope_tables(const at::Tensor& inv_freq, const at::Tensor& positions, const std::vector<int64_t>& sections,
+                        at::ScalarType dtype, double scale) {
+  if (positions.dim() != 3 || positions.size(0) != 3 || sections.size() < 3)
+    throw std::invalid_argument("mrope_tables: positions must be [3, batch, seq] and mrope_section hold 3 sections");
+  const int64_t half = inv_freq.size(0);
+  // [3, batch, seq, half]
+  const at::Tensor freqs = positions.unsqueeze(-1).to(at::kFloat) * inv_freq.to(positions.device(), at::kFloat);
+  at::Tensor mixed = freqs[0].clone();
+  for (int64_t axis = 1; axis <= 2; ++axis) {
+    const int64_t end = std::min(3 * sections[axis], half);
+    if (end <= axis) continue;
+    const at::Tensor idx = at::arange(axis, end, 3, positions.options().dtype(at::kLong));
+    mixed.index_copy_(-1, idx, freqs[axis].index_select(-1, idx));
+  }
+  return tables_of(mixed, dtype, scale);  // [batch, seq, head_dim]
 }
 
 namespace {

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <vector>
 
 #include "qlora/modules/options.h"
 
@@ -30,6 +31,14 @@ struct RopeTables {
 // the end, as transformers does.
 RopeTables rope_tables(const at::Tensor& inv_freq, const at::Tensor& positions, at::ScalarType dtype,
                        double scale = 1.0);
+
+// Qwen3.5's interleaved M-RoPE: positions [3, batch, seq] (temporal, height, width) give the tables
+// [batch, seq, head_dim] whose frequency j (of head_dim / 2) turns with the height position where
+// j % 3 == 1 and j < 3 * sections[1], the width one where j % 3 == 2 and j < 3 * sections[2], the
+// temporal one elsewhere (transformers' recomposition_frequencies); then as rope_tables. Equal to
+// rope_tables of the temporal positions where the three agree (text).
+RopeTables mrope_tables(const at::Tensor& inv_freq, const at::Tensor& positions, const std::vector<int64_t>& sections,
+                        at::ScalarType dtype, double scale = 1.0);
 
 // Rotate-half RoPE: x * cos + rotate_half(x) * sin. x: [batch, heads, seq, head_dim].
 at::Tensor apply_rope(const at::Tensor& x, const RopeTables& rope);

@@ -106,6 +106,8 @@ void parse_qwen35(const json& j, const std::string& where, DecoderConfig& c) {
   g.num_key_heads = cfg::get_int(j, "linear_num_key_heads", where, 16);
   g.num_value_heads = cfg::get_int(j, "linear_num_value_heads", where, 32);
   c.mrope_section = mrope_section(j, where);
+  // transformers' default where the config has none (Qwen3_5TextRotaryEmbedding), as llama.cpp's converter's.
+  if (c.mrope_section.empty()) c.mrope_section = {11, 11, 10};
 }
 
 namespace {
@@ -146,7 +148,6 @@ void add_qwen35_keys(const DecoderConfig& c, const std::string& where, GgufAddit
   const modules::GatedDeltaDims& g = c.gated_delta;
   const auto u32 = [](int64_t v) { return GgufValue(static_cast<uint32_t>(v)); };
   std::vector<int32_t> sections(c.mrope_section.begin(), c.mrope_section.end());
-  if (sections.empty()) sections = {11, 11, 10};  // the converter's default when the config has none
   sections.resize(4, 0);
   const std::pair<const char*, GgufValue> keys[] = {
       {"ssm.conv_kernel", u32(g.conv_kernel)},

@@ -1,0 +1,61 @@
+#include "qlora/models/multimodal.h"
+
+#include <ATen/ops/zeros.h>
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+namespace qlora::models {
+
+at::Tensor mrope_positions(const at::Tensor& mask, const std::vector<ImageGrid>& grids, int64_t spatial_merge,
+                           const at::Tensor& position_ids) {
+  if (mask.dim() != 2 || mask.scalar_type() != at::kBool)
+    throw std::invalid_argument("mrope_positions: the image-token mask must be bool [batch, seq]");
+  if (spatial_merge < 1) throw std::invalid_argument("mrope_positions: spatial_merge_size must be >= 1");
+  const at::Tensor m = mask.cpu().contiguous();
+  if (position_ids.defined() && position_ids.sizes() != mask.sizes())
+    throw std::invalid_argument("mrope_positions: position_ids must be [batch, seq] like the mask");
+  const at::Tensor starts = position_ids.defined() ? position_ids.cpu().to(at::kLong).contiguous() : at::Tensor();
+  const int64_t* restart = starts.defined() ? starts.data_ptr<int64_t>() : nullptr;
+  const int64_t b = m.size(0), seq = m.size(1);
+  at::Tensor out = at::zeros({3, b, seq}, at::kLong);
+  auto pos = out.accessor<int64_t, 3>();
+  const bool* is_image = m.data_ptr<bool>();
+  size_t next = 0;  // the next image of `grids`
+  for (int64_t r = 0; r < b; ++r) {
+    int64_t p = 0;
+    for (int64_t s = 0; s < seq;) {
+      if (restart && restart[r * seq + s] == 0) p = 0;  // a packed row's next sample
+      if (!is_image[r * seq + s]) {
+        for (int a = 0; a < 3; ++a) pos[a][r][s] = p;
+        ++p, ++s;
+        continue;
+      }
+      if (next >= grids.size())
+        throw std::invalid_argument("mrope_positions: more image runs than the " + std::to_string(grids.size()) +
+                                    " images given");
+      const auto [t, h, w] = grids[next++];
+      if (h % spatial_merge || w % spatial_merge)
+        throw std::invalid_argument("mrope_positions: an image grid of " + std::to_string(h) + " x " + std::to_string(w) +
+                                    " patches is not a multiple of spatial_merge_size " + std::to_string(spatial_merge));
+      const int64_t gh = h / spatial_merge, gw = w / spatial_merge, n = t * gh * gw;
+      for (int64_t i = 0; i < n; ++i, ++s) {
+        if (s >= seq || !is_image[r * seq + s])
+          throw std::invalid_argument("mrope_positions: image " + std::to_string(next - 1) + " needs " +
+                                      std::to_string(n) + " image tokens in a row, row " + std::to_string(r) +
+                                      " has fewer at position " + std::to_string(s));
+        pos[0][r][s] = p + i / (gh * gw);
+        pos[1][r][s] = p + (i / gw) % gh;
+        pos[2][r][s] = p + i % gw;
+      }
+      p += std::max(gh, gw);
+    }
+  }
+  if (next != grids.size())
+    throw std::invalid_argument("mrope_positions: " + std::to_string(grids.size()) + " images given, " +
+                                std::to_string(next) + " image runs in the tokens");
+  return out.to(mask.device());
+}
+
+}  // namespace qlora::models

@@ -1,0 +1,112 @@
+#!/usr/bin/env python3
+"""Conformance: a vision-language model's language side with images (issue 52), against transformers.
+
+The image features are given (random, of the tower's output width), so this checks what the language
+model does with them, apart from the tower: placed at the image tokens (masked_scatter) and, for
+Qwen3.5, the image tokens' 3-D M-RoPE positions (get_rope_index: temporal, height, width over the
+merged grid, the text after an image continuing at its start + max(h, w) / merge). transformers takes
+the features through `mm_encoder_outputs` (its forward's precomputed-encoder input) with the grids
+and mm_token_type_ids, as its processor would give them.
+  qwen3_5_vision  a batch of 2 rows, each with two images of other grids (2x4 and 6x2 merged
+                  patches, 8 and 12 image tokens) between text; fp32 logits. An ablation (the same
+                  features with 1-D positions) moves transformers' logits by far more than the
+                  tolerance, so the check sees the 3-D positions. Then the same two samples packed
+                  in one row (positions restart) equal transformers run on each alone.
+
+Usage: test_vision_language.py --tool PATH/llama_logits --workdir DIR
+Prints one line per check and "N passed, M failed"; exit status 1 on any failure.
+"""
+import os
+import subprocess
+import sys
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+import _families as F
+from _common import Checks, parse_tool_args
+
+IMAGE_TOKEN = 100  # within the tiny vocabulary (the Hub's 248056 is not)
+# fp32: the order of operations differs (our attention and DeltaNet kernels vs torch): ~1e-6 of the
+# largest logit, as in test_families_transformers.
+ATOL_PER_UNIT = 1e-4
+
+
+def qwen35_rows(merge):
+    """Two rows of text with two images each, and the images' grids (t, h, w patches) in token order."""
+    grids = [(1, 2 * merge, 4 * merge), (1, 6 * merge, 2 * merge), (1, 4 * merge, 4 * merge), (1, 2 * merge, 2 * merge)]
+    n = [t * h * w // merge ** 2 for t, h, w in grids]
+    g = torch.Generator().manual_seed(5)
+    text = lambda k: torch.randint(3, 90, (k,), generator=g).tolist()
+    rows = [text(3) + [IMAGE_TOKEN] * n[0] + text(4) + [IMAGE_TOKEN] * n[1] + text(5),
+            text(6) + [IMAGE_TOKEN] * n[2] + text(2) + [IMAGE_TOKEN] * n[3] + text(8)]
+    width = max(len(r) for r in rows)
+    rows = [r + text(width - len(r)) for r in rows]  # equal lengths: no padding in either model
+    return torch.tensor(rows), grids
+
+
+def run_tool(tool, ckpt, tokens, images, out, packed=None):
+    cmd = [tool, "--checkpoint", ckpt, "--tokens", ";".join(",".join(map(str, r)) for r in tokens.tolist()),
+           "--images", images, "--out", out] + (["--packed", ",".join(map(str, packed))] if packed else [])
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(r.stderr.strip()[-500:])
+    return load_file(out)["logits"]
+
+
+def theirs(model, tokens, features, grids, mm=True):
+    mask = tokens == IMAGE_TOKEN
+    splits = [t * h * w // model.config.vision_config.spatial_merge_size ** 2 for t, h, w in grids]
+    enc = BaseModelOutputWithPooling(pooler_output=torch.split(features, splits))
+    kw = dict(image_grid_thw=torch.tensor(grids), mm_token_type_ids=mask.int()) if mm else \
+        dict(position_ids=torch.arange(tokens.shape[1]).expand(tokens.shape[0], -1))
+    with torch.no_grad():
+        return model(input_ids=tokens, mm_encoder_outputs={"image": enc}, **kw).logits
+
+
+def check_qwen35(checks, args):
+    name = "qwen3_5_vision"
+    model = F.build(name, seed=52)
+    model.config.image_token_id = IMAGE_TOKEN
+    ckpt = os.path.join(args.workdir, name)
+    model.save_pretrained(ckpt)
+    merge = model.config.vision_config.spatial_merge_size
+    tokens, grids = qwen35_rows(merge)
+    features = torch.randn(int((tokens == IMAGE_TOKEN).sum()), model.config.text_config.hidden_size,
+                           generator=torch.Generator().manual_seed(6))
+    images = os.path.join(args.workdir, f"{name}_images.safetensors")
+    save_file({"features": features, "mask": (tokens == IMAGE_TOKEN).to(torch.uint8),
+               "grids": torch.tensor(grids), "spatial_merge": torch.tensor([merge])}, images)
+    ref = theirs(model, tokens, features, grids)
+    atol = ATOL_PER_UNIT * max(1.0, ref.abs().max().item())
+    flat = theirs(model, tokens, features, grids, mm=False)
+    moved = (flat - ref).abs().max().item()
+    checks.check(f"{name}: 1-D positions for the image tokens move transformers' logits", moved > 100 * atol,
+                 f"max|diff| {moved:.3e} (> {100 * atol:.3e})")
+    ours = run_tool(args.tool, ckpt, tokens, images, os.path.join(args.workdir, f"{name}_logits.safetensors"))
+    checks.compare(f"{name}: logits with two images a row (M-RoPE, features at the image tokens)", ours, ref, atol)
+    # The two rows as two samples packed in one row: positions restart at the second.
+    one = tokens.reshape(1, -1)
+    save_file({"features": features, "mask": (one == IMAGE_TOKEN).to(torch.uint8), "grids": torch.tensor(grids),
+               "spatial_merge": torch.tensor([merge])}, images)
+    packed = run_tool(args.tool, ckpt, one, images, os.path.join(args.workdir, f"{name}_packed.safetensors"),
+                      packed=[tokens.shape[1]] * 2)
+    checks.compare(f"{name}: the two rows packed in one (positions restart) = each alone", packed.reshape(ref.shape),
+                   ref, atol)
+
+
+def main():
+    args = parse_tool_args()
+    torch.manual_seed(0)
+    checks = Checks()
+    for case in (check_qwen35,):
+        try:
+            case(checks, args)
+        except Exception as e:  # noqa: BLE001 - one case's crash is that case's failure
+            checks.crashed(case.__name__, e)
+    return checks.summary()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
