@@ -13,6 +13,14 @@ and mm_token_type_ids, as its processor would give them.
                   tolerance, so the check sees the 3-D positions. Then the same two samples packed
                   in one row (positions restart) equal transformers run on each alone.
 
+  gemma3          Gemma3ForConditionalGeneration (token_type_ids): each image's tokens see each other on
+                  every layer, the text causal; an image run (10 tokens) longer than the sliding
+                  window (4), so the window still hides keys too far back while the image's later
+                  tokens stay visible; 1-D positions. Ablation: causal image tokens.
+  gemma4          Gemma4ForConditionalGeneration with use_bidirectional_attention "vision"
+                  (mm_token_type_ids): the same on its sliding layers only; image tokens embedded as
+                  its pad token for the per-layer inputs. Ablation: causal image tokens.
+
 Usage: test_vision_language.py --tool PATH/llama_logits --workdir DIR
 Prints one line per check and "N passed, M failed"; exit status 1 on any failure.
 """
@@ -96,11 +104,71 @@ def check_qwen35(checks, args):
                    ref, atol)
 
 
+def gemma_rows(merge_free_runs, image_token, seed):
+    """Two rows of text with image runs of the given lengths (two a row), equal length."""
+    g = torch.Generator().manual_seed(seed)
+    text = lambda k: torch.randint(3, 90, (k,), generator=g).tolist()
+    a, b, c, d = merge_free_runs
+    rows = [text(2) + [image_token] * a + text(3) + [image_token] * b + text(4),
+            text(5) + [image_token] * c + text(2) + [image_token] * d + text(3)]
+    width = max(len(r) for r in rows)
+    return torch.tensor([r + text(width - len(r)) for r in rows])
+
+
+def check_gemma(checks, args, name, model, type_key):
+    """Features at the image tokens and an image's tokens seeing each other (the layers the family says)."""
+    model.config.image_token_id = IMAGE_TOKEN
+    ckpt = os.path.join(args.workdir, name)
+    model.save_pretrained(ckpt)
+    tokens = gemma_rows((10, 3, 4, 10), IMAGE_TOKEN, seed=7)
+    mask = tokens == IMAGE_TOKEN
+    hidden = model.config.text_config.hidden_size
+    features = torch.randn(int(mask.sum()), hidden, generator=torch.Generator().manual_seed(8))
+    images = os.path.join(args.workdir, f"{name}_images.safetensors")
+    save_file({"features": features, "mask": mask.to(torch.uint8)}, images)
+    # Gemma 4 concatenates a tuple of per-image features, Gemma 3 takes one tensor.
+    enc = BaseModelOutputWithPooling(pooler_output=(features,) if type_key == "mm_token_type_ids" else features)
+    with torch.no_grad():
+        ref = model(input_ids=tokens, mm_encoder_outputs={"image": enc}, **{type_key: mask.long()}).logits
+        causal = model(input_ids=tokens, mm_encoder_outputs={"image": enc}).logits
+    atol = ATOL_PER_UNIT * max(1.0, ref.abs().max().item())
+    moved = (causal - ref).abs().max().item()
+    checks.check(f"{name}: an image's tokens seeing each other move transformers' logits", moved > 100 * atol,
+                 f"max|diff| {moved:.3e} (> {100 * atol:.3e})")
+    ours = run_tool(args.tool, ckpt, tokens, images, os.path.join(args.workdir, f"{name}_logits.safetensors"))
+    checks.compare(f"{name}: logits with two images a row (features at the image tokens, bidirectional within each)",
+                   ours, ref, atol)
+    one = tokens.reshape(1, -1)
+    save_file({"features": features, "mask": (one == IMAGE_TOKEN).to(torch.uint8)}, images)
+    packed = run_tool(args.tool, ckpt, one, images, os.path.join(args.workdir, f"{name}_packed.safetensors"),
+                      packed=[tokens.shape[1]] * 2)
+    checks.compare(f"{name}: the two rows packed in one = each alone", packed.reshape(ref.shape), ref, atol)
+
+
+def check_gemma3(checks, args):
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+    text = dict(F.COMMON, **F.GEMMA, layer_types=["sliding_attention", "full_attention"], rope_parameters=F.GEMMA3_ROPE)
+    text["sliding_window"] = 4
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    torch.manual_seed(53)
+    cfg = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
+    cfg.text_config._attn_implementation = "eager"
+    model = Gemma3ForConditionalGeneration(cfg).float().eval()
+    F.randomize_norms(model, 53)
+    check_gemma(checks, args, "gemma3", model, "token_type_ids")
+
+
+def check_gemma4(checks, args):
+    model = F.build("gemma4_vision", seed=54, use_bidirectional_attention="vision", sliding_window=4)
+    check_gemma(checks, args, "gemma4", model, "mm_token_type_ids")
+
+
 def main():
     args = parse_tool_args()
     torch.manual_seed(0)
     checks = Checks()
-    for case in (check_qwen35,):
+    for case in (check_qwen35, check_gemma3, check_gemma4):
         try:
             case(checks, args)
         except Exception as e:  # noqa: BLE001 - one case's crash is that case's failure

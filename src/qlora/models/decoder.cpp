@@ -351,6 +351,25 @@ at::Tensor with_image_features(const at::Tensor& h, const ImageInputs& images) {
   return h.masked_scatter(mask.unsqueeze(-1), f.to(h.scalar_type()));
 }
 
+// attn_mask [batch, seq, seq] (undefined: causal, no cache) where also each image's tokens see all of
+// that image's tokens (transformers' blockwise overlay). An image is a run of image tokens; a packed
+// sample's start (position 0) begins a new run.
+at::Tensor bidirectional_image_mask(const ImageInputs& images, const at::Tensor& positions, const at::Tensor& attn_mask,
+                                    int64_t batch) {
+  const at::Tensor is_image = images.mask.to(positions.device());  // [b, s]
+  const int64_t seq = is_image.size(1);
+  const at::Tensor base =
+      attn_mask.defined() ? attn_mask : at::ones({seq, seq}, is_image.options()).tril().expand({batch, seq, seq});
+  if (base.size(2) != seq)
+    throw std::invalid_argument("DecoderModel: images with bidirectional attention take a whole sequence (no cache)");
+  at::Tensor continues = at::zeros_like(is_image);  // the token before is an image token of the same sample
+  continues.narrow(1, 1, seq - 1).copy_(is_image.narrow(1, 0, seq - 1));
+  if (positions.dim() == 2) continues.logical_and_(positions.ne(0));
+  const at::Tensor run = is_image.logical_and(continues.logical_not()).to(at::kLong).cumsum(1).masked_fill(
+      is_image.logical_not(), 0);  // [b, s]: 1, 2, ... per image, 0 on text
+  return base.logical_or(run.unsqueeze(2).eq(run.unsqueeze(1)).logical_and(run.unsqueeze(2).gt(0)));
+}
+
 // The decoder up to the last layer's output, shared by the forwards and the losses.
 // positions: [seq] (plain rows) or [batch, seq] (packed rows), already on the model's device;
 // attn_mask: undefined (causal) or [batch, seq, seq] bool.
@@ -376,33 +395,46 @@ at::Tensor hidden_states(const DecoderModel& m, const at::Tensor& tokens, const 
                                  modules::rope_attention_scaling(*c.local_rope))
           : rope_global;
   const bool checkpoint = m.activation_checkpointing && !cache && at::GradMode::is_enabled();
+  // Layers where an image's tokens see each other: their mask (undefined: attn_mask everywhere).
+  const at::Tensor image_mask = images && c.image_attention != DecoderConfig::ImageAttention::kCausal
+                                    ? bidirectional_image_mask(*images, positions, attn_mask, tokens.size(0))
+                                    : at::Tensor();
   UnitHooks* hooks = m.hooks.get();
   const int64_t num_layers = static_cast<int64_t>(m.layers.size());
   LayerSides sides;
   sides.kv.resize(m.layers.size());
   if (hooks) hooks->before_forward(UnitHooks::kEmbedUnit, false);
-  at::Tensor h = at::embedding(m.embed_tokens, tokens.to(m.embed_tokens.device()));  // [batch, seq, hidden]
+  // Image tokens embed as the family says before their features replace them (Gemma 4: its pad
+  // token, which its per-layer inputs' token part reads; their projected part reads the features).
+  const at::Tensor text_tokens = images && c.image_pad_token_id >= 0
+                                     ? tokens.masked_fill(images->mask.to(tokens.device()), c.image_pad_token_id)
+                                     : tokens;
+  at::Tensor h = at::embedding(m.embed_tokens, text_tokens.to(m.embed_tokens.device()));  // [batch, seq, hidden]
   if (h.scalar_type() != m.compute_dtype) h = h.to(m.compute_dtype);  // bf16 rows widen exactly
   // Gemma: times sqrt(hidden), rounded to the compute dtype first as transformers does.
   if (c.embed_scale != 1.0) h = h * at::scalar_tensor(c.embed_scale, h.options());
   if (images && images->features.defined()) h = with_image_features(h, *images);
-  if (m.per_layer_inputs.defined()) sides.per_layer = modules::per_layer_inputs_forward(m.per_layer_inputs, tokens, h);
+  if (m.per_layer_inputs.defined())
+    sides.per_layer = modules::per_layer_inputs_forward(m.per_layer_inputs, text_tokens, h);
   if (hooks) hooks->after_forward(UnitHooks::kEmbedUnit, false);
   for (int64_t i = 0; i < num_layers; ++i) {
     const DecoderLayer& layer = m.layers[i];
     const modules::LayerDims d = m.dims(i);
     const modules::RopeTables& rope = c.is_sliding(i) ? rope_local : rope_global;
+    const bool see_image = image_mask.defined() &&
+                           (c.image_attention == DecoderConfig::ImageAttention::kAllLayers || c.is_sliding(i));
+    const at::Tensor& mask = see_image ? image_mask : attn_mask;
     modules::LayerExtras ex = sides.of(c, i);
     modules::Routing routing;
     const bool count = m.router_counts && m.training && !cache && layer.is_moe();
     if (count) ex.routing = &routing;
     if (hooks) hooks->before_forward(i, false);
     if (cache) {
-      h = modules::decoder_layer_forward(layer, d, h, rope, m.training, &cache->layers[i], attn_mask, nullptr, &ex);
+      h = modules::decoder_layer_forward(layer, d, h, rope, m.training, &cache->layers[i], mask, nullptr, &ex);
     } else if (checkpoint && !c.is_kv_source(i)) {  // a KV source's K/V must carry their graph onwards
-      h = checkpointed_layer(m, i, h, rope, attn_mask, segments, ex);
+      h = checkpointed_layer(m, i, h, rope, mask, segments, ex);
     } else {
-      h = modules::decoder_layer_forward(layer, d, h, rope, m.training, nullptr, attn_mask, segs, &ex);
+      h = modules::decoder_layer_forward(layer, d, h, rope, m.training, nullptr, mask, segs, &ex);
     }
     if (count) m.router_counts->counts[i] += modules::expert_counts(routing, c.moe.num_experts, m.router_counts->valid);
     if (hooks) {

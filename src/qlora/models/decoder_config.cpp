@@ -178,6 +178,8 @@ void parse_sliding(const json& j, const std::string& where, DecoderConfig& c) {
                                  ? get_str(j, "use_bidirectional_attention", where) != "vision"
                                  : get_bool(j, "use_bidirectional_attention", where, false);
   if (bidirectional) fail(where, "use_bidirectional_attention", "bidirectional (encoder) attention is not supported");
+  if (f.bidirectional_vision && present(j, "use_bidirectional_attention"))
+    c.image_attention = DecoderConfig::ImageAttention::kSlidingLayers;  // "vision"
   const int64_t n = c.num_hidden_layers;
   c.sliding_layers.assign(static_cast<size_t>(n), false);
   const bool linear = f.gated_delta_layers;
@@ -376,6 +378,7 @@ DecoderConfig parse_multimodal(const json& j, const std::string& where, const Fa
   DecoderConfig c = parse_text_config(text, text_where);
   c.model_type = form.model_type;
   c.multimodal = true;
+  if (form.images_bidirectional) c.image_attention = DecoderConfig::ImageAttention::kAllLayers;
   return c;
 }
 

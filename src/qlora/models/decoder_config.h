@@ -76,6 +76,13 @@ struct DecoderConfig {
   bool double_wide_mlp = false;  // KV-shared layers' MLPs are 2 * intermediate_size wide
   // Gemma 4's per-layer input embeddings (hidden_size_per_layer_input; 0: none) and their table's rows.
   int64_t per_layer_input_dim = 0, per_layer_input_vocab = 0;
+  // Images (models/multimodal.h): which layers let an image's tokens attend to all of that image's
+  // tokens (the text stays causal): Gemma 3 on every layer, Gemma 4 on its sliding layers under
+  // use_bidirectional_attention "vision"; and the token image tokens are embedded as before their
+  // features replace them (Gemma 4's per-layer inputs read it: its pad_token_id; -1: their own id).
+  enum class ImageAttention { kCausal, kAllLayers, kSlidingLayers };
+  ImageAttention image_attention = ImageAttention::kCausal;
+  int64_t image_pad_token_id = -1;
   // Qwen3.5: the rope dict's mrope_section (rotary frequencies per position axis: temporal, height,
   // width; [11, 11, 10] where the config has none, as transformers). Text positions are the same on
   // every axis, so text alone does not depend on it; image tokens do (modules::mrope_tables). GGUF

@@ -101,6 +101,7 @@ struct Family {
     const char* model_type;     // "gemma3"
     const char* text_defaults;  // JSON: the text config class's defaults our parser does not share
     bool tie_word_embeddings;   // the class's tie_word_embeddings
+    bool images_bidirectional = false;  // an image's tokens attend to each other on every layer (Gemma 3)
   };
   std::optional<Multimodal> multimodal;
 

@@ -154,10 +154,12 @@ at::Tensor masked_attention(const at::Tensor& q, const at::Tensor& k, const at::
   const int64_t n_rep = heads / k.size(1);
   at::Tensor kk = repeat_kv(k, n_rep), vv = repeat_kv(v, n_rep);  // [b, heads, total, d]
   // [b, 1, s, total]: one mask per row, shared by all heads. Not is_causal: the mask already holds
-  // the causal structure (and SDPA rejects is_causal together with an explicit mask).
+  // the causal structure (and SDPA rejects is_causal together with an explicit mask). The window
+  // hides only keys too far back (j > position - window), as transformers' sliding_window_overlay:
+  // keys ahead that the mask allows (an image's tokens seeing each other) stay.
   at::Tensor mask = attn_mask.unsqueeze(1);
   if (opt.window > 0 && opt.window < total)
-    mask = mask.logical_and(causal_window_mask(seq, total, opt.window, q.options()));
+    mask = mask.logical_and(at::ones({seq, total}, q.options().dtype(at::kBool)).triu(total - seq - opt.window + 1));
   return attend(q, kk, vv, mask, /*is_causal=*/false, opt);
 }
 

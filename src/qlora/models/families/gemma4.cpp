@@ -193,6 +193,8 @@ void parse_gemma4(const json& j, const std::string& where, DecoderConfig& c) {
   c.per_layer_input_vocab = cfg::get_int(j, "vocab_size_per_layer_input", where, 262144);
   if (c.per_layer_input_dim > 0 && c.per_layer_input_vocab <= 0)
     cfg::fail(where, "vocab_size_per_layer_input", "must be positive");
+  // Image tokens embed (and give per-layer inputs) as this token before their features replace them.
+  c.image_pad_token_id = cfg::present(j, "pad_token_id") ? cfg::get_int(j, "pad_token_id", where) : 0;
 }
 
 bool gemma4_slides(const json&, const std::string&, int64_t layer) { return (layer + 1) % 6 != 0; }  // its class's fixed 5:1
