@@ -26,6 +26,12 @@ import numpy as np
 import torch
 from PIL import Image
 
+try:
+    import torchvision  # noqa: F401 - transformers' torchvision backend, the reference here
+except ImportError:
+    print("SKIP: torchvision is not installed (requirements-test.txt pins it)")
+    raise SystemExit(77)
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import Checks, parse_tool_args  # noqa: E402
 
