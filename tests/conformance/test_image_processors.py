@@ -5,7 +5,7 @@ orientation; PNG: RGBA, grayscale, 1-bit, palette with transparency, 16-bit gray
 WebP lossy and lossless with alpha; one JPEG larger than 896 so the downscales antialias; a 3 x 900
 sliver), runs tests/tools/image_tool on all of them in one process, and checks:
   - the decoded RGB equals transformers.image_utils.load_image's (PIL: exif_transpose, convert("RGB"));
-  - for Qwen3.5 (Qwen2VLImageProcessor), Gemma 3 (Gemma3ImageProcessor) and Gemma 4 (Gemma4ImageProcessor),
+  - for Qwen3.5 (Qwen2VLImageProcessor; also with small pixel bounds, for smart_resize's downscale), Gemma 3 (Gemma3ImageProcessor) and Gemma 4 (Gemma4ImageProcessor),
     built by AutoImageProcessor from tests/data/processors/<family> (the checkpoints' configs) with the
     torchvision backend, fed load_image's picture: pixel_values, image_grid_thw / image_position_ids, the
     token count and the text that replaces the image placeholder (the processors' replace_image_token).
@@ -44,11 +44,13 @@ from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor  #
 from safetensors import safe_open  # noqa: E402
 
 PROCESSORS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data", "processors")
-FAMILIES = {"qwen3_5": "Qwen2VLImageProcessor", "gemma3": "Gemma3ImageProcessor", "gemma4": "Gemma4ImageProcessor"}
+FAMILIES = {"qwen3_5": "Qwen2VLImageProcessor", "qwen3_5_small_budget": "Qwen2VLImageProcessor",
+            "gemma3": "Gemma3ImageProcessor", "gemma4": "Gemma4ImageProcessor"}
 # The processors' own defaults for their image processor's call (Gemma3Processor: do_convert_rgb true where
 # the file has null, pan-and-scan off), as processor(images=..., text=...) passes them.
 CALL_KWARGS = {"qwen3_5": getattr(Qwen3VLProcessor, "images_kwargs", {}), "gemma3": Gemma3Processor.images_kwargs,
                "gemma4": getattr(Gemma4Processor, "images_kwargs", {})}
+CALL_KWARGS["qwen3_5_small_budget"] = CALL_KWARGS["qwen3_5"]
 
 
 def picture(w, h, seed):
@@ -131,7 +133,7 @@ def tokens(family):
 def reference_expansion(family, proc, out):
     """The processors' own replace_image_token, on a stand-in holding the tokenizer's token strings."""
     t = tokens(family)
-    if family == "qwen3_5":
+    if family.startswith("qwen3_5"):
         ns = SimpleNamespace(image_token="<|image_pad|>", image_processor=proc)
         return ns.image_token, Qwen3VLProcessor.replace_image_token(ns, out, 0)
     if family == "gemma4":
@@ -149,7 +151,7 @@ def reference_expansion(family, proc, out):
 
 def check_processed(checks, name, family, proc, out, ours, meta):
     label = f"{name}.{family}"
-    if family == "qwen3_5":
+    if family.startswith("qwen3_5"):
         ref_pv, ref_grid = out["pixel_values"], out["image_grid_thw"][0]
         ref_tokens = int(ref_grid.prod()) // proc.merge_size ** 2
     elif family == "gemma3":
