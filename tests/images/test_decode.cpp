@@ -8,6 +8,7 @@
 #include <zlib.h>
 
 #include <cstdint>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -161,10 +162,28 @@ TEST(ImageProcessorRules, RefusalsNameTheKey) {
   EXPECT_EQ(read_processor_rules(dir + "gemma3").image_seq_length, 256);
   EXPECT_EQ(read_processor_rules(dir + "qwen3_5").max_pixels, 16777216);
   EXPECT_EQ(read_processor_rules(dir + "gemma4").max_soft_tokens, 280);
-  try {
-    read_processor_rules(dir + "nonexistent");
-    FAIL();
-  } catch (const ImageProcessorError& e) {
-    EXPECT_NE(std::string(e.what()).find("no preprocessor_config.json"), std::string::npos);
+  auto refusal = [](const std::string& dir) -> std::string {
+    try {
+      read_processor_rules(dir);
+    } catch (const ImageProcessorError& e) {
+      return e.what();
+    }
+    return "";
+  };
+  EXPECT_NE(refusal(dir + "nonexistent").find("no preprocessor_config.json"), std::string::npos);
+  const std::string tmp = ::testing::TempDir() + "qlora_processor_rules";
+  std::filesystem::create_directories(tmp);
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {R"({"image_processor_type": "Gemma3ImageProcessor", "do_pan_and_scan": true})", "\"do_pan_and_scan\": true"},
+      {R"({"image_processor_type": "Gemma4ImageProcessor", "max_soft_tokens": 100})", "must be one of 70, 140, 280"},
+      {R"({"image_processor_type": "Qwen2VLImageProcessor", "resample": 0})", "(nearest): only bilinear"},
+      {R"({"image_processor_type": "Qwen2VLImageProcessor", "size": {"shortest_edge": 10}})", "needs both"},
+      {R"({"image_processor_type": "SiglipImageProcessor"})", "not an image processor computed here"},
+      {R"({"image_processor_type": "Gemma3ImageProcessor", "image_mean": [0.5, 0.5]})", "three numbers"}};
+  for (const auto& [json, expected] : cases) {
+    std::ofstream(tmp + "/preprocessor_config.json") << json;
+    const std::string e = refusal(tmp);
+    EXPECT_NE(e.find(expected), std::string::npos) << json << " -> " << e;
+    EXPECT_NE(e.find("preprocessor_config.json"), std::string::npos) << e;
   }
 }

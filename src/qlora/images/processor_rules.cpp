@@ -9,6 +9,7 @@
 #include <array>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <utility>
 
 namespace qlora::images {
@@ -123,6 +124,18 @@ ProcessorKind kind_of(const Section& s, const std::optional<json>& processor, co
   refuse(s.where, "names no image processor (image_processor_type, processor_class, or config.json's model_type)");
 }
 
+// "size": {a: ..., b: ...}, both required where the file has a size; `fallback` (the class's) where not.
+std::pair<int64_t, int64_t> size_entries(const Section& s, const char* a, const char* b, std::pair<int64_t, int64_t> fallback) {
+  const json* size = s.find("size");
+  if (size == nullptr) return fallback;
+  const std::string expected = std::string("an object with ") + a + " and " + b;
+  if (!size->is_object()) s.bad("size", expected.c_str());
+  const Section entries{*size, s.where + " \"size\""};
+  const std::pair<int64_t, int64_t> out{entries.integer(a, 0), entries.integer(b, 0)};
+  if (out.first == 0 || out.second == 0) refuse(entries.where, "needs both " + std::string(a) + " and " + b);
+  return out;
+}
+
 void read_qwen(const Section& s, ProcessorRules& r) {
   r.resample = s.resample(Resample::bicubic);
   r.image_mean = s.triple("image_mean", kClipMean);
@@ -130,15 +143,7 @@ void read_qwen(const Section& s, ProcessorRules& r) {
   r.patch_size = s.integer("patch_size", 14);
   r.temporal_patch_size = s.integer("temporal_patch_size", 2);
   r.merge_size = s.integer("merge_size", 2);
-  r.min_pixels = 56 * 56;
-  r.max_pixels = 28 * 28 * 1280;
-  if (const json* size = s.find("size")) {
-    if (!size->is_object()) s.bad("size", "an object with shortest_edge and longest_edge (min and max pixels)");
-    const Section edges{*size, s.where + " \"size\""};
-    r.min_pixels = edges.integer("shortest_edge", 0);
-    r.max_pixels = edges.integer("longest_edge", 0);
-    if (r.min_pixels == 0 || r.max_pixels == 0) refuse(edges.where, "needs both shortest_edge and longest_edge");
-  }
+  std::tie(r.min_pixels, r.max_pixels) = size_entries(s, "shortest_edge", "longest_edge", {56 * 56, 28 * 28 * 1280});
   r.min_pixels = s.integer("min_pixels", r.min_pixels);  // the older keys override size, as __init__ does
   r.max_pixels = s.integer("max_pixels", r.max_pixels);
 }
@@ -147,14 +152,7 @@ void read_gemma3(const Section& s, ProcessorRules& r) {
   r.resample = s.resample(Resample::bilinear);
   r.image_mean = s.triple("image_mean", kHalf);
   r.image_std = s.triple("image_std", kHalf);
-  r.height = r.width = 224;
-  if (const json* size = s.find("size")) {
-    if (!size->is_object()) s.bad("size", "an object with height and width");
-    const Section hw{*size, s.where + " \"size\""};
-    r.height = hw.integer("height", 0);
-    r.width = hw.integer("width", 0);
-    if (r.height == 0 || r.width == 0) refuse(hw.where, "needs height and width");
-  }
+  std::tie(r.height, r.width) = size_entries(s, "height", "width", {224, 224});
   if (s.flag("do_pan_and_scan", false))
     refuse(s.where, "\"do_pan_and_scan\": true: Gemma 3's pan-and-scan crops are not computed here");
 }
