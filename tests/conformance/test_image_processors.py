@@ -1,14 +1,17 @@
 """Images decoded and processed by src/qlora/images against PIL and transformers 5.23's image processors.
 
 Writes image files of odd sizes with PIL (JPEG: RGB, 4:4:4 progressive, grayscale, CMYK, every EXIF
-orientation; PNG: RGBA, grayscale, 1-bit, palette with transparency, 16-bit gray / RGB / gray+alpha;
-WebP lossy and lossless with alpha; one JPEG larger than 896 so the downscales antialias; a 3 x 900
-sliver), runs tests/tools/image_tool on all of them in one process, and checks:
+orientation, and the orientation of a PNG's eXIf or raw-profile text, a WebP's EXIF, XMP packets; PNG: RGBA,
+grayscale, 1-bit, palette with transparency, 16-bit gray / RGB / gray+alpha; WebP lossy and lossless with
+alpha; one JPEG larger than 896 so the downscales antialias; a 3 x 900 sliver), runs tests/tools/image_tool
+on all of them in one process, and checks:
   - the decoded RGB equals transformers.image_utils.load_image's (PIL: exif_transpose, convert("RGB"));
-  - for Qwen3.5 (Qwen2VLImageProcessor; also with small pixel bounds, for smart_resize's downscale), Gemma 3 (Gemma3ImageProcessor) and Gemma 4 (Gemma4ImageProcessor),
-    built by AutoImageProcessor from tests/data/processors/<family> (the checkpoints' configs) with the
-    torchvision backend, fed load_image's picture: pixel_values, image_grid_thw / image_position_ids, the
-    token count and the text that replaces the image placeholder (the processors' replace_image_token).
+  - for Qwen3.5 (Qwen2VLImageProcessor; also with small pixel bounds, for smart_resize's downscale),
+    Gemma 3 (Gemma3ImageProcessor) and Gemma 4 (Gemma4ImageProcessor), built by AutoImageProcessor from
+    tests/data/processors/<family> (the checkpoints' configs) with the torchvision backend, fed
+    load_image's picture with the processor's own call defaults: pixel_values, image_grid_thw /
+    image_position_ids, the token count and the text that replaces the image placeholder (the
+    processors' replace_image_token).
 Tolerance: none. Every pixel value is compared for equality: we call the ATen resize op torchvision calls
 on the same dtype (uint8 for bicubic; for bilinear on this AVX2/AVX512 CPU) and the same float32 rescale /
 normalise ops, so the numbers are the same bits; max|diff| is printed beside each check.
@@ -75,6 +78,37 @@ def save(im, path, fmt, **kw):
     return path
 
 
+XMP = ('<x:xmpmeta xmlns:x="adobe:ns:meta/"><rdf:RDF xmlns:rdf="http://www.w3.org/1999/02/22-rdf-syntax-ns#">'
+       '<rdf:Description xmlns:tiff="http://ns.adobe.com/tiff/1.0/" tiff:Orientation="{}"/></rdf:RDF></x:xmpmeta>')
+
+
+def add_orientation_metadata(d, add):
+    """The other places PIL's exif_transpose takes the orientation from."""
+    from PIL.PngImagePlugin import PngInfo
+    im = Image.fromarray(picture(37, 19, 16))
+    exif = Image.Exif()
+    exif[0x0112] = 8
+    add("orientation_png_exif", save(im, f"{d}/o_exif.png", "PNG", exif=exif.tobytes()))
+    add("orientation_webp_exif", save(im, f"{d}/o_exif.webp", "WEBP", lossless=True, exif=exif.tobytes()))
+    add("orientation_jpeg_xmp", save(im, f"{d}/o_xmp.jpg", "JPEG", xmp=XMP.format(6).encode()))
+    no_tag = Image.Exif()
+    no_tag[0x010F] = "camera"  # Make: an Exif without orientation, so PIL falls back to the XMP
+    add("orientation_jpeg_exif_without_tag_xmp", save(im, f"{d}/o_xmp2.jpg", "JPEG", exif=no_tag.tobytes(),
+                                                      xmp=XMP.format(3).encode()))
+    exif5 = Image.Exif()
+    exif5[0x0112] = 5
+    add("orientation_jpeg_exif_beats_xmp", save(im, f"{d}/o_both.jpg", "JPEG", exif=exif5.tobytes(),
+                                                xmp=XMP.format(6).encode()))
+    info = PngInfo()
+    info.add_itxt("XML:com.adobe.xmp", XMP.format(7))
+    add("orientation_png_xmp", save(im, f"{d}/o_xmp.png", "PNG", pnginfo=info))
+    raw = exif.tobytes()
+    info = PngInfo()
+    info.add_text("Raw profile type exif", f"\nexif\n{len(raw):8}\n{raw.hex()}\n", zip=True)
+    add("orientation_png_raw_profile", save(im, f"{d}/o_raw.png", "PNG", pnginfo=info))
+    add("orientation_webp_xmp", save(im, f"{d}/o_xmp.webp", "WEBP", lossless=True, xmp=XMP.format(2).encode()))
+
+
 def write_images(d):
     """(name, path) of every case; the files are small (largest: the 1200 x 900 JPEG)."""
     cases = []
@@ -90,6 +124,7 @@ def write_images(d):
         exif[0x0112] = o
         add(f"jpeg_exif_orientation_{o}", save(Image.fromarray(picture(61, 143, 5)), f"{d}/o{o}.jpg", "JPEG",
                                                exif=exif.tobytes()))
+    add_orientation_metadata(d, add)
     add("jpeg_large", save(Image.fromarray(picture(1200, 900, 6)), f"{d}/large.jpg", "JPEG", quality=85))
     rgba = np.concatenate([picture(123, 45, 7), picture(123, 45, 8)[:, :, :1]], -1)
     add("png_rgba", save(Image.fromarray(rgba, "RGBA"), f"{d}/rgba.png", "PNG"))
@@ -188,7 +223,7 @@ def check_image(checks, args, i, name, path, procs):
     checks.check(f"{name} decode equal", ours["rgb"].shape == ref.shape and torch.equal(ours["rgb"], ref),
                  f"{tuple(ours['rgb'].shape)} (ref {tuple(ref.shape)})")
     # The orientations differ only in the decode; one of them transposed is enough for the processors.
-    for family, proc in (procs.items() if not name.startswith("jpeg_exif_orientation_") or name[-1] in "16" else []):
+    for family, proc in (procs.items() if "orientation" not in name or name[-2:] in ("_1", "_6") else []):
         try:
             out = proc(images=[pil], return_tensors="pt", **CALL_KWARGS[family])
         except ValueError as e:

@@ -16,6 +16,7 @@ namespace qlora::images::detail {
 struct Decoded {
   at::Tensor rgb;    // uint8 [H, W, 3]
   std::string exif;  // an Exif blob, "Exif\0\0" + TIFF or bare TIFF; empty when the file has none
+  std::string xmp;   // an XMP packet (where PIL finds one: JPEG APP1, PNG text "XML:com.adobe.xmp", WebP XMP)
   std::optional<std::array<uint8_t, 3>> transparent;  // Image::transparent, before orientation
 };
 

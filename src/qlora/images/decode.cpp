@@ -51,23 +51,46 @@ std::string other_format(const uint8_t* data, size_t size) {
   return "not an image file of a known format (no JPEG, PNG or WebP signature)";
 }
 
-// IFD0's orientation (0x0112, a SHORT), as PIL's getexif reads it; 1 when absent or unreadable.
-int exif_orientation(const std::string& blob) {
-  if (blob.empty()) return 1;
+// IFD0's orientation (0x0112), as PIL's getexif reads it; nullopt when the blob holds no such entry, 1
+// when it holds one of another type than SHORT or LONG (PIL then reads no XMP either).
+std::optional<int> exif_orientation(const std::string& blob) {
+  if (blob.empty()) return std::nullopt;
   static const char kHeader[] = "Exif\0\0";
   const std::string data = blob.compare(0, 6, kHeader, 6) == 0 ? blob : std::string(kHeader, 6) + blob;
   ExifData* exif = exif_data_new();
-  if (exif == nullptr) return 1;
+  if (exif == nullptr) return std::nullopt;
   // Read what the file holds: no tags added or dropped by libexif's notion of the specification.
   exif_data_unset_option(exif, EXIF_DATA_OPTION_FOLLOW_SPECIFICATION);
   exif_data_unset_option(exif, EXIF_DATA_OPTION_IGNORE_UNKNOWN_TAGS);
   exif_data_load_data(exif, reinterpret_cast<const unsigned char*>(data.data()), static_cast<unsigned>(data.size()));
-  int orientation = 1;
-  ExifEntry* entry = exif_content_get_entry(exif->ifd[EXIF_IFD_0], EXIF_TAG_ORIENTATION);
-  if (entry != nullptr && entry->format == EXIF_FORMAT_SHORT && entry->components >= 1 && entry->size >= 2)
-    orientation = exif_get_short(entry->data, exif_data_get_byte_order(exif));
+  std::optional<int> orientation;
+  const ExifEntry* entry = exif_content_get_entry(exif->ifd[EXIF_IFD_0], EXIF_TAG_ORIENTATION);
+  if (entry != nullptr) {
+    const ExifByteOrder order = exif_data_get_byte_order(exif);
+    orientation = 1;
+    if (entry->format == EXIF_FORMAT_SHORT && entry->components >= 1 && entry->size >= 2)
+      orientation = exif_get_short(entry->data, order);
+    else if (entry->format == EXIF_FORMAT_LONG && entry->components >= 1 && entry->size >= 4)
+      orientation = static_cast<int>(exif_get_long(entry->data, order));
+  }
   exif_data_unref(exif);
   return orientation;
+}
+
+// PIL's fallback where the Exif has no orientation: the first match of tiff:Orientation(="|>)([0-9]).
+std::optional<int> xmp_orientation(const std::string& xmp) {
+  static const std::string kKey = "tiff:Orientation";
+  for (size_t at = xmp.find(kKey); at != std::string::npos; at = xmp.find(kKey, at + 1)) {
+    size_t p = at + kKey.size();
+    if (xmp.compare(p, 2, "=\"") == 0)
+      p += 2;
+    else if (p < xmp.size() && xmp[p] == '>')
+      p += 1;
+    else
+      continue;
+    if (p < xmp.size() && xmp[p] >= '0' && xmp[p] <= '9') return xmp[p] - '0';
+  }
+  return std::nullopt;
 }
 
 // PIL's transposes for orientations 2..8 on [H, W, 3]; others leave the image as stored.
@@ -118,7 +141,8 @@ Image decode_image(const uint8_t* data, size_t size, std::string_view source, st
     case ImageFormat::webp: decoded = detail::decode_webp(data, size, where, options.max_pixels); break;
     default: detail::fail(where, other_format(data, size) + ": JPEG, PNG and WebP are read");
   }
-  return Image{orient(decoded.rgb, exif_orientation(decoded.exif)).contiguous(), decoded.transparent};
+  const int orientation = exif_orientation(decoded.exif).value_or(xmp_orientation(decoded.xmp).value_or(1));
+  return Image{orient(decoded.rgb, orientation).contiguous(), decoded.transparent};
 }
 
 Image decode_image(std::string_view bytes, std::string_view source, std::string_view record,

@@ -1,7 +1,9 @@
 // Image files into pixels: JPEG, PNG and WebP bytes into an RGB uint8 tensor [H, W, 3], as transformers'
 // load_image gives them (PIL: Image.open, ImageOps.exif_transpose, then .convert("RGB")):
-//   - EXIF orientation 1..8 applied (the Exif blob of a JPEG's APP1, a PNG's eXIf chunk, a WebP's EXIF
-//     chunk; IFD0's tag 0x0112 only, as PIL reads it; other values leave the image as stored);
+//   - EXIF orientation 1..8 applied (the Exif blob of a JPEG's APP1, a PNG's eXIf chunk or its "Raw profile
+//     type exif" text, a WebP's EXIF chunk; IFD0's tag 0x0112 only, as PIL reads it; where the Exif has no
+//     such tag, an XMP packet's tiff:Orientation, as PIL falls back to it; other values leave the image
+//     as stored);
 //   - PIL's modes converted as PIL converts them: grayscale replicated; 1/2/4-bit gray scaled to 8 bits;
 //     palette looked up (its transparency ignored); an alpha channel dropped, not composited (convert
 //     drops it); 16-bit RGB/RGBA/gray+alpha samples keep their high byte, while 16-bit grayscale is

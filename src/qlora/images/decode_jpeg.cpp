@@ -33,8 +33,9 @@ struct JpegContext {
   bool over_budget;
   int channels;       // of the output rows: 1 (gray), 3 (RGB) or 4 (CMYK)
   unsigned char* rows;  // malloc'ed [height, width, channels], owned by the caller once set
-  unsigned char* exif;  // malloc'ed copy of the Exif APP1 marker (libjpeg frees its own at the end)
-  size_t exif_size;
+  // malloc'ed copies of the Exif and XMP APP1 markers (libjpeg frees its own at the end)
+  unsigned char *exif, *xmp;
+  size_t exif_size, xmp_size;
 };
 
 [[noreturn]] void jpeg_fatal(j_common_ptr cinfo) {
@@ -58,16 +59,25 @@ void jpeg_progress(j_common_ptr cinfo) {
   }
 }
 
-// PIL's exif: the first APP1 marker holding "Exif\0\0", copied while libjpeg still holds it.
-void copy_exif_marker(JpegContext* ctx) {
+void copy_marker(const jpeg_marker_struct& m, size_t skip, unsigned char** out, size_t* size) {
+  std::free(*out);
+  *size = m.data_length - skip;
+  *out = static_cast<unsigned char*>(std::malloc(*size + 1));
+  if (*out != nullptr) std::memcpy(*out, m.data + skip, *size);
+  else *size = 0;
+}
+
+// As PIL reads them: the first APP1 marker holding "Exif\0\0" (PIL appends later ones, which only a
+// file splitting one IFD0 across markers would need) and the last holding Adobe's XMP namespace,
+// copied while libjpeg still holds them.
+void copy_app1_markers(JpegContext* ctx) {
+  static const char kXmp[] = "http://ns.adobe.com/xap/1.0/";  // with its NUL: 29 bytes
   for (jpeg_saved_marker_ptr m = ctx->cinfo.marker_list; m != nullptr; m = m->next) {
-    if (m->marker == JPEG_APP0 + 1 && m->data_length >= 6 && std::memcmp(m->data, "Exif\0\0", 6) == 0) {
-      ctx->exif = static_cast<unsigned char*>(std::malloc(m->data_length));
-      if (ctx->exif == nullptr) return;
-      std::memcpy(ctx->exif, m->data, m->data_length);
-      ctx->exif_size = m->data_length;
-      return;
-    }
+    if (m->marker != JPEG_APP0 + 1) continue;
+    if (ctx->exif == nullptr && m->data_length >= 6 && std::memcmp(m->data, "Exif\0\0", 6) == 0)
+      copy_marker(*m, 0, &ctx->exif, &ctx->exif_size);
+    else if (m->data_length >= sizeof kXmp && std::memcmp(m->data, kXmp, sizeof kXmp) == 0)
+      copy_marker(*m, sizeof kXmp, &ctx->xmp, &ctx->xmp_size);
   }
 }
 
@@ -82,7 +92,7 @@ bool jpeg_run(JpegContext* ctx) {
   jpeg_mem_src(&ctx->cinfo, ctx->data, static_cast<unsigned long>(ctx->size));
   jpeg_save_markers(&ctx->cinfo, JPEG_APP0 + 1, 0xFFFF);
   jpeg_read_header(&ctx->cinfo, TRUE);
-  copy_exif_marker(ctx);
+  copy_app1_markers(ctx);
   jpeg_decompress_struct& c = ctx->cinfo;
   if (c.num_components == 1) {
     c.out_color_space = JCS_GRAYSCALE;
@@ -154,7 +164,9 @@ Decoded decode_jpeg(const uint8_t* data, size_t size, const std::string& where, 
   const int64_t height = ctx.cinfo.output_height, width = ctx.cinfo.output_width;
   const int64_t declared_w = ctx.cinfo.image_width, declared_h = ctx.cinfo.image_height;
   if (ctx.exif != nullptr) out.exif.assign(reinterpret_cast<const char*>(ctx.exif), ctx.exif_size);
+  if (ctx.xmp != nullptr) out.xmp.assign(reinterpret_cast<const char*>(ctx.xmp), ctx.xmp_size);
   std::free(ctx.exif);
+  std::free(ctx.xmp);
   if (ctx.created) jpeg_destroy_decompress(&ctx.cinfo);
   // The rows are freed with the tensor that wraps them, or here on any error.
   std::unique_ptr<unsigned char, decltype(&std::free)> rows(ctx.rows, &std::free);

@@ -5,10 +5,12 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <string>
 
 #include <png.h>
 
@@ -130,6 +132,40 @@ std::string png_exif(png_structp png, png_infop info) {
   return {};
 }
 
+// ImageMagick's "Raw profile type exif" text: a header of three lines, then hex (whitespace ignored),
+// as PIL's getexif decodes it; empty when it is not hex.
+std::string raw_profile_exif(const std::string& text) {
+  size_t at = 0;
+  for (int line = 0; line < 3 && at != std::string::npos; ++line) at = text.find('\n', at == 0 && line == 0 ? 0 : at + 1);
+  if (at == std::string::npos) return {};
+  std::string out, digits;
+  for (size_t i = at + 1; i < text.size(); ++i) {
+    const char c = text[i];
+    if (c == ' ' || c == '\n' || c == '\t' || c == '\r') continue;
+    if (!std::isxdigit(static_cast<unsigned char>(c))) return {};
+    digits += c;
+    if (digits.size() == 2) {
+      out += static_cast<char>(std::stoi(digits, nullptr, 16));
+      digits.clear();
+    }
+  }
+  return digits.empty() ? out : std::string();
+}
+
+// The text chunks PIL reads orientation from, the later one winning as in PIL's info dict: the XMP
+// packet ("XML:com.adobe.xmp") and, where no eXIf chunk is, the raw Exif profile.
+void png_texts(png_structp png, png_infop info, std::string& xmp, std::string& raw_exif) {
+  png_textp texts = nullptr;
+  int count = 0;
+  if (info == nullptr || png_get_text(png, info, &texts, &count) == 0) return;
+  for (int i = 0; i < count; ++i) {
+    const png_text& t = texts[i];
+    const std::string value(t.text != nullptr ? t.text : "", t.itxt_length != 0 ? t.itxt_length : t.text_length);
+    if (std::strcmp(t.key, "XML:com.adobe.xmp") == 0) xmp = value;
+    if (std::strcmp(t.key, "Raw profile type exif") == 0) raw_exif = value;
+  }
+}
+
 // One output channel from a row sample: 8-bit as is; 16-bit (big-endian) by its high byte, except
 // single-channel gray, which PIL holds as "I;16" and converts to "L" by clipping at 255.
 at::Tensor to_rgb(const PngContext& ctx) {
@@ -175,6 +211,10 @@ Decoded decode_png(const uint8_t* data, size_t size, const std::string& where, i
   if (ok && !ctx.over_budget) {
     out.exif = png_exif(ctx.png, ctx.end);
     if (out.exif.empty()) out.exif = png_exif(ctx.png, ctx.info);
+    std::string raw_exif;
+    png_texts(ctx.png, ctx.info, out.xmp, raw_exif);
+    png_texts(ctx.png, ctx.end, out.xmp, raw_exif);
+    if (out.exif.empty() && !raw_exif.empty()) out.exif = raw_profile_exif(raw_exif);
   }
   png_destroy_read_struct(&ctx.png, ctx.info != nullptr ? &ctx.info : nullptr, ctx.end != nullptr ? &ctx.end : nullptr);
   std::free(ctx.row_pointers);

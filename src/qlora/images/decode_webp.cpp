@@ -1,11 +1,12 @@
 // WebP through libwebp (status codes, no longjmp): the still image as RGB (its alpha dropped, as PIL's
 // convert("RGB") drops it; libwebp's RGB samples do not depend on the alpha channel) and the EXIF chunk
-// through libwebpdemux.
+// and XMP chunks through libwebpdemux.
 #include "qlora/images/codecs.h"
 
 #include <ATen/ATen.h>
 
 #include <string>
+#include <utility>
 
 #include <webp/decode.h>
 #include <webp/demux.h>
@@ -26,18 +27,19 @@ const char* webp_status(VP8StatusCode status) {
   }
 }
 
-std::string webp_exif(const uint8_t* data, size_t size) {
+// The EXIF and XMP chunks, as PIL's info["exif"] and info["xmp"].
+void webp_metadata(const uint8_t* data, size_t size, Decoded& out) {
   WebPData blob{data, size};
   WebPDemuxer* demux = WebPDemux(&blob);
-  if (demux == nullptr) return {};
-  std::string exif;
-  WebPChunkIterator chunk;
-  if (WebPDemuxGetChunk(demux, "EXIF", 1, &chunk) != 0) {
-    exif.assign(reinterpret_cast<const char*>(chunk.chunk.bytes), chunk.chunk.size);
-    WebPDemuxReleaseChunkIterator(&chunk);
+  if (demux == nullptr) return;
+  for (auto [fourcc, into] : {std::pair{"EXIF", &out.exif}, std::pair{"XMP ", &out.xmp}}) {
+    WebPChunkIterator chunk;
+    if (WebPDemuxGetChunk(demux, fourcc, 1, &chunk) != 0) {
+      into->assign(reinterpret_cast<const char*>(chunk.chunk.bytes), chunk.chunk.size);
+      WebPDemuxReleaseChunkIterator(&chunk);
+    }
   }
   WebPDemuxDelete(demux);
-  return exif;
 }
 
 }  // namespace
@@ -61,7 +63,7 @@ Decoded decode_webp(const uint8_t* data, size_t size, const std::string& where, 
   const VP8StatusCode status = WebPDecode(data, size, &config);
   WebPFreeDecBuffer(&config.output);
   if (status != VP8_STATUS_OK) fail(where, std::string("not a readable WebP: ") + webp_status(status));
-  out.exif = webp_exif(data, size);
+  webp_metadata(data, size, out);
   return out;
 }
 
