@@ -13,8 +13,10 @@ on all of them in one process, and checks:
     image_position_ids, the token count and the text that replaces the image placeholder (the
     processors' replace_image_token).
 Tolerance: none. Every pixel value is compared for equality: we call the ATen resize op torchvision calls
-on the same dtype (uint8 for bicubic; for bilinear on this AVX2/AVX512 CPU) and the same float32 rescale /
-normalise ops, so the numbers are the same bits; max|diff| is printed beside each check.
+on the same dtype (uint8 for bicubic always, and for bilinear where the CPU has AVX2/AVX512; float32 and
+rounded back otherwise) and the same float32 rescale / normalise ops, so the numbers are the same bits;
+max|diff| is printed beside each check (0 under ATEN_CPU_CAPABILITY=default, avx2 and avx512 alike:
+each path torchvision can take on a CPU).
 Errors: a truncated JPEG, a wrong-magic file and an aspect ratio Qwen's processor refuses fail on both sides.
 """
 import io
