@@ -1,6 +1,8 @@
 // images/decode.h: errors (truncated, wrong magic, declared dimensions above the budget in a tiny file,
 // URLs), EXIF orientations, and PIL's mode conversions on files written here byte by byte (PNG) or from
-// the fuzz seeds (JPEG, WebP, written by PIL). Pixel values against PIL itself: conformance.image_processors.
+// the fuzz seeds (JPEG, WebP, written by PIL); images/processor.h: the rules' refusals, and each
+// processor's shapes, padding, token counts and text. Pixel values against PIL and transformers
+// themselves: conformance.image_processors.
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
@@ -186,4 +188,40 @@ TEST(ImageProcessorRules, RefusalsNameTheKey) {
     EXPECT_NE(e.find(expected), std::string::npos) << json << " -> " << e;
     EXPECT_NE(e.find("preprocessor_config.json"), std::string::npos) << e;
   }
+}
+
+TEST(ImageProcessors, ShapesTokensAndText) {
+  const std::string dir = std::string(QLORA_SOURCE_DIR) + "/tests/data/processors/";
+  Image image{at::randint(0, 256, {97, 173, 3}, at::kByte), std::nullopt};
+  // Qwen3.5: 97 x 173 is below 65536 pixels, so smart_resize scales it up to 192 x 352 (12 x 22 patches).
+  const ImageProcessor qwen = processor_from_dir(dir + "qwen3_5");
+  const ProcessedImage q = qwen.process(image);
+  EXPECT_EQ(q.grid.sizes(), (at::IntArrayRef{3}));
+  EXPECT_EQ((std::vector<int64_t>{q.grid[0].item<int64_t>(), q.grid[1].item<int64_t>(), q.grid[2].item<int64_t>()}),
+            (std::vector<int64_t>{1, 12, 22}));
+  EXPECT_EQ(q.pixel_values.sizes(), (at::IntArrayRef{12 * 22, 3 * 2 * 16 * 16}));
+  EXPECT_EQ(q.num_image_tokens, 66);
+  EXPECT_EQ(qwen.placeholder(), "<|image_pad|>");
+  EXPECT_EQ(qwen.expansion(q).size(), 66 * std::string("<|image_pad|>").size());
+  // Gemma 4: patches beyond the image are zeros at position (-1, -1).
+  const ImageProcessor gemma4 = processor_from_dir(dir + "gemma4");
+  const ProcessedImage g4 = gemma4.process(image);
+  const int64_t n = g4.num_image_tokens * 9;
+  EXPECT_EQ(g4.pixel_values.sizes(), (at::IntArrayRef{280 * 9, 16 * 16 * 3}));
+  EXPECT_TRUE(g4.grid.narrow(0, n, 280 * 9 - n).eq(-1).all().item<bool>());
+  EXPECT_TRUE(g4.pixel_values.narrow(0, n, 280 * 9 - n).eq(0).all().item<bool>());
+  std::string soft;
+  for (int64_t i = 0; i < g4.num_image_tokens; ++i) soft += "<|image|>";
+  EXPECT_EQ(gemma4.expansion(g4), "<|image>" + soft + "<image|>");
+  // Gemma 3: 896 x 896, 256 tokens wrapped in blank lines; a transparent colour is painted white (1.0).
+  const ImageProcessor gemma3 = processor_from_dir(dir + "gemma3");
+  Image flat{at::full({5, 7, 3}, 40, at::kByte), std::array<uint8_t, 3>{40, 40, 40}};
+  const ProcessedImage g3 = gemma3.process(flat);
+  EXPECT_EQ(g3.pixel_values.sizes(), (at::IntArrayRef{3, 896, 896}));
+  EXPECT_TRUE(g3.pixel_values.eq(1.0f).all().item<bool>());
+  EXPECT_EQ(gemma3.placeholder(), "<start_of_image>");
+  const std::string e = gemma3.expansion(g3);
+  EXPECT_EQ(e.rfind("\n\n<start_of_image><image_soft_token>", 0), 0u);
+  EXPECT_EQ(e.substr(e.size() - 16), "<end_of_image>\n\n");
+  EXPECT_EQ(g3.num_image_tokens, 256);
 }
