@@ -44,11 +44,12 @@ std::string chunk(const std::string& tag, const std::string& data) {
 }
 
 // A PNG of `w` x `h` with one IDAT holding `rows` (filter bytes included), plus `extra` chunks before it.
-std::string png(uint32_t w, uint32_t h, int depth, int color, const std::string& rows, const std::string& extra = "") {
+std::string png(uint32_t w, uint32_t h, int depth, int color, const std::string& rows, const std::string& extra = "",
+                bool interlaced = false) {
   std::string ihdr;
   put32(ihdr, w);
   put32(ihdr, h);
-  ihdr += std::string{static_cast<char>(depth), static_cast<char>(color), 0, 0, 0};
+  ihdr += std::string{static_cast<char>(depth), static_cast<char>(color), 0, 0, static_cast<char>(interlaced)};
   uLongf n = compressBound(rows.size());
   std::string z(n, '\0');
   compress(reinterpret_cast<Bytef*>(z.data()), &n, reinterpret_cast<const Bytef*>(rows.data()), rows.size());
@@ -134,6 +135,14 @@ TEST(ImageDecode, PilModes) {
   EXPECT_EQ(decode_image(seed("cmyk.jpg"), "cmyk").pixels.size(2), 3);
   const Image gray = decode_image(seed("gray.jpg"), "gray");
   EXPECT_TRUE(gray.pixels.select(2, 0).equal(gray.pixels.select(2, 2)));
+}
+
+TEST(ImageDecode, InterlacedPng) {
+  // 3 x 3 gray, pixel (x, y) = 10 y + x, in Adam7's passes: 1 (0,0); 4 (2,0); 5 (0,2) (2,2);
+  // 6 (1,0) / (1,2); 7 the middle row. Passes 2 and 3 are empty at this size.
+  const std::string passes("\0\x00" "\0\x02" "\0\x14\x16" "\0\x01" "\0\x15" "\0\x0A\x0B\x0C", 15);
+  const Image im = decode_image(png(3, 3, 8, 0, passes, "", /*interlaced=*/true), "adam7");
+  for (int64_t y = 0; y < 3; ++y) EXPECT_EQ(row(im, y), (std::vector<int>{int(10 * y), int(10 * y + 1), int(10 * y + 2)}));
 }
 
 TEST(ImageDecode, ExifOrientations) {
