@@ -29,6 +29,8 @@ debs=(
   libpcre2-dev libpcre2-8-0 libpcre2-16-0 libpcre2-32-0 libpcre2-posix3  # data/text_regex
   libicu-dev libicu72 icu-devtools  # NFC and Unicode classes of the tokenizers
   libgloo-dev libgloo0 libhiredis0.14 libibverbs1 libibverbs-dev libnl-3-200 libnl-route-3-200 libnl-3-dev libnl-route-3-dev libhiredis-dev ibverbs-providers  # headers of c10d's ProcessGroupGloo (the image's torch lacks them)
+  libjpeg62-turbo-dev libjpeg62-turbo libpng-dev libpng16-16 zlib1g-dev zlib1g  # images/decode (JPEG, PNG)
+  libwebp-dev libwebp7 libwebpdemux2 libwebpmux3 libexif-dev libexif12  # images/decode (WebP, EXIF orientation)
   libgtest-dev libgmock-dev googletest
   libbenchmark-dev libbenchmark1debian
   pkgconf pkgconf-bin libpkgconf3  # only used there when the image has no pkg-config

@@ -30,8 +30,8 @@ if [ ! -f "$BUILD/CMakeCache.txt" ]; then
         -DQLORA_BENCH=OFF -DQLORA_SANITIZE=ON -DQLORA_FUZZ=ON > "$BUILD.configure.log" 2>&1 \
     || { cat "$BUILD.configure.log"; exit 1; }
 fi
-TESTS=(qlora_tests qlora_io_tests qlora_data_tests qlora_jinja_tests qlora_checkpoint_tests qlora_config_tests)
-FUZZ=(safetensors tokenizer records chat_template decoder_config config resume gguf)
+TESTS=(qlora_tests qlora_io_tests qlora_images_tests qlora_data_tests qlora_jinja_tests qlora_checkpoint_tests qlora_config_tests)
+FUZZ=(safetensors tokenizer records chat_template decoder_config config resume gguf image)
 say "building ${TESTS[*]} and the fuzz targets"
 cmake --build "$BUILD" -j"$(nproc)" --target "${TESTS[@]}" "${FUZZ[@]/#/fuzz_}"
 

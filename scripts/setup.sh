@@ -4,7 +4,7 @@
 #   bash scripts/setup.sh --tests   everything: the test packages too, and all targets (tests, benchmarks)
 # Idempotent and quick when everything is already there:
 #   1. Debian packages: compilers, CMake, ccache, toml++, PCRE2, ICU, xxHash,
-#      nlohmann-json, CLI11 (the command line), and gloo's headers for c10d's ProcessGroupGloo, which the torch wheel lacks (its
+#      nlohmann-json, CLI11 (the command line), libjpeg-turbo, libpng, libwebp and libexif (image decoding), and gloo's headers for c10d's ProcessGroupGloo, which the torch wheel lacks (its
 #      library is never linked); with --tests also GoogleTest and Google Benchmark. The CUDA toolkit is
 #      used if present, never installed.
 #   2. .venv with requirements.txt (the pinned PyPI torch wheel: LibTorch, which qlora builds and links
@@ -36,7 +36,8 @@ done
 # --- 1. Debian packages ----------------------------------------------------------------------
 PKGS=(g++ cmake make ccache pkg-config nlohmann-json3-dev
       libtomlplusplus-dev libgloo-dev
-      libpcre2-dev libicu-dev libxxhash-dev libcli11-dev)
+      libpcre2-dev libicu-dev libxxhash-dev libcli11-dev
+      libjpeg62-turbo-dev libpng-dev libwebp-dev libexif-dev)  # images/decode.h says why each
 [ "$TESTS" = 1 ] && PKGS+=(libgtest-dev libbenchmark-dev)
 bash scripts/install_debs.sh "${PKGS[@]}"
 

@@ -7,7 +7,7 @@ import os
 import re
 import sys
 
-ORDER = ["quant", "kernels", "ops", "io", "report", "jinja", "data", "modules", "models", "optim", "checkpoint", "gguf", "engine",
+ORDER = ["quant", "kernels", "ops", "io", "images", "report", "jinja", "data", "modules", "models", "optim", "checkpoint", "gguf", "engine",
          "train", "config", "recipes", "cli"]
 INCLUDE = re.compile(r'^\s*#\s*include\s+"(?:qlora/)?([a-z_]+)/')
 
