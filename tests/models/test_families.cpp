@@ -242,7 +242,7 @@ TEST(FamilyConfig, Qwen35LayerTypesAndRefusals) {
   refused(R"(,"layer_types":["full_attention","sliding_attention","full_attention"])", "'layer_types'");
   refused(R"(,"linear_num_value_heads":3)", "must be a multiple of linear_num_key_heads");
   refused(R"(,"partial_rotary_factor":0.1)", "positive even number");
-  EXPECT_TRUE(c.mrope_section.empty());
+  EXPECT_EQ(c.mrope_section, (std::vector<int64_t>{11, 11, 10}));  // transformers' default where the config has none
   refused(R"(,"rope_parameters":{"rope_type":"default","mrope_section":[11,-1]})", "rope_parameters.mrope_section");
   // Other families still take only full rotary.
   EXPECT_THROW(parse_decoder_config(R"({"model_type":"qwen3","hidden_size":64,"intermediate_size":96,
