@@ -134,16 +134,29 @@ struct ChatTemplate::Rendered {
   std::vector<std::pair<size_t, size_t>> generation;
 };
 
+namespace {
+
+// A message's content as a template reads it: its text, or its parts in transformers' chat format.
+ojson content_json(const Message& m) {
+  if (m.parts.empty()) return m.content;
+  ojson parts = ojson::array();
+  for (const ContentPart& p : m.parts)
+    parts.push_back(p.image ? ojson{{"type", "image"}} : ojson{{"type", "text"}, {"text", p.text}});
+  return parts;
+}
+
+}  // namespace
+
 ojson messages_json(const std::vector<Message>& messages) {
   ojson out = ojson::array();
   for (const auto& m : messages) {
     if (!m.reasoning) {
-      out.push_back(ojson{{"role", m.role}, {"content", m.content}});
+      out.push_back(ojson{{"role", m.role}, {"content", content_json(m)}});
       continue;
     }
     // transformers passes a message's reasoning under both names templates read: "reasoning_content"
     // (Qwen3, DeepSeek-R1) and "thinking" (gpt-oss), in this key order.
-    out.push_back(ojson{{"thinking", *m.reasoning}, {"role", m.role}, {"content", m.content},
+    out.push_back(ojson{{"thinking", *m.reasoning}, {"role", m.role}, {"content", content_json(m)},
                         {"reasoning_content", *m.reasoning}});
   }
   return out;

@@ -3,10 +3,13 @@
 #include "qlora/data/chat_template.h"
 #include "qlora/data/data_files.h"
 #include "qlora/data/record_formats.h"
+#include "qlora/data/sample_images.h"
 #include "qlora/io/read_file.h"
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <sstream>
@@ -137,9 +140,18 @@ void read_json_records(const std::string& path, const TakeRecord& take) {
 
 std::vector<RenderedRecord> read_records(const std::string& path, const DatasetOptions& options) {
   std::vector<RenderedRecord> out;
-  read_json_records(path, [&](const json& j, const std::string& origin) {
-    out.push_back(RenderedRecord{origin, render_record(j, options)});
-  });
+  for (const std::string& file : expand_data_path(path)) {
+    const std::string dir = std::filesystem::path(file).parent_path().string();  // images' relative paths
+    read_json_records(file, [&](const json& j, const std::string& origin) {
+      RenderedRecord r{origin, render_record(j, options), {}};
+      if (options.kind == DatasetKind::kChat && j.is_object()) {
+        std::string key = options.messages_field;
+        if (key.empty()) key = j.contains("messages") ? "messages" : "conversations";
+        r.images = record_images(j, key, dir);
+      }
+      out.push_back(std::move(r));
+    });
+  }
   return out;
 }
 
@@ -238,11 +250,46 @@ Sample tokenize_segments(const std::vector<Segment>& segments, const Tokenizer& 
   return s;
 }
 
+namespace {
+
+// A sample cut by max_seq_len keeps every image whole: its image tokens are all there, or the record
+// is refused (a model cannot take part of an image's features).
+void check_images_kept(const Sample& s, const std::vector<images::ProcessedImage>& images, int64_t image_token,
+                       int64_t max_seq_len) {
+  int64_t want = 0;
+  for (const images::ProcessedImage& p : images) want += p.num_image_tokens;
+  const int64_t have = std::count(s.tokens.begin(), s.tokens.end(), image_token);
+  if (have == want) return;
+  if (s.truncated)
+    throw std::invalid_argument("max_seq_len " + std::to_string(max_seq_len) + " cuts into its images (" +
+                                std::to_string(want) + " image tokens, " + std::to_string(have) +
+                                " kept): raise data.max_seq_len or use smaller images");
+  throw std::invalid_argument("its text holds " + std::to_string(have) + " image tokens, its images take " +
+                              std::to_string(want) + " (an image token written in the text itself?)");
+}
+
+}  // namespace
+
 std::vector<Sample> tokenize_records(const std::vector<RenderedRecord>& records, const Tokenizer& tokenizer,
                                      const DatasetOptions& options) {
   std::vector<Sample> samples;
   samples.reserve(records.size());
-  for (const auto& r : records) samples.push_back(tokenize_segments(r.segments, tokenizer, options));
+  for (const auto& r : records) {
+    if (r.images.empty()) {
+      samples.push_back(tokenize_segments(r.segments, tokenizer, options));
+      continue;
+    }
+    std::vector<images::ProcessedImage> images = process_record_images(r, options);
+    try {
+      Sample s = tokenize_segments(expand_image_placeholders(r.segments, *options.image_processor, images), tokenizer,
+                                   options);
+      check_images_kept(s, images, image_token_id(*options.image_processor, tokenizer), options.max_seq_len);
+      s.images = std::move(images);
+      samples.push_back(std::move(s));
+    } catch (const std::invalid_argument& e) {
+      throw std::invalid_argument(r.origin + ": " + e.what());
+    }
+  }
   return samples;
 }
 

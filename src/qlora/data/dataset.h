@@ -11,8 +11,10 @@
 
 #include <nlohmann/json.hpp>
 
+#include "qlora/data/record_images.h"
 #include "qlora/data/templates.h"
 #include "qlora/data/tokenizer.h"
+#include "qlora/images/processor.h"
 #include "qlora/io/enum_names.h"
 
 namespace qlora::data {
@@ -52,6 +54,11 @@ struct DatasetOptions {
   // prompt_template kAuto: the model's own template. Its text is tokenized whole, so the ids are
   // apply_chat_template's (tokenize_exact).
   std::shared_ptr<const ChatTemplate> chat_template;
+  // The model's image processor (images/processor.h; from its preprocessor_config.json), for records
+  // with images (record_images.h); null: a record with an image is refused. Images above
+  // max_image_pixels (width x height, checked from the file's header) are refused.
+  std::shared_ptr<const images::ImageProcessor> image_processor;
+  int64_t max_image_pixels = 64LL << 20;
 };
 
 // What "auto" means for `tokenizer`: data.template = auto takes the chat template beside the
@@ -69,12 +76,16 @@ struct Sample {
   std::vector<int64_t> tokens;
   std::vector<int64_t> labels;
   bool truncated = false;  // longer than max_seq_len before tokenize_segments cut it
+  // Its images as the model takes them, in the order of their tokens (each image's
+  // num_image_tokens tokens, one run, in `tokens`); empty for text.
+  std::vector<images::ProcessedImage> images;
 };
 
 // One record rendered by its template; `origin` is "<file>: line N" for later error messages.
 struct RenderedRecord {
   std::string origin;
   std::vector<Segment> segments;
+  std::vector<RecordImage> images;  // in the order the segments show their placeholders
 };
 
 // Each record of the files `path` names (expand_data_path: a file, a directory, a glob), file by

@@ -1,5 +1,6 @@
 #include "qlora/data/record_formats.h"
 #include "qlora/data/chat_template.h"
+#include "qlora/data/record_images.h"
 
 #include <nlohmann/json.hpp>
 
@@ -86,8 +87,44 @@ std::string optional_field(const json& record, const std::string& key) {
   return it == record.end() || it->is_null() ? std::string() : string_field(record, key);
 }
 
+// Text with LLaVA's "<image>" placeholders (a record with an "images" list) as parts.
+std::vector<ContentPart> placeholder_parts(const std::string& text) {
+  std::vector<ContentPart> parts;
+  size_t at = 0;
+  for (size_t hit; (hit = text.find(kImagePlaceholder, at)) != std::string::npos; at = hit + kImagePlaceholder.size()) {
+    if (hit > at) parts.push_back({text.substr(at, hit - at), false});
+    parts.push_back({"", true});
+  }
+  if (parts.empty()) return parts;
+  if (at < text.size()) parts.push_back({text.substr(at), false});
+  return parts;
+}
+
+// Content given as parts (transformers' chat format): text parts and image parts (record_images.h
+// reads their sources); `content` gets the text parts joined.
+std::vector<ContentPart> content_parts(const json& content, std::string& text) {
+  std::vector<ContentPart> parts;
+  for (size_t i = 0; i < content.size(); ++i) {
+    const json& item = content[i];
+    const std::string where = "content[" + std::to_string(i) + "]";
+    if (!item.is_object()) throw std::invalid_argument(where + " is " + item.type_name() + ", expected an object");
+    if (is_image_part(item)) {
+      parts.push_back({"", true});
+      continue;
+    }
+    const auto type = item.find("type");
+    if (type == item.end() || *type != "text" || !item.contains("text") || !item.at("text").is_string())
+      throw std::invalid_argument(where + ": expected {\"type\": \"text\", \"text\": ...} or an image part "
+                                  "{\"type\": \"image\", \"image\": path}, got " + item.dump().substr(0, 120));
+    parts.push_back({item.at("text").get<std::string>(), false});
+    text += parts.back().text;
+  }
+  return parts;
+}
+
 // One turn: OpenAI's role/content, or ShareGPT's from/value (a turn with "from" and no "role").
-Message turn_message(const json& turn) {
+// `placeholders`: the record lists its images ("images"), so "<image>" in a text marks one.
+Message turn_message(const json& turn, bool placeholders) {
   if (!turn.contains("role") && !turn.contains("from")) {
     throw std::invalid_argument("missing field \"role\" (OpenAI, with \"content\") or \"from\" (ShareGPT, with "
                                 "\"value\")");
@@ -96,8 +133,18 @@ Message turn_message(const json& turn) {
     if (!turn.contains(key)) throw std::invalid_argument(std::string("missing field \"") + key + "\"");
     return string_field(turn, key);
   };
+  const char* body = turn.contains("role") ? "content" : "value";
+  if (turn.contains(body) && turn.at(body).is_array()) {  // parts: text and images
+    Message m{turn.contains("role") ? text("role") : sharegpt_role(text("from")), ""};
+    m.parts = content_parts(turn.at(body), m.content);
+    return m;
+  }
   Message m = turn.contains("role") ? Message{text("role"), text("content")}
                                     : Message{sharegpt_role(text("from")), text("value")};
+  if (placeholders && !(m.parts = placeholder_parts(m.content)).empty()) {
+    m.content.clear();
+    for (const ContentPart& part : m.parts) m.content += part.text;
+  }
   for (const char* key : {"reasoning_content", "thinking", "reasoning"}) {
     if (const auto it = turn.find(key); it != turn.end() && !it->is_null()) {
       m.reasoning = string_field(turn, key);
@@ -136,7 +183,7 @@ std::vector<Message> chat_messages(const json& record, const DatasetOptions& o) 
     const std::string where = key + "[" + std::to_string(k) + "]";
     if (!turn.is_object()) throw std::invalid_argument(where + " is " + turn.type_name() + ", expected an object");
     try {
-      messages.push_back(turn_message(turn));
+      messages.push_back(turn_message(turn, record.contains("images")));
     } catch (const std::invalid_argument& e) {
       throw std::invalid_argument(where + ": " + e.what());
     }
@@ -157,9 +204,17 @@ std::vector<Segment> render_record(const json& j, const DatasetOptions& o) {
       if (o.chat_template) return o.chat_template->render_training(instruct_messages(r));
       return render_instruct(o.prompt_template, r);
     }
-    case DatasetKind::kChat:
-      if (o.chat_template) return o.chat_template->render_training(chat_messages(j, o));
-      return render_chat(o.prompt_template, chat_messages(j, o));
+    case DatasetKind::kChat: {
+      const std::vector<Message> messages = chat_messages(j, o);
+      if (o.chat_template) return o.chat_template->render_training(messages);
+      for (const Message& m : messages)
+        for (const ContentPart& p : m.parts)
+          if (p.image)
+            throw std::invalid_argument("a message holds an image: images render through the model's own chat "
+                                        "template (data.template = \"auto\"), not " +
+                                        std::string(template_name(o.prompt_template)));
+      return render_chat(o.prompt_template, messages);
+    }
     case DatasetKind::kText:
       return {Segment{required_field(j, o.kind, o.text_field, "data.text_field"), false}};
     case DatasetKind::kPreference:

@@ -49,6 +49,13 @@ inline constexpr io::EnumName<TemplateKind> kTemplateKindNames[] = {
 TemplateKind template_kind_from_name(std::string_view name);
 std::string_view template_name(TemplateKind kind);
 
+// A piece of a message's content where it holds images: a text, or one image (the record's next,
+// data/record_images.h), in transformers' chat format [{"type": "text", "text"}, {"type": "image"}].
+struct ContentPart {
+  std::string text;
+  bool image = false;
+};
+
 struct Message {
   std::string role;  // "system", "user" or "assistant"
   std::string content;
@@ -56,6 +63,9 @@ struct Message {
   // (the first that is not null, as transformers reads them). Only a model's own template renders
   // it (chat_template.h); the hand-written kinds refuse a message that has one.
   std::optional<std::string> reasoning = std::nullopt;
+  // The content as parts where it holds an image (content is then its text parts joined); empty:
+  // plain text. Only a model's own template renders images (its placeholder for each).
+  std::vector<ContentPart> parts = {};
 };
 
 struct InstructRecord {

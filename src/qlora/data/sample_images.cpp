@@ -1,0 +1,59 @@
+#include "qlora/data/sample_images.h"
+
+#include <stdexcept>
+
+#include "qlora/images/decode.h"
+
+namespace qlora::data {
+
+std::vector<images::ProcessedImage> process_record_images(const RenderedRecord& record, const DatasetOptions& o) {
+  if (!o.image_processor)
+    throw std::invalid_argument("the record holds " + std::to_string(record.images.size()) +
+                                " image(s) but the model has no image processor (no preprocessor_config.json "
+                                "beside it that qlora reads): images train a vision-language model");
+  std::vector<images::ProcessedImage> out;
+  images::DecodeOptions limits;
+  limits.max_pixels = o.max_image_pixels;
+  for (const RecordImage& img : record.images) {
+    const images::Image decoded = img.bytes.empty()
+                                      ? images::load_image(img.path, record.origin, limits)
+                                      : images::decode_image(img.bytes.data(), img.bytes.size(), img.name, record.origin, limits);
+    out.push_back(o.image_processor->process(decoded, record.origin + ": " + img.name));
+  }
+  return out;
+}
+
+std::vector<Segment> expand_image_placeholders(const std::vector<Segment>& segments,
+                                               const images::ImageProcessor& processor,
+                                               const std::vector<images::ProcessedImage>& images) {
+  const std::string& placeholder = processor.placeholder();
+  std::vector<Segment> out = segments;
+  size_t k = 0;
+  for (Segment& s : out) {
+    std::string text;
+    size_t at = 0;
+    for (size_t hit; (hit = s.text.find(placeholder, at)) != std::string::npos; at = hit + placeholder.size()) {
+      if (k >= images.size())
+        throw std::invalid_argument("the rendered text holds more image placeholders ('" + placeholder + "') than the " +
+                                    std::to_string(images.size()) + " image(s) of the record");
+      text += s.text.substr(at, hit - at) + processor.expansion(images[k++]);
+    }
+    s.text = text + s.text.substr(at);
+  }
+  if (k != images.size())
+    throw std::invalid_argument("the record has " + std::to_string(images.size()) + " image(s), the template rendered " +
+                                std::to_string(k) + " placeholder(s) ('" + placeholder +
+                                "') for them (a system message's image, or a template without images?)");
+  return out;
+}
+
+int64_t image_token_id(const images::ImageProcessor& processor, const Tokenizer& tokenizer) {
+  const std::string& token = processor.rules().image_token;
+  const std::vector<int64_t> ids = tokenizer.encode(token);
+  if (ids.size() != 1)
+    throw std::invalid_argument(tokenizer.path() + ": the image processor's image token '" + token +
+                                "' is not one token of this tokenizer (" + std::to_string(ids.size()) + " ids)");
+  return ids[0];
+}
+
+}  // namespace qlora::data

@@ -1,0 +1,29 @@
+// A record's images on their way into its sample (issue 52): each decoded (images/decode.h) and
+// processed as the model's processor does (images/processor.h), and each placeholder the chat
+// template rendered for it replaced by the processor's expansion (its image tokens), in order, as
+// transformers' processor replaces them in the rendered text.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "qlora/data/dataset.h"
+
+namespace qlora::data {
+
+// The record's images processed; errors (a file that does not decode, is missing, is over the
+// pixel budget) name the record's origin and the image.
+std::vector<images::ProcessedImage> process_record_images(const RenderedRecord& record, const DatasetOptions& options);
+
+// `segments` with the k-th occurrence of the processor's placeholder replaced by images[k]'s
+// expansion. Throws std::invalid_argument when the text holds another number of placeholders.
+std::vector<Segment> expand_image_placeholders(const std::vector<Segment>& segments,
+                                               const images::ImageProcessor& processor,
+                                               const std::vector<images::ProcessedImage>& images);
+
+// The id of the processor's image token (one token), or std::invalid_argument saying the tokenizer
+// does not have it as one token.
+int64_t image_token_id(const images::ImageProcessor& processor, const Tokenizer& tokenizer);
+
+}  // namespace qlora::data
