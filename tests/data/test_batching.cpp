@@ -138,6 +138,26 @@ TEST(Packing, NoLabelCrossesABoundaryAndPositionsReset) {
   EXPECT_THROW(pack_samples({make_sample(1, 13, 0)}, seq, 0), std::invalid_argument);
 }
 
+TEST(Packing, ImagesFollowTheirSamplesInTokenOrder) {
+  const auto image = [](const char* name, int64_t tokens) {
+    SampleImage i;
+    i.source.path = name;
+    i.num_image_tokens = tokens;
+    return i;
+  };
+  Sample a = make_sample(10, 4, 0), b = make_sample(20, 3, 0), c = make_sample(30, 5, 0);
+  a.images = {image("a0", 2), image("a1", 1)};
+  c.images = {image("c0", 3)};
+  const auto rows = pack_samples({a, b, c}, 8, 0);  // [a b] [c]
+  ASSERT_EQ(rows.size(), 2u);
+  const Batch batch = collate_packed(rows);
+  std::vector<std::string> order;
+  for (const SampleImage& i : batch.images) order.push_back(i.source.path);
+  EXPECT_EQ(order, (std::vector<std::string>{"a0", "a1", "c0"}));
+  EXPECT_EQ(collate({b, c, a}, 0).images.size(), 3u);
+  EXPECT_EQ(collate({b, c, a}, 0).images.front().source.path, "c0");
+}
+
 TEST(Packing, BlockCausalMask) {
   const auto rows = pack_samples({make_sample(10, 2, 0), make_sample(20, 3, 0)}, 6, 0);
   ASSERT_EQ(rows.size(), 1u);

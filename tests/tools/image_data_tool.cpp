@@ -17,6 +17,7 @@
 #include <nlohmann/json.hpp>
 
 #include "qlora/data/dataset.h"
+#include "qlora/data/sample_images.h"
 #include "qlora/io/safetensors.h"
 
 int main(int argc, char** argv) {
@@ -41,7 +42,8 @@ int main(int argc, char** argv) {
       out.push_back({{"tokens", s.tokens}, {"labels", s.labels}, {"images", s.images.size()}});
       for (size_t k = 0; k < s.images.size(); ++k) {
         const std::string key = "s" + std::to_string(i) + "." + std::to_string(k) + ".";
-        tensors.emplace_back(key + "pixel_values", s.images[k].pixel_values.contiguous());
+        const qlora::images::ProcessedImage p = data::image_pixels(s.images[k], o);  // as a batch makes them
+        tensors.emplace_back(key + "pixel_values", p.pixel_values.contiguous());
         if (s.images[k].grid.defined()) tensors.emplace_back(key + "grid", s.images[k].grid.contiguous());
       }
     }

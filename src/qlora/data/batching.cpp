@@ -26,6 +26,7 @@ void append_sample(PackedRow& row, const Sample& s, int64_t doc) {
     row.position_ids.push_back(static_cast<int64_t>(t));
     row.document_ids.push_back(doc);
   }
+  row.images.insert(row.images.end(), s.images.begin(), s.images.end());
 }
 
 // Padding: positions keep counting from 0 (any in-range value works; nothing reads them).
@@ -116,6 +117,7 @@ Batch collate_packed(const std::vector<PackedRow>& rows) {
   for (const auto& r : rows) {
     b.num_label_tokens += std::count_if(r.labels.begin(), r.labels.end(),
                                         [](int64_t l) { return l != kIgnoreIndex; });
+    b.images.insert(b.images.end(), r.images.begin(), r.images.end());
   }
   return b;
 }

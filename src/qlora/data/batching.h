@@ -27,11 +27,15 @@ struct Batch {
   // Number of labels != kIgnoreIndex: the loss terms in this batch. Sum it over the micro-batches
   // of a step and divide the summed loss by it so every token weighs the same.
   int64_t num_label_tokens = 0;
+  // The rows' images in token order (row by row, left to right); their pixels are made when the
+  // step needs them (sample_images.h's image_pixels).
+  std::vector<SampleImage> images;
 };
 
 // One packed row of fixed length, labels already shifted (see above).
 struct PackedRow {
   std::vector<int64_t> tokens, labels, position_ids, document_ids;
+  std::vector<SampleImage> images;  // its samples' images, in order
 };
 
 // Right-pads to the longest sample, or to `pad_to` when larger (0: longest). Throws

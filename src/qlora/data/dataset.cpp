@@ -284,7 +284,7 @@ std::vector<Sample> tokenize_records(const std::vector<RenderedRecord>& records,
       Sample s = tokenize_segments(expand_image_placeholders(r.segments, *options.image_processor, images), tokenizer,
                                    options);
       check_images_kept(s, images, image_token_id(*options.image_processor, tokenizer), options.max_seq_len);
-      s.images = std::move(images);
+      s.images = sample_images(r, images);
       samples.push_back(std::move(s));
     } catch (const std::invalid_argument& e) {
       throw std::invalid_argument(r.origin + ": " + e.what());

@@ -70,15 +70,25 @@ std::string resolve_dataset_options(DatasetOptions& options, const Tokenizer& to
                                     std::optional<bool> add_bos, std::optional<bool> add_eos,
                                     const nlohmann::ordered_json& template_kwargs);
 
+// One image of a sample: where it comes from, and what its processing gives that the tokens and
+// positions depend on (its pixel values are made again when a batch needs them: sample_images.h's
+// image_pixels, so a data set's images never sit in memory all at once).
+struct SampleImage {
+  RecordImage source;
+  std::string origin;             // the record's, for errors
+  int64_t num_image_tokens = 0;   // its run of image tokens in the sample
+  at::Tensor grid;                // the processor's grid (Qwen: [t, h, w] patches), undefined where none
+};
+
 // tokens and labels have equal length; labels[i] is tokens[i] or kIgnoreIndex (not shifted:
 // collate() shifts per sample, so no target crosses a packed boundary).
 struct Sample {
   std::vector<int64_t> tokens;
   std::vector<int64_t> labels;
   bool truncated = false;  // longer than max_seq_len before tokenize_segments cut it
-  // Its images as the model takes them, in the order of their tokens (each image's
-  // num_image_tokens tokens, one run, in `tokens`); empty for text.
-  std::vector<images::ProcessedImage> images;
+  // Its images in the order of their tokens (each image's num_image_tokens tokens, one run, in
+  // `tokens`); empty for text.
+  std::vector<SampleImage> images;
 };
 
 // One record rendered by its template; `origin` is "<file>: line N" for later error messages.

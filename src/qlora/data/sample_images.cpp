@@ -6,21 +6,37 @@
 
 namespace qlora::data {
 
-std::vector<images::ProcessedImage> process_record_images(const RenderedRecord& record, const DatasetOptions& o) {
+namespace {
+
+images::ProcessedImage process_one(const RecordImage& img, const std::string& origin, const DatasetOptions& o) {
   if (!o.image_processor)
-    throw std::invalid_argument("the record holds " + std::to_string(record.images.size()) +
-                                " image(s) but the model has no image processor (no preprocessor_config.json "
-                                "beside it that qlora reads): images train a vision-language model");
-  std::vector<images::ProcessedImage> out;
+    throw std::invalid_argument("the record holds an image but the model has no image processor (no "
+                                "preprocessor_config.json beside it that qlora reads): images train a vision-language model");
   images::DecodeOptions limits;
   limits.max_pixels = o.max_image_pixels;
-  for (const RecordImage& img : record.images) {
-    const images::Image decoded = img.bytes.empty()
-                                      ? images::load_image(img.path, record.origin, limits)
-                                      : images::decode_image(img.bytes.data(), img.bytes.size(), img.name, record.origin, limits);
-    out.push_back(o.image_processor->process(decoded, record.origin + ": " + img.name));
-  }
+  const images::Image decoded = img.bytes.empty()
+                                    ? images::load_image(img.path, origin, limits)
+                                    : images::decode_image(img.bytes.data(), img.bytes.size(), img.name, origin, limits);
+  return o.image_processor->process(decoded, origin + ": " + img.name);
+}
+
+}  // namespace
+
+std::vector<images::ProcessedImage> process_record_images(const RenderedRecord& record, const DatasetOptions& o) {
+  std::vector<images::ProcessedImage> out;
+  for (const RecordImage& img : record.images) out.push_back(process_one(img, record.origin, o));
   return out;
+}
+
+std::vector<SampleImage> sample_images(const RenderedRecord& record, const std::vector<images::ProcessedImage>& processed) {
+  std::vector<SampleImage> out;
+  for (size_t k = 0; k < processed.size(); ++k)
+    out.push_back({record.images[k], record.origin, processed[k].num_image_tokens, processed[k].grid});
+  return out;
+}
+
+images::ProcessedImage image_pixels(const SampleImage& image, const DatasetOptions& o) {
+  return process_one(image.source, image.origin, o);
 }
 
 std::vector<Segment> expand_image_placeholders(const std::vector<Segment>& segments,

@@ -22,6 +22,12 @@ std::vector<Segment> expand_image_placeholders(const std::vector<Segment>& segme
                                                const images::ImageProcessor& processor,
                                                const std::vector<images::ProcessedImage>& images);
 
+// The sample's record of each processed image, its pixel values dropped (image_pixels makes them again).
+std::vector<SampleImage> sample_images(const RenderedRecord& record, const std::vector<images::ProcessedImage>& processed);
+
+// An image's pixel values (and grid) for a batch: decoded and processed again, as when it was read.
+images::ProcessedImage image_pixels(const SampleImage& image, const DatasetOptions& options);
+
 // The id of the processor's image token (one token), or std::invalid_argument saying the tokenizer
 // does not have it as one token.
 int64_t image_token_id(const images::ImageProcessor& processor, const Tokenizer& tokenizer);
