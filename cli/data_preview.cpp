@@ -117,15 +117,48 @@ std::vector<Run> sample_runs(const data::Sample& s, const data::Tokenizer& tok) 
   return runs;
 }
 
-void print_sample(const DataSet& d, size_t i, const data::Tokenizer& tok, bool color) {
+// `text` with each run of `token` shown once with its count ("<|image_pad|> x 64"): an image's tokens.
+std::string collapse_runs(const std::string& text, const std::string& token) {
+  if (token.empty()) return text;
+  std::string out;
+  size_t at = 0;
+  for (size_t hit; (hit = text.find(token, at)) != std::string::npos;) {
+    out += text.substr(at, hit - at);
+    size_t n = 0;
+    for (at = hit; text.compare(at, token.size(), token) == 0; at += token.size()) ++n;
+    out += token + (n > 1 ? " x " + std::to_string(n) : "");
+  }
+  return out + text.substr(at);
+}
+
+int64_t image_tokens(const data::Sample& s) {
+  int64_t n = 0;
+  for (const data::SampleImage& img : s.images) n += img.num_image_tokens;
+  return n;
+}
+
+void print_images(const data::Sample& s) {
+  for (size_t k = 0; k < s.images.size(); ++k) {
+    const data::SampleImage& img = s.images[k];
+    std::string grid;
+    if (img.grid.defined() && img.grid.dim() == 1)
+      for (int64_t g = 0; g < img.grid.size(0); ++g) grid += (grid.empty() ? "grid " : " x ") + std::to_string(img.grid[g].item<int64_t>());
+    std::printf("  image %zu: %s: %lld image tokens%s\n", k + 1, img.source.name.c_str(),
+                static_cast<long long>(img.num_image_tokens), grid.empty() ? "" : (" (" + grid + " patches)").c_str());
+  }
+}
+
+void print_sample(const DataSet& d, size_t i, const data::Tokenizer& tok, bool color, const std::string& image_token) {
   const auto& s = d.samples[i];
-  std::printf("--- sample %zu/%zu (%s): %zu tokens, %lld trained%s\n", i + 1, d.samples.size(), d.origins[i].c_str(),
+  std::printf("--- sample %zu/%zu (%s): %zu tokens, %lld trained%s%s\n", i + 1, d.samples.size(), d.origins[i].c_str(),
               s.tokens.size(), static_cast<long long>(data::trained_token_count(s)),
+              s.images.empty() ? "" : (", " + std::to_string(image_tokens(s)) + " of them image tokens").c_str(),
               s.truncated ? ", truncated to data.max_seq_len" : "");
+  print_images(s);
   for (const auto& run : sample_runs(s, tok)) {
     if (color) std::fputs(run.trained ? "\033[1;32m" : "\033[2m", stdout);
     const Marker& m = run.trained ? kTrained : kMasked;
-    std::printf("%s%s%s", m.open, run.text.c_str(), m.close);
+    std::printf("%s%s%s", m.open, collapse_runs(run.text, image_token).c_str(), m.close);
     if (color) std::fputs("\033[0m", stdout);
   }
   std::fputs("\n\n", stdout);
@@ -154,6 +187,12 @@ void print_stats(const DataSet& d, const config::DataConfig& cfg, const data::To
               static_cast<long long>(st.min_tokens), st.samples ? static_cast<double>(st.tokens) / static_cast<double>(st.samples) : 0.0,
               static_cast<long long>(st.max_tokens));
   std::printf("  trained tokens    %lld (%.1f%% of tokens)\n", static_cast<long long>(st.trained_tokens), pct(st.trained_tokens, st.tokens));
+  int64_t images = 0, image_toks = 0;
+  for (const data::Sample& s : d.samples) images += static_cast<int64_t>(s.images.size()), image_toks += image_tokens(s);
+  if (images > 0)
+    std::printf("  image tokens      %lld in %lld images (%.1f%% of tokens; text tokens %lld); packing and "
+                "data.max_seq_len count them\n", static_cast<long long>(image_toks), static_cast<long long>(images),
+                pct(image_toks, st.tokens), static_cast<long long>(st.tokens - image_toks));
   std::printf("  truncated         %lld (longer than data.max_seq_len = %lld, cut to it)\n", static_cast<long long>(st.truncated),
               static_cast<long long>(cfg.max_seq_len));
   if (const int64_t eos = tok.eos_id(); eos >= 0)
@@ -324,7 +363,9 @@ int preview(const PreviewArgs& a) {
   }
   DataSet train = load_set("train", train_data_path(cfg), tok, options);
   std::printf("%s masked (not trained) %s  %s trained %s\n\n", kMasked.open, kMasked.close, kTrained.open, kTrained.close);
-  for (size_t i = 0; i < std::min(train.samples.size(), static_cast<size_t>(a.samples)); ++i) print_sample(train, i, tok, color);
+  const std::string image_token = options.image_processor ? options.image_processor->rules().image_token : "";
+  for (size_t i = 0; i < std::min(train.samples.size(), static_cast<size_t>(a.samples)); ++i)
+    print_sample(train, i, tok, color, image_token);
 
   std::vector<DataSet> sets;
   if (const std::string val = val_data_path(cfg); !val.empty()) {

@@ -33,7 +33,6 @@ int main(int argc, char** argv) {
     o.prompt_template = data::TemplateKind::kAuto;
     o.max_seq_len = argc == 5 ? std::stoll(argv[4]) : 0;
     data::resolve_dataset_options(o, tok, std::nullopt, std::nullopt, nlohmann::ordered_json::object());
-    o.image_processor = std::make_shared<const qlora::images::ImageProcessor>(qlora::images::processor_from_dir(argv[1]));
     const std::vector<data::Sample> samples = data::load_dataset(argv[2], tok, o);
     nlohmann::json out = nlohmann::json::array();
     std::vector<std::pair<std::string, at::Tensor>> tensors;

@@ -155,6 +155,30 @@ std::vector<RenderedRecord> read_records(const std::string& path, const DatasetO
   return out;
 }
 
+namespace {
+
+// The image processor beside the tokenizer (a vision-language checkpoint's preprocessor_config.json or
+// processor_config.json, as its chat template sits there), for records with images; a file this code
+// cannot read exactly leaves none, and its reason in image_processor_error for the first such record.
+std::string find_image_processor(DatasetOptions& o, const Tokenizer& tokenizer) {
+  o.image_processor.reset();
+  o.image_processor_error.clear();
+  const std::filesystem::path dir = std::filesystem::path(tokenizer.path()).parent_path();
+  if (o.kind != DatasetKind::kChat ||
+      (!std::filesystem::exists(dir / "preprocessor_config.json") && !std::filesystem::exists(dir / "processor_config.json")))
+    return {};
+  try {
+    o.image_processor = std::make_shared<const images::ImageProcessor>(images::processor_from_dir(dir.string()));
+    return std::string("images: the model's image processor (") +
+           images::processor_kind_name(o.image_processor->rules().kind) + ") from " + dir.string();
+  } catch (const std::exception& e) {
+    o.image_processor_error = e.what();
+    return {};
+  }
+}
+
+}  // namespace
+
 std::string resolve_dataset_options(DatasetOptions& o, const Tokenizer& tokenizer, std::optional<bool> add_bos,
                                     std::optional<bool> add_eos, const nlohmann::ordered_json& template_kwargs) {
   std::string note;
@@ -175,6 +199,8 @@ std::string resolve_dataset_options(DatasetOptions& o, const Tokenizer& tokenize
   }
   o.add_bos = add_bos.value_or(!o.chat_template && tokenizer.adds_bos());
   o.add_eos = add_eos.value_or(!o.chat_template);
+  if (const std::string images = find_image_processor(o, tokenizer); !images.empty())
+    note += (note.empty() ? "" : "\n") + images;
   return note;
 }
 

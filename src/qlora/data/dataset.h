@@ -57,7 +57,10 @@ struct DatasetOptions {
   // The model's image processor (images/processor.h; from its preprocessor_config.json), for records
   // with images (record_images.h); null: a record with an image is refused. Images above
   // max_image_pixels (width x height, checked from the file's header) are refused.
+  // resolve_dataset_options finds it beside the tokenizer (a chat data set's); where that file is one
+  // qlora does not compute exactly, image_processor_error says why.
   std::shared_ptr<const images::ImageProcessor> image_processor;
+  std::string image_processor_error;
   int64_t max_image_pixels = 64LL << 20;
 };
 

@@ -10,8 +10,12 @@ namespace {
 
 images::ProcessedImage process_one(const RecordImage& img, const std::string& origin, const DatasetOptions& o) {
   if (!o.image_processor)
-    throw std::invalid_argument("the record holds an image but the model has no image processor (no "
-                                "preprocessor_config.json beside it that qlora reads): images train a vision-language model");
+    throw std::invalid_argument(
+        "the record holds an image but the model has no image processor: " +
+        (o.image_processor_error.empty()
+             ? std::string("no preprocessor_config.json or processor_config.json beside its tokenizer (images train a "
+                           "vision-language model)")
+             : o.image_processor_error));
   images::DecodeOptions limits;
   limits.max_pixels = o.max_image_pixels;
   const images::Image decoded = img.bytes.empty()
