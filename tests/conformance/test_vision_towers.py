@@ -18,7 +18,8 @@ resampled), Gemma 3 two 32 x 32 images, Gemma 4 6 x 6 and 3 x 9 patches (4 and 3
   padding    Gemma 4: junk pixels in the padding patches change nothing (transformers masks them)
   lora       LoRA on every encoder linear (random A and B) and the projector trained (peft's modules_to_save):
              the gradients of sum(features * G) equal peft's on transformers' model
-  errors     a grid that does not match the pixel rows is refused with a message naming image_grid_thw
+  errors     inputs that do not fit (a Qwen3.5 grid that does not match the pixel rows, a Gemma 4 position past
+             the table, a Gemma 3 image of another size) are refused with a message naming the tensor
 
 Usage: test_vision_towers.py --tool PATH/vision_tool --workdir DIR
 Prints one line per check and "N passed, M failed"; exit status 1 on any failure.
@@ -282,15 +283,23 @@ def check_lora(checks, run, case):
 
 
 def check_errors(checks, run, case):
-    if run.name != "qwen3_5":
-        return
-    bad = dict(case["inputs"], image_grid_thw=torch.tensor([[1, 6, 4], [1, 4, 8]]))
+    """Inputs that do not fit the tower are refused with a message naming the tensor."""
+    if run.name == "qwen3_5":
+        label, key, bad = "a grid that does not match the pixel rows", "image_grid_thw", dict(
+            case["inputs"], image_grid_thw=torch.tensor([[1, 6, 4], [1, 4, 8]]))
+    elif run.name == "gemma4":
+        positions = case["inputs"]["image_position_ids"].clone()
+        positions[0, 0, 0] = case["model"].config.vision_config.position_embedding_size
+        label, key, bad = "a position past the table", "image_position_ids", dict(case["inputs"],
+                                                                                  image_position_ids=positions)
+    else:
+        label, key, bad = "another image size", "pixel_values", {"pixel_values": case["inputs"]["pixel_values"][..., 1:]}
     inp = run.path("bad_in")
     save_file({k: v.contiguous() for k, v in bad.items()}, inp)
     r = subprocess.run([run.args.tool, "--checkpoint", run.ckpt, "--inputs", inp, "--out", run.path("bad")],
                        capture_output=True, text=True)
-    checks.check(f"{run.name} a grid that does not match the pixel rows is refused",
-                 r.returncode == 1 and "image_grid_thw" in r.stderr, f"exit {r.returncode}: {r.stderr.strip()[:200]}")
+    checks.check(f"{run.name} {label} is refused", r.returncode == 1 and key in r.stderr,
+                 f"exit {r.returncode}: {r.stderr.strip()[:200]}")
 
 
 def main():

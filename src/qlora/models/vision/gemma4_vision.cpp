@@ -116,6 +116,11 @@ class Gemma4Tower final : public Tower {
         pos.size(2) != 2 || at::isFloatingType(pos.scalar_type()))
       throw std::invalid_argument("Gemma 4 vision tower: image_position_ids must be an integer [images, max_patches, 2]"
                                   " tensor beside pixel_values");
+    if (pos.numel() > 0 && pos.max().item<int64_t>() >= table)
+      throw std::invalid_argument("Gemma 4 vision tower: image_position_ids hold " +
+                                  std::to_string(pos.max().item<int64_t>()) +
+                                  ", past the position table (vision_config.position_embedding_size " +
+                                  std::to_string(table) + ")");
     if (px.size(1) % (pool * pool) || px.size(1) < pool * pool)
       throw std::invalid_argument("Gemma 4 vision tower: max_patches " + std::to_string(px.size(1)) +
                                   " is not a positive multiple of pooling_kernel_size^2 = " + std::to_string(pool * pool));

@@ -80,8 +80,9 @@ std::unique_ptr<Tower> load_tower(const std::string& dir, const TowerLoadOptions
 // LoraConfig(target_modules=...) on those modules initialises them. Returns how many were adapted.
 int64_t add_tower_lora(Tower& tower, const std::vector<std::string>& targets, int64_t r, double alpha, bool rslora,
                        at::Generator gen);
-// Makes the projector's tensors trainable (fp32 copies requiring grad, as peft's modules_to_save
-// trains a full-precision copy; the forward casts them to the compute dtype).
+// Makes the projector's tensors trainable, as peft's modules_to_save does: fp32 copies requiring grad, kept
+// like the adapters (peft's copy keeps the model's dtype: equal under fp32 compute; under bf16 the forward
+// casts our fp32 copy to bf16, so the values used are the same until an update rounds them differently).
 void train_projector(Tower& tower);
 // Trainable tensors with peft's names: base_model.model.<module>.lora_A.weight / lora_B.weight, and
 // the projector's base_model.model.<param> (peft's saved modules_to_save keys).
