@@ -1,10 +1,13 @@
 // Tests for models/vision: Qwen3.5's position-table interpolation (the spatial-merge order of its patches,
 // align_corners bilinear taps that reproduce a linear table exactly) and the axial rotary's frequencies;
-// the tower loader's refusal of a checkpoint without a tower.
+// the tower loader's refusal of a checkpoint without a tower; a tiny Gemma 3 tower written here: its shapes,
+// LoRA on named linears (and the refusal of others), the trainable projector's and adapters' gradients, bad input.
 #include <gtest/gtest.h>
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/ops/arange.h>
 #include <ATen/ops/ones.h>
+#include <ATen/ops/randn.h>
 #include <ATen/ops/tensor.h>
 #include <ATen/ops/zeros.h>
 
@@ -12,8 +15,12 @@
 #include <filesystem>
 #include <fstream>
 #include <stdexcept>
+#include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
+#include "qlora/io/safetensors.h"
 #include "qlora/models/vision/blocks.h"
 #include "qlora/models/vision/qwen3_5_vision.h"
 
@@ -97,6 +104,68 @@ TEST(VisionTower, TextOnlyCheckpointIsRefused) {
     EXPECT_NE(std::string(e.what()).find("no vision tower"), std::string::npos) << e.what();
     EXPECT_NE(std::string(e.what()).find("qwen3_5"), std::string::npos) << e.what();
   }
+  std::filesystem::remove_all(dir);
+}
+
+// A Gemma 3 checkpoint with a tiny SigLIP tower: hidden 8, 2 heads, 2 x 2 patches of 4 pooled to 1 token.
+std::filesystem::path tiny_gemma3(const std::string& name) {
+  const std::filesystem::path dir = std::filesystem::temp_directory_path() / name;
+  std::filesystem::create_directories(dir);
+  std::ofstream(dir / "config.json") << R"({"model_type": "gemma3", "mm_tokens_per_image": 1,
+    "text_config": {"hidden_size": 6},
+    "vision_config": {"hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
+                      "image_size": 8, "patch_size": 4, "model_type": "siglip_vision_model"}})";
+  std::vector<std::pair<std::string, at::Tensor>> t;
+  const auto add = [&](const std::string& key, std::vector<int64_t> shape) { t.emplace_back(key, at::randn(shape)); };
+  const std::string l = "vision_tower.encoder.layers.0.";
+  add("vision_tower.embeddings.patch_embedding.weight", {8, 3, 4, 4});
+  add("vision_tower.embeddings.patch_embedding.bias", {8});
+  add("vision_tower.embeddings.position_embedding.weight", {4, 8});
+  for (const char* n : {"layer_norm1", "layer_norm2"}) {
+    add(l + n + ".weight", {8});
+    add(l + n + ".bias", {8});
+  }
+  for (const char* n : {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj"}) {
+    add(l + n + ".weight", {8, 8});
+    add(l + n + ".bias", {8});
+  }
+  add(l + "mlp.fc1.weight", {16, 8});
+  add(l + "mlp.fc1.bias", {16});
+  add(l + "mlp.fc2.weight", {8, 16});
+  add(l + "mlp.fc2.bias", {8});
+  add("vision_tower.post_layernorm.weight", {8});
+  add("vision_tower.post_layernorm.bias", {8});
+  add("multi_modal_projector.mm_soft_emb_norm.weight", {8});
+  add("multi_modal_projector.mm_input_projection_weight", {8, 6});
+  qlora::io::save_safetensors((dir / "model.safetensors").string(), t);
+  return dir;
+}
+
+TEST(VisionTower, TinyGemma3ShapesLoraAndGradients) {
+  const std::filesystem::path dir = tiny_gemma3("qlora_vision_tiny_gemma3");
+  std::unique_ptr<Tower> tower = load_tower(dir.string(), {});
+  ImageInputs in;
+  in.pixel_values = at::randn({2, 3, 8, 8});
+  EXPECT_EQ(tower->tokens_per_image(in), (std::vector<int64_t>{1, 1}));
+  EXPECT_EQ(tower->forward(in).sizes().vec(), (std::vector<int64_t>{2, 6}));
+
+  at::Generator gen = at::detail::createCPUGenerator(0);
+  EXPECT_THROW(add_tower_lora(*tower, {"qkv"}, 2, 4.0, false, 0.0, gen), std::invalid_argument);
+  EXPECT_EQ(add_tower_lora(*tower, {"q_proj", "fc2"}, 2, 4.0, false, 0.0, gen), 2);
+  train_projector(*tower);
+  const auto trainable = tower_trainable(*tower);
+  ASSERT_EQ(trainable.size(), 6u);  // two adapters' A and B, the projection, the projector's norm
+  EXPECT_EQ(trainable[0].first, "base_model.model.model.vision_tower.encoder.layers.0.self_attn.q_proj.lora_A.weight");
+  EXPECT_EQ(trainable[4].first, "base_model.model.model.multi_modal_projector.mm_input_projection_weight");
+  tower->forward(in).pow(2).sum().backward();
+  for (const auto& [name, t] : trainable) {
+    ASSERT_TRUE(t.grad().defined()) << name;
+    // B starts at 0, so A's gradient is 0 too; every other tensor's is not.
+    if (name.find("lora_A") == std::string::npos) EXPECT_GT(t.grad().abs().max().item<float>(), 0.0f) << name;
+  }
+
+  in.pixel_values = at::randn({2, 3, 8, 12});
+  EXPECT_THROW(tower->forward(in), std::invalid_argument);
   std::filesystem::remove_all(dir);
 }
 

@@ -107,7 +107,7 @@ int main(int argc, char** argv) {
     std::unique_ptr<Tower> tower = qlora::models::vision::load_tower(checkpoint, opt);
     if (!targets.empty()) {
       at::Generator gen = at::detail::createCPUGenerator(0);
-      qlora::models::vision::add_tower_lora(*tower, targets, r, alpha, false, gen);
+      qlora::models::vision::add_tower_lora(*tower, targets, r, alpha, false, 0.0, gen);
     }
     if (projector) qlora::models::vision::train_projector(*tower);
     if (!trainable.empty()) load_trainable(*tower, trainable);

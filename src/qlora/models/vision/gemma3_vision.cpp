@@ -50,7 +50,16 @@ class Gemma3Tower final : public Tower {
   at::Tensor soft_norm_w, projection;  // the projector: mm_soft_emb_norm.weight [D], mm_input_projection_weight [D, text]
   std::string tower_prefix, projector_prefix;
 
+  void check(const ImageInputs& in) const {
+    const at::Tensor& px = in.pixel_values;
+    if (!px.defined() || px.dim() != 4 || px.size(1) != channels || px.size(2) != image || px.size(3) != image)
+      throw std::invalid_argument("Gemma 3 vision tower: pixel_values must be [images, " + std::to_string(channels) +
+                                  ", " + std::to_string(image) + ", " + std::to_string(image) +
+                                  "] (vision_config.image_size)");
+  }
+
   std::vector<int64_t> tokens_per_image(const ImageInputs& in) const override {
+    check(in);
     return std::vector<int64_t>(static_cast<size_t>(in.pixel_values.size(0)), tokens);
   }
 
@@ -65,12 +74,8 @@ class Gemma3Tower final : public Tower {
   }
 
   at::Tensor forward(const ImageInputs& in) const override {
-    const at::Tensor& px = in.pixel_values;
-    if (!px.defined() || px.dim() != 4 || px.size(1) != channels || px.size(2) != image || px.size(3) != image)
-      throw std::invalid_argument("Gemma 3 vision tower: pixel_values must be [images, " + std::to_string(channels) +
-                                  ", " + std::to_string(image) + ", " + std::to_string(image) +
-                                  "] (vision_config.image_size)");
-    at::Tensor x = at::conv2d(px.to(device, dtype), patch_w, patch_b, {patch, patch});
+    check(in);
+    at::Tensor x = at::conv2d(in.pixel_values.to(device, dtype), patch_w, patch_b, {patch, patch});
     x = x.flatten(2).transpose(1, 2) + pos_embed;  // [images, patches, D]
     for (const SiglipLayer& l : layers) {
       x = x + attention(l, at::layer_norm(x, {hidden}, l.ln1_w, l.ln1_b, eps));

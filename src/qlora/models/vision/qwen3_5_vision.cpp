@@ -94,11 +94,11 @@ class Qwen35Tower final : public Tower {
   std::vector<Block> blocks;
   // The merger (the projector): LayerNorm(hidden), linear_fc1, linear_fc2.
   at::Tensor m_norm_w, m_norm_b, m_fc1_w, m_fc1_b, m_fc2_w, m_fc2_b;
-  std::string prefix;
 
   int64_t patch_dim() const { return channels * temporal * patch * patch; }
 
   std::vector<int64_t> tokens_per_image(const ImageInputs& in) const override {
+    check(in);
     std::vector<int64_t> out;
     const at::Tensor g = in.grid_thw.to(at::kCPU, at::kLong).contiguous();
     for (int64_t i = 0; i < g.size(0); ++i)
@@ -173,7 +173,7 @@ class Qwen35Tower final : public Tower {
   std::vector<std::pair<std::string, modules::LoraLinear*>> linears() override {
     std::vector<std::pair<std::string, modules::LoraLinear*>> out;
     for (size_t i = 0; i < blocks.size(); ++i) {
-      const std::string b = prefix + "blocks." + std::to_string(i) + ".";
+      const std::string b = "model.visual.blocks." + std::to_string(i) + ".";
       out.emplace_back(b + "attn.qkv", &blocks[i].qkv);
       out.emplace_back(b + "attn.proj", &blocks[i].proj);
       out.emplace_back(b + "mlp.linear_fc1", &blocks[i].fc1);
@@ -182,7 +182,7 @@ class Qwen35Tower final : public Tower {
     return out;
   }
   std::vector<std::pair<std::string, at::Tensor*>> projector() override {
-    const std::string m = prefix + "merger.";
+    const std::string m = "model.visual.merger.";
     return {{m + "norm.weight", &m_norm_w},       {m + "norm.bias", &m_norm_b},
             {m + "linear_fc1.weight", &m_fc1_w}, {m + "linear_fc1.bias", &m_fc1_b},
             {m + "linear_fc2.weight", &m_fc2_w}, {m + "linear_fc2.bias", &m_fc2_b}};
@@ -220,7 +220,6 @@ std::unique_ptr<Tower> load_qwen3_5_tower(const io::CheckpointDir& ckpt, const n
   t->device = opt.device;
 
   const TowerWeights w(ckpt, {"model.visual.", "visual."}, "pos_embed.weight", opt);
-  t->prefix = w.prefix();
   const int64_t D = t->hidden, M = D * t->merge * t->merge;
   t->patch_w = w.dense("patch_embed.proj.weight", {D, t->channels, t->temporal, t->patch, t->patch});
   t->patch_b = w.dense("patch_embed.proj.bias", {D});

@@ -52,7 +52,7 @@ std::string short_name(std::string module) {
 }  // namespace
 
 int64_t add_tower_lora(Tower& tower, const std::vector<std::string>& targets, int64_t r, double alpha, bool rslora,
-                       at::Generator gen) {
+                       double dropout, at::Generator gen) {
   const std::vector<std::string> names = tower.target_names();
   for (const std::string& t : targets)
     if (std::find(names.begin(), names.end(), t) == names.end()) {
@@ -66,7 +66,7 @@ int64_t add_tower_lora(Tower& tower, const std::vector<std::string>& targets, in
   for (auto& [module, lin] : tower.linears()) {
     if (!wanted.count(short_name(module))) continue;
     const at::Device device = lin->base_nf4.defined() ? lin->base_nf4.device() : lin->base_dense.device();
-    modules::lora_linear_add_adapter(*lin, r, alpha, 0.0, gen, device);
+    modules::lora_linear_add_adapter(*lin, r, alpha, dropout, gen, device);
     lin->scale = modules::lora_scale(alpha, r, rslora);
     ++adapted;
   }

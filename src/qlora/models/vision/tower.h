@@ -76,10 +76,11 @@ std::unique_ptr<Tower> load_gemma4_tower(const io::CheckpointDir& ckpt, const nl
 std::unique_ptr<Tower> load_tower(const std::string& dir, const TowerLoadOptions& opt);
 
 // LoRA on the tower's linears whose short names are in `targets` (Tower::target_names; an unknown
-// name is std::invalid_argument listing them), drawn from `gen` in linears() order, as peft's
+// name is std::invalid_argument listing them; dropout as LoraLinear's, drawn while Tower::training), A drawn
+// from `gen` in linears() order, as peft's
 // LoraConfig(target_modules=...) on those modules initialises them. Returns how many were adapted.
 int64_t add_tower_lora(Tower& tower, const std::vector<std::string>& targets, int64_t r, double alpha, bool rslora,
-                       at::Generator gen);
+                       double dropout, at::Generator gen);
 // Makes the projector's tensors trainable, as peft's modules_to_save does: fp32 copies requiring grad, kept
 // like the adapters (peft's copy keeps the model's dtype: equal under fp32 compute; under bf16 the forward
 // casts our fp32 copy to bf16, so the values used are the same until an update rounds them differently).
