@@ -32,8 +32,6 @@ TowerWeights::TowerWeights(const io::CheckpointDir& ckpt, const std::vector<std:
   throw std::invalid_argument(ckpt.path() + ": no vision tower: none of the keys " + tried + " is in the checkpoint");
 }
 
-bool TowerWeights::contains(const std::string& name) const { return ckpt_.contains(prefix_ + name); }
-
 at::Tensor TowerWeights::dense(const std::string& name, const std::vector<int64_t>& shape) const {
   return dense(name, shape, opt_.compute_dtype);
 }

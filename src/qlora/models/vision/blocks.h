@@ -23,7 +23,6 @@ class TowerWeights {
   TowerWeights(const io::CheckpointDir& ckpt, const std::vector<std::string>& prefixes, const std::string& probe,
                const TowerLoadOptions& opt);
   const std::string& prefix() const { return prefix_; }
-  bool contains(const std::string& name) const;
   // <prefix><name> with this shape, in `dtype` (default: the compute dtype) on the device. A tensor
   // stored only as NF4 (`qlora quantize`) is dequantized.
   at::Tensor dense(const std::string& name, const std::vector<int64_t>& shape) const;

@@ -3,14 +3,16 @@
 // the language model out (transformers' model.get_image_features(...).pooler_output, the images'
 // features one after another). A family declares its tower (Family::vision_tower, models/family.h);
 // each tower is one file here:
-//   Qwen3.5 (and Qwen3.5-MoE)  qwen3_5_vision.cpp: model.visual.* (patches, ViT, merger)
+//   Qwen3.5 (and Qwen3.5-MoE, whose vision classes and defaults are Qwen3.5's verbatim)
+//                              qwen3_5_vision.cpp: model.visual.* (patches, ViT, merger)
 //   Gemma 3                    gemma3_vision.cpp: SigLIP vision_tower.* + multi_modal_projector.*
 //   Gemma 4                    gemma4_vision.cpp: model.vision_tower.* + model.embed_vision.*
 // Weights: the encoder layers' attention and MLP linears are LoraLinears (NF4 under base_in_nf4, as the
 // decoder's projections; otherwise dense in the compute dtype), so LoRA can be attached to them
 // (add_tower_lora). Everything else stays dense in the compute dtype: norms, biases, position tables,
 // the patch embedding (a convolution or linear over one patch: small), the projector (trainable as a
-// whole: peft's modules_to_save), Gemma 4's clamp bounds and standardisation buffers. The forward is differentiable (autograd through every op).
+// whole: peft's modules_to_save), Gemma 4's clamp bounds and standardisation buffers. The forward is
+// differentiable (autograd through every op).
 #pragma once
 #include <ATen/core/Generator.h>
 #include <ATen/core/Tensor.h>
