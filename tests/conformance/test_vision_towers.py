@@ -16,8 +16,9 @@ resampled), Gemma 3 two 32 x 32 images, Gemma 4 6 x 6 and 3 x 9 patches (4 and 3
   nf4        --nf4: the encoder linears in NF4; the reference runs on the weights our tool dequantized
              (--dump-weights), every other tensor as written
   padding    Gemma 4: junk pixels in the padding patches change nothing (transformers masks them)
-  lora       LoRA on every encoder linear (random A and B) and the projector trained (peft's modules_to_save):
-             the gradients of sum(features * G) equal peft's on transformers' model
+  lora       QLoRA: the encoder linears in NF4 with LoRA on every one (random A and B) and the projector trained
+             (peft's modules_to_save): the gradients of sum(features * G) equal peft's on transformers' model
+             holding the same dequantized weights
   errors     inputs that do not fit (a Qwen3.5 grid that does not match the pixel rows, a Gemma 4 position past
              the table, a Gemma 3 image of another size) are refused with a message naming the tensor
 
@@ -47,10 +48,10 @@ ATOL_FP32_PER_UNIT = 1e-5
 ATOL_BF16_PER_UNIT = 1e-2
 # Gradients (fp32 on both sides), each tensor within GRAD_RTOL of its largest reference entry: our LoRA linears
 # run as one fused node (the update accumulated inside the base GEMM, five GEMMs in backward) where peft adds
-# two products, and backward sums over every patch in other orders. Measured: ours 1.6e-5 (Qwen3.5), 6e-6
-# (Gemma 3), 4e-5 (Gemma 4) from peft's fp32; against peft in float64 ours and peft's own fp32 are equally far
-# (3.2e-5 on Gemma 4, whose pooler runs in fp32 even there; 9e-6 / 7e-6 on Qwen3.5). A wrong scale or a
-# missing term is off by > 1e-2.
+# two products, and backward sums over every patch in other orders. Measured from peft's fp32: 5e-6 (Qwen3.5),
+# 7e-6 (Gemma 3), 1.9e-5 (Gemma 4) on the NF4 base, 1.6e-5 / 6e-6 / 4e-5 on a dense one; against peft in
+# float64 ours and peft's own fp32 are equally far (3.2e-5 on Gemma 4, whose pooler runs in fp32 even there).
+# A wrong scale or a missing term is off by > 1e-2.
 GRAD_RTOL = 1e-4
 ABLATION_MARGIN = 100.0
 LORA_R, LORA_ALPHA = 4, 8.0
@@ -246,6 +247,9 @@ def peft_name(n):
 def check_lora(checks, run, case):
     from peft import LoraConfig, get_peft_model
     model = copy.deepcopy(case["model"])
+    # QLoRA, as users run it: the encoder linears in NF4 (our tool's --nf4), peft's base on the same values
+    # (the nf4 check's --dump-weights of this checkpoint).
+    model.load_state_dict(load_file(run.path("nf4_weights")), strict=False)
     peft_model = get_peft_model(model, LoraConfig(r=LORA_R, lora_alpha=LORA_ALPHA, lora_dropout=0.0,
                                                   target_modules=case["peft_targets"],
                                                   modules_to_save=[case["projector"]]))
@@ -263,7 +267,7 @@ def check_lora(checks, run, case):
     (feats.float() * grad_output).sum().backward()
     save_file({k: v.detach().contiguous() for k, v in trainable.items()}, run.path("trainable"))
     inputs["grad_output"] = grad_output
-    got = run.tool(inputs, "lora", "--lora-targets", ",".join(case["targets"]), "--lora-r", str(LORA_R),
+    got = run.tool(inputs, "lora", "--nf4", "--lora-targets", ",".join(case["targets"]), "--lora-r", str(LORA_R),
                    "--lora-alpha", str(LORA_ALPHA), "--train-projector", "--trainable", run.path("trainable"))
     names = sorted(trainable)
     ours = {k[len("grad."):] for k in got if k.startswith("grad.")}
@@ -278,7 +282,7 @@ def check_lora(checks, run, case):
         rel[n] = (ours_g - ref_g).abs().max().item() / scale if ours_g is not None and ours_g.shape == ref_g.shape \
             else float("inf")
     worst = max(rel, key=rel.get)
-    checks.check(f"{run.name} lora + projector gradients ({len(names)} tensors)", rel[worst] <= GRAD_RTOL,
+    checks.check(f"{run.name} qlora + projector gradients ({len(names)} tensors)", rel[worst] <= GRAD_RTOL,
                  f"worst max|diff| / max|ref| {rel[worst]:.2e} at {worst} (rtol {GRAD_RTOL:g})")
 
 
