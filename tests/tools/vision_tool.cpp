@@ -50,6 +50,16 @@ std::vector<std::string> split(const std::string& text) {
   return out;
 }
 
+double number(const std::string& text, const std::string& flag) {
+  try {
+    size_t used = 0;
+    const double v = std::stod(text, &used);
+    if (used == text.size()) return v;
+  } catch (const std::exception&) {
+  }
+  usage(flag + ": '" + text + "' is not a number");
+}
+
 void dump_weights(Tower& tower, const std::string& path) {
   std::vector<std::pair<std::string, at::Tensor>> out;
   for (auto& [module, lin] : tower.linears()) {
@@ -96,8 +106,8 @@ int main(int argc, char** argv) {
     } else if (a == "--device") opt.device = at::Device(next());
     else if (a == "--dump-weights") dump = next();
     else if (a == "--lora-targets") targets = split(next());
-    else if (a == "--lora-r") r = std::stoll(next());
-    else if (a == "--lora-alpha") alpha = std::stod(next());
+    else if (a == "--lora-r") r = static_cast<int64_t>(number(next(), a));
+    else if (a == "--lora-alpha") alpha = number(next(), a);
     else if (a == "--train-projector") projector = true;
     else if (a == "--trainable") trainable = next();
     else usage("unknown argument " + a);

@@ -120,11 +120,12 @@ class Qwen35Tower final : public Tower {
     int64_t rows = 0;
     for (int64_t i = 0; i < gc.size(0); ++i) {
       const int64_t t = gc[i][0].item<int64_t>(), h = gc[i][1].item<int64_t>(), w = gc[i][2].item<int64_t>();
-      if (t < 1 || h < 1 || w < 1 || h % merge || w % merge)
+      // Each dimension at most the pixel rows, so their products stay far from overflowing.
+      if (t < 1 || h < 1 || w < 1 || h % merge || w % merge || t > x.size(0) || h > x.size(0) || w > x.size(0))
         throw std::invalid_argument("Qwen3.5 vision tower: image " + std::to_string(i) + "'s grid (" +
                                     std::to_string(t) + ", " + std::to_string(h) + ", " + std::to_string(w) +
-                                    ") must be positive with h and w multiples of spatial_merge_size " +
-                                    std::to_string(merge));
+                                    ") must be positive, at most the pixel rows, with h and w multiples of "
+                                    "spatial_merge_size " + std::to_string(merge));
       for (int64_t f = 0; f < t; ++f) segments.push_back(h * w);
       rows += t * h * w;
     }

@@ -50,7 +50,8 @@ class Tower {
   virtual ~Tower() = default;
   // [image tokens, language model width] in the compute dtype: each image's features in order.
   virtual at::Tensor forward(const ImageInputs& in) const = 0;
-  // How many image tokens each image of `in` gets (the rows of forward's result, image by image).
+  // How many image tokens each image of `in` gets (the rows of forward's result, image by image; Gemma 3:
+  // each row of pixel_values, a pan-and-scan crop counting as an image).
   virtual std::vector<int64_t> tokens_per_image(const ImageInputs& in) const = 0;
   // The encoder layers' linears in checkpoint order, with their module names in transformers'
   // ConditionalGeneration model ("model.visual.blocks.0.attn.qkv"): what LoRA may target.
