@@ -19,6 +19,7 @@ resampled), Gemma 3 two 32 x 32 images, Gemma 4 6 x 6 and 3 x 9 patches (4 and 3
   lora       QLoRA: the encoder linears in NF4 with LoRA on every one (random A and B) and the projector trained
              (peft's modules_to_save): the gradients of sum(features * G) equal peft's on transformers' model
              holding the same dequantized weights
+  hub        Gemma 3 from the Hub's key layout (vision_tower.vision_model.*): the same features
   errors     inputs that do not fit (a Qwen3.5 grid that does not match the pixel rows, a Gemma 4 position past
              the table, a Gemma 3 image of another size) are refused with a message naming the tensor
 
@@ -27,6 +28,7 @@ Prints one line per check and "N passed, M failed"; exit status 1 on any failure
 """
 import copy
 import os
+import shutil
 import subprocess
 import sys
 
@@ -286,6 +288,20 @@ def check_lora(checks, run, case):
                  f"worst max|diff| / max|ref| {rel[worst]:.2e} at {worst} (rtol {GRAD_RTOL:g})")
 
 
+def check_hub_layout(checks, run, case, ref):
+    """Gemma 3 as the Hub ships it: the tower under vision_tower.vision_model.* (transformers 5 writes
+    vision_tower.*); the same features."""
+    hub = os.path.join(run.args.workdir, f"{run.name}_hub")
+    os.makedirs(hub, exist_ok=True)
+    shutil.copy(os.path.join(run.ckpt, "config.json"), hub)
+    tensors = load_file(os.path.join(run.ckpt, "model.safetensors"))
+    save_file({k.replace("vision_tower.", "vision_tower.vision_model.", 1): v for k, v in tensors.items()},
+              os.path.join(hub, "model.safetensors"))
+    ours = Run(run.args, f"{run.name}_hub", hub).tool(case["inputs"], "fp32")["features"]
+    checks.compare(f"{run.name} the Hub's key layout (vision_tower.vision_model.*)", ours, ref,
+                   atol_for(ref, ATOL_FP32_PER_UNIT))
+
+
 def check_errors(checks, run, case):
     """Inputs that do not fit the tower are refused with a message naming the tensor."""
     if run.name == "qwen3_5":
@@ -318,6 +334,8 @@ def main():
             run = Run(args, name, ckpt)
             ref = reference(case, case["model"], case["inputs"])
             check_forwards(checks, run, case, ref)
+            if name == "gemma3":
+                check_hub_layout(checks, run, case, ref)
             if name == "gemma4":
                 junk = gemma4_inputs(case["model"].config, 6, junk_padding=True)
                 checks.compare(f"{name} junk in padding patches", run.tool(junk, "junk")["features"], ref,
