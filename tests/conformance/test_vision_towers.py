@@ -11,7 +11,8 @@ as the processors shape them: Qwen3.5 grids (1, 6, 4) and (1, 4, 10) against a 4
 resampled), Gemma 3 two 32 x 32 images, Gemma 4 6 x 6 and 3 x 9 patches (4 and 3 soft tokens) padded to 54.
   reference  each ablation (a feature switched off) moves transformers' features by far more than the fp32
              tolerance, so the case exercises it
-  fp32       our features against transformers' in fp32
+  fp32       our features against transformers' in fp32; the tower holds every tensor of transformers' tower
+             and projector (none skipped)
   bf16       --dtype bf16 against the model cast to bf16
   nf4        --nf4: the encoder linears in NF4; the reference runs on the weights our tool dequantized
              (--dump-weights), every other tensor as written
@@ -33,6 +34,7 @@ import subprocess
 import sys
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import _families as F
@@ -110,7 +112,8 @@ def qwen_case():
     config = F.qwen35_multimodal_config(**TEXT)
     config.vision_config.depth = 2
     model = F.Qwen3_5ForConditionalGeneration(config).eval()
-    randomize_tower(model, ("model.visual.",), 1)
+    prefixes = ("model.visual.",)
+    randomize_tower(model, prefixes, 1)
     grid = torch.tensor(QWEN_GRIDS)
     g = torch.Generator().manual_seed(2)
     vc = config.vision_config
@@ -120,7 +123,7 @@ def qwen_case():
                                       .pooler_output)
     ablations = [("position table 0", lambda m: m.model.visual.pos_embed.weight.data.zero_()),
                  ("rotary frequencies cubed", lambda m: m.model.visual.rotary_pos_emb.inv_freq.data.pow_(3.0))]
-    return dict(model=model, inputs=inputs, features=features, ablations=ablations,
+    return dict(model=model, prefixes=prefixes, inputs=inputs, features=features, ablations=ablations,
                 targets=["qkv", "proj", "linear_fc1", "linear_fc2"],
                 peft_targets=r"model\.visual\.blocks\.\d+\.(attn\.(qkv|proj)|mlp\.linear_fc[12])",
                 projector="merger")
@@ -130,7 +133,8 @@ def gemma3_case():
     config = F.gemma3_multimodal_config(**TEXT)
     config.vision_config.num_hidden_layers = 2
     model = F.Gemma3ForConditionalGeneration(config).eval()
-    randomize_tower(model, ("model.vision_tower.", "model.multi_modal_projector."), 3)
+    prefixes = ("model.vision_tower.", "model.multi_modal_projector.")
+    randomize_tower(model, prefixes, 3)
     g = torch.Generator().manual_seed(4)
     size = config.vision_config.image_size
     inputs = {"pixel_values": torch.rand(2, 3, size, size, generator=g) * 2 - 1}
@@ -139,7 +143,7 @@ def gemma3_case():
                   lambda m: m.model.vision_tower.embeddings.position_embedding.weight.data.zero_()),
                  ("projector norm weight 0 (scale 1)",
                   lambda m: m.model.multi_modal_projector.mm_soft_emb_norm.weight.data.zero_())]
-    return dict(model=model, inputs=inputs, features=features, ablations=ablations,
+    return dict(model=model, prefixes=prefixes, inputs=inputs, features=features, ablations=ablations,
                 targets=["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"],
                 peft_targets=r"model\.vision_tower\.encoder\.layers\.\d+\.(self_attn\.(q|k|v|out)_proj|mlp\.fc[12])",
                 projector="multi_modal_projector")
@@ -167,7 +171,8 @@ def gemma4_case():
     vc = config.vision_config
     vc.num_hidden_layers, vc.num_key_value_heads, vc.use_clipped_linears, vc.standardize = 2, 1, True, True
     model = F.Gemma4ForConditionalGeneration(config).eval()
-    randomize_tower(model, ("model.vision_tower.", "model.embed_vision."), 5)
+    prefixes = ("model.vision_tower.", "model.embed_vision.")
+    randomize_tower(model, prefixes, 5)
     set_clamps(model, 1.5, 1.0)
     features = lambda m, i: torch.cat(m.model.get_image_features(
         i["pixel_values"], image_position_ids=i["image_position_ids"]).pooler_output)
@@ -179,7 +184,7 @@ def gemma4_case():
                  ("std_scale 1", lambda m: m.model.vision_tower.std_scale.data.fill_(1.0)),
                  ("position table 0",
                   lambda m: m.model.vision_tower.patch_embedder.position_embedding_table.data.zero_())]
-    return dict(model=model, inputs=gemma4_inputs(config, 6), features=features, ablations=ablations,
+    return dict(model=model, prefixes=prefixes, inputs=gemma4_inputs(config, 6), features=features, ablations=ablations,
                 targets=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
                 peft_targets=r"model\.vision_tower\.encoder\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)"
                              r"\.linear",
@@ -221,6 +226,12 @@ def check_forwards(checks, run, case, ref):
                      f"max|ablated - ref| {moved:.3e} (want > {ABLATION_MARGIN:g} x atol {atol:.1e})")
     got = run.tool(inputs, "fp32")
     checks.compare(f"{run.name} fp32", got["features"], ref, atol)
+    with safe_open(run.path("fp32"), "pt") as f:
+        held = set(f.metadata()["tensors"].split(","))
+    stored = {k for k in model.state_dict() if k.startswith(case["prefixes"])}
+    checks.check(f"{run.name} holds every tower and projector tensor", held == stored,
+                 f"{len(held)} held, {len(stored)} in the model; only held {sorted(held - stored)[:3]}, "
+                 f"not held {sorted(stored - held)[:3]}")
     counts = [int(c) for c in got["tokens_per_image"]]
     checks.check(f"{run.name} tokens per image", sum(counts) == ref.shape[0], f"{counts} for {ref.shape[0]} rows")
     # As users load it: from_pretrained(dtype=bf16) keeps the rotary's computed frequencies in fp32 (a

@@ -6,7 +6,8 @@
 // FILE (--inputs, safetensors): "pixel_values", and "image_grid_thw" (Qwen3.5) or "image_position_ids"
 // (Gemma 4) as the processor names them; with "grad_output" [tokens, width], a backward of
 // sum(features * grad_output) too.
-// Writes --out: "features" float32 [tokens, width], "tokens_per_image" int64 [images], and after a
+// Writes --out: "features" float32 [tokens, width], "tokens_per_image" int64 [images], the metadata
+// "tensors" (every checkpoint tensor the tower holds, by its model name, comma-separated), and after a
 // backward "grad.<name>" for each trainable tensor (peft's names: base_model.model.<module>.lora_A.weight,
 // the projector's base_model.model.<param>).
 // --dump-weights: the encoder linears' weights as the tower computes with them (NF4 dequantized),
@@ -68,6 +69,19 @@ void dump_weights(Tower& tower, const std::string& path) {
     out.emplace_back(module + ".weight", w.cpu().contiguous());
   }
   qlora::io::save_safetensors(path, out);
+}
+
+// Every checkpoint tensor the tower holds, by its model name, comma-separated.
+std::string held_names(Tower& tower) {
+  std::string out;
+  const auto add = [&](const std::string& name) { out += (out.empty() ? "" : ",") + name; };
+  for (auto& [name, t] : tower.frozen()) add(name);
+  for (auto& [module, lin] : tower.linears()) {
+    add(module + ".weight");
+    if (lin->bias.defined()) add(module + ".bias");
+  }
+  for (auto& [name, t] : tower.projector()) add(name);
+  return out;
 }
 
 void load_trainable(Tower& tower, const std::string& path) {
@@ -144,7 +158,7 @@ int main(int argc, char** argv) {
         result.emplace_back("grad." + name, t.grad().defined() ? t.grad().to(at::kFloat).cpu().contiguous()
                                                                 : at::zeros_like(t, at::kFloat).cpu());
     }
-    qlora::io::save_safetensors(out, result);
+    qlora::io::save_safetensors(out, result, {{"tensors", held_names(*tower)}});
   } catch (const std::exception& e) {
     std::cerr << "vision_tool: " << e.what() << "\n";
     return 1;

@@ -108,6 +108,22 @@ class Gemma3Tower final : public Tower {
     return {{"model.multi_modal_projector.mm_input_projection_weight", &projection},
             {"model.multi_modal_projector.mm_soft_emb_norm.weight", &soft_norm_w}};
   }
+  std::vector<std::pair<std::string, at::Tensor*>> frozen() override {
+    const std::string v = "model.vision_tower.";
+    std::vector<std::pair<std::string, at::Tensor*>> out = {
+        {v + "embeddings.patch_embedding.weight", &patch_w}, {v + "embeddings.patch_embedding.bias", &patch_b},
+        {v + "embeddings.position_embedding.weight", &pos_embed}};
+    for (size_t i = 0; i < layers.size(); ++i) {
+      const std::string p = v + "encoder.layers." + std::to_string(i) + ".";
+      SiglipLayer& l = layers[i];
+      for (auto [name, t] : {std::pair{"layer_norm1.weight", &l.ln1_w}, {"layer_norm1.bias", &l.ln1_b},
+                             {"layer_norm2.weight", &l.ln2_w}, {"layer_norm2.bias", &l.ln2_b}})
+        out.emplace_back(p + name, t);
+    }
+    out.emplace_back(v + "post_layernorm.weight", &post_w);
+    out.emplace_back(v + "post_layernorm.bias", &post_b);
+    return out;
+  }
   std::vector<std::string> target_names() const override {
     return {"q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"};
   }

@@ -56,6 +56,13 @@ struct Layer {
   Clippable q, k, v, o, gate, up, down;
 };
 
+// A layer's clippable linears with their module names, in checkpoint order.
+std::vector<std::pair<const char*, Clippable*>> clippables(Layer& l) {
+  return {{"self_attn.q_proj", &l.q}, {"self_attn.k_proj", &l.k}, {"self_attn.v_proj", &l.v},
+          {"self_attn.o_proj", &l.o}, {"mlp.gate_proj", &l.gate}, {"mlp.up_proj", &l.up},
+          {"mlp.down_proj", &l.down}};
+}
+
 class Gemma4Tower final : public Tower {
  public:
   int64_t hidden = 0, heads = 0, kv_heads = 0, head_dim = 0, inter = 0, patch = 0, table = 0, pool = 0,
@@ -188,16 +195,38 @@ class Gemma4Tower final : public Tower {
     std::vector<std::pair<std::string, modules::LoraLinear*>> out;
     for (size_t i = 0; i < layers.size(); ++i) {
       const std::string p = "model.vision_tower.encoder.layers." + std::to_string(i) + ".";
-      Layer& l = layers[i];
-      for (auto [name, c] : {std::pair{"self_attn.q_proj", &l.q}, {"self_attn.k_proj", &l.k}, {"self_attn.v_proj", &l.v},
-                             {"self_attn.o_proj", &l.o}, {"mlp.gate_proj", &l.gate}, {"mlp.up_proj", &l.up},
-                             {"mlp.down_proj", &l.down}})
-        out.emplace_back(p + name + ".linear", &c->linear);
+      for (auto [name, c] : clippables(layers[i])) out.emplace_back(p + name + ".linear", &c->linear);
     }
     return out;
   }
   std::vector<std::pair<std::string, at::Tensor*>> projector() override {
     return {{"model.embed_vision.embedding_projection.weight", &projection}};
+  }
+  std::vector<std::pair<std::string, at::Tensor*>> frozen() override {
+    const std::string v = "model.vision_tower.";
+    std::vector<std::pair<std::string, at::Tensor*>> out = {
+        {v + "patch_embedder.input_proj.weight", &input_proj},
+        {v + "patch_embedder.position_embedding_table", &pos_table}};
+    for (size_t i = 0; i < layers.size(); ++i) {
+      const std::string p = v + "encoder.layers." + std::to_string(i) + ".";
+      Layer& l = layers[i];
+      for (auto [name, t] : {std::pair{"input_layernorm.weight", &l.input_norm},
+                             {"post_attention_layernorm.weight", &l.post_attn_norm},
+                             {"pre_feedforward_layernorm.weight", &l.pre_ffw_norm},
+                             {"post_feedforward_layernorm.weight", &l.post_ffw_norm},
+                             {"self_attn.q_norm.weight", &l.q_norm}, {"self_attn.k_norm.weight", &l.k_norm}})
+        out.emplace_back(p + name, t);
+      for (auto [name, c] : clippables(l))
+        if (c->in_min.defined())
+          for (auto [bound, t] : {std::pair{".input_min", &c->in_min}, {".input_max", &c->in_max},
+                                  {".output_min", &c->out_min}, {".output_max", &c->out_max}})
+            out.emplace_back(p + name + bound, t);
+    }
+    if (std_bias.defined()) {
+      out.emplace_back(v + "std_bias", &std_bias);
+      out.emplace_back(v + "std_scale", &std_scale);
+    }
+    return out;
   }
   std::vector<std::string> target_names() const override {
     return {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};

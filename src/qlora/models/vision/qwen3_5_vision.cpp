@@ -188,6 +188,19 @@ class Qwen35Tower final : public Tower {
             {m + "linear_fc1.weight", &m_fc1_w}, {m + "linear_fc1.bias", &m_fc1_b},
             {m + "linear_fc2.weight", &m_fc2_w}, {m + "linear_fc2.bias", &m_fc2_b}};
   }
+  std::vector<std::pair<std::string, at::Tensor*>> frozen() override {
+    std::vector<std::pair<std::string, at::Tensor*>> out = {{"model.visual.patch_embed.proj.weight", &patch_w},
+                                                            {"model.visual.patch_embed.proj.bias", &patch_b},
+                                                            {"model.visual.pos_embed.weight", &pos_embed}};
+    for (size_t i = 0; i < blocks.size(); ++i) {
+      const std::string b = "model.visual.blocks." + std::to_string(i) + ".";
+      Block& k = blocks[i];
+      for (auto [name, t] : {std::pair{"norm1.weight", &k.norm1_w}, {"norm1.bias", &k.norm1_b},
+                             {"norm2.weight", &k.norm2_w}, {"norm2.bias", &k.norm2_b}})
+        out.emplace_back(b + name, t);
+    }
+    return out;
+  }
   std::vector<std::string> target_names() const override { return {"qkv", "proj", "linear_fc1", "linear_fc2"}; }
 };
 

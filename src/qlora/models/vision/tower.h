@@ -58,6 +58,10 @@ class Tower {
   virtual std::vector<std::pair<std::string, modules::LoraLinear*>> linears() = 0;
   // The projector's tensors with their parameter names in that model ("model.visual.merger.linear_fc1.weight").
   virtual std::vector<std::pair<std::string, at::Tensor*>> projector() = 0;
+  // Every other tensor the tower holds (dense and frozen: patch embedding, position table, norms, biases
+  // outside the linears, Gemma 4's clamp bounds and standardisation buffers), with the model's names: with
+  // linears() (<module>.weight, <module>.bias) and projector(), the checkpoint's whole tower and projector.
+  virtual std::vector<std::pair<std::string, at::Tensor*>> frozen() = 0;
   // The encoder linears' short names LoRA targets accept ("qkv", "proj", "linear_fc1", "linear_fc2").
   virtual std::vector<std::string> target_names() const = 0;
   bool training = false;  // enables LoRA dropout
