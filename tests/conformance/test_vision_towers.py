@@ -119,9 +119,11 @@ def qwen_case():
     vc = config.vision_config
     dim = vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2
     inputs = {"pixel_values": torch.randn(int(grid.prod(-1).sum()), dim, generator=g), "image_grid_thw": grid}
-    features = lambda m, i: torch.cat(m.model.get_image_features(i["pixel_values"], image_grid_thw=i["image_grid_thw"])
-                                      .pooler_output)
-    ablations = [("position table 0", lambda m: m.model.visual.pos_embed.weight.data.zero_()),
+    features = lambda m, i, **kw: torch.cat(m.model.get_image_features(
+        i["pixel_values"], image_grid_thw=i["image_grid_thw"], **kw).pooler_output)
+    rows = int(grid.prod(-1).sum())
+    ablations = [("one attention segment over both images",
+                  lambda m: setattr(m, "extra", {"cu_seqlens": torch.tensor([0, rows], dtype=torch.int32)})),("position table 0", lambda m: m.model.visual.pos_embed.weight.data.zero_()),
                  ("rotary frequencies cubed", lambda m: m.model.visual.rotary_pos_emb.inv_freq.data.pow_(3.0))]
     return dict(model=model, prefixes=prefixes, inputs=inputs, features=features, ablations=ablations,
                 targets=["qkv", "proj", "linear_fc1", "linear_fc2"],
@@ -138,7 +140,7 @@ def gemma3_case():
     g = torch.Generator().manual_seed(4)
     size = config.vision_config.image_size
     inputs = {"pixel_values": torch.rand(2, 3, size, size, generator=g) * 2 - 1}
-    features = lambda m, i: m.model.get_image_features(i["pixel_values"]).pooler_output.flatten(0, 1)
+    features = lambda m, i, **kw: m.model.get_image_features(i["pixel_values"], **kw).pooler_output.flatten(0, 1)
     ablations = [("position table 0",
                   lambda m: m.model.vision_tower.embeddings.position_embedding.weight.data.zero_()),
                  ("projector norm weight 0 (scale 1)",
@@ -174,8 +176,8 @@ def gemma4_case():
     prefixes = ("model.vision_tower.", "model.embed_vision.")
     randomize_tower(model, prefixes, 5)
     set_clamps(model, 1.5, 1.0)
-    features = lambda m, i: torch.cat(m.model.get_image_features(
-        i["pixel_values"], image_position_ids=i["image_position_ids"]).pooler_output)
+    features = lambda m, i, **kw: torch.cat(m.model.get_image_features(
+        i["pixel_values"], image_position_ids=i["image_position_ids"], **kw).pooler_output)
 
     def no_clamps(m):
         set_clamps(m, float("inf"), float("inf"))
@@ -211,8 +213,9 @@ class Run:
 
 
 def reference(case, model, inputs):
+    """transformers' features; an ablation may leave keyword arguments for get_image_features in model.extra."""
     with torch.no_grad():
-        return case["features"](model, inputs).float()
+        return case["features"](model, inputs, **getattr(model, "extra", {})).float()
 
 
 def check_forwards(checks, run, case, ref):
