@@ -144,7 +144,7 @@ std::filesystem::path tiny_gemma3(const std::string& name) {
 TEST(VisionTower, TinyGemma3ShapesLoraAndGradients) {
   const std::filesystem::path dir = tiny_gemma3("qlora_vision_tiny_gemma3");
   std::unique_ptr<Tower> tower = load_tower(dir.string(), {});
-  ImageInputs in;
+  PixelInputs in;
   in.pixel_values = at::randn({2, 3, 8, 8});
   EXPECT_EQ(tower->tokens_per_image(in), (std::vector<int64_t>{1, 1}));
   EXPECT_EQ(tower->forward(in).sizes().vec(), (std::vector<int64_t>{2, 6}));

@@ -142,7 +142,7 @@ int main(int argc, char** argv) {
         if (t.name == name) return true;
       return false;
     };
-    qlora::models::vision::ImageInputs images;
+    qlora::models::vision::PixelInputs images;
     images.pixel_values = in.tensor("pixel_values");
     if (has("image_grid_thw")) images.grid_thw = in.tensor("image_grid_thw");
     if (has("image_position_ids")) images.position_ids = in.tensor("image_position_ids");

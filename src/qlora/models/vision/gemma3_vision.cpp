@@ -50,7 +50,7 @@ class Gemma3Tower final : public Tower {
   at::Tensor soft_norm_w, projection;  // the projector: mm_soft_emb_norm.weight [D], mm_input_projection_weight [D, text]
   std::string tower_prefix, projector_prefix;
 
-  void check(const ImageInputs& in) const {
+  void check(const PixelInputs& in) const {
     const at::Tensor& px = in.pixel_values;
     if (!px.defined() || px.dim() != 4 || px.size(1) != channels || px.size(2) != image || px.size(3) != image)
       throw std::invalid_argument("Gemma 3 vision tower: pixel_values must be [images, " + std::to_string(channels) +
@@ -58,7 +58,7 @@ class Gemma3Tower final : public Tower {
                                   "] (vision_config.image_size)");
   }
 
-  std::vector<int64_t> tokens_per_image(const ImageInputs& in) const override {
+  std::vector<int64_t> tokens_per_image(const PixelInputs& in) const override {
     check(in);
     return std::vector<int64_t>(static_cast<size_t>(in.pixel_values.size(0)), tokens);
   }
@@ -73,7 +73,7 @@ class Gemma3Tower final : public Tower {
     return linear(l.o, o.transpose(1, 2).reshape({b, n, hidden}), training);
   }
 
-  at::Tensor forward(const ImageInputs& in) const override {
+  at::Tensor forward(const PixelInputs& in) const override {
     check(in);
     at::Tensor x = at::conv2d(in.pixel_values.to(device, dtype), patch_w, patch_b, {patch, patch});
     x = x.flatten(2).transpose(1, 2) + pos_embed;  // [images, patches, D]

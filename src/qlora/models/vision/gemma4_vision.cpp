@@ -114,7 +114,7 @@ class Gemma4Tower final : public Tower {
     return clip(l.o, o.transpose(1, 2).reshape({b, n, heads * head_dim}));
   }
 
-  void check(const ImageInputs& in) const {
+  void check(const PixelInputs& in) const {
     const at::Tensor &px = in.pixel_values, &pos = in.position_ids;
     if (!px.defined() || px.dim() != 3 || px.size(2) != 3 * patch * patch)
       throw std::invalid_argument("Gemma 4 vision tower: pixel_values must be [images, max_patches, " +
@@ -133,7 +133,7 @@ class Gemma4Tower final : public Tower {
                                   " is not a positive multiple of pooling_kernel_size^2 = " + std::to_string(pool * pool));
   }
 
-  std::vector<int64_t> tokens_per_image(const ImageInputs& in) const override {
+  std::vector<int64_t> tokens_per_image(const PixelInputs& in) const override {
     check(in);
     const at::Tensor real = (in.position_ids != -1).all(-1).sum(-1).cpu();
     std::vector<int64_t> out;
@@ -156,7 +156,7 @@ class Gemma4Tower final : public Tower {
     return {out, at::logical_not((weights == 0).all(1))};
   }
 
-  at::Tensor forward(const ImageInputs& in) const override {
+  at::Tensor forward(const PixelInputs& in) const override {
     check(in);
     const at::Tensor pos = in.position_ids.to(device, at::kLong);
     const at::Tensor padding = (pos == -1).all(-1);  // [images, patches]

@@ -97,7 +97,7 @@ class Qwen35Tower final : public Tower {
 
   int64_t patch_dim() const { return channels * temporal * patch * patch; }
 
-  std::vector<int64_t> tokens_per_image(const ImageInputs& in) const override {
+  std::vector<int64_t> tokens_per_image(const PixelInputs& in) const override {
     check(in);
     std::vector<int64_t> out;
     const at::Tensor g = in.grid_thw.to(at::kCPU, at::kLong).contiguous();
@@ -107,7 +107,7 @@ class Qwen35Tower final : public Tower {
   }
 
   // The grid's frames (attention segments) after checking it against the pixel rows.
-  std::vector<int64_t> check(const ImageInputs& in) const {
+  std::vector<int64_t> check(const PixelInputs& in) const {
     const at::Tensor& g = in.grid_thw;
     if (!g.defined() || g.dim() != 2 || g.size(1) != 3 || g.size(0) < 1 || at::isFloatingType(g.scalar_type()))
       throw std::invalid_argument("Qwen3.5 vision tower: image_grid_thw must be an integer [images, 3] tensor");
@@ -145,7 +145,7 @@ class Qwen35Tower final : public Tower {
     return linear(b.proj, o, training);
   }
 
-  at::Tensor forward(const ImageInputs& in) const override {
+  at::Tensor forward(const PixelInputs& in) const override {
     const std::vector<int64_t> segments = check(in);
     at::Tensor x = in.pixel_values.to(device, dtype).reshape({-1, channels, temporal, patch, patch});
     x = at::conv3d(x, patch_w, patch_b, {temporal, patch, patch}).reshape({-1, hidden});

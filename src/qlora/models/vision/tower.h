@@ -37,7 +37,7 @@ struct TowerLoadOptions {
 
 // What a model's image processor gives for a batch of images (the tensors transformers passes to
 // get_image_features), on any device; the tower moves them to its own.
-struct ImageInputs {
+struct PixelInputs {
   // Qwen3.5: [patches, C * T * P * P] (every image's patches in spatial-merge order, one after another);
   // Gemma 3: [images, C, S, S]; Gemma 4: [images, max_patches, P * P * C] (padded at the end).
   at::Tensor pixel_values;
@@ -49,10 +49,10 @@ class Tower {
  public:
   virtual ~Tower() = default;
   // [image tokens, language model width] in the compute dtype: each image's features in order.
-  virtual at::Tensor forward(const ImageInputs& in) const = 0;
+  virtual at::Tensor forward(const PixelInputs& in) const = 0;
   // How many image tokens each image of `in` gets (the rows of forward's result, image by image; Gemma 3:
   // each row of pixel_values, a pan-and-scan crop counting as an image).
-  virtual std::vector<int64_t> tokens_per_image(const ImageInputs& in) const = 0;
+  virtual std::vector<int64_t> tokens_per_image(const PixelInputs& in) const = 0;
   // The encoder layers' linears in checkpoint order, with their module names in transformers'
   // ConditionalGeneration model ("model.visual.blocks.0.attn.qkv"): what LoRA may target.
   virtual std::vector<std::pair<std::string, modules::LoraLinear*>> linears() = 0;
