@@ -12,7 +12,8 @@ skips it cannot pass.
 import os
 
 import torch
-from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig,
+from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3Config, Gemma3ForCausalLM,
+                          Gemma3ForConditionalGeneration, Gemma3TextConfig, LlamaConfig,
                           LlamaForCausalLM, MistralConfig, MistralForCausalLM, Olmo2Config, Olmo2ForCausalLM,
                           Olmo3Config, Olmo3ForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM,
                           Qwen3Config, Qwen3ForCausalLM, Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration,
@@ -91,6 +92,19 @@ GEMMA4_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, 
 def gemma4_multimodal_config(**kw):
     tie = kw.pop("tie_word_embeddings", True)
     return Gemma4Config(text_config=kw, vision_config=GEMMA4_VISION, audio_config=None, tie_word_embeddings=tie)
+
+
+# The Hub's Gemma 3 (4B and up): Gemma3ForConditionalGeneration, a SigLIP tower of 8 x 8 patches (image_size
+# 32, patch 4) whose projector average-pools them to mm_tokens_per_image 16 (4 x 4, kernel 2).
+GEMMA3_VISION = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                     num_attention_heads=2, image_size=32, patch_size=4, vision_use_head=False)
+GEMMA3_MM_TOKENS = 16
+
+
+def gemma3_multimodal_config(**kw):
+    tie = kw.pop("tie_word_embeddings", True)
+    return Gemma3Config(text_config=kw, vision_config=GEMMA3_VISION, mm_tokens_per_image=GEMMA3_MM_TOKENS,
+                        tie_word_embeddings=tie)
 
 
 def _layer_scalar_one(model):

@@ -15,6 +15,7 @@
 #include <nlohmann/json_fwd.hpp>
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <utility>
@@ -23,10 +24,18 @@
 
 #include "qlora/modules/options.h"
 
+namespace qlora::io {
+class CheckpointDir;
+}
+
 namespace qlora::models {
 
 struct DecoderConfig;
 struct Architecture;
+namespace vision {
+class Tower;
+struct TowerLoadOptions;
+}  // namespace vision
 
 // ---- How a family's tensors and keys go into a GGUF file (gguf/arch.h writes them) ----
 
@@ -160,6 +169,11 @@ struct Family {
     // Its tensors that are no row of `tensors` (tried first; nullopt: not one of them).
     std::optional<TensorPlan> (*tensor)(const std::string& hf, const DecoderConfig& c) = nullptr;
   } gguf;
+
+  // The vision tower of its multimodal checkpoint (models/vision/tower.h), from that checkpoint and its
+  // config.json; null: none is computed.
+  std::unique_ptr<vision::Tower> (*vision_tower)(const io::CheckpointDir& ckpt, const nlohmann::json& config,
+                                                 const vision::TowerLoadOptions& opt) = nullptr;
 };
 
 // Every family, in the registry's order (families/registry.cpp).

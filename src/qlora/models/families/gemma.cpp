@@ -17,6 +17,7 @@
 #include "qlora/models/config_json.h"
 #include "qlora/models/families/blocks.h"
 #include "qlora/models/family.h"
+#include "qlora/models/vision/tower.h"
 
 namespace qlora::models {
 namespace {
@@ -141,6 +142,7 @@ const Family& gemma3_family() {
     f.gguf.tensors = gemma_tensor_names(true);
     f.gguf.linear_rope = true;
     f.gguf.check = check_gemma3;
+    f.vision_tower = vision::load_gemma3_tower;
     return f;
   }();
   return f;

@@ -28,6 +28,7 @@
 #include "qlora/models/config_json.h"
 #include "qlora/models/families/blocks.h"
 #include "qlora/models/family.h"
+#include "qlora/models/vision/tower.h"
 
 namespace qlora::models {
 namespace {
@@ -346,6 +347,7 @@ const Family& gemma4_family() {
     f.gguf.add = add_gemma4_keys;
     f.gguf.tensor = gemma4_tensor;
     f.gguf.fused_gate_up_exps = true;
+    f.vision_tower = vision::load_gemma4_tower;
     return f;
   }();
   return f;

@@ -20,6 +20,7 @@
 #include "qlora/models/families/blocks.h"
 #include "qlora/models/families/qwen3_5.h"
 #include "qlora/models/family.h"
+#include "qlora/models/vision/tower.h"
 
 namespace qlora::models {
 namespace families {
@@ -234,6 +235,7 @@ const Family& qwen3_5_family() {
                                       false};
     f.parse = families::parse_qwen35;
     f.gguf.arch = "qwen35";
+    f.vision_tower = vision::load_qwen3_5_tower;
     return f;
   }();
   return f;

@@ -19,6 +19,7 @@
 #include "qlora/models/families/blocks.h"
 #include "qlora/models/families/qwen3_5.h"
 #include "qlora/models/family.h"
+#include "qlora/models/vision/tower.h"
 
 namespace qlora::models {
 namespace {
@@ -95,6 +96,7 @@ const Family& qwen3_5_moe_family() {
                                                  {"mlp.shared_expert.down_proj", "ffn_down_shexp"}});
     f.gguf.add = add_qwen3_5_moe_gguf;
     f.gguf.tensor = qwen3_5_moe_tensor;
+    f.vision_tower = vision::load_qwen3_5_tower;  // Qwen3_5MoeVisionModel: Qwen3.5's tower
     return f;
   }();
   return f;

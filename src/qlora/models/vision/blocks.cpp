@@ -1,0 +1,126 @@
+#include "qlora/models/vision/blocks.h"
+
+#include <ATen/TensorOperators.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/gelu.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/scaled_dot_product_attention.h>
+#include <c10/util/Exception.h>
+#include <nlohmann/json.hpp>
+
+#include <optional>
+#include <stdexcept>
+
+#include "qlora/io/quantize_checkpoint.h"
+#include "qlora/models/config_json.h"
+#include "qlora/modules/rope.h"
+#include "qlora/ops/nf4_ops.h"
+
+namespace qlora::models::vision {
+
+TowerWeights::TowerWeights(const io::CheckpointDir& ckpt, const std::vector<std::string>& prefixes,
+                           const std::string& probe, const TowerLoadOptions& opt)
+    : ckpt_(ckpt), opt_(opt) {
+  std::string tried;
+  for (const std::string& p : prefixes) {
+    if (ckpt.contains(p + probe)) {
+      prefix_ = p;
+      return;
+    }
+    tried += (tried.empty() ? "'" : ", '") + p + probe + "'";
+  }
+  throw std::invalid_argument(ckpt.path() + ": no vision tower: none of the keys " + tried + " is in the checkpoint");
+}
+
+at::Tensor TowerWeights::dense(const std::string& name, const std::vector<int64_t>& shape) const {
+  return dense(name, shape, opt_.compute_dtype);
+}
+
+at::Tensor TowerWeights::dense(const std::string& name, const std::vector<int64_t>& shape,
+                               at::ScalarType dtype) const {
+  const std::string key = prefix_ + name;
+  // A checkpoint written by `qlora quantize` keeps some 2-D weights as NF4 entries only (load_nf4
+  // reads them, and names the checkpoint and key when neither form exists).
+  at::Tensor t = ckpt_.contains(key) ? ckpt_.tensor(key) : ops::nf4_dequantize(io::load_nf4(ckpt_, key), dtype);
+  if (t.sizes().vec() != shape)
+    throw std::invalid_argument((ckpt_.contains(key) ? ckpt_.file_of(key).path() : ckpt_.path()) + ": tensor '" + key +
+                                "' has shape " + c10::str(t.sizes()) + ", expected " +
+                                c10::str(at::IntArrayRef(shape)) + " from config.json's vision_config");
+  return t.to(opt_.device, dtype);
+}
+
+modules::LoraLinear TowerWeights::linear(const std::string& module, int64_t out, int64_t in, bool bias,
+                                         bool encoder) const {
+  modules::LoraLinear l;
+  if (encoder && opt_.base_in_nf4) {
+    const std::string key = prefix_ + module + ".weight";
+    Nf4Tensor w = io::load_nf4(ckpt_, key);
+    if (w.shape != std::vector<int64_t>{out, in})
+      throw std::invalid_argument(ckpt_.path() + ": tensor '" + key + "' has shape " +
+                                  c10::str(at::IntArrayRef(w.shape)) + ", expected " +
+                                  c10::str(at::IntArrayRef({out, in})) + " from config.json's vision_config");
+    l = modules::lora_linear_nf4(w.to(opt_.device));
+  } else {
+    l = modules::lora_linear_dense(dense(module + ".weight", {out, in}));
+  }
+  if (bias) modules::lora_linear_set_bias(l, dense(module + ".bias", {out}));
+  return l;
+}
+
+const nlohmann::json& vision_config(const nlohmann::json& config, const std::string& where) {
+  if (!config.is_object() || !cfg::present(config, "vision_config") || !config.at("vision_config").is_object())
+    cfg::fail(where, "vision_config", "expected an object (the vision tower's config)");
+  return config.at("vision_config");
+}
+
+double vision_rope_theta(const nlohmann::json& vc, const std::string& where, double dflt) {
+  if (cfg::present(vc, "rope_parameters")) {
+    const nlohmann::json& rp = vc.at("rope_parameters");
+    if (!rp.is_object()) cfg::fail(where, "vision_config.rope_parameters", "expected an object, got " + rp.dump());
+    const std::string type = cfg::present(rp, "rope_type") ? rp.at("rope_type").dump() : "\"axial\"";
+    if (type != "\"axial\"" && type != "\"default\"")
+      cfg::fail(where, "vision_config.rope_parameters.rope_type", type + ": the vision rotary is axial");
+    if (cfg::present(rp, "rope_theta")) return cfg::get_num(rp, "rope_theta", where + " vision_config.rope_parameters");
+  }
+  return cfg::get_num(vc, "rope_theta", where + " vision_config", dflt);
+}
+
+Act parse_act(const std::string& name, const std::string& where, const std::string& key) {
+  if (name == "gelu_pytorch_tanh" || name == "gelu_new") return Act::kGeluTanh;
+  if (name == "gelu") return Act::kGelu;
+  cfg::fail(where, key, "'" + name + "': the vision towers compute gelu_pytorch_tanh, gelu_new or gelu");
+}
+
+at::Tensor activate(const at::Tensor& x, Act act) { return at::gelu(x, act == Act::kGeluTanh ? "tanh" : "none"); }
+
+at::Tensor linear(const modules::LoraLinear& l, const at::Tensor& x, bool training) {
+  return modules::lora_linear_forward(l, x, training);
+}
+
+at::Tensor segment_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             const std::vector<int64_t>& segments, double scale) {
+  std::vector<at::Tensor> outs;
+  int64_t start = 0;
+  for (const int64_t n : segments) {
+    // [n, heads, d] -> [1, heads, n, d], as transformers splits its [1, heads, rows, d] per image.
+    const auto part = [&](const at::Tensor& t) { return t.narrow(0, start, n).transpose(0, 1).unsqueeze(0); };
+    at::Tensor o = at::scaled_dot_product_attention(part(q), part(k), part(v), std::nullopt, 0.0, false, scale);
+    outs.push_back(o.squeeze(0).transpose(0, 1));  // [n, heads, d]
+    start += n;
+  }
+  TORCH_CHECK(start == q.size(0), "segment_attention: segments sum to ", start, ", rows ", q.size(0));
+  at::Tensor out = outs.size() == 1 ? outs[0] : at::cat(outs, 0);
+  return out.reshape({q.size(0), -1});
+}
+
+at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t half = x.size(-1) / 2;
+  at::Tensor rotated = at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
+  return x * cos + rotated * sin;
+}
+
+at::Tensor axial_inv_freq(int64_t head_dim, double theta) {
+  return modules::rope_inv_freq(head_dim / 2, theta, std::nullopt);
+}
+
+}  // namespace qlora::models::vision
