@@ -21,9 +21,15 @@ and mm_token_type_ids, as its processor would give them.
                   (mm_token_type_ids): the same on its sliding layers only; image tokens embedded as
                   its pad token for the per-layer inputs. Ablation: causal image tokens.
 
+Then end to end, per family (*_tower): image files (odd sizes) through our image processor (the tiny
+model's own preprocessor_config.json, sized to its tiny tower) and tower (models/vision) into the
+language model (llama_logits --image-files), against transformers' processor + the whole
+ConditionalGeneration forward on pixel_values: fp32 logits.
+
 Usage: test_vision_language.py --tool PATH/llama_logits --workdir DIR
 Prints one line per check and "N passed, M failed"; exit status 1 on any failure.
 """
+import json
 import os
 import subprocess
 import sys
@@ -164,11 +170,84 @@ def check_gemma4(checks, args):
     check_gemma(checks, args, "gemma4", model, "mm_token_type_ids")
 
 
+def write_images(work, sizes, seed):
+    from PIL import Image
+    g = torch.Generator().manual_seed(seed)
+    paths = []
+    for k, (w, h) in enumerate(sizes):
+        paths.append(os.path.join(work, f"img{seed}_{k}.png"))
+        Image.fromarray(torch.randint(0, 256, (h, w, 3), generator=g, dtype=torch.uint8).numpy()).save(paths[-1])
+    return paths
+
+
+def end_to_end(checks, args, name, model, processor_cfg, sizes, token_kw):
+    """Our processor + tower + language model on image files = transformers' processor + model forward."""
+    from PIL import Image
+    from transformers import AutoImageProcessor
+    model.config.image_token_id = IMAGE_TOKEN
+    ckpt = os.path.join(args.workdir, name + "_tower")
+    model.save_pretrained(ckpt)
+    with open(os.path.join(ckpt, "preprocessor_config.json"), "w") as f:
+        json.dump(processor_cfg, f)
+    proc = AutoImageProcessor.from_pretrained(ckpt)
+    files = write_images(args.workdir, sizes, seed=len(name))
+    px = proc([Image.open(f).convert("RGB") for f in files], return_tensors="pt")
+    counts = token_kw["counts"](px)
+    g = torch.Generator().manual_seed(11)
+    row = torch.randint(3, 90, (3,), generator=g).tolist()
+    for n in counts:
+        row += [IMAGE_TOKEN] * n + torch.randint(3, 90, (2,), generator=g).tolist()
+    tokens = torch.tensor([row])
+    kw = {k: v for k, v in px.items() if k in ("pixel_values", "image_grid_thw", "image_position_ids")}
+    kw[token_kw["types"]] = (tokens == IMAGE_TOKEN).long()
+    with torch.no_grad():
+        ref = model(input_ids=tokens, **kw).logits
+    out = os.path.join(args.workdir, f"{name}_tower_logits.safetensors")
+    r = subprocess.run([args.tool, "--checkpoint", ckpt, "--tokens", ",".join(map(str, row)), "--image-files",
+                        ",".join(files), "--out", out], capture_output=True, text=True)
+    if not checks.check(f"{name} end to end: ran", r.returncode == 0, r.stderr.strip()[-400:]):
+        return
+    atol = ATOL_PER_UNIT * max(1.0, ref.abs().max().item())
+    checks.compare(f"{name} end to end: image files through our processor and tower, logits = transformers' "
+                   f"({len(files)} images, {sum(counts)} image tokens)", load_file(out)["logits"], ref, atol)
+
+
+def check_towers(checks, args):
+    qwen = F.build("qwen3_5_vision", seed=61)
+    v = qwen.config.vision_config
+    end_to_end(checks, args, "qwen3_5", qwen, {
+        "image_processor_type": "Qwen2VLImageProcessor", "patch_size": v.patch_size, "merge_size": v.spatial_merge_size,
+        "temporal_patch_size": v.temporal_patch_size, "image_mean": [0.5] * 3, "image_std": [0.5] * 3,
+        "size": {"shortest_edge": 16 * 16, "longest_edge": 40 * 40}}, [(37, 21), (19, 45)],
+        {"types": "mm_token_type_ids",
+         "counts": lambda px: (px["image_grid_thw"].prod(-1) // v.spatial_merge_size ** 2).tolist()})
+    from transformers import Gemma3ForConditionalGeneration
+    torch.manual_seed(62)
+    cfg = F.gemma3_multimodal_config(**dict(F.COMMON, **F.GEMMA, layer_types=["sliding_attention", "full_attention"],
+                                            rope_parameters=F.GEMMA3_ROPE))
+    cfg.text_config._attn_implementation = "eager"
+    gemma3 = Gemma3ForConditionalGeneration(cfg).float().eval()
+    F.randomize_norms(gemma3, 62)
+    s = cfg.vision_config.image_size
+    end_to_end(checks, args, "gemma3", gemma3, {
+        "image_processor_type": "Gemma3ImageProcessor", "size": {"height": s, "width": s}, "resample": 2,
+        "image_mean": [0.5] * 3, "image_std": [0.5] * 3, "do_pan_and_scan": None, "image_seq_length": F.GEMMA3_MM_TOKENS},
+        [(50, 23), (17, 40)], {"types": "token_type_ids", "counts": lambda px: [F.GEMMA3_MM_TOKENS] * len(px["pixel_values"])})
+    gemma4 = F.build("gemma4_vision", seed=63, use_bidirectional_attention="vision", sliding_window=4)
+    v4 = gemma4.config.vision_config
+    end_to_end(checks, args, "gemma4", gemma4, {
+        "image_processor_type": "Gemma4ImageProcessor", "patch_size": v4.patch_size,
+        "pooling_kernel_size": v4.pooling_kernel_size, "max_soft_tokens": 70, "resample": 3, "do_normalize": False,
+        "image_mean": [0.0] * 3, "image_std": [1.0] * 3}, [(30, 22), (13, 41)],
+        {"types": "mm_token_type_ids",
+         "counts": lambda px: [int((p[:, 0] >= 0).sum()) // v4.pooling_kernel_size ** 2 for p in px["image_position_ids"]]})
+
+
 def main():
     args = parse_tool_args()
     torch.manual_seed(0)
     checks = Checks()
-    for case in (check_qwen35, check_gemma3, check_gemma4):
+    for case in (check_qwen35, check_gemma3, check_gemma4, check_towers):
         try:
             case(checks, args)
         except Exception as e:  # noqa: BLE001 - one case's crash is that case's failure

@@ -16,6 +16,9 @@
 // --images FILE (safetensors): image features placed at image tokens (models/multimodal.h): "features"
 //   float32 [n, hidden], "mask" uint8 [batch, seq] (the image tokens), and for Qwen3.5's M-RoPE
 //   "grids" int64 [images, 3] (t, h, w patches) with "spatial_merge" int64 [1]; with --packed or alone.
+// --image-files A,B: instead, image files through the checkpoint's own image processor
+//   (preprocessor_config.json beside it) and its vision tower (models/vision), their features placed at
+//   the config's image token (the tokens must hold each image's run); with --packed or alone.
 #include <ATen/ops/cat.h>
 #include <ATen/ops/tensor.h>
 #include <c10/core/GradMode.h>
@@ -32,6 +35,7 @@
 #include "qlora/data/batching.h"
 #include "qlora/io/safetensors.h"
 #include "qlora/models/generate.h"
+#include "qlora/images/decode.h"
 #include "qlora/models/decoder.h"
 
 namespace {
@@ -113,6 +117,22 @@ qlora::models::ImageInputs read_images(const std::string& path, const at::Tensor
   return in;
 }
 
+// --image-files: the images' ImageInputs through the checkpoint's processor and tower.
+qlora::models::ImageInputs tower_images(const std::string& checkpoint, const std::string& files, const at::Tensor& ids,
+                                        const at::Tensor& position_ids, const qlora::models::DecoderLoadOptions& opt,
+                                        const qlora::models::DecoderModel& model) {
+  const qlora::images::ImageProcessor processor = qlora::images::processor_from_dir(checkpoint);
+  std::vector<qlora::images::ProcessedImage> processed;
+  std::stringstream fs(files);
+  for (std::string f; std::getline(fs, f, ',');) processed.push_back(processor.process(qlora::images::load_image(f), f));
+  qlora::models::vision::TowerLoadOptions t;
+  t.base_in_nf4 = opt.base_in_nf4;
+  t.compute_dtype = model.compute_dtype;
+  t.device = opt.device;
+  const auto tower = qlora::models::vision::load_tower(checkpoint, t);
+  return qlora::models::image_inputs(*tower, processed, ids, position_ids.to(opt.device), model.config);
+}
+
 // --generate N [--batch-lengths ...]: the greedy continuations as "ids" in `out` (see the header).
 void write_generation(const qlora::models::DecoderModel& model, const at::Tensor& ids, int64_t generate_n,
                       const std::vector<int64_t>& batch_lengths, int64_t generations, const std::string& out) {
@@ -150,7 +170,7 @@ void write_generation(const qlora::models::DecoderModel& model, const at::Tensor
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string checkpoint, tokens, out, packed, images;
+  std::string checkpoint, tokens, out, packed, images, image_files;
   int64_t generate_n = -1, decode_from = -1, generations = 1;
   std::vector<int64_t> batch_lengths;
   qlora::models::DecoderLoadOptions opt;
@@ -167,6 +187,7 @@ int main(int argc, char** argv) {
     else if (a == "--device") opt.device = at::Device(value());
     else if (a == "--packed") packed = value();
     else if (a == "--images") images = value();
+    else if (a == "--image-files") image_files = value();
     else if (a == "--generate") generate_n = parse_ints(value(), "--generate").at(0);
     else if (a == "--batch-lengths") batch_lengths = parse_ints(value(), "--batch-lengths");
     else if (a == "--generations") generations = parse_ints(value(), "--generations").at(0);
@@ -199,14 +220,17 @@ int main(int argc, char** argv) {
       std::vector<at::Tensor> steps{model.forward(ids.narrow(1, 0, decode_from), &cache)};
       for (int64_t t = decode_from; t < ids.size(1); ++t) steps.push_back(model.forward(ids.narrow(1, t, 1), &cache));
       logits = at::cat(steps, 1);
-    } else if (packed.empty() && images.empty()) {
+    } else if (packed.empty() && images.empty() && image_files.empty()) {
       logits = model.forward(ids);
     } else {
       const std::vector<int64_t> lengths = packed.empty() ? std::vector<int64_t>{ids.size(1)} : parse_ints(packed, "--packed");
       const auto [position_ids, mask] = packed_inputs(lengths, ids.size(0), ids.size(1));
       const qlora::models::ImageInputs in =
-          images.empty() ? qlora::models::ImageInputs{} : read_images(images, position_ids, opt.device, model.compute_dtype);
-      logits = model.forward(ids, position_ids.to(opt.device), mask.to(opt.device), nullptr, images.empty() ? nullptr : &in);
+          !image_files.empty() ? tower_images(checkpoint, image_files, ids, position_ids, opt, model)
+          : images.empty()     ? qlora::models::ImageInputs{}
+                               : read_images(images, position_ids, opt.device, model.compute_dtype);
+      const bool with = !images.empty() || !image_files.empty();
+      logits = model.forward(ids, position_ids.to(opt.device), mask.to(opt.device), nullptr, with ? &in : nullptr);
     }
     qlora::io::save_safetensors(out, {{"logits", logits.cpu().contiguous()}});
   } catch (const std::exception& e) {

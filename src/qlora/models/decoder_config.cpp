@@ -379,6 +379,14 @@ DecoderConfig parse_multimodal(const json& j, const std::string& where, const Fa
   c.model_type = form.model_type;
   c.multimodal = true;
   if (form.images_bidirectional) c.image_attention = DecoderConfig::ImageAttention::kAllLayers;
+  c.image_token_id = form.image_token_id;
+  for (const char* key : {"image_token_id", "image_token_index"})
+    if (present(j, key)) c.image_token_id = get_int(j, key, where);
+  c.image_spatial_merge = form.spatial_merge;
+  if (present(j, "vision_config") && j.at("vision_config").is_object() &&
+      present(j.at("vision_config"), "spatial_merge_size"))
+    c.image_spatial_merge = get_int(j.at("vision_config"), "spatial_merge_size", where + " (vision_config)");
+  if (c.image_spatial_merge < 1) fail(where, "vision_config.spatial_merge_size", "must be >= 1");
   return c;
 }
 

@@ -83,6 +83,9 @@ struct DecoderConfig {
   enum class ImageAttention { kCausal, kAllLayers, kSlidingLayers };
   ImageAttention image_attention = ImageAttention::kCausal;
   int64_t image_pad_token_id = -1;
+  // A multimodal checkpoint's image token (config image_token_id / image_token_index; -1: none) and its
+  // tower's spatial merge (vision_config.spatial_merge_size: Qwen3.5's M-RoPE grid is the merged one).
+  int64_t image_token_id = -1, image_spatial_merge = 1;
   // Qwen3.5: the rope dict's mrope_section (rotary frequencies per position axis: temporal, height,
   // width; [11, 11, 10] where the config has none, as transformers). Text positions are the same on
   // every axis, so text alone does not depend on it; image tokens do (modules::mrope_tables). GGUF

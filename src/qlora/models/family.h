@@ -111,6 +111,10 @@ struct Family {
     const char* text_defaults;  // JSON: the text config class's defaults our parser does not share
     bool tie_word_embeddings;   // the class's tie_word_embeddings
     bool images_bidirectional = false;  // an image's tokens attend to each other on every layer (Gemma 3)
+    // The class defaults of its image token (config image_token_id, Gemma 3's image_token_index) and of
+    // vision_config.spatial_merge_size (1: the tower merges no patches into a token's position).
+    int64_t image_token_id = -1;
+    int64_t spatial_merge = 1;
   };
   std::optional<Multimodal> multimodal;
 

@@ -1,5 +1,7 @@
 #include "qlora/models/multimodal.h"
 
+#include <ATen/ops/cat.h>
+#include <ATen/ops/stack.h>
 #include <ATen/ops/zeros.h>
 
 #include <algorithm>
@@ -56,6 +58,47 @@ at::Tensor mrope_positions(const at::Tensor& mask, const std::vector<ImageGrid>&
     throw std::invalid_argument("mrope_positions: " + std::to_string(grids.size()) + " images given, " +
                                 std::to_string(next) + " image runs in the tokens");
   return out.to(mask.device());
+}
+
+vision::PixelInputs pixel_inputs(const std::vector<images::ProcessedImage>& images) {
+  vision::PixelInputs in;
+  if (images.empty()) return in;
+  std::vector<at::Tensor> pixels, grids;
+  for (const images::ProcessedImage& p : images) {
+    pixels.push_back(p.pixel_values);
+    if (p.grid.defined()) grids.push_back(p.grid);
+  }
+  const at::Tensor& g = images.front().grid;
+  if (g.defined() && g.dim() == 1) {  // Qwen: rows of patches, grid [t, h, w]
+    in.pixel_values = at::cat(pixels);
+    in.grid_thw = at::stack(grids);
+  } else {
+    in.pixel_values = at::stack(pixels);
+    if (g.defined()) in.position_ids = at::stack(grids);  // Gemma 4
+  }
+  return in;
+}
+
+ImageInputs image_inputs(const vision::Tower& tower, const std::vector<images::ProcessedImage>& images,
+                         const at::Tensor& tokens, const at::Tensor& position_ids, const DecoderConfig& c) {
+  if (c.image_token_id < 0)
+    throw std::invalid_argument("image_inputs: the model's config names no image token (image_token_id)");
+  ImageInputs in;
+  in.mask = tokens.eq(c.image_token_id);
+  const vision::PixelInputs pixels = pixel_inputs(images);
+  in.features = tower.forward(pixels);
+  const int64_t n = in.mask.sum().item<int64_t>();
+  if (in.features.size(0) != n)
+    throw std::invalid_argument("image_inputs: the tokens hold " + std::to_string(n) + " image tokens (id " +
+                                std::to_string(c.image_token_id) + "), the " + std::to_string(images.size()) +
+                                " image(s) take " + std::to_string(in.features.size(0)));
+  if (!c.mrope_section.empty() && pixels.grid_thw.defined()) {
+    std::vector<ImageGrid> grids;
+    const at::Tensor g = pixels.grid_thw.cpu().to(at::kLong).contiguous();
+    for (int64_t i = 0; i < g.size(0); ++i) grids.push_back({g[i][0].item<int64_t>(), g[i][1].item<int64_t>(), g[i][2].item<int64_t>()});
+    in.positions = mrope_positions(in.mask, grids, c.image_spatial_merge, position_ids);
+  }
+  return in;
 }
 
 }  // namespace qlora::models

@@ -10,6 +10,10 @@
 #include <cstdint>
 #include <vector>
 
+#include "qlora/images/processor.h"
+#include "qlora/models/decoder_config.h"
+#include "qlora/models/vision/tower.h"
+
 namespace qlora::models {
 
 struct ImageInputs {
@@ -35,5 +39,18 @@ using ImageGrid = std::array<int64_t, 3>;
 // std::invalid_argument when the runs and grids disagree.
 at::Tensor mrope_positions(const at::Tensor& mask, const std::vector<ImageGrid>& grids, int64_t spatial_merge,
                            const at::Tensor& position_ids = {});
+
+// A batch's processed images (images/processor.h, in token order) as the tower takes them: Qwen's
+// patch rows concatenated with their grids stacked, Gemma's images stacked (Gemma 4's position ids too),
+// told apart by their grids (3 entries, none, or [patches, 2]).
+vision::PixelInputs pixel_inputs(const std::vector<images::ProcessedImage>& images);
+
+// The language model's ImageInputs for tokens [batch, seq] holding `images`' image tokens (config
+// c.image_token_id): the tower's features of the images, the mask, and for a model with M-RoPE (Qwen3.5)
+// the 3-D positions over the images' grids (position_ids [batch, seq]: where packed samples start;
+// undefined: one a row). Throws std::invalid_argument when the tokens hold another number of image
+// tokens than the images take.
+ImageInputs image_inputs(const vision::Tower& tower, const std::vector<images::ProcessedImage>& images,
+                         const at::Tensor& tokens, const at::Tensor& position_ids, const DecoderConfig& c);
 
 }  // namespace qlora::models

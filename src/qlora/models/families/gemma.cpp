@@ -134,7 +134,7 @@ const Family& gemma3_family() {
                                       R"({"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216,
                                           "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
                                           "max_position_embeddings": 131072, "bos_token_id": 2, "eos_token_id": 1})",
-                                      true, /*images_bidirectional=*/true};
+                                      true, /*images_bidirectional=*/true, /*image_token_id=*/262144};
     f.rope_theta = 1e6;
     f.local_rope = LocalRope::kOwnBase;
     f.slides = gemma3_slides;

@@ -328,7 +328,7 @@ const Family& gemma4_family() {
                                       R"({"vocab_size": 262144, "hidden_size": 2304, "intermediate_size": 9216,
                                           "num_hidden_layers": 30, "num_attention_heads": 8, "num_key_value_heads": 4,
                                           "max_position_embeddings": 131072, "bos_token_id": 2, "eos_token_id": 1})",
-                                      true};
+                                      true, false, /*image_token_id=*/258880};
     f.head_dim = 256;
     f.tie_word_embeddings = true;
     f.rope_theta = 1e6;

@@ -232,7 +232,7 @@ const Family& qwen3_5_family() {
                                       R"({"vocab_size": 248320, "hidden_size": 4096, "intermediate_size": 12288,
                                           "num_hidden_layers": 32, "num_attention_heads": 16, "num_key_value_heads": 4,
                                           "max_position_embeddings": 32768})",
-                                      false};
+                                      false, false, /*image_token_id=*/248056, /*spatial_merge=*/2};
     f.parse = families::parse_qwen35;
     f.gguf.arch = "qwen35";
     f.vision_tower = vision::load_qwen3_5_tower;

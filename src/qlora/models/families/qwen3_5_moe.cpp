@@ -86,7 +86,7 @@ const Family& qwen3_5_moe_family() {
                                       R"({"vocab_size": 248320, "hidden_size": 2048, "num_hidden_layers": 40,
                                           "num_attention_heads": 16, "num_key_value_heads": 2,
                                           "max_position_embeddings": 32768})",
-                                      false};
+                                      false, false, /*image_token_id=*/248056, /*spatial_merge=*/2};
     f.parse = parse_qwen3_5_moe;
     f.intermediate_key = "shared_expert_intermediate_size";
     f.intermediate_default = 512;
