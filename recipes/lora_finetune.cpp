@@ -41,6 +41,7 @@ struct Data {
   std::vector<data::PackedRow> rows;  // packing: samples packed once into rows of max_seq_len
   bool packed = false;
   std::unique_ptr<data::Sampler> sampler;
+  train::BatchImages images;  // where the samples hold images: the model's tower and the data's processor
 
   // Rows `picked` of the data set as one batch.
   data::Batch batch(const std::vector<int64_t>& picked) const {
@@ -104,7 +105,7 @@ StepResult train_step(const RecipeConfig& cfg, engine::World& world, Model& m, D
   const auto& poison = train::fault_plan().poison_loss;  // tests only
   const bool nan = poison && poison(world.rank(), step);
   for (size_t k = 0; k < micro.size(); ++k) {
-    at::Tensor loss = train::summed_token_loss(m.decoder, micro[k], d.packed, device) /
+    at::Tensor loss = train::summed_token_loss(m.decoder, micro[k], d.packed, device, d.images) /
                       static_cast<double>(std::max<int64_t>(r.tokens, 1));
     if (nan) loss = loss * std::numeric_limits<double>::quiet_NaN();
     backward_micro_batch(m, loss, k + 1 == micro.size());
@@ -118,7 +119,8 @@ StepResult train_step(const RecipeConfig& cfg, engine::World& world, Model& m, D
 report::ValidationMetrics validate(const RecipeConfig& cfg, engine::World& world, Model& m, const Data& d,
                                   const Position& p, c10::Device device) {
   const train::Evaluation e =
-      train::evaluate(m.decoder, world, d.validation, cfg.training.batch_size, d.text->tokenizer.pad_id(), device);
+      train::evaluate(m.decoder, world, d.validation, cfg.training.batch_size, d.text->tokenizer.pad_id(), device,
+                      d.images);
   return {p.global_step, p.epoch, e.loss, e.perplexity, e.tokens};
 }
 
@@ -131,6 +133,13 @@ int run_finetune(Session& s) {
   for (const auto* set : {&d.samples, &d.validation})
     for (const data::Sample& x : *set) ids.add(x);
   Model m = setup_model(s, text, ids.ids());
+  const auto has_images = [](const std::vector<data::Sample>& set) {
+    return std::any_of(set.begin(), set.end(), [](const data::Sample& x) { return !x.images.empty(); });
+  };
+  if (has_images(d.samples) || has_images(d.validation)) {
+    m.tower = load_vision_tower(s, m);
+    d.images = train::BatchImages{m.tower, &text.options};
+  }
   RecipeParts parts;
   parts.sampler = d.sampler.get();
   parts.records = static_cast<int64_t>(d.samples.size());

@@ -207,6 +207,18 @@ Model setup_model(const Session& s, const TextSetup& text, const std::vector<int
   return m;
 }
 
+std::shared_ptr<const models::vision::Tower> load_vision_tower(const Session& s, const Model& m) {
+  models::vision::TowerLoadOptions o;
+  o.base_in_nf4 = s.cfg.model.base == config::BaseFormat::NF4;
+  o.compute_dtype = m.decoder.compute_dtype;
+  o.device = s.device;
+  std::shared_ptr<const models::vision::Tower> tower = models::vision::load_tower(s.base_dir, o);
+  if (s.lead)
+    std::printf("vision tower: %s's, frozen%s; the data's images go through it\n", s.base_dir.c_str(),
+                o.base_in_nf4 ? " (encoder linears in NF4)" : "");
+  return tower;
+}
+
 std::unique_ptr<optim::AdamW> make_adamw(const RecipeConfig& cfg, const Model& m) {
   return std::make_unique<optim::AdamW>(m.engine->param_shards(), config::adamw_options(cfg.optim));
 }

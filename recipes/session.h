@@ -65,12 +65,19 @@ TextSetup open_text(const Session& s);
 struct Model {
   models::DecoderModel decoder;
   std::shared_ptr<engine::ShardedDecoder> engine;
+  // A multimodal checkpoint's vision tower, frozen, where the data holds images (load_vision_tower);
+  // every rank holds it whole.
+  std::shared_ptr<const models::vision::Tower> tower;
 };
 // Loads, shards and seeds (dropout's generator per rank); checks the tokenizer fits the vocabulary.
 // data_token_ids: every id the run's data (training and validation, the whole set, as every rank
 // loads it) feeds in or scores; their untrained rows get model.untrained_tokens
 // (train/untrained_tokens.h) before the model is sharded.
 Model setup_model(const Session& s, const TextSetup& text, const std::vector<int64_t>& data_token_ids);
+
+// The checkpoint's vision tower (models/vision), frozen, its encoder linears in NF4 where the base is:
+// what a run whose data holds images needs. Errors name the checkpoint when it has none.
+std::shared_ptr<const models::vision::Tower> load_vision_tower(const Session& s, const Model& m);
 
 // Makes the decoder from the load options the config gives (on_layer_loaded shards each layer as it
 // is made): a bench's model built in memory, or a checkpoint loaded its own way.

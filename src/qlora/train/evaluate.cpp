@@ -8,14 +8,33 @@
 #include <cmath>
 #include <stdexcept>
 
+#include "qlora/data/sample_images.h"
+
 namespace qlora::train {
 
-at::Tensor summed_token_loss(const models::DecoderModel& model, const data::Batch& b, bool packed, c10::Device device) {
+std::optional<models::ImageInputs> BatchImages::of(const models::DecoderModel& model, const data::Batch& b,
+                                                   c10::Device device) const {
+  if (b.images.empty()) return std::nullopt;
+  if (!tower || !options)
+    throw std::invalid_argument(b.images.front().origin + ": the data holds images but the model has no vision tower "
+                                "(a text-only checkpoint: train images on the Hub's multimodal form)");
+  std::vector<images::ProcessedImage> pixels;
+  for (const data::SampleImage& img : b.images) pixels.push_back(data::image_pixels(img, *options));
+  at::NoGradGuard frozen;
+  // position_ids restart at each sample (and at a row's padding): where M-RoPE restarts too.
+  return models::image_inputs(*tower, pixels, b.tokens.to(device), b.position_ids.to(device), model.config);
+}
+
+at::Tensor summed_token_loss(const models::DecoderModel& model, const data::Batch& b, bool packed, c10::Device device,
+                             const BatchImages& images) {
   const at::Tensor labels = b.labels.to(device);  // [batch, seq]
   if (model.router_counts) model.router_counts->valid = b.document_ids.ge(0).to(device);  // padding is not counted
-  return packed ? model.loss(b.tokens.to(device), b.position_ids.to(device),
-                             data::block_causal_mask(b.document_ids).to(device), labels)
-                : model.loss(b.tokens.to(device), labels);
+  const std::optional<models::ImageInputs> in = images.of(model, b, device);
+  const models::ImageInputs* with = in ? &*in : nullptr;
+  // Images take the packed form's inputs (position_ids say where each row's samples start).
+  return packed || with ? model.loss(b.tokens.to(device), b.position_ids.to(device),
+                                     data::block_causal_mask(b.document_ids).to(device), labels, with)
+                        : model.loss(b.tokens.to(device), labels);
 }
 
 double all_ranks_sum(engine::World& world, double v, c10::Device device) {
@@ -52,7 +71,7 @@ std::vector<data::Sample> share_of(const std::vector<data::Sample>& samples, int
 }  // namespace
 
 Evaluation evaluate(models::DecoderModel& model, engine::World& world, const std::vector<data::Sample>& samples,
-                    int64_t batch_size, int64_t pad_id, c10::Device device) {
+                    int64_t batch_size, int64_t pad_id, c10::Device device, const BatchImages& images) {
   if (samples.empty()) throw std::invalid_argument("evaluate: no validation samples");
   const int64_t n = static_cast<int64_t>(samples.size()), global = batch_size * world.size();
   const bool was_training = model.training;
@@ -63,7 +82,7 @@ Evaluation evaluate(models::DecoderModel& model, engine::World& world, const std
   for (int64_t first = 0; first < n; first += global) {
     const int64_t begin = std::min(n, first + world.rank() * batch_size), end = std::min(n, begin + batch_size);
     const data::Batch b = data::collate(share_of(samples, begin, end, batch_size), pad_id);
-    loss += summed_token_loss(model, b, false, device).item<double>();
+    loss += summed_token_loss(model, b, false, device, images).item<double>();
     tokens += b.num_label_tokens;
   }
   model.training = was_training;

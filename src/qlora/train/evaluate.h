@@ -5,20 +5,37 @@
 #include <c10/core/Device.h>
 
 #include <cstdint>
+#include <memory>
+#include <optional>
 #include <vector>
 
 #include "qlora/data/batching.h"
 #include "qlora/data/dataset.h"
 #include "qlora/engine/process_group.h"
 #include "qlora/models/decoder.h"
+#include "qlora/models/vision/tower.h"
 
 namespace qlora::train {
+
+// Where a batch's images (data::Batch::images) become the language model's inputs: the model's vision
+// tower, frozen, and the options the samples were read with (their image processor). Without a tower a
+// batch must hold no images.
+struct BatchImages {
+  std::shared_ptr<const models::vision::Tower> tower;
+  const data::DatasetOptions* options = nullptr;
+  // The batch's ImageInputs: each image's pixels made again (data::image_pixels), the tower run
+  // without gradient (frozen: its features are constants of the step); nullopt for a batch without
+  // images. Throws std::invalid_argument when the batch has images and there is no tower.
+  std::optional<models::ImageInputs> of(const models::DecoderModel& model, const data::Batch& batch,
+                                        c10::Device device) const;
+};
 
 // The summed token cross-entropy of a batch over its non-masked labels (fp32 logits, by chunks of
 // tokens: DecoderModel::loss; packed rows attend within their own sample only). Divide by the tokens it stands for.
 // A MoE model's router statistics (DecoderModel::router_counts) count the batch's tokens, not its padding.
+// Its images (BatchImages) at their tokens.
 at::Tensor summed_token_loss(const models::DecoderModel& model, const data::Batch& batch, bool packed,
-                             c10::Device device);
+                             c10::Device device, const BatchImages& images = {});
 
 // The sum of `v` over every rank (on the compute device: NCCL reduces CUDA tensors only).
 double all_ranks_sum(engine::World& world, double v, c10::Device device);
@@ -39,6 +56,6 @@ struct Evaluation {
 // gathers are collectives). No gradients, no dropout, no random numbers: training continues
 // exactly as without it. Collective: every rank calls it at the same step.
 Evaluation evaluate(models::DecoderModel& model, engine::World& world, const std::vector<data::Sample>& samples,
-                    int64_t batch_size, int64_t pad_id, c10::Device device);
+                    int64_t batch_size, int64_t pad_id, c10::Device device, const BatchImages& images = {});
 
 }  // namespace qlora::train

@@ -1,0 +1,181 @@
+"""Training on images (issue 52) through `qlora run lora_finetune`: a tiny random Qwen3.5 vision-language
+model (Qwen3_5ForConditionalGeneration written by transformers: _families' Qwen3.5 language model beside
+a tiny tower), Qwen's BPE with its vision tokens, Qwen3.5-9B's chat template and an image processor sized
+to the tiny tower; chat records whose user turns hold an image (PNG files beside the data). LoRA on the
+language model; the tower frozen (its encoder linears in NF4, as the base).
+Checks:
+1. the run trains on the images (its log names the tower; finite losses);
+2. the first step's loss is transformers' mean token cross-entropy of the same first batch: the ids and
+   labels as qlora reads the records (image_data_tool), the pixels from transformers' own processor
+   through its own tower, with the language model's projections in NF4 on both sides (torchao's
+   dequantization of our bytes is the reference's weights); fp32;
+3. the images matter: the same records whose images are all one grey give another first loss;
+4. 2 ranks give one process's losses and adapter;
+5. killed by SIGKILL after step 2 and resumed: the adapter bit for bit the uninterrupted run's.
+
+    python tests/recipes/test_vision_recipe.py --qlora build/qlora --qlora-faults build/qlora_faults
+        --image-data-tool build/image_data_tool --workdir build/recipe_vision
+"""
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+
+import torch
+
+from recipe_common import Checks, adapter, losses, recipe_args, run_recipe
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "conformance"))
+import _families as F  # noqa: E402
+from _gguf_tokenizers import qwen_tokenizer  # noqa: E402
+
+DATA = os.path.join(HERE, "..", "data")
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+STEPS, BATCH = 4, 4
+COMMON = ["logging.progress=plain", "training.epochs=1", f"training.max_steps_per_epoch={STEPS}",
+          "checkpoint.save_every_steps=1", "checkpoint.keep_last_n=8", "data.format=chat", "data.template=auto",
+          "data.shuffle=false", "data.max_seq_len=96", "lora.rank=8", "lora.alpha=16", "optim.warmup_steps=1",
+          'lora.targets=["q","k","v","o","gate","up","down"]']
+# fp32 on both sides, the same NF4-dequantized weights: the order of operations only (~1e-6 of the loss).
+LOSS_RTOL = 1e-5
+RANKS_TOL = 1e-5
+
+
+def build(base, work):
+    from transformers import AutoTokenizer
+    tok_dir = os.path.join(work, "tok")
+    qwen_tokenizer(tok_dir, ranks=1000)
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    tok.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
+    torch.manual_seed(0)
+    # The tower's linears whole NF4 groups (multiples of 64 x 256 elements), as the language model's are,
+    # so torchao's NF4 of them is the reference (qlora pads other sizes, which torchao refuses).
+    text = {**F.COMMON, **F.QWEN35, "vocab_size": len(tok), "eos_token_id": tok.convert_tokens_to_ids("<|im_end|>")}
+    cfg = F.Qwen3_5Config(text_config=text, vision_config={**F.QWEN35_VISION, "hidden_size": 128, "intermediate_size": 256},
+                          tie_word_embeddings=False)
+    ids = {k: tok.convert_tokens_to_ids(t) for k, t in (("image_token_id", "<|image_pad|>"),
+           ("video_token_id", "<|video_pad|>"), ("vision_start_token_id", "<|vision_start|>"),
+           ("vision_end_token_id", "<|vision_end|>"))}
+    for k, v in ids.items():
+        setattr(cfg, k, v)
+    model = F.Qwen3_5ForConditionalGeneration(cfg).float().eval()
+    F.randomize_norms(model, 0)
+    model.save_pretrained(base)
+    tok.save_pretrained(base)
+    shutil.copy(os.path.join(DATA, "chat_templates", "Qwen3.5-9B.jinja"), os.path.join(base, "chat_template.jinja"))
+    v = cfg.vision_config
+    with open(os.path.join(base, "preprocessor_config.json"), "w") as f:
+        json.dump({"image_processor_type": "Qwen2VLImageProcessor", "patch_size": v.patch_size,
+                   "merge_size": v.spatial_merge_size, "temporal_patch_size": v.temporal_patch_size,
+                   "image_mean": [0.5] * 3, "image_std": [0.5] * 3,
+                   "size": {"shortest_edge": 16 * 16, "longest_edge": 32 * 32}}, f)
+    return model
+
+
+def write_data(d, grey=False):
+    """16 records: a coloured square on noise, asked for its colour."""
+    from PIL import Image
+    os.makedirs(d, exist_ok=True)
+    g = torch.Generator().manual_seed(3)
+    colours = {"red": (220, 30, 30), "green": (30, 200, 40), "blue": (30, 40, 220), "yellow": (230, 220, 20)}
+    names = list(colours)
+    with open(os.path.join(d, "train.jsonl"), "w") as f:
+        for i in range(16):
+            name = names[int(torch.randint(0, 4, (1,), generator=g))]
+            w, h = 20 + 4 * (i % 4), 24 + 4 * (i % 3)
+            px = torch.randint(0, 256, (h, w, 3), generator=g, dtype=torch.uint8)
+            px[4:h - 4, 4:w - 4] = torch.tensor(colours[name], dtype=torch.uint8)
+            if grey:
+                px[:] = 128
+            Image.fromarray(px.numpy()).save(os.path.join(d, f"{i}.png"))
+            f.write(json.dumps({"messages": [
+                {"role": "user", "content": [{"type": "image", "image": f"{i}.png"},
+                                             {"type": "text", "text": "What colour is the square?"}]},
+                {"role": "assistant", "content": f"It is {name}."}]}) + "\n")
+    return os.path.join(d, "train.jsonl")
+
+
+def nf4_reference(model):
+    """The model with every linear qlora holds in NF4 (the language model's layers' projections, the tower's
+    encoder linears) as torchao's NF4 of it, dequantized."""
+    from torchao.dtypes.nf4tensor import to_nf4
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if (".language_model.layers." in n or ".visual.blocks." in n) and n.endswith(".weight") and p.dim() == 2:
+                p.copy_(to_nf4(p.detach().clone()).get_original_weight())
+    return model
+
+
+def first_batch_loss(model, tool, base, data, work):
+    """transformers' mean token cross-entropy over the first BATCH records, as qlora's first step sees them."""
+    from transformers import AutoImageProcessor
+    from PIL import Image
+    out = os.path.join(work, "tool")
+    r = subprocess.run([tool, base, data, out, "96"], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(r.stderr)
+    samples = json.load(open(os.path.join(out, "samples.json")))[:BATCH]
+    proc = AutoImageProcessor.from_pretrained(base)
+    records = [json.loads(line) for line in open(data)][:BATCH]
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for s, rec in zip(samples, records):
+            image = Image.open(os.path.join(os.path.dirname(data), rec["messages"][0]["content"][0]["image"])).convert("RGB")
+            px = proc([image], return_tensors="pt")
+            tokens = torch.tensor([s["tokens"]])
+            logits = model(input_ids=tokens, pixel_values=px["pixel_values"], image_grid_thw=px["image_grid_thw"],
+                           mm_token_type_ids=(tokens == model.config.image_token_id).long()).logits[0]
+            labels = torch.tensor(s["labels"][1:])
+            keep = labels != -100
+            total += torch.nn.functional.cross_entropy(logits[:-1][keep].double(), labels[keep], reduction="sum").item()
+            count += int(keep.sum())
+    return total / count
+
+
+def main():
+    a = recipe_args(("--image-data-tool", dict(required=True)))
+    check = Checks()
+    base = os.path.join(a.workdir, "base")
+    model = build(base, a.workdir)
+    data = write_data(os.path.join(a.workdir, "data"))
+    common = [*COMMON, f"model.checkpoint_dir={base}", f"data.path={data}"]
+
+    one = os.path.join(a.workdir, "one")
+    r = run_recipe(a.qlora, one, *common, f"training.batch_size={BATCH}")
+    if not check(r.returncode == 0 and "vision tower" in r.stdout, "one process trains on the images (the tower named)"):
+        return check.summary()
+    ref = losses(one)
+    check(len(ref) == STEPS and all(math.isfinite(x) for x in ref), f"{len(ref)} finite losses {[round(x, 4) for x in ref]}")
+
+    want = first_batch_loss(nf4_reference(model), a.image_data_tool, base, data, a.workdir)
+    check(abs(ref[0] - want) <= LOSS_RTOL * abs(want),
+          f"the first step's loss is transformers' on the same batch with its own processor and tower: "
+          f"{ref[0]:.8f} vs {want:.8f} (rel {abs(ref[0] - want) / abs(want):.1e} <= {LOSS_RTOL})")
+
+    grey = os.path.join(a.workdir, "grey")
+    r = run_recipe(a.qlora, grey, *COMMON, f"model.checkpoint_dir={base}", f"data.path={write_data(grey + '_data', True)}",
+                   f"training.batch_size={BATCH}", "training.max_steps_per_epoch=1")
+    check(r.returncode == 0 and abs(losses(grey)[0] - ref[0]) > 1e-3,
+          f"the images matter: grey images give another first loss ({losses(grey)[0] if r.returncode == 0 else None} vs {ref[0]:.4f})")
+
+    two = os.path.join(a.workdir, "two")
+    r = run_recipe(a.qlora, two, *common, f"training.batch_size={BATCH // 2}", nproc=2)
+    if check(r.returncode == 0, "2 ranks train"):
+        dl = max(abs(x - y) for x, y in zip(losses(two), ref))
+        da = max(float(abs(adapter(two)[k] - adapter(one)[k]).max()) for k in adapter(one))
+        check(dl < RANKS_TOL and da < RANKS_TOL, f"2 ranks give one process's losses and adapter ({dl:.1e}, {da:.1e})")
+
+    killed = os.path.join(a.workdir, "killed")
+    r = run_recipe(a.qlora_faults, killed, *common, f"training.batch_size={BATCH}", fault="kill_after_step=2", expect_rc=-9)
+    if check(r.returncode == -9, "the run dies by SIGKILL after step 2"):
+        r = run_recipe(a.qlora, killed, *common, f"training.batch_size={BATCH}")
+        same = r.returncode == 0 and all((adapter(killed)[k] == adapter(one)[k]).all() for k in adapter(one))
+        check(same and losses(killed)[-1] == ref[-1], "resumed after SIGKILL: the adapter bit for bit the uninterrupted run's")
+    return check.summary()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
