@@ -66,15 +66,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _families  # noqa: E402
 from _common import Checks, parse_tool_args  # noqa: E402
 from _gguf_tokenizers import CORPUS, HfTokenizer, SpTokenizer, qwen_tokenizer, tokenizer_for  # noqa: E402
-
-PROMPT = "The history of the Roman Empire is long, 1234"
-GREEDY = 24
-
-CHECKS = Checks()
-
-
-def check(ok, what):
-    return CHECKS.check(what, ok, "ok" if ok else "differs")
+from _gguf_common import (CHECKS, GREEDY, PROMPT, TOL, TOL_GELU, TOL_GEMMA4_ADAPTER, F16_ROUNDED_REFERENCE,  # noqa: E402,F401
+                          check, check_llama_quantize_mix, edited_copy, f16_weights, hf_greedy, hf_logits,
+                          llama_cpp_greedy, llama_cpp_logits, llama_cpp_model, prompt_ids, qlora_gguf, refused,
+                          rel_diff, tolerance)
+from _gguf_moe import (check_expert_adapter, check_gpt_oss_mxfp4, check_moe_fused, check_moe_refusals,  # noqa: E402
+                       check_moe_split)
 
 
 # ---------------------------------------------------------------------------------------------- models
@@ -142,117 +139,6 @@ def vocab_sizes(case, tok):
     """The tokenizer's vocabulary size, for Gemma 4 its per-layer table's too (llama.cpp's gemma4 takes
     one row of it a token)."""
     return dict(vocab_size=len(tok), **(dict(vocab_size_per_layer_input=len(tok)) if case.startswith("gemma4") else {}))
-
-
-def qlora_gguf(tool, d, qtype, out=None):
-    out = out or os.path.join(d, f"model-{qtype}.gguf")
-    r = subprocess.run([tool, "gguf", d, "--type", qtype, "-o", out], capture_output=True, text=True)
-    return r, out
-
-
-def prompt_ids(tok):
-    ids = tok.encode(PROMPT)
-    return ([tok.bos] if tok.bos is not None else []) + ids
-
-
-def hf_logits(model, ids):
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0].float().numpy()
-
-
-def llama_cpp_model(path, **kw):
-    """llama.cpp on CPU with an f32 KV cache (its default f16 cache would round keys and values)."""
-    import llama_cpp
-    return llama_cpp.Llama(model_path=path, logits_all=True, verbose=False, n_ctx=256, n_threads=2,
-                           type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32, **kw)
-
-
-def llama_cpp_logits(llm, ids):
-    llm.reset()
-    llm.eval(ids)
-    return np.array(llm.scores[:len(ids)])
-
-
-def llama_cpp_greedy(llm, ids, n):
-    llm.reset()
-    llm.eval(ids)
-    out = []
-    for _ in range(n):
-        t = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-        out.append(t)
-        llm.eval([t])
-    return out
-
-
-def hf_greedy(model, ids, n):
-    with torch.no_grad():
-        g = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                           pad_token_id=0, eos_token_id=None)
-    return g[0][len(ids):].tolist()
-
-
-def rel_diff(ours, ref):
-    return float(np.abs(ours - ref).max()) / max(1.0, float(np.abs(ref).max()))
-
-
-# f32: only the order of floating-point operations differs (ggml's kernels vs torch): ~1e-6 of the
-# largest logit. f16: the weights rounded to 11 bits move random tiny models' logits by ~1e-3 of it.
-TOL = {"f32": 1e-4, "f16": 2e-2}
-# Gemma's GeLU: ggml's CPU kernel reads it from an f16 table, ~1e-3 of the largest logit.
-TOL_GELU = {"f32": 5e-3, "f16": 2e-2}
-
-
-# Qwen3.5 in f16: rounding this random case's weights to f16 alone moves transformers' own logits by
-# 1.4e-2 of the largest (mostly the embedding and in_proj_qkv: the DeltaNet's L2-normalised 32-element
-# q/k and its recurrence amplify it), and ggml's f16 products round activations too (2.0e-2 in all).
-# A lost transform moves them by O(1) (the ablations). f32 is as tight as the others.
-TOL_QWEN35 = {"f32": 1e-4, "f16": 5e-2}
-
-
-# Gemma 4: this random case amplifies a perturbation about a hundredfold (rounding its weights to f16,
-# 5e-4 relative, moves transformers' own logits by 5.3e-2 of the largest), and its GeLUs (the MLP's and
-# the per-layer inputs' gate) read ggml's f16 table: its f32 logits land at 5.0e-3, the Hub form's
-# (tied head, other weights) at 8.7e-3. A lost feature moves them by O(1) (the ablations).
-TOL_GEMMA4 = {"f32": 2e-2, "f16": 1e-1}
-# Its random LoRA (B non-zero, scale 2) grows the activations and with them the table's rounding: an
-# adapter on any one target alone lands at 0.7-1.5e-2, on all of them at 1.6e-2; the adapter moves the
-# logits by 1.5 or more.
-TOL_GEMMA4_ADAPTER = 3e-2
-
-
-# Qwen3.5-MoE in f16: rounding this random case's weights to f16 alone moves transformers' own logits by
-# 9.0e-2 of the largest (a token whose experts nearly tie can route elsewhere), so its f16 file is compared
-# with transformers run on the weights that file holds (every matrix rounded to f16; the router, the
-# shared expert's gate and the conv in f32, as the file keeps them): 6.8e-3 apart, ggml's f16 products
-# rounding activations too. Against the unrounded model a lost transform moves them by O(1) (ablations).
-F16_ROUNDED_REFERENCE = {"qwen35moe": 2e-2}
-
-
-def f16_weights(model):
-    """A copy of `model` with the weights an f16 GGUF stores in f16 rounded to it."""
-    import copy
-    other = copy.deepcopy(model)
-    with torch.no_grad():
-        for n, p in other.named_parameters():
-            if p.dim() >= 2 and not n.endswith(("mlp.gate.weight", "shared_expert_gate.weight", "conv1d.weight")):
-                p.copy_(p.half().float())
-    return other
-
-
-# gpt-oss in f16: rounding this case's weights to f16 alone moves transformers' own logits by 1.2e-2 of
-# the largest (gates near the clamp, routing near ties), and ggml's f16 products round activations too
-# (2.8e-2 in all); a lost feature moves them by 0.2 or more (the ablations). f32 is as tight as the others.
-TOL_GPT_OSS = {"f32": 1e-4, "f16": 5e-2}
-
-
-def tolerance(name, qtype):
-    if name == "gpt_oss":
-        return TOL_GPT_OSS[qtype]
-    if name.startswith("qwen35"):
-        return TOL_QWEN35[qtype]
-    if name.startswith("gemma4"):
-        return TOL_GEMMA4[qtype]
-    return (TOL_GELU if name.startswith("gemma") else TOL)[qtype]
 
 
 def check_ablations(name, model, ids, ref):
@@ -348,32 +234,6 @@ def check_gemma4_projection_adapter(tool, d, model):
     msg = r.stderr.strip()
     check(r.returncode != 0 and "per_layer_model_projection" in msg and not os.path.exists(out)
           and not os.path.exists(out + ".tmp"), f"refused: a LoRA on gemma4's per_layer_model_projection: {msg[:300]}")
-
-
-def check_llama_quantize_mix(tool, name, d, f32_path, qtype="q4_k_m", requantize=False):
-    """`qlora gguf --type q4_k_m` gives every tensor the type and bytes llama.cpp's own quantizer makes
-    of our f32 file (for Qwen3.5: ssm_conv1d kept in f32, ssm_out's 128-wide rows in q5_0; for MoE: the
-    3-D expert tensors, the router kept in f32, attn_v/attn_k in q8_0 with 8 experts). `requantize`: the
-    f32 file holds MXFP4 experts, which llama-quantize decodes only when allowed to (--allow-requantize)."""
-    import ctypes
-
-    import llama_cpp
-    from gguf import GGUFReader
-    r, ours_path = qlora_gguf(tool, d, qtype)
-    if not check(r.returncode == 0, f"{name}: qlora gguf --type {qtype}: {r.stderr.strip()[:200]}"):
-        return
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = {"q4_k_m": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M, "q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0}[qtype]
-    params.pure, params.nthread, params.allow_requantize = False, 2, requantize
-    theirs_path = os.path.join(d, f"llama-quantize-{qtype}.gguf")
-    rc = llama_cpp.llama_model_quantize(f32_path.encode(), theirs_path.encode(), ctypes.byref(params))
-    theirs = {x.name: x for x in GGUFReader(theirs_path).tensors}
-    ours = {x.name: x for x in GGUFReader(ours_path).tensors}
-    differ = [n for n in ours if n not in theirs or theirs[n].tensor_type != ours[n].tensor_type or
-              not np.array_equal(np.asarray(theirs[n].data).view(np.uint8), np.asarray(ours[n].data).view(np.uint8))]
-    check(rc == 0 and len(theirs) == len(ours) and not differ,
-          f"{name}: our {qtype} file is llama-quantize's of our f32 file, type and bytes ({len(ours)} tensors; "
-          f"differ: {differ[:4]})")
 
 
 def check_tied_head_adapter(tool, work, d, model):
@@ -598,185 +458,10 @@ def check_olmo3_attention_factor(tool, work, src):
                  f"max|diff| / max(1, max|ref|) = {diff:.2e} (< {TOL['f32']:g})")
 
 
-def refused(tool, d, label, *words):
-    out = os.path.join(d, "refused.gguf")
-    r, _ = qlora_gguf(tool, d, "f16", out)
-    msg = r.stderr.strip()
-    check(r.returncode != 0 and all(w in msg for w in words) and not os.path.exists(out)
-          and not os.path.exists(out + ".tmp"), f"refused: {label}: {msg[:300]}")
-
-
-def edited_copy(src, work, name, edit_config=None):
-    d = os.path.join(work, name)
-    shutil.rmtree(d, ignore_errors=True)
-    shutil.copytree(src, d, ignore=shutil.ignore_patterns("*.gguf"))
-    if edit_config:
-        p = os.path.join(d, "config.json")
-        with open(p) as f:
-            cfg = json.load(f)
-        edit_config(cfg)
-        with open(p, "w") as f:
-            json.dump(cfg, f)
-    return d
-
-
 def gemma4_layer_types(cfg, types):
     """Gemma 4's config.json with other layer types (per_layer_config gives the full layers' sizes)."""
     full = next(iter(cfg["per_layer_config"].values()))
     cfg.update(layer_types=types, per_layer_config={str(i): full for i, t in enumerate(types) if t == "full_attention"})
-
-
-def check_moe_fused(tool, name, d, model, tok):
-    """The same model saved in transformers' in-memory (fused) layout, experts.gate_up_proj [E, 2I, H]
-    and experts.down_proj [E, H, I], as a qlora merged export of a fused checkpoint writes it: the same
-    GGUF logits (gate_up split into its gate and up halves)."""
-    fused = d + "_fused"
-    shutil.rmtree(fused, ignore_errors=True)
-    shutil.copytree(d, fused, ignore=shutil.ignore_patterns("*.gguf", "*.safetensors", "adapter*", "transformers_reads"))
-    model.save_pretrained(fused, save_original_format=False)
-    from safetensors import safe_open
-    with safe_open(os.path.join(fused, "model.safetensors"), "pt") as f:
-        keys = list(f.keys())
-    if not check(any(k.endswith("mlp.experts.gate_up_proj") for k in keys), f"{name}: the fused save holds "
-                 f"experts.gate_up_proj ({[k for k in keys if 'experts' in k][:2]})"):
-        return
-    ids = prompt_ids(tok)
-    ref = hf_logits(model, ids)
-    r, out = qlora_gguf(tool, fused, "f32")
-    if not check(r.returncode == 0, f"{name} fused: qlora gguf --type f32: {r.stderr.strip()[:300]}"):
-        return
-    diff = rel_diff(llama_cpp_logits(llama_cpp_model(out), ids), ref)
-    CHECKS.check(f"{name} fused experts: llama.cpp's logits on our f32 file equal transformers'",
-                 diff < tolerance(name, "f32"), f"max|diff| / max(1, max|ref|) = {diff:.2e} (< {tolerance(name, 'f32'):g})")
-
-
-def check_moe_split(tool, name, d, model, tok):
-    """The same model saved with a tensor per expert and projection (experts.<e>.gate_proj / up_proj /
-    down_proj), the layout transformers does not write for Gemma 4: the same GGUF logits (the experts
-    restacked into ffn_gate_up_exps)."""
-    split = d + "_split"
-    shutil.rmtree(split, ignore_errors=True)
-    shutil.copytree(d, split, ignore=shutil.ignore_patterns("*.gguf", "*.safetensors", "adapter*", "transformers_reads"))
-    if not check(_families.save_split_experts(model, split) > 0, f"{name}: the split save holds per-expert tensors"):
-        return
-    ids = prompt_ids(tok)
-    r, out = qlora_gguf(tool, split, "f32")
-    if not check(r.returncode == 0, f"{name} split: qlora gguf --type f32: {r.stderr.strip()[:300]}"):
-        return
-    diff = rel_diff(llama_cpp_logits(llama_cpp_model(out), ids), hf_logits(model, ids))
-    CHECKS.check(f"{name} per-expert experts: llama.cpp's logits on our f32 file equal transformers'",
-                 diff < tolerance(name, "f32"), f"max|diff| / max(1, max|ref|) = {diff:.2e} (< {tolerance(name, 'f32'):g})")
-
-
-def check_expert_adapter(tool, name, d, model, tok, base_gguf, params):
-    """A random PEFT LoRA on the experts (target_parameters: peft's stacked A [r*E, in], B [out, r*E])
-    beside the attention: `qlora gguf --adapter` writes it per expert on ffn_*_exps, and llama.cpp with
-    it on our f32 file of the base gives peft's logits."""
-    import copy
-
-    from peft import LoraConfig, get_peft_model
-    torch.manual_seed(4)
-    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], target_parameters=params,
-                     init_lora_weights=False, lora_dropout=0.0)
-    peft_model = get_peft_model(copy.deepcopy(model), cfg).eval()
-    with torch.no_grad():  # B non-zero and small: the adapted experts stay near the base's routing scale
-        for n, p in peft_model.named_parameters():
-            if "lora_" in n:
-                p.mul_(0.5)
-    label = "+".join(x.split(".")[-1] for x in params)
-    adapter = os.path.join(d, f"adapter_experts_{label}")
-    peft_model.save_pretrained(adapter)
-    out = adapter + ".gguf"
-    r = subprocess.run([tool, "gguf", adapter, "--adapter", "--base", d, "--type", "f32", "-o", out],
-                       capture_output=True, text=True)
-    if not check(r.returncode == 0, f"{name}: qlora gguf --adapter (experts: {label}): {(r.stdout or r.stderr).strip()[:300]}"):
-        return
-    ids = prompt_ids(tok)
-    ref = hf_logits(peft_model, ids)
-    diff = rel_diff(llama_cpp_logits(llama_cpp_model(base_gguf, lora_path=out), ids), ref)
-    moved = rel_diff(hf_logits(model, ids), ref)
-    tol = tolerance(name, "f32")
-    CHECKS.check(f"{name}: llama.cpp with our expert LoRA GGUF ({label}) on the base's f32 file gives peft's logits",
-                 diff < tol < moved, f"{diff:.2e} (< {tol:g}; the adapter moves them by {moved:.2e})")
-
-
-def check_gpt_oss_mxfp4(tool, work, src, model, tok):
-    """gpt-oss's Hub form (experts in MXFP4, _families.save_mxfp4): our f32 file keeps the experts in llama.cpp's
-    MXFP4 type, their codes moved, never decoded: gguf's own dequantization of them is the OCP decode of the
-    checkpoint, bit for bit, and llama.cpp's logits equal transformers' reading of the checkpoint. A q8_0
-    file holds llama-quantize's bytes of that f32 file."""
-    import copy
-
-    from gguf import GGUFReader, GGMLQuantizationType
-    from gguf.quants import dequantize
-    from safetensors.torch import load_file
-    d = edited_copy(src, work, "gpt_oss_mxfp4")
-    for f in os.listdir(d):
-        if f.endswith(".safetensors") or f.endswith(".gguf"):
-            os.remove(os.path.join(d, f))
-    _families.save_mxfp4(model, d)
-    r, out = qlora_gguf(tool, d, "f32")
-    if not check(r.returncode == 0, f"gpt_oss mxfp4: qlora gguf --type f32: {r.stderr.strip()[:300]}"):
-        return
-    sd = load_file(os.path.join(d, "model.safetensors"))
-    tensors = {x.name: x for x in GGUFReader(out).tensors}
-    exact, types = True, set()
-    for i in range(model.config.num_hidden_layers):
-        stem = f"model.layers.{i}.mlp.experts."
-        gate_up = _families.mxfp4_unpack(sd[stem + "gate_up_proj_blocks"], sd[stem + "gate_up_proj_scales"])
-        down = _families.mxfp4_unpack(sd[stem + "down_proj_blocks"], sd[stem + "down_proj_scales"])
-        for name, want in (("gate", gate_up[:, 0::2]), ("up", gate_up[:, 1::2]), ("down", down)):
-            t = tensors[f"blk.{i}.ffn_{name}_exps.weight"]
-            types.add(t.tensor_type.name)
-            got = dequantize(np.asarray(t.data), t.tensor_type).reshape(want.shape)
-            exact = exact and np.array_equal(got, want.numpy())
-    check(types == {GGMLQuantizationType.MXFP4.name} and exact, f"gpt_oss mxfp4: the experts are MXFP4 in the f32 "
-          f"file ({sorted(types)}) and gguf decodes them to the checkpoint's values exactly ({exact})")
-    ids = prompt_ids(tok)
-    theirs = _families.load_mxfp4(d)
-    ref = hf_logits(theirs, ids)
-    # ggml's CPU product of MXFP4 weights rounds the activations to q8_0 blocks (as with f16 weights it
-    # rounds them to f16): the f16 tolerance. The same decoded values in f32 give the f32 one.
-    diff = rel_diff(llama_cpp_logits(llama_cpp_model(out), ids), ref)
-    CHECKS.check("gpt_oss mxfp4: llama.cpp's logits on our f32 file (MXFP4 experts) equal transformers'",
-                 diff < tolerance("gpt_oss", "f16"), f"{diff:.2e} (< {tolerance('gpt_oss', 'f16'):g})")
-    dense = edited_copy(src, work, "gpt_oss_mxfp4_decoded")
-    decoded = copy.deepcopy(model)
-    with torch.no_grad():
-        for n, p in decoded.named_parameters():
-            if n + "_blocks" in sd:  # [E, in, out]: the blocks' [E, out, in] transposed
-                p.copy_(_families.mxfp4_unpack(sd[n + "_blocks"], sd[n + "_scales"]).transpose(1, 2))
-    decoded.save_pretrained(dense)
-    r, dense_out = qlora_gguf(tool, dense, "f32")
-    diff = rel_diff(llama_cpp_logits(llama_cpp_model(dense_out), ids), ref) if r.returncode == 0 else float("inf")
-    CHECKS.check("gpt_oss mxfp4: the same experts decoded, in an f32 file: llama.cpp's logits equal transformers'",
-                 diff < tolerance("gpt_oss", "f32"), f"{diff:.2e} (< {tolerance('gpt_oss', 'f32'):g})")
-    check_llama_quantize_mix(tool, "gpt_oss mxfp4", d, out, "q8_0", requantize=True)
-
-
-def check_gpt_oss_truncate_note(tool, work, src):
-    """gpt-oss's own YaRN (truncate false): written, with a note that ggml rounds the ramp's ends."""
-    d = edited_copy(src, work, "gpt_oss_untruncated", lambda c: c["rope_parameters"].update(truncate=False))
-    r, _ = qlora_gguf(tool, d, "f32")
-    check(r.returncode == 0 and "truncate is false" in r.stderr, f"gpt_oss with YaRN truncate false: written with a "
-          f"note: {r.stderr.strip()[:300]}")
-
-
-def check_moe_refusals(tool, work, dirs):
-    if "gpt_oss" in dirs:
-        refused(tool, edited_copy(dirs["gpt_oss"], work, "refuse_gpt_oss_limit", lambda c: c.update(swiglu_limit=1.0)),
-                "gpt_oss with swiglu_limit 1", "swiglu_limit", "7")
-        refused(tool, edited_copy(dirs["gpt_oss"], work, "refuse_gpt_oss_layers", lambda c: c.update(
-            layer_types=["full_attention", "sliding_attention"])), "gpt_oss with the window on odd layers",
-            "layer_types", "layer 0")
-        check_gpt_oss_truncate_note(tool, work, dirs["gpt_oss"])
-    if "qwen3_moe" in dirs:
-        refused(tool, edited_copy(dirs["qwen3_moe"], work, "refuse_qwen3_moe_norm", lambda c: c.update(
-            norm_topk_prob=False)), "qwen3_moe with norm_topk_prob false", "norm_topk_prob", "renormalises")
-        refused(tool, edited_copy(dirs["qwen3_moe"], work, "refuse_qwen3_moe_dense", lambda c: c.update(
-            mlp_only_layers=[1])), "qwen3_moe with a dense layer (mlp_only_layers)", "mlp_only_layers", "layer 1")
-        refused(tool, edited_copy(dirs["qwen3_moe"], work, "refuse_qwen3_moe_step", lambda c: c.update(
-            decoder_sparse_step=2)), "qwen3_moe with decoder_sparse_step 2", "decoder_sparse_step", "layer 0")
 
 
 def check_refusals(tool, work, dirs):

@@ -42,6 +42,7 @@ import _families as F
 from _common import Checks, parse_tool_args
 
 IMAGE_TOKEN = 100  # within the tiny vocabulary (the Hub's 248056 is not)
+GREEDY = 12
 # fp32: the order of operations differs (our attention and DeltaNet kernels vs torch): ~1e-6 of the
 # largest logit, as in test_families_transformers.
 ATOL_PER_UNIT = 1e-4
@@ -210,6 +211,15 @@ def end_to_end(checks, args, name, model, processor_cfg, sizes, token_kw):
     atol = ATOL_PER_UNIT * max(1.0, ref.abs().max().item())
     checks.compare(f"{name} end to end: image files through our processor and tower, logits = transformers' "
                    f"({len(files)} images, {sum(counts)} image tokens)", load_file(out)["logits"], ref, atol)
+    # Greedy text after the images (KV cache; Qwen3.5's positions continue after the images' largest).
+    with torch.no_grad():
+        want = model.generate(input_ids=tokens, **kw, max_new_tokens=GREEDY, min_new_tokens=GREEDY, do_sample=False,
+                              pad_token_id=0, eos_token_id=None)[0, tokens.shape[1]:].tolist()
+    r = subprocess.run([args.tool, "--checkpoint", ckpt, "--tokens", ",".join(map(str, row)), "--image-files",
+                        ",".join(files), "--generate", str(GREEDY), "--out", out], capture_output=True, text=True)
+    got = load_file(out)["ids"][0].tolist() if r.returncode == 0 else r.stderr.strip()[-300:]
+    checks.check(f"{name} end to end: greedy text after the images = transformers' generate", got == want,
+                 f"{got} vs {want}")
 
 
 def check_towers(checks, args):
@@ -233,7 +243,8 @@ def check_towers(checks, args):
         "image_processor_type": "Gemma3ImageProcessor", "size": {"height": s, "width": s}, "resample": 2,
         "image_mean": [0.5] * 3, "image_std": [0.5] * 3, "do_pan_and_scan": None, "image_seq_length": F.GEMMA3_MM_TOKENS},
         [(50, 23), (17, 40)], {"types": "token_type_ids", "counts": lambda px: [F.GEMMA3_MM_TOKENS] * len(px["pixel_values"])})
-    gemma4 = F.build("gemma4_vision", seed=63, use_bidirectional_attention="vision", sliding_window=4)
+    gemma4 = F.build("gemma4_vision", seed=63, use_bidirectional_attention="vision", sliding_window=4,
+                     max_position_embeddings=256)
     v4 = gemma4.config.vision_config
     end_to_end(checks, args, "gemma4", gemma4, {
         "image_processor_type": "Gemma4ImageProcessor", "patch_size": v4.patch_size,

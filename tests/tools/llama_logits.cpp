@@ -19,6 +19,7 @@
 // --image-files A,B: instead, image files through the checkpoint's own image processor
 //   (preprocessor_config.json beside it) and its vision tower (models/vision), their features placed at
 //   the config's image token (the tokens must hold each image's run); with --packed or alone.
+#include <ATen/ops/arange.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/tensor.h>
 #include <c10/core/GradMode.h>
@@ -135,7 +136,8 @@ qlora::models::ImageInputs tower_images(const std::string& checkpoint, const std
 
 // --generate N [--batch-lengths ...]: the greedy continuations as "ids" in `out` (see the header).
 void write_generation(const qlora::models::DecoderModel& model, const at::Tensor& ids, int64_t generate_n,
-                      const std::vector<int64_t>& batch_lengths, int64_t generations, const std::string& out) {
+                      const std::vector<int64_t>& batch_lengths, int64_t generations, const std::string& out,
+                      const qlora::models::ImageInputs* images = nullptr) {
   if (!batch_lengths.empty() && static_cast<int64_t>(batch_lengths.size()) != ids.size(0))
     usage("--batch-lengths: one per row");
   qlora::models::GenerateOptions g;  // greedy, no stop ids
@@ -149,7 +151,7 @@ void write_generation(const qlora::models::DecoderModel& model, const at::Tensor
   }
   std::vector<std::vector<int64_t>> results;
   if (batch_lengths.empty()) {
-    for (const auto& prompt : prompts) results.push_back(qlora::models::generate(model, prompt, g));
+    for (const auto& prompt : prompts) results.push_back(qlora::models::generate(model, prompt, g, images));
   } else {
     std::vector<qlora::models::BatchSequence> seqs;
     for (int64_t i = 0; i < ids.size(0) * generations; ++i) seqs.push_back({i / generations, g});
@@ -202,14 +204,22 @@ int main(int argc, char** argv) {
     }
   }
   if (checkpoint.empty() || tokens.empty() || out.empty()) usage("--checkpoint, --tokens and --out are required");
-  if (!packed.empty() + (generate_n >= 0) + (decode_from >= 0) > 1 || (!images.empty() && (generate_n >= 0 || decode_from >= 0)))
-    usage("--packed, --decode-from and --generate exclude each other, and --images takes --packed or nothing");
+  if (!packed.empty() + (generate_n >= 0) + (decode_from >= 0) > 1 || (!images.empty() && (generate_n >= 0 || decode_from >= 0)) ||
+      (!image_files.empty() && decode_from >= 0))
+    usage("--packed, --decode-from and --generate exclude each other, --images takes --packed or nothing, "
+          "--image-files no --decode-from");
   try {
     const at::Tensor ids = parse_tokens(tokens).to(opt.device);  // [batch, seq]
     const qlora::models::DecoderModel model = qlora::models::load_decoder(checkpoint, opt);
     at::NoGradGuard no_grad;
     if (generate_n >= 0) {
-      write_generation(model, ids, generate_n, batch_lengths, generations, out);
+      if (!image_files.empty() && (ids.size(0) != 1 || !batch_lengths.empty()))
+        usage("--image-files with --generate: one row, no --batch-lengths");
+      const qlora::models::ImageInputs in =
+          image_files.empty() ? qlora::models::ImageInputs{}
+                              : tower_images(checkpoint, image_files, ids, at::arange(ids.size(1), ids.options()).expand_as(ids),
+                                             opt, model);
+      write_generation(model, ids, generate_n, batch_lengths, generations, out, image_files.empty() ? nullptr : &in);
       return 0;
     }
     at::Tensor logits;  // [batch, seq, vocab] fp32

@@ -34,7 +34,9 @@ namespace {
 constexpr const char* kTokenRowsSuffix = ".token_adapter.trainable_tokens_delta";
 
 const char* const kCopiedFiles[] = {"config.json", "tokenizer.model", "tokenizer.json", "tokenizer_config.json",
-                                    "special_tokens_map.json", "generation_config.json"};
+                                    "special_tokens_map.json", "generation_config.json",
+                                    // a vision-language model's image processor (images/processor.h)
+                                    "preprocessor_config.json", "processor_config.json"};
 
 std::string read_file(const fs::path& path) {
   auto text = io::read_file(path.string());

@@ -552,9 +552,9 @@ at::Tensor loss_of(const DecoderModel& m, const at::Tensor& h, const at::Tensor&
 
 }  // namespace
 
-at::Tensor DecoderModel::forward(const at::Tensor& tokens, modules::KvCache* cache) const {
+at::Tensor DecoderModel::forward(const at::Tensor& tokens, modules::KvCache* cache, const ImageInputs* images) const {
   const at::Tensor positions = plain_positions(*this, tokens, cache ? cache->length() : 0);  // [seq]
-  return logits_of(*this, hidden_states(*this, tokens, positions, at::Tensor(), cache));
+  return logits_of(*this, hidden_states(*this, tokens, positions, at::Tensor(), cache, images));
 }
 
 at::Tensor DecoderModel::forward(const at::Tensor& tokens, const at::Tensor& position_ids,

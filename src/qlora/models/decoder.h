@@ -126,7 +126,9 @@ struct DecoderModel {
   // tokens: [batch, seq] int64. With a cache, the tokens continue the cached sequence and the
   // cache is extended (cache and activation checkpointing are exclusive: generation needs no
   // backward). Returns logits [batch, seq, vocab] float32.
-  at::Tensor forward(const at::Tensor& tokens, modules::KvCache* cache = nullptr) const;
+  // images (optional): the prompt's images at its image tokens (a prefill: the cache empty).
+  at::Tensor forward(const at::Tensor& tokens, modules::KvCache* cache = nullptr,
+                     const ImageInputs* images = nullptr) const;
 
   // Packed rows (training): several samples per row, each with its own positions and attending
   // only within itself. tokens, position_ids: [batch, seq] int64, positions restarting at 0 per

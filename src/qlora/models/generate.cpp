@@ -134,16 +134,27 @@ struct Batch {
   modules::KvCache cache;   // every layer's tensors [rows, ...]; cache.seen = key slots
   at::Tensor key_mask;      // [rows, slots] bool on the model's device: false on left padding
   at::Tensor positions;     // [rows] int64 on the device: the position of each row's next token
+  bool shifted = false;     // a row's positions are not its slots (M-RoPE after images)
   at::Tensor logits;        // [rows, vocab] fp32: the distribution of each row's next token
   std::vector<int64_t> seq;  // the sequence each row generates
 };
 
-// Prefills `prompt` alone: its cache (batch 1) and the logits of its next token [1, vocab].
-std::pair<modules::KvCache, at::Tensor> prefill(const DecoderModel& m, const std::vector<int64_t>& prompt) {
+struct Prefilled {
   modules::KvCache cache;
+  at::Tensor last;     // the logits of its next token [1, vocab]
+  int64_t shift = 0;   // its next position minus its length (M-RoPE: the images' positions ran ahead)
+};
+
+// Prefills `prompt` (with its images) alone: its cache (batch 1), its next token's logits, and how far
+// transformers' rope_deltas shift the positions of the tokens after it.
+Prefilled prefill(const DecoderModel& m, const std::vector<int64_t>& prompt, const ImageInputs* images) {
+  Prefilled p;
   const at::Tensor tokens = at::tensor(prompt, at::kLong).view({1, -1}).to(m.embed_tokens.device());  // [1, n]
-  const at::Tensor logits = m.forward(tokens, &cache);                          // [1, n, vocab]
-  return {std::move(cache), logits.select(1, logits.size(1) - 1)};
+  const at::Tensor logits = m.forward(tokens, &p.cache, images);                 // [1, n, vocab]
+  p.last = logits.select(1, logits.size(1) - 1);
+  if (images && images->positions.defined())
+    p.shift = images->positions.max().item<int64_t>() + 1 - static_cast<int64_t>(prompt.size());
+  return p;
 }
 
 // Each row's layer tensors from its prompt's batch-1 cache: attention K/V left-padded to `slots`.
@@ -158,7 +169,7 @@ at::Tensor gather_rows(const std::vector<at::Tensor>& per_prompt, const at::Tens
 }
 
 // The batch of `seqs` (sequence index -> prompt slot `slot_of`), from the prefilled prompts.
-Batch start_batch(std::vector<std::pair<modules::KvCache, at::Tensor>>& prefilled, const std::vector<int64_t>& lengths,
+Batch start_batch(std::vector<Prefilled>& prefilled, const std::vector<int64_t>& lengths,
                   const std::vector<int64_t>& seqs, const std::vector<int64_t>& slot_of, const at::Device device) {
   Batch b;
   b.seq = seqs;
@@ -166,12 +177,12 @@ Batch start_batch(std::vector<std::pair<modules::KvCache, at::Tensor>>& prefille
   for (const int64_t s : seqs) rp.push_back(slot_of[static_cast<size_t>(s)]);
   const at::Tensor row_prompt = at::tensor(rp, at::kLong).to(device);  // [rows]
   const int64_t slots = *std::max_element(lengths.begin(), lengths.end());
-  const size_t layers = prefilled.front().first.layers.size();
+  const size_t layers = prefilled.front().cache.layers.size();
   b.cache.layers.resize(layers);
   for (size_t l = 0; l < layers; ++l) {
     std::vector<at::Tensor> k, v, conv, state;
-    for (auto& [cache, last] : prefilled) {
-      modules::LayerCache& c = cache.layers[l];
+    for (Prefilled& p : prefilled) {
+      modules::LayerCache& c = p.cache.layers[l];
       k.push_back(c.k), v.push_back(c.v), conv.push_back(c.conv), state.push_back(c.state);
     }
     modules::LayerCache& out = b.cache.layers[l];
@@ -180,14 +191,19 @@ Batch start_batch(std::vector<std::pair<modules::KvCache, at::Tensor>>& prefille
     out.conv = gather_rows(conv, row_prompt, 0);
     out.state = gather_rows(state, row_prompt, 0);
   }
-  for (auto& p : prefilled) p.first.reset();  // the batch holds its own copies now
+  std::vector<int64_t> shifts;
+  for (Prefilled& p : prefilled) {
+    p.cache.reset();  // the batch holds its own copies now
+    shifts.push_back(p.shift);
+    b.shifted = b.shifted || p.shift != 0;
+  }
   b.cache.seen = slots;
   const at::Tensor len = at::tensor(lengths, at::kLong).to(device);                       // [prompts]
   const at::Tensor slot = at::arange(slots, len.options());                               // [slots]
   b.key_mask = (slot.unsqueeze(0) >= (slots - len).unsqueeze(1)).index_select(0, row_prompt);  // [rows, slots]
-  b.positions = len.index_select(0, row_prompt);
+  b.positions = (len + at::tensor(shifts, at::kLong).to(device)).index_select(0, row_prompt);
   std::vector<at::Tensor> last;
-  for (auto& p : prefilled) last.push_back(p.second);
+  for (Prefilled& p : prefilled) last.push_back(p.last);
   b.logits = at::cat(last, 0).index_select(0, row_prompt);  // [rows, vocab]
   return b;
 }
@@ -233,7 +249,7 @@ void decode_step(const DecoderModel& m, Batch& b, const at::Tensor& next) {
   const at::Tensor tokens = next.view({-1, 1});  // [rows, 1]
   b.key_mask = at::cat({b.key_mask, at::ones({tokens.size(0), 1}, b.key_mask.options())}, 1);  // [rows, slots + 1]
   at::Tensor logits;
-  if (b.key_mask.all().item<bool>()) {
+  if (!b.shifted && b.key_mask.all().item<bool>()) {
     logits = m.forward(tokens, &b.cache);  // no padding: every row is at position slots
   } else {
     logits = m.forward(tokens, b.positions.view({-1, 1}), b.key_mask.unsqueeze(1), &b.cache);
@@ -289,7 +305,11 @@ std::vector<int64_t> plan(const DecoderModel& m, const std::vector<std::vector<i
 }  // namespace
 
 std::vector<Completion> generate_batch(const DecoderModel& model, const std::vector<std::vector<int64_t>>& prompts,
-                                       const std::vector<BatchSequence>& sequences) {
+                                       const std::vector<BatchSequence>& sequences,
+                                       const std::vector<const ImageInputs*>& prompt_images) {
+  if (!prompt_images.empty() && prompt_images.size() != prompts.size())
+    throw std::invalid_argument("generate_batch: " + std::to_string(prompt_images.size()) + " prompts' images for " +
+                                std::to_string(prompts.size()) + " prompts");
   std::vector<int64_t> slot_of(sequences.size(), -1), used;
   const std::vector<int64_t> run = plan(model, prompts, sequences, slot_of, used);
   std::vector<Completion> out(sequences.size());
@@ -304,10 +324,11 @@ std::vector<Completion> generate_batch(const DecoderModel& model, const std::vec
   c10::InferenceMode no_grad;
   const at::Device device = m.embed_tokens.device();
 
-  std::vector<std::pair<modules::KvCache, at::Tensor>> prefilled;
+  std::vector<Prefilled> prefilled;
   std::vector<int64_t> lengths;
   for (const int64_t p : used) {
-    prefilled.push_back(prefill(m, prompts[static_cast<size_t>(p)]));
+    prefilled.push_back(prefill(m, prompts[static_cast<size_t>(p)],
+                                prompt_images.empty() ? nullptr : prompt_images[static_cast<size_t>(p)]));
     lengths.push_back(static_cast<int64_t>(prompts[static_cast<size_t>(p)].size()));
   }
   Batch b = start_batch(prefilled, lengths, run, slot_of, device);
@@ -344,8 +365,8 @@ std::vector<Completion> generate_batch(const DecoderModel& model, const std::vec
 }
 
 std::vector<int64_t> generate(const DecoderModel& model, const std::vector<int64_t>& prompt,
-                              const GenerateOptions& opt) {
-  return generate_batch(model, {prompt}, {BatchSequence{0, opt}}).front().ids;
+                              const GenerateOptions& opt, const ImageInputs* images) {
+  return generate_batch(model, {prompt}, {BatchSequence{0, opt}}, {images}).front().ids;
 }
 
 }  // namespace qlora::models

@@ -27,8 +27,10 @@ struct GenerateOptions {
 // at the config's max_position_embeddings (RoPE positions beyond it were never trained).
 // Runs without autograd and with dropout off, whatever model.training says; the model is not
 // modified. prompt: token ids, non-empty, each in [0, vocab). It is generate_batch of one sequence.
+// images (optional): the prompt's images (models/multimodal.h) at its image tokens; with Qwen3.5's
+// M-RoPE the new tokens' positions continue after the largest position the images gave.
 std::vector<int64_t> generate(const DecoderModel& model, const std::vector<int64_t>& prompt,
-                              const GenerateOptions& options);
+                              const GenerateOptions& options, const ImageInputs* images = nullptr);
 
 // One sequence of a batch: which prompt it continues and how it samples (options.seed seeds its
 // own generator; see sequence_seed).
@@ -49,8 +51,10 @@ struct Completion {
 // (same seed, same draws), whatever else shares the batch. A sequence that ends leaves the batch;
 // the loop ends when every sequence has. Same checks and errors as generate(); prompts that no
 // sequence names are not run.
+// prompt_images (empty, or one per prompt, nullptr for none): each prompt's images, as generate takes them.
 std::vector<Completion> generate_batch(const DecoderModel& model, const std::vector<std::vector<int64_t>>& prompts,
-                                       const std::vector<BatchSequence>& sequences);
+                                       const std::vector<BatchSequence>& sequences,
+                                       const std::vector<const ImageInputs*>& prompt_images = {});
 
 // The seed of the sequence at `global_index` among all ranks' sequences of a step, from the run's
 // seed: a fixed mix of the two, so a completion depends on its place in the step and not on
