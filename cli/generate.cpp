@@ -17,6 +17,12 @@
 // did. A directory without qlora.json (a model that was never fine-tuned) uses the chat template
 // it ships. --message alternates user, assistant, user, ...; the last is
 // the user turn to answer. --print-prompt prints {"text", "ids"} of the prompt and stops.
+// --image PATH (repeatable, with --message and the model's own chat template): the images go into the
+// last user turn before its text, through the export's image processor (preprocessor_config.json beside
+// it) and its vision tower (a vision-language model's export keeps it), their features at the image
+// tokens as in training.
+#include <ATen/core/grad_mode.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -34,7 +40,9 @@
 #include "qlora/data/chat_template.h"
 #include "qlora/data/dataset.h"
 #include "qlora/data/templates.h"
+#include "qlora/data/sample_images.h"
 #include "qlora/data/tokenizer.h"
+#include "qlora/images/decode.h"
 #include "qlora/models/generate.h"
 #include "qlora/models/decoder.h"
 #include "qlora/train/device.h"
@@ -50,6 +58,7 @@ struct PromptRequest {
   std::optional<std::string> instruction, input;        // --instruction, --input
   std::optional<std::string> system;                    // --system
   std::vector<std::string> messages;                    // --message, alternating user / assistant
+  std::vector<std::string> images;                      // --image, into the last user turn
   bool templated() const { return instruction || input || system || !messages.empty(); }
 };
 
@@ -58,6 +67,8 @@ void check_request(const PromptRequest& r) {
     throw UsageError("--prompt is fed as it is; it does not combine with --instruction, --input, --system or "
                                 "--message, which render the run's template");
   if (!r.raw && !r.templated()) throw UsageError("give --prompt TEXT, --instruction TEXT or --message TEXT");
+  if (!r.images.empty() && r.messages.empty())
+    throw UsageError("--image goes into a conversation's last user turn: give --message TEXT");
   if (r.input && !r.instruction) throw UsageError("--input needs --instruction");
   if (r.instruction && (r.system || !r.messages.empty()))
     throw UsageError("--instruction renders an instruct record; --system and --message render a conversation: "
@@ -124,6 +135,7 @@ struct Prompt {
   std::string text;
   std::vector<int64_t> ids;
   std::string end_of_turn;  // the template's end of an answer ("" for --prompt): generation stops there
+  std::vector<images::ProcessedImage> images;  // --image, in the order of their tokens
 };
 
 // The request as the conversation a chat template renders, up to the opened answer turn.
@@ -135,8 +147,21 @@ nlohmann::ordered_json request_messages(const PromptRequest& r) {
   } else {
     if (r.system) m.push_back({"system", *r.system});
     for (size_t k = 0; k < r.messages.size(); ++k) m.push_back({k % 2 == 0 ? "user" : "assistant", r.messages[k]});
+    if (!r.images.empty()) {  // the images, then the text, as parts of the last user turn
+      data::Message& last = m.back();
+      for (size_t k = 0; k < r.images.size(); ++k) last.parts.push_back({"", true});
+      last.parts.push_back({last.content, false});
+    }
   }
   return data::messages_json(m);
+}
+
+// The rendered prompt with each image's placeholder expanded by the export's image processor.
+std::string with_images(const std::string& text, const std::vector<std::string>& files, const std::string& dir,
+                        std::vector<images::ProcessedImage>& processed) {
+  const images::ImageProcessor processor = images::processor_from_dir(dir);
+  for (const std::string& f : files) processed.push_back(processor.process(images::load_image(f), f));
+  return data::join_segments(data::expand_image_placeholders({data::Segment{text, true}}, processor, processed));
 }
 
 Prompt build_prompt(const PromptRequest& r, const std::string& dir, const data::Tokenizer& tok,
@@ -146,14 +171,17 @@ Prompt build_prompt(const PromptRequest& r, const std::string& dir, const data::
   if (r.raw) return {*r.raw, tok.encode_with_special(*r.raw, tok.adds_bos(), /*add_eos=*/false), ""};
   const auto pf = checkpoint::read_prompt_format(dir);
   if (const auto t = model_template(dir, pf, tok, template_kwargs)) {
-    const std::string text = t->render(request_messages(r), /*add_generation_prompt=*/true);
+    std::vector<images::ProcessedImage> processed;
+    std::string text = t->render(request_messages(r), /*add_generation_prompt=*/true);
+    if (!r.images.empty()) text = with_images(text, r.images, dir, processed);
     // apply_chat_template's ids; a run that forced BOS (data.add_bos = true) gets it here too.
     std::vector<int64_t> ids = tok.encode(text);
     if (pf && pf->add_bos && tok.bos_id() >= 0 && (ids.empty() || ids.front() != tok.bos_id()))
       ids.insert(ids.begin(), tok.bos_id());
-    return {text, std::move(ids), t->end_of_turn()};
+    return {text, std::move(ids), t->end_of_turn(), std::move(processed)};
   }
   if (!template_kwargs.empty()) throw UsageError("--template-kwargs needs the model's own chat template");
+  if (!r.images.empty()) throw UsageError("--image needs the model's own chat template (it renders the images)");
   const data::TemplateKind kind = recorded_template(dir, pf);
   std::pair<std::vector<data::Segment>, std::string> rendered;
   try {
@@ -225,8 +253,20 @@ int generate(GenerateArgs& g) {
   // Stop where the export's GGUF and Modelfile stop too (checkpoint/serving.h).
   opt.stop_ids = checkpoint::stop_ids(dir, tok, prompt.end_of_turn);
 
+  std::optional<models::ImageInputs> images;
+  if (!prompt.images.empty()) {
+    models::vision::TowerLoadOptions to;
+    to.base_in_nf4 = g.nf4;
+    to.compute_dtype = model.compute_dtype;
+    to.device = lo.device;
+    const auto tower = models::vision::load_tower(dir, to);
+    at::NoGradGuard no_grad;
+    const at::Tensor tokens = at::tensor(ids, at::kLong).view({1, -1}).to(lo.device);
+    images = models::image_inputs(*tower, prompt.images, tokens, at::arange(tokens.size(1), tokens.options()).view({1, -1}),
+                                  model.config);
+  }
   const auto t1 = std::chrono::steady_clock::now();
-  std::vector<int64_t> out = models::generate(model, ids, opt);
+  std::vector<int64_t> out = models::generate(model, ids, opt, images ? &*images : nullptr);
   const auto t2 = std::chrono::steady_clock::now();
   // A model whose vocab is padded past the tokenizer's may emit ids the tokenizer cannot decode.
   for (const int64_t t : out) {
@@ -268,6 +308,9 @@ Command generate_command(CLI::App& cmd) {
   text("--system", g->prompt.system, "the conversation's system message (with --message)");
   cmd.add_option("--message", g->prompt.messages, "a turn, alternating user, assistant, user, ...; the last is the\n"
                                                   "user turn to answer")->expected(1)->take_all()->allow_extra_args(false);
+  cmd.add_option("--image", g->prompt.images, "an image file for the last user turn (repeatable; a vision-language\n"
+                                              "model's export)")->type_name("PATH")->expected(1)->take_all()
+      ->allow_extra_args(false);
   cmd.add_flag("--print-prompt", g->print_prompt, "print {\"text\", \"ids\"} of the prompt and stop");
   cmd.add_option("--max-new-tokens", g->opt.max_new_tokens, "tokens to generate at most")->type_name("N")
       ->check(kNotNegative);

@@ -11,7 +11,10 @@ Checks:
    dequantization of our bytes is the reference's weights); fp32;
 3. the images matter: the same records whose images are all one grey give another first loss;
 4. 2 ranks give one process's losses and adapter;
-5. killed by SIGKILL after step 2 and resumed: the adapter bit for bit the uninterrupted run's.
+5. killed by SIGKILL after step 2 and resumed: the adapter bit for bit the uninterrupted run's;
+6. `qlora generate --image` on the merged export: its prompt ids are transformers' processor's
+   (apply_chat_template with the image, add_generation_prompt) and its greedy text transformers'
+   generate on the same export (Qwen3_5ForConditionalGeneration, pixels from its own processor).
 
     python tests/recipes/test_vision_recipe.py --qlora build/qlora --qlora-faults build/qlora_faults
         --image-data-tool build/image_data_tool --workdir build/recipe_vision
@@ -174,7 +177,37 @@ def main():
         r = run_recipe(a.qlora, killed, *common, f"training.batch_size={BATCH}")
         same = r.returncode == 0 and all((adapter(killed)[k] == adapter(one)[k]).all() for k in adapter(one))
         check(same and losses(killed)[-1] == ref[-1], "resumed after SIGKILL: the adapter bit for bit the uninterrupted run's")
+    check_generate(check, a, one, data)
     return check.summary()
+
+
+def check_generate(check, a, run, data):
+    from PIL import Image
+    from transformers import AutoImageProcessor, AutoTokenizer
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+    export = os.path.join(run, "epoch_0")
+    image = os.path.join(os.path.dirname(data), "0.png")
+    cmd = [a.qlora, "generate", "--checkpoint", export, "--message", "What colour is the square?", "--image", image,
+           "--max-new-tokens", "8"]
+    shown = subprocess.run(cmd + ["--print-prompt"], capture_output=True, text=True)
+    got = subprocess.run(cmd, capture_output=True, text=True)
+    if not check(shown.returncode == 0 and got.returncode == 0, f"qlora generate --image runs: {got.stderr.strip()[-300:]}"):
+        return
+    proc = Qwen3VLProcessor(image_processor=AutoImageProcessor.from_pretrained(export),
+                            tokenizer=AutoTokenizer.from_pretrained(export), video_processor=Qwen3VLVideoProcessor(),
+                            chat_template=open(os.path.join(DATA, "chat_templates", "Qwen3.5-9B.jinja")).read())
+    messages = [{"role": "user", "content": [{"type": "image", "image": Image.open(image).convert("RGB")},
+                                             {"type": "text", "text": "What colour is the square?"}]}]
+    inputs = proc.apply_chat_template(messages, tokenize=True, return_dict=True, add_generation_prompt=True,
+                                      return_tensors="pt")
+    ids = json.loads(shown.stdout)["ids"]
+    check(ids == inputs["input_ids"][0].tolist(), f"its prompt ids are the processor's ({len(ids)} ids)")
+    model = F.Qwen3_5ForConditionalGeneration.from_pretrained(export, dtype=torch.float32).eval()
+    with torch.no_grad():
+        new = model.generate(**inputs, max_new_tokens=8, do_sample=False)[0, inputs["input_ids"].shape[1]:]
+    want = proc.tokenizer.decode(new, skip_special_tokens=False).split("<|im_end|>")[0]
+    check(got.stdout.rstrip("\n") == want, f"its greedy text is transformers' on the export: {got.stdout.strip()!r} vs {want!r}")
 
 
 if __name__ == "__main__":
