@@ -14,7 +14,9 @@ Checks:
 5. killed by SIGKILL after step 2 and resumed: the adapter bit for bit the uninterrupted run's;
 6. `qlora generate --image` on the merged export: its prompt ids are transformers' processor's
    (apply_chat_template with the image, add_generation_prompt) and its greedy text transformers'
-   generate on the same export (Qwen3_5ForConditionalGeneration, pixels from its own processor).
+   generate on the same export (Qwen3_5ForConditionalGeneration, pixels from its own processor);
+7. the PEFT adapter, loaded by peft onto the base Qwen3_5ForConditionalGeneration, gives the merged
+   export's logits on that image prompt (merged over the original weights, checkpoint.merge_from).
 
     python tests/recipes/test_vision_recipe.py --qlora build/qlora --qlora-faults build/qlora_faults
         --image-data-tool build/image_data_tool --workdir build/recipe_vision
@@ -41,7 +43,7 @@ STEPS, BATCH = 4, 4
 COMMON = ["logging.progress=plain", "training.epochs=1", f"training.max_steps_per_epoch={STEPS}",
           "checkpoint.save_every_steps=1", "checkpoint.keep_last_n=8", "data.format=chat", "data.template=auto",
           "data.shuffle=false", "data.max_seq_len=96", "lora.rank=8", "lora.alpha=16", "optim.warmup_steps=1",
-          'lora.targets=["q","k","v","o","gate","up","down"]']
+          'lora.targets=["q","k","v","o","gate","up","down"]', "checkpoint.merge_from=original"]
 # fp32 on both sides, the same NF4-dequantized weights: the order of operations only (~1e-6 of the loss).
 LOSS_RTOL = 1e-5
 RANKS_TOL = 1e-5
@@ -208,6 +210,15 @@ def check_generate(check, a, run, data):
         new = model.generate(**inputs, max_new_tokens=8, do_sample=False)[0, inputs["input_ids"].shape[1]:]
     want = proc.tokenizer.decode(new, skip_special_tokens=False).split("<|im_end|>")[0]
     check(got.stdout.rstrip("\n") == want, f"its greedy text is transformers' on the export: {got.stdout.strip()!r} vs {want!r}")
+    from peft import PeftModel
+    base = F.Qwen3_5ForConditionalGeneration.from_pretrained(os.path.join(a.workdir, "base"), dtype=torch.float32).eval()
+    peft = PeftModel.from_pretrained(base, os.path.join(export, "adapter")).eval()
+    with torch.no_grad():
+        ref, ours = model(**inputs).logits, peft(**inputs).logits
+    diff = (ours - ref).abs().max().item()
+    # fp32, the same weights two ways (peft's LoRA path against the merged weights): summation order only.
+    check(diff < 1e-4 * max(1.0, ref.abs().max().item()),
+          f"peft's adapter on the base gives the merged export's logits on the image prompt (max|diff| {diff:.1e})")
 
 
 if __name__ == "__main__":
