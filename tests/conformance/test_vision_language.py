@@ -152,18 +152,20 @@ def check_gemma(checks, args, name, model, type_key):
     checks.compare(f"{name}: the two rows packed in one = each alone", packed.reshape(ref.shape), ref, atol)
 
 
-def check_gemma3(checks, args):
-    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
-    text = dict(F.COMMON, **F.GEMMA, layer_types=["sliding_attention", "full_attention"], rope_parameters=F.GEMMA3_ROPE)
-    text["sliding_window"] = 4
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
-                  patch_size=14)
-    torch.manual_seed(53)
-    cfg = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
+def gemma3_model(seed, **text):
+    """A tiny Gemma3ForConditionalGeneration (_families' tower), a sliding and a full layer."""
+    from transformers import Gemma3ForConditionalGeneration
+    torch.manual_seed(seed)
+    cfg = F.gemma3_multimodal_config(**{**F.COMMON, **F.GEMMA, "layer_types": ["sliding_attention", "full_attention"],
+                                        "rope_parameters": F.GEMMA3_ROPE, **text})
     cfg.text_config._attn_implementation = "eager"
     model = Gemma3ForConditionalGeneration(cfg).float().eval()
-    F.randomize_norms(model, 53)
-    check_gemma(checks, args, "gemma3", model, "token_type_ids")
+    F.randomize_norms(model, seed)
+    return model
+
+
+def check_gemma3(checks, args):
+    check_gemma(checks, args, "gemma3", gemma3_model(53, sliding_window=4), "token_type_ids")
 
 
 def check_gemma4(checks, args):
@@ -231,14 +233,8 @@ def check_towers(checks, args):
         "size": {"shortest_edge": 16 * 16, "longest_edge": 40 * 40}}, [(37, 21), (19, 45)],
         {"types": "mm_token_type_ids",
          "counts": lambda px: (px["image_grid_thw"].prod(-1) // v.spatial_merge_size ** 2).tolist()})
-    from transformers import Gemma3ForConditionalGeneration
-    torch.manual_seed(62)
-    cfg = F.gemma3_multimodal_config(**dict(F.COMMON, **F.GEMMA, layer_types=["sliding_attention", "full_attention"],
-                                            rope_parameters=F.GEMMA3_ROPE))
-    cfg.text_config._attn_implementation = "eager"
-    gemma3 = Gemma3ForConditionalGeneration(cfg).float().eval()
-    F.randomize_norms(gemma3, 62)
-    s = cfg.vision_config.image_size
+    gemma3 = gemma3_model(62)
+    s = gemma3.config.vision_config.image_size
     end_to_end(checks, args, "gemma3", gemma3, {
         "image_processor_type": "Gemma3ImageProcessor", "size": {"height": s, "width": s}, "resample": 2,
         "image_mean": [0.5] * 3, "image_std": [0.5] * 3, "do_pan_and_scan": None, "image_seq_length": F.GEMMA3_MM_TOKENS},
