@@ -87,19 +87,6 @@ std::string optional_field(const json& record, const std::string& key) {
   return it == record.end() || it->is_null() ? std::string() : string_field(record, key);
 }
 
-// Text with LLaVA's "<image>" placeholders (a record with an "images" list) as parts.
-std::vector<ContentPart> placeholder_parts(const std::string& text) {
-  std::vector<ContentPart> parts;
-  size_t at = 0;
-  for (size_t hit; (hit = text.find(kImagePlaceholder, at)) != std::string::npos; at = hit + kImagePlaceholder.size()) {
-    if (hit > at) parts.push_back({text.substr(at, hit - at), false});
-    parts.push_back({"", true});
-  }
-  if (parts.empty()) return parts;
-  if (at < text.size()) parts.push_back({text.substr(at), false});
-  return parts;
-}
-
 // Content given as parts (transformers' chat format): text parts and image parts (record_images.h
 // reads their sources); `content` gets the text parts joined.
 std::vector<ContentPart> content_parts(const json& content, std::string& text) {

@@ -68,13 +68,19 @@ const json* part_source(const json& part) {
   return nullptr;
 }
 
-size_t placeholders_in(const std::string& text) {
-  size_t n = 0;
-  for (size_t at = text.find(kImagePlaceholder); at != std::string::npos; at = text.find(kImagePlaceholder, at + 1)) ++n;
-  return n;
-}
-
 }  // namespace
+
+std::vector<ContentPart> placeholder_parts(const std::string& text) {
+  std::vector<ContentPart> parts;
+  size_t at = 0;
+  for (size_t hit; (hit = text.find(kImagePlaceholder, at)) != std::string::npos; at = hit + kImagePlaceholder.size()) {
+    if (hit > at) parts.push_back({text.substr(at, hit - at), false});
+    parts.push_back({"", true});
+  }
+  if (parts.empty()) return parts;
+  if (at < text.size()) parts.push_back({text.substr(at), false});
+  return parts;
+}
 
 std::vector<RecordImage> record_images(const json& record, const std::string& messages_key, const std::string& base_dir) {
   const json* listed = nullptr;
@@ -106,7 +112,8 @@ std::vector<RecordImage> record_images(const json& record, const std::string& me
           else take_listed(part);
         }
       } else if (content.is_string() && listed) {
-        for (size_t n = placeholders_in(content.get<std::string>()); n > 0; --n) take_listed(where + " (\"<image>\")");
+        for (const ContentPart& part : placeholder_parts(content.get<std::string>()))
+          if (part.image) take_listed(where + " (\"<image>\")");
       }
     }
   }

@@ -19,10 +19,16 @@
 
 #include <nlohmann/json_fwd.hpp>
 
+#include "qlora/data/templates.h"
+
 namespace qlora::data {
 
 // LLaVA's placeholder for an image in a message's text.
 inline constexpr std::string_view kImagePlaceholder = "<image>";
+
+// Text with LLaVA's "<image>" placeholders (a record with an "images" list) as parts, each placeholder an
+// image part; empty when the text has none.
+std::vector<ContentPart> placeholder_parts(const std::string& text);
 
 // Whether a content part is an image ({"type": "image" / "image_url"}, or a part holding an "image" key).
 bool is_image_part(const nlohmann::json& part);
