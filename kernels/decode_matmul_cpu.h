@@ -10,6 +10,7 @@
 
 #include <cstdint>
 
+#include "kernels/nf4_cpu.h"
 #include "quant/nf4_format.h"
 
 namespace qlora::kernels {
@@ -23,12 +24,7 @@ struct DecodeMatmul {
   // W: dense fp32 (row stride ldw), or else NF4.
   const float* dense = nullptr;
   int64_t ldw = 0;
-  nf4::Dtype dtype = nf4::Dtype::BF16;  // the NF4 weight's storage dtype
-  const uint8_t* codes = nullptr;
-  const int8_t* scalers = nullptr;
-  const void* factors = nullptr;
-  float mean = 0.0f;
-  nf4::Layout layout;
+  Nf4Operand nf4;
 };
 
 // Whether an NF4 W [N, K] suits decode_matmul_cpu: rows of whole blocks (K a multiple of block_size).

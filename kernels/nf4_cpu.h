@@ -18,9 +18,18 @@ void nf4_quantize_codes_cpu(nf4::Dtype d, const void* x, const void* absmax,
 void nf4_dequantize_cpu(nf4::Dtype d, nf4::Dtype out_dtype, const uint8_t* codes,
                         const int8_t* scalers, const void* factors, float mean,
                         const nf4::Layout& layout, void* out);
-// Blocks [b0, b1) alone, as fp32, into out[0, (b1 - b0) * block_size): on the calling thread, the
-// values nf4_dequantize_cpu gives them. For kernels that decode a few rows at a time.
-void nf4_dequantize_blocks_f32_cpu(nf4::Dtype d, const uint8_t* codes, const int8_t* scalers, const void* factors,
-                                   float mean, const nf4::Layout& layout, int64_t b0, int64_t b1, float* out);
+// One NF4 tensor's buffers as the kernels that decode it read them (storage dtype `dtype`).
+struct Nf4Operand {
+  nf4::Dtype dtype = nf4::Dtype::BF16;
+  const uint8_t* codes = nullptr;
+  const int8_t* scalers = nullptr;
+  const void* factors = nullptr;
+  float mean = 0.0f;
+  nf4::Layout layout;
+};
+
+// Blocks [b0, b1) alone, as `out_dtype` (F32 or BF16), into out[0, (b1 - b0) * block_size): on the
+// calling thread, the values nf4_dequantize_cpu gives them. For kernels that decode a tile at a time.
+void nf4_dequantize_blocks_cpu(const Nf4Operand& w, nf4::Dtype out_dtype, int64_t b0, int64_t b1, void* out);
 
 }  // namespace qlora::kernels

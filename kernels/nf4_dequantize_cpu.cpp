@@ -122,12 +122,16 @@ QLORA_AVX512 QLORA_INLINE void expand32_avx512(const uint8_t* codes, int64_t nby
   expand_scalar(codes + j, nbytes - j, table, out + 2 * j);
 }
 
-QLORA_AVX512 void expand16_avx512(const uint8_t* codes, int64_t nbytes, const uint16_t* table, uint16_t* out) {
+QLORA_AVX512 QLORA_INLINE void expand16_avx512_inline(const uint8_t* codes, int64_t nbytes, const uint16_t* table,
+                                                     uint16_t* out) {
   const __m512i t = _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(table)));
   int64_t j = 0;
   for (; j + 16 <= nbytes; j += 16)
     _mm512_storeu_si512(out + 2 * j, _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(indices32(codes + j)), t));
   expand_scalar(codes + j, nbytes - j, table, out + 2 * j);
+}
+QLORA_AVX512 void expand16_avx512(const uint8_t* codes, int64_t nbytes, const uint16_t* table, uint16_t* out) {
+  expand16_avx512_inline(codes, nbytes, table, out);
 }
 #pragma GCC diagnostic pop
 #endif
@@ -138,6 +142,10 @@ QLORA_AVX512 void expand16_avx512(const uint8_t* codes, int64_t nbytes, const ui
 QLORA_AVX512 void expand32_blocks_avx512(const uint8_t* codes, int64_t n, int64_t nbytes, const float* tables,
                                          float* out) {
   for (int64_t i = 0; i < n; ++i) expand32_avx512(codes + i * nbytes, nbytes, tables + i * 16, out + i * 2 * nbytes);
+}
+QLORA_AVX512 void expand16_blocks_avx512(const uint8_t* codes, int64_t n, int64_t nbytes, const uint16_t* tables,
+                                         uint16_t* out) {
+  for (int64_t i = 0; i < n; ++i) expand16_avx512_inline(codes + i * nbytes, nbytes, tables + i * 16, out + i * 2 * nbytes);
 }
 QLORA_AVX2 void expand32_blocks_avx2(const uint8_t* codes, int64_t n, int64_t nbytes, const float* tables, float* out) {
   for (int64_t i = 0; i < n; ++i) expand32_avx2(codes + i * nbytes, nbytes, tables + i * 16, out + i * 2 * nbytes);
@@ -159,6 +167,16 @@ void expand16(const uint8_t* codes, int64_t nbytes, const uint16_t* table, uint1
   if (kHaveSsse3) return expand16_ssse3(codes, nbytes, table, out);  // x86-64's baseline has no SSSE3
 #endif
   expand_scalar(codes, nbytes, table, out);
+}
+
+// As expand32_blocks, for 16-bit outputs: one call a batch of blocks on AVX-512 (a call per block
+// of 32 code bytes cost more than its permutes), expand16 per block otherwise.
+template <int L>
+QLORA_INLINE void expand16_blocks(const uint8_t* codes, int64_t n, int64_t nbytes, const uint16_t* tables, uint16_t* out) {
+#if defined(__x86_64__)
+  if constexpr (L == 16) return expand16_blocks_avx512(codes, n, nbytes, tables, out);
+#endif
+  for (int64_t i = 0; i < n; ++i) expand16(codes + i * nbytes, nbytes, tables + i * 16, out + i * 2 * nbytes);
 }
 
 // v rounded to D as the reference rounds it (bf16::round's rounding, lane by lane).
@@ -223,8 +241,7 @@ QLORA_INLINE void dequantize_blocks(const uint8_t* codes, const int8_t* scalers,
     for (int64_t i = 0; i < nb; ++i) block_table<L, D>(cb, s[i], table[i]);
     const int64_t nbytes = l.block_size / 2;
     if constexpr (sizeof(OutT) == 2) {
-      for (int64_t i = 0; i < nb; ++i)
-        expand16(codes + (bb + i) * nbytes, nbytes, table[i], out + (bb + i - b0) * l.block_size);
+      expand16_blocks<L>(codes + bb * nbytes, nb, nbytes, table[0], out + (bb - b0) * l.block_size);
     } else {
       expand32_blocks<L>(codes + bb * nbytes, nb, nbytes, table[0], out + (bb - b0) * l.block_size);
     }
@@ -283,10 +300,10 @@ void nf4_dequantize_cpu(Dtype d, Dtype out_dtype, const uint8_t* codes, const in
   });
 }
 
-void nf4_dequantize_blocks_f32_cpu(Dtype d, const uint8_t* codes, const int8_t* scalers, const void* factors,
-                                   float mean, const Layout& l, int64_t b0, int64_t b1, float* out) {
-  if (has_fast_path(d, Dtype::F32)) return dequantize_fast(d, Dtype::F32, codes, scalers, factors, mean, l, out, b0, b1);
-  dequantize_blocks_generic(d, Dtype::F32, codes, scalers, factors, mean, l, out, b0, b1);
+void nf4_dequantize_blocks_cpu(const Nf4Operand& w, Dtype out_dtype, int64_t b0, int64_t b1, void* out) {
+  if (has_fast_path(w.dtype, out_dtype))
+    return dequantize_fast(w.dtype, out_dtype, w.codes, w.scalers, w.factors, w.mean, w.layout, out, b0, b1);
+  dequantize_blocks_generic(w.dtype, out_dtype, w.codes, w.scalers, w.factors, w.mean, w.layout, out, b0, b1);
 }
 
 }  // namespace qlora::kernels

@@ -41,7 +41,7 @@ struct Data {
   std::vector<data::PackedRow> rows;  // packing: samples packed once into rows of max_seq_len
   bool packed = false;
   std::unique_ptr<data::Sampler> sampler;
-  train::BatchImages images;  // where the samples hold images: the model's tower and the data's processor
+  train::BatchImages images;  // where the samples hold images: the data's processor
 
   // Rows `picked` of the data set as one batch.
   data::Batch batch(const std::vector<int64_t>& picked) const {
@@ -65,7 +65,7 @@ void split_validation(const RecipeConfig& cfg, Data& d) {
 }
 
 Data setup_data(const RecipeConfig& cfg, const TextSetup& text, const engine::World& world) {
-  Data d{&text, {}, {}, {}, cfg.data.packing, nullptr};
+  Data d{&text, {}, {}, {}, cfg.data.packing, nullptr, {}};
   d.samples = data::load_dataset(text.path, text.tokenizer, text.options);
   split_validation(cfg, d);
   // Otherwise every step's loss is 0/0 and the run "trains" on nothing.
@@ -136,9 +136,9 @@ int run_finetune(Session& s) {
   const auto has_images = [](const std::vector<data::Sample>& set) {
     return std::any_of(set.begin(), set.end(), [](const data::Sample& x) { return !x.images.empty(); });
   };
-  if (has_images(d.samples) || has_images(d.validation)) {
-    m.tower = load_vision_tower(s, m);
-    d.images = train::BatchImages{m.tower, &text.options};
+  if (has_images(d.samples) || has_images(d.validation) || trains_vision_tower(cfg)) {
+    load_vision_tower(s, m, has_images(d.samples));
+    d.images = train::BatchImages{&text.options};
   }
   RecipeParts parts;
   parts.sampler = d.sampler.get();

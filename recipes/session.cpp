@@ -1,5 +1,6 @@
 #include "recipes/session.h"
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
 #include <torch/csrc/autograd/autograd.h>
 
@@ -195,7 +196,20 @@ Model build_model(const Session& s, const DecoderBuilder& build,
   return m;
 }
 
+bool trains_vision_tower(const RecipeConfig& cfg) {
+  return !cfg.lora.vision_targets.empty() || cfg.lora.train_projector;
+}
+
+namespace {
+// The key that asks to train the tower, for errors.
+std::string vision_key(const RecipeConfig& cfg) {
+  return cfg.lora.vision_targets.empty() ? "lora.train_projector" : "lora.vision_targets";
+}
+}  // namespace
+
 Model setup_model(const Session& s, const TextSetup& text, const std::vector<int64_t>& data_token_ids) {
+  if (trains_vision_tower(s.cfg) && s.recipe != "lora_finetune")
+    throw std::invalid_argument(vision_key(s.cfg) + ": `qlora run " + s.recipe + "` trains on no images (lora_finetune does)");
   // While embed_tokens and lm_head are whole: every rank has the whole data set's ids, so all do the same.
   Model m = build_model(s, {}, [&](models::DecoderModel& d) {
     train::apply_untrained_tokens_policy(d, data_token_ids, text.tokenizer, s.cfg.model.untrained_tokens, s.lead);
@@ -207,16 +221,31 @@ Model setup_model(const Session& s, const TextSetup& text, const std::vector<int
   return m;
 }
 
-std::shared_ptr<const models::vision::Tower> load_vision_tower(const Session& s, const Model& m) {
+void load_vision_tower(const Session& s, Model& m, bool trained_on_images) {
+  const config::LoraConfig& lora = s.cfg.lora;
+  if (trains_vision_tower(s.cfg) && !m.decoder.config.multimodal)
+    throw std::invalid_argument(vision_key(s.cfg) + ": " + s.base_dir + " is a text-only checkpoint (" + m.decoder.config.model_type +
+                                "): it has no vision tower to train (use the Hub's multimodal form)");
+  if (trains_vision_tower(s.cfg) && !trained_on_images)
+    throw std::invalid_argument(vision_key(s.cfg) + ": the training data holds no images: nothing would train the "
+                                "vision tower (unset the key, or train on records with images)");
   models::vision::TowerLoadOptions o;
   o.base_in_nf4 = s.cfg.model.base == config::BaseFormat::NF4;
   o.compute_dtype = m.decoder.compute_dtype;
   o.device = s.device;
-  std::shared_ptr<const models::vision::Tower> tower = models::vision::load_tower(s.base_dir, o);
+  m.decoder.tower = models::vision::load_tower(s.base_dir, o);
+  models::vision::Tower& tower = *m.decoder.tower;
+  const int64_t adapted = models::vision::add_tower_lora(
+      tower, lora.vision_targets, lora.rank, lora.alpha, lora.use_rslora, lora.dropout,
+      at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(s.cfg.training.seed)));
+  if (lora.train_projector) models::vision::train_projector(tower);
+  m.engine->add_tower(tower);
   if (s.lead)
-    std::printf("vision tower: %s's, frozen%s; the data's images go through it\n", s.base_dir.c_str(),
-                o.base_in_nf4 ? " (encoder linears in NF4)" : "");
-  return tower;
+    std::printf("vision tower: %s's%s, %s; the data's images go through it\n", s.base_dir.c_str(),
+                o.base_in_nf4 ? " (encoder linears in NF4)" : "",
+                trains_vision_tower(s.cfg) ? ("LoRA on " + std::to_string(adapted) + " of its linears" +
+                                              (lora.train_projector ? ", the projector trained" : "")).c_str()
+                                           : "frozen");
 }
 
 std::unique_ptr<optim::AdamW> make_adamw(const RecipeConfig& cfg, const Model& m) {
@@ -569,7 +598,7 @@ Position train(const Session& s, Model& m, const TextSetup& text, RecipeParts& p
   const checkpoint::AdapterInfo adapter_info{
       cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, models::peft_targets(m.decoder.architecture(), cfg.lora.targets),
       base_name.empty() ? fs::absolute(s.base_dir).lexically_normal().string() : base_name,
-      config::prompt_format(text.options), {}, cfg.lora.use_rslora, {}};  // token rows: export_epoch
+      config::prompt_format(text.options), {}, cfg.lora.use_rslora, {}, {}};  // token rows: export_epoch
   if (lead && !text.template_note.empty()) std::printf("%s\n", text.template_note.c_str());
   if (lead)
     std::printf("model %s on %s x %lld rank(s): %lld layers, %lld trainable LoRA parameters; %lld %s; "

@@ -65,9 +65,6 @@ TextSetup open_text(const Session& s);
 struct Model {
   models::DecoderModel decoder;
   std::shared_ptr<engine::ShardedDecoder> engine;
-  // A multimodal checkpoint's vision tower, frozen, where the data holds images (load_vision_tower);
-  // every rank holds it whole.
-  std::shared_ptr<const models::vision::Tower> tower;
 };
 // Loads, shards and seeds (dropout's generator per rank); checks the tokenizer fits the vocabulary.
 // data_token_ids: every id the run's data (training and validation, the whole set, as every rank
@@ -75,9 +72,15 @@ struct Model {
 // (train/untrained_tokens.h) before the model is sharded.
 Model setup_model(const Session& s, const TextSetup& text, const std::vector<int64_t>& data_token_ids);
 
-// The checkpoint's vision tower (models/vision), frozen, its encoder linears in NF4 where the base is:
-// what a run whose data holds images needs. Errors name the checkpoint when it has none.
-std::shared_ptr<const models::vision::Tower> load_vision_tower(const Session& s, const Model& m);
+// Whether the run trains the vision tower (lora.vision_targets, lora.train_projector).
+bool trains_vision_tower(const config::RecipeConfig& cfg);
+// The checkpoint's vision tower (models/vision) as m.decoder.tower, its encoder linears in NF4 where the
+// base is: what a run whose data holds images needs. With lora.vision_targets / lora.train_projector its
+// adapters (drawn from training.seed's generator: the same on every rank) and the projector's fp32 copy
+// join the engine's trainable groups (before the optimizer is made); else it stays frozen. Errors name
+// the checkpoint when it has no tower, and the key when it is set for a text-only checkpoint or for
+// training data without images (trained_on_images false: only validation data, or none, holds any).
+void load_vision_tower(const Session& s, Model& m, bool trained_on_images);
 
 // Makes the decoder from the load options the config gives (on_layer_loaded shards each layer as it
 // is made): a bench's model built in memory, or a checkpoint loaded its own way.

@@ -152,6 +152,8 @@ TEST(Config, RangeChecksNameKeyAndLine) {
                   "linear_z, linear_b, linear_a, linear_out, ple_gate, ple_proj, shared_gate, shared_up, shared_down, experts, "
                   "shared_expert, got 'qkvo'");
   EXPECT_CONTAINS(parse_error("[lora]\ntargets = [\"q\", \"q\"]\n"), "duplicates");
+  EXPECT_CONTAINS(parse_error("[lora]\nvision_targets = [\"qkv\", \"qkv\"]\n"), "lora.vision_targets");
+  EXPECT_CONTAINS(parse_error("[lora]\nvision_targets = [\"qkv\"]\nuse_dora = true\n"), "DoRA on the vision tower");
   EXPECT_CONTAINS(parse_error("[lora]\ntargets = []\n"), "'lora.targets' (line 2) must be non-empty");
   EXPECT_CONTAINS(parse_error("[data]\nval_fraction = 1.0\n"), "'data.val_fraction' (line 2) must be in [0, 1)");
   EXPECT_CONTAINS(parse_error("[data]\nval_path = \"v.jsonl\"\nval_fraction = 0.1\n"),
@@ -424,10 +426,10 @@ TEST(Config, HashIsStableAndScoped) {
   // Pinned: meta.json records it, so a change makes new checkpoints' hashes differ from older
   // ones' for the same run (resume compares the keys themselves, not the hash). New keys change
   // it (last: #26 lora.use_rslora and lora.use_dora, #27 logging.tensorboard, #37 model.untrained_tokens,
-  // #38 data.split, #39 grpo.*), and so did the text's writer becoming toml++'s (#50: sorted keys,
+  // #38 data.split, #39 grpo.*, #52 lora.vision_targets and lora.train_projector), and so did the text's writer becoming toml++'s (#50: sorted keys,
   // its spacing; was b5f8e40528313d03 and c6ee2497b05c3864); restructuring must not.
-  EXPECT_EQ(config_hash(a, HashScope::Full), "e812cc9953532f09");
-  EXPECT_EQ(config_hash(a, HashScope::Exactness), "0d482a3b2bc17330");
+  EXPECT_EQ(config_hash(a, HashScope::Full), "3a5b1b93d2f3dd82");
+  EXPECT_EQ(config_hash(a, HashScope::Exactness), "26fdfc56df796477");
   EXPECT_EQ(config_hash(a, HashScope::Exactness), config_hash(parse_config(to_toml(a), "x"), HashScope::Exactness));
   RecipeConfig b = a;
   b.logging.log_every_steps = 10;
@@ -441,11 +443,12 @@ TEST(Config, HashIsStableAndScoped) {
 
 // The embedded default (configs/tiny_qlora.toml): its resume checkpoints store the exactness hash,
 // so the canonical text must not drift when the config code is restructured (new keys do move it;
-// so did toml++ writing it, #50: was d0442749aee16735 and 276d8482e7f80a31).
+// so did toml++ writing it, #50: was d0442749aee16735 and 276d8482e7f80a31; #52's lora.vision_targets and
+// lora.train_projector: was 39754b9168ed381b and fec74012ffe3e5eb).
 TEST(Config, EmbeddedDefaultHashIsPinned) {
   const RecipeConfig c = load_config((configs_dir() / "tiny_qlora.toml").string());
-  EXPECT_EQ(config_hash(c, HashScope::Full), "39754b9168ed381b");
-  EXPECT_EQ(config_hash(c, HashScope::Exactness), "fec74012ffe3e5eb");
+  EXPECT_EQ(config_hash(c, HashScope::Full), "38d4ef957f11865e");
+  EXPECT_EQ(config_hash(c, HashScope::Exactness), "605c7a00d2c8629c");
 }
 
 TEST(Config, ExactnessBreakingDifferences) {
@@ -467,7 +470,7 @@ TEST(Config, ExactnessBreakingDifferences) {
   int exact = 0;
   for (const KeyInfo& k : known_keys()) exact += k.affects_exactness;
   EXPECT_GT(exact, 20);
-  EXPECT_EQ(known_keys().size(), 87u);
+  EXPECT_EQ(known_keys().size(), 89u);
 }
 
 // Every file in configs/ parses, and its first line is the command that runs it.

@@ -60,10 +60,6 @@ class Family:
     end: str             # what ends an answer (trained with it)
     system: bool = True  # False: the template refuses a system message
     kwargs: Optional[dict] = None  # template keyword arguments (data.template_kwargs), auto only
-    # Conversations of one answer only: gpt-oss ends an answer with <|return|> when it is the last message
-    # and with <|end|> before the next turn, which qlora's auto path cannot yet place; it refuses such a
-    # conversation by name ("cannot locate assistant message N") rather than mask it wrongly.
-    single_answer: bool = False
 
 
 LLAMA3_HEADER = "<|start_header_id|>assistant<|end_header_id|>\n\n"
@@ -95,8 +91,7 @@ FAMILIES = [
            "<|start_of_role|>assistant<|end_of_role|>", "<|end_of_text|>\n"),
     # gpt-oss (harmony): each answer is a final-channel message after "<|start|>assistant" (where the
     # generation prompt ends), an earlier one closed by <|end|>, the last by <|return|> (its EOS).
-    Family(None, "openai-gpt-oss-20b.jinja", "<|startoftext|>", "<|return|>", "<|start|>assistant", "<|end|>",
-           single_answer=True),
+    Family(None, "openai-gpt-oss-20b.jinja", "<|startoftext|>", "<|return|>", "<|start|>assistant", "<|end|>"),
 ]
 SPECIALS = ["<s>", "</s>", "<bos>", "<eos>", "<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
             "<|end_header_id|>", "<|eot_id|>", "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<start_of_turn>",
@@ -239,8 +234,6 @@ def check_family(f: Family, tool, workdir, tokenizer_json, failures, auto=False)
     d, ref = family_dir(workdir, tokenizer_json, f)
     cases = [{"messages": m} for m in CONVERSATIONS] + [{"instruct": r} for r in RECORDS]
     cases = [c for c in cases if f.system or c.get("messages", [{}])[0].get("role") != "system"]
-    if f.single_answer:
-        cases = [c for c in cases if sum(m["role"] == "assistant" for m in c.get("messages", [])) <= 1]
     if f.kwargs and f.kwargs.get("enable_thinking") is False:  # data for a non-thinking run has no <think> blocks
         cases = [c for c in cases if "<think>" not in json.dumps(c)]
     own = {"template": "auto", "chat_template": template_text(f), "template_kwargs": f.kwargs or {}}

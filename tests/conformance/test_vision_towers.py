@@ -235,6 +235,7 @@ def check_forwards(checks, run, case, ref):
     checks.check(f"{run.name} holds every tower and projector tensor", held == stored,
                  f"{len(held)} held, {len(stored)} in the model; only held {sorted(held - stored)[:3]}, "
                  f"not held {sorted(stored - held)[:3]}")
+    check_checkpoint_keys(checks, run, run.path("fp32"))
     counts = [int(c) for c in got["tokens_per_image"]]
     checks.check(f"{run.name} tokens per image", sum(counts) == ref.shape[0], f"{counts} for {ref.shape[0]} rows")
     # As users load it: from_pretrained(dtype=bf16) keeps the rotary's computed frequencies in fp32 (a
@@ -302,6 +303,17 @@ def check_lora(checks, run, case):
                  f"worst max|diff| / max|ref| {rel[worst]:.2e} at {worst} (rtol {GRAD_RTOL:g})")
 
 
+def check_checkpoint_keys(checks, run, out):
+    """Each tensor the tower holds maps to its own key of the checkpoint it was read from (Tower::checkpoint_key,
+    under which a merged export writes a trained tower): the checkpoint's tower and projector keys, one each."""
+    with safe_open(out, "pt") as f:
+        keys = f.metadata()["checkpoint_keys"].split(",")
+    with safe_open(os.path.join(run.ckpt, "model.safetensors"), "pt") as f:
+        stored = set(f.keys())
+    checks.check(f"{run.name} names its tensors by the checkpoint's keys", len(set(keys)) == len(keys) and set(keys) <= stored,
+                 f"{len(keys)} keys, not in the checkpoint: {sorted(set(keys) - stored)[:3]}")
+
+
 def check_hub_layout(checks, run, case, ref):
     """Gemma 3 as the Hub ships it: the tower under vision_tower.vision_model.* (transformers 5 writes
     vision_tower.*); the same features."""
@@ -311,7 +323,9 @@ def check_hub_layout(checks, run, case, ref):
     tensors = load_file(os.path.join(run.ckpt, "model.safetensors"))
     save_file({k.replace("vision_tower.", "vision_tower.vision_model.", 1): v for k, v in tensors.items()},
               os.path.join(hub, "model.safetensors"))
-    ours = Run(run.args, f"{run.name}_hub", hub).tool(case["inputs"], "fp32")["features"]
+    hub_run = Run(run.args, f"{run.name}_hub", hub)
+    ours = hub_run.tool(case["inputs"], "fp32")["features"]
+    check_checkpoint_keys(checks, hub_run, hub_run.path("fp32"))
     checks.compare(f"{run.name} the Hub's key layout (vision_tower.vision_model.*)", ours, ref,
                    atol_for(ref, ATOL_FP32_PER_UNIT))
 

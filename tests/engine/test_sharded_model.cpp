@@ -2,7 +2,8 @@
 // projection and the output head, fp32) on W = 1..4 ranks and as HSDP 2x2 gives the same per-step
 // losses and final adapters as a single process on the same global batch; 4 micro-batches x 1 row
 // equal 1 x 4; reduce-scattering every micro-batch equals reduce-scattering the last; activation
-// checkpointing changes nothing. Tolerance: fp32 with sums split differently across ranks (partial
+// checkpointing changes nothing; a vision tower's trainable group (ShardedDecoder::add_tower) that only
+// one rank's micro-batch feeds trains as in one process. Tolerance: fp32 with sums split differently across ranks (partial
 // gradient sums, then reduce-scatter) agrees to ~1e-6 relative; AdamW's first steps divide by
 // sqrt(v) ~ |g| and so pass relative gradient differences of near-zero gradients (lora_A's, while
 // B is still ~0) straight into the update: up to ~1e-2 of lr per step. With lr 1e-3 that is ~1e-5
@@ -30,6 +31,7 @@
 
 #include "fork_ranks.h"
 #include "qlora/models/decoder.h"
+#include "qlora/models/vision/tower.h"
 #include "qlora/optim/adamw.h"
 
 using namespace qlora;
@@ -77,6 +79,39 @@ at::Tensor loss_sum(const models::DecoderModel& m, const at::Tensor& tok, const 
   return m.loss(tok, lab);
 }
 
+// A vision tower in miniature: one adapted linear and a trained projector, fed a fixed input per step.
+// In the sharded runs only rank 0 runs it (its micro-batch holds the images), so the tower's trainable
+// group gets no gradient on the other ranks: their reduce-scatter must still pair with rank 0's.
+struct FakeTower : models::vision::Tower {
+  modules::LoraLinear lin;
+  at::Tensor proj;
+  at::Tensor forward(const models::vision::PixelInputs& in) const override {
+    return at::matmul(modules::lora_linear_forward(lin, in.pixel_values, training), proj);
+  }
+  std::vector<int64_t> tokens_per_image(const models::vision::PixelInputs& in) const override {
+    return {in.pixel_values.size(0)};
+  }
+  std::vector<std::pair<std::string, modules::LoraLinear*>> linears() override { return {{"model.visual.fc", &lin}}; }
+  std::vector<std::pair<std::string, at::Tensor*>> projector() override { return {{"model.visual.proj.weight", &proj}}; }
+  std::vector<std::pair<std::string, at::Tensor*>> frozen() override { return {}; }
+  std::vector<std::string> target_names() const override { return {"fc"}; }
+};
+
+std::shared_ptr<models::vision::Tower> fake_tower() {
+  auto t = std::make_shared<FakeTower>();
+  t->lin = modules::lora_linear_dense(at::randn({6, 5}, at::make_generator<at::CPUGeneratorImpl>(7)));
+  models::vision::add_tower_lora(*t, {"fc"}, 2, 4.0, false, 0.0, at::make_generator<at::CPUGeneratorImpl>(8));
+  t->proj = at::randn({6, 3}, at::make_generator<at::CPUGeneratorImpl>(9));
+  models::vision::train_projector(*t);
+  return t;
+}
+
+// Step s's tower term of the loss (its "images" are step s's fixed input).
+at::Tensor tower_loss(const models::DecoderModel& m, int s) {
+  const at::Tensor x = at::randn({4, 5}, at::make_generator<at::CPUGeneratorImpl>(2000 + s));
+  return m.tower->forward({x, {}, {}}).pow(2).sum() * 0.01;
+}
+
 struct Trace {
   std::vector<double> losses;
   at::Tensor adapters;     // every adapter, flattened, in lora_parameters() order
@@ -105,16 +140,18 @@ optim::AdamWOptions adamw() {
   return o;
 }
 
-Trace single_process() {
+Trace single_process(bool tower) {
   models::DecoderModel m = load(false);
   m.chunked_loss = false;
+  if (tower) m.tower = fake_tower();
   std::vector<at::Tensor> params;
   for (const auto& [n, t] : m.lora_parameters()) params.push_back(t);
   optim::AdamW opt(params, adamw());
   Trace tr;
   for (int s = 0; s < kSteps; ++s) {
     const auto [tok, lab] = batch(s);
-    const at::Tensor loss = loss_sum(m, tok, lab) / (lab != -100).sum().item<double>();
+    const at::Tensor loss =
+        loss_sum(m, tok, lab) / (lab != -100).sum().item<double>() + (tower ? tower_loss(m, s) : at::zeros({}));
     torch::autograd::backward({loss});
     tr.losses.push_back(loss.item<double>());
     optim::clip_grad_norm_(params, 1.0);
@@ -131,6 +168,7 @@ struct RunSetup {
   bool ckpt = false;
   bool stream = true;  // shard each layer as load_decoder builds it (else shard the loaded model)
   std::string export_dir;  // non-empty: also check the parallel export against one process's
+  bool tower = false;      // with a FakeTower whose term only rank 0's first micro-batch has
   ShardingOptions sharding;
 };
 
@@ -145,6 +183,10 @@ Trace sharded(World& w, const RunSetup& su) {
     m = load(su.ckpt);
     engine = ShardedDecoder::shard(m, w, su.sharding);
   }
+  if (su.tower) {
+    m.tower = fake_tower();
+    engine->add_tower(*m.tower);
+  }
   optim::AdamW opt(engine->param_shards(), adamw());
   const int per_rank = kRows / w.size(), per_micro = per_rank / su.micro;
   Trace tr;
@@ -157,8 +199,9 @@ Trace sharded(World& w, const RunSetup& su) {
     at::Tensor loss_total = at::zeros({1}, at::kDouble);
     for (int k = 0; k < su.micro; ++k) {
       engine->set_gradient_sync(k + 1 == su.micro);
-      const at::Tensor loss = loss_sum(m, mine_t.narrow(0, k * per_micro, per_micro),
-                                       mine_l.narrow(0, k * per_micro, per_micro)) / tokens.item<double>();
+      at::Tensor loss = loss_sum(m, mine_t.narrow(0, k * per_micro, per_micro),
+                                 mine_l.narrow(0, k * per_micro, per_micro)) / tokens.item<double>();
+      if (su.tower && w.rank() == 0 && k == 0) loss = loss + tower_loss(m, s);
       torch::autograd::backward({loss});
       engine->finish_backward();
       loss_total += loss.detach().to(at::kDouble);
@@ -203,7 +246,7 @@ Trace sharded(World& w, const RunSetup& su) {
 }
 
 void expect_same_as_single_process(int ranks, int64_t shard_size, const RunSetup& su) {
-  const Trace ref = single_process();
+  const Trace ref = single_process(su.tower);
   const Result res = run_ranks(ranks, shard_size, [&](World& w) {
     at::set_num_threads(1);
     const Trace t = sharded(w, su);
@@ -251,4 +294,12 @@ TEST(ShardedDecoder, ActivationCheckpointingAndNoPrefetchOrReshardChangeNothing)
   su.sharding.prefetch = false;
   su.sharding.reshard_after_forward = false;
   expect_same_as_single_process(2, 0, su);
+}
+
+TEST(ShardedDecoder, TowerGroupFedByOneRankOnlyEqualsOneProcess) {
+  RunSetup su;
+  su.tower = true;
+  for (int w : {1, 2}) expect_same_as_single_process(w, 0, su);
+  su.micro = 2;
+  expect_same_as_single_process(3, 0, su);
 }

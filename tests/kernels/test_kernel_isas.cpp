@@ -14,6 +14,7 @@
 #include "kernels/cpu_isa.h"
 #include "qlora/ops/decode_attention_ops.h"
 #include "qlora/ops/decode_matmul_ops.h"
+#include "qlora/ops/grouped_matmul_ops.h"
 #include "qlora/ops/narrow_ops.h"
 #include "qlora/ops/nf4_ops.h"
 #include "qlora/ops/rmsnorm_ops.h"
@@ -189,6 +190,45 @@ TEST_P(KernelIsas, DecodeMatmulMatchesFloat64) {
   const Nf4Tensor odd = nf4_quantize_reference(at::randn({96, 130}).to(dtype()), "odd");
   at::Tensor y = at::zeros({2, 96});
   EXPECT_FALSE(ops::decode_matmul_out(at::randn({2, 130}), odd, y));
+}
+
+// The experts' frozen products in one call (ops/grouped_matmul_ops.h): rows grouped by expert,
+// unevenly (one expert without rows, whose weight is undefined and never read; one with one row;
+// every tail of the tiles), each group times its own NF4 W stored in fp32 and in bf16, forward and
+// transposed, x and y column slices of wider tensors; against float64 products of W dequantized to
+// x's dtype. Big enough (3M multiply-adds) to be split among two threads.
+TEST_P(KernelIsas, GroupedNf4MatmulMatchesFloat64) {
+  at::manual_seed(19);
+  const int64_t N = 194, K = 256;  // a last panel of 2 rows, a last chunk of 2 rows
+  const std::vector<int64_t> counts = {7, 0, 1, 13, 40};
+  const int64_t S = 61;
+  for (at::ScalarType storage : {at::kFloat, at::kBFloat16}) {
+    std::vector<Nf4Tensor> q(counts.size());
+    std::vector<const Nf4Tensor*> w;
+    for (size_t g = 0; g < counts.size(); ++g) {
+      if (counts[g] > 0) q[g] = nf4_quantize_reference((at::randn({N, K}) * 0.02).to(storage), "w");
+      w.push_back(&q[g]);
+    }
+    for (bool transposed : {false, true}) {
+      const std::string what = std::string(transposed ? "transposed" : "forward") + ", W " + c10::toString(storage);
+      const int64_t in = transposed ? N : K, out = transposed ? K : N;
+      const at::Tensor xs = rnd({S, in + 8}, 20, dtype()), x = xs.narrow(1, 0, in);
+      at::Tensor ys = at::full({S, out + 5}, 7.0, dtype()), y = ys.narrow(1, 0, out);
+      ASSERT_TRUE(ops::grouped_nf4_matmul_out(x, counts, w, transposed, y)) << what;
+      at::Tensor want = at::empty({S, out}, at::kDouble);
+      for (size_t g = 0, off = 0; g < counts.size(); off += counts[g], ++g) {
+        if (counts[g] == 0) continue;
+        const at::Tensor wd = f64(ops::nf4_dequantize(q[g], dtype())), xg = f64(x.narrow(0, off, counts[g]));
+        want.narrow(0, off, counts[g]).copy_(transposed ? xg.mm(wd) : xg.mm(wd.t()));
+      }
+      expect_near(y, want, rel(), 1e-6, what);
+      EXPECT_TRUE(at::equal(ys.narrow(1, out, 5), at::full({S, 5}, 7.0, dtype()))) << "wrote past y's columns, " << what;
+    }
+  }
+  // Rows that are not whole 64-column tiles: not the kernel's; the caller multiplies per expert.
+  const Nf4Tensor odd = nf4_quantize_reference(at::randn({8, 96}).to(dtype()), "odd");
+  at::Tensor y = at::zeros({3, 8}, dtype());
+  EXPECT_FALSE(ops::grouped_nf4_matmul_out(at::randn({3, 96}).to(dtype()), {3}, {&odd}, false, y));
 }
 
 // A decode step's attention: one query per sequence against keys and values that are views of a

@@ -150,3 +150,24 @@ TEST(KeyLayout, PeftTargetPatternNamesOnlyTheLanguageModelsModules) {
                            "model.audio_tower.layers.0.self_attn.q_proj"})
     EXPECT_FALSE(std::regex_match(name, re)) << name;
 }
+
+// A trained vision tower's adapted modules join the pattern, one alternative per module kind with its
+// layer index as \d+: every block's, no other module.
+TEST(KeyLayout, PeftTargetPatternAddsTheTowersAdaptedModules) {
+  const Architecture& arch = llama_architecture();
+  const std::string p = peft_target_pattern(arch, KeyLayout::kModelLanguage, {"q_proj"},
+                                            {"model.visual.blocks.0.attn.qkv", "model.visual.blocks.0.mlp.linear_fc1",
+                                             "model.visual.blocks.1.attn.qkv", "model.visual.blocks.1.mlp.linear_fc1"});
+  EXPECT_EQ(p, "model\\.(?:language_model\\.)?layers\\.\\d+\\.self_attn\\.q_proj|"
+               "model\\.visual\\.blocks\\.\\d+\\.attn\\.qkv|model\\.visual\\.blocks\\.\\d+\\.mlp\\.linear_fc1");
+  const std::regex re(p);
+  for (const char* name : {"model.visual.blocks.26.attn.qkv", "model.visual.blocks.3.mlp.linear_fc1",
+                           "model.language_model.layers.3.self_attn.q_proj"})
+    EXPECT_TRUE(std::regex_match(name, re)) << name;
+  for (const char* name : {"model.visual.blocks.0.attn.proj", "model.visual.merger.linear_fc1",
+                           "model.visual.blocks.0.mlp.linear_fc2"})
+    EXPECT_FALSE(std::regex_match(name, re)) << name;
+  // Gemma 4's clippable linears: the index is the layer's, not the ".linear" wrapper's.
+  EXPECT_EQ(peft_target_pattern(arch, KeyLayout::kModelLanguage, {}, {"model.vision_tower.encoder.layers.5.self_attn.q_proj.linear"}),
+            "model\\.vision_tower\\.encoder\\.layers\\.\\d+\\.self_attn\\.q_proj\\.linear");
+}

@@ -2,9 +2,13 @@
 model (Qwen3_5ForConditionalGeneration written by transformers: _families' Qwen3.5 language model beside
 a tiny tower), Qwen's BPE with its vision tokens, Qwen3.5-9B's chat template and an image processor sized
 to the tiny tower; chat records whose user turns hold an image (PNG files beside the data). LoRA on the
-language model; the tower frozen (its encoder linears in NF4, as the base).
+language model and on every encoder linear of the tower (its bases in NF4, as the language model's), the
+merger trained in full (lora.vision_targets, lora.train_projector: peft's target_modules and
+modules_to_save); the grey run below keeps the tower frozen.
 Checks:
 1. the run trains on the images (its log names the tower; finite losses);
+1b. the tower trained: every adapted tower linear's lora_B and the merger moved from the base, and the
+   merged export holds W + scale * B @ A for those linears and the trained merger (in the checkpoint's keys);
 2. the first step's loss is transformers' mean token cross-entropy of the same first batch: the ids and
    labels as qlora reads the records (image_data_tool), the pixels from transformers' own processor
    through its own tower, with the language model's projections in NF4 on both sides (torchao's
@@ -15,8 +19,9 @@ Checks:
 6. `qlora generate --image` on the merged export: its prompt ids are transformers' processor's
    (apply_chat_template with the image, add_generation_prompt) and its greedy text transformers'
    generate on the same export (Qwen3_5ForConditionalGeneration, pixels from its own processor);
-7. the PEFT adapter, loaded by peft onto the base Qwen3_5ForConditionalGeneration, gives the merged
-   export's logits on that image prompt (merged over the original weights, checkpoint.merge_from).
+7. the PEFT adapter (the tower's adapters and the merger among its tensors), loaded by peft onto the base
+   Qwen3_5ForConditionalGeneration, gives the merged export's logits on that image prompt (merged over the
+   original weights, checkpoint.merge_from).
 
     python tests/recipes/test_vision_recipe.py --qlora build/qlora --qlora-faults build/qlora_faults
         --image-data-tool build/image_data_tool --workdir build/recipe_vision
@@ -44,9 +49,21 @@ COMMON = ["logging.progress=plain", "training.epochs=1", f"training.max_steps_pe
           "checkpoint.save_every_steps=1", "checkpoint.keep_last_n=8", "data.format=chat", "data.template=auto",
           "data.shuffle=false", "data.max_seq_len=96", "lora.rank=8", "lora.alpha=16", "optim.warmup_steps=1",
           'lora.targets=["q","k","v","o","gate","up","down"]', "checkpoint.merge_from=original"]
+VISION_TARGETS = ["qkv", "proj", "linear_fc1", "linear_fc2"]
+TRAIN_TOWER = ["lora.vision_targets=" + json.dumps(VISION_TARGETS), "lora.train_projector=true"]
 # fp32 on both sides, the same NF4-dequantized weights: the order of operations only (~1e-6 of the loss).
 LOSS_RTOL = 1e-5
 RANKS_TOL = 1e-5
+# The tower's lora_A: its first updates are AdamW's m / sqrt(v) of gradients near 0 (lora_B ~ lr then; the
+# tower's gradients summed over images in another order on 2 ranks), which passes their rounding into
+# the update (seen 7e-5; one process with 2 micro-batches of 2 rows instead of 1 of 4 differs as much, 8e-5:
+# summation order, not the engine): bounded by one update (lr 2e-4). The tower's lora_B and merger, in the same
+# trainable group, are held to RANKS_TOL: a rank's gradient lost or counted twice moves them by ~lr.
+TOWER_A_TOL = 2e-4
+
+
+def tower_a(key):
+    return ".visual." in key and ".lora_A." in key
 
 
 def build(base, work):
@@ -146,7 +163,7 @@ def main():
     base = os.path.join(a.workdir, "base")
     model = build(base, a.workdir)
     data = write_data(os.path.join(a.workdir, "data"))
-    common = [*COMMON, f"model.checkpoint_dir={base}", f"data.path={data}"]
+    common = [*COMMON, *TRAIN_TOWER, f"model.checkpoint_dir={base}", f"data.path={data}"]
 
     one = os.path.join(a.workdir, "one")
     r = run_recipe(a.qlora, one, *common, f"training.batch_size={BATCH}")
@@ -154,12 +171,14 @@ def main():
         return check.summary()
     ref = losses(one)
     check(len(ref) == STEPS and all(math.isfinite(x) for x in ref), f"{len(ref)} finite losses {[round(x, 4) for x in ref]}")
+    check_tower_trained(check, base, one)
 
     want = first_batch_loss(nf4_reference(model), a.image_data_tool, base, data, a.workdir)
     check(abs(ref[0] - want) <= LOSS_RTOL * abs(want),
           f"the first step's loss is transformers' on the same batch with its own processor and tower: "
           f"{ref[0]:.8f} vs {want:.8f} (rel {abs(ref[0] - want) / abs(want):.1e} <= {LOSS_RTOL})")
 
+    check_refusals(check, a, base, data)
     grey = os.path.join(a.workdir, "grey")
     r = run_recipe(a.qlora, grey, *COMMON, f"model.checkpoint_dir={base}", f"data.path={write_data(grey + '_data', True)}",
                    f"training.batch_size={BATCH}", "training.max_steps_per_epoch=1")
@@ -170,8 +189,11 @@ def main():
     r = run_recipe(a.qlora, two, *common, f"training.batch_size={BATCH // 2}", nproc=2)
     if check(r.returncode == 0, "2 ranks train"):
         dl = max(abs(x - y) for x, y in zip(losses(two), ref))
-        da = max(float(abs(adapter(two)[k] - adapter(one)[k]).max()) for k in adapter(one))
-        check(dl < RANKS_TOL and da < RANKS_TOL, f"2 ranks give one process's losses and adapter ({dl:.1e}, {da:.1e})")
+        diff = {k: float(abs(adapter(two)[k] - adapter(one)[k]).max()) for k in adapter(one)}
+        da = max(d for k, d in diff.items() if not tower_a(k))
+        dta = max(d for k, d in diff.items() if tower_a(k))
+        check(dl < RANKS_TOL and da < RANKS_TOL and dta < TOWER_A_TOL,
+              f"2 ranks give one process's losses and adapter ({dl:.1e}, {da:.1e}; the tower's lora_A {dta:.1e})")
 
     killed = os.path.join(a.workdir, "killed")
     r = run_recipe(a.qlora_faults, killed, *common, f"training.batch_size={BATCH}", fault="kill_after_step=2", expect_rc=-9)
@@ -181,6 +203,61 @@ def main():
         check(same and losses(killed)[-1] == ref[-1], "resumed after SIGKILL: the adapter bit for bit the uninterrupted run's")
     check_generate(check, a, one, data)
     return check.summary()
+
+
+def check_refusals(check, a, base, data):
+    """A name the tower lacks is refused listing its linears; data without images and a text-only checkpoint,
+    naming the key."""
+    out = os.path.join(a.workdir, "refused")
+    r = run_recipe(a.qlora, out, *COMMON, f"model.checkpoint_dir={base}", f"data.path={data}",
+                   'lora.vision_targets=["qkv","q_proj"]', expect_rc=1)
+    want = "lora.vision_targets: 'q_proj' is not a linear of this vision tower (qkv, proj, linear_fc1, linear_fc2)"
+    check(r.returncode == 1 and want in r.stdout + r.stderr, f"an unknown vision target is refused: {want!r}")
+    text_only = os.path.join(a.workdir, "text_only.jsonl")
+    with open(text_only, "w") as f:
+        f.write(json.dumps({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]}) + "\n")
+    r = run_recipe(a.qlora, out, *COMMON, *TRAIN_TOWER, f"model.checkpoint_dir={base}", f"data.path={text_only}", expect_rc=1)
+    check(r.returncode == 1 and "lora.vision_targets: the training data holds no images" in r.stderr,
+          "the tower's keys with training data without images are refused naming the key")
+    r = run_recipe(a.qlora, out + "_text", "logging.progress=plain", "lora.train_projector=true", expect_rc=1)
+    check(r.returncode == 1 and "lora.train_projector: " in r.stdout + r.stderr and "text-only checkpoint" in r.stdout + r.stderr,
+          "the tower's keys with a text-only checkpoint (the embedded tiny base) are refused naming the key")
+
+
+def check_tower_trained(check, base, run):
+    """The tower's adapters and the merger moved, and the merged export holds them merged / as trained."""
+    from recipe_common import safetensors_of
+    ad = {k: torch.from_numpy(v) for k, v in adapter(run).items()}
+    orig, merged = safetensors_of(base), safetensors_of(os.path.join(run, "epoch_0"))
+    tower_b = [k for k in ad if ".visual.blocks." in k and k.endswith(".lora_B.weight")]
+    merger = [k for k in ad if ".visual.merger." in k]
+    blocks = len({k.split(".visual.blocks.")[1].split(".")[0] for k in tower_b})
+    check(len(tower_b) == blocks * len(VISION_TARGETS) and blocks > 0 and len(merger) == 6
+          and all(ad[k].abs().max() > 0 for k in tower_b),
+          f"the tower trained: {len(tower_b)} adapted tower linears' lora_B moved from 0, {len(merger)} merger tensors saved")
+    scale, worst, moved = 16 / 8, 0.0, 0.0
+    for kb in tower_b:
+        module = kb[len("base_model.model."):-len(".lora_B.weight")]
+        key = next(k for k in orig if k.endswith(module.split("model.", 1)[1] + ".weight"))
+        want = orig[key] + scale * ad[kb] @ ad[kb.replace("lora_B", "lora_A")]
+        worst = max(worst, (merged[key] - want).abs().max().item())
+        moved = max(moved, (merged[key] - orig[key]).abs().max().item())
+    same, changed = True, 0.0
+    for k in merger:
+        key = next(o for o in orig if o.endswith("visual." + k.split(".visual.", 1)[1]))
+        same = same and torch.equal(merged[key], ad[k])
+        changed = max(changed, (ad[k] - orig[key]).abs().max().item())
+    # fp32: the merge's matmul and add against torch's, rounding only.
+    check(worst < 1e-6 and moved > 0 and same and changed > 0,
+          f"the merged export: the tower's linears W + scale B A (max|diff| {worst:.1e}, moved {moved:.1e}), "
+          f"the trained merger ({'equal' if same else 'differs'}; moved {changed:.1e} from the base)")
+
+
+def peft_name(key):
+    """peft's parameter for an adapter key: the merger's trained copy, or the adapter's "default" weights."""
+    if ".visual.merger." in key:
+        return key.replace(".merger.", ".merger.modules_to_save.default.")
+    return key.replace(".lora_A.", ".lora_A.default.").replace(".lora_B.", ".lora_B.default.")
 
 
 def check_generate(check, a, run, data):
@@ -213,6 +290,11 @@ def check_generate(check, a, run, data):
     from peft import PeftModel
     base = F.Qwen3_5ForConditionalGeneration.from_pretrained(os.path.join(a.workdir, "base"), dtype=torch.float32).eval()
     peft = PeftModel.from_pretrained(base, os.path.join(export, "adapter")).eval()
+    # The tower's adapters and the merger (modules_to_save) are what peft loaded, so the logits below cover them.
+    params, ad = dict(peft.named_parameters()), adapter(run)
+    tower = [k for k in ad if ".visual." in k]
+    loaded = [k for k in tower if torch.equal(params[peft_name(k)].detach(), torch.from_numpy(ad[k]))]
+    check(len(tower) > 0 and loaded == tower, f"peft loads the tower's adapters and the merger ({len(loaded)} of {len(tower)})")
     with torch.no_grad():
         ref, ours = model(**inputs).logits, peft(**inputs).logits
     diff = (ours - ref).abs().max().item()

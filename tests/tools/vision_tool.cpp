@@ -7,7 +7,8 @@
 // (Gemma 4) as the processor names them; with "grad_output" [tokens, width], a backward of
 // sum(features * grad_output) too.
 // Writes --out: "features" float32 [tokens, width], "tokens_per_image" int64 [images], the metadata
-// "tensors" (every checkpoint tensor the tower holds, by its model name, comma-separated), and after a
+// "tensors" (every checkpoint tensor the tower holds, by its model name, comma-separated), "checkpoint_keys"
+// (the same by their keys in the checkpoint, Tower::checkpoint_key: what a merged export writes), and after a
 // backward "grad.<name>" for each trainable tensor (peft's names: base_model.model.<module>.lora_A.weight,
 // the projector's base_model.model.<param>).
 // --dump-weights: the encoder linears' weights as the tower computes with them (NF4 dequantized),
@@ -71,10 +72,13 @@ void dump_weights(Tower& tower, const std::string& path) {
   qlora::io::save_safetensors(path, out);
 }
 
-// Every checkpoint tensor the tower holds, by its model name, comma-separated.
-std::string held_names(Tower& tower) {
+// Every checkpoint tensor the tower holds, by its model name (or by its key in the checkpoint:
+// Tower::checkpoint_key), comma-separated.
+std::string held_names(Tower& tower, bool checkpoint_keys) {
   std::string out;
-  const auto add = [&](const std::string& name) { out += (out.empty() ? "" : ",") + name; };
+  const auto add = [&](const std::string& name) {
+    out += (out.empty() ? "" : ",") + (checkpoint_keys ? tower.checkpoint_key(name) : name);
+  };
   for (auto& [name, t] : tower.frozen()) add(name);
   for (auto& [module, lin] : tower.linears()) {
     add(module + ".weight");
@@ -158,7 +162,8 @@ int main(int argc, char** argv) {
         result.emplace_back("grad." + name, t.grad().defined() ? t.grad().to(at::kFloat).cpu().contiguous()
                                                                 : at::zeros_like(t, at::kFloat).cpu());
     }
-    qlora::io::save_safetensors(out, result, {{"tensors", held_names(*tower)}});
+    qlora::io::save_safetensors(out, result,
+                                {{"tensors", held_names(*tower, false)}, {"checkpoint_keys", held_names(*tower, true)}});
   } catch (const std::exception& e) {
     std::cerr << "vision_tool: " << e.what() << "\n";
     return 1;

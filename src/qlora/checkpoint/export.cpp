@@ -197,6 +197,12 @@ void write_peft_adapter(const std::string& dir, const std::vector<std::pair<std:
     };
     const bool is_a = ends(".lora_A.weight"), is_b = ends(".lora_B.weight"), is_m = ends(".lora_magnitude_vector");
     const bool is_rows = ends(kTokenRowsSuffix) && !info.trainable_token_indices.is_null();
+    const bool is_saved = std::any_of(info.modules_to_save.begin(), info.modules_to_save.end(),
+                                      [&n = name](const std::string& m) { return n.rfind("base_model.model." + m + ".", 0) == 0; });
+    if (is_saved) {  // a module peft trains whole: its tensors as they are
+      cpu.emplace_back(name, t.detach().to(at::kCPU, dtype).contiguous());
+      continue;
+    }
     if (name.rfind("base_model.model.", 0) != 0 || !(is_a || is_b || is_m || is_rows)) {
       throw ExportError("write_peft_adapter " + dir + ": '" + name +
                         "' is not a PEFT LoRA key (base_model.model.<module>.lora_{A,B}.weight, "
@@ -243,7 +249,7 @@ void write_peft_adapter(const std::string& dir, const std::vector<std::pair<std:
       {"fan_in_fan_out", false},
       {"inference_mode", true},
       {"init_lora_weights", true},
-      {"modules_to_save", nullptr},
+      {"modules_to_save", info.modules_to_save.empty() ? nlohmann::json(nullptr) : nlohmann::json(info.modules_to_save)},
       {"layers_to_transform", nullptr},
       {"layers_pattern", nullptr},
       {"rank_pattern", nlohmann::json::object()},
@@ -258,6 +264,28 @@ void write_peft_adapter(const std::string& dir, const std::vector<std::pair<std:
   // json's object keys are sorted, as PEFT's own json.dumps(sort_keys=True) writes them.
   io::write_file_atomic((fs::path(dir) / "adapter_config.json").string(), cfg.dump(2) + "\n");
 }
+
+namespace {
+
+// A trained vision tower's tensors by their keys in the checkpoint it was loaded from: its adapted
+// linears (<module>.weight) and its trained projector's tensors.
+struct TowerTensors {
+  std::map<std::string, const modules::LoraLinear*> linears;
+  std::map<std::string, at::Tensor> projector;
+};
+
+TowerTensors trained_tower_tensors(const models::DecoderModel& model) {
+  TowerTensors out;
+  if (!model.tower) return out;
+  models::vision::Tower& tower = *model.tower;
+  for (auto& [module, lin] : tower.linears())
+    if (lin->has_lora()) out.linears[tower.checkpoint_key(module + ".weight")] = lin;
+  for (auto& [name, t] : tower.projector())
+    if (t->requires_grad()) out.projector[tower.checkpoint_key(name)] = *t;
+  return out;
+}
+
+}  // namespace
 
 struct MergedModelWriter::Impl {
   std::string dir, base_dir;
@@ -462,11 +490,22 @@ MergedModelWriter::MergedModelWriter(const std::string& dir, const models::Decod
 
   impl_->untie = untie;
   // What no text computation reads (a multimodal checkpoint's vision tower and projector, Qwen3.5's
-  // mtp.*): copied as it is (no LoRA reaches it).
+  // mtp.*): copied as it is, but for a trained tower's adapted linears (merged) and projector (the
+  // trained tensors, in the checkpoint's dtype), under the checkpoint's keys.
+  const TowerTensors tower = trained_tower_tensors(model);
   for (const std::string& k : orig.tensor_names()) {
     if (models::is_language_model_key(model.key_layout, k)) continue;
     const io::TensorInfo& ti = orig.file_of(k).info(k);
-    push({k, io::to_scalar_type(ti.dtype), ti.shape, from_orig(k)});
+    if (const auto lin = tower.linears.find(k); lin != tower.linears.end()) {
+      projection(k, *lin->second);
+    } else if (const auto p = tower.projector.find(k); p != tower.projector.end()) {
+      if (p->second.sizes().vec() != ti.shape)
+        throw ExportError("write_merged_model: " + k + " in " + base_checkpoint_dir + " has another shape than the model's projector");
+      push({k, io::to_scalar_type(ti.dtype), ti.shape,
+            [t = p->second, out = io::to_scalar_type(ti.dtype)]() { return t.detach().to(out).cpu().contiguous(); }});
+    } else {
+      push({k, io::to_scalar_type(ti.dtype), ti.shape, from_orig(k)});
+    }
   }
 
   // Greedy sharding in checkpoint order, as transformers' split_torch_state_dict_into_shards.
@@ -578,14 +617,24 @@ void MergedModelWriter::write_extras(const std::string& tokenizer_path) const {
 namespace {
 
 // A multimodal model's adapter names its targets by a pattern that only the language model's modules
-// match (models::peft_target_pattern); a list of short names would also wrap the vision tower's.
+// match (models::peft_target_pattern); a list of short names would also wrap the vision tower's. The
+// tower's adapted modules join the pattern, its trained projector modules_to_save.
 AdapterInfo adapter_info_for(const models::DecoderModel& model, AdapterInfo info) {
   if (!model.config.multimodal) return info;
   std::vector<std::string> names = info.target_modules;
-  if (names.empty())
-    for (const auto& [name, t] : model.lora_parameters())
-      if (expert_parameter(name).empty()) names.push_back(module_of(name));
-  info.target_pattern = models::peft_target_pattern(model.architecture(), models::peft_layout(model.config), names);
+  std::vector<std::string> tower_modules;
+  if (model.tower) {
+    tower_modules = models::vision::adapted_modules(*model.tower);
+    const std::string projector = models::vision::projector_module(*model.tower);
+    if (!projector.empty()) info.modules_to_save.push_back(projector);
+  }
+  const size_t tower_tensors = model.tower ? models::vision::tower_trainable(*model.tower).size() : 0;
+  const auto params = model.lora_parameters();
+  if (names.empty())  // the language model's: lora_parameters() ends with the tower's
+    for (size_t k = 0; k + tower_tensors < params.size(); ++k)
+      if (expert_parameter(params[k].first).empty()) names.push_back(module_of(params[k].first));
+  info.target_pattern =
+      models::peft_target_pattern(model.architecture(), models::peft_layout(model.config), names, tower_modules);
   return info;
 }
 

@@ -59,6 +59,10 @@ struct AdapterInfo {
   // <module>.token_adapter.trainable_tokens_delta [ids, hidden], which peft writes over the base's
   // rows. export_epoch fills it from the model.
   nlohmann::json trainable_token_indices;
+  // peft's modules_to_save: modules trained whole (a vision-language model's projector), their tensors
+  // base_model.model.<module>.<param> among the adapter's, written as they are. export_epoch fills it
+  // from the model's tower.
+  std::vector<std::string> modules_to_save;
 };
 
 // <dir>/qlora.json, atomically: {"format": "qlora-export-v1", "prompt": {"format", "template"

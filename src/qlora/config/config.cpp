@@ -126,6 +126,8 @@ void visit_fields(Cfg& c, V&& v) {
   v("lora", "targets", c.lora.targets, true);
   v("lora", "use_rslora", c.lora.use_rslora, true);
   v("lora", "use_dora", c.lora.use_dora, true);
+  v("lora", "vision_targets", c.lora.vision_targets, true);
+  v("lora", "train_projector", c.lora.train_projector, true);
   v("data", "path", c.data.path, false);
   v("data", "split", c.data.split, false);  // a location too: the file it picks is fingerprinted
   v("data", "val_path", c.data.val_path, false);
@@ -579,6 +581,12 @@ void validate(const RecipeConfig& c, const Origin& o, const LineMap& lines) {
     check(models::is_known_target(t), "lora.targets", "a list of " + allowed, "'" + t + "'");
     check(seen.insert(t).second, "lora.targets", "free of duplicates", "'" + t + "' twice");
   }
+  // The names depend on the checkpoint's tower: the recipe checks them against it (vision::add_tower_lora).
+  std::set<std::string> seen_vision;
+  for (const std::string& t : c.lora.vision_targets)
+    check(seen_vision.insert(t).second, "lora.vision_targets", "free of duplicates", "'" + t + "' twice");
+  check(c.lora.vision_targets.empty() || !c.lora.use_dora, "lora.use_dora",
+        "false with lora.vision_targets (DoRA on the vision tower is not supported)", "true");
   check(c.data.max_seq_len >= 1, "data.max_seq_len", ">= 1", i(c.data.max_seq_len));
   check(c.data.val_fraction >= 0 && c.data.val_fraction < 1, "data.val_fraction", "in [0, 1)", d(c.data.val_fraction));
   check(c.data.val_path.empty() || c.data.val_fraction == 0, "data.val_fraction",

@@ -75,6 +75,13 @@ struct LoraConfig {
   bool use_rslora = false;  // rank-stabilised LoRA: scale alpha / sqrt(rank) instead of alpha / rank
   // DoRA (peft's use_dora): a trainable magnitude per output row of each adapted projection.
   bool use_dora = false;
+  // A vision-language checkpoint's tower (models/vision/tower.h): LoRA (rank, alpha, dropout, rslora as
+  // above; no DoRA) on its encoder linears with these short names (Tower::target_names: Qwen3.5 qkv,
+  // proj, linear_fc1, linear_fc2; Gemma 3 and 4 q_proj, k_proj, v_proj, out_proj / o_proj, fc1 / fc2 /
+  // gate_proj, up_proj, down_proj), and the projector trained in full (an fp32 master copy; peft's
+  // modules_to_save). Empty / false: the tower runs frozen. lora_finetune only.
+  std::vector<std::string> vision_targets;
+  bool train_projector = false;
 };
 
 struct DataConfig {

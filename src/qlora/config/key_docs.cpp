@@ -23,6 +23,8 @@ constexpr std::pair<std::string_view, std::string_view> kKeyDocs[] = {
     {"lora.targets", "projections that get adapters: q, k, v, o, gate, up, down, output (qkv, gate_up); experts (a MoE layer's routed experts); shared_expert (Qwen3.5-MoE's shared expert: shared_gate, shared_up, shared_down)"},
     {"lora.use_rslora", "rank-stabilised LoRA: scale alpha / sqrt(rank)"},
     {"lora.use_dora", "DoRA: a trainable magnitude per output row of each adapted projection"},
+    {"lora.vision_targets", "a vision-language checkpoint's tower linears that get adapters (short names of its encoder's: Qwen3.5 qkv, proj, linear_fc1, linear_fc2; Gemma q_proj, k_proj, v_proj, out_proj / o_proj, fc1, fc2 / gate_proj, up_proj, down_proj); empty: the tower stays frozen"},
+    {"lora.train_projector", "train the multimodal projector (Qwen3.5's merger, Gemma's multi_modal_projector / embed_vision) in full, fp32, as peft's modules_to_save"},
     {"data.path", "training data: a file, a directory of split files, or a Hub data set id in the local cache; empty: the embedded tiny default data set"},
     {"data.split", "the split read from a directory or Hub data set (its files named as the Hub names splits)"},
     {"data.val_path", "validation data file of the same format"},

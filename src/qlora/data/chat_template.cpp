@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <functional>
 #include <stdexcept>
 #include <string_view>
 
@@ -105,8 +106,12 @@ size_t answer_start_in(const std::string& full, const std::string& head, const s
 // the conversation up to it, rendered alone, is no prefix of `full`): after its content and the
 // end-of-turn marker that follows the content in `with`. Where the template rewrote the content
 // (Qwen3 drops an earlier answer's <think> block), the first such marker after `start`.
+// open_marker(): how the template closes the answer when it is not the last message (gpt-oss's
+// harmony: <|end|>, where the last one ends with <|return|>), rendered only where `with`'s marker
+// does not follow the content; empty where unknown.
 size_t answer_end_in(const std::string& full, const std::string& with, const std::string& head,
-                     const std::string& content, size_t start, const std::string& where) {
+                     const std::string& content, size_t start, const std::string& where,
+                     const std::function<std::string()>& open_marker) {
   const size_t tail = content.empty() ? after_longest_tail(with, 0, with.size(), head) : with.rfind(content);
   if (tail == std::string::npos) throw std::invalid_argument("cannot locate " + where + " in the rendered text");
   const std::string marker = with.substr(tail + content.size());
@@ -120,6 +125,8 @@ size_t answer_end_in(const std::string& full, const std::string& with, const std
     // A partial match ends at a line or a tag, never inside the next turn's "<|user|>".
     while (n > 0 && n < marker.size() && marker[n - 1] != '\n' && marker[n - 1] != '>' && marker[n - 1] != ']') --n;
     if (n > 0 || marker.empty()) return after + n;
+    const std::string open = open_marker();
+    if (!open.empty() && full.compare(after, open.size(), open) == 0) return after + open.size();
   }
   const size_t next = marker.empty() ? std::string::npos : full.find(marker, start);
   if (next == std::string::npos)
@@ -239,9 +246,21 @@ std::vector<Segment> ChatTemplate::render_training(const std::vector<Message>& m
         }
         start = answer_start_in(full.text, head, content, at, cursor, where);
       }
+      // The conversation through this answer with a generation prompt after it, that prompt cut off:
+      // the answer's closing as an earlier turn (the prompt is what `head` adds to `before`).
+      const auto open_marker = [&]() -> std::string {
+        const ojson through(all.begin(), all.begin() + static_cast<std::ptrdiff_t>(i + 1));
+        const std::string bare = render_spans(before, false).text, open = render_spans(through, true).text;
+        if (content.empty() || !starts_with(head, bare) || head.size() == bare.size()) return {};
+        const std::string prompt = head.substr(bare.size());
+        if (open.size() < prompt.size() || open.compare(open.size() - prompt.size(), prompt.size(), prompt) != 0) return {};
+        const size_t tail = open.rfind(content, open.size() - prompt.size());
+        if (tail == std::string::npos) return {};
+        return open.substr(tail + content.size(), open.size() - prompt.size() - tail - content.size());
+      };
       const size_t end = starts_with(full.text, with) && with.size() >= start
                              ? with.size()
-                             : answer_end_in(full.text, with, head, content, start, where);
+                             : answer_end_in(full.text, with, head, content, start, where, open_marker);
       if (start < cursor || end < start) throw std::invalid_argument("cannot locate " + where + " in the rendered text");
       spans.emplace_back(start, end);
       cursor = end;

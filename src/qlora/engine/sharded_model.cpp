@@ -36,6 +36,7 @@ struct ShardedDecoder::TrainGroup {
   at::Tensor grad_shard, rs_out;     // [padded / shards]
   size_t shard_index = 0;            // into param_shards_
   int64_t expected = 0, arrived = 0;
+  bool late = false;  // reduced by finish_backward, whether or not its gradients arrived (add_tower)
   WorkPtr rs, ar;
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;  // keeps the hooks' nodes alive
 };
@@ -233,6 +234,19 @@ void ShardedDecoder::finish(models::DecoderModel& m) {
   if (!whole()) m.hooks = shared_from_this();  // a whole model has nothing to gather around its units
 }
 
+void ShardedDecoder::add_tower(models::vision::Tower& tower) {
+  std::vector<modules::LoraLinear*> linears;
+  std::vector<std::string> stems;
+  for (auto& [module, lin] : tower.linears()) {
+    linears.push_back(lin);
+    stems.push_back(module);
+  }
+  std::vector<std::pair<at::Tensor*, std::string>> projector;
+  for (auto& [name, t] : tower.projector())
+    if (t->requires_grad()) projector.emplace_back(t, name);
+  add_trainable(linears, stems, projector, /*late=*/true);
+}
+
 namespace {
 
 std::unique_ptr<ShardedDecoder::FrozenGroup> make_frozen(const std::string& name, const std::vector<Member>& members,
@@ -266,9 +280,10 @@ std::unique_ptr<ShardedDecoder::FrozenGroup> make_frozen(const std::string& name
 }  // namespace
 
 void ShardedDecoder::add_trainable(const std::vector<modules::LoraLinear*>& ls, const std::vector<std::string>& stems,
-                                   const std::vector<std::pair<at::Tensor*, std::string>>& more) {
+                                   const std::vector<std::pair<at::Tensor*, std::string>>& more, bool late) {
   const int64_t n = world_.shard().size(), me = world_.shard().rank();
   auto g = std::make_unique<TrainGroup>();
+  g->late = late;
   g->layout = FlatLayout(at::kFloat, n);
   std::vector<std::pair<at::Tensor*, std::string>> slots;
   for (size_t k = 0; k < ls.size(); ++k) {
@@ -377,7 +392,11 @@ void ShardedDecoder::on_grad_ready(size_t gi) {
   TrainGroup& g = *train_[gi];
   if (++g.arrived < g.expected) return;
   g.arrived = 0;
-  if (!sync_ && !opt_.reduce_scatter_every_micro_batch) return;
+  if (!g.late && reducing()) reduce(gi);
+}
+
+void ShardedDecoder::reduce(size_t gi) {
+  TrainGroup& g = *train_[gi];
   if (g.rs)  // rs_out and full_grad are still in use by the last backward's reduce-scatter
     throw std::logic_error("ShardedDecoder: a backward ran without finish_backward() after the previous one");
   if (!whole()) {  // a one-rank shard group's full gradient is its shard already
@@ -388,12 +407,15 @@ void ShardedDecoder::on_grad_ready(size_t gi) {
 }
 
 void ShardedDecoder::finish_backward() {
+  // The late groups (the tower's), after every other, in the same order on every rank.
+  for (size_t gi = 0; gi < train_.size(); ++gi)
+    if (train_[gi]->late && reducing()) reduce(gi);
   // Every group must have had each adapter's gradient exactly once; anything else (an adapter
   // the graph skipped, a backward cut short) would step on a stale shard, and out of step with
   // the other ranks' collectives.
   for (size_t gi = 0; gi < train_.size(); ++gi) {
     const bool issued = std::find(ready_order_.begin(), ready_order_.end(), gi) != ready_order_.end();
-    const bool want = sync_ || opt_.reduce_scatter_every_micro_batch;
+    const bool want = reducing();
     if (train_[gi]->arrived != 0 || issued != want)
       throw std::logic_error("ShardedDecoder::finish_backward: trainable group " + std::to_string(gi) + " (" +
                              train_[gi]->layout.members().front().name + ") received " +

@@ -40,6 +40,7 @@
 #include "qlora/engine/flat_layout.h"
 #include "qlora/engine/process_group.h"
 #include "qlora/models/decoder.h"
+#include "qlora/models/vision/tower.h"
 
 namespace torch::autograd {
 struct Node;
@@ -77,6 +78,12 @@ class ShardedDecoder : public models::UnitHooks, public std::enable_shared_from_
   static std::shared_ptr<ShardedDecoder> begin(World& world, ShardingOptions options);
   void shard_layer(int64_t index, modules::DecoderLayer& layer, const models::Architecture& arch);
   void finish(models::DecoderModel& model);
+  // After finish(), before the optimizer is made: the vision tower's trainable tensors (its encoder
+  // linears' adapters, the projector's fp32 copy: vision::tower_trainable's, in that order) as the
+  // last trainable group, kept whole on every rank (as its frozen part is). Its gradients come last in
+  // backward, and a rank whose micro-batch held no image gets none: the group's reduce-scatter is
+  // issued by finish_backward on every rank, after the others' (zeros where none arrived).
+  void add_tower(models::vision::Tower& tower);
   ~ShardedDecoder() override;
 
   // One fp32 tensor per trainable group: this rank's shard of the adapters, with .grad set to the
@@ -132,8 +139,13 @@ class ShardedDecoder : public models::UnitHooks, public std::enable_shared_from_
   void prefetch(int64_t unit);
   void on_grad_ready(size_t group);
   // The adapters of `layers` (named stems[k].lora_A ...), then `more` (a MoE layer's expert adapters), as one group.
+  // late: the group may get no gradient in a backward (add_tower).
   void add_trainable(const std::vector<modules::LoraLinear*>& layers, const std::vector<std::string>& stems,
-                     const std::vector<std::pair<at::Tensor*, std::string>>& more = {});
+                     const std::vector<std::pair<at::Tensor*, std::string>>& more = {}, bool late = false);
+  // Issues group gi's reduce-scatter (where the shard group has several ranks) and queues it for finish_backward.
+  void reduce(size_t gi);
+  // Whether this backward's gradients are reduced (the step's last micro-batch, or every one).
+  bool reducing() const { return sync_ || opt_.reduce_scatter_every_micro_batch; }
   // A shard group of one rank (one process, or pure replication): every group stays whole where
   // it is; gathers, releases and reduce-scatters do nothing.
   bool whole() const { return world_.shard().size() == 1; }

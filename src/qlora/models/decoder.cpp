@@ -620,6 +620,8 @@ std::vector<std::pair<std::string, at::Tensor>> DecoderModel::lora_parameters() 
     out.emplace_back(stem + ".lora_B.weight", ex.down_b);
   }
   add(layout_key(names, output_projection(arch).hf_module), lm_head);
+  if (tower)
+    for (auto& entry : vision::tower_trainable(*tower)) out.push_back(std::move(entry));
   return out;
 }
 

@@ -113,6 +113,10 @@ struct DecoderModel {
   bool activation_checkpointing = false;
   bool training = false;           // enables LoRA dropout
   std::shared_ptr<UnitHooks> hooks;  // optional; see UnitHooks
+  // A multimodal checkpoint's vision tower where the run reads images (recipes load it; every rank
+  // holds it whole); its trainable tensors (LoRA on its encoder linears, the projector: vision::
+  // add_tower_lora / train_projector) are among lora_parameters(). Null: text only.
+  std::shared_ptr<vision::Tower> tower;
   // Router statistics: when set, each training forward (m.training, no cache) adds the tokens each
   // expert of each MoE layer received to `counts`, [layers, experts] int64 on the model's device (rows
   // of dense layers stay 0; counted there, no host sync per layer); the caller reads and clears it.
@@ -166,7 +170,8 @@ struct DecoderModel {
   // Trainable tensors with PEFT names, e.g.
   // base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight ([r, in]) / .lora_B.weight
   // (a multimodal gemma3: base_model.model.model.language_model.layers.0...; key_layout.h), and
-  // with DoRA each adapted projection's .lora_magnitude_vector ([out], peft's key).
+  // with DoRA each adapted projection's .lora_magnitude_vector ([out], peft's key); then the vision
+  // tower's (vision::tower_trainable: its adapters, the trained projector as peft's modules_to_save keys).
   std::vector<std::pair<std::string, at::Tensor>> lora_parameters() const;
   // lora_parameters() as the PEFT adapter holds them: the same tensors, except where peft orders a
   // family's fused expert rows otherwise (gpt-oss: gate_up's lora_B rows interleave gate's and up's),

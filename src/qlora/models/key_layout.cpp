@@ -1,6 +1,7 @@
 #include "qlora/models/key_layout.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cstdio>
 #include <stdexcept>
 
@@ -43,13 +44,37 @@ KeyLayout peft_layout(const DecoderConfig& config) {
   return config.multimodal ? KeyLayout::kModelLanguage : KeyLayout::kText;
 }
 
-std::string peft_target_pattern(const Architecture& arch, KeyLayout layout,
-                                const std::vector<std::string>& peft_names) {
+namespace {
+
+// A module name with "{i}" for a layer index as a regular expression: dots escaped, the index \d+.
+std::string module_regex(const std::string& module) {
+  std::string out;
+  for (char ch : module) out += ch == '.' ? std::string("\\.") : std::string(1, ch);
+  const auto at = out.find("{i}");
+  if (at != std::string::npos) out.replace(at, 3, "\\d+");
+  return out;
+}
+
+// "model.visual.blocks.3.attn.qkv" -> "model.visual.blocks.{i}.attn.qkv" (the first index).
+std::string with_layer_index(const std::string& module) {
+  for (size_t at = module.find('.'); at != std::string::npos; at = module.find('.', at + 1)) {
+    size_t end = at + 1;
+    while (end < module.size() && std::isdigit(static_cast<unsigned char>(module[end]))) ++end;
+    if (end > at + 1 && (end == module.size() || module[end] == '.'))
+      return module.substr(0, at + 1) + "{i}" + module.substr(end);
+  }
+  return module;
+}
+
+}  // namespace
+
+std::string peft_target_pattern(const Architecture& arch, KeyLayout layout, const std::vector<std::string>& peft_names,
+                                const std::vector<std::string>& tower_modules) {
   // The language model's modules under the multimodal class (model.language_model.layers.N...) and
   // under the text-only one that AutoModelForCausalLM builds from the same checkpoint
   // (model.layers.N...): an adapter must apply under either. Both prefixes leave the towers out.
   const std::string body = "model\\.", optional = layout == KeyLayout::kText ? "" : "(?:language_model\\.)?";
-  std::string out;
+  std::vector<std::string> alts;
   // A name matches the row it names or ends (PEFT's rule: "gate_proj" matches shared_expert.gate_proj).
   const auto named = [&peft_names](const std::string& row) {
     for (const std::string& n : peft_names)
@@ -59,13 +84,16 @@ std::string peft_target_pattern(const Architecture& arch, KeyLayout layout,
   };
   for (const ProjectionRow& row : arch.projections) {
     if (!named(row.peft_name)) continue;
-    std::string alt;
-    for (char ch : layout_key(KeyLayout::kText, row.hf_module)) alt += ch == '.' ? std::string("\\.") : std::string(1, ch);
-    const auto at = alt.find("{i}");
-    if (at != std::string::npos) alt.replace(at, 3, "\\d+");
+    std::string alt = module_regex(layout_key(KeyLayout::kText, row.hf_module));
     if (alt.rfind(body, 0) == 0) alt.insert(body.size(), optional);
-    out += (out.empty() ? "" : "|") + alt;
+    alts.push_back(alt);
   }
+  for (const std::string& m : tower_modules) {
+    const std::string alt = module_regex(with_layer_index(m));
+    if (std::find(alts.begin(), alts.end(), alt) == alts.end()) alts.push_back(alt);
+  }
+  std::string out;
+  for (const std::string& a : alts) out += (out.empty() ? "" : "|") + a;
   return out;
 }
 

@@ -36,7 +36,10 @@ KeyLayout peft_layout(const DecoderConfig& config);
 // vision tower's q/k/v projections too. One alternative per targeted row (PEFT names), matching the
 // module under the multimodal class and under the text-only class AutoModelForCausalLM builds, e.g.
 // model\.(?:language_model\.)?layers\.\d+\.self_attn\.q_proj|lm_head.
-std::string peft_target_pattern(const Architecture& arch, KeyLayout layout, const std::vector<std::string>& peft_names);
+// tower_modules: the vision tower's adapted modules (vision::adapted_modules), one alternative per
+// module name with its layer index as \d+ ("model\.visual\.blocks\.\d+\.attn\.qkv").
+std::string peft_target_pattern(const Architecture& arch, KeyLayout layout, const std::vector<std::string>& peft_names,
+                                const std::vector<std::string>& tower_modules = {});
 // The layout of `ckpt`'s language model, found by its embedding: kText for a text-only config; for a
 // multimodal one whichever prefix holds the embedding, and an error naming the checkpoint and both
 // keys when neither does.

@@ -4,24 +4,22 @@
 // come in token order and every run sums the same way), and each expert that received rows runs
 // as a plain gated MLP on its gathered rows: its gate_up product into its slice of one [S, 2*inter]
 // buffer (S = T*k, grouped order), act(gate) * up (SwiGLU, gelu-tanh: ExpertActivation), its down
-// product into its slice of [S, hidden]. Each
-// product is one member of lora_linear.cpp's group node: the frozen weight (NF4 dequantized just in
-// time to x's dtype by nf4_linear's chunks, or the dense one) through BLAS, the adapter's update in
-// x's dtype through the narrow kernels (ops/narrow_ops.h). The routing weights and the sum over
-// the k slots follow transformers' grouped_mm_experts_forward to the rounding. Backward walks the
-// experts again: the down product's gradient is formed from the unweighted output gradient, so the
-// routing weight's gradient <g_t, y_tj> is the dot of it with the activations (no extra GEMM, no
-// saved y), and only then are the rows scaled by their weights. Experts without rows are skipped
-// (never dequantized), so the cost follows the tokens, not E. What is alike for every expert is done
-// once for all rows, not expert by expert (a few small ops each, 128 experts a layer): the gathers
-// of x's and the output gradient's rows, the adapters' cast to x's dtype, the activations backward
-// reads, the routing weights' gradient, and x's gradient, summed per token after the experts in
-// the order index_add_ expert after expert would sum it (the same roundings). A later fused CPU
-// kernel (kernels/) would replace, per expert, "dequantize W to memory, then BLAS" by a GEMM that
-// decodes NF4 tiles into registers/L1 as it goes (as decode_matmul_cpu does for a few rows), so no
-// dequantized copy of W is ever written: the per-expert products here (expert_project,
-// expert_project_backward) are the place it plugs in; the grouping, the saved state and the
-// combine would stay as they are.
+// product into its slice of [S, hidden]. The frozen products of all experts are one call
+// (frozen_products): NF4 weights through ops/grouped_matmul_ops.h, whose kernel decodes each
+// expert's NF4 tiles into cache inside the product (no dequantized copy of a weight is ever
+// written); a weight it does not take (a shape or layout off its tiles, another device, dense
+// experts) goes expert by expert through nf4_linear's chunks or BLAS. Each expert's adapter is
+// then added in x's dtype through the narrow kernels (ops/narrow_ops.h). The routing weights and
+// the sum over the k slots follow transformers' grouped_mm_experts_forward to the rounding.
+// Backward walks the experts again: the down product's gradient is formed from the unweighted
+// output gradient, so the routing weight's gradient <g_t, y_tj> is the dot of it with the
+// activations (no extra GEMM, no saved y), and only then are the rows scaled by their weights.
+// Experts without rows are skipped (never decoded), so the cost follows the tokens, not E. What is
+// alike for every expert is done once for all rows, not expert by expert (a few small ops each,
+// 128 experts a layer): the gathers of x's and the output gradient's rows, the activations and
+// their gradients, the adapters' cast to x's dtype, the routing weights' gradient, and x's
+// gradient, summed per token after the experts in the order index_add_ expert after expert would
+// sum it (the same roundings).
 #include "qlora/modules/experts.h"
 
 #include <ATen/TensorOperators.h>
@@ -54,6 +52,7 @@
 #include "qlora/modules/lora_linear.h"
 #include "qlora/modules/nf4_linear.h"
 #include "qlora/ops/decode_matmul_ops.h"
+#include "qlora/ops/grouped_matmul_ops.h"
 #include "qlora/ops/narrow_ops.h"
 #include "qlora/ops/swiglu_ops.h"
 
@@ -72,6 +71,16 @@ struct ExpertSlots {
 
   // The token of every row, grouped order, [S] int64: expert e's are rows [offsets[e], offsets[e] + counts[e]).
   at::Tensor rows() const { return at::div(perm, k, "floor"); }
+  // Calls f(e, offset, count) for every expert with rows, in increasing e.
+  template <class Fn> void for_used(Fn&& f) const {
+    for (size_t e = 0; e < counts.size(); ++e)
+      if (counts[e] > 0) f(static_cast<int64_t>(e), offsets[e], counts[e]);
+  }
+  // The first expert with rows (0 where none has any).
+  size_t first_used() const {
+    const auto it = std::find_if(counts.begin(), counts.end(), [](int64_t c) { return c > 0; });
+    return it == counts.end() ? 0 : static_cast<size_t>(it - counts.begin());
+  }
 };
 
 ExpertSlots slots_from(at::Tensor perm, std::vector<int64_t> counts, int64_t k) {
@@ -130,30 +139,50 @@ ExpertAdapter adapter_of(at::TensorList adapters, size_t first, int64_t num_expe
           scale};
 }
 
-// y [n, out] = x2 @ W^T, plus scale * (x2 @ A^T) @ B^T with an adapter, whose x2 @ A^T is written
-// to xa [n, r] (kept for backward): one member of lora_linear.cpp's group node, on one expert's rows.
-void expert_project(const at::Tensor& x2, const ExpertWeight& w, const ExpertAdapter& ad, at::Tensor y, at::Tensor xa) {
+// One projection's frozen products for every expert with rows, [S, ...] in grouped order: y = x2
+// @ W_e^T (transposed: x2 @ W_e) on expert e's rows. NF4 weights in one grouped call where the
+// kernel takes them (ops/grouped_matmul_ops.h: tiles decoded inside the product), else expert by
+// expert: NF4 dequantized just in time by nf4_linear's chunks, or the dense weight, through BLAS.
+// ws: every expert's weight (undefined where the expert has no rows).
+void frozen_products(const std::vector<ExpertWeight>& ws, const ExpertSlots& slots, const at::Tensor& x2,
+                     bool transposed, at::Tensor y) {
+  if (ws[slots.first_used()].nf4.defined()) {
+    std::vector<const Nf4Tensor*> nf4(ws.size());
+    for (size_t e = 0; e < ws.size(); ++e) nf4[e] = &ws[e].nf4;
+    if (ops::grouped_nf4_matmul_out(x2, slots.counts, nf4, transposed, y)) return;
+  }
   const at::ScalarType lt = x2.scalar_type();
-  if (w.nf4.defined()) nf4_times_transposed_out(x2, w.nf4, y);
-  else if (!decode_rows(x2) || !ops::decode_matmul_out(x2, w.dense, y)) at::mm_out(y, x2, w.dense.to(lt).t());
+  for (size_t e = 0; e < ws.size(); ++e) {
+    const int64_t off = slots.offsets[e], n = slots.counts[e];
+    if (n == 0) continue;
+    const ExpertWeight& w = ws[e];
+    const at::Tensor xe = x2.narrow(0, off, n);
+    at::Tensor ye = y.narrow(0, off, n);
+    if (transposed && w.nf4.defined()) grad_times_nf4_out(xe, w.nf4, ye, /*accumulate=*/false);
+    else if (transposed) at::mm_out(ye, xe, w.dense.to(lt));
+    else if (w.nf4.defined()) nf4_times_transposed_out(xe, w.nf4, ye);
+    else if (!decode_rows(xe) || !ops::decode_matmul_out(xe, w.dense, ye)) at::mm_out(ye, xe, w.dense.to(lt).t());
+  }
+}
+
+// Adds an expert's adapter to its frozen product y [n, out]: scale * (x2 @ A^T) @ B^T, whose x2 @ A^T
+// is written to xa [n, r] (kept for backward). Nothing without an adapter.
+void add_adapter(const at::Tensor& x2, const ExpertAdapter& ad, at::Tensor y, at::Tensor xa) {
   if (!ad.a.defined()) return;
+  const at::ScalarType lt = x2.scalar_type();
   ops::narrow_product_out(xa, x2, ad.a.to(lt).t());
   ops::narrow_update_(y, xa, ad.b.to(lt).t(), ad.scale);
 }
 
-// Back through expert_project for the output gradient g [n, out]: gx [n, in] = g @ W + scale *
-// (g @ B) @ A (when gx is defined), and the adapter's gradients for the output gradient g * rw
-// (rw [n, 1] the rows' routing weights, undefined: 1) into ad.grad_a / ad.grad_b. x2: the
-// projection's input rows, xa: x2 @ A^T as forward kept it, times rw in g's dtype where rw is
-// defined ((xa * rw).to(g's dtype), formed for all experts at once by the caller).
-void expert_project_backward(const at::Tensor& g, const at::Tensor& x2, const at::Tensor& xa, const ExpertWeight& w,
-                             const ExpertAdapter& ad, const at::Tensor& rw, at::Tensor gx) {
-  const at::ScalarType lt = g.scalar_type();
-  if (gx.defined()) {
-    if (w.nf4.defined()) grad_times_nf4_out(g, w.nf4, gx, /*accumulate=*/false);
-    else at::mm_out(gx, g, w.dense.to(lt));
-  }
+// Back through add_adapter for the output gradient g [n, out]: gx [n, in] (holding g's product with
+// the frozen weight, when defined) += scale * (g @ B) @ A, and the adapter's gradients for the
+// output gradient g * rw (rw [n, 1] the rows' routing weights, undefined: 1) into ad.grad_a /
+// ad.grad_b. x2: the projection's input rows, xa: x2 @ A^T as forward kept it, times rw in g's
+// dtype where rw is defined ((xa * rw).to(g's dtype), formed for all experts at once by the caller).
+void adapter_backward(const at::Tensor& g, const at::Tensor& x2, const at::Tensor& xa, const ExpertAdapter& ad,
+                      const at::Tensor& rw, at::Tensor gx) {
   if (!ad.a.defined()) return;
+  const at::ScalarType lt = g.scalar_type();
   const at::Tensor gxa = ops::narrow_product(g, ad.b.to(lt), ad.scale);  // [n, r]
   if (gx.defined()) ops::narrow_update_(gx, gxa, ad.a.to(lt));
   if (ad.grad_b.defined()) {
@@ -235,6 +264,20 @@ ExpertWeight load_weight(AutogradContext* ctx, const std::string& key) {
   return {load_nf4(ctx, key), {}};
 }
 
+// One projection's weights of every expert with rows (others undefined): from the experts (forward)
+// or as forward saved them (backward).
+std::vector<ExpertWeight> weights_of(const Experts& ex, const ExpertSlots& slots, bool gate_up) {
+  std::vector<ExpertWeight> ws(slots.counts.size());
+  slots.for_used([&](int64_t e, int64_t, int64_t) { ws[e] = weight_of(ex, e, gate_up); });
+  return ws;
+}
+
+std::vector<ExpertWeight> load_weights(AutogradContext* ctx, const ExpertSlots& slots, const char* proj) {
+  std::vector<ExpertWeight> ws(slots.counts.size());
+  slots.for_used([&](int64_t e, int64_t, int64_t) { ws[e] = load_weight(ctx, weight_key(proj, e)); });
+  return ws;
+}
+
 // Whether an AdaptersDisabled is in scope (LoraLinear::active() of a projection with an adapter).
 bool adapters_enabled() {
   LoraLinear probe;
@@ -272,34 +315,36 @@ struct GroupedExpertsFunction : public torch::autograd::Function<GroupedExpertsF
     return combine(y, weights, slots.perm, x.scalar_type());
   }
 
-  // Each expert that received rows on them: gate_up into gu, the activation, down into y (each product
-  // plus the expert's bias where the experts have biases), x @ A^T of both
-  // adapters into xa_gu / xa_down (all [S, ...], grouped order); its frozen weights saved for
-  // backward. x's rows are gathered for all experts at once (freed before the combine) and the
-  // adapters cast to x's dtype once.
+  // Every expert's rows (grouped order): gate_up into gu, the activation of all rows, down into y;
+  // x @ A^T of both adapters into xa_gu / xa_down (all [S, ...]); the used experts' frozen weights
+  // saved for backward. x's rows are gathered for all experts at once (freed before the down products).
   static void run_experts(AutogradContext* ctx, const Experts& ex, const at::Tensor& x, at::TensorList adapters,
                           const ExpertSlots& slots, const at::Tensor& gu, const at::Tensor& y, const at::Tensor& xa_gu,
                           const at::Tensor& xa_down) {
     const int64_t inter = ex.inter;
-    const at::Tensor x_rows = x.index_select(0, slots.rows());  // [S, hidden]
-    const CastAdapters cast_gu = cast_adapters(adapters, 0, ex.num_experts, x.scalar_type());
-    const CastAdapters cast_down = cast_adapters(adapters, 2, ex.num_experts, x.scalar_type());
-    for (int64_t e = 0; e < ex.num_experts; ++e) {
-      const int64_t off = slots.offsets[e], n = slots.counts[e];
-      if (n == 0) continue;  // never touched: not dequantized, nothing saved
-      const ExpertWeight w_gu = weight_of(ex, e, true), w_down = weight_of(ex, e, false);
-      const at::Tensor gu_e = gu.narrow(0, off, n);
-      expert_project(x_rows.narrow(0, off, n), w_gu, adapter_of(adapters, 0, ex.num_experts, e, ex.scale, cast_gu),
-                     gu_e, xa_gu.narrow(0, off, n));
-      if (ex.gate_up_bias.defined()) gu_e.add_(ex.gate_up_bias[e]);
-      const at::Tensor act = activate(activation_of(ex), gu_e.narrow(1, 0, inter), gu_e.narrow(1, inter, inter));
-      const at::Tensor y_e = y.narrow(0, off, n);  // [n, hidden]
-      expert_project(act, w_down, adapter_of(adapters, 2, ex.num_experts, e, ex.scale, cast_down), y_e,
-                     xa_down.narrow(0, off, n));
-      if (ex.down_bias.defined()) y_e.add_(ex.down_bias[e]);
-      save_weight(ctx, w_gu, weight_key("gate_up", e));
-      save_weight(ctx, w_down, weight_key("down", e));
-    }
+    const std::vector<ExpertWeight> w_gu = weights_of(ex, slots, true), w_down = weights_of(ex, slots, false);
+    project(ex, w_gu, slots, x.index_select(0, slots.rows()), adapters, 0, ex.gate_up_bias, gu, xa_gu);
+    const at::Tensor act = activate(activation_of(ex), gu.narrow(1, 0, inter), gu.narrow(1, inter, inter));
+    project(ex, w_down, slots, act, adapters, 2, ex.down_bias, y, xa_down);
+    slots.for_used([&](int64_t e, int64_t, int64_t) {
+      save_weight(ctx, w_gu[e], weight_key("gate_up", e));
+      save_weight(ctx, w_down[e], weight_key("down", e));
+    });
+  }
+
+  // One projection of every expert on its rows of in [S, ...]: the frozen products into out (one
+  // grouped call), then each expert's adapter (adapters[first], [first + 1], cast to in's dtype once;
+  // its in @ A^T into xa) and bias (bias[e], where defined).
+  static void project(const Experts& ex, const std::vector<ExpertWeight>& ws, const ExpertSlots& slots,
+                      const at::Tensor& in, at::TensorList adapters, size_t first, const at::Tensor& bias,
+                      const at::Tensor& out, const at::Tensor& xa) {
+    frozen_products(ws, slots, in, /*transposed=*/false, out);
+    const CastAdapters cast = cast_adapters(adapters, first, ex.num_experts, in.scalar_type());
+    slots.for_used([&](int64_t e, int64_t off, int64_t n) {
+      add_adapter(in.narrow(0, off, n), adapter_of(adapters, first, ex.num_experts, e, ex.scale, cast),
+                  out.narrow(0, off, n), xa.narrow(0, off, n));
+      if (bias.defined()) out.narrow(0, off, n).add_(bias[e]);
+    });
   }
 
   // As transformers' grouped_mm_experts_forward: each slot's output (x's dtype) times its weight in
@@ -352,8 +397,7 @@ struct GroupedExpertsFunction : public torch::autograd::Function<GroupedExpertsF
     if (ctx->needs_input_grad(0))
       g.dx = g.grad_out.scalar_type() == gu.scalar_type() ? g.grad_out
                                                           : at::empty({gu.size(0), x.size(1)}, gu.options());
-    for (int64_t e = 0; e < E; ++e)
-      if (slots.counts[e] > 0) backward_expert(ctx, saved, slots, e, g, result);
+    backward_experts(ctx, saved, slots, g, result);
     if (g.dact.defined()) {
       at::Tensor grad_w = routing_weight_grads(g.dact, g.act);  // [S] fp32, grouped order
       if (bias_dots.defined()) grad_w.add_(bias_dots);
@@ -405,44 +449,53 @@ struct GroupedExpertsFunction : public torch::autograd::Function<GroupedExpertsF
     return out;
   }
 
-  // Expert e's part of backward: its rows of x's gradient into g.dx, its slices of the adapters'
-  // gradients, its rows of d act into g.dact.
-  static void backward_expert(AutogradContext* ctx, const variable_list& saved, const ExpertSlots& slots, int64_t e,
-                              const GroupedBackward& g, variable_list& result) {
-    const int64_t off = slots.offsets[e], n = slots.counts[e];
-    const at::TensorList adapters = at::TensorList(saved).slice(kSavedAdapters);
+  // Expert e's adapters of gate_up and down, with the slices of the stacked gradients (result[3 ..]:
+  // gate_up's A, B, down's A, B; defined where needed) their gradients go to.
+  static std::pair<ExpertAdapter, ExpertAdapter> expert_adapters(AutogradContext* ctx, at::TensorList adapters,
+                                                             const GroupedBackward& g, int64_t E, int64_t e,
+                                                             const variable_list& result) {
     const double scale = ctx->saved_data["scale"].toDouble();
+    ExpertAdapter gu = adapter_of(adapters, 0, E, e, scale, g.cast_gu), down = adapter_of(adapters, 2, E, e, scale, g.cast_down);
+    if (adapters.empty()) return {gu, down};
+    auto a = [&](size_t i) { return result[i].defined() ? expert_lora_a(result[i], E, e) : at::Tensor(); };
+    auto b = [&](size_t i) { return result[i].defined() ? expert_lora_b(result[i], E, e) : at::Tensor(); };
+    gu.grad_a = a(3), gu.grad_b = b(4), down.grad_a = a(5), down.grad_b = b(6);
+    return {gu, down};
+  }
+
+  // Back through every expert: d act before the routing weights (the unweighted output gradient
+  // through the frozen down products, one grouped call, then each expert's adapter) into g.dact
+  // where the routing weights need it (d weights[t, j] = <g_t, y_tj> = <g_t @ W_eff, act_tj>, exact
+  // for a weight of 0 too, after the experts); the adapters' gradients; x's gradient rows into
+  // g.dx (the frozen gate_up products in one grouped call, written over the output gradient's rows
+  // once nothing reads them, then each expert's adapter).
+  static void backward_experts(AutogradContext* ctx, const variable_list& saved, const ExpertSlots& slots,
+                               const GroupedBackward& g, variable_list& result) {
+    const at::TensorList adapters = at::TensorList(saved).slice(kSavedAdapters);
     const auto E = static_cast<int64_t>(slots.counts.size());
-    ExpertAdapter ad_gu = adapter_of(adapters, 0, E, e, scale, g.cast_gu);
-    ExpertAdapter ad_down = adapter_of(adapters, 2, E, e, scale, g.cast_down);
-    if (!adapters.empty()) {  // result[3 ..]: gate_up's A, B, down's A, B (defined where needed)
-      auto a = [&](size_t i) { return result[i].defined() ? expert_lora_a(result[i], E, e) : at::Tensor(); };
-      auto b = [&](size_t i) { return result[i].defined() ? expert_lora_b(result[i], E, e) : at::Tensor(); };
-      ad_gu.grad_a = a(3);
-      ad_gu.grad_b = b(4);
-      ad_down.grad_a = a(5);
-      ad_down.grad_b = b(6);
-    }
-    const at::Tensor gu = saved[kSavedGateUp].narrow(0, off, n);
+    const at::Tensor& gu = saved[kSavedGateUp];  // [S, 2 * inter]
     const int64_t inter = gu.size(1) / 2;
-    const at::Tensor gate = gu.narrow(1, 0, inter), up = gu.narrow(1, inter, inter);
-    const at::Tensor act = g.act.narrow(0, off, n);               // [n, inter], as forward had it
-    const at::Tensor rw = g.w.narrow(0, off, n).unsqueeze(1);  // [n, 1]
-    // d act before the routing weight: g @ W_down (+ LoRA), with g the unweighted output gradient.
-    // d weights[t, j] = <g_t, y_tj> = <g_t @ W_eff, act_tj> (exact for a weight of 0 too), after the experts.
-    at::Tensor dact = g.dact.defined() ? g.dact.narrow(0, off, n) : at::empty({n, inter}, gu.options());
-    const at::Tensor xa_down = adapters.empty() ? at::Tensor() : g.xa_down_w.narrow(0, off, n);
-    expert_project_backward(g.grad_out.narrow(0, off, n), act, xa_down, load_weight(ctx, weight_key("down", e)),
-                            ad_down, rw, dact);
-    const bool need_x = g.dx.defined();
-    if (!need_x && !ad_gu.grad_a.defined() && !ad_gu.grad_b.defined()) return;
-    dact = (dact * rw).to(gu.scalar_type());
-    auto [dgate, dup] = activate_backward(load_activation(ctx), dact, gate, up);
-    const at::Tensor dgu = at::cat({dgate, dup}, 1);  // [n, 2 * inter]
-    at::Tensor dx = need_x ? g.dx.narrow(0, off, n) : at::Tensor();
-    const at::Tensor x_rows = ad_gu.a.defined() ? g.x.narrow(0, off, n) : at::Tensor();
-    expert_project_backward(dgu, x_rows, saved[kSavedXaGateUp].narrow(0, off, n),
-                            load_weight(ctx, weight_key("gate_up", e)), ad_gu, at::Tensor(), dx);
+    const at::Tensor dact = g.dact.defined() ? g.dact : at::empty({gu.size(0), inter}, gu.options());
+    frozen_products(load_weights(ctx, slots, "down"), slots, g.grad_out, /*transposed=*/true, dact);
+    bool gate_up_grads = false;
+    slots.for_used([&](int64_t e, int64_t off, int64_t n) {
+      const auto [ad_gu, ad_down] = expert_adapters(ctx, adapters, g, E, e, result);
+      gate_up_grads = gate_up_grads || ad_gu.grad_a.defined() || ad_gu.grad_b.defined();
+      adapter_backward(g.grad_out.narrow(0, off, n), g.act.narrow(0, off, n),
+                       adapters.empty() ? at::Tensor() : g.xa_down_w.narrow(0, off, n), ad_down,
+                       g.w.narrow(0, off, n).unsqueeze(1), dact.narrow(0, off, n));
+    });
+    if (!g.dx.defined() && !gate_up_grads) return;
+    const at::Tensor dact_w = (dact * g.w.unsqueeze(1)).to(gu.scalar_type());
+    auto [dgate, dup] = activate_backward(load_activation(ctx), dact_w, gu.narrow(1, 0, inter), gu.narrow(1, inter, inter));
+    const at::Tensor dgu = at::cat({dgate, dup}, 1);  // [S, 2 * inter]
+    if (g.dx.defined()) frozen_products(load_weights(ctx, slots, "gate_up"), slots, dgu, /*transposed=*/true, g.dx);
+    slots.for_used([&](int64_t e, int64_t off, int64_t n) {
+      const ExpertAdapter ad_gu = expert_adapters(ctx, adapters, g, E, e, result).first;
+      adapter_backward(dgu.narrow(0, off, n), ad_gu.a.defined() ? g.x.narrow(0, off, n) : at::Tensor(),
+                       saved[kSavedXaGateUp].narrow(0, off, n), ad_gu, at::Tensor(),
+                       g.dx.defined() ? g.dx.narrow(0, off, n) : at::Tensor());
+    });
   }
 };
 

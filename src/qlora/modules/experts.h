@@ -4,8 +4,8 @@
 // each expert's matrix its own 2-D weight; an adapter (LoRA) per expert and projection is trainable.
 //
 // One autograd node runs all experts (grouped_experts): the tokens are grouped by expert, and only
-// experts that received tokens are touched, each one's weights dequantized just in time (one expert's
-// at a time, never a copy of all of them) for its products, then dropped, forward and backward. It
+// experts that received tokens are touched, each one's NF4 weights decoded tile by tile inside its
+// products (ops/grouped_matmul_ops.h: never a dequantized copy of a weight), forward and backward. It
 // saves the input, the routing and each slot's gate/up activations; backward gives the input's
 // gradient, the routing weights' (so a router that is frozen still passes gradient to the residual
 // stream through its softmax) and the adapters'.

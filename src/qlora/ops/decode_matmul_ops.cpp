@@ -4,6 +4,7 @@
 #include <ATen/record_function.h>
 
 #include "kernels/decode_matmul_cpu.h"
+#include "qlora/ops/kernel_operands.h"
 
 namespace qlora::ops {
 
@@ -33,8 +34,7 @@ bool decode_matmul_out(const at::Tensor& x, const Nf4Tensor& w, at::Tensor& y) {
     return false;
   RECORD_USER_SCOPE("qlora::decode_matmul");
   w.validate("decode matmul weight");
-  p.dtype = w.nf4_dtype(), p.codes = w.codes.data_ptr<uint8_t>(), p.scalers = w.scalers.data_ptr<int8_t>();
-  p.factors = w.factors.data_ptr(), p.mean = w.mean.to(at::kFloat).item<float>(), p.layout = w.layout;
+  p.nf4 = nf4_operand(w);
   kernels::decode_matmul_cpu(p);
   return true;
 }

@@ -8,6 +8,9 @@
 #include <cstdint>
 #include <optional>
 
+#include "kernels/nf4_cpu.h"
+#include "quant/nf4_tensor.h"
+
 namespace qlora::ops {
 
 // Whether t is on the CPU in a dtype the kernels take.
@@ -36,5 +39,11 @@ inline std::optional<Rows> rows_of(const at::Tensor& t) {
 
 template <class T> const T* in_ptr(const at::Tensor& t) { return static_cast<const T*>(t.const_data_ptr()); }
 template <class T> T* out_ptr(const at::Tensor& t) { return static_cast<T*>(t.mutable_data_ptr()); }
+
+// A CPU NF4 tensor's buffers as the kernels read them (its mean read to the host).
+inline kernels::Nf4Operand nf4_operand(const Nf4Tensor& w) {
+  return {w.nf4_dtype(), w.codes.data_ptr<uint8_t>(), w.scalers.data_ptr<int8_t>(), w.factors.data_ptr(),
+          w.mean.to(at::kFloat).item<float>(), w.layout};
+}
 
 }  // namespace qlora::ops

@@ -13,19 +13,19 @@
 #include "qlora/data/dataset.h"
 #include "qlora/engine/process_group.h"
 #include "qlora/models/decoder.h"
-#include "qlora/models/vision/tower.h"
 
 namespace qlora::train {
 
 // Where a batch's images (data::Batch::images) become the language model's inputs: the model's vision
-// tower, frozen, and the options the samples were read with (their image processor). Without a tower a
-// batch must hold no images.
+// tower (DecoderModel::tower) and the options the samples were read with (their image processor). Without
+// a tower a batch must hold no images.
 struct BatchImages {
-  std::shared_ptr<const models::vision::Tower> tower;
   const data::DatasetOptions* options = nullptr;
-  // The batch's ImageInputs: each image's pixels made again (data::image_pixels), the tower run
-  // without gradient (frozen: its features are constants of the step); nullopt for a batch without
-  // images. Throws std::invalid_argument when the batch has images and there is no tower.
+  // The batch's ImageInputs: each image's pixels made again (data::image_pixels), the tower run in the
+  // model's mode (dropout while training); with gradient where the tower has trainable tensors
+  // (lora.vision_targets, lora.train_projector) and gradients are on, else without (a frozen tower's
+  // features are constants of the step); nullopt for a batch without images. Throws
+  // std::invalid_argument when the batch has images and there is no tower.
   std::optional<models::ImageInputs> of(const models::DecoderModel& model, const data::Batch& batch,
                                         c10::Device device) const;
 };

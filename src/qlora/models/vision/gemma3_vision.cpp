@@ -180,6 +180,7 @@ std::unique_ptr<Tower> load_gemma3_tower(const io::CheckpointDir& ckpt, const nl
                               "model.vision_tower."},
                        "post_layernorm.weight", opt);
   const TowerWeights p(ckpt, {"multi_modal_projector.", "model.multi_modal_projector."}, "mm_soft_emb_norm.weight", opt);
+  t->key_prefixes = {{"model.vision_tower.", w.prefix()}, {"model.multi_modal_projector.", p.prefix()}};
   const int64_t D = t->hidden;
   t->patch_w = w.dense("embeddings.patch_embedding.weight", {D, t->channels, t->patch, t->patch});
   t->patch_b = w.dense("embeddings.patch_embedding.bias", {D});

@@ -303,6 +303,7 @@ std::unique_ptr<Tower> load_gemma4_tower(const io::CheckpointDir& ckpt, const nl
 
   const TowerWeights w(ckpt, {"model.vision_tower.", "vision_tower."}, "patch_embedder.position_embedding_table", opt);
   const TowerWeights e(ckpt, {"model.embed_vision.", "embed_vision."}, "embedding_projection.weight", opt);
+  t->key_prefixes = {{"model.vision_tower.", w.prefix()}, {"model.embed_vision.", e.prefix()}};
   t->input_proj = w.dense("patch_embedder.input_proj.weight", {t->hidden, 3 * t->patch * t->patch});
   t->pos_table = w.dense("patch_embedder.position_embedding_table", {2, t->table, t->hidden});
   t->inv_freq = axial_inv_freq(t->head_dim, t->theta).to(opt.device);

@@ -234,6 +234,7 @@ std::unique_ptr<Tower> load_qwen3_5_tower(const io::CheckpointDir& ckpt, const n
   t->device = opt.device;
 
   const TowerWeights w(ckpt, {"model.visual.", "visual."}, "pos_embed.weight", opt);
+  t->key_prefixes = {{"model.visual.", w.prefix()}};
   const int64_t D = t->hidden, M = D * t->merge * t->merge;
   t->patch_w = w.dense("patch_embed.proj.weight", {D, t->channels, t->temporal, t->patch, t->patch});
   t->patch_b = w.dense("patch_embed.proj.bias", {D});

@@ -77,6 +77,41 @@ void train_projector(Tower& tower) {
   for (auto& [name, t] : tower.projector()) *t = t->to(at::kFloat).clone().detach().set_requires_grad(true);
 }
 
+std::string Tower::checkpoint_key(const std::string& name) const {
+  for (const auto& [model, ckpt] : key_prefixes)
+    if (name.rfind(model, 0) == 0) return ckpt + name.substr(model.size());
+  return name;
+}
+
+std::vector<std::string> adapted_modules(Tower& tower) {
+  std::vector<std::string> out;
+  for (auto& [module, lin] : tower.linears())
+    if (lin->has_lora()) out.push_back(module);
+  return out;
+}
+
+std::string projector_module(Tower& tower) {
+  std::vector<std::string> common;  // the components every trained tensor's module starts with
+  bool first = true;
+  for (auto& [name, t] : tower.projector()) {
+    if (!t->requires_grad()) continue;
+    std::vector<std::string> parts;
+    for (size_t at = 0, dot; at <= name.size(); at = dot + 1) {
+      dot = std::min(name.find('.', at), name.size());
+      parts.push_back(name.substr(at, dot - at));
+    }
+    parts.pop_back();  // the parameter's own name
+    if (first) common = parts;
+    size_t k = 0;
+    while (k < common.size() && k < parts.size() && common[k] == parts[k]) ++k;
+    common.resize(k);
+    first = false;
+  }
+  std::string out;
+  for (const std::string& c : common) out += (out.empty() ? "" : ".") + c;
+  return out;
+}
+
 std::vector<std::pair<std::string, at::Tensor>> tower_trainable(Tower& tower) {
   std::vector<std::pair<std::string, at::Tensor>> out;
   for (auto& [module, lin] : tower.linears()) {

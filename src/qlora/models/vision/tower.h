@@ -65,6 +65,12 @@ class Tower {
   // The encoder linears' short names LoRA targets accept ("qkv", "proj", "linear_fc1", "linear_fc2").
   virtual std::vector<std::string> target_names() const = 0;
   bool training = false;  // enables LoRA dropout
+  // Where the checkpoint it was loaded from keeps what the model names under each prefix (model's,
+  // checkpoint's): {"model.visual.", "visual."}; set by the loader from the prefixes it found.
+  std::vector<std::pair<std::string, std::string>> key_prefixes;
+  // The checkpoint's key of the model's tensor `name` (linears(), projector(), frozen() names, with
+  // .weight / .bias); `name` itself under no known prefix. A merged export keeps the checkpoint's layout.
+  std::string checkpoint_key(const std::string& name) const;
 };
 
 // Loads the tower of a checkpoint whose config.json is `config` (the multimodal one: its
@@ -95,5 +101,10 @@ void train_projector(Tower& tower);
 // Trainable tensors with peft's names: base_model.model.<module>.lora_A.weight / lora_B.weight, and
 // the projector's base_model.model.<param> (peft's saved modules_to_save keys).
 std::vector<std::pair<std::string, at::Tensor>> tower_trainable(Tower& tower);
+// The modules of the linears LoRA adapts (linears()' names), in order; peft's target modules.
+std::vector<std::string> adapted_modules(Tower& tower);
+// The module holding the trained projector's tensors, peft's modules_to_save entry (Qwen3.5:
+// "model.visual.merger"; Gemma 3: "model.multi_modal_projector"); "" when the projector is frozen.
+std::string projector_module(Tower& tower);
 
 }  // namespace qlora::models::vision
