@@ -2,6 +2,8 @@
 // epoch, or a model of a family qlora writes) as one GGUF file for llama.cpp / Ollama
 // (src/qlora/gguf/convert.h), and an Ollama Modelfile beside it (gguf/modelfile.h). Default
 // output: DIR/<name>-<type>.gguf and DIR/<name>-<type>.Modelfile.
+// `qlora gguf DIR --mmproj [--type f16] [-o FILE]`: a vision-language checkpoint's tower and projector
+// as the mmproj GGUF llama.cpp's multimodal tools read beside the model's GGUF (gguf/mmproj.h).
 // `qlora gguf DIR --adapter [--base BASE] [--type f16] [-o FILE]`: the PEFT adapter of an exported
 // epoch (DIR/adapter/) or a PEFT adapter directory as a GGUF LoRA adapter (gguf/adapter.h), for
 // llama.cpp's --lora and Ollama's ADAPTER on the base model's GGUF.
@@ -18,6 +20,7 @@
 
 #include "qlora/gguf/adapter.h"
 #include "qlora/gguf/convert.h"
+#include "qlora/gguf/mmproj.h"
 #include "qlora/gguf/modelfile.h"
 #include "qlora/io/cpu_memory.h"
 #include "cli/cli.h"
@@ -28,7 +31,7 @@ namespace fs = std::filesystem;
 
 struct GgufArgs {
   std::string dir, out, type = "f16", name, base;
-  bool adapter = false;
+  bool adapter = false, mmproj = false;
 };
 
 std::string dir_name(const std::string& dir) {
@@ -76,6 +79,19 @@ int adapter_main(const GgufArgs& a) {
   return 0;
 }
 
+int mmproj_main(const GgufArgs& a) {
+  gguf::ConvertOptions o;
+  o.type = gguf::type_from_name(a.type);
+  o.name = a.name;
+  const std::string out =
+      a.out.empty() ? (fs::path(a.dir) / (dir_name(a.dir) + "-mmproj-" + a.type + ".gguf")).string() : a.out;
+  const auto t0 = std::chrono::steady_clock::now();
+  const size_t n = gguf::write_mmproj(a.dir, out, o);
+  report(out, n, a.type, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  std::printf("use it beside the model's GGUF: llama-mtmd-cli -m MODEL.gguf --mmproj %s --image IMAGE\n", out.c_str());
+  return 0;
+}
+
 int model_main(const GgufArgs& a) {
   gguf::ConvertOptions o;
   o.type = gguf::type_from_name(a.type);
@@ -97,13 +113,16 @@ Command gguf_command(CLI::App& cmd) {
                                 "exported epoch or a PEFT adapter directory")->required();
   cmd.add_option("--type", a->type, "the tensors' type: " + gguf::type_names() + "\n(--adapter: f32|f16|bf16|q8_0)");
   cmd.add_option("-o,--out", a->out, "the GGUF file (default DIR/<dir name>-<type>.gguf, with an Ollama\n"
-                                     "Modelfile beside it; --adapter: DIR/<base name>-lora-<type>.gguf)")->type_name("FILE");
+                                     "Modelfile beside it; --adapter: DIR/<base name>-lora-<type>.gguf;\n"
+                                     "--mmproj: DIR/<dir name>-mmproj-<type>.gguf)")->type_name("FILE");
   cmd.add_option("--name", a->name, "general.name (default: the directory's name)");
   CLI::Option* adapter = cmd.add_flag("--adapter", a->adapter, "the PEFT adapter of DIR, as a GGUF LoRA for\n"
                                             "llama.cpp's --lora and Ollama's ADAPTER");
   cmd.add_option("--base", a->base, "the checkpoint the adapter was trained on (default: the epoch's\n"
                                     "merged model, else the adapter's base_model_name_or_path)")->type_name("BASE")->needs(adapter);
-  return [a] { return a->adapter ? adapter_main(*a) : model_main(*a); };
+  cmd.add_flag("--mmproj", a->mmproj, "the vision tower and projector of DIR (Qwen3.5, Gemma 3, Gemma 4)\n"
+                                      "as llama.cpp's mmproj file (--type f32|f16|bf16)")->excludes(adapter);
+  return [a] { return a->adapter ? adapter_main(*a) : a->mmproj ? mmproj_main(*a) : model_main(*a); };
 }
 
 }  // namespace qlora::cli

@@ -25,6 +25,7 @@
 #include "qlora/engine/sharded_export.h"
 #include "qlora/engine/sharded_state.h"
 #include "qlora/gguf/convert.h"
+#include "qlora/gguf/mmproj.h"
 #include "qlora/gguf/modelfile.h"
 #include "qlora/io/checkpoint_dir.h"
 #include "qlora/io/cpu_memory.h"
@@ -109,6 +110,7 @@ std::function<void(const std::string&)> gguf_files(const RecipeConfig& cfg, cons
   const bool untied = export_unties_head(cfg, base_dir);
   try {
     gguf::check_convertible(base_dir, untied);
+    if (gguf::has_mmproj(base_dir)) gguf::check_mmproj(base_dir);  // the tower's mmproj beside the model's files
   } catch (const std::invalid_argument& e) {
     throw std::invalid_argument(
         std::string("checkpoint.gguf: ") + e.what() +
@@ -128,8 +130,9 @@ std::function<void(const std::string&)> gguf_files(const RecipeConfig& cfg, cons
       try {
         if (const auto& fault = train::fault_plan().before_gguf) fault(epoch + "/" + name + "-" + option + ".gguf");
         for (const std::string& path : gguf::write_gguf_files(dir, {type}, name))
-          std::printf("  %s (%.1f MB, Modelfile beside it)\n", fs::path(path).filename().c_str(),
-                      static_cast<double>(fs::file_size(path)) / 1e6);
+          std::printf("  %s (%.1f MB%s)\n", fs::path(path).filename().c_str(),
+                      static_cast<double>(fs::file_size(path)) / 1e6,
+                      path.find("-mmproj-") == std::string::npos ? ", Modelfile beside it" : ": the vision tower");
       } catch (const std::exception& e) {
         failed->push_back(epoch + "'s GGUF " + option + ": " + e.what());
         std::fprintf(stderr, "error: %s's GGUF %s was not written: %s; the epoch's adapter and merged model are "

@@ -34,16 +34,21 @@ std::vector<Source> language_model_keys(const io::CheckpointDir& ckpt, models::K
   return out;
 }
 
-Metadata general_metadata(const std::string& arch, const ConvertOptions& o, const std::string& dir) {
+}  // namespace
+
+Metadata general_metadata(const std::string& arch, const std::string& kind, const ConvertOptions& o,
+                          const std::string& dir) {
   std::string name = o.name;
   if (name.empty()) name = std::filesystem::path(dir).lexically_normal().filename().string();
   if (name.empty()) name = std::filesystem::path(dir).lexically_normal().parent_path().filename().string();
   return {{"general.architecture", Value::string(arch)},
-          {"general.type", Value::string("model")},
+          {"general.type", Value::string(kind)},
           {"general.name", Value::string(name)},
           {"general.file_type", Value::u32(type_info(o.type).file_type)},
           {"general.quantization_version", Value::u32(2)}};
 }
+
+namespace {
 
 // What the file will hold: the architecture, every tensor's GGUF spec with the checkpoint key it
 // comes from, and the metadata. Throws before anything is written when the model cannot be.
@@ -180,7 +185,7 @@ Plan plan_gguf(const io::CheckpointDir& ckpt, const models::DecoderConfig& c, co
   // MXFP4 experts stay MXFP4 in an f32/f16/bf16 file, as llama.cpp's converter keeps them.
   for (size_t i = 0, first = p.specs.size() - p.stacked.size(); i < p.stacked.size(); ++i)
     if (p.stacked[i].parts[0].mxfp4 && !is_quantized(options.type)) p.specs[first + i].type = GgmlType::MXFP4;
-  p.metadata = general_metadata(p.arch.arch, options, dir);
+  p.metadata = general_metadata(p.arch.arch, "model", options, dir);
   for (const auto& kv : p.arch.metadata) p.metadata.push_back(kv);
   add_tokenizer_metadata(dir, c.vocab_size, p.metadata);
   return p;
@@ -195,7 +200,7 @@ size_t write_gguf(const std::string& dir, const std::string& out_path, const Con
   if (const auto skipped = models::skipped_weights(ckpt, models::key_layout_of(ckpt, c)); skipped.tensors > 0)
     std::fprintf(stderr, "gguf: the tensors outside the language model (a vision tower and projector, mtp.*) are not "
                  "written (%lld tensors, e.g. '%s'): the GGUF "
-                 "holds the language model only\n", static_cast<long long>(skipped.tensors), skipped.first.c_str());
+                 "holds the language model only (a vision tower goes into its own mmproj file: qlora gguf DIR --mmproj)\n", static_cast<long long>(skipped.tensors), skipped.first.c_str());
   for (const std::string& note : plan.arch.notes) std::fprintf(stderr, "gguf: %s\n", note.c_str());
   Writer out(out_path, std::move(plan.metadata), plan.specs);
   for (const ExtraTensor& e : plan.arch.extra) out.write(e.values.data(), e.values.size() * sizeof(float));

@@ -21,6 +21,7 @@
 
 #include <string>
 
+#include "qlora/gguf/arch.h"
 #include "qlora/gguf/ggml_types.h"
 
 namespace qlora::gguf {
@@ -29,6 +30,12 @@ struct ConvertOptions {
   GgmlType type = GgmlType::F16;
   std::string name;  // general.name; empty: the directory's name
 };
+
+// The general.* metadata of a file written from checkpoint directory `dir`: the architecture, the
+// kind (general.type: "model", "mmproj"), general.name (options.name, else the directory's name), the
+// file type.
+Metadata general_metadata(const std::string& arch, const std::string& kind, const ConvertOptions& options,
+                          const std::string& dir);
 
 // Writes `out_path` atomically from checkpoint directory `dir`; returns the number of tensors.
 size_t write_gguf(const std::string& dir, const std::string& out_path, const ConvertOptions& options);

@@ -5,6 +5,7 @@
 #include "qlora/checkpoint/serving.h"
 #include "qlora/data/tokenizer.h"
 #include "qlora/gguf/convert.h"
+#include "qlora/gguf/mmproj.h"
 #include "qlora/io/durable_file.h"
 
 namespace qlora::gguf {
@@ -45,6 +46,21 @@ std::vector<std::string> write_gguf_files(const std::string& dir, const std::vec
     const std::string path = (fs::path(dir) / (name + "-" + type_info(type).option + ".gguf")).string();
     write_gguf(dir, path, o);
     write_modelfile(dir, path);
+    paths.push_back(path);
+  }
+  if (!has_mmproj(dir)) return paths;
+  // The vision tower once, in the first float type asked for (f16 beside quantized files).
+  ConvertOptions o;
+  o.type = GgmlType::F16;
+  for (const GgmlType type : types)
+    if (!is_quantized(type)) {
+      o.type = type;
+      break;
+    }
+  o.name = name;
+  const std::string path = (fs::path(dir) / (name + "-mmproj-" + type_info(o.type).option + ".gguf")).string();
+  if (!fs::exists(path)) {
+    write_mmproj(dir, path, o);
     paths.push_back(path);
   }
   return paths;

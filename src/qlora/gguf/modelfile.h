@@ -20,8 +20,10 @@ std::string modelfile_text(const std::string& dir, const std::string& gguf_file)
 // Writes <gguf_path without .gguf>.Modelfile atomically; returns its path.
 std::string write_modelfile(const std::string& dir, const std::string& gguf_path);
 
-// For each type, DIR/<name>-<type>.gguf (from DIR's HF checkpoint) and its Modelfile; returns the
-// GGUF paths. `name` is general.name and the files' stem.
+// For each type, DIR/<name>-<type>.gguf (from DIR's HF checkpoint) and its Modelfile; for a
+// vision-language checkpoint also DIR/<name>-mmproj-<type>.gguf (mmproj.h) once, in the first float type
+// of `types` (f16 where all are quantized), unless it is there already. Returns the GGUF paths written.
+// `name` is general.name and the files' stem.
 std::vector<std::string> write_gguf_files(const std::string& dir, const std::vector<GgmlType>& types,
                                           const std::string& name);
 
