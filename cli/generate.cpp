@@ -168,7 +168,7 @@ Prompt build_prompt(const PromptRequest& r, const std::string& dir, const data::
                     const nlohmann::ordered_json& template_kwargs) {
   // As transformers' tokenizer(prompt): BOS where the tokenizer adds one. Never EOS: a prompt
   // that ends the text would ask for nothing.
-  if (r.raw) return {*r.raw, tok.encode_with_special(*r.raw, tok.adds_bos(), /*add_eos=*/false), ""};
+  if (r.raw) return {*r.raw, tok.encode_with_special(*r.raw, tok.adds_bos(), /*add_eos=*/false), "", {}};
   const auto pf = checkpoint::read_prompt_format(dir);
   if (const auto t = model_template(dir, pf, tok, template_kwargs)) {
     std::vector<images::ProcessedImage> processed;
@@ -196,7 +196,7 @@ Prompt build_prompt(const PromptRequest& r, const std::string& dir, const data::
   o.add_eos = false;
   o.max_seq_len = 0;
   return {data::join_segments(rendered.first), data::tokenize_segments(rendered.first, tok, o).tokens,
-          trim(rendered.second)};
+          trim(rendered.second), {}};
 }
 
 struct GenerateArgs {
