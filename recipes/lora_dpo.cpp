@@ -2,7 +2,8 @@
 // sharded NF4 base, on 1..N ranks, top to bottom. What every recipe shares (model, optimizer,
 // resume, the step loop with its guard, checkpoints, exports) is in session.h; this file keeps
 // what is its own:
-//   setup  : preference pairs (data.format = "preference"), the validation split; with
+//   setup  : preference pairs (data.format = "preference"; prompts may hold images, which both
+//            sequences carry through the vision tower, frozen or with lora.vision_targets), the validation split; with
 //            dpo.precompute_reference, every pair's reference log-probabilities once, kept in
 //            OUTPUT_DIR/dpo_reference.safetensors for a resumed run
 //   train  : one optimizer step = grad_accum micro-batches of pairs; per micro-batch the chosen and
@@ -49,6 +50,7 @@ struct Pairs {
   // dpo.precompute_reference: the reference's summed log-probs of each pair's chosen and rejected
   // response, [pairs] fp64 each, indexed like `train` / `validation`.
   at::Tensor ref_train, ref_validation;
+  train::BatchImages images;  // where the prompts hold images: the data's processor
 };
 
 Pairs setup_pairs(const RecipeConfig& cfg, const TextSetup& text, const engine::World& world) {
@@ -74,8 +76,8 @@ struct MicroTerms {
 };
 
 MicroTerms micro_terms(const RecipeConfig& cfg, const Model& m, const data::Batch& b, const at::Tensor& ref,
-                       c10::Device device) {
-  const train::PairLogps lp = train::pair_logps(m.decoder, b, cfg.dpo.loss, ref, device);
+                       c10::Device device, const train::BatchImages& images) {
+  const train::PairLogps lp = train::pair_logps(m.decoder, b, cfg.dpo.loss, ref, device, images);
   return {train::preference_terms(lp, {cfg.dpo.loss, cfg.dpo.beta, cfg.dpo.label_smoothing, cfg.dpo.simpo_gamma}),
           at::ones({b.tokens.size(0) / 2}, lp.chosen.options())};
 }
@@ -134,7 +136,7 @@ StepResult dpo_step(const RecipeConfig& cfg, engine::World& world, Model& m, Pai
   std::vector<double> sums(std::size(kMetricNames) + 1, 0.0);  // the metrics, then the loss
   for (size_t k = 0; k < picked.size(); ++k) {
     const data::Batch b = train::pair_batch(d.train, picked[k], pad_id);
-    const MicroTerms t = micro_terms(cfg, m, b, ref_rows(d.ref_train, picked[k]), device);
+    const MicroTerms t = micro_terms(cfg, m, b, ref_rows(d.ref_train, picked[k]), device, d.images);
     at::Tensor loss = train::preference_step_loss(t.terms, pairs, totals[0]);
     if (nan) loss = loss * std::numeric_limits<double>::quiet_NaN();
     backward_micro_batch(m, loss, k + 1 == picked.size());
@@ -173,11 +175,12 @@ void over_all_pairs(const std::vector<data::PreferencePair>& pairs, engine::Worl
 // The reference's summed log-probs of every pair, [pairs, 2] fp64 (chosen, rejected), the same on
 // every rank: each computes its share, a sum over ranks assembles the table.
 at::Tensor precompute_reference(const Model& m, engine::World& world, const std::vector<data::PreferencePair>& pairs,
-                                int64_t batch_size, int64_t pad_id, c10::Device device) {
+                                int64_t batch_size, int64_t pad_id, c10::Device device, const train::BatchImages& images) {
   at::Tensor table = at::zeros({static_cast<int64_t>(pairs.size()), 2}, at::TensorOptions().dtype(at::kDouble).device(device));
   over_all_pairs(pairs, world, batch_size, [&](const std::vector<int64_t>& picked, const at::Tensor& weight) {
     const int64_t n = static_cast<int64_t>(picked.size());
-    const at::Tensor lp = train::row_logps(m.decoder, train::pair_batch(pairs, picked, pad_id), device, true).to(at::kDouble);  // [2n]
+    const at::Tensor lp =
+        train::row_logps(m.decoder, train::pair_batch(pairs, picked, pad_id), device, true, images).to(at::kDouble);  // [2n]
     const at::Tensor w = weight.to(device).to(at::kDouble);
     const at::Tensor idx = at::tensor(picked, at::kLong).to(device);
     table.select(1, 0).index_add_(0, idx, lp.narrow(0, 0, n) * w);
@@ -196,7 +199,7 @@ report::ValidationMetrics validate(const RecipeConfig& cfg, engine::World& world
   m.decoder.training = false;
   over_all_pairs(d.validation, world, cfg.training.batch_size, [&](const std::vector<int64_t>& picked, const at::Tensor& weight) {
     const data::Batch b = train::pair_batch(d.validation, picked, pad_id);
-    MicroTerms t = micro_terms(cfg, m, b, ref_rows(d.ref_validation, picked), device);
+    MicroTerms t = micro_terms(cfg, m, b, ref_rows(d.ref_validation, picked), device, d.images);
     t.weight = weight.to(device);
     const std::vector<double> s = metric_sums(t);
     for (size_t i = 0; i < s.size(); ++i) sums[i] += s[i];
@@ -214,7 +217,7 @@ report::ValidationMetrics validate(const RecipeConfig& cfg, engine::World& world
   return v;
 }
 
-// What the reference table depends on: every pair's tokens and labels, the base's fingerprint,
+// What the reference table depends on: every pair's tokens, labels and images' sources, the base's fingerprint,
 // its quantization, the compute dtype and whether untrained token rows were set to the mean (not the
 // adapters: the reference has them off).
 std::string reference_key(const Session& s, const Pairs& d, const Model& m) {
@@ -224,6 +227,10 @@ std::string reference_key(const Session& s, const Pairs& d, const Model& m) {
       for (const data::Sample* r : {&p.chosen, &p.rejected}) {
         h.update(r->tokens.data(), r->tokens.size() * sizeof(int64_t));
         h.update(r->labels.data(), r->labels.size() * sizeof(int64_t));
+        for (const data::SampleImage& img : r->images) {
+          h.update(img.source.name.data(), img.source.name.size());
+          h.update(img.source.bytes.data(), img.source.bytes.size());
+        }
       }
   return checkpoint::fingerprint_checkpoint_dir(s.base_dir) + "-" + std::to_string(h.digest()) + "-" +
          c10::toString(m.decoder.compute_dtype) + "-base" + std::to_string(static_cast<int>(s.cfg.model.base)) +
@@ -255,8 +262,9 @@ void reference_tables(Session& s, Pairs& d, const Model& m, int64_t pad) {
   }
   kept.reset();
   const int64_t batch = s.cfg.training.batch_size;
-  d.ref_train = precompute_reference(m, s.world, d.train, batch, pad, s.device);
-  if (!d.validation.empty()) d.ref_validation = precompute_reference(m, s.world, d.validation, batch, pad, s.device);
+  d.ref_train = precompute_reference(m, s.world, d.train, batch, pad, s.device, d.images);
+  if (!d.validation.empty())
+    d.ref_validation = precompute_reference(m, s.world, d.validation, batch, pad, s.device, d.images);
   if (!s.dir_lead()) return;
   std::vector<std::pair<std::string, at::Tensor>> tables = {{"train", d.ref_train}};
   if (d.ref_validation.defined()) tables.emplace_back("validation", d.ref_validation);
@@ -274,6 +282,10 @@ int run_dpo(Session& s) {
   for (const auto* set : {&d.train, &d.validation})
     for (const data::PreferencePair& x : *set) ids.add(x.chosen), ids.add(x.rejected);
   Model m = setup_model(s, text, ids.ids());
+  const auto has_images = [](const std::vector<data::PreferencePair>& set) {
+    return std::any_of(set.begin(), set.end(), [](const data::PreferencePair& x) { return !x.chosen.images.empty(); });
+  };
+  d.images = load_vision_tower(s, m, text, has_images(d.train), has_images(d.validation));
   const int64_t pad = text.tokenizer.pad_id();
   if (cfg.dpo.precompute_reference && train::needs_reference(cfg.dpo.loss)) reference_tables(s, d, m, pad);
   RecipeParts parts;

@@ -211,8 +211,13 @@ std::string vision_key(const RecipeConfig& cfg) {
 }  // namespace
 
 Model setup_model(const Session& s, const TextSetup& text, const std::vector<int64_t>& data_token_ids) {
-  if (trains_vision_tower(s.cfg) && s.recipe != "lora_finetune")
-    throw std::invalid_argument(vision_key(s.cfg) + ": `qlora run " + s.recipe + "` trains on no images (lora_finetune does)");
+  if (trains_vision_tower(s.cfg) && s.recipe == "lora_dpo" && s.cfg.lora.train_projector)
+    throw std::invalid_argument("lora.train_projector: `qlora run lora_dpo`'s reference policy is the base with the adapters "
+                                "off, which a projector trained in full would change too (lora.vision_targets trains the "
+                                "tower with DPO)");
+  if (trains_vision_tower(s.cfg) && s.recipe != "lora_finetune" && s.recipe != "lora_dpo")
+    throw std::invalid_argument(vision_key(s.cfg) + ": `qlora run " + s.recipe +
+                                "` trains on no images (lora_finetune and lora_dpo do)");
   // While embed_tokens and lm_head are whole: every rank has the whole data set's ids, so all do the same.
   Model m = build_model(s, {}, [&](models::DecoderModel& d) {
     train::apply_untrained_tokens_policy(d, data_token_ids, text.tokenizer, s.cfg.model.untrained_tokens, s.lead);
@@ -224,7 +229,9 @@ Model setup_model(const Session& s, const TextSetup& text, const std::vector<int
   return m;
 }
 
-void load_vision_tower(const Session& s, Model& m, bool trained_on_images) {
+train::BatchImages load_vision_tower(const Session& s, Model& m, const TextSetup& text, bool trained_on_images,
+                                     bool other_images) {
+  if (!trained_on_images && !other_images && !trains_vision_tower(s.cfg)) return {};
   const config::LoraConfig& lora = s.cfg.lora;
   if (trains_vision_tower(s.cfg) && !m.decoder.config.multimodal)
     throw std::invalid_argument(vision_key(s.cfg) + ": " + s.base_dir + " is a text-only checkpoint (" + m.decoder.config.model_type +
@@ -249,6 +256,7 @@ void load_vision_tower(const Session& s, Model& m, bool trained_on_images) {
                 trains_vision_tower(s.cfg) ? ("LoRA on " + std::to_string(adapted) + " of its linears" +
                                               (lora.train_projector ? ", the projector trained" : "")).c_str()
                                            : "frozen");
+  return train::BatchImages{&text.options};
 }
 
 std::unique_ptr<optim::AdamW> make_adamw(const RecipeConfig& cfg, const Model& m) {

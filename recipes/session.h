@@ -29,6 +29,7 @@
 #include "qlora/models/decoder.h"
 #include "qlora/optim/adamw.h"
 #include "qlora/report/metrics.h"
+#include "qlora/train/evaluate.h"
 #include "qlora/train/output_dir.h"
 #include "recipes/recipe_config.h"
 
@@ -74,13 +75,16 @@ Model setup_model(const Session& s, const TextSetup& text, const std::vector<int
 
 // Whether the run trains the vision tower (lora.vision_targets, lora.train_projector).
 bool trains_vision_tower(const config::RecipeConfig& cfg);
-// The checkpoint's vision tower (models/vision) as m.decoder.tower, its encoder linears in NF4 where the
-// base is: what a run whose data holds images needs. With lora.vision_targets / lora.train_projector its
+// Where the run's data holds images (train_images: the training set's; other_images: validation's) or
+// the config trains the tower: the checkpoint's vision tower (models/vision) as m.decoder.tower, its
+// encoder linears in NF4 where the base is, and the BatchImages its batches take; else nothing is
+// loaded and the BatchImages is empty (text). With lora.vision_targets / lora.train_projector its
 // adapters (drawn from training.seed's generator: the same on every rank) and the projector's fp32 copy
 // join the engine's trainable groups (before the optimizer is made); else it stays frozen. Errors name
 // the checkpoint when it has no tower, and the key when it is set for a text-only checkpoint or for
-// training data without images (trained_on_images false: only validation data, or none, holds any).
-void load_vision_tower(const Session& s, Model& m, bool trained_on_images);
+// training data without images.
+train::BatchImages load_vision_tower(const Session& s, Model& m, const TextSetup& text, bool train_images,
+                                     bool other_images);
 
 // Makes the decoder from the load options the config gives (on_layer_loaded shards each layer as it
 // is made): a bench's model built in memory, or a checkpoint loaded its own way.

@@ -178,6 +178,7 @@ def main():
           f"the first step's loss is transformers' on the same batch with its own processor and tower: "
           f"{ref[0]:.8f} vs {want:.8f} (rel {abs(ref[0] - want) / abs(want):.1e} <= {LOSS_RTOL})")
 
+    check_dpo(check, a, model, base, data)
     check_refusals(check, a, base, data)
     grey = os.path.join(a.workdir, "grey")
     r = run_recipe(a.qlora, grey, *COMMON, f"model.checkpoint_dir={base}", f"data.path={write_data(grey + '_data', True)}",
@@ -203,6 +204,134 @@ def main():
         check(same and losses(killed)[-1] == ref[-1], "resumed after SIGKILL: the adapter bit for bit the uninterrupted run's")
     check_generate(check, a, one, data)
     return check.summary()
+
+
+# Image preference pairs in the forms TRL's vision DPO data sets ship (a record-level "images" with {"type":
+# "image"} parts; an "<image>" string prompt) and with the source in the part: (image, chosen, rejected).
+DPO_PAIRS = [("0.png", "It is red.", "It is blue."), ("1.png", "It is green.", "It is yellow."),
+             ("2.png", "It is blue.", "It is red.")]
+QUESTION = "What colour is the square?"
+
+
+def write_dpo_data(d, path, image_of=lambda i, img: img, images_of=lambda i, img: [img]):
+    """The pairs of DPO_PAIRS, one form each; image_of / images_of alter a pair's sources (bad input)."""
+    with open(path, "w") as f:
+        for i, (img, chosen, rejected) in enumerate(DPO_PAIRS):
+            if i == 0:
+                rec = {"images": images_of(i, img), "prompt": [{"role": "user", "content": [
+                    {"type": "image"}, {"type": "text", "text": QUESTION}]}],
+                       "chosen": [{"role": "assistant", "content": [{"type": "text", "text": chosen}]}],
+                       "rejected": [{"role": "assistant", "content": [{"type": "text", "text": rejected}]}]}
+            elif i == 1:
+                rec = {"prompt": [{"role": "user", "content": [{"type": "image", "image": image_of(i, img)},
+                                                               {"type": "text", "text": QUESTION}]}],
+                       "chosen": [{"role": "assistant", "content": chosen}],
+                       "rejected": [{"role": "assistant", "content": rejected}]}
+            else:
+                rec = {"images": images_of(i, img), "prompt": "<image>" + QUESTION, "chosen": chosen, "rejected": rejected}
+            f.write(json.dumps(rec) + "\n")
+    return path
+
+
+def dpo_reference(model, tool, base, pairs, work):
+    """transformers' summed log-probs of each pair's chosen and rejected response, [(chosen, rejected), ...]: the ids
+    and labels as lora_dpo reads the pairs (image_data_tool), the pixels from transformers' processor through
+    Qwen3_5ForConditionalGeneration; and per pair whether our prompt's ids are TRL 1.16's DataCollatorForVisionPreference's
+    (the processor's chat template and image expansion) up to where the template's assistant span starts."""
+    from PIL import Image
+    from transformers import AutoImageProcessor, AutoTokenizer
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+    from trl.trainer.dpo_trainer import DataCollatorForVisionPreference
+    out = os.path.join(work, "tool_dpo")
+    r = subprocess.run([tool, base, pairs, out, "96", "preference"], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(r.stderr)
+    samples = json.load(open(os.path.join(out, "samples.json")))
+    proc = Qwen3VLProcessor(image_processor=AutoImageProcessor.from_pretrained(base),
+                            tokenizer=AutoTokenizer.from_pretrained(base), video_processor=Qwen3VLVideoProcessor(),
+                            chat_template=open(os.path.join(DATA, "chat_templates", "Qwen3.5-9B.jinja")).read())
+    collate = DataCollatorForVisionPreference(processor=proc)
+    logps, prompts_agree = [], []
+    for i, (img, chosen, rejected) in enumerate(DPO_PAIRS):
+        image = Image.open(os.path.join(os.path.dirname(pairs), img)).convert("RGB")
+        trl = collate([{"images": [image], "prompt": [{"role": "user", "content": [{"type": "image"},
+                                                                                   {"type": "text", "text": QUESTION}]}],
+                        "chosen": [{"role": "assistant", "content": chosen}],
+                        "rejected": [{"role": "assistant", "content": rejected}]}])
+        trl_prompt = trl["input_ids"][0][:int(trl["completion_mask"][0].argmax())].tolist()
+        px = proc.image_processor([image], return_tensors="pt")
+        pair = []
+        for s in samples[2 * i:2 * i + 2]:
+            ours = s["tokens"][:next(k for k, x in enumerate(s["labels"]) if x != -100)]
+            prompts_agree.append(trl_prompt[:len(ours)] == ours and len(ours) >= len(trl_prompt) - 2)
+            tokens = torch.tensor([s["tokens"]])
+            with torch.no_grad():
+                logits = model(input_ids=tokens, pixel_values=px["pixel_values"], image_grid_thw=px["image_grid_thw"],
+                               mm_token_type_ids=(tokens == model.config.image_token_id).long()).logits[0, :-1].double()
+            labels = torch.tensor(s["labels"][1:])
+            keep = labels != -100
+            pair.append(torch.log_softmax(logits[keep], -1).gather(1, labels[keep][:, None]).sum().item())
+        logps.append(pair)
+    return logps, prompts_agree
+
+
+def check_dpo(check, a, model, base, data):
+    """`qlora run lora_dpo` on image preference pairs: each step's (one pair's) chosen and rejected log-probs are
+    transformers' (model: the NF4-dequantized reference) and its sigmoid loss TRL's formula on them; with
+    lora.vision_targets the tower's adapters train; bad image input is refused naming the file and record."""
+    d = os.path.dirname(data)
+    pairs = write_dpo_data(d, os.path.join(d, "dpo.jsonl"))
+    args = lambda path: [*COMMON, "data.format=preference", f"model.checkpoint_dir={base}", f"data.path={path}",  # noqa: E731
+                         "training.batch_size=1", f"training.max_steps_per_epoch={len(DPO_PAIRS)}", "dpo.beta=0.1"]
+    dpo = args(pairs)
+    out = os.path.join(a.workdir, "dpo")
+    # lr 1e-12: the policy stays the initial one (B = 0: the base) through the three steps, far below fp32's rounding.
+    r = run_recipe(a.qlora, out, *dpo, "optim.lr=1e-12", recipe="lora_dpo")
+    if not check(r.returncode == 0 and "vision tower" in r.stdout, "lora_dpo trains on image preference pairs (the tower named)"):
+        return
+    from recipe_common import step_rows
+    rows = step_rows(out)
+    want, agree = dpo_reference(model, a.image_data_tool, base, pairs, a.workdir)
+    # TRL splits prompt and response at the generation prompt (Qwen3.5's ends "<think>\n") and tokenizes them apart;
+    # lora_dpo scores the template's assistant span of the whole conversation's tokens (as lora_finetune does), so
+    # the prompts agree up to the last token or two, image expansion included.
+    check(all(agree), f"each sequence's prompt ids (image tokens included) are TRL's DataCollatorForVisionPreference's {agree}")
+    # fp32 on both sides, the same NF4-dequantized weights: summation order only (~1e-6 relative of a sum of
+    # ~10 log-probs); a wrong token, image or position moves a log-prob by far more than 1e-4.
+    worst = max(max(abs(r_["logps/chosen"] - w[0]), abs(r_["logps/rejected"] - w[1])) / max(1.0, abs(w[0]), abs(w[1]))
+                for r_, w in zip(rows, want))
+    check(len(rows) == len(DPO_PAIRS) and worst <= LOSS_RTOL,
+          f"each pair's chosen / rejected log-probs are transformers' on our ids (its processor's pixels, its tower): {[(round(r_['logps/chosen'], 5), round(r_['logps/rejected'], 5)) for r_ in rows]} vs "
+          f"{[(round(w[0], 5), round(w[1], 5)) for w in want]} (rel {worst:.1e} <= {LOSS_RTOL})")
+    # TRL's sigmoid loss, -logsigmoid(beta * ((pc - rc) - (pr - rr))), the reference being the base: ln 2.
+    loss = [-torch.nn.functional.logsigmoid(torch.tensor(0.1 * ((w[0] - w[0]) - (w[1] - w[1])))).item() for w in want]
+    check(max(abs(r_["loss"] - l_) for r_, l_ in zip(rows, loss)) < 1e-6,
+          f"each step's loss is TRL's sigmoid loss ({[round(r_['loss'], 7) for r_ in rows]})")
+
+    trained = os.path.join(a.workdir, "dpo_tower")
+    r = run_recipe(a.qlora, trained, *dpo, "training.epochs=2", "optim.lr=1e-2",
+                   "lora.vision_targets=" + json.dumps(VISION_TARGETS), recipe="lora_dpo")
+    if check(r.returncode == 0, "lora_dpo with lora.vision_targets runs"):
+        ad = adapter(trained, 1)
+        tower_b = [k for k in ad if ".visual.blocks." in k and k.endswith(".lora_B.weight")]
+        later = losses(trained)[len(DPO_PAIRS):]
+        check(tower_b and all(abs(ad[k]).max() > 0 for k in tower_b) and all(abs(x - math.log(2)) > 1e-6 for x in later),
+              f"the tower's adapters train with DPO ({len(tower_b)} lora_B moved; second epoch's losses {[round(x, 4) for x in later]})")
+    r = run_recipe(a.qlora, out + "_projector", *dpo, "lora.train_projector=true", recipe="lora_dpo", expect_rc=1)
+    check(r.returncode == 1 and "lora.train_projector: `qlora run lora_dpo`" in r.stderr,
+          "lora.train_projector is refused by lora_dpo (its reference is the base with the adapters off)")
+
+    bad = os.path.join(d, "dpo_missing.jsonl")
+    write_dpo_data(d, bad, image_of=lambda i, img: "missing.png")
+    r = run_recipe(a.qlora, out + "_bad", *args(bad), recipe="lora_dpo", expect_rc=1)
+    check(r.returncode == 1 and f"{bad}: line 2" in r.stderr and "missing.png" in r.stderr,
+          f"a missing image is refused naming the record and the file: {r.stderr.strip().splitlines()[-1][:200]!r}")
+    write_dpo_data(d, bad, images_of=lambda i, img: [img, img])
+    r = run_recipe(a.qlora, out + "_bad", *args(bad), recipe="lora_dpo", expect_rc=1)
+    check(r.returncode == 1 and f"{bad}: line 1" in r.stderr and "lists 2 images, the messages show 1" in r.stderr,
+          f"an image count that does not match the placeholders is refused naming the record: "
+          f"{r.stderr.strip().splitlines()[-1][:200]!r}")
 
 
 def check_refusals(check, a, base, data):

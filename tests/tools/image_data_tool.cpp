@@ -1,9 +1,10 @@
 // Reads a chat data file with images as lora_finetune's data does (the model's own chat template,
 // its image processor), for tests/conformance/test_image_data.py:
 //
-//   image_data_tool MODEL_DIR DATA OUT_DIR [MAX_SEQ_LEN]
+//   image_data_tool MODEL_DIR DATA OUT_DIR [MAX_SEQ_LEN [preference]]
 //
-// OUT_DIR/samples.json: [{"tokens": [...], "labels": [...], "images": N}, ...];
+// OUT_DIR/samples.json: [{"tokens": [...], "labels": [...], "images": N}, ...]; with "preference", DATA
+// holds preference pairs read as lora_dpo's data does, each pair two samples: its chosen, its rejected;
 // OUT_DIR/images.safetensors: "s<i>.<k>.pixel_values" and "s<i>.<k>.grid" (where defined) of sample
 // i's image k. An error (a record refused) exits 1 with its message on stderr.
 #include <cstdio>
@@ -17,23 +18,31 @@
 #include <nlohmann/json.hpp>
 
 #include "qlora/data/dataset.h"
+#include "qlora/data/preference.h"
 #include "qlora/data/sample_images.h"
 #include "qlora/io/safetensors.h"
 
 int main(int argc, char** argv) {
-  if (argc != 4 && argc != 5) {
-    std::fprintf(stderr, "usage: image_data_tool MODEL_DIR DATA OUT_DIR [MAX_SEQ_LEN]\n");
+  const bool pairs = argc == 6 && std::string(argv[5]) == "preference";
+  if (argc < 4 || argc > 6 || (argc == 6 && !pairs)) {
+    std::fprintf(stderr, "usage: image_data_tool MODEL_DIR DATA OUT_DIR [MAX_SEQ_LEN [preference]]\n");
     return 2;
   }
   try {
     namespace data = qlora::data;
     const data::Tokenizer tok = data::Tokenizer::open(argv[1]);
     data::DatasetOptions o;
-    o.kind = data::DatasetKind::kChat;
+    o.kind = pairs ? data::DatasetKind::kPreference : data::DatasetKind::kChat;
     o.prompt_template = data::TemplateKind::kAuto;
-    o.max_seq_len = argc == 5 ? std::stoll(argv[4]) : 0;
+    o.max_seq_len = argc >= 5 ? std::stoll(argv[4]) : 0;
     data::resolve_dataset_options(o, tok, std::nullopt, std::nullopt, nlohmann::ordered_json::object());
-    const std::vector<data::Sample> samples = data::load_dataset(argv[2], tok, o);
+    std::vector<data::Sample> samples;
+    if (!pairs) samples = data::load_dataset(argv[2], tok, o);
+    else
+      for (data::PreferencePair& p : data::load_preference_pairs(argv[2], tok, o, {o.max_seq_len, o.max_seq_len})) {
+        samples.push_back(std::move(p.chosen));
+        samples.push_back(std::move(p.rejected));
+      }
     nlohmann::json out = nlohmann::json::array();
     std::vector<std::pair<std::string, at::Tensor>> tensors;
     for (size_t i = 0; i < samples.size(); ++i) {

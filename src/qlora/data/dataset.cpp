@@ -164,7 +164,8 @@ std::string find_image_processor(DatasetOptions& o, const Tokenizer& tokenizer) 
   o.image_processor.reset();
   o.image_processor_error.clear();
   const std::filesystem::path dir = std::filesystem::path(tokenizer.path()).parent_path();
-  if (o.kind != DatasetKind::kChat ||
+  // Chat records, preference pairs and GRPO's prompts are messages, where images are.
+  if (o.kind == DatasetKind::kInstruct || o.kind == DatasetKind::kText ||
       (!std::filesystem::exists(dir / "preprocessor_config.json") && !std::filesystem::exists(dir / "processor_config.json")))
     return {};
   try {
@@ -276,31 +277,10 @@ Sample tokenize_segments(const std::vector<Segment>& segments, const Tokenizer& 
   return s;
 }
 
-namespace {
-
-// A sample cut by max_seq_len keeps every image whole: its image tokens are all there, or the record
-// is refused (a model cannot take part of an image's features).
-void check_images_kept(const Sample& s, const std::vector<images::ProcessedImage>& images, int64_t image_token,
-                       int64_t max_seq_len) {
-  int64_t want = 0;
-  for (const images::ProcessedImage& p : images) want += p.num_image_tokens;
-  const int64_t have = std::count(s.tokens.begin(), s.tokens.end(), image_token);
-  if (have == want) return;
-  if (s.truncated)
-    throw std::invalid_argument("max_seq_len " + std::to_string(max_seq_len) + " cuts into its images (" +
-                                std::to_string(want) + " image tokens, " + std::to_string(have) +
-                                " kept): raise data.max_seq_len or use smaller images");
-  throw std::invalid_argument("its text holds " + std::to_string(have) + " image tokens, its images take " +
-                              std::to_string(want) + " (an image token written in the text itself?)");
-}
-
-}  // namespace
-
 std::vector<Sample> tokenize_records(const std::vector<RenderedRecord>& records, const Tokenizer& tokenizer,
                                      const DatasetOptions& options) {
   std::vector<Sample> samples;
   samples.reserve(records.size());
-  int64_t image_token = -1;  // the processor's image token's id, looked up at the first record with images
   for (const auto& r : records) {
     if (r.images.empty()) {
       samples.push_back(tokenize_segments(r.segments, tokenizer, options));
@@ -310,9 +290,8 @@ std::vector<Sample> tokenize_records(const std::vector<RenderedRecord>& records,
     try {
       Sample s = tokenize_segments(expand_image_placeholders(r.segments, *options.image_processor, images), tokenizer,
                                    options);
-      if (image_token < 0) image_token = image_token_id(*options.image_processor, tokenizer);
-      check_images_kept(s, images, image_token, options.max_seq_len);
       s.images = sample_images(r, images);
+      check_images_kept(s, tokenizer, options, options.max_seq_len);
       samples.push_back(std::move(s));
     } catch (const std::invalid_argument& e) {
       throw std::invalid_argument(r.origin + ": " + e.what());

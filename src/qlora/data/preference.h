@@ -10,6 +10,9 @@
 //   {"prompt": [messages], "chosen": [messages], "rejected": [...]} the prompt given apart
 // Messages are {"role", "content"} (or ShareGPT's {"from", "value"}). Only the responses are
 // scored: an assistant turn inside the prompt is context.
+// The prompt may hold images, read as a chat record's (record_images.h): image parts with their
+// sources, or TRL's vision form, a record-level "images": [paths] with {"type": "image"} parts (or
+// "<image>" in a string prompt). Both sequences carry them (Sample::images); a response holds none.
 #pragma once
 
 #include <cstdint>
@@ -44,8 +47,10 @@ struct PreferenceOptions {
 std::vector<PreferencePair> load_preference_pairs(const std::string& path, const Tokenizer& tokenizer,
                                                   const DatasetOptions& options, const PreferenceOptions& limits);
 
-// One record as a pair (origin prefixes errors).
+// One record as a pair (origin prefixes errors; base_dir: the data file's directory, for images' relative paths).
+// Truncation that would cut into an image is refused naming it.
 PreferencePair preference_pair(const nlohmann::json& record, const std::string& origin, const Tokenizer& tokenizer,
-                               const DatasetOptions& options, const PreferenceOptions& limits);
+                               const DatasetOptions& options, const PreferenceOptions& limits,
+                               const std::string& base_dir = "");
 
 }  // namespace qlora::data

@@ -1,5 +1,6 @@
 #include "qlora/data/sample_images.h"
 
+#include <algorithm>
 #include <stdexcept>
 
 #include "qlora/images/decode.h"
@@ -74,6 +75,20 @@ int64_t image_token_id(const images::ImageProcessor& processor, const Tokenizer&
     throw std::invalid_argument(tokenizer.path() + ": the image processor's image token '" + token +
                                 "' is not one token of this tokenizer (" + std::to_string(ids.size()) + " ids)");
   return ids[0];
+}
+
+void check_images_kept(const Sample& s, const Tokenizer& tokenizer, const DatasetOptions& options, int64_t max_seq_len) {
+  if (s.images.empty()) return;
+  int64_t want = 0;
+  for (const SampleImage& p : s.images) want += p.num_image_tokens;
+  const int64_t have = std::count(s.tokens.begin(), s.tokens.end(), image_token_id(*options.image_processor, tokenizer));
+  if (have == want) return;
+  if (s.truncated)
+    throw std::invalid_argument("max_seq_len " + std::to_string(max_seq_len) + " cuts into its images (" +
+                                std::to_string(want) + " image tokens, " + std::to_string(have) +
+                                " kept): raise data.max_seq_len or use smaller images");
+  throw std::invalid_argument("its text holds " + std::to_string(have) + " image tokens, its images take " +
+                              std::to_string(want) + " (an image token written in the text itself?)");
 }
 
 }  // namespace qlora::data

@@ -586,6 +586,12 @@ at::Tensor DecoderModel::row_losses(const at::Tensor& tokens, const at::Tensor& 
   return loss_of(*this, hidden_states(*this, tokens, positions, at::Tensor(), nullptr), labels, LossPer::kRow);
 }
 
+at::Tensor DecoderModel::row_losses(const at::Tensor& tokens, const at::Tensor& position_ids, const at::Tensor& attn_mask,
+                                  const at::Tensor& labels, const ImageInputs* images) const {
+  const auto [positions, mask] = packed_inputs(*this, tokens, position_ids, attn_mask);
+  return loss_of(*this, hidden_states(*this, tokens, positions, mask, nullptr, images), labels, LossPer::kRow);
+}
+
 at::Tensor DecoderModel::token_losses(const at::Tensor& tokens, const at::Tensor& labels, at::Tensor* entropy) const {
   const at::Tensor positions = plain_positions(*this, tokens, 0);  // [seq]
   const at::Tensor losses =

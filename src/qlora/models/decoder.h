@@ -160,6 +160,9 @@ struct DecoderModel {
   // The same summed per row: [batch] fp32, row b = -(log-probability of its scored labels), the
   // sequence log-probabilities of preference losses; its backward weighs each row by its gradient.
   at::Tensor row_losses(const at::Tensor& tokens, const at::Tensor& labels) const;
+  // The same over packed rows, with images (as loss() takes them): a preference pair's rows with their prompt's images.
+  at::Tensor row_losses(const at::Tensor& tokens, const at::Tensor& position_ids, const at::Tensor& attn_mask,
+                        const at::Tensor& labels, const ImageInputs* images) const;
   // The same per token: [batch, seq] fp32, each scored label's cross-entropy (0 where unscored), the
   // per-token log-probabilities GRPO weighs one by one. Still no [tokens, vocab] logits; with an
   // adapter on the output head its gradients are kept per token, so that case costs memory.

@@ -4,7 +4,9 @@
 #include <ATen/core/grad_mode.h>
 
 #include <algorithm>
+#include <optional>
 
+#include "qlora/models/vision/tower.h"
 #include "qlora/modules/lora_linear.h"
 
 namespace qlora::train {
@@ -16,20 +18,42 @@ data::Batch pair_batch(const std::vector<data::PreferencePair>& all, const std::
   return data::collate(rows, pad_id);
 }
 
-at::Tensor row_logps(const models::DecoderModel& m, const data::Batch& b, c10::Device device, bool reference) {
-  if (!reference) return -m.row_losses(b.tokens.to(device), b.labels.to(device));
+namespace {
+
+// -(row losses) of b, the features `in` (none: a batch without images) at its image tokens.
+at::Tensor logps_with(const models::DecoderModel& m, const data::Batch& b, c10::Device device,
+                      const std::optional<models::ImageInputs>& in) {
+  if (!in) return -m.row_losses(b.tokens.to(device), b.labels.to(device));
+  return -m.row_losses(b.tokens.to(device), b.position_ids.to(device), data::block_causal_mask(b.document_ids).to(device),
+                       b.labels.to(device), &*in);
+}
+
+}  // namespace
+
+at::Tensor row_logps(const models::DecoderModel& m, const data::Batch& b, c10::Device device, bool reference,
+                     const BatchImages& images) {
+  if (!reference) return logps_with(m, b, device, images.of(m, b, device));
   at::NoGradGuard no_grad;
   modules::AdaptersDisabled off;
-  return -m.row_losses(b.tokens.to(device), b.labels.to(device));
+  return logps_with(m, b, device, images.of(m, b, device));
 }
 
 PairLogps pair_logps(const models::DecoderModel& m, const data::Batch& b, PreferenceLoss loss, const at::Tensor& ref,
-                     c10::Device device) {
+                     c10::Device device, const BatchImages& images) {
   const int64_t n = b.tokens.size(0) / 2;
   const at::Tensor counts = b.labels.ne(data::kIgnoreIndex).sum(1).to(at::kFloat).to(device);  // [2n]
   const bool with_ref = needs_reference(loss);
-  const at::Tensor ref_logps = !with_ref ? at::Tensor() : ref.defined() ? ref.to(device) : row_logps(m, b, device, true);
-  const at::Tensor pol = row_logps(m, b, device, false);  // [2n]
+  at::Tensor ref_logps = with_ref && ref.defined() ? ref.to(device) : at::Tensor();
+  std::optional<models::ImageInputs> ref_in;  // the reference's image features, where it ran now
+  if (with_ref && !ref.defined()) {
+    at::NoGradGuard no_grad;
+    modules::AdaptersDisabled off;
+    ref_in = images.of(m, b, device);
+    ref_logps = logps_with(m, b, device, ref_in);
+  }
+  // A frozen tower's features are the same with the adapters on or off, and constants of the step.
+  const bool frozen = !m.tower || models::vision::tower_trainable(*m.tower).empty();
+  const at::Tensor pol = logps_with(m, b, device, ref_in && frozen ? ref_in : images.of(m, b, device));  // [2n]
   PairLogps lp{pol.narrow(0, 0, n), pol.narrow(0, n, n), at::Tensor(), at::Tensor(),
                counts.narrow(0, 0, n), counts.narrow(0, n, n)};
   if (with_ref) {
