@@ -2,8 +2,9 @@
 // GSPO, CISPO as TRL 1.16 names and defines them) of LoRA adapters on the sharded NF4 base, on 1..N
 // ranks. What every recipe shares (model, optimizer, resume, the step loop with its guard,
 // checkpoints, exports) is in session.h; this file keeps what is its own:
-//   setup   : prompt records (data.format = "prompt", data/prompts.h), the validation split, the
-//             rewards (train/rewards.h), each record checked against what its rewards read
+//   setup   : prompt records (data.format = "prompt", data/prompts.h; a conversation's images go
+//             through the frozen vision tower, in the rollouts' prefill and the loss's log-probs), the
+//             validation split, the rewards (train/rewards.h), each record checked against what its rewards read
 //   rollout : every grpo.num_iterations optimizer steps, the step's prompts (grad_accum global
 //             batches of batch_size x ranks) each get num_generations completions, sampled as one
 //             batch on each rank (models/generate.h) from the gathered base + adapters, each
@@ -52,7 +53,17 @@ struct Prompts {
   std::vector<data::PromptRecord> train, validation;
   std::unique_ptr<data::Sampler> sampler;  // this rank's prompts of one global batch per micro-step
   std::vector<int64_t> stop_ids;           // EOS, the end of turn: where a completion ends
+  train::BatchImages images;               // where the prompts hold images: the data's processor
 };
+
+// A prompt as a sample: its tokens, none scored, its images.
+data::Sample prompt_sample(const data::PromptRecord& r) {
+  data::Sample x;
+  x.tokens = r.tokens;
+  x.labels.assign(r.tokens.size(), data::kIgnoreIndex);
+  x.images = r.images;
+  return x;
+}
 
 Prompts setup_prompts(const Session& s, const TextSetup& text, const train::Rewards& rewards) {
   const RecipeConfig& cfg = s.cfg;
@@ -112,13 +123,19 @@ struct Gathered {
 // Sequences of `records` (each `per_prompt` times, the k-th seeded by seed_of(prompt, k)), as one
 // batch (under a Gathered base). A completion stops at o.max_new_tokens or where prompt and
 // completion fill `context` tokens (data.max_seq_len; 0: no limit), whichever comes first.
-std::vector<models::Completion> sample(const Model& m, const std::vector<const data::PromptRecord*>& records,
+// A prompt's images prefill with it (through the vision tower, no gradient).
+std::vector<models::Completion> sample(const Model& m, const Prompts& d, const std::vector<const data::PromptRecord*>& records,
                                        int64_t per_prompt, const models::GenerateOptions& o, int64_t context,
-                                       const std::function<uint64_t(int64_t, int64_t)>& seed_of) {
+                                       const std::function<uint64_t(int64_t, int64_t)>& seed_of, c10::Device device) {
   std::vector<std::vector<int64_t>> prompts;
   std::vector<models::BatchSequence> seqs;
+  std::vector<std::optional<models::ImageInputs>> features(records.size());
+  std::vector<const models::ImageInputs*> prompt_images;
+  at::NoGradGuard no_grad;
   for (size_t i = 0; i < records.size(); ++i) {
     prompts.push_back(records[i]->tokens);
+    if (!records[i]->images.empty()) features[i] = d.images.of(m.decoder, data::collate({prompt_sample(*records[i])}, 0), device);
+    prompt_images.push_back(features[i] ? &*features[i] : nullptr);
     for (int64_t k = 0; k < per_prompt; ++k) {
       models::BatchSequence q{static_cast<int64_t>(i), o};
       q.options.seed = seed_of(static_cast<int64_t>(i), k);
@@ -127,13 +144,14 @@ std::vector<models::Completion> sample(const Model& m, const std::vector<const d
       seqs.push_back(std::move(q));
     }
   }
-  return models::generate_batch(m.decoder, prompts, seqs);
+  return models::generate_batch(m.decoder, prompts, seqs, prompt_images);
 }
 
 // One generation batch on this rank: grad_accum micro-batches of batch_size prompts x G completions.
 struct Rollout {
   std::vector<std::vector<train::Completion>> micro;
   std::vector<at::Tensor> advantages, old_logps, ref_logps;  // per micro-batch; logps undefined where unused
+  std::vector<std::vector<int64_t>> prompt_of;  // per micro-batch: each completion's prompt in the training set
   double num_items = 0;  // scored tokens of the whole step on every rank (dapo, cispo)
   int64_t uses = 0;      // optimizer steps it has fed
   nlohmann::ordered_json metrics = nlohmann::ordered_json::object();
@@ -196,7 +214,7 @@ Rollout make_rollout(const Session& s, Model& m, Prompts& d, const TextSetup& te
   std::vector<models::Completion> sampled;
   {
     const Gathered base(*m.engine);
-    sampled = sample(m, mine, G, o, cfg.data.max_seq_len, seed_of);
+    sampled = sample(m, d, mine, G, o, cfg.data.max_seq_len, seed_of, s.device);
   }
   const train::RewardScores scores = score(rewards, text.tokenizer, d, mine, G, sampled);
 
@@ -223,24 +241,28 @@ Rollout make_rollout(const Session& s, Model& m, Prompts& d, const TextSetup& te
     if (!(cfg.grpo.mask_truncated_completions && all[R + 2][row] != 0)) r.num_items += all[R + 1][row];
   for (int64_t k = 0; k < accum; ++k) {
     std::vector<train::Completion> batch;
+    std::vector<int64_t> prompt_of;
     for (int64_t j = 0; j < per_rank * G; ++j) {
       const size_t c = static_cast<size_t>(k * per_rank * G + j);
-      batch.push_back({mine[c / G]->tokens, sampled[c].ids, !sampled[c].stopped});
+      const data::PromptRecord& p = *mine[c / G];
+      batch.push_back({p.tokens, sampled[c].ids, !sampled[c].stopped, p.images});
+      prompt_of.push_back(&p - d.train.data());
     }
     r.micro.push_back(std::move(batch));
+    r.prompt_of.push_back(std::move(prompt_of));
     r.advantages.push_back(advantages.narrow(0, first_row[static_cast<size_t>(k)], per_rank * G).clone());
   }
   return r;
 }
 
 // The old policy's and the reference's log-probs of each micro-batch, where the loss reads them.
-void frozen_logps(const RecipeConfig& cfg, const Model& m, Rollout& r, int64_t pad, c10::Device device) {
+void frozen_logps(const RecipeConfig& cfg, const Model& m, Rollout& r, int64_t pad, c10::Device device,
+                  const train::BatchImages& images) {
   for (const std::vector<train::Completion>& micro : r.micro) {
     const train::CompletionBatch b = train::completion_batch(micro, pad);
-    r.old_logps.push_back(cfg.grpo.num_iterations > 1 ? train::completion_logps(m.decoder, b, device, train::LogpsOf::kOld)
-                                                      : at::Tensor());
-    r.ref_logps.push_back(cfg.grpo.beta != 0 ? train::completion_logps(m.decoder, b, device, train::LogpsOf::kReference)
-                                             : at::Tensor());
+    const auto logps = [&](train::LogpsOf which) { return train::completion_logps(m.decoder, b, device, which, nullptr, images); };
+    r.old_logps.push_back(cfg.grpo.num_iterations > 1 ? logps(train::LogpsOf::kOld) : at::Tensor());
+    r.ref_logps.push_back(cfg.grpo.beta != 0 ? logps(train::LogpsOf::kReference) : at::Tensor());
   }
 }
 
@@ -273,7 +295,7 @@ StepResult Grpo::step(int64_t step) {
   const int64_t pad = text.tokenizer.pad_id();
   if (!rollout || rollout->uses == cfg.grpo.num_iterations) {
     rollout = make_rollout(s, m, d, text, rewards, step);
-    frozen_logps(cfg, m, *rollout, pad, s.device);
+    frozen_logps(cfg, m, *rollout, pad, s.device, d.images);
   }
   Rollout& r = *rollout;
   const train::GrpoOptions opt = cfg.grpo.options();
@@ -285,7 +307,7 @@ StepResult Grpo::step(int64_t step) {
     train::GrpoInputs in;
     in.mask = train::grpo_loss_mask(b.completion_mask, b.truncated, opt.mask_truncated_completions).to(s.device);
     at::Tensor entropy;  // [B, C]
-    in.logps = train::completion_logps(m.decoder, b, s.device, train::LogpsOf::kPolicy, &entropy);
+    in.logps = train::completion_logps(m.decoder, b, s.device, train::LogpsOf::kPolicy, &entropy, d.images);
     in.old_logps = r.old_logps[k];
     in.ref_logps = r.ref_logps[k];
     in.advantages = r.advantages[k].to(s.device);
@@ -328,7 +350,7 @@ report::ValidationMetrics Grpo::validate(const Position& p) {
   for (size_t c0 = 0; c0 < mine.size(); c0 += chunk) {
     const std::vector<const data::PromptRecord*> part(mine.begin() + c0, mine.begin() + std::min(mine.size(), c0 + chunk));
     const std::vector<models::Completion> out =
-        sample(m, part, 1, greedy, s.cfg.data.max_seq_len, [](int64_t, int64_t) { return 0; });
+        sample(m, d, part, 1, greedy, s.cfg.data.max_seq_len, [](int64_t, int64_t) { return 0; }, s.device);
     const train::RewardScores scores = score(rewards, text.tokenizer, d, part, 1, out);
     for (size_t i = 0; i < out.size(); ++i) {
       sums[0] += scores.total[i];
@@ -374,6 +396,7 @@ std::vector<std::pair<std::string, at::Tensor>> Grpo::save_state() const {
     out.emplace_back(p + "ids", ids_tensor(ids));
     out.emplace_back(p + "lengths", ids_tensor(lengths));
     out.emplace_back(p + "advantages", r.advantages[k]);
+    out.emplace_back(p + "prompts", ids_tensor(r.prompt_of[k]));
     if (r.old_logps[k].defined()) out.emplace_back(p + "old_logps", r.old_logps[k]);
     if (r.ref_logps[k].defined()) out.emplace_back(p + "ref_logps", r.ref_logps[k]);
   }
@@ -411,8 +434,17 @@ void Grpo::load_state(const checkpoint::ResumeCheckpoint& ck, bool remesh, const
       const size_t np = static_cast<size_t>(lengths[c]), nc = static_cast<size_t>(lengths[c + 1]);
       if (at + np + nc > ids.size()) throw std::invalid_argument("cannot resume " + where + ": " + p + "ids is too short");
       micro.push_back({{ids.begin() + at, ids.begin() + at + np}, {ids.begin() + at + np, ids.begin() + at + np + nc},
-                       lengths[c + 2] != 0});
+                       lengths[c + 2] != 0, {}});
       at += np + nc;
+    }
+    // Each completion's prompt's images, from the training set (a resume checks the data's fingerprint).
+    r.prompt_of.push_back(t.count(p + "prompts") ? ids_of(t.at(p + "prompts")) : std::vector<int64_t>());
+    for (size_t c = 0; c < r.prompt_of.back().size() && c < micro.size(); ++c) {
+      const int64_t i = r.prompt_of.back()[c];
+      if (i < 0 || i >= static_cast<int64_t>(d.train.size()))
+        throw std::invalid_argument("cannot resume " + where + ": " + p + "prompts names prompt " + std::to_string(i) +
+                                    " of " + std::to_string(d.train.size()));
+      micro[c].images = d.train[static_cast<size_t>(i)].images;
     }
     r.micro.push_back(std::move(micro));
     r.advantages.push_back(at_key(p + "advantages").clone());
@@ -429,13 +461,12 @@ int run_grpo(Session& s) {
   Prompts d = setup_prompts(s, text, rewards);
   train::TokenIdSet ids;
   for (const auto* set : {&d.train, &d.validation})
-    for (const data::PromptRecord& p : *set) {
-      data::Sample x;
-      x.tokens = p.tokens;
-      x.labels.assign(p.tokens.size(), data::kIgnoreIndex);
-      ids.add(x);
-    }
+    for (const data::PromptRecord& p : *set) ids.add(prompt_sample(p));
   Model m = setup_model(s, text, ids.ids());
+  const auto has_images = [](const std::vector<data::PromptRecord>& set) {
+    return std::any_of(set.begin(), set.end(), [](const data::PromptRecord& x) { return !x.images.empty(); });
+  };
+  d.images = load_vision_tower(s, m, text, has_images(d.train), has_images(d.validation));
   m.decoder.logit_temperature = cfg.grpo.temperature;  // the loss's log-probs at the sampling temperature
   Grpo g{s, m, d, text, std::move(rewards), std::nullopt};
   RecipeParts parts;

@@ -217,7 +217,7 @@ Model setup_model(const Session& s, const TextSetup& text, const std::vector<int
                                 "tower with DPO)");
   if (trains_vision_tower(s.cfg) && s.recipe != "lora_finetune" && s.recipe != "lora_dpo")
     throw std::invalid_argument(vision_key(s.cfg) + ": `qlora run " + s.recipe +
-                                "` trains on no images (lora_finetune and lora_dpo do)");
+                                "` keeps the vision tower frozen (lora_finetune and lora_dpo train it)");
   // While embed_tokens and lm_head are whole: every rank has the whole data set's ids, so all do the same.
   Model m = build_model(s, {}, [&](models::DecoderModel& d) {
     train::apply_untrained_tokens_policy(d, data_token_ids, text.tokenizer, s.cfg.model.untrained_tokens, s.lead);

@@ -179,6 +179,7 @@ def main():
           f"{ref[0]:.8f} vs {want:.8f} (rel {abs(ref[0] - want) / abs(want):.1e} <= {LOSS_RTOL})")
 
     check_dpo(check, a, model, base, data)
+    check_grpo(check, a, model, base, data)
     check_refusals(check, a, base, data)
     grey = os.path.join(a.workdir, "grey")
     r = run_recipe(a.qlora, grey, *COMMON, f"model.checkpoint_dir={base}", f"data.path={write_data(grey + '_data', True)}",
@@ -332,6 +333,79 @@ def check_dpo(check, a, model, base, data):
     check(r.returncode == 1 and f"{bad}: line 1" in r.stderr and "lists 2 images, the messages show 1" in r.stderr,
           f"an image count that does not match the placeholders is refused naming the record: "
           f"{r.stderr.strip().splitlines()[-1][:200]!r}")
+
+
+# Two images whose greedy continuations (of the tiny random model) differ within GRPO_TOKENS (at the 15th: the
+# model's first tokens do not depend on the image), so the images matter.
+GRPO_IMAGES, GRPO_TOKENS = ["0.png", "3.png"], 16
+
+
+def write_prompts(path, split):
+    """GRPO prompts with images, one per GRPO_IMAGES: TRL's form (a record-level "images" with an image part)
+    and the part with its source; `split` is a field the reward command sees."""
+    with open(path, "w") as f:
+        for i, img in enumerate(GRPO_IMAGES):
+            part = {"type": "image"} if i == 0 else {"type": "image", "image": img}
+            rec = {"prompt": [{"role": "user", "content": [part, {"type": "text", "text": QUESTION}]}],
+                   "answer": "red", "split": split}
+            if i == 0:
+                rec["images"] = [img]
+            f.write(json.dumps(rec) + "\n")
+    return path
+
+
+def greedy_reference(model, base, data_dir, img):
+    """transformers' greedy text after the GRPO prompt of `img` (its processor's ids and pixels, the NF4-dequantized
+    model)."""
+    from PIL import Image
+    from transformers import AutoImageProcessor, AutoTokenizer
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+    proc = Qwen3VLProcessor(image_processor=AutoImageProcessor.from_pretrained(base),
+                            tokenizer=AutoTokenizer.from_pretrained(base), video_processor=Qwen3VLVideoProcessor(),
+                            chat_template=open(os.path.join(DATA, "chat_templates", "Qwen3.5-9B.jinja")).read())
+    messages = [{"role": "user", "content": [{"type": "image", "image": Image.open(os.path.join(data_dir, img)).convert("RGB")},
+                                             {"type": "text", "text": QUESTION}]}]
+    inputs = proc.apply_chat_template(messages, tokenize=True, return_dict=True, add_generation_prompt=True,
+                                      return_tensors="pt")
+    with torch.no_grad():
+        new = model.generate(**inputs, max_new_tokens=GRPO_TOKENS, do_sample=False)[0, inputs["input_ids"].shape[1]:]
+    return proc.tokenizer.decode(new, skip_special_tokens=False).split("<|im_end|>")[0]
+
+
+def check_grpo(check, a, model, base, data):
+    """`qlora run lora_grpo` on prompts with images: the greedy completions of its validation (the rollouts' own
+    sampling path, the images in the prefill) are transformers' generate on the same prompt and image, and the
+    policy trains (its loss's log-probs see the images)."""
+    d = os.path.dirname(data)
+    log = os.path.join(a.workdir, "grpo_rewards.jsonl")
+    score = os.path.join(a.workdir, "grpo_score.py")
+    with open(score, "w") as f:  # records what it scores; rewards vary with the text (advantages that are not 0)
+        f.write(f"import json, sys\nfor line in sys.stdin:\n    open({log!r}, 'a').write(line)\n"
+                f"    print(sum(map(ord, json.loads(line)['completion'])) % 5)\n")
+    grpo = [*COMMON, "data.format=prompt", f"model.checkpoint_dir={base}", f"data.path={write_prompts(d + '/prompts.jsonl', 'train')}",
+            f"data.val_path={write_prompts(d + '/prompts_val.jsonl', 'val')}", "training.batch_size=1",
+            "training.max_steps_per_epoch=2", "grpo.num_generations=2", f"grpo.max_completion_length={GRPO_TOKENS}",
+            "grpo.beta=0.04", f"grpo.reward_command={sys.executable} {score}"]
+    out = os.path.join(a.workdir, "grpo")
+    # lr 1e-12: the policy stays the base to far below fp32's rounding, so its greedy text is the base's.
+    r = run_recipe(a.qlora, out, *grpo, "optim.lr=1e-12", recipe="lora_grpo")
+    if not check(r.returncode == 0 and "vision tower" in r.stdout, "lora_grpo trains on prompts with images (the tower named)"):
+        return
+    rows = [json.loads(line) for line in open(log)]
+    greedy = [x["completion"] for x in rows if x["split"] == "val"][-2:]
+    # transformers' generate on one prompt (its 16 tokens take seconds on the reference's unfused Qwen3.5 layers);
+    # the other image's greedy text differing shows each prompt's own image reaches the prefill.
+    want = greedy_reference(model, base, d, GRPO_IMAGES[1])
+    check(len(greedy) == 2 and greedy[1] == want and greedy[0] != greedy[1],
+          f"the greedy completion after an image prompt is transformers' generate ({greedy[1]!r} vs {want!r}); "
+          f"the other image's differs ({greedy[0]!r})")
+    r = run_recipe(a.qlora, out + "_lr", *grpo, "optim.lr=1e-2", recipe="lora_grpo")
+    if check(r.returncode == 0, "lora_grpo with a learning rate runs"):
+        ad = adapter(out + "_lr")
+        moved = max(float(abs(v).max()) for k, v in ad.items() if k.endswith(".lora_B.weight"))
+        check(all(math.isfinite(x) for x in losses(out + "_lr")) and moved > 1e-4,
+              f"the policy trains on the image prompts (finite losses {losses(out + '_lr')}, lora_B moved {moved:.1e})")
 
 
 def check_refusals(check, a, base, data):

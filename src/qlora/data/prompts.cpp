@@ -1,9 +1,13 @@
 #include "qlora/data/prompts.h"
 
+#include <filesystem>
 #include <stdexcept>
 
 #include "qlora/data/chat_template.h"
+#include "qlora/data/data_files.h"
 #include "qlora/data/record_formats.h"
+#include "qlora/data/record_images.h"
+#include "qlora/data/sample_images.h"
 
 namespace qlora::data {
 namespace {
@@ -26,7 +30,7 @@ std::pair<std::vector<Segment>, std::string> render_conversation(std::vector<Mes
 }  // namespace
 
 PromptRecord prompt_record(const json& record, const std::string& origin, const Tokenizer& tokenizer,
-                           const DatasetOptions& options) {
+                           const DatasetOptions& options, const std::string& base_dir) {
   if (!record.is_object()) throw std::invalid_argument(std::string("record is ") + record.type_name() + ", expected an object");
   const auto it = record.find("prompt");
   if (it == record.end())
@@ -39,6 +43,9 @@ PromptRecord prompt_record(const json& record, const std::string& origin, const 
     // As transformers' tokenizer(prompt) and TRL's string prompts: the text as written, BOS as the
     // tokenizer adds it.
     p.text = it->get<std::string>();
+    if (record.contains("images"))
+      throw std::invalid_argument("a string \"prompt\" is the model's input as written; its \"images\" need the "
+                                  "prompt as messages (their placeholders rendered by the model's chat template)");
     p.tokens = tokenizer.encode_with_special(p.text, tokenizer.adds_bos(), /*add_eos=*/false);
   } else if (it->is_array()) {
     DatasetOptions o = options;
@@ -46,9 +53,14 @@ PromptRecord prompt_record(const json& record, const std::string& origin, const 
     auto [segments, end_of_turn] = render_conversation(chat_messages(record, o), options);
     o.add_eos = false;
     o.max_seq_len = 0;
-    p.text = join_segments(segments);
-    p.tokens = tokenize_segments(segments, tokenizer, o).tokens;
+    const RenderedRecord r{origin, std::move(segments), record_images(record, "prompt", base_dir)};
+    const std::vector<images::ProcessedImage> processed = process_record_images(r, options);
+    const std::vector<Segment> expanded =
+        r.images.empty() ? r.segments : expand_image_placeholders(r.segments, *options.image_processor, processed);
+    p.text = join_segments(expanded);
+    p.tokens = tokenize_segments(expanded, tokenizer, o).tokens;
     p.end_of_turn = std::move(end_of_turn);
+    p.images = sample_images(r, processed);
   } else {
     throw std::invalid_argument(std::string("field \"prompt\" is ") + it->type_name() +
                                 ", expected a string or a list of messages");
@@ -64,9 +76,12 @@ PromptRecord prompt_record(const json& record, const std::string& origin, const 
 std::vector<PromptRecord> load_prompts(const std::string& path, const Tokenizer& tokenizer,
                                        const DatasetOptions& options) {
   std::vector<PromptRecord> out;
-  read_json_records(path, [&](const json& j, const std::string& origin) {
-    out.push_back(prompt_record(j, origin, tokenizer, options));
-  });
+  for (const std::string& file : expand_data_path(path)) {
+    const std::string dir = std::filesystem::path(file).parent_path().string();  // images' relative paths
+    read_json_records(file, [&](const json& j, const std::string& origin) {
+      out.push_back(prompt_record(j, origin, tokenizer, options, dir));
+    });
+  }
   if (out.empty()) throw std::invalid_argument(path + ": no prompts");
   return out;
 }

@@ -592,12 +592,26 @@ at::Tensor DecoderModel::row_losses(const at::Tensor& tokens, const at::Tensor& 
   return loss_of(*this, hidden_states(*this, tokens, positions, mask, nullptr, images), labels, LossPer::kRow);
 }
 
-at::Tensor DecoderModel::token_losses(const at::Tensor& tokens, const at::Tensor& labels, at::Tensor* entropy) const {
-  const at::Tensor positions = plain_positions(*this, tokens, 0);  // [seq]
-  const at::Tensor losses =
-      loss_of(*this, hidden_states(*this, tokens, positions, at::Tensor(), nullptr), labels, LossPer::kToken, entropy);
+namespace {
+
+// loss_of per token, [batch, seq] (entropy too where asked).
+at::Tensor per_token(const DecoderModel& m, const at::Tensor& h, const at::Tensor& labels, at::Tensor* entropy) {
+  const at::Tensor losses = loss_of(m, h, labels, LossPer::kToken, entropy);
   if (entropy) *entropy = entropy->view(labels.sizes());
   return losses.view(labels.sizes());
+}
+
+}  // namespace
+
+at::Tensor DecoderModel::token_losses(const at::Tensor& tokens, const at::Tensor& labels, at::Tensor* entropy) const {
+  const at::Tensor positions = plain_positions(*this, tokens, 0);  // [seq]
+  return per_token(*this, hidden_states(*this, tokens, positions, at::Tensor(), nullptr), labels, entropy);
+}
+
+at::Tensor DecoderModel::token_losses(const at::Tensor& tokens, const at::Tensor& position_ids, const at::Tensor& attn_mask,
+                                      const at::Tensor& labels, const ImageInputs* images, at::Tensor* entropy) const {
+  const auto [positions, mask] = packed_inputs(*this, tokens, position_ids, attn_mask);
+  return per_token(*this, hidden_states(*this, tokens, positions, mask, nullptr, images), labels, entropy);
 }
 
 std::vector<std::pair<std::string, at::Tensor>> DecoderModel::lora_parameters() const {

@@ -169,6 +169,9 @@ struct DecoderModel {
   // entropy (optional): set to each token's entropy of its softmax, [batch, seq] fp32, 0 where
   // unscored (OutputHead::entropy), from the same pass over the vocabulary.
   at::Tensor token_losses(const at::Tensor& tokens, const at::Tensor& labels, at::Tensor* entropy = nullptr) const;
+  // The same over packed rows, with images (GRPO's completions of prompts with images).
+  at::Tensor token_losses(const at::Tensor& tokens, const at::Tensor& position_ids, const at::Tensor& attn_mask,
+                          const at::Tensor& labels, const ImageInputs* images, at::Tensor* entropy = nullptr) const;
 
   // Trainable tensors with PEFT names, e.g.
   // base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight ([r, in]) / .lora_B.weight

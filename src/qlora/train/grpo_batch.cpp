@@ -30,6 +30,7 @@ CompletionBatch completion_batch(const std::vector<Completion>& completions, int
     s.tokens.insert(s.tokens.end(), c.completion.begin(), c.completion.end());
     s.labels.assign(c.prompt.size(), data::kIgnoreIndex);
     s.labels.insert(s.labels.end(), c.completion.begin(), c.completion.end());
+    s.images = c.images;
     rows.push_back(std::move(s));
     prompt_lengths.push_back(static_cast<int64_t>(c.prompt.size()));
     truncated.push_back(c.truncated ? 1 : 0);
@@ -47,12 +48,17 @@ CompletionBatch completion_batch(const std::vector<Completion>& completions, int
 }
 
 at::Tensor completion_logps(const models::DecoderModel& m, const CompletionBatch& b, c10::Device device, LogpsOf which,
-                            at::Tensor* entropy) {
+                            at::Tensor* entropy, const BatchImages& images) {
   std::optional<at::NoGradGuard> no_grad;
   std::optional<modules::AdaptersDisabled> off;
   if (which != LogpsOf::kPolicy) no_grad.emplace();
   if (which == LogpsOf::kReference) off.emplace();
-  const at::Tensor per_token = -m.token_losses(b.rows.tokens.to(device), b.rows.labels.to(device), entropy);  // [B, S]
+  const data::Batch& r = b.rows;
+  const std::optional<models::ImageInputs> in = images.of(m, r, device);
+  const at::Tensor per_token =  // [B, S]
+      in ? -m.token_losses(r.tokens.to(device), r.position_ids.to(device), data::block_causal_mask(r.document_ids).to(device),
+                           r.labels.to(device), &*in, entropy)
+         : -m.token_losses(r.tokens.to(device), r.labels.to(device), entropy);
   // Completion token j of row i is the label at position prompt_i − 1 + j (labels are shifted).
   const int64_t width = b.completion_mask.size(1), seq = per_token.size(1);
   const at::Tensor pos =

@@ -12,6 +12,7 @@
 
 #include "qlora/data/batching.h"
 #include "qlora/models/decoder.h"
+#include "qlora/train/evaluate.h"
 
 namespace qlora::train {
 
@@ -19,6 +20,7 @@ struct Completion {
   std::vector<int64_t> prompt;      // >= 1 token: the first completion token is scored after it
   std::vector<int64_t> completion;  // as sampled, its stop token (EOS) included
   bool truncated = false;           // stopped by the length cap, not by a stop token
+  std::vector<data::SampleImage> images;  // the prompt's (data/prompts.h), at its image tokens
 };
 
 // TRL's rule: a completion is truncated when its last token is none of stop_ids (EOS ids and pad).
@@ -43,7 +45,8 @@ enum class LogpsOf {
 // the vocabulary (DecoderModel::token_losses): no [tokens, vocab] logits. entropy (optional): set to
 // [B, C] fp32, each completion token's entropy of the policy's softmax there (0 on padding): TRL's
 // entropy metric, from the same pass.
+// The prompts' images go through the vision tower to their tokens (BatchImages).
 at::Tensor completion_logps(const models::DecoderModel& m, const CompletionBatch& b, c10::Device device, LogpsOf which,
-                            at::Tensor* entropy = nullptr);
+                            at::Tensor* entropy = nullptr, const BatchImages& images = {});
 
 }  // namespace qlora::train
