@@ -179,7 +179,6 @@ def main():
           f"{ref[0]:.8f} vs {want:.8f} (rel {abs(ref[0] - want) / abs(want):.1e} <= {LOSS_RTOL})")
 
     check_dpo(check, a, model, base, data)
-    check_grpo(check, a, model, base, data)
     check_refusals(check, a, base, data)
     grey = os.path.join(a.workdir, "grey")
     r = run_recipe(a.qlora, grey, *COMMON, f"model.checkpoint_dir={base}", f"data.path={write_data(grey + '_data', True)}",
@@ -203,7 +202,9 @@ def main():
         r = run_recipe(a.qlora, killed, *common, f"training.batch_size={BATCH}")
         same = r.returncode == 0 and all((adapter(killed)[k] == adapter(one)[k]).all() for k in adapter(one))
         check(same and losses(killed)[-1] == ref[-1], "resumed after SIGKILL: the adapter bit for bit the uninterrupted run's")
-    check_generate(check, a, one, data)
+    greedy = check_generate(check, a, one, data)
+    if greedy is not None:
+        check_grpo(check, a, os.path.join(one, "epoch_0"), data, greedy)
     return check.summary()
 
 
@@ -335,16 +336,15 @@ def check_dpo(check, a, model, base, data):
           f"{r.stderr.strip().splitlines()[-1][:200]!r}")
 
 
-# Two images whose greedy continuations (of the tiny random model) differ within GRPO_TOKENS (at the 15th: the
-# model's first tokens do not depend on the image), so the images matter.
-GRPO_IMAGES, GRPO_TOKENS = ["0.png", "3.png"], 16
+GRPO_TOKENS = 8  # as check_generate's
 
 
-def write_prompts(path, split):
-    """GRPO prompts with images, one per GRPO_IMAGES: TRL's form (a record-level "images" with an image part)
-    and the part with its source; `split` is a field the reward command sees."""
+def write_prompts(path, images, split):
+    """GRPO prompts asking check_generate's question about each of `images`: TRL's form (a record-level "images"
+    with an image part) for the first, the part with its source for the others; `split` is a field the reward
+    command sees."""
     with open(path, "w") as f:
-        for i, img in enumerate(GRPO_IMAGES):
+        for i, img in enumerate(images):
             part = {"type": "image"} if i == 0 else {"type": "image", "image": img}
             rec = {"prompt": [{"role": "user", "content": [part, {"type": "text", "text": QUESTION}]}],
                    "answer": "red", "split": split}
@@ -354,52 +354,37 @@ def write_prompts(path, split):
     return path
 
 
-def greedy_reference(model, base, data_dir, img):
-    """transformers' greedy text after the GRPO prompt of `img` (its processor's ids and pixels, the NF4-dequantized
-    model)."""
-    from PIL import Image
-    from transformers import AutoImageProcessor, AutoTokenizer
-    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
-    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
-    proc = Qwen3VLProcessor(image_processor=AutoImageProcessor.from_pretrained(base),
-                            tokenizer=AutoTokenizer.from_pretrained(base), video_processor=Qwen3VLVideoProcessor(),
-                            chat_template=open(os.path.join(DATA, "chat_templates", "Qwen3.5-9B.jinja")).read())
-    messages = [{"role": "user", "content": [{"type": "image", "image": Image.open(os.path.join(data_dir, img)).convert("RGB")},
-                                             {"type": "text", "text": QUESTION}]}]
-    inputs = proc.apply_chat_template(messages, tokenize=True, return_dict=True, add_generation_prompt=True,
-                                      return_tensors="pt")
-    with torch.no_grad():
-        new = model.generate(**inputs, max_new_tokens=GRPO_TOKENS, do_sample=False)[0, inputs["input_ids"].shape[1]:]
-    return proc.tokenizer.decode(new, skip_special_tokens=False).split("<|im_end|>")[0]
-
-
-def check_grpo(check, a, model, base, data):
-    """`qlora run lora_grpo` on prompts with images: the greedy completions of its validation (the rollouts' own
-    sampling path, the images in the prefill) are transformers' generate on the same prompt and image, and the
-    policy trains (its loss's log-probs see the images)."""
+def check_grpo(check, a, export, data, want):
+    """`qlora run lora_grpo` on prompts with images, from the trained export (fp32 base, as check_generate reads it):
+    its validation's greedy completion (the rollouts' own sampling path, the images in the prefill) after
+    0.png is `want`, transformers' generate on the export (check_generate's), another image's differs; and
+    the policy trains (its loss's log-probs see the images)."""
     d = os.path.dirname(data)
+    other = next(f"{i}.png" for i, line in enumerate(open(data)) if i > 0 and json.loads(line)["messages"][1]["content"]
+                 != json.loads(open(data).readline())["messages"][1]["content"])  # an image of another colour
     log = os.path.join(a.workdir, "grpo_rewards.jsonl")
     score = os.path.join(a.workdir, "grpo_score.py")
     with open(score, "w") as f:  # records what it scores; rewards vary with the text (advantages that are not 0)
         f.write(f"import json, sys\nfor line in sys.stdin:\n    open({log!r}, 'a').write(line)\n"
                 f"    print(sum(map(ord, json.loads(line)['completion'])) % 5)\n")
-    grpo = [*COMMON, "data.format=prompt", f"model.checkpoint_dir={base}", f"data.path={write_prompts(d + '/prompts.jsonl', 'train')}",
-            f"data.val_path={write_prompts(d + '/prompts_val.jsonl', 'val')}", "training.batch_size=1",
+    images = ["0.png", other]
+    # The merged export keeps the chat template in its qlora.json, not beside its tokenizer: the base's tokenizer
+    # directory (the same tokenizer) gives data.template = "auto" the template and the image processor.
+    grpo = [*COMMON, "data.format=prompt", f"model.checkpoint_dir={export}", "model.base=fp32",
+            f"model.tokenizer={os.path.join(a.workdir, 'base', 'tokenizer.json')}",
+            f"data.path={write_prompts(d + '/prompts.jsonl', images, 'train')}",
+            f"data.val_path={write_prompts(d + '/prompts_val.jsonl', images, 'val')}", "training.batch_size=1",
             "training.max_steps_per_epoch=2", "grpo.num_generations=2", f"grpo.max_completion_length={GRPO_TOKENS}",
             "grpo.beta=0.04", f"grpo.reward_command={sys.executable} {score}"]
     out = os.path.join(a.workdir, "grpo")
-    # lr 1e-12: the policy stays the base to far below fp32's rounding, so its greedy text is the base's.
+    # lr 1e-12: the policy stays the export to far below fp32's rounding, so its greedy text is the export's.
     r = run_recipe(a.qlora, out, *grpo, "optim.lr=1e-12", recipe="lora_grpo")
     if not check(r.returncode == 0 and "vision tower" in r.stdout, "lora_grpo trains on prompts with images (the tower named)"):
         return
-    rows = [json.loads(line) for line in open(log)]
-    greedy = [x["completion"] for x in rows if x["split"] == "val"][-2:]
-    # transformers' generate on one prompt (its 16 tokens take seconds on the reference's unfused Qwen3.5 layers);
-    # the other image's greedy text differing shows each prompt's own image reaches the prefill.
-    want = greedy_reference(model, base, d, GRPO_IMAGES[1])
-    check(len(greedy) == 2 and greedy[1] == want and greedy[0] != greedy[1],
-          f"the greedy completion after an image prompt is transformers' generate ({greedy[1]!r} vs {want!r}); "
-          f"the other image's differs ({greedy[0]!r})")
+    greedy = [json.loads(line)["completion"] for line in open(log) if json.loads(line)["split"] == "val"][-2:]
+    check(len(greedy) == 2 and greedy[0] == want and greedy[1] != want,
+          f"lora_grpo's greedy completion after 0.png is transformers' generate on the export ({greedy[0]!r} vs "
+          f"{want!r}); after {other} (another colour) it differs ({greedy[1]!r})")
     r = run_recipe(a.qlora, out + "_lr", *grpo, "optim.lr=1e-2", recipe="lora_grpo")
     if check(r.returncode == 0, "lora_grpo with a learning rate runs"):
         ad = adapter(out + "_lr")
@@ -464,6 +449,7 @@ def peft_name(key):
 
 
 def check_generate(check, a, run, data):
+    """Returns transformers' greedy text on the export (None where qlora generate did not run)."""
     from PIL import Image
     from transformers import AutoImageProcessor, AutoTokenizer
     from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
@@ -475,7 +461,7 @@ def check_generate(check, a, run, data):
     shown = subprocess.run(cmd + ["--print-prompt"], capture_output=True, text=True)
     got = subprocess.run(cmd, capture_output=True, text=True)
     if not check(shown.returncode == 0 and got.returncode == 0, f"qlora generate --image runs: {got.stderr.strip()[-300:]}"):
-        return
+        return None
     proc = Qwen3VLProcessor(image_processor=AutoImageProcessor.from_pretrained(export),
                             tokenizer=AutoTokenizer.from_pretrained(export), video_processor=Qwen3VLVideoProcessor(),
                             chat_template=open(os.path.join(DATA, "chat_templates", "Qwen3.5-9B.jinja")).read())
@@ -504,6 +490,7 @@ def check_generate(check, a, run, data):
     # fp32, the same weights two ways (peft's LoRA path against the merged weights): summation order only.
     check(diff < 1e-4 * max(1.0, ref.abs().max().item()),
           f"peft's adapter on the base gives the merged export's logits on the image prompt (max|diff| {diff:.1e})")
+    return want
 
 
 if __name__ == "__main__":

@@ -281,6 +281,7 @@ std::vector<Sample> tokenize_records(const std::vector<RenderedRecord>& records,
                                      const DatasetOptions& options) {
   std::vector<Sample> samples;
   samples.reserve(records.size());
+  int64_t image_token = -1;  // the processor's image token's id, looked up at the first record with images
   for (const auto& r : records) {
     if (r.images.empty()) {
       samples.push_back(tokenize_segments(r.segments, tokenizer, options));
@@ -291,7 +292,8 @@ std::vector<Sample> tokenize_records(const std::vector<RenderedRecord>& records,
       Sample s = tokenize_segments(expand_image_placeholders(r.segments, *options.image_processor, images), tokenizer,
                                    options);
       s.images = sample_images(r, images);
-      check_images_kept(s, tokenizer, options, options.max_seq_len);
+      if (image_token < 0) image_token = image_token_id(*options.image_processor, tokenizer);
+      check_images_kept(s, image_token, options.max_seq_len);
       samples.push_back(std::move(s));
     } catch (const std::invalid_argument& e) {
       throw std::invalid_argument(r.origin + ": " + e.what());

@@ -183,7 +183,9 @@ PreferencePair preference_pair(const json& given, const std::string& origin, con
     p.response_truncated = static_cast<int64_t>(longest) - prompt > budget;
   }
   p.prompt_tokens = keep;
-  for (const Sample* s : {&p.chosen, &p.rejected}) check_images_kept(*s, tokenizer, options, limits.max_seq_len);
+  if (!images.empty())  // truncation kept every image whole
+    for (const Sample* s : {&p.chosen, &p.rejected})
+      check_images_kept(*s, image_token_id(*options.image_processor, tokenizer), limits.max_seq_len);
   for (const Sample* s : {&p.chosen, &p.rejected})
     if (std::none_of(s->labels.begin(), s->labels.end(), [](int64_t l) { return l != kIgnoreIndex; }))
       throw std::invalid_argument("a response has no token left after truncation to data.max_seq_len = " +

@@ -77,11 +77,10 @@ int64_t image_token_id(const images::ImageProcessor& processor, const Tokenizer&
   return ids[0];
 }
 
-void check_images_kept(const Sample& s, const Tokenizer& tokenizer, const DatasetOptions& options, int64_t max_seq_len) {
-  if (s.images.empty()) return;
+void check_images_kept(const Sample& s, int64_t image_token, int64_t max_seq_len) {
   int64_t want = 0;
   for (const SampleImage& p : s.images) want += p.num_image_tokens;
-  const int64_t have = std::count(s.tokens.begin(), s.tokens.end(), image_token_id(*options.image_processor, tokenizer));
+  const int64_t have = std::count(s.tokens.begin(), s.tokens.end(), image_token);
   if (have == want) return;
   if (s.truncated)
     throw std::invalid_argument("max_seq_len " + std::to_string(max_seq_len) + " cuts into its images (" +

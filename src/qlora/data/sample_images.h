@@ -28,10 +28,10 @@ std::vector<SampleImage> sample_images(const RenderedRecord& record, const std::
 // An image's pixel values (and grid) for a batch: decoded and processed again, as when it was read.
 images::ProcessedImage image_pixels(const SampleImage& image, const DatasetOptions& options);
 
-// Throws std::invalid_argument unless `s` holds each of its images' image tokens whole (s.images'
-// num_image_tokens in all): a sample that max_seq_len (`max_seq_len`, named in the error) cut into an
-// image, or whose text writes an image token itself.
-void check_images_kept(const Sample& s, const Tokenizer& tokenizer, const DatasetOptions& options, int64_t max_seq_len);
+// Throws std::invalid_argument unless `s` holds each of its images' image tokens (`image_token`:
+// image_token_id's) whole, s.images' num_image_tokens in all: a sample that max_seq_len (named in the
+// error) cut into an image, or whose text writes an image token itself.
+void check_images_kept(const Sample& s, int64_t image_token, int64_t max_seq_len);
 
 // The id of the processor's image token (one token), or std::invalid_argument saying the tokenizer
 // does not have it as one token.
