@@ -21,7 +21,15 @@ Checks:
    generate on the same export (Qwen3_5ForConditionalGeneration, pixels from its own processor);
 7. the PEFT adapter (the tower's adapters and the merger among its tensors), loaded by peft onto the base
    Qwen3_5ForConditionalGeneration, gives the merged export's logits on that image prompt (merged over the
-   original weights, checkpoint.merge_from).
+   original weights, checkpoint.merge_from);
+8. `qlora run lora_dpo` on image preference pairs (TRL's vision forms: a record-level "images" with {"type": "image"}
+   parts or "<image>", and parts with their sources): each pair's chosen / rejected log-probs are transformers' on
+   our ids with its processor's pixels (rel 1e-6), the prompt ids TRL's DataCollatorForVisionPreference's, the
+   loss TRL's sigmoid formula; lora.vision_targets trains the tower's adapters; lora.train_projector, a missing
+   image and an image count that does not match are refused naming the key / file and record;
+9. `qlora run lora_grpo` on prompts with images, from the trained export: its greedy completion is
+   transformers' generate of 6 (another colour's image gives another), the policy trains, and a run killed
+   inside a rollout resumes bit for bit.
 
     python tests/recipes/test_vision_recipe.py --qlora build/qlora --qlora-faults build/qlora_faults
         --image-data-tool build/image_data_tool --workdir build/recipe_vision
@@ -385,12 +393,23 @@ def check_grpo(check, a, export, data, want):
     check(len(greedy) == 2 and greedy[0] == want and greedy[1] != want,
           f"lora_grpo's greedy completion after 0.png is transformers' generate on the export ({greedy[0]!r} vs "
           f"{want!r}); after {other} (another colour) it differs ({greedy[1]!r})")
-    r = run_recipe(a.qlora, out + "_lr", *grpo, "optim.lr=1e-2", recipe="lora_grpo")
-    if check(r.returncode == 0, "lora_grpo with a learning rate runs"):
-        ad = adapter(out + "_lr")
-        moved = max(float(abs(v).max()) for k, v in ad.items() if k.endswith(".lora_B.weight"))
-        check(all(math.isfinite(x) for x in losses(out + "_lr")) and moved > 1e-4,
-              f"the policy trains on the image prompts (finite losses {losses(out + '_lr')}, lora_B moved {moved:.1e})")
+    # Two epochs of 2 steps, each rollout feeding 2 (its old log-probs and images saved with the checkpoint of step 3).
+    trained = [*grpo, "optim.lr=1e-2", "training.epochs=2", "grpo.num_iterations=2"]
+    r = run_recipe(a.qlora, out + "_lr", *trained, recipe="lora_grpo")
+    if not check(r.returncode == 0, "lora_grpo with a learning rate runs"):
+        return
+    ad = adapter(out + "_lr", 1)
+    moved = max(float(abs(v).max()) for k, v in ad.items() if k.endswith(".lora_B.weight"))
+    check(all(math.isfinite(x) for x in losses(out + "_lr")) and moved > 1e-4,
+          f"the policy trains on the image prompts (finite losses {[round(x, 5) for x in losses(out + '_lr')]}, "
+          f"lora_B moved {moved:.1e})")
+    killed = out + "_killed"
+    run_recipe(a.qlora_faults, killed, *trained, recipe="lora_grpo", fault="kill_after_step=4", expect_rc=-9)
+    r = run_recipe(a.qlora, killed, *trained, "checkpoint.resume=true", recipe="lora_grpo")
+    same = r.returncode == 0 and "step_00000003" in r.stdout and losses(killed) == losses(out + "_lr") and \
+        all((adapter(killed, 1)[k] == ad[k]).all() for k in ad)
+    check(same, "killed after step 4 and resumed from step 3, inside a rollout (its prompts' images found again): the "
+                "losses and the adapter bit for bit the uninterrupted run's")
 
 
 def check_refusals(check, a, base, data):
