@@ -43,9 +43,12 @@ from _common import Checks, parse_tool_args
 
 IMAGE_TOKEN = 100  # within the tiny vocabulary (the Hub's 248056 is not)
 GREEDY = 12
-# fp32: the order of operations differs (our attention and DeltaNet kernels vs torch): ~1e-6 of the
-# largest logit, as in test_families_transformers.
+# fp32: the order of operations differs (our attention and DeltaNet kernels vs torch, packed rows vs
+# alone). The differences follow the hidden states' scale, not the logits': ~2e-4 absolute on every
+# family on a 2-core Xeon (AVX-512), while Gemma 4's soft cap holds its logits under 3. So 1e-4 of the
+# largest logit, and never less than 1e-3: the ablations below move the logits by 0.1 and more.
 ATOL_PER_UNIT = 1e-4
+ATOL_FLOOR_UNITS = 10.0
 
 
 def qwen35_rows(merge):
@@ -94,7 +97,7 @@ def check_qwen35(checks, args):
     save_file({"features": features, "mask": (tokens == IMAGE_TOKEN).to(torch.uint8),
                "grids": torch.tensor(grids), "spatial_merge": torch.tensor([merge])}, images)
     ref = theirs(model, tokens, features, grids)
-    atol = ATOL_PER_UNIT * max(1.0, ref.abs().max().item())
+    atol = ATOL_PER_UNIT * max(ATOL_FLOOR_UNITS, ref.abs().max().item())
     flat = theirs(model, tokens, features, grids, mm=False)
     moved = (flat - ref).abs().max().item()
     checks.check(f"{name}: 1-D positions for the image tokens move transformers' logits", moved > 100 * atol,
@@ -138,7 +141,7 @@ def check_gemma(checks, args, name, model, type_key):
     with torch.no_grad():
         ref = model(input_ids=tokens, mm_encoder_outputs={"image": enc}, **{type_key: mask.long()}).logits
         causal = model(input_ids=tokens, mm_encoder_outputs={"image": enc}).logits
-    atol = ATOL_PER_UNIT * max(1.0, ref.abs().max().item())
+    atol = ATOL_PER_UNIT * max(ATOL_FLOOR_UNITS, ref.abs().max().item())
     moved = (causal - ref).abs().max().item()
     checks.check(f"{name}: an image's tokens seeing each other move transformers' logits", moved > 100 * atol,
                  f"max|diff| {moved:.3e} (> {100 * atol:.3e})")
@@ -210,7 +213,7 @@ def end_to_end(checks, args, name, model, processor_cfg, sizes, token_kw):
                         ",".join(files), "--out", out], capture_output=True, text=True)
     if not checks.check(f"{name} end to end: ran", r.returncode == 0, r.stderr.strip()[-400:]):
         return
-    atol = ATOL_PER_UNIT * max(1.0, ref.abs().max().item())
+    atol = ATOL_PER_UNIT * max(ATOL_FLOOR_UNITS, ref.abs().max().item())
     checks.compare(f"{name} end to end: image files through our processor and tower, logits = transformers' "
                    f"({len(files)} images, {sum(counts)} image tokens)", load_file(out)["logits"], ref, atol)
     # Greedy text after the images (KV cache; Qwen3.5's positions continue after the images' largest).
