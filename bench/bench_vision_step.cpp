@@ -26,6 +26,7 @@
 //                           [--text-tokens 256] [--r 8] [--alpha 16] [--reps 1] [--runs 1]
 //                           [--threads 2] [--dtype auto|fp32|bf16] [--no-peer]
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <nlohmann/json.hpp>
 #include <unistd.h>
 
