@@ -24,7 +24,9 @@
 //
 //   build/bench_vision_step [--workdir DIR] [--shape qwen3.5-9b|tiny] [--width 1024 --height 768]
 //                           [--text-tokens 256] [--r 8] [--alpha 16] [--reps 1] [--runs 1]
-//                           [--threads 2] [--dtype auto|fp32|bf16] [--no-peer]
+//                           [--threads 2] [--dtype auto|fp32|bf16] [--no-peer] [--profile]
+// --profile: our worker profiles one more tower forward, most of the step (bench/step_profile.h:
+// each ATen op's and qlora scope's self time by phase), where the time goes.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <nlohmann/json.hpp>
@@ -44,6 +46,7 @@
 #include "bench/machine.h"
 #include "bench/recipe_model.h"
 #include "bench/run_json.h"
+#include "bench/step_profile.h"
 #include "kernels/cpu_isa.h"
 #include "qlora/data/batching.h"
 #include "qlora/data/sample_images.h"
@@ -67,7 +70,7 @@ struct Args {
   double alpha = 16;
   int reps = 1, runs = 1, threads = 2;
   at::ScalarType compute = at::kFloat;
-  bool peer = true, worker = false;
+  bool peer = true, worker = false, profile = false;
 };
 
 Args parse(int argc, char** argv) {
@@ -90,6 +93,7 @@ Args parse(int argc, char** argv) {
     else if (s == "--threads") a.threads = std::stoi(next());
     else if (s == "--dtype") a.dtype = next();
     else if (s == "--no-peer") a.peer = false;
+    else if (s == "--profile") a.profile = true;
     else if (s == "--worker") a.worker = true;
     else throw std::invalid_argument("unknown argument " + s);
   }
@@ -201,6 +205,12 @@ json worker(const Args& a) {
   out["fwd_bwd_s"] = median(t);
   out["times_s"] = t;
   out["tower_fwd_s"] = median(t_tower);
+  if (a.profile) {  // one more tower forward (most of the step), each op's self time in its phase
+    const qlora::bench::StepProfile prof;
+    out["profile"]["tower_fwd_s"] = tower();
+    out["profile"]["phases_s"] = prof.phases();
+    out["profile"]["top_ops_s"] = prof.top_ops(20);
+  }
   return out;
 }
 
@@ -211,7 +221,7 @@ json measure(const Args& a) {
         << " --threads " << a.threads;
   json r{{"load_average", qlora::bench::load_average()}};
   r["qlora"] = qlora::bench::run_json(qlora::bench::self_exe("bench_vision_step") + " --worker --dtype " + a.dtype +
-                                      " --shape " + a.shape + flags.str());
+                                      " --shape " + a.shape + flags.str() + (a.profile ? " --profile" : ""));
   if (!a.peer) return r;
   std::string peer_flags = flags.str();
   peer_flags.replace(peer_flags.find(" --workdir "), 11, " --run ");
@@ -267,7 +277,7 @@ int main(int argc, char** argv) {
     std::cerr << "bench_vision_step: " << e.what()
               << "\nusage: bench_vision_step [--workdir DIR] [--shape qwen3.5-9b|tiny] [--width 1024 --height 768] "
                  "[--text-tokens 256] [--r 8] [--alpha 16] [--reps 1] [--runs 1] [--threads 2] "
-                 "[--dtype auto|fp32|bf16] [--no-peer]\n";
+                 "[--dtype auto|fp32|bf16] [--no-peer] [--profile]\n";
     return 2;
   }
   try {
