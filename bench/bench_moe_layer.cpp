@@ -210,13 +210,6 @@ json counts_stats(const at::Tensor& counts_in) {
           {"experts_used", (c > 0).sum().item<int64_t>()}, {"experts_unused", (c == 0).sum().item<int64_t>()}};
 }
 
-bool reset_peak() {
-  std::ofstream f("/proc/self/clear_refs");
-  f << "5";
-  f.flush();
-  return static_cast<bool>(f);
-}
-
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
@@ -308,7 +301,7 @@ json worker(const Args& a) {
 
   json out = weight_bytes(layer);
   const int64_t rss0 = qlora::io::proc_status_bytes("VmRSS");
-  const bool hwm_reset = reset_peak();
+  const bool hwm_reset = qlora::bench::restart_peak_rss();
   const double first = layer_step();
   out["peak_rss_delta_bytes"] = qlora::io::proc_status_bytes("VmHWM") - rss0;
   out["peak_rss_bytes"] = qlora::io::proc_status_bytes("VmHWM");
@@ -343,12 +336,6 @@ json worker(const Args& a) {
   return out;
 }
 
-std::string self_exe() {
-  char buf[4096];
-  const ssize_t n = readlink("/proc/self/exe", buf, sizeof buf - 1);
-  return n > 0 ? std::string(buf, static_cast<size_t>(n)) : "bench_moe_layer";
-}
-
 std::string worker_flags(const Args& a) {
   std::ostringstream s;
   s << " --model " << a.model << " --seq " << a.seq << " --r " << a.r << " --alpha " << a.alpha << " --reps " << a.reps
@@ -371,7 +358,7 @@ std::string peer_flags(const Args& a, const qlora::models::DecoderConfig& c) {
 // One run: both sides, each in its own process, and the ratios.
 json measure(const Args& a, const qlora::models::DecoderConfig& c) {
   json r{{"load_average", qlora::bench::load_average()}};
-  r["qlora"] = qlora::bench::run_json(self_exe() + " --worker" + worker_flags(a));
+  r["qlora"] = qlora::bench::run_json(qlora::bench::self_exe("bench_moe_layer") + " --worker" + worker_flags(a));
   if (!a.peer) return r;
   r["peer"] = qlora::bench::run_json(std::string(QLORA_PYTHON) + " " + QLORA_SOURCE_DIR + "/bench/moe_peer.py" +
                                      peer_flags(a, c) + " 2>/dev/null");

@@ -25,6 +25,15 @@ inline std::string load_average() {
   return one + " " + five + " " + fifteen;
 }
 
+// Starts this process's VmHWM again from its current RSS (/proc/self/clear_refs "5", Linux >= 4.0), so
+// that the peak of what follows can be read (io/cpu_memory.h's peak_rss_bytes); false where refused.
+inline bool restart_peak_rss() {
+  std::ofstream f("/proc/self/clear_refs");
+  f << "5";
+  f.flush();
+  return static_cast<bool>(f);
+}
+
 // The machine object of a bench's JSON: {"cpu": ..., "load_average": ...} (a bench adds its
 // "load_average_after" when it ends, and what else it knows, e.g. the ISA).
 inline nlohmann::json machine_json() { return {{"cpu", cpu_model()}, {"load_average", load_average()}}; }

@@ -4,12 +4,21 @@
 
 #include <nlohmann/json.hpp>
 
+#include <unistd.h>
+
 #include <cstdio>
 #include <string>
 
 namespace qlora::bench {
 
 using json = nlohmann::json;
+
+// This program's path (/proc/self/exe), for a bench that starts itself as a worker; `fallback` if unread.
+inline std::string self_exe(const std::string& fallback) {
+  char buf[4096];
+  const ssize_t n = readlink("/proc/self/exe", buf, sizeof buf - 1);
+  return n > 0 ? std::string(buf, static_cast<size_t>(n)) : fallback;
+}
 
 inline json run_json(const std::string& cmd) {
   FILE* p = popen(cmd.c_str(), "r");
