@@ -157,14 +157,14 @@ json worker(const Args& a) {
   const qlora::config::RecipeConfig cfg = qlora::bench::recipe_config(a.compute, a.r, a.alpha, false);
   const qlora::recipes::Session s = qlora::bench::session(cfg, c10::kCPU, *world, a.workdir);
   qlora::recipes::Model m = qlora::recipes::build_model(s);
-  qlora::recipes::load_vision_tower(s, m, /*trained_on_images=*/true);
-  if (a.threads > 0) at::set_num_threads(a.threads);  // build_model fits them to the model
-  qlora::io::release_free_cpu_memory();
   qlora::data::DatasetOptions opts;
   opts.image_processor = std::make_shared<const qlora::images::ImageProcessor>(
       qlora::images::processor_from_dir(a.workdir));
+  const qlora::train::BatchImages images =
+      qlora::recipes::load_vision_tower(s, m, opts, /*trained_on_images=*/true, /*other_images=*/false);
+  if (a.threads > 0) at::set_num_threads(a.threads);  // build_model fits them to the model
+  qlora::io::release_free_cpu_memory();
   const qlora::data::Batch batch = vision_batch(in, a.workdir, opts);
-  const qlora::train::BatchImages images{&opts};
   int64_t trainable = 0;
   for (const auto& [name, t] : m.decoder.lora_parameters()) trainable += t.numel();
 

@@ -285,7 +285,7 @@ int run_dpo(Session& s) {
   const auto has_images = [](const std::vector<data::PreferencePair>& set) {
     return std::any_of(set.begin(), set.end(), [](const data::PreferencePair& x) { return !x.chosen.images.empty(); });
   };
-  d.images = load_vision_tower(s, m, text, has_images(d.train), has_images(d.validation));
+  d.images = load_vision_tower(s, m, text.options, has_images(d.train), has_images(d.validation));
   const int64_t pad = text.tokenizer.pad_id();
   if (cfg.dpo.precompute_reference && train::needs_reference(cfg.dpo.loss)) reference_tables(s, d, m, pad);
   RecipeParts parts;

@@ -136,7 +136,7 @@ int run_finetune(Session& s) {
   const auto has_images = [](const std::vector<data::Sample>& set) {
     return std::any_of(set.begin(), set.end(), [](const data::Sample& x) { return !x.images.empty(); });
   };
-  d.images = load_vision_tower(s, m, text, has_images(d.samples), has_images(d.validation));
+  d.images = load_vision_tower(s, m, text.options, has_images(d.samples), has_images(d.validation));
   RecipeParts parts;
   parts.sampler = d.sampler.get();
   parts.records = static_cast<int64_t>(d.samples.size());

@@ -466,7 +466,7 @@ int run_grpo(Session& s) {
   const auto has_images = [](const std::vector<data::PromptRecord>& set) {
     return std::any_of(set.begin(), set.end(), [](const data::PromptRecord& x) { return !x.images.empty(); });
   };
-  d.images = load_vision_tower(s, m, text, has_images(d.train), has_images(d.validation));
+  d.images = load_vision_tower(s, m, text.options, has_images(d.train), has_images(d.validation));
   m.decoder.logit_temperature = cfg.grpo.temperature;  // the loss's log-probs at the sampling temperature
   Grpo g{s, m, d, text, std::move(rewards), std::nullopt};
   RecipeParts parts;

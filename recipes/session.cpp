@@ -229,8 +229,8 @@ Model setup_model(const Session& s, const TextSetup& text, const std::vector<int
   return m;
 }
 
-train::BatchImages load_vision_tower(const Session& s, Model& m, const TextSetup& text, bool trained_on_images,
-                                     bool other_images) {
+train::BatchImages load_vision_tower(const Session& s, Model& m, const data::DatasetOptions& options,
+                                     bool trained_on_images, bool other_images) {
   if (!trained_on_images && !other_images && !trains_vision_tower(s.cfg)) return {};
   const config::LoraConfig& lora = s.cfg.lora;
   if (trains_vision_tower(s.cfg) && !m.decoder.config.multimodal)
@@ -256,7 +256,7 @@ train::BatchImages load_vision_tower(const Session& s, Model& m, const TextSetup
                 trains_vision_tower(s.cfg) ? ("LoRA on " + std::to_string(adapted) + " of its linears" +
                                               (lora.train_projector ? ", the projector trained" : "")).c_str()
                                            : "frozen");
-  return train::BatchImages{&text.options};
+  return train::BatchImages{&options};
 }
 
 std::unique_ptr<optim::AdamW> make_adamw(const RecipeConfig& cfg, const Model& m) {

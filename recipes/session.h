@@ -83,8 +83,8 @@ bool trains_vision_tower(const config::RecipeConfig& cfg);
 // join the engine's trainable groups (before the optimizer is made); else it stays frozen. Errors name
 // the checkpoint when it has no tower, and the key when it is set for a text-only checkpoint or for
 // training data without images.
-train::BatchImages load_vision_tower(const Session& s, Model& m, const TextSetup& text, bool train_images,
-                                     bool other_images);
+train::BatchImages load_vision_tower(const Session& s, Model& m, const data::DatasetOptions& options,
+                                     bool train_images, bool other_images);
 
 // Makes the decoder from the load options the config gives (on_layer_loaded shards each layer as it
 // is made): a bench's model built in memory, or a checkpoint loaded its own way.
