@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "bench/machine.h"
+#include "bench/timing.h"
 
 using nlohmann::json;
 namespace fs = std::filesystem;
@@ -53,10 +54,7 @@ struct Competitor {
   }
 };
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
+using qlora::bench::median;
 
 // Wall seconds of one tiny run under `env` (an `env` command prefix), its output in `dir`.
 double run_seconds(const std::string& env, const std::string& qlora, int steps, const fs::path& dir) {

@@ -37,6 +37,7 @@
 #include "bench/recipe_model.h"
 #include "bench/run_json.h"
 #include "bench/shape_args.h"
+#include "bench/timing.h"
 #include "qlora/engine/launcher.h"
 #include "qlora/engine/omp_wait_policy.h"
 #include "qlora/engine/process_group.h"
@@ -60,9 +61,7 @@ struct Args : bench::ShapeArgs {
   std::string export_to;  // worker: time a merged per-epoch export into this directory instead of steps
 };
 
-double seconds_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
+using qlora::bench::seconds_since;
 
 int64_t bytes_under(const fs::path& dir) {
   int64_t n = 0;

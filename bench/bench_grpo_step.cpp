@@ -29,6 +29,7 @@
 #include "bench/machine.h"
 #include "bench/recipe_model.h"
 #include "bench/shape_args.h"
+#include "bench/timing.h"
 #include "kernels/cpu_isa.h"
 #include "qlora/engine/omp_wait_policy.h"
 #include "qlora/engine/process_group.h"
@@ -59,10 +60,7 @@ double seconds_of(const std::function<void()>& f) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[v.size() / 2];
-}
+using qlora::bench::median;
 
 json run(const Args& a, at::ScalarType dtype) {
   const auto world = qlora::engine::World::join(qlora::engine::RankEnv{}, 0, std::chrono::seconds(60), c10::kCPU);

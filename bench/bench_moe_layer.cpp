@@ -48,6 +48,7 @@
 #include "bench/random_llama.h"
 #include "bench/run_json.h"
 #include "bench/step_profile.h"
+#include "bench/timing.h"
 #include "kernels/cpu_isa.h"
 #include "qlora/engine/omp_wait_policy.h"
 #include "qlora/io/cpu_memory.h"
@@ -210,14 +211,9 @@ json counts_stats(const at::Tensor& counts_in) {
           {"experts_used", (c > 0).sum().item<int64_t>()}, {"experts_unused", (c == 0).sum().item<int64_t>()}};
 }
 
-double seconds_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
+using qlora::bench::seconds_since;
+using qlora::bench::median;
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
 
 // Phase seconds and "phase: op" seconds accumulated by StepProfile (its tables are static, so a
 // second profile in the same process is the difference of two snapshots).

@@ -68,6 +68,7 @@
 #include "bench/shape_args.h"
 #include "bench/step_profile.h"
 #include "bench/run_json.h"
+#include "bench/timing.h"
 #include "kernels/cpu_isa.h"
 #include "qlora/engine/omp_wait_policy.h"
 #include "qlora/engine/process_group.h"
@@ -138,9 +139,7 @@ json dtype_json(const Args& a) {
 // Every decoder projection of the Llama shape (random_model adapts those of its family).
 const std::vector<std::string> kTargets = qlora::models::layer_peft_names(qlora::models::llama_architecture());
 
-double seconds_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
+using qlora::bench::seconds_since;
 
 // The frozen projections the step runs: every decoder layer's, and the output head.
 std::vector<qlora::bench::GemmShape> gemm_shapes(const qlora::models::DecoderModel& m) {

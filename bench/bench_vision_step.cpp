@@ -47,6 +47,7 @@
 #include "bench/recipe_model.h"
 #include "bench/run_json.h"
 #include "bench/step_profile.h"
+#include "bench/timing.h"
 #include "kernels/cpu_isa.h"
 #include "qlora/data/batching.h"
 #include "qlora/data/sample_images.h"
@@ -128,14 +129,9 @@ json ensure_model(const Args& a) {
   return read_json(inputs);
 }
 
-double seconds_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
+using qlora::bench::seconds_since;
+using qlora::bench::median;
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
 
 // The step's batch as data::collate makes it from a sample with one image (labels shifted there).
 qlora::data::Batch vision_batch(const json& in, const std::string& workdir, const qlora::data::DatasetOptions& opts) {

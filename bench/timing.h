@@ -1,4 +1,5 @@
-// Timing a piece of work for the micro-benchmarks: its median wall time over repetitions.
+// Timing for the benchmarks: seconds since a time point, a median, a piece of work's median wall time over
+// repetitions.
 #pragma once
 
 #include <algorithm>
@@ -7,6 +8,16 @@
 #include <vector>
 
 namespace qlora::bench {
+
+inline double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// The median of v (the upper one of an even count); 0 for none.
+inline double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0.0 : v[v.size() / 2];
+}
 
 // fn's median wall time in seconds over `reps` runs, after `warmup` untimed ones.
 inline double median_s(const std::function<void()>& fn, int reps, int warmup = 3) {
