@@ -105,12 +105,14 @@ bool export_unties_head(const RecipeConfig& cfg, const std::string& base_dir) {
 // GGUF files are committed all the same, and training goes on. The files are named after the base's
 // Hub name (base_model_name), else its directory.
 std::function<void(const std::string&)> gguf_files(const RecipeConfig& cfg, const std::string& base_dir,
-                                                   std::shared_ptr<std::vector<std::string>> failed) {
+                                                   std::shared_ptr<std::vector<std::string>> failed, bool lead) {
   if (cfg.checkpoint.gguf.empty()) return {};
   const bool untied = export_unties_head(cfg, base_dir);
   try {
     gguf::check_convertible(base_dir, untied);
-    if (gguf::has_mmproj(base_dir)) gguf::check_mmproj(base_dir);  // the tower's mmproj beside the model's files
+    std::string no_mmproj;
+    if (gguf::has_mmproj(base_dir, &no_mmproj)) gguf::check_mmproj(base_dir);  // the tower's mmproj beside the model's files
+    else if (lead && !no_mmproj.empty()) std::printf("checkpoint.gguf: %s\n", no_mmproj.c_str());
   } catch (const std::invalid_argument& e) {
     throw std::invalid_argument(
         std::string("checkpoint.gguf: ") + e.what() +
@@ -716,7 +718,7 @@ int run_recipe(const std::string& name, const ConfigArgs& args, const std::funct
     world->world().barrier();
     Session s{name, cfg, device, *world, world->rank() == 0, base_model_dir(cfg), {}, std::move(dirs)};
     auto failed_exports = std::make_shared<std::vector<std::string>>();
-    s.add_gguf = gguf_files(cfg, s.base_dir, failed_exports);
+    s.add_gguf = gguf_files(cfg, s.base_dir, failed_exports, s.lead);
     const int rc = body(s);
     return rc == 0 ? report_failed_exports(*failed_exports, cfg.checkpoint.output_dir) : rc;
   } catch (const std::exception& e) {

@@ -306,9 +306,15 @@ Prepared prepare(const io::CheckpointDir& ckpt, const std::string& dir, const Co
 
 }  // namespace
 
-bool has_mmproj(const std::string& dir) {
+bool has_mmproj(const std::string& dir, std::string* why_not) {
   const auto text = io::read_file((fs::path(dir) / "config.json").string());
-  return text && tower_of(json::parse(*text, nullptr, false)).has_value();
+  if (!text || !tower_of(json::parse(*text, nullptr, false))) return false;
+  if (images::has_processor_rules(dir)) return true;
+  if (why_not)
+    *why_not = dir + " has a vision tower but no preprocessor_config.json (nor a processor_config.json with an "
+               "\"image_processor\" section): no mmproj GGUF is written for it, since llama.cpp needs the image "
+               "mean and std; copy the model's processor files beside its config.json to get one";
+  return false;
 }
 
 void check_mmproj(const std::string& dir) {

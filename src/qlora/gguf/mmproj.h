@@ -23,9 +23,12 @@
 
 namespace qlora::gguf {
 
-// Whether checkpoint directory `dir` holds a vision tower an mmproj GGUF can be written for (its
-// config.json is a Qwen3.5, Qwen3.5-MoE, Gemma 3 or Gemma 4 ConditionalGeneration with a vision_config).
-bool has_mmproj(const std::string& dir);
+// Whether checkpoint directory `dir` holds a vision tower an mmproj GGUF can be written for: its
+// config.json is a Qwen3.5, Qwen3.5-MoE, Gemma 3 or Gemma 4 ConditionalGeneration with a vision_config,
+// and its image processor's rules are beside it (preprocessor_config.json, or processor_config.json's
+// "image_processor": the file carries the image mean and std llama.cpp normalises with). Where the
+// tower is there but the rules are not, `why_not` (if given) says so, and no mmproj is written.
+bool has_mmproj(const std::string& dir, std::string* why_not = nullptr);
 
 // Checks, before a run trains, that write_mmproj would write `dir`'s tower (its config and tensors);
 // throws std::invalid_argument saying why not.

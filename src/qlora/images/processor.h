@@ -90,6 +90,9 @@ class ImageProcessor {
 // The rules of the model directory `dir` (see above); throws ImageProcessorError naming the file and
 // key when it holds no image processor this code knows, or one it would not compute exactly.
 ProcessorRules read_processor_rules(const std::string& dir);
+// Whether `dir` has the files read_processor_rules reads (preprocessor_config.json, or a
+// processor_config.json with an "image_processor" section), whatever they hold.
+bool has_processor_rules(const std::string& dir);
 ImageProcessor processor_from_dir(const std::string& dir);
 
 }  // namespace qlora::images

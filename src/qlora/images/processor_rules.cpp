@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include <array>
+#include <filesystem>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -222,11 +223,21 @@ const char* processor_kind_name(ProcessorKind kind) {
   }
 }
 
+namespace {
+bool nested_rules(const std::optional<json>& processor) {
+  return processor && processor->contains("image_processor") && (*processor)["image_processor"].is_object();
+}
+}  // namespace
+
+bool has_processor_rules(const std::string& dir) {
+  return std::filesystem::exists(dir + "/preprocessor_config.json") || nested_rules(load_json(dir + "/processor_config.json"));
+}
+
 ProcessorRules read_processor_rules(const std::string& dir) {
   const std::optional<json> processor = load_json(dir + "/processor_config.json");
   const std::optional<json> pre = load_json(dir + "/preprocessor_config.json");
   const json empty = json::object();
-  const bool nested = processor && processor->contains("image_processor") && (*processor)["image_processor"].is_object();
+  const bool nested = nested_rules(processor);
   if (!nested && !pre)
     refuse(dir, "no preprocessor_config.json, nor a processor_config.json with an \"image_processor\" section");
   const json& rules_json = nested ? (*processor)["image_processor"] : *pre;
