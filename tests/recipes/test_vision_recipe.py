@@ -483,9 +483,11 @@ def check_generate(check, a, run, data):
     got = subprocess.run(cmd, capture_output=True, text=True)
     if not check(shown.returncode == 0 and got.returncode == 0, f"qlora generate --image runs: {got.stderr.strip()[-300:]}"):
         return None
-    proc = Qwen3VLProcessor(image_processor=AutoImageProcessor.from_pretrained(export),
-                            tokenizer=AutoTokenizer.from_pretrained(export), video_processor=Qwen3VLVideoProcessor(),
-                            chat_template=open(os.path.join(DATA, "chat_templates", "Qwen3.5-9B.jinja")).read())
+    tokenizer = AutoTokenizer.from_pretrained(export)  # the export's own chat_template.jinja, copied from the base
+    with open(os.path.join(DATA, "chat_templates", "Qwen3.5-9B.jinja")) as f:
+        check(tokenizer.chat_template == f.read(), "the merged export carries the base's chat_template.jinja")
+    proc = Qwen3VLProcessor(image_processor=AutoImageProcessor.from_pretrained(export), tokenizer=tokenizer,
+                            video_processor=Qwen3VLVideoProcessor(), chat_template=tokenizer.chat_template)
     messages = [{"role": "user", "content": [{"type": "image", "image": Image.open(image).convert("RGB")},
                                              {"type": "text", "text": "What colour is the square?"}]}]
     inputs = proc.apply_chat_template(messages, tokenize=True, return_dict=True, add_generation_prompt=True,

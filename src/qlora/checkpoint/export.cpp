@@ -35,6 +35,9 @@ constexpr const char* kTokenRowsSuffix = ".token_adapter.trainable_tokens_delta"
 
 const char* const kCopiedFiles[] = {"config.json", "tokenizer.model", "tokenizer.json", "tokenizer_config.json",
                                     "special_tokens_map.json", "generation_config.json",
+                                    // the chat template, where transformers 4.43+ saves it beside the tokenizer
+                                    // (.jinja) or the processor (.json)
+                                    "chat_template.jinja", "chat_template.json",
                                     // a vision-language model's image processor (images/processor.h)
                                     "preprocessor_config.json", "processor_config.json"};
 
@@ -589,6 +592,9 @@ void MergedModelWriter::write_extras(const std::string& tokenizer_path) const {
       for (const char* f : kCopiedFiles) {
         if (std::string(f) != "config.json" && fs::is_regular_file(tp / f)) copy_file_atomic(tp / f, fs::path(dir) / f);
       }
+      // The tokenizer's template, not the base's: a base's chat_template.jinja would win over the one in
+      // the tokenizer's tokenizer_config.json.
+      if (!fs::is_regular_file(tp / "chat_template.jinja")) fs::remove(fs::path(dir) / "chat_template.jinja");
     } else if (fs::is_regular_file(tp)) {
       copy_file_atomic(tp, fs::path(dir) / tp.filename());
     } else {
