@@ -14,7 +14,8 @@ Checks:
    through its own tower, with the language model's projections in NF4 on both sides (torchao's
    dequantization of our bytes is the reference's weights); fp32;
 3. the images matter: the same records whose images are all one grey give another first loss;
-4. 2 ranks give one process's losses and adapter;
+4. 2 ranks give one process's losses and adapter; the tower is sharded: a rank holds half the bytes of its
+   frozen weights that one process holds (the log's figure; up to 64-byte alignment per group and rank);
 5. killed by SIGKILL after step 2 and resumed: the adapter bit for bit the uninterrupted run's;
 6. `qlora generate --image` on the merged export: its prompt ids are transformers' processor's
    (apply_chat_template with the image, add_generation_prompt) and its greedy text transformers'
@@ -37,6 +38,7 @@ Checks:
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -70,6 +72,12 @@ RANKS_TOL = 5e-5
 # summation order, not the engine): bounded by one update (lr 2e-4). The tower's lora_B and merger, in the same
 # trainable group, are held to RANKS_TOL: a rank's gradient lost or counted twice moves them by ~lr.
 TOWER_A_TOL = 2e-4
+
+
+def tower_bytes(stdout):
+    """The bytes of the tower's frozen weights a rank holds, as the run logs them."""
+    m = re.search(r"vision tower: (\d+) bytes of its frozen weights held on each rank", stdout)
+    return int(m.group(1)) if m else None
 
 
 def tower_a(key):
@@ -180,6 +188,7 @@ def main():
     if not check(r.returncode == 0 and "vision tower" in r.stdout, "one process trains on the images (the tower named)"):
         return check.summary()
     ref = losses(one)
+    held_one = tower_bytes(r.stdout)
     check(len(ref) == STEPS and all(math.isfinite(x) for x in ref), f"{len(ref)} finite losses {[round(x, 4) for x in ref]}")
     check_tower_trained(check, base, one)
 
@@ -205,6 +214,9 @@ def main():
         dta = max(d for k, d in diff.items() if tower_a(k))
         check(dl < RANKS_TOL and da < RANKS_TOL and dta < TOWER_A_TOL,
               f"2 ranks give one process's losses and adapter ({dl:.1e}, {da:.1e}; the tower's lora_A {dta:.1e})")
+        held_two = tower_bytes(r.stdout)
+        check(held_one and held_two and held_one / 2 <= held_two <= held_one / 2 + 64 * 2,
+              f"the tower is sharded: a rank holds {held_two} bytes of its frozen weights, one process {held_one}")
 
     killed = os.path.join(a.workdir, "killed")
     r = run_recipe(a.qlora_faults, killed, *common, f"training.batch_size={BATCH}", fault="kill_after_step=2", expect_rc=-9)
