@@ -16,6 +16,8 @@ Checks:
 3. the images matter: the same records whose images are all one grey give another first loss;
 4. 2 ranks give one process's losses and adapter; the tower is sharded: a rank holds half the bytes of its
    frozen weights that one process holds (the log's figure; up to 64-byte alignment per group and rank);
+   also where in each step one rank's rows hold no image (the tower trained: that rank makes its gathers
+   without running it);
 5. killed by SIGKILL after step 2 and resumed: the adapter bit for bit the uninterrupted run's;
 6. `qlora generate --image` on the merged export: its prompt ids are transformers' processor's
    (apply_chat_template with the image, add_generation_prompt) and its greedy text transformers'
@@ -115,8 +117,8 @@ def build(base, work):
     return model
 
 
-def write_data(d, grey=False):
-    """16 records: a coloured square on noise, asked for its colour."""
+def write_data(d, grey=False, text_only=()):
+    """16 records: a coloured square on noise, asked for its colour (those of `text_only` without it)."""
     from PIL import Image
     os.makedirs(d, exist_ok=True)
     g = torch.Generator().manual_seed(3)
@@ -131,9 +133,9 @@ def write_data(d, grey=False):
             if grey:
                 px[:] = 128
             Image.fromarray(px.numpy()).save(os.path.join(d, f"{i}.png"))
+            image = [] if i in text_only else [{"type": "image", "image": f"{i}.png"}]
             f.write(json.dumps({"messages": [
-                {"role": "user", "content": [{"type": "image", "image": f"{i}.png"},
-                                             {"type": "text", "text": "What colour is the square?"}]},
+                {"role": "user", "content": [*image, {"type": "text", "text": "What colour is the square?"}]},
                 {"role": "assistant", "content": f"It is {name}."}]}) + "\n")
     return os.path.join(d, "train.jsonl")
 
@@ -217,6 +219,7 @@ def main():
         held_two = tower_bytes(r.stdout)
         check(held_one and held_two and held_one / 2 <= held_two <= held_one / 2 + 64 * 2,
               f"the tower is sharded: a rank holds {held_two} bytes of its frozen weights, one process {held_one}")
+    check_rank_without_images(check, a, base)
 
     killed = os.path.join(a.workdir, "killed")
     r = run_recipe(a.qlora_faults, killed, *common, f"training.batch_size={BATCH}", fault="kill_after_step=2", expect_rc=-9)
@@ -228,6 +231,26 @@ def main():
     if greedy is not None:
         check_grpo(check, a, os.path.join(one, "epoch_0"), data, greedy)
     return check.summary()
+
+
+def check_rank_without_images(check, a, base):
+    """3 steps whose rows 2-3, then 0-1, then 2-3 are text only: rank 1, then rank 0, then rank 1 has no image
+    to run (the first step's learning rate is 0 under the warmup: the second moves lora_B, the third lora_A)."""
+    mixed = write_data(os.path.join(a.workdir, "mixed_data"), text_only=(2, 3, 4, 5, 10, 11))
+    args = [*COMMON, *TRAIN_TOWER, f"model.checkpoint_dir={base}", f"data.path={mixed}",
+            "training.max_steps_per_epoch=3"]
+    one, two = os.path.join(a.workdir, "mixed_one"), os.path.join(a.workdir, "mixed_two")
+    r1 = run_recipe(a.qlora, one, *args, f"training.batch_size={BATCH}")
+    r2 = run_recipe(a.qlora, two, *args, f"training.batch_size={BATCH // 2}", nproc=2)
+    if not check(r1.returncode == 0 and r2.returncode == 0, "3 steps where one rank's rows hold no image train"):
+        return
+    dl = max(abs(x - y) for x, y in zip(losses(two), losses(one)))
+    diff = {k: float(abs(adapter(two)[k] - adapter(one)[k]).max()) for k in adapter(one)}
+    da = max(d for k, d in diff.items() if not tower_a(k))
+    dta = max(d for k, d in diff.items() if tower_a(k))
+    check(len(losses(two)) == 3 and dl < RANKS_TOL and da < RANKS_TOL and dta < TOWER_A_TOL,
+          f"a rank without images: 2 ranks give one process's losses and adapter ({dl:.1e}, {da:.1e}; "
+          f"the tower's lora_A {dta:.1e})")
 
 
 # Image preference pairs in the forms TRL's vision DPO data sets ship (a record-level "images" with {"type":
