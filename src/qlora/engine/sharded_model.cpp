@@ -258,7 +258,7 @@ size_t tower_unit_of(const std::string& name, int64_t layers) {
     const std::string c = name.substr(at, dot - at);
     if (c.empty() || c.find_first_not_of("0123456789") != std::string::npos) continue;
     if (c.size() > 9 || std::stoll(c) >= layers)
-      throw std::invalid_argument("ShardedDecoder::add_tower: " + name + " names encoder layer " + c + " of a tower of " +
+      throw std::invalid_argument("ShardedDecoder::add_tower: " + name + " names encoder layer " + c + ", but the tower has " +
                                   std::to_string(layers));
     return static_cast<size_t>(std::stoll(c));
   }
