@@ -47,7 +47,7 @@ import sys
 
 import torch
 
-from recipe_common import Checks, adapter, losses, recipe_args, run_recipe
+from recipe_common import Checks, adapter, losses, recipe_args, run_recipe, safetensors_of
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "conformance"))
@@ -235,10 +235,11 @@ def main():
 
 def check_rank_without_images(check, a, base):
     """3 steps whose rows 2-3, then 0-1, then 2-3 are text only: rank 1, then rank 0, then rank 1 has no image
-    to run (the first step's learning rate is 0 under the warmup: the second moves lora_B, the third lora_A)."""
+    to run (the first step's learning rate is 0 under the warmup: the second moves lora_B, the third lora_A).
+    Merged from the NF4 bases: the tower's merged linears read its gathered shards."""
     mixed = write_data(os.path.join(a.workdir, "mixed_data"), text_only=(2, 3, 4, 5, 10, 11))
     args = [*COMMON, *TRAIN_TOWER, f"model.checkpoint_dir={base}", f"data.path={mixed}",
-            "training.max_steps_per_epoch=3"]
+            "training.max_steps_per_epoch=3", "checkpoint.merge_from=nf4"]
     one, two = os.path.join(a.workdir, "mixed_one"), os.path.join(a.workdir, "mixed_two")
     r1 = run_recipe(a.qlora, one, *args, f"training.batch_size={BATCH}")
     r2 = run_recipe(a.qlora, two, *args, f"training.batch_size={BATCH // 2}", nproc=2)
@@ -248,9 +249,11 @@ def check_rank_without_images(check, a, base):
     diff = {k: float(abs(adapter(two)[k] - adapter(one)[k]).max()) for k in adapter(one)}
     da = max(d for k, d in diff.items() if not tower_a(k))
     dta = max(d for k, d in diff.items() if tower_a(k))
-    check(len(losses(two)) == 3 and dl < RANKS_TOL and da < RANKS_TOL and dta < TOWER_A_TOL,
-          f"a rank without images: 2 ranks give one process's losses and adapter ({dl:.1e}, {da:.1e}; "
-          f"the tower's lora_A {dta:.1e})")
+    merged = [safetensors_of(os.path.join(o, "epoch_0")) for o in (one, two)]
+    dm = max(float((merged[1][k] - t).abs().max()) for k, t in merged[0].items() if ".visual.blocks." in k)
+    check(len(losses(two)) == 3 and dl < RANKS_TOL and da < RANKS_TOL and dta < TOWER_A_TOL and dm < RANKS_TOL,
+          f"a rank without images: 2 ranks give one process's losses, adapter and merged tower ({dl:.1e}, {da:.1e}, "
+          f"{dm:.1e}; the tower's lora_A {dta:.1e})")
 
 
 # Image preference pairs in the forms TRL's vision DPO data sets ship (a record-level "images" with {"type":
