@@ -258,6 +258,9 @@ train::BatchImages load_vision_tower(const Session& s, Model& m, const data::Dat
                 trains_vision_tower(s.cfg) ? ("LoRA on " + std::to_string(adapted) + " of its linears" +
                                               (lora.train_projector ? ", the projector trained" : "")).c_str()
                                            : "frozen");
+  if (s.lead)
+    std::printf("vision tower: %lld bytes of its frozen weights held on each rank\n",
+                static_cast<long long>(m.engine->tower_bytes_held()));
   return train::BatchImages{&options};
 }
 

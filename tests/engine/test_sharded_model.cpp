@@ -79,14 +79,21 @@ at::Tensor loss_sum(const models::DecoderModel& m, const at::Tensor& tok, const 
   return m.loss(tok, lab);
 }
 
-// A vision tower in miniature: one adapted linear and a trained projector, fed a fixed input per step.
-// In the sharded runs only rank 0 runs it (its micro-batch holds the images), so the tower's trainable
-// group gets no gradient on the other ranks: their reduce-scatter must still pair with rank 0's.
+// A vision tower in miniature: one adapted linear (its base sharded: the tower's rest) and a trained
+// projector, fed a fixed input per step. In the sharded runs only rank 0 runs it (its micro-batch holds
+// the images), so the tower's trainable group gets no gradient on the other ranks: their reduce-scatter
+// must still pair with rank 0's, and their skip_forward and finish_backward's gathers with rank 0's
+// forward and backward.
 struct FakeTower : models::vision::Tower {
   modules::LoraLinear lin;
   at::Tensor proj;
   at::Tensor forward(const models::vision::PixelInputs& in) const override {
-    return at::matmul(modules::lora_linear_forward(lin, in.pixel_values, training), proj);
+    enter(-1);
+    leave(-1, in.pixel_values);
+    enter(0);
+    at::Tensor out = at::matmul(modules::lora_linear_forward(lin, in.pixel_values, training), proj);
+    leave(0, out);
+    return out;
   }
   std::vector<int64_t> tokens_per_image(const models::vision::PixelInputs& in) const override {
     return {in.pixel_values.size(0)};
@@ -199,9 +206,12 @@ Trace sharded(World& w, const RunSetup& su) {
     at::Tensor loss_total = at::zeros({1}, at::kDouble);
     for (int k = 0; k < su.micro; ++k) {
       engine->set_gradient_sync(k + 1 == su.micro);
+      // The tower runs first, as a recipe's batch images do (its backward then comes last).
+      at::Tensor tower_term = at::zeros({});
+      if (su.tower && w.rank() == 0 && k == 0) tower_term = tower_loss(m, s);
+      else if (su.tower) models::vision::skip_forward(*m.tower);
       at::Tensor loss = loss_sum(m, mine_t.narrow(0, k * per_micro, per_micro),
-                                 mine_l.narrow(0, k * per_micro, per_micro)) / tokens.item<double>();
-      if (su.tower && w.rank() == 0 && k == 0) loss = loss + tower_loss(m, s);
+                                 mine_l.narrow(0, k * per_micro, per_micro)) / tokens.item<double>() + tower_term;
       torch::autograd::backward({loss});
       engine->finish_backward();
       loss_total += loss.detach().to(at::kDouble);
@@ -214,6 +224,12 @@ Trace sharded(World& w, const RunSetup& su) {
   }
   tr.adapters = flat_adapters(m);
   tr.eval_logits = eval_logits(m);
+  if (su.tower) {  // the tower's base: 6 x 5 fp32, a shard of it per rank (padded to split evenly)
+    const int64_t held = engine->tower_bytes_held(), n = w.shard().size();
+    check(n == 1 ? held == 120 : held * n >= 120 && held * n < 120 + 64 * n,
+          "the tower's frozen bytes held on a rank: " + std::to_string(held));
+    check((n > 1) == (engine->stats().tower_gathers > 0), "the tower's groups gathered where sharded");
+  }
   if (su.export_dir.empty()) return tr;
   // The parallel export is byte-identical to one process's export of the same weights.
   const checkpoint::AdapterInfo info{4, 8, 0.0, {}, tiny_llama()};
@@ -302,4 +318,8 @@ TEST(ShardedDecoder, TowerGroupFedByOneRankOnlyEqualsOneProcess) {
   for (int w : {1, 2}) expect_same_as_single_process(w, 0, su);
   su.micro = 2;
   expect_same_as_single_process(3, 0, su);
+  su.micro = 1;
+  su.sharding.prefetch = false;
+  su.sharding.reshard_after_forward = false;
+  expect_same_as_single_process(2, 0, su);
 }

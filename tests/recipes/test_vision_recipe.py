@@ -14,7 +14,10 @@ Checks:
    through its own tower, with the language model's projections in NF4 on both sides (torchao's
    dequantization of our bytes is the reference's weights); fp32;
 3. the images matter: the same records whose images are all one grey give another first loss;
-4. 2 ranks give one process's losses and adapter;
+4. 2 ranks give one process's losses and adapter; the tower is sharded: a rank holds half the bytes of its
+   frozen weights that one process holds (the log's figure; up to 64-byte alignment per group and rank);
+   also where in each step one rank's rows hold no image (the tower trained: that rank makes its gathers
+   without running it);
 5. killed by SIGKILL after step 2 and resumed: the adapter bit for bit the uninterrupted run's;
 6. `qlora generate --image` on the merged export: its prompt ids are transformers' processor's
    (apply_chat_template with the image, add_generation_prompt) and its greedy text transformers'
@@ -37,13 +40,14 @@ Checks:
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
 
 import torch
 
-from recipe_common import Checks, adapter, losses, recipe_args, run_recipe
+from recipe_common import Checks, adapter, losses, recipe_args, run_recipe, safetensors_of
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "conformance"))
@@ -70,6 +74,12 @@ RANKS_TOL = 5e-5
 # summation order, not the engine): bounded by one update (lr 2e-4). The tower's lora_B and merger, in the same
 # trainable group, are held to RANKS_TOL: a rank's gradient lost or counted twice moves them by ~lr.
 TOWER_A_TOL = 2e-4
+
+
+def tower_bytes(stdout):
+    """The bytes of the tower's frozen weights a rank holds, as the run logs them."""
+    m = re.search(r"vision tower: (\d+) bytes of its frozen weights held on each rank", stdout)
+    return int(m.group(1)) if m else None
 
 
 def tower_a(key):
@@ -107,8 +117,8 @@ def build(base, work):
     return model
 
 
-def write_data(d, grey=False):
-    """16 records: a coloured square on noise, asked for its colour."""
+def write_data(d, grey=False, text_only=()):
+    """16 records: a coloured square on noise, asked for its colour (those of `text_only` without it)."""
     from PIL import Image
     os.makedirs(d, exist_ok=True)
     g = torch.Generator().manual_seed(3)
@@ -123,9 +133,9 @@ def write_data(d, grey=False):
             if grey:
                 px[:] = 128
             Image.fromarray(px.numpy()).save(os.path.join(d, f"{i}.png"))
+            image = [] if i in text_only else [{"type": "image", "image": f"{i}.png"}]
             f.write(json.dumps({"messages": [
-                {"role": "user", "content": [{"type": "image", "image": f"{i}.png"},
-                                             {"type": "text", "text": "What colour is the square?"}]},
+                {"role": "user", "content": [*image, {"type": "text", "text": "What colour is the square?"}]},
                 {"role": "assistant", "content": f"It is {name}."}]}) + "\n")
     return os.path.join(d, "train.jsonl")
 
@@ -180,6 +190,7 @@ def main():
     if not check(r.returncode == 0 and "vision tower" in r.stdout, "one process trains on the images (the tower named)"):
         return check.summary()
     ref = losses(one)
+    held_one = tower_bytes(r.stdout)
     check(len(ref) == STEPS and all(math.isfinite(x) for x in ref), f"{len(ref)} finite losses {[round(x, 4) for x in ref]}")
     check_tower_trained(check, base, one)
 
@@ -205,6 +216,10 @@ def main():
         dta = max(d for k, d in diff.items() if tower_a(k))
         check(dl < RANKS_TOL and da < RANKS_TOL and dta < TOWER_A_TOL,
               f"2 ranks give one process's losses and adapter ({dl:.1e}, {da:.1e}; the tower's lora_A {dta:.1e})")
+        held_two = tower_bytes(r.stdout)
+        check(held_one and held_two and held_one / 2 <= held_two <= held_one / 2 + 64 * 2,
+              f"the tower is sharded: a rank holds {held_two} bytes of its frozen weights, one process {held_one}")
+    check_rank_without_images(check, a, base)
 
     killed = os.path.join(a.workdir, "killed")
     r = run_recipe(a.qlora_faults, killed, *common, f"training.batch_size={BATCH}", fault="kill_after_step=2", expect_rc=-9)
@@ -216,6 +231,29 @@ def main():
     if greedy is not None:
         check_grpo(check, a, os.path.join(one, "epoch_0"), data, greedy)
     return check.summary()
+
+
+def check_rank_without_images(check, a, base):
+    """3 steps whose rows 2-3, then 0-1, then 2-3 are text only: rank 1, then rank 0, then rank 1 has no image
+    to run (the first step's learning rate is 0 under the warmup: the second moves lora_B, the third lora_A).
+    Merged from the NF4 bases: the tower's merged linears read its gathered shards."""
+    mixed = write_data(os.path.join(a.workdir, "mixed_data"), text_only=(2, 3, 4, 5, 10, 11))
+    args = [*COMMON, *TRAIN_TOWER, f"model.checkpoint_dir={base}", f"data.path={mixed}",
+            "training.max_steps_per_epoch=3", "checkpoint.merge_from=nf4"]
+    one, two = os.path.join(a.workdir, "mixed_one"), os.path.join(a.workdir, "mixed_two")
+    r1 = run_recipe(a.qlora, one, *args, f"training.batch_size={BATCH}")
+    r2 = run_recipe(a.qlora, two, *args, f"training.batch_size={BATCH // 2}", nproc=2)
+    if not check(r1.returncode == 0 and r2.returncode == 0, "3 steps where one rank's rows hold no image train"):
+        return
+    dl = max(abs(x - y) for x, y in zip(losses(two), losses(one)))
+    diff = {k: float(abs(adapter(two)[k] - adapter(one)[k]).max()) for k in adapter(one)}
+    da = max(d for k, d in diff.items() if not tower_a(k))
+    dta = max(d for k, d in diff.items() if tower_a(k))
+    merged = [safetensors_of(os.path.join(o, "epoch_0")) for o in (one, two)]
+    dm = max(float((merged[1][k] - t).abs().max()) for k, t in merged[0].items() if ".visual.blocks." in k)
+    check(len(losses(two)) == 3 and dl < RANKS_TOL and da < RANKS_TOL and dta < TOWER_A_TOL and dm < RANKS_TOL,
+          f"a rank without images: 2 ranks give one process's losses, adapter and merged tower ({dl:.1e}, {da:.1e}, "
+          f"{dm:.1e}; the tower's lora_A {dta:.1e})")
 
 
 # Image preference pairs in the forms TRL's vision DPO data sets ship (a record-level "images" with {"type":

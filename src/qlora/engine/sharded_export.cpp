@@ -44,8 +44,12 @@ void export_epoch(const std::string& output_dir, int64_t epoch, const models::De
       }
     }
   };
+  // A trained tower's merged linears read their bases: gathered on every rank (a tower is small).
+  const bool tower = !adapter_only && model.tower && !models::vision::adapted_modules(*model.tower).empty();
+  if (tower) engine.unshard_tower();
   checkpoint::export_epoch(output_dir, epoch, model, info, adapter_only, base_checkpoint_dir, source, tokenizer_path,
                            ranks);
+  if (tower) engine.reshard_tower();
 }
 
 }  // namespace qlora::engine

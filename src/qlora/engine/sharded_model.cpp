@@ -28,6 +28,20 @@ struct ShardedDecoder::FrozenGroup {
   bool gathered = false;
   WorkPtr pending;
   int64_t bf16_bytes = 0;  // the members as bf16 weights would weigh
+  bool tower = false;      // a vision tower's
+};
+
+// The tower's calls (vision::Tower::hooks) on its own units.
+struct ShardedDecoder::TowerHooks : models::UnitHooks {
+  std::shared_ptr<ShardedDecoder> e;
+  explicit TowerHooks(std::shared_ptr<ShardedDecoder> engine) : e(std::move(engine)) {}
+  void before_forward(int64_t unit, bool recompute) override { e->forward_begin(e->tower_, unit, recompute); }
+  void after_forward(int64_t unit, bool recompute) override { e->forward_end(e->tower_, unit, recompute); }
+  void before_backward(int64_t unit) override {
+    if (unit == e->tower_.layers && e->tower_backwards_due_ > 0) --e->tower_backwards_due_;  // this one runs
+    e->backward_begin(e->tower_, unit);
+  }
+  void after_backward(int64_t unit) override { e->backward_end(e->tower_, unit); }
 };
 
 struct ShardedDecoder::TrainGroup {
@@ -234,17 +248,66 @@ void ShardedDecoder::finish(models::DecoderModel& m) {
   if (!whole()) m.hooks = shared_from_this();  // a whole model has nothing to gather around its units
 }
 
+namespace {
+
+// Which of a tower's units holds tensor `name`: encoder layer i for a name with the component i
+// ("model.visual.blocks.3.attn.qkv"); the rest (index `layers`) for one with none.
+size_t tower_unit_of(const std::string& name, int64_t layers) {
+  for (size_t at = 0, dot; at < name.size(); at = dot + 1) {
+    dot = std::min(name.find('.', at), name.size());
+    const std::string c = name.substr(at, dot - at);
+    if (c.empty() || c.find_first_not_of("0123456789") != std::string::npos) continue;
+    if (c.size() > 9 || std::stoll(c) >= layers)
+      throw std::invalid_argument("ShardedDecoder::add_tower: " + name + " names encoder layer " + c + ", but the tower has " +
+                                  std::to_string(layers));
+    return static_cast<size_t>(std::stoll(c));
+  }
+  return static_cast<size_t>(layers);
+}
+
+}  // namespace
+
 void ShardedDecoder::add_tower(models::vision::Tower& tower) {
+  if (tower_.layers >= 0) throw std::logic_error("ShardedDecoder::add_tower: the model has a tower already");
+  const int64_t n = world_.shard().size(), me = world_.shard().rank(), depth = tower.depth();
+  std::vector<std::vector<Member>> units(static_cast<size_t>(depth + 1));  // encoder layers, then the rest
   std::vector<modules::LoraLinear*> linears;
   std::vector<std::string> stems;
+  tower_first_adapted_ = depth;
   for (auto& [module, lin] : tower.linears()) {
+    const size_t u = tower_unit_of(module, depth);
+    add_nf4(units[u], module, *lin);
+    if (lin->bias.defined()) add_dense(units[u], module + ".bias", lin->bias);
+    if (lin->has_lora()) tower_first_adapted_ = std::min(tower_first_adapted_, static_cast<int64_t>(u));
     linears.push_back(lin);
     stems.push_back(module);
   }
+  for (auto& [name, t] : tower.frozen()) add_dense(units[tower_unit_of(name, depth)], name, *t);
   std::vector<std::pair<at::Tensor*, std::string>> projector;
-  for (auto& [name, t] : tower.projector())
+  for (auto& [name, t] : tower.projector()) {
     if (t->requires_grad()) projector.emplace_back(t, name);
+    else add_dense(units.back(), name, *t);
+  }
+  tower_ = {frozen_.size(), depth, true};
+  frozen_.emplace_back();  // unit -1 runs on the rest's group (the last)
+  for (size_t u = 0; u < units.size(); ++u) {
+    if (units[u].empty())
+      throw std::invalid_argument("ShardedDecoder::add_tower: the tower's " +
+                                  (u < units.size() - 1 ? "encoder layer " + std::to_string(u) : std::string("rest")) +
+                                  " holds no tensor");
+    const std::string name = u + 1 < units.size() ? "tower" + std::to_string(u) : std::string("tower");
+    frozen_.push_back(make_frozen(name, units[u], n, me, units[u].front().value.device()));
+    frozen_.back()->tower = true;
+  }
   add_trainable(linears, stems, projector, /*late=*/true);
+  if (!whole()) tower.hooks = std::make_shared<TowerHooks>(shared_from_this());
+}
+
+int64_t ShardedDecoder::tower_bytes_held() const {
+  int64_t bytes = 0;
+  for (const auto& g : frozen_)
+    if (g && g->tower) bytes += whole() ? g->layout.used() : g->shard.numel();
+  return bytes;
 }
 
 namespace {
@@ -323,9 +386,10 @@ void ShardedDecoder::add_trainable(const std::vector<modules::LoraLinear*>& ls, 
 
 const FlatLayout& ShardedDecoder::trainable_layout(size_t g) const { return train_.at(g)->layout; }
 
-ShardedDecoder::FrozenGroup& ShardedDecoder::group_of(int64_t unit) {
-  const auto& slot = frozen_.at(static_cast<size_t>(unit + 1));
-  return slot ? *slot : *frozen_.back();  // a tied embedding lives in the head's group
+ShardedDecoder::FrozenGroup& ShardedDecoder::group_of(const Units& s, int64_t unit) {
+  const auto& slot = frozen_.at(s.first + static_cast<size_t>(unit + 1));
+  // A tied embedding lives in the head's group, the tower's unit -1 in its rest's.
+  return slot ? *slot : *frozen_.at(s.first + static_cast<size_t>(s.layers + 1));
 }
 
 void ShardedDecoder::gather(FrozenGroup& g, bool wait_now) {
@@ -336,6 +400,10 @@ void ShardedDecoder::gather(FrozenGroup& g, bool wait_now) {
   if (g.name.rfind("layer", 0) == 0) {
     stats_.layer_bytes_gathered += g.full.numel();
     stats_.layer_bytes_as_bf16 += g.bf16_bytes;
+  }
+  if (g.tower) {
+    stats_.tower_gathers += 1;
+    stats_.tower_bytes_gathered += g.full.numel();
   }
   WorkPtr w = world_.shard().all_gather(g.full, g.shard);
   if (wait_now) wait(w);
@@ -358,34 +426,52 @@ void ShardedDecoder::release(FrozenGroup& g) {
   g.gathered = false;
 }
 
-void ShardedDecoder::prefetch(int64_t unit) {
-  if (!opt_.prefetch || unit < -1 || unit > num_layers_) return;
-  FrozenGroup& g = group_of(unit);
+void ShardedDecoder::prefetch(const Units& s, int64_t unit) {
+  if (!opt_.prefetch || unit < -1 || unit > s.layers) return;
+  FrozenGroup& g = group_of(s, unit);
   if (!g.gathered) gather(g, /*wait_now=*/false);
 }
 
-void ShardedDecoder::before_forward(int64_t unit, bool recompute) {
-  ensure(group_of(unit));
-  if (!recompute) prefetch(unit + 1);
+void ShardedDecoder::forward_begin(const Units& s, int64_t unit, bool recompute) {
+  ensure(group_of(s, unit));
+  if (!recompute) prefetch(s, unit + 1);
 }
 
-void ShardedDecoder::after_forward(int64_t unit, bool recompute) {
-  if (recompute || !opt_.reshard_after_forward || held_) return;
+void ShardedDecoder::forward_end(const Units& s, int64_t unit, bool recompute) {
   const bool training = at::GradMode::is_enabled();
-  // Backward starts with the head and the last layer: keep them rather than regather at once.
-  if (training && unit >= num_layers_ - 1) return;
-  FrozenGroup& g = group_of(unit);
-  if (unit == -1 && &g == &group_of(num_layers_)) return;  // tied: the head needs it next
+  if (s.tower && unit == s.layers && training && !train_.empty() && train_.back()->late) ++tower_backwards_due_;
+  if (recompute || !opt_.reshard_after_forward || held_) return;
+  // Backward starts with the head and the last layer: keep them rather than regather at once. (The
+  // tower's backward comes after the decoder's: it gathers again.)
+  if (!s.tower && training && unit >= s.layers - 1) return;
+  FrozenGroup& g = group_of(s, unit);
+  if (unit == -1 && &g == &group_of(s, s.layers)) return;  // tied (the tower's rest): the head needs it next
   release(g);
 }
 
-void ShardedDecoder::before_backward(int64_t unit) {
-  ensure(group_of(unit));
-  if (unit > 0) prefetch(unit - 1);
+void ShardedDecoder::backward_begin(const Units& s, int64_t unit) {
+  ensure(group_of(s, unit));
+  // The tower's backward goes down to its first adapted layer only (a trained projector alone: none).
+  if (unit > 0 && (!s.tower || unit - 1 >= tower_first_adapted_)) prefetch(s, unit - 1);
 }
 
-void ShardedDecoder::after_backward(int64_t unit) {
-  if (unit >= 0) release(group_of(unit));
+void ShardedDecoder::backward_end(const Units& s, int64_t unit) {
+  if (unit >= 0) release(group_of(s, unit));
+}
+
+void ShardedDecoder::before_forward(int64_t unit, bool recompute) { forward_begin(decoder_units(), unit, recompute); }
+void ShardedDecoder::after_forward(int64_t unit, bool recompute) { forward_end(decoder_units(), unit, recompute); }
+void ShardedDecoder::before_backward(int64_t unit) { backward_begin(decoder_units(), unit); }
+void ShardedDecoder::after_backward(int64_t unit) { backward_end(decoder_units(), unit); }
+
+void ShardedDecoder::skip_tower_backwards() {
+  for (; tower_backwards_due_ > 0; --tower_backwards_due_) {
+    backward_begin(tower_, tower_.layers);
+    for (int64_t u = tower_.layers - 1; u >= tower_first_adapted_; --u) {
+      backward_end(tower_, u + 1);
+      backward_begin(tower_, u);
+    }
+  }
 }
 
 void ShardedDecoder::on_grad_ready(size_t gi) {
@@ -407,6 +493,7 @@ void ShardedDecoder::reduce(size_t gi) {
 }
 
 void ShardedDecoder::finish_backward() {
+  skip_tower_backwards();
   // The late groups (the tower's), after every other, in the same order on every rank.
   for (size_t gi = 0; gi < train_.size(); ++gi)
     if (train_[gi]->late && reducing()) reduce(gi);
@@ -520,6 +607,16 @@ void ShardedDecoder::reshard_all() {
   held_ = false;
   for (auto& g : frozen_)
     if (g) release(*g);
+}
+
+void ShardedDecoder::unshard_tower() {
+  for (auto& g : frozen_)
+    if (g && g->tower) ensure(*g);
+}
+
+void ShardedDecoder::reshard_tower() {
+  for (auto& g : frozen_)
+    if (g && g->tower) release(*g);
 }
 
 }  // namespace qlora::engine

@@ -21,6 +21,15 @@
 // backward, then all-reduced across replicas (HSDP). finish_backward() waits for them in the order
 // they became ready. The optimizer steps the flat shards; gather_params() all-gathers them back.
 //
+// A vision tower (add_tower) is sharded the same way: each encoder layer's frozen part is a group, and
+// one more holds the rest (patch embedding, positions, post-norm, a frozen projector), which forward
+// needs at both ends; the tower calls the engine around each of these units (vision::Tower::hooks),
+// the next layer's gather prefetched. Its trainable group (its adapters, a trained projector) is the
+// last one. Not every rank runs the tower each time: one whose batch holds no image calls
+// vision::skip_forward instead (the same gathers), and when the tower trains, finish_backward makes
+// the gathers of the tower's backward that such a rank never ran (the tower's backward runs after
+// every other collective of the decoder's, so the ranks' sequences pair up).
+//
 // A shard group of one rank (one process: a world of one; or shard_size 1) is the same engine with
 // nothing to move: frozen tensors stay as loaded (no buffer, no gather, no release), the trainable
 // groups' full buffers are the optimizer's shards and their gradients, and only replicas (if any)
@@ -63,6 +72,9 @@ struct ShardStats {
   // would move as bf16 weights; the embedding and head are dense and move as stored.
   int64_t layer_bytes_gathered = 0;
   int64_t layer_bytes_as_bf16 = 0;
+  // Of those, the vision tower's groups (forward, backward and skip_forward's).
+  int64_t tower_gathers = 0;
+  int64_t tower_bytes_gathered = 0;
   int64_t reduce_scatters = 0;
 };
 
@@ -78,12 +90,16 @@ class ShardedDecoder : public models::UnitHooks, public std::enable_shared_from_
   static std::shared_ptr<ShardedDecoder> begin(World& world, ShardingOptions options);
   void shard_layer(int64_t index, modules::DecoderLayer& layer, const models::Architecture& arch);
   void finish(models::DecoderModel& model);
-  // After finish(), before the optimizer is made: the vision tower's trainable tensors (its encoder
-  // linears' adapters, the projector's fp32 copy: vision::tower_trainable's, in that order) as the
-  // last trainable group, kept whole on every rank (as its frozen part is). Its gradients come last in
-  // backward, and a rank whose micro-batch held no image gets none: the group's reduce-scatter is
-  // issued by finish_backward on every rank, after the others' (zeros where none arrived).
+  // After finish(), before the optimizer is made, once LoRA and the projector's training are on it:
+  // shards the tower's frozen tensors (a group per encoder layer, one for the rest) and sets its hooks;
+  // its trainable tensors (its encoder linears' adapters, the projector's fp32 copy:
+  // vision::tower_trainable's, in that order) become the last trainable group. Its gradients come
+  // last in backward, and a rank whose micro-batch held no image gets none: the group's
+  // reduce-scatter is issued by finish_backward on every rank, after the others' (zeros where none
+  // arrived).
   void add_tower(models::vision::Tower& tower);
+  // The bytes of the tower's frozen tensors this rank holds between uses (its shards; one rank: all).
+  int64_t tower_bytes_held() const;
   ~ShardedDecoder() override;
 
   // One fp32 tensor per trainable group: this rank's shard of the adapters, with .grad set to the
@@ -120,6 +136,9 @@ class ShardedDecoder : public models::UnitHooks, public std::enable_shared_from_
   // and ranks whose sequences ended would have to keep stepping to join those collectives).
   void unshard_all();
   void reshard_all();
+  // The same for the tower's groups only (a merged export reads its adapted linears' bases).
+  void unshard_tower();
+  void reshard_tower();
   const ShardStats& stats() const { return stats_; }
 
   void before_forward(int64_t unit, bool recompute) override;
@@ -129,14 +148,31 @@ class ShardedDecoder : public models::UnitHooks, public std::enable_shared_from_
 
   struct FrozenGroup;
   struct TrainGroup;
+  struct TowerHooks;
 
  private:
+  // A model's units -1..layers in frozen_ from slot `first` (unit u: slot first + u + 1); an empty
+  // slot is the head's group (a tied embedding; the tower's rest).
+  struct Units {
+    size_t first = 0;
+    int64_t layers = 0;
+    bool tower = false;
+  };
+  Units decoder_units() const { return {0, num_layers_, false}; }
   ShardedDecoder(World& world, ShardingOptions options);
-  FrozenGroup& group_of(int64_t unit);
+  FrozenGroup& group_of(int64_t unit) { return group_of(decoder_units(), unit); }
+  FrozenGroup& group_of(const Units& s, int64_t unit);
   void gather(FrozenGroup& g, bool wait_now);
   void ensure(FrozenGroup& g);
   void release(FrozenGroup& g);
-  void prefetch(int64_t unit);
+  void prefetch(const Units& s, int64_t unit);
+  void forward_begin(const Units& s, int64_t unit, bool recompute);
+  void forward_end(const Units& s, int64_t unit, bool recompute);
+  void backward_begin(const Units& s, int64_t unit);
+  void backward_end(const Units& s, int64_t unit);
+  // The tower's backward hooks, in order, for each tower forward with gradients whose backward did
+  // not run here (a rank without images ran skip_forward).
+  void skip_tower_backwards();
   void on_grad_ready(size_t group);
   // The adapters of `layers` (named stems[k].lora_A ...), then `more` (a MoE layer's expert adapters), as one group.
   // late: the group may get no gradient in a backward (add_tower).
@@ -162,6 +198,9 @@ class ShardedDecoder : public models::UnitHooks, public std::enable_shared_from_
   bool sync_ = true;
   bool held_ = false;  // unshard_all(): no release until reshard_all()
   int64_t num_layers_ = 0;  // layers sharded so far; all of them after finish()
+  Units tower_{0, -1, true};  // layers -1 until add_tower
+  int64_t tower_first_adapted_ = 0;  // the first encoder layer with LoRA (tower_.layers: none)
+  int64_t tower_backwards_due_ = 0;  // tower forwards with gradients whose backward has not run
   ShardStats stats_;
 };
 

@@ -267,18 +267,11 @@ DecoderModel load_decoder(const std::string& checkpoint_dir, const DecoderLoadOp
   return m;
 }
 
-namespace {
-
-// The output projection as the model configures it.
-OutputHead output_head(const DecoderModel& m) {
-  return {&m.lm_head, m.lm_head_chunk_rows, m.config.final_logit_softcapping.value_or(0.0)};
-}
-
 // `out` is the output of unit u and, unless u is the head, the input of unit u + 1: when its
 // gradient is complete, u + 1's backward has run and u's is next. (Layer 0's input comes from the
 // frozen embedding and wants no gradient, so no after_backward(0) ever comes: the engine ends the
 // backward itself.)
-void add_backward_hooks(const at::Tensor& out, UnitHooks* hooks, int64_t u, bool feeds_next) {
+void add_unit_backward_hooks(const at::Tensor& out, UnitHooks* hooks, int64_t u, bool feeds_next) {
   if (!out.requires_grad()) return;
   at::Tensor t = out;  // register_hook is non-const
   t.register_hook([hooks, u, feeds_next](const at::Tensor& g) {
@@ -286,6 +279,13 @@ void add_backward_hooks(const at::Tensor& out, UnitHooks* hooks, int64_t u, bool
     hooks->before_backward(u);
     return g;
   });
+}
+
+namespace {
+
+// The output projection as the model configures it.
+OutputHead output_head(const DecoderModel& m) {
+  return {&m.lm_head, m.lm_head_chunk_rows, m.config.final_logit_softcapping.value_or(0.0)};
 }
 
 // Gemma 4's inputs to each layer besides h, along one forward: the per-layer inputs, and the keys and
@@ -439,7 +439,7 @@ at::Tensor hidden_states(const DecoderModel& m, const at::Tensor& tokens, const 
     if (count) m.router_counts->counts[i] += modules::expert_counts(routing, c.moe.num_experts, m.router_counts->valid);
     if (hooks) {
       hooks->after_forward(i, false);
-      add_backward_hooks(h, hooks, i, /*feeds_next=*/true);
+      add_unit_backward_hooks(h, hooks, i, /*feeds_next=*/true);
     }
   }
   if (cache) cache->seen += tokens.size(1);
@@ -459,7 +459,7 @@ at::Tensor head_unit(const DecoderModel& m, const at::Tensor& h, Body body) {
   at::Tensor out = body(normed, lora_x);
   if (hooks) {
     hooks->after_forward(unit, false);
-    add_backward_hooks(out, hooks, unit, /*feeds_next=*/false);
+    add_unit_backward_hooks(out, hooks, unit, /*feeds_next=*/false);
   }
   return out;
 }

@@ -16,6 +16,7 @@
 #include "qlora/models/key_layout.h"
 #include "qlora/models/decoder_config.h"
 #include "qlora/models/multimodal.h"
+#include "qlora/models/unit_hooks.h"
 #include "qlora/modules/decoder_layer.h"
 #include "qlora/modules/kv_cache.h"
 #include "qlora/modules/lora_linear.h"
@@ -52,22 +53,6 @@ struct DecoderLoadOptions {
   // sits in one rank's memory.
   // The family's architecture says which of the layer's tensors it holds.
   std::function<void(int64_t, modules::DecoderLayer&, const Architecture&)> on_layer_loaded;
-};
-
-// Calls around each unit of the model, for an engine that keeps weights elsewhere between uses
-// (dist's sharded engine gathers a unit's shard group before it runs and frees it after). Units:
-// kEmbedUnit, the decoder layers 0..L-1, and L = final norm + lm_head. Calls come in execution
-// order: forward units ascending; in backward, before_backward(u) when the gradient of u's output
-// is complete (u's backward is next) and after_backward(u) when the gradient of u's input is (it
-// has run). With activation checkpointing, the replay of layer u inside backward is bracketed by
-// before_forward(u, true) / after_forward(u, true).
-struct UnitHooks {
-  static constexpr int64_t kEmbedUnit = -1;
-  virtual ~UnitHooks() = default;
-  virtual void before_forward(int64_t unit, bool recompute) = 0;
-  virtual void after_forward(int64_t unit, bool recompute) = 0;
-  virtual void before_backward(int64_t unit) = 0;
-  virtual void after_backward(int64_t unit) = 0;
 };
 
 struct DecoderModel {
@@ -113,8 +98,8 @@ struct DecoderModel {
   bool activation_checkpointing = false;
   bool training = false;           // enables LoRA dropout
   std::shared_ptr<UnitHooks> hooks;  // optional; see UnitHooks
-  // A multimodal checkpoint's vision tower where the run reads images (recipes load it; every rank
-  // holds it whole); its trainable tensors (LoRA on its encoder linears, the projector: vision::
+  // A multimodal checkpoint's vision tower where the run reads images (recipes load it; a sharded
+  // run shards it: engine::ShardedDecoder::add_tower); its trainable tensors (LoRA on its encoder linears, the projector: vision::
   // add_tower_lora / train_projector) are among lora_parameters(). Null: text only.
   std::shared_ptr<vision::Tower> tower;
   // Router statistics: when set, each training forward (m.training, no cache) adds the tokens each

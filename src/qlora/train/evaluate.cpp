@@ -15,15 +15,19 @@ namespace qlora::train {
 
 std::optional<models::ImageInputs> BatchImages::of(const models::DecoderModel& model, const data::Batch& b,
                                                    c10::Device device) const {
-  if (b.images.empty()) return std::nullopt;
-  if (!model.tower || !options)
+  if (!b.images.empty() && (!model.tower || !options))
     throw std::invalid_argument(b.images.front().origin + ": the data holds images but the model has no vision tower "
                                 "(a text-only checkpoint: train images on the Hub's multimodal form)");
-  std::vector<images::ProcessedImage> pixels;
-  for (const data::SampleImage& img : b.images) pixels.push_back(data::image_pixels(img, *options));
+  if (!model.tower) return std::nullopt;
   model.tower->training = model.training;
   const bool trains = at::GradMode::is_enabled() && !models::vision::tower_trainable(*model.tower).empty();
   at::AutoGradMode grad(trains);
+  if (b.images.empty()) {  // the tower's gathers still pair with the ranks' whose batches hold images
+    models::vision::skip_forward(*model.tower);
+    return std::nullopt;
+  }
+  std::vector<images::ProcessedImage> pixels;
+  for (const data::SampleImage& img : b.images) pixels.push_back(data::image_pixels(img, *options));
   // position_ids restart at each sample (and at a row's padding): where M-RoPE restarts too.
   return models::image_inputs(*model.tower, pixels, b.tokens.to(device), b.position_ids.to(device), model.config);
 }

@@ -24,7 +24,8 @@ struct BatchImages {
   // The batch's ImageInputs: each image's pixels made again (data::image_pixels), the tower run in the
   // model's mode (dropout while training); with gradient where the tower has trainable tensors
   // (lora.vision_targets, lora.train_projector) and gradients are on, else without (a frozen tower's
-  // features are constants of the step); nullopt for a batch without images. Throws
+  // features are constants of the step); nullopt for a batch without images (the tower's hooks called
+  // as if it ran: vision::skip_forward; every rank of a sharded run calls this for each batch). Throws
   // std::invalid_argument when the batch has images and there is no tower.
   std::optional<models::ImageInputs> of(const models::DecoderModel& model, const data::Batch& batch,
                                         c10::Device device) const;

@@ -52,8 +52,11 @@ PairLogps pair_logps(const models::DecoderModel& m, const data::Batch& b, Prefer
     ref_logps = logps_with(m, b, device, ref_in);
   }
   // A frozen tower's features are the same with the adapters on or off, and constants of the step.
+  // (Whether the reference ran now, not whether this batch had images: every rank decides alike, and
+  // the tower's gathers pair up.)
   const bool frozen = !m.tower || models::vision::tower_trainable(*m.tower).empty();
-  const at::Tensor pol = logps_with(m, b, device, ref_in && frozen ? ref_in : images.of(m, b, device));  // [2n]
+  const bool reuse = with_ref && !ref.defined() && frozen;
+  const at::Tensor pol = logps_with(m, b, device, reuse ? ref_in : images.of(m, b, device));  // [2n]
   PairLogps lp{pol.narrow(0, 0, n), pol.narrow(0, n, n), at::Tensor(), at::Tensor(),
                counts.narrow(0, 0, n), counts.narrow(0, n, n)};
   if (with_ref) {

@@ -75,13 +75,19 @@ class Gemma3Tower final : public Tower {
 
   at::Tensor forward(const PixelInputs& in) const override {
     check(in);
+    enter(-1);
     at::Tensor x = at::conv2d(in.pixel_values.to(device, dtype), patch_w, patch_b, {patch, patch});
     x = x.flatten(2).transpose(1, 2) + pos_embed;  // [images, patches, D]
-    for (const SiglipLayer& l : layers) {
+    leave(-1, x);
+    for (int64_t i = 0; i < depth(); ++i) {
+      const SiglipLayer& l = layers[static_cast<size_t>(i)];
+      enter(i);
       x = x + attention(l, at::layer_norm(x, {hidden}, l.ln1_w, l.ln1_b, eps));
       at::Tensor h = at::layer_norm(x, {hidden}, l.ln2_w, l.ln2_b, eps);
       x = x + linear(l.fc2, activate(linear(l.fc1, h, training), act), training);
+      leave(i, x);
     }
+    enter(depth());
     x = at::layer_norm(x, {hidden}, post_w, post_b, eps);
     // The projector: average-pool the patch grid to tokens_per_side^2, RMSNorm (1 + w), matmul.
     const int64_t b = x.size(0), per_side = image / patch;
@@ -89,8 +95,11 @@ class Gemma3Tower final : public Tower {
     at::Tensor grid = x.transpose(1, 2).reshape({b, hidden, per_side, per_side}).contiguous();
     at::Tensor pooled = at::avg_pool2d(grid, {kernel, kernel}, {kernel, kernel}).flatten(2).transpose(1, 2);
     at::Tensor normed = modules::rms_norm(pooled, as_dtype(soft_norm_w, dtype), eps, modules::RmsScale::kOnePlusWeight);
-    return at::matmul(normed, as_dtype(projection, dtype)).to(dtype).reshape({-1, text_hidden});
+    at::Tensor out = at::matmul(normed, as_dtype(projection, dtype)).to(dtype).reshape({-1, text_hidden});
+    leave(depth(), out);
+    return out;
   }
+  int64_t depth() const override { return static_cast<int64_t>(layers.size()); }
 
   std::vector<std::pair<std::string, modules::LoraLinear*>> linears() override {
     std::vector<std::pair<std::string, modules::LoraLinear*>> out;

@@ -158,6 +158,7 @@ class Gemma4Tower final : public Tower {
 
   at::Tensor forward(const PixelInputs& in) const override {
     check(in);
+    enter(-1);
     const at::Tensor pos = in.position_ids.to(device, at::kLong);
     const at::Tensor padding = (pos == -1).all(-1);  // [images, patches]
     at::Tensor x = at::linear((2 * (in.pixel_values.to(device) - 0.5)).to(dtype), input_proj);
@@ -165,6 +166,7 @@ class Gemma4Tower final : public Tower {
     at::Tensor pe = at::embedding(pos_table.select(0, 0), clamped.select(-1, 0)) +
                     at::embedding(pos_table.select(0, 1), clamped.select(-1, 1));
     x = x + at::where(padding.unsqueeze(-1), at::zeros({}, pe.options()), pe);
+    leave(-1, x);
     // Angles [images, patches, 2, head_dim / 4] in fp32, cast; laid out (x, x, y, y) over head_dim.
     const at::Tensor freqs = pos.unsqueeze(-1).to(at::kFloat) * inv_freq;
     const auto table_of = [&](const at::Tensor& f) {
@@ -176,20 +178,27 @@ class Gemma4Tower final : public Tower {
     // bidirectional mask is (SDPA's kernel may sum otherwise over a broadcast one).
     const int64_t b = padding.size(0), n = padding.size(1);
     const at::Tensor mask = at::logical_not(padding).view({b, 1, 1, n}).expand({b, 1, n, n}).contiguous();
-    for (const Layer& l : layers) {
+    for (int64_t i = 0; i < depth(); ++i) {
+      const Layer& l = layers[static_cast<size_t>(i)];
+      enter(i);
       x = x + norm(attention(l, norm(x, l.input_norm), cos, sin, mask), l.post_attn_norm);
       at::Tensor h = norm(x, l.pre_ffw_norm);
       h = clip(l.down, activate(clip(l.gate, h), act) * clip(l.up, h));
       x = x + norm(h, l.post_ffw_norm);
+      leave(i, x);
     }
+    enter(depth());
     x = x.masked_fill(padding.unsqueeze(-1), 0.0);
     auto [avg, valid] = pooled(x, pos, x.size(1) / (pool * pool));
     at::Tensor soft = avg.to(at::kFloat) * std::sqrt(static_cast<double>(hidden));
     soft = soft.index({valid});  // [tokens, D]
     if (std_bias.defined()) soft = (soft - std_bias) * std_scale;
     soft = norm(soft.to(dtype), {});
-    return at::linear(soft, as_dtype(projection, dtype));
+    at::Tensor out = at::linear(soft, as_dtype(projection, dtype));
+    leave(depth(), out);
+    return out;
   }
+  int64_t depth() const override { return static_cast<int64_t>(layers.size()); }
 
   std::vector<std::pair<std::string, modules::LoraLinear*>> linears() override {
     std::vector<std::pair<std::string, modules::LoraLinear*>> out;

@@ -146,6 +146,7 @@ class Qwen35Tower final : public Tower {
 
   at::Tensor forward(const PixelInputs& in) const override {
     const std::vector<int64_t> segments = check(in);
+    enter(-1);
     // transformers' Conv3d with kernel = stride = one patch, as the product it is: each row of pixel_values is one
     // patch flattened as the kernel is (channel, frame, row, column). ATen's bf16 conv3d took ~100x the
     // linear's time on a 3072-patch image (2-core Xeon).
@@ -155,6 +156,7 @@ class Qwen35Tower final : public Tower {
     // bf16 rows times fp32 weights promote to fp32; summed there, then cast (transformers' order).
     const at::Tensor pos = (at::embedding(pos_embed, pi.indices.to(device)) * pi.weights.to(device).unsqueeze(-1)).sum(1);
     x = x + pos.to(dtype);
+    leave(-1, x);
     // Rotary: fp32 angles [patches, 2, head_dim / 4] -> (rows ++ cols) twice over head_dim.
     const at::Tensor freqs = at::stack({pi.rows, pi.cols}, 1).to(device).unsqueeze(-1).to(at::kFloat) * inv_freq;
     const auto table = [](const at::Tensor& f) {
@@ -162,16 +164,23 @@ class Qwen35Tower final : public Tower {
       return at::cat({hw, hw}, -1).unsqueeze(-2);  // [patches, 1, head_dim]
     };
     const at::Tensor cos = table(at::cos(freqs)), sin = table(at::sin(freqs));
-    for (const Block& b : blocks) {
+    for (int64_t i = 0; i < depth(); ++i) {
+      const Block& b = blocks[static_cast<size_t>(i)];
+      enter(i);
       x = x + attention(b, at::layer_norm(x, {hidden}, b.norm1_w, b.norm1_b, 1e-6), cos, sin, segments);
       at::Tensor h = at::layer_norm(x, {hidden}, b.norm2_w, b.norm2_b, 1e-6);
       x = x + linear(b.fc2, activate(linear(b.fc1, h, training), act), training);
+      leave(i, x);
     }
+    enter(depth());
     at::Tensor m = at::layer_norm(x, {hidden}, as_dtype(m_norm_w, dtype), as_dtype(m_norm_b, dtype), 1e-6);
     m = m.reshape({-1, hidden * merge * merge});
     m = activate(at::linear(m, as_dtype(m_fc1_w, dtype), as_dtype(m_fc1_b, dtype)), Act::kGelu);
-    return at::linear(m, as_dtype(m_fc2_w, dtype), as_dtype(m_fc2_b, dtype));
+    at::Tensor out = at::linear(m, as_dtype(m_fc2_w, dtype), as_dtype(m_fc2_b, dtype));
+    leave(depth(), out);
+    return out;
   }
+  int64_t depth() const override { return static_cast<int64_t>(blocks.size()); }
 
   std::vector<std::pair<std::string, modules::LoraLinear*>> linears() override {
     std::vector<std::pair<std::string, modules::LoraLinear*>> out;

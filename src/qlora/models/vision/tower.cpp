@@ -77,6 +77,24 @@ void train_projector(Tower& tower) {
   for (auto& [name, t] : tower.projector()) *t = t->to(at::kFloat).clone().detach().set_requires_grad(true);
 }
 
+void Tower::enter(int64_t unit) const {
+  if (hooks) hooks->before_forward(unit, false);
+}
+
+void Tower::leave(int64_t unit, const at::Tensor& out) const {
+  if (!hooks) return;
+  hooks->after_forward(unit, false);
+  if (unit >= 0) add_unit_backward_hooks(out, hooks.get(), unit, /*feeds_next=*/unit < depth());
+}
+
+void skip_forward(const Tower& tower) {
+  if (!tower.hooks) return;
+  for (int64_t u = -1; u <= tower.depth(); ++u) {
+    tower.hooks->before_forward(u, false);
+    tower.hooks->after_forward(u, false);
+  }
+}
+
 std::string Tower::checkpoint_key(const std::string& name) const {
   for (const auto& [model, ckpt] : key_prefixes)
     if (name.rfind(model, 0) == 0) return ckpt + name.substr(model.size());

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "qlora/io/checkpoint_dir.h"
+#include "qlora/models/unit_hooks.h"
 #include "qlora/modules/lora_linear.h"
 
 namespace qlora::models::vision {
@@ -65,13 +66,30 @@ class Tower {
   // The encoder linears' short names LoRA targets accept ("qkv", "proj", "linear_fc1", "linear_fc2").
   virtual std::vector<std::string> target_names() const = 0;
   bool training = false;  // enables LoRA dropout
+  // Its encoder layers: units 0..depth()-1 of `hooks`; unit -1 is what runs before them (patch
+  // embedding, positions) and unit depth() what runs after them (post-norm, the projector).
+  virtual int64_t depth() const { return 0; }
+  // The engine's calls around each unit of forward (and, through the units' outputs, of backward), as
+  // DecoderModel::hooks (engine::ShardedDecoder::add_tower sets them: it gathers the unit's weights);
+  // null: none.
+  std::shared_ptr<UnitHooks> hooks;
   // Where the checkpoint it was loaded from keeps what the model names under each prefix (model's,
   // checkpoint's): {"model.visual.", "visual."}; set by the loader from the prefixes it found.
   std::vector<std::pair<std::string, std::string>> key_prefixes;
   // The checkpoint's key of the model's tensor `name` (linears(), projector(), frozen() names, with
   // .weight / .bias); `name` itself under no known prefix. A merged export keeps the checkpoint's layout.
   std::string checkpoint_key(const std::string& name) const;
+
+ protected:
+  // forward() calls enter(u) before unit u runs and leave(u, out) after, `out` its output.
+  void enter(int64_t unit) const;
+  void leave(int64_t unit, const at::Tensor& out) const;
 };
+
+// The calls forward() makes to tower.hooks, without running it: a rank whose batch holds no image
+// runs this where the others run the tower, so the shard group's gathers pair up (a rank that
+// trains the tower then takes part in its backward's gathers too: engine::ShardedDecoder).
+void skip_forward(const Tower& tower);
 
 // Loads the tower of a checkpoint whose config.json is `config` (the multimodal one: its
 // vision_config and the keys beside it). Errors name the checkpoint, the key and what was expected.
