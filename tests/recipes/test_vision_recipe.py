@@ -43,7 +43,7 @@ import sys
 
 import torch
 
-from recipe_common import Checks, adapter, losses, recipe_args, run_recipe
+from recipe_common import Checks, adapter, losses, max_diff, recipe_args, run_recipe
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "conformance"))
@@ -330,9 +330,7 @@ def check_dpo(check, a, model, base, data):
         later = losses(trained)[len(DPO_PAIRS):]
         check(tower_b and all(abs(ad[k]).max() > 0 for k in tower_b) and all(abs(x - math.log(2)) > 1e-6 for x in later),
               f"the tower's adapters train with DPO ({len(tower_b)} lora_B moved; second epoch's losses {[round(x, 4) for x in later]})")
-    r = run_recipe(a.qlora, out + "_projector", *dpo, "lora.train_projector=true", recipe="lora_dpo", expect_rc=1)
-    check(r.returncode == 1 and "lora.train_projector: `qlora run lora_dpo`" in r.stderr,
-          "lora.train_projector is refused by lora_dpo (its reference is the base with the adapters off)")
+    check_dpo_projector(check, a, model, base, pairs, dpo)
 
     bad = os.path.join(d, "dpo_missing.jsonl")
     write_dpo_data(d, bad, image_of=lambda i, img: "missing.png")
@@ -344,6 +342,54 @@ def check_dpo(check, a, model, base, data):
     check(r.returncode == 1 and f"{bad}: line 1" in r.stderr and "lists 2 images, the messages show 1" in r.stderr,
           f"an image count that does not match the placeholders is refused naming the record: "
           f"{r.stderr.strip().splitlines()[-1][:200]!r}")
+
+
+def check_dpo_projector(check, a, model, base, pairs, dpo):
+    """lora_dpo with the tower trained (lora.vision_targets, lora.train_projector): the policy has the trained
+    merger, the reference the original one, as peft's ModulesToSaveWrapper with the adapters disabled (TRL's
+    reference for a peft model). The first epoch's adapter, loaded by peft onto the NF4-dequantized base, is the
+    policy of the second epoch's first step (pair 0): its chosen / rejected log-probs are peft's, its loss TRL's
+    sigmoid loss with the reference under disable_adapter(); 2 ranks give one process's losses and adapter."""
+    import copy
+    from peft import PeftModel
+    from recipe_common import step_rows
+    out = os.path.join(a.workdir, "dpo_projector")
+    run = [*dpo, *TRAIN_TOWER, "training.epochs=2", "optim.lr=1e-2", "lora.dropout=0"]
+    r = run_recipe(a.qlora, out, *run, recipe="lora_dpo")
+    if not check(r.returncode == 0 and "the projector trained" in r.stdout, "lora_dpo with lora.train_projector runs"):
+        return
+    peft = PeftModel.from_pretrained(copy.deepcopy(model), os.path.join(out, "epoch_0", "adapter")).eval()
+    pc, pr = dpo_reference(peft, a.image_data_tool, base, pairs, a.workdir)[0][0]
+    with peft.disable_adapter():
+        rc, rr = dpo_reference(peft, a.image_data_tool, base, pairs, a.workdir)[0][0]
+    # What a reference keeping the trained merger would give: the base with the adapter's merger.
+    kept = copy.deepcopy(model)
+    with torch.no_grad():
+        for k, v in adapter(out).items():
+            if ".visual.merger." in k:
+                kept.get_parameter(k[len("base_model.model."):]).copy_(torch.from_numpy(v))
+    kc, kr = dpo_reference(kept, a.image_data_tool, base, pairs, a.workdir)[0][0]
+    sig = lambda c, r_: -torch.nn.functional.logsigmoid(torch.tensor(0.1 * ((pc - c) - (pr - r_)))).item()  # noqa: E731
+    row = step_rows(out)[len(DPO_PAIRS)]
+    worst = max(abs(row["logps/chosen"] - pc), abs(row["logps/rejected"] - pr)) / max(1.0, abs(pc), abs(pr))
+    # The loss moves by at most beta / 2 times the four log-probs' error (each within LOSS_RTOL, relative).
+    loss_tol = 0.1 / 2 * 4 * LOSS_RTOL * max(1.0, abs(pc), abs(pr), abs(rc), abs(rr))
+    check(worst <= LOSS_RTOL and abs(row["loss"] - sig(rc, rr)) <= loss_tol and abs(sig(kc, kr) - sig(rc, rr)) > 10 * loss_tol,
+          f"after an epoch with the merger trained, pair 0's log-probs are peft's ({row['logps/chosen']:.6f}, "
+          f"{row['logps/rejected']:.6f} vs {pc:.6f}, {pr:.6f}: rel {worst:.1e} <= {LOSS_RTOL}) and the loss TRL's with the "
+          f"reference under disable_adapter() (the original merger): {row['loss']:.8f} vs {sig(rc, rr):.8f} (|diff| "
+          f"{abs(row['loss'] - sig(rc, rr)):.1e} <= {loss_tol:.1e}; the trained merger as reference: {sig(kc, kr):.8f})")
+    one, two = out + "_one", out + "_two"
+    r1 = run_recipe(a.qlora, one, *run, "training.grad_accum=2", recipe="lora_dpo")
+    r2 = run_recipe(a.qlora, two, *run, nproc=2, recipe="lora_dpo")
+    if check(r1.returncode == 0 and r2.returncode == 0, "lora_dpo with the projector trained on 1 and 2 ranks"):
+        dl = max_diff(losses(two), losses(one))
+        diff = {k: float(abs(adapter(two, 1)[k] - adapter(one, 1)[k]).max()) for k in adapter(one, 1)}
+        da = max(d for k, d in diff.items() if not tower_a(k))
+        dta = max(d for k, d in diff.items() if tower_a(k))
+        check(len(losses(one)) == 2 and dl < RANKS_TOL and da < RANKS_TOL and dta < TOWER_A_TOL,
+              f"2 ranks give one process's DPO losses and adapter, merger included ({dl:.1e}, {da:.1e}; the tower's "
+              f"lora_A {dta:.1e})")
 
 
 GRPO_TOKENS = 8  # as check_generate's
@@ -395,16 +441,23 @@ def check_grpo(check, a, export, data, want):
     check(len(greedy) == 2 and greedy[0] == want and greedy[1] != want,
           f"lora_grpo's greedy completion after 0.png is transformers' generate on the export ({greedy[0]!r} vs "
           f"{want!r}); after {other} (another colour) it differs ({greedy[1]!r})")
-    # Two epochs of 2 steps, each rollout feeding 2 (its old log-probs and images saved with the checkpoint of step 3).
-    trained = [*grpo, "optim.lr=1e-2", "training.epochs=2", "grpo.num_iterations=2"]
+    # Two epochs of 2 steps, each rollout feeding 2 (its old log-probs and images saved with the checkpoint of step 3);
+    # the tower trained too (its adapters and the merger: the rollouts' and the loss's tower is the current one).
+    trained = [*grpo, *TRAIN_TOWER, "optim.lr=1e-2", "training.epochs=2", "grpo.num_iterations=2"]
     r = run_recipe(a.qlora, out + "_lr", *trained, recipe="lora_grpo")
-    if not check(r.returncode == 0, "lora_grpo with a learning rate runs"):
+    if not check(r.returncode == 0 and "the projector trained" in r.stdout, "lora_grpo with a learning rate and the tower trained runs"):
         return
     ad = adapter(out + "_lr", 1)
     moved = max(float(abs(v).max()) for k, v in ad.items() if k.endswith(".lora_B.weight"))
-    check(all(math.isfinite(x) for x in losses(out + "_lr")) and moved > 1e-4,
+    tower_b = [k for k in ad if ".visual.blocks." in k and k.endswith(".lora_B.weight")]
+    from recipe_common import safetensors_of
+    start = safetensors_of(export)
+    merger = max(float(abs(torch.from_numpy(v) - next(start[o] for o in start if o.endswith("visual." + k.split(".visual.", 1)[1]))).max())
+                 for k, v in ad.items() if ".visual.merger." in k)
+    check(all(math.isfinite(x) for x in losses(out + "_lr")) and moved > 1e-4 and tower_b and
+          all(abs(ad[k]).max() > 0 for k in tower_b) and merger > 0,
           f"the policy trains on the image prompts (finite losses {[round(x, 5) for x in losses(out + '_lr')]}, "
-          f"lora_B moved {moved:.1e})")
+          f"lora_B moved {moved:.1e}; the loss reaches the tower: {len(tower_b)} tower lora_B moved, the merger by {merger:.1e})")
     killed = out + "_killed"
     run_recipe(a.qlora_faults, killed, *trained, recipe="lora_grpo", fault="kill_after_step=4", expect_rc=-9)
     r = run_recipe(a.qlora, killed, *trained, "checkpoint.resume=true", recipe="lora_grpo")
