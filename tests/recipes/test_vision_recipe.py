@@ -25,11 +25,15 @@ Checks:
 8. `qlora run lora_dpo` on image preference pairs (TRL's vision forms: a record-level "images" with {"type": "image"}
    parts or "<image>", and parts with their sources): each pair's chosen / rejected log-probs are transformers' on
    our ids with its processor's pixels (rel 1e-6), the prompt ids TRL's DataCollatorForVisionPreference's, the
-   loss TRL's sigmoid formula; lora.vision_targets trains the tower's adapters; lora.train_projector, a missing
-   image and an image count that does not match are refused naming the key / file and record;
+   loss TRL's sigmoid formula; lora.vision_targets trains the tower's adapters; with lora.train_projector too,
+   a step after an epoch gives peft's log-probs (the epoch's adapter on the base) and TRL's loss with the
+   reference under peft's disable_adapter() (the original merger), and 2 ranks one process's; a missing image
+   and an image count that does not match are refused naming the file and record;
 9. `qlora run lora_grpo` on prompts with images, from the trained export: its greedy completion is
-   transformers' generate of 6 (another colour's image gives another), the policy trains, and a run killed
-   inside a rollout resumes bit for bit.
+   transformers' generate of 6 (another colour's image gives another); the policy trains with the tower
+   (lora.vision_targets, lora.train_projector: the tower's lora_B and the merger move), a saved rollout's
+   reference log-probs are transformers' on the export (the merger as loaded) and its old policy's peft's with
+   the previous epoch's adapter, and a run killed inside a rollout resumes bit for bit.
 
     python tests/recipes/test_vision_recipe.py --qlora build/qlora --qlora-faults build/qlora_faults
         --image-data-tool build/image_data_tool --workdir build/recipe_vision
@@ -393,6 +397,10 @@ def check_dpo_projector(check, a, model, base, pairs, dpo):
 
 
 GRPO_TOKENS = 8  # as check_generate's
+# Per-token log-probs, fp32 on both sides with the same weights: our kernels against transformers' (DeltaNet's
+# chunked form against its reference recurrence) move this model's logits by up to ~2e-4 (check_generate's peft
+# check: 1.8e-4), a log-prob by up to about twice that (9e-5 seen); the trained merger in the reference moves them by ~0.4.
+GRPO_LOGP_TOL = 5e-4
 
 
 def write_prompts(path, images, split):
@@ -443,7 +451,7 @@ def check_grpo(check, a, export, data, want):
           f"{want!r}); after {other} (another colour) it differs ({greedy[1]!r})")
     # Two epochs of 2 steps, each rollout feeding 2 (its old log-probs and images saved with the checkpoint of step 3);
     # the tower trained too (its adapters and the merger: the rollouts' and the loss's tower is the current one).
-    trained = [*grpo, *TRAIN_TOWER, "optim.lr=1e-2", "training.epochs=2", "grpo.num_iterations=2"]
+    trained = [*grpo, *TRAIN_TOWER, "optim.lr=1e-2", "training.epochs=2", "grpo.num_iterations=2", "lora.dropout=0"]
     r = run_recipe(a.qlora, out + "_lr", *trained, recipe="lora_grpo")
     if not check(r.returncode == 0 and "the projector trained" in r.stdout, "lora_grpo with a learning rate and the tower trained runs"):
         return
@@ -458,6 +466,7 @@ def check_grpo(check, a, export, data, want):
           all(abs(ad[k]).max() > 0 for k in tower_b) and merger > 0,
           f"the policy trains on the image prompts (finite losses {[round(x, 5) for x in losses(out + '_lr')]}, "
           f"lora_B moved {moved:.1e}; the loss reaches the tower: {len(tower_b)} tower lora_B moved, the merger by {merger:.1e})")
+    check_grpo_logps(check, a, export, out + "_lr", os.path.join(d, images[0]))
     killed = out + "_killed"
     run_recipe(a.qlora_faults, killed, *trained, recipe="lora_grpo", fault="kill_after_step=4", expect_rc=-9)
     r = run_recipe(a.qlora, killed, *trained, "checkpoint.resume=true", recipe="lora_grpo")
@@ -465,6 +474,49 @@ def check_grpo(check, a, export, data, want):
         all((adapter(killed, 1)[k] == ad[k]).all() for k in ad)
     check(same, "killed after step 4 and resumed from step 3, inside a rollout (its prompts' images found again): the "
                 "losses and the adapter bit for bit the uninterrupted run's")
+
+
+def rollout_logps(model, state, image, base):
+    """transformers' per-token log-probs [completions, tokens] of the completions a GRPO checkpoint saved for reuse
+    (state: its rank file's tensors; every prompt of the step `image`'s), the pixels from transformers' processor."""
+    from PIL import Image
+    from transformers import AutoImageProcessor
+    px = AutoImageProcessor.from_pretrained(base)([Image.open(image).convert("RGB")], return_tensors="pt")
+    ids, lengths, out, at = state["grpo.0.ids"], state["grpo.0.lengths"].view(-1, 3), [], 0
+    for n_prompt, n_completion, _ in lengths.tolist():
+        tokens = ids[at:at + n_prompt + n_completion][None]
+        at += n_prompt + n_completion
+        with torch.no_grad():
+            logits = model(input_ids=tokens, pixel_values=px["pixel_values"], image_grid_thw=px["image_grid_thw"],
+                           mm_token_type_ids=(tokens == model.config.image_token_id).long()).logits[0].double()
+        logp = torch.log_softmax(logits[n_prompt - 1:-1], -1).gather(1, tokens[0, n_prompt:, None])[:, 0]
+        out.append(torch.nn.functional.pad(logp, (0, state["grpo.0.ref_logps"].shape[1] - n_completion)))
+    return torch.stack(out)
+
+
+def check_grpo_logps(check, a, export, run, image):
+    """The rollout of step 3 (the second epoch's first; saved with its checkpoint for step 4): its reference
+    log-probs are transformers' on the export (the base: adapters off, the merger as loaded, as peft's
+    disable_adapter() gives), its old policy's are peft's with the first epoch's adapter (the tower's adapters
+    and the trained merger) on the export."""
+    import copy
+    from peft import PeftModel
+    from safetensors.torch import load_file as load_torch
+    state = load_torch(os.path.join(run, "checkpoints", "step_00000003", "rank_00000.safetensors"))
+    model = F.Qwen3_5ForConditionalGeneration.from_pretrained(export, dtype=torch.float32).eval()
+    peft = PeftModel.from_pretrained(copy.deepcopy(model), os.path.join(run, "epoch_0", "adapter")).eval()
+    ref, old = state["grpo.0.ref_logps"].double(), state["grpo.0.old_logps"].double()
+    want_ref, want_old = rollout_logps(model, state, image, export), rollout_logps(peft, state, image, export)
+    with torch.no_grad():  # what a reference keeping the trained merger would give
+        for k, v in adapter(run).items():
+            if ".visual.merger." in k:
+                model.get_parameter(k[len("base_model.model."):]).copy_(torch.from_numpy(v))
+    kept = rollout_logps(model, state, image, export)
+    dr, do, dk = (ref - want_ref).abs().max().item(), (old - want_old).abs().max().item(), (kept - want_ref).abs().max().item()
+    check(dr <= GRPO_LOGP_TOL and do <= GRPO_LOGP_TOL and dk > 10 * GRPO_LOGP_TOL,
+          f"step 3's rollout: the reference's per-token log-probs are transformers' on the export (the merger as loaded: "
+          f"max|diff| {dr:.1e}; the trained merger would give {dk:.1e}), the old policy's peft's with epoch 0's adapter "
+          f"({do:.1e}) <= {GRPO_LOGP_TOL}")
 
 
 def check_refusals(check, a, base, data):
