@@ -249,8 +249,9 @@ def write_dpo_data(d, path, image_of=lambda i, img: img, images_of=lambda i, img
     return path
 
 
-def dpo_reference(model, tool, base, pairs, work):
-    """transformers' summed log-probs of each pair's chosen and rejected response, [(chosen, rejected), ...]: the ids
+def dpo_reference(model, tool, base, pairs, work, first=len(DPO_PAIRS)):
+    """transformers' summed log-probs of each of the `first` pairs' chosen and rejected response, [(chosen, rejected), ...]
+    (`model` a list of models: a list of those, one per model, the first giving the image token's id): the ids
     and labels as lora_dpo reads the pairs (image_data_tool), the pixels from transformers' processor through
     Qwen3_5ForConditionalGeneration; and per pair whether our prompt's ids are TRL 1.16's DataCollatorForVisionPreference's
     (the processor's chat template and image expansion) up to where the template's assistant span starts."""
@@ -268,8 +269,10 @@ def dpo_reference(model, tool, base, pairs, work):
                             tokenizer=AutoTokenizer.from_pretrained(base), video_processor=Qwen3VLVideoProcessor(),
                             chat_template=open(os.path.join(DATA, "chat_templates", "Qwen3.5-9B.jinja")).read())
     collate = DataCollatorForVisionPreference(processor=proc)
-    logps, prompts_agree = [], []
-    for i, (img, chosen, rejected) in enumerate(DPO_PAIRS):
+    models = model if isinstance(model, list) else [model]
+    image_token = models[0].config.image_token_id
+    logps, prompts_agree = [[] for _ in models], []
+    for i, (img, chosen, rejected) in enumerate(DPO_PAIRS[:first]):
         image = Image.open(os.path.join(os.path.dirname(pairs), img)).convert("RGB")
         trl = collate([{"images": [image], "prompt": [{"role": "user", "content": [{"type": "image"},
                                                                                    {"type": "text", "text": QUESTION}]}],
@@ -277,19 +280,29 @@ def dpo_reference(model, tool, base, pairs, work):
                         "rejected": [{"role": "assistant", "content": rejected}]}])
         trl_prompt = trl["input_ids"][0][:int(trl["completion_mask"][0].argmax())].tolist()
         px = proc.image_processor([image], return_tensors="pt")
-        pair = []
+        pairs_of = [[] for _ in models]
         for s in samples[2 * i:2 * i + 2]:
             ours = s["tokens"][:next(k for k, x in enumerate(s["labels"]) if x != -100)]
             prompts_agree.append(trl_prompt[:len(ours)] == ours and len(ours) >= len(trl_prompt) - 2)
             tokens = torch.tensor([s["tokens"]])
-            with torch.no_grad():
-                logits = model(input_ids=tokens, pixel_values=px["pixel_values"], image_grid_thw=px["image_grid_thw"],
-                               mm_token_type_ids=(tokens == model.config.image_token_id).long()).logits[0, :-1].double()
             labels = torch.tensor(s["labels"][1:])
             keep = labels != -100
-            pair.append(torch.log_softmax(logits[keep], -1).gather(1, labels[keep][:, None]).sum().item())
-        logps.append(pair)
-    return logps, prompts_agree
+            for m, pair in zip(models, pairs_of):
+                with torch.no_grad():
+                    logits = m(input_ids=tokens, pixel_values=px["pixel_values"], image_grid_thw=px["image_grid_thw"],
+                               mm_token_type_ids=(tokens == image_token).long()).logits[0, :-1].double()
+                pair.append(torch.log_softmax(logits[keep], -1).gather(1, labels[keep][:, None]).sum().item())
+        for got, pair in zip(logps, pairs_of):
+            got.append(pair)
+    return (logps if isinstance(model, list) else logps[0]), prompts_agree
+
+
+def adapters_off(peft):
+    """peft's model called with its adapters disabled (the reference TRL takes for a peft model)."""
+    def call(**inputs):
+        with peft.disable_adapter():
+            return peft(**inputs)
+    return call
 
 
 def check_dpo(check, a, model, base, data):
@@ -363,16 +376,14 @@ def check_dpo_projector(check, a, model, base, pairs, dpo):
     if not check(r.returncode == 0 and "the projector trained" in r.stdout, "lora_dpo with lora.train_projector runs"):
         return
     peft = PeftModel.from_pretrained(copy.deepcopy(model), os.path.join(out, "epoch_0", "adapter")).eval()
-    pc, pr = dpo_reference(peft, a.image_data_tool, base, pairs, a.workdir)[0][0]
-    with peft.disable_adapter():
-        rc, rr = dpo_reference(peft, a.image_data_tool, base, pairs, a.workdir)[0][0]
     # What a reference keeping the trained merger would give: the base with the adapter's merger.
     kept = copy.deepcopy(model)
     with torch.no_grad():
         for k, v in adapter(out).items():
             if ".visual.merger." in k:
                 kept.get_parameter(k[len("base_model.model."):]).copy_(torch.from_numpy(v))
-    kc, kr = dpo_reference(kept, a.image_data_tool, base, pairs, a.workdir)[0][0]
+    policy, ref, wrong = dpo_reference([peft, adapters_off(peft), kept], a.image_data_tool, base, pairs, a.workdir, 1)[0]
+    (pc, pr), (rc, rr), (kc, kr) = policy[0], ref[0], wrong[0]
     sig = lambda c, r_: -torch.nn.functional.logsigmoid(torch.tensor(0.1 * ((pc - c) - (pr - r_)))).item()  # noqa: E731
     row = step_rows(out)[len(DPO_PAIRS)]
     worst = max(abs(row["logps/chosen"] - pc), abs(row["logps/rejected"] - pr)) / max(1.0, abs(pc), abs(pr))
@@ -482,14 +493,20 @@ def rollout_logps(model, state, image, base):
     from PIL import Image
     from transformers import AutoImageProcessor
     px = AutoImageProcessor.from_pretrained(base)([Image.open(image).convert("RGB")], return_tensors="pt")
-    ids, lengths, out, at = state["grpo.0.ids"], state["grpo.0.lengths"].view(-1, 3), [], 0
-    for n_prompt, n_completion, _ in lengths.tolist():
-        tokens = ids[at:at + n_prompt + n_completion][None]
+    ids, lengths, rows, at = state["grpo.0.ids"], state["grpo.0.lengths"].view(-1, 3).tolist(), [], 0
+    for n_prompt, n_completion, _ in lengths:
+        rows.append(ids[at:at + n_prompt + n_completion])
         at += n_prompt + n_completion
-        with torch.no_grad():
-            logits = model(input_ids=tokens, pixel_values=px["pixel_values"], image_grid_thw=px["image_grid_thw"],
-                           mm_token_type_ids=(tokens == model.config.image_token_id).long()).logits[0].double()
-        logp = torch.log_softmax(logits[n_prompt - 1:-1], -1).gather(1, tokens[0, n_prompt:, None])[:, 0]
+    # One batch, right-padded (causal: the padding changes no earlier position's logits).
+    tokens = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
+    n = len(rows)
+    with torch.no_grad():
+        logits = model(input_ids=tokens, pixel_values=px["pixel_values"].repeat(n, 1), image_grid_thw=px["image_grid_thw"].repeat(n, 1),
+                       mm_token_type_ids=(tokens == model.config.image_token_id).long()).logits.double()
+    out = []
+    for row, (n_prompt, n_completion, _) in zip(range(n), lengths):
+        logp = torch.log_softmax(logits[row, n_prompt - 1:n_prompt - 1 + n_completion], -1)
+        logp = logp.gather(1, tokens[row, n_prompt:n_prompt + n_completion, None])[:, 0]
         out.append(torch.nn.functional.pad(logp, (0, state["grpo.0.ref_logps"].shape[1] - n_completion)))
     return torch.stack(out)
 
