@@ -1,6 +1,7 @@
 // RoPE (ops/rope_ops.h, kernels/rope_cpu.cpp) against transformers' expression in float64,
 // x * cos + rotate_half(x) * sin, and its autograd gradient: x as the transposed [B, S, H, d]
-// projection output, shared and per-row tables, both output layouts, and the ATen fallback.
+// projection output, shared and per-row tables, both output layouts, and the ATen fallback; the vision
+// towers' rotary in fp32 (rope_in_fp32) bit for bit against transformers' fp32 expression.
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
