@@ -33,6 +33,12 @@ Checks:
 9. `qlora run lora_grpo` on prompts with images, from the trained export: its greedy completion is
    transformers' generate of 6 (another colour's image gives another), the policy trains, and a run killed
    inside a rollout resumes bit for bit.
+10. Gemma 3 and Gemma 4 (test_vision_language's tiny models and processors, Gemma 4's linears clamped): 2 steps
+   with LoRA on every encoder linear the family accepts and the projector trained (multi_modal_projector,
+   embed_vision); the merged export holds them (as 1b; Gemma 4's clamp bounds kept), loads in transformers
+   whole and is peft's merge_and_unload bit for bit; peft loads the adapter (the tower's linears wrapped, Gemma
+   4's inner .linear; the projector as modules_to_save; exactly the adapter's tensors) with the export's logits
+   on an image prompt (fp64, as 7's tolerance).
 
     python tests/recipes/test_vision_recipe.py --qlora build/qlora --qlora-faults build/qlora_faults
         --image-data-tool build/image_data_tool --workdir build/recipe_vision
