@@ -14,8 +14,8 @@ namespace {
 
 using simd::Vec;
 
-template <int N, class T>
-QLORA_INLINE void rope_row(int64_t half, const T* t, const T* c, const T* s, float sign, T* out) {
+template <int N, class T, class C>
+QLORA_INLINE void rope_row(int64_t half, const T* t, const C* c, const C* s, float sign, T* out) {
   using V = Vec<N>;
   V::for_vectors(half, [&](int64_t i, int64_t w) QLORA_LAMBDA_INLINE {
     const typename V::F t1 = V::load_n(t + i, w, 0.0f), t2 = V::load_n(t + half + i, w, 0.0f);
@@ -25,8 +25,8 @@ QLORA_INLINE void rope_row(int64_t half, const T* t, const T* c, const T* s, flo
   });
 }
 
-template <class T>
-void rope(int64_t B, int64_t H, int64_t S, int64_t d, const T* x, Strides4 xs, const T* cos, const T* sin, int64_t tsb,
+template <class T, class C>
+void rope(int64_t B, int64_t H, int64_t S, int64_t d, const T* x, Strides4 xs, const C* cos, const C* sin, int64_t tsb,
           float sign, T* out, Strides4 os) {
   const int64_t rows = B * H * S, grain = std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(1, d));
   at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
@@ -49,6 +49,10 @@ void rope_cpu(int64_t B, int64_t H, int64_t S, int64_t d, const float* x, Stride
 }
 void rope_cpu(int64_t B, int64_t H, int64_t S, int64_t d, const uint16_t* x, Strides4 xs, const uint16_t* cos,
               const uint16_t* sin, int64_t tsb, float sign, uint16_t* out, Strides4 os) {
+  rope(B, H, S, d, x, xs, cos, sin, tsb, sign, out, os);
+}
+void rope_cpu(int64_t B, int64_t H, int64_t S, int64_t d, const uint16_t* x, Strides4 xs, const float* cos,
+              const float* sin, int64_t tsb, float sign, uint16_t* out, Strides4 os) {
   rope(B, H, S, d, x, xs, cos, sin, tsb, sign, out, os);
 }
 

@@ -3,7 +3,8 @@
 // resume, the step loop with its guard, checkpoints, exports) is in session.h; this file keeps
 // what is its own:
 //   setup  : preference pairs (data.format = "preference"; prompts may hold images, which both
-//            sequences carry through the vision tower, frozen or with lora.vision_targets), the validation split; with
+//            sequences carry through the vision tower, frozen or with lora.vision_targets / lora.train_projector:
+//            the reference has the tower's adapters off and the projector as loaded), the validation split; with
 //            dpo.precompute_reference, every pair's reference log-probabilities once, kept in
 //            OUTPUT_DIR/dpo_reference.safetensors for a resumed run
 //   train  : one optimizer step = grad_accum micro-batches of pairs; per micro-batch the chosen and

@@ -3,7 +3,9 @@
 // ranks. What every recipe shares (model, optimizer, resume, the step loop with its guard,
 // checkpoints, exports) is in session.h; this file keeps what is its own:
 //   setup   : prompt records (data.format = "prompt", data/prompts.h; a conversation's images go
-//             through the frozen vision tower, in the rollouts' prefill and the loss's log-probs), the
+//             through the vision tower, frozen or trained (lora.vision_targets, lora.train_projector), in the
+//             rollouts' prefill (the current tower) and the loss's log-probs (its gradient reaching the
+//             tower), the reference's with the tower's adapters off and the projector as loaded), the
 //             validation split, the rewards (train/rewards.h), each record checked against what its rewards read
 //   rollout : every grpo.num_iterations optimizer steps, the step's prompts (grad_accum global
 //             batches of batch_size x ranks) each get num_generations completions, sampled as one

@@ -213,13 +213,6 @@ std::string vision_key(const RecipeConfig& cfg) {
 }  // namespace
 
 Model setup_model(const Session& s, const TextSetup& text, const std::vector<int64_t>& data_token_ids) {
-  if (trains_vision_tower(s.cfg) && s.recipe == "lora_dpo" && s.cfg.lora.train_projector)
-    throw std::invalid_argument("lora.train_projector: `qlora run lora_dpo`'s reference policy is the base with the adapters "
-                                "off, which a projector trained in full would change too (lora.vision_targets trains the "
-                                "tower with DPO)");
-  if (trains_vision_tower(s.cfg) && s.recipe != "lora_finetune" && s.recipe != "lora_dpo")
-    throw std::invalid_argument(vision_key(s.cfg) + ": `qlora run " + s.recipe +
-                                "` keeps the vision tower frozen (lora_finetune and lora_dpo train it)");
   // While embed_tokens and lm_head are whole: every rank has the whole data set's ids, so all do the same.
   Model m = build_model(s, {}, [&](models::DecoderModel& d) {
     train::apply_untrained_tokens_policy(d, data_token_ids, text.tokenizer, s.cfg.model.untrained_tokens, s.lead);

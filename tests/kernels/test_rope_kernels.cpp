@@ -1,10 +1,13 @@
 // RoPE (ops/rope_ops.h, kernels/rope_cpu.cpp) against transformers' expression in float64,
 // x * cos + rotate_half(x) * sin, and its autograd gradient: x as the transposed [B, S, H, d]
-// projection output, shared and per-row tables, both output layouts, and the ATen fallback.
+// projection output, shared and per-row tables, both output layouts, and the ATen fallback; the vision
+// towers' rotary in fp32 (rope_in_fp32) bit for bit against transformers' fp32 expression.
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
 #include <torch/csrc/autograd/autograd.h>
+
+#include <cmath>
 
 #include "qlora/ops/rope_ops.h"
 
@@ -64,9 +67,34 @@ TEST(Rope, MixedDtypesTakeAtensOps) {
   EXPECT_TRUE(at::equal(ops::rope(x, c, s, -1.0, false), want));
 }
 
+// The vision towers' rotary: bf16 x rotated in fp32 with fp32 tables, cast back once. The same bits
+// as transformers' fp32 expression, within a bf16 rounding of float64, in both output layouts; fp32
+// x and a CUDA-less fallback (fp64 x) give the expression's values too.
+TEST(Rope, InFp32MatchesTransformersVisionRotary) {
+  const int64_t S = 9, H = 3, d = 72;  // d / 2 = 36: whole vectors and a tail
+  auto [cos, sin] = tables(1, S, d, 6);
+  const at::Tensor c = cos[0], s = sin[0];
+  const at::Tensor x = rnd({1, S, H, d}, 7).mul(4.0).to(at::kBFloat16).transpose(1, 2);  // [1, H, S, d], strided
+  const at::Tensor xf = x.to(at::kFloat);
+  const at::Tensor want = (xf * c + rotate_half(xf) * s).to(at::kBFloat16);
+  const at::Tensor want64 = x.to(at::kDouble) * c.to(at::kDouble) + rotate_half(x.to(at::kDouble)) * s.to(at::kDouble);
+  for (bool heads_inner : {false, true}) {
+    const at::Tensor out = ops::rope_in_fp32(x, c, s, heads_inner);
+    EXPECT_EQ(out.scalar_type(), at::kBFloat16);
+    EXPECT_TRUE(at::equal(out, want)) << "heads_inner " << heads_inner;
+    EXPECT_TRUE((heads_inner ? out.transpose(1, 2) : out).is_contiguous());
+    const at::Tensor err = (out.to(at::kDouble) - want64).abs(), ulp = want64.abs() * std::ldexp(1.0, -8) + 1e-30;
+    EXPECT_TRUE(at::le(err, ulp).all().item<bool>()) << "beyond a bf16 rounding of float64";
+  }
+  EXPECT_TRUE(at::equal(ops::rope_in_fp32(xf, c, s, true), xf * c + rotate_half(xf) * s));
+  expect_close(ops::rope_in_fp32(x.to(at::kDouble), c, s, false), want64, "fallback");
+}
+
 TEST(Rope, BadShapesAreRejected) {
   EXPECT_THROW(ops::rope(at::ones({2, 3, 5}), at::ones({3, 5}), at::ones({3, 5}), -1.0, false), std::invalid_argument);
   EXPECT_THROW(ops::rope(at::ones({1, 2, 3, 5}), at::ones({3, 5}), at::ones({3, 5}), -1.0, false),
+               std::invalid_argument);
+  EXPECT_THROW(ops::rope_in_fp32(at::ones({2, 3, 6}), at::ones({3, 6}), at::ones({3, 6}), false),
                std::invalid_argument);
 }
 

@@ -5,7 +5,10 @@
 #include <gtest/gtest.h>
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/core/grad_mode.h>
+#include <ATen/ops/allclose.h>
 #include <ATen/ops/arange.h>
+#include <ATen/ops/equal.h>
 #include <ATen/ops/ones.h>
 #include <ATen/ops/randn.h>
 #include <ATen/ops/tensor.h>
@@ -147,7 +150,8 @@ TEST(VisionTower, TinyGemma3ShapesLoraAndGradients) {
   PixelInputs in;
   in.pixel_values = at::randn({2, 3, 8, 8});
   EXPECT_EQ(tower->tokens_per_image(in), (std::vector<int64_t>{1, 1}));
-  EXPECT_EQ(tower->forward(in).sizes().vec(), (std::vector<int64_t>{2, 6}));
+  const at::Tensor loaded = tower->forward(in);
+  EXPECT_EQ(loaded.sizes().vec(), (std::vector<int64_t>{2, 6}));
 
   at::Generator gen = at::detail::createCPUGenerator(0);
   EXPECT_THROW(add_tower_lora(*tower, {"qkv"}, 2, 4.0, false, 0.0, gen), std::invalid_argument);
@@ -163,6 +167,17 @@ TEST(VisionTower, TinyGemma3ShapesLoraAndGradients) {
     // B starts at 0, so A's gradient is 0 too; every other tensor's is not.
     if (name.find("lora_A") == std::string::npos) EXPECT_GT(t.grad().abs().max().item<float>(), 0.0f) << name;
   }
+  // A reference policy's view (OriginalProjector): the projector as loaded while it lives, the trained copies after.
+  at::NoGradGuard no_grad;
+  for (auto& [name, t] : tower->projector()) t->add_(0.25);  // as an update would (lora_B is still 0)
+  const at::Tensor moved = tower->forward(in);
+  EXPECT_FALSE(at::allclose(moved, loaded));
+  {
+    OriginalProjector original(tower.get());
+    EXPECT_TRUE(at::equal(tower->forward(in), loaded));
+  }
+  EXPECT_TRUE(at::equal(tower->forward(in), moved));
+  EXPECT_TRUE(tower->projector()[0].second->is_same(trainable[4].second));
 
   in.pixel_values = at::randn({2, 3, 8, 12});
   EXPECT_THROW(tower->forward(in), std::invalid_argument);

@@ -28,17 +28,17 @@ Checks:
 8. `qlora run lora_dpo` on image preference pairs (TRL's vision forms: a record-level "images" with {"type": "image"}
    parts or "<image>", and parts with their sources): each pair's chosen / rejected log-probs are transformers' on
    our ids with its processor's pixels (rel 1e-6), the prompt ids TRL's DataCollatorForVisionPreference's, the
-   loss TRL's sigmoid formula; lora.vision_targets trains the tower's adapters; lora.train_projector, a missing
-   image and an image count that does not match are refused naming the key / file and record;
+   loss TRL's sigmoid formula; lora.vision_targets trains the tower's adapters; with lora.train_projector too,
+   a step after an epoch gives peft's log-probs (the epoch's adapter on the base) and TRL's loss with the
+   reference under peft's disable_adapter() (the original merger), and 2 ranks one process's; a missing image
+   and an image count that does not match are refused naming the file and record;
 9. `qlora run lora_grpo` on prompts with images, from the trained export: its greedy completion is
-   transformers' generate of 6 (another colour's image gives another), the policy trains, and a run killed
-   inside a rollout resumes bit for bit.
-10. Gemma 3 and Gemma 4 (test_vision_language's tiny models and processors, Gemma 4's linears clamped): 2 steps
-   with LoRA on every encoder linear the family accepts and the projector trained (multi_modal_projector,
-   embed_vision); the merged export holds them (as 1b; Gemma 4's clamp bounds kept), loads in transformers
-   whole and is peft's merge_and_unload bit for bit; peft loads the adapter (the tower's linears wrapped, Gemma
-   4's inner .linear; the projector as modules_to_save; exactly the adapter's tensors) with the export's logits
-   on an image prompt (fp64, as 7's tolerance).
+   transformers' generate of 6 (another colour's image gives another); the policy trains with the tower
+   (lora.vision_targets, lora.train_projector: the tower's lora_B and the merger move), a saved rollout's
+   reference log-probs are transformers' on the export (the merger as loaded) and its old policy's peft's with
+   the previous epoch's adapter, and a run killed inside a rollout resumes bit for bit.
+10. Gemma 3 / Gemma 4, 2 steps with every tower linear adapted and the projector trained (check_gemma): the
+   export holds them (as 1b) and is peft's merge_and_unload; peft loads the adapter with its logits (as 7).
 
     python tests/recipes/test_vision_recipe.py --qlora build/qlora --qlora-faults build/qlora_faults
         --image-data-tool build/image_data_tool --workdir build/recipe_vision
@@ -53,7 +53,7 @@ import sys
 
 import torch
 
-from recipe_common import Checks, adapter, losses, recipe_args, run_recipe, safetensors_of
+from recipe_common import Checks, adapter, losses, max_diff, recipe_args, run_recipe, safetensors_of
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "conformance"))
@@ -403,8 +403,9 @@ def write_dpo_data(d, path, image_of=lambda i, img: img, images_of=lambda i, img
     return path
 
 
-def dpo_reference(model, tool, base, pairs, work):
-    """transformers' summed log-probs of each pair's chosen and rejected response, [(chosen, rejected), ...]: the ids
+def dpo_reference(model, tool, base, pairs, work, first=len(DPO_PAIRS)):
+    """transformers' summed log-probs of each of the `first` pairs' chosen and rejected response, [(chosen, rejected), ...]
+    (`model` a list of models: a list of those, one per model, the first giving the image token's id): the ids
     and labels as lora_dpo reads the pairs (image_data_tool), the pixels from transformers' processor through
     Qwen3_5ForConditionalGeneration; and per pair whether our prompt's ids are TRL 1.16's DataCollatorForVisionPreference's
     (the processor's chat template and image expansion) up to where the template's assistant span starts."""
@@ -422,8 +423,10 @@ def dpo_reference(model, tool, base, pairs, work):
                             tokenizer=AutoTokenizer.from_pretrained(base), video_processor=Qwen3VLVideoProcessor(),
                             chat_template=open(os.path.join(DATA, "chat_templates", "Qwen3.5-9B.jinja")).read())
     collate = DataCollatorForVisionPreference(processor=proc)
-    logps, prompts_agree = [], []
-    for i, (img, chosen, rejected) in enumerate(DPO_PAIRS):
+    models = model if isinstance(model, list) else [model]
+    image_token = models[0].config.image_token_id
+    logps, prompts_agree = [[] for _ in models], []
+    for i, (img, chosen, rejected) in enumerate(DPO_PAIRS[:first]):
         image = Image.open(os.path.join(os.path.dirname(pairs), img)).convert("RGB")
         trl = collate([{"images": [image], "prompt": [{"role": "user", "content": [{"type": "image"},
                                                                                    {"type": "text", "text": QUESTION}]}],
@@ -431,19 +434,29 @@ def dpo_reference(model, tool, base, pairs, work):
                         "rejected": [{"role": "assistant", "content": rejected}]}])
         trl_prompt = trl["input_ids"][0][:int(trl["completion_mask"][0].argmax())].tolist()
         px = proc.image_processor([image], return_tensors="pt")
-        pair = []
+        pairs_of = [[] for _ in models]
         for s in samples[2 * i:2 * i + 2]:
             ours = s["tokens"][:next(k for k, x in enumerate(s["labels"]) if x != -100)]
             prompts_agree.append(trl_prompt[:len(ours)] == ours and len(ours) >= len(trl_prompt) - 2)
             tokens = torch.tensor([s["tokens"]])
-            with torch.no_grad():
-                logits = model(input_ids=tokens, pixel_values=px["pixel_values"], image_grid_thw=px["image_grid_thw"],
-                               mm_token_type_ids=(tokens == model.config.image_token_id).long()).logits[0, :-1].double()
             labels = torch.tensor(s["labels"][1:])
             keep = labels != -100
-            pair.append(torch.log_softmax(logits[keep], -1).gather(1, labels[keep][:, None]).sum().item())
-        logps.append(pair)
-    return logps, prompts_agree
+            for m, pair in zip(models, pairs_of):
+                with torch.no_grad():
+                    logits = m(input_ids=tokens, pixel_values=px["pixel_values"], image_grid_thw=px["image_grid_thw"],
+                               mm_token_type_ids=(tokens == image_token).long()).logits[0, :-1].double()
+                pair.append(torch.log_softmax(logits[keep], -1).gather(1, labels[keep][:, None]).sum().item())
+        for got, pair in zip(logps, pairs_of):
+            got.append(pair)
+    return (logps if isinstance(model, list) else logps[0]), prompts_agree
+
+
+def adapters_off(peft):
+    """peft's model called with its adapters disabled (the reference TRL takes for a peft model)."""
+    def call(**inputs):
+        with peft.disable_adapter():
+            return peft(**inputs)
+    return call
 
 
 def check_dpo(check, a, model, base, data):
@@ -488,9 +501,7 @@ def check_dpo(check, a, model, base, data):
         later = losses(trained)[len(DPO_PAIRS):]
         check(tower_b and all(abs(ad[k]).max() > 0 for k in tower_b) and all(abs(x - math.log(2)) > 1e-6 for x in later),
               f"the tower's adapters train with DPO ({len(tower_b)} lora_B moved; second epoch's losses {[round(x, 4) for x in later]})")
-    r = run_recipe(a.qlora, out + "_projector", *dpo, "lora.train_projector=true", recipe="lora_dpo", expect_rc=1)
-    check(r.returncode == 1 and "lora.train_projector: `qlora run lora_dpo`" in r.stderr,
-          "lora.train_projector is refused by lora_dpo (its reference is the base with the adapters off)")
+    check_dpo_projector(check, a, model, base, pairs, dpo)
 
     bad = os.path.join(d, "dpo_missing.jsonl")
     write_dpo_data(d, bad, image_of=lambda i, img: "missing.png")
@@ -504,7 +515,57 @@ def check_dpo(check, a, model, base, data):
           f"{r.stderr.strip().splitlines()[-1][:200]!r}")
 
 
+def check_dpo_projector(check, a, model, base, pairs, dpo):
+    """lora_dpo with the tower trained (lora.vision_targets, lora.train_projector): the policy has the trained
+    merger, the reference the original one, as peft's ModulesToSaveWrapper with the adapters disabled (TRL's
+    reference for a peft model). The first epoch's adapter, loaded by peft onto the NF4-dequantized base, is the
+    policy of the second epoch's first step (pair 0): its chosen / rejected log-probs are peft's, its loss TRL's
+    sigmoid loss with the reference under disable_adapter(); 2 ranks give one process's losses and adapter."""
+    import copy
+    from peft import PeftModel
+    from recipe_common import step_rows
+    out = os.path.join(a.workdir, "dpo_projector")
+    run = [*dpo, *TRAIN_TOWER, "training.epochs=2", "optim.lr=1e-2", "lora.dropout=0"]
+    r = run_recipe(a.qlora, out, *run, recipe="lora_dpo")
+    if not check(r.returncode == 0 and "the projector trained" in r.stdout, "lora_dpo with lora.train_projector runs"):
+        return
+    peft = PeftModel.from_pretrained(copy.deepcopy(model), os.path.join(out, "epoch_0", "adapter")).eval()
+    # What a reference keeping the trained merger would give: the base with the adapter's merger.
+    kept = copy.deepcopy(model)
+    with torch.no_grad():
+        for k, v in adapter(out).items():
+            if ".visual.merger." in k:
+                kept.get_parameter(k[len("base_model.model."):]).copy_(torch.from_numpy(v))
+    policy, ref, wrong = dpo_reference([peft, adapters_off(peft), kept], a.image_data_tool, base, pairs, a.workdir, 1)[0]
+    (pc, pr), (rc, rr), (kc, kr) = policy[0], ref[0], wrong[0]
+    sig = lambda c, r_: -torch.nn.functional.logsigmoid(torch.tensor(0.1 * ((pc - c) - (pr - r_)))).item()  # noqa: E731
+    row = step_rows(out)[len(DPO_PAIRS)]
+    worst = max(abs(row["logps/chosen"] - pc), abs(row["logps/rejected"] - pr)) / max(1.0, abs(pc), abs(pr))
+    # The loss moves by at most beta / 2 times the four log-probs' error (each within LOSS_RTOL, relative).
+    loss_tol = 0.1 / 2 * 4 * LOSS_RTOL * max(1.0, abs(pc), abs(pr), abs(rc), abs(rr))
+    check(worst <= LOSS_RTOL and abs(row["loss"] - sig(rc, rr)) <= loss_tol and abs(sig(kc, kr) - sig(rc, rr)) > 10 * loss_tol,
+          f"after an epoch with the merger trained, pair 0's log-probs are peft's ({row['logps/chosen']:.6f}, "
+          f"{row['logps/rejected']:.6f} vs {pc:.6f}, {pr:.6f}: rel {worst:.1e} <= {LOSS_RTOL}) and the loss TRL's with the "
+          f"reference under disable_adapter() (the original merger): {row['loss']:.8f} vs {sig(rc, rr):.8f} (|diff| "
+          f"{abs(row['loss'] - sig(rc, rr)):.1e} <= {loss_tol:.1e}; the trained merger as reference: {sig(kc, kr):.8f})")
+    one, two = out + "_one", out + "_two"
+    r1 = run_recipe(a.qlora, one, *run, "training.grad_accum=2", recipe="lora_dpo")
+    r2 = run_recipe(a.qlora, two, *run, nproc=2, recipe="lora_dpo")
+    if check(r1.returncode == 0 and r2.returncode == 0, "lora_dpo with the projector trained on 1 and 2 ranks"):
+        dl = max_diff(losses(two), losses(one))
+        diff = {k: float(abs(adapter(two, 1)[k] - adapter(one, 1)[k]).max()) for k in adapter(one, 1)}
+        da = max(d for k, d in diff.items() if not tower_a(k))
+        dta = max(d for k, d in diff.items() if tower_a(k))
+        check(len(losses(one)) == 2 and dl < RANKS_TOL and da < RANKS_TOL and dta < TOWER_A_TOL,
+              f"2 ranks give one process's DPO losses and adapter, merger included ({dl:.1e}, {da:.1e}; the tower's "
+              f"lora_A {dta:.1e})")
+
+
 GRPO_TOKENS = 8  # as check_generate's
+# Per-token log-probs, fp32 on both sides with the same weights: our kernels against transformers' (DeltaNet's
+# chunked form against its reference recurrence) move this model's logits by up to ~2e-4 (check_generate's peft
+# check: 1.8e-4), a log-prob by up to about twice that (9e-5 seen); the trained merger in the reference moves them by ~0.4.
+GRPO_LOGP_TOL = 5e-4
 
 
 def write_prompts(path, images, split):
@@ -553,16 +614,23 @@ def check_grpo(check, a, export, data, want):
     check(len(greedy) == 2 and greedy[0] == want and greedy[1] != want,
           f"lora_grpo's greedy completion after 0.png is transformers' generate on the export ({greedy[0]!r} vs "
           f"{want!r}); after {other} (another colour) it differs ({greedy[1]!r})")
-    # Two epochs of 2 steps, each rollout feeding 2 (its old log-probs and images saved with the checkpoint of step 3).
-    trained = [*grpo, "optim.lr=1e-2", "training.epochs=2", "grpo.num_iterations=2"]
+    # Two epochs of 2 steps, each rollout feeding 2 (its old log-probs and images saved with the checkpoint of step 3);
+    # the tower trained too (its adapters and the merger: the rollouts' and the loss's tower is the current one).
+    trained = [*grpo, *TRAIN_TOWER, "optim.lr=1e-2", "training.epochs=2", "grpo.num_iterations=2", "lora.dropout=0"]
     r = run_recipe(a.qlora, out + "_lr", *trained, recipe="lora_grpo")
-    if not check(r.returncode == 0, "lora_grpo with a learning rate runs"):
+    if not check(r.returncode == 0 and "the projector trained" in r.stdout, "lora_grpo with a learning rate and the tower trained runs"):
         return
     ad = adapter(out + "_lr", 1)
     moved = max(float(abs(v).max()) for k, v in ad.items() if k.endswith(".lora_B.weight"))
-    check(all(math.isfinite(x) for x in losses(out + "_lr")) and moved > 1e-4,
+    tower_b = [k for k in ad if ".visual.blocks." in k and k.endswith(".lora_B.weight")]
+    start = safetensors_of(export)
+    merger = max(float(abs(torch.from_numpy(v) - next(start[o] for o in start if o.endswith("visual." + k.split(".visual.", 1)[1]))).max())
+                 for k, v in ad.items() if ".visual.merger." in k)
+    check(all(math.isfinite(x) for x in losses(out + "_lr")) and moved > 1e-4 and tower_b and
+          all(abs(ad[k]).max() > 0 for k in tower_b) and merger > 0,
           f"the policy trains on the image prompts (finite losses {[round(x, 5) for x in losses(out + '_lr')]}, "
-          f"lora_B moved {moved:.1e})")
+          f"lora_B moved {moved:.1e}; the loss reaches the tower: {len(tower_b)} tower lora_B moved, the merger by {merger:.1e})")
+    check_grpo_logps(check, a, export, out + "_lr", os.path.join(d, images[0]))
     killed = out + "_killed"
     run_recipe(a.qlora_faults, killed, *trained, recipe="lora_grpo", fault="kill_after_step=4", expect_rc=-9)
     r = run_recipe(a.qlora, killed, *trained, "checkpoint.resume=true", recipe="lora_grpo")
@@ -570,6 +638,55 @@ def check_grpo(check, a, export, data, want):
         all((adapter(killed, 1)[k] == ad[k]).all() for k in ad)
     check(same, "killed after step 4 and resumed from step 3, inside a rollout (its prompts' images found again): the "
                 "losses and the adapter bit for bit the uninterrupted run's")
+
+
+def rollout_logps(model, state, image, base):
+    """transformers' per-token log-probs [completions, tokens] of the completions a GRPO checkpoint saved for reuse
+    (state: its rank file's tensors; every prompt of the step `image`'s), the pixels from transformers' processor."""
+    from PIL import Image
+    from transformers import AutoImageProcessor
+    px = AutoImageProcessor.from_pretrained(base)([Image.open(image).convert("RGB")], return_tensors="pt")
+    ids, lengths, rows, at = state["grpo.0.ids"], state["grpo.0.lengths"].view(-1, 3).tolist(), [], 0
+    for n_prompt, n_completion, _ in lengths:
+        rows.append(ids[at:at + n_prompt + n_completion])
+        at += n_prompt + n_completion
+    # One batch, right-padded (causal: the padding changes no earlier position's logits).
+    tokens = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
+    n = len(rows)
+    with torch.no_grad():
+        logits = model(input_ids=tokens, pixel_values=px["pixel_values"].repeat(n, 1), image_grid_thw=px["image_grid_thw"].repeat(n, 1),
+                       mm_token_type_ids=(tokens == model.config.image_token_id).long()).logits.double()
+    out = []
+    for row, (n_prompt, n_completion, _) in zip(range(n), lengths):
+        logp = torch.log_softmax(logits[row, n_prompt - 1:n_prompt - 1 + n_completion], -1)
+        logp = logp.gather(1, tokens[row, n_prompt:n_prompt + n_completion, None])[:, 0]
+        out.append(torch.nn.functional.pad(logp, (0, state["grpo.0.ref_logps"].shape[1] - n_completion)))
+    return torch.stack(out)
+
+
+def check_grpo_logps(check, a, export, run, image):
+    """The rollout of step 3 (the second epoch's first; saved with its checkpoint for step 4): its reference
+    log-probs are transformers' on the export (the base: adapters off, the merger as loaded, as peft's
+    disable_adapter() gives), its old policy's are peft's with the first epoch's adapter (the tower's adapters
+    and the trained merger) on the export."""
+    import copy
+    from peft import PeftModel
+    from safetensors.torch import load_file as load_torch
+    state = load_torch(os.path.join(run, "checkpoints", "step_00000003", "rank_00000.safetensors"))
+    model = F.Qwen3_5ForConditionalGeneration.from_pretrained(export, dtype=torch.float32).eval()
+    peft = PeftModel.from_pretrained(copy.deepcopy(model), os.path.join(run, "epoch_0", "adapter")).eval()
+    ref, old = state["grpo.0.ref_logps"].double(), state["grpo.0.old_logps"].double()
+    want_ref, want_old = rollout_logps(model, state, image, export), rollout_logps(peft, state, image, export)
+    with torch.no_grad():  # what a reference keeping the trained merger would give
+        for k, v in adapter(run).items():
+            if ".visual.merger." in k:
+                model.get_parameter(k[len("base_model.model."):]).copy_(torch.from_numpy(v))
+    kept = rollout_logps(model, state, image, export)
+    dr, do, dk = (ref - want_ref).abs().max().item(), (old - want_old).abs().max().item(), (kept - want_ref).abs().max().item()
+    check(dr <= GRPO_LOGP_TOL and do <= GRPO_LOGP_TOL and dk > 10 * GRPO_LOGP_TOL,
+          f"step 3's rollout: the reference's per-token log-probs are transformers' on the export (the merger as loaded: "
+          f"max|diff| {dr:.1e}; the trained merger would give {dk:.1e}), the old policy's peft's with epoch 0's adapter "
+          f"({do:.1e}) <= {GRPO_LOGP_TOL}")
 
 
 def check_refusals(check, a, base, data):

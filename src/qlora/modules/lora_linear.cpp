@@ -321,7 +321,12 @@ at::Tensor lora_linear_base(const LoraLinear& layer, const at::Tensor& x) {
     return at::linear(x, layer.base_dense, layer.bias);  // [..., out]
   }
   at::Tensor y = nf4_linear(x, layer.base_nf4);
-  return layer.bias.defined() ? y + layer.bias : y;
+  if (!layer.bias.defined()) return y;
+  // y is new: the bias goes in in place where no gradient needs y and the dtypes agree (a frozen
+  // tower's linears), sparing a second [rows, out] buffer.
+  if (layer.bias.scalar_type() == y.scalar_type() && !(at::GradMode::is_enabled() && y.requires_grad()))
+    return y.add_(layer.bias);
+  return y + layer.bias;
 }
 
 namespace {

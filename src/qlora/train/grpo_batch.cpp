@@ -8,6 +8,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "qlora/models/vision/tower.h"
 #include "qlora/modules/lora_linear.h"
 
 namespace qlora::train {
@@ -51,8 +52,12 @@ at::Tensor completion_logps(const models::DecoderModel& m, const CompletionBatch
                             at::Tensor* entropy, const BatchImages& images) {
   std::optional<at::NoGradGuard> no_grad;
   std::optional<modules::AdaptersDisabled> off;
+  std::optional<models::vision::OriginalProjector> original;
   if (which != LogpsOf::kPolicy) no_grad.emplace();
-  if (which == LogpsOf::kReference) off.emplace();
+  if (which == LogpsOf::kReference) {
+    off.emplace();
+    original.emplace(m.tower.get());
+  }
   const data::Batch& r = b.rows;
   const std::optional<models::ImageInputs> in = images.of(m, r, device);
   const at::Tensor per_token =  // [B, S]

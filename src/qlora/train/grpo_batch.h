@@ -38,7 +38,7 @@ CompletionBatch completion_batch(const std::vector<Completion>& completions, int
 enum class LogpsOf {
   kPolicy,     // with the graph (the loss's)
   kOld,        // the same adapters, no gradient (the old policy's, taken when the completions were sampled)
-  kReference,  // adapters off, no gradient: the base, never a second copy
+  kReference,  // adapters off (a trained projector as loaded), no gradient: the base, never a second copy
 };
 
 // [B, C] fp32 per-token log-probabilities of each completion token (0 on padding), by chunks of

@@ -35,6 +35,7 @@ at::Tensor row_logps(const models::DecoderModel& m, const data::Batch& b, c10::D
   if (!reference) return logps_with(m, b, device, images.of(m, b, device));
   at::NoGradGuard no_grad;
   modules::AdaptersDisabled off;
+  models::vision::OriginalProjector original(m.tower.get());
   return logps_with(m, b, device, images.of(m, b, device));
 }
 
@@ -48,6 +49,7 @@ PairLogps pair_logps(const models::DecoderModel& m, const data::Batch& b, Prefer
   if (with_ref && !ref.defined()) {
     at::NoGradGuard no_grad;
     modules::AdaptersDisabled off;
+    models::vision::OriginalProjector original(m.tower.get());
     ref_in = images.of(m, b, device);
     ref_logps = logps_with(m, b, device, ref_in);
   }

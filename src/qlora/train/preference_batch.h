@@ -21,8 +21,8 @@ namespace qlora::train {
 data::Batch pair_batch(const std::vector<data::PreferencePair>& all, const std::vector<int64_t>& picked, int64_t pad_id);
 
 // Summed log-probabilities of each row's scored labels, [rows] fp32: the policy's (with its
-// graph), or the reference's (no gradient, adapters off, the vision tower's too: the same base, never
-// a second copy). The batch's images (the prompts') go through the tower to their tokens (BatchImages).
+// graph), or the reference's (no gradient, adapters off, the vision tower's too, a trained projector as
+// loaded: the same base, never a second copy). The batch's images (the prompts') go through the tower to their tokens (BatchImages).
 at::Tensor row_logps(const models::DecoderModel& m, const data::Batch& b, c10::Device device, bool reference,
                      const BatchImages& images = {});
 

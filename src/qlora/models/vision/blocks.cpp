@@ -1,6 +1,7 @@
 #include "qlora/models/vision/blocks.h"
 
 #include <ATen/TensorOperators.h>
+#include <ATen/core/grad_mode.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/gelu.h>
 #include <ATen/ops/linear.h>
@@ -15,6 +16,7 @@
 #include "qlora/models/config_json.h"
 #include "qlora/modules/rope.h"
 #include "qlora/ops/nf4_ops.h"
+#include "qlora/ops/rope_ops.h"
 
 namespace qlora::models::vision {
 
@@ -91,7 +93,11 @@ Act parse_act(const std::string& name, const std::string& where, const std::stri
   cfg::fail(where, key, "'" + name + "': the vision towers compute gelu_pytorch_tanh, gelu_new or gelu");
 }
 
-at::Tensor activate(const at::Tensor& x, Act act) { return at::gelu(x, act == Act::kGeluTanh ? "tanh" : "none"); }
+at::Tensor activate(at::Tensor x, Act act) {
+  const char* approximate = act == Act::kGeluTanh ? "tanh" : "none";
+  if (at::GradMode::is_enabled() && x.requires_grad()) return at::gelu(x, approximate);
+  return at::gelu_(x, approximate);  // nothing to differentiate: in place, no second buffer of x's size
+}
 
 at::Tensor linear(const modules::LoraLinear& l, const at::Tensor& x, bool training) {
   return modules::lora_linear_forward(l, x, training);
@@ -117,6 +123,13 @@ at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   const int64_t half = x.size(-1) / 2;
   at::Tensor rotated = at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
   return x * cos + rotated * sin;
+}
+
+at::Tensor rotate_in_fp32(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  if (at::GradMode::is_enabled() && x.requires_grad()) return rotate(x.to(at::kFloat), cos, sin).to(x.scalar_type());
+  // Nothing to differentiate (the frozen tower): the one-pass kernel, its output [rows, heads, d] contiguous.
+  const at::Tensor heads_first = x.transpose(0, 1).unsqueeze(0);  // [1, heads, rows, d]
+  return ops::rope_in_fp32(heads_first, cos.squeeze(1), sin.squeeze(1), /*heads_inner=*/true).squeeze(0).transpose(0, 1);
 }
 
 at::Tensor axial_inv_freq(int64_t head_dim, double theta) {

@@ -46,7 +46,9 @@ double vision_rope_theta(const nlohmann::json& vc, const std::string& where, dou
 // "gelu" (erf); others std::invalid_argument naming `where` and the key.
 enum class Act { kGeluTanh, kGelu };
 Act parse_act(const std::string& name, const std::string& where, const std::string& key);
-at::Tensor activate(const at::Tensor& x, Act act);
+// The activation of x, the caller's temporary (a linear's output): computed in place where x needs
+// no gradient (the frozen tower), else into a new tensor.
+at::Tensor activate(at::Tensor x, Act act);
 
 at::Tensor linear(const modules::LoraLinear& l, const at::Tensor& x, bool training);
 // A projector tensor in the compute dtype (a trained one is an fp32 copy).
@@ -59,6 +61,11 @@ at::Tensor segment_attention(const at::Tensor& q, const at::Tensor& k, const at:
 
 // x * cos + rotate_half(x) * sin, in the operands' dtypes (broadcast as given).
 at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+
+// x [rows, heads, d] rotated in fp32 and returned in x's dtype, as transformers' vision rotary
+// (q.float() * cos + rotate_half(q.float()) * sin, then cast back); cos and sin [rows, 1, d] fp32.
+// Where x needs no gradient, ops::rope_in_fp32's one pass (the same bits) instead of ATen's seven.
+at::Tensor rotate_in_fp32(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 
 // The axial rotary's inverse frequencies: 1 / theta^(arange(0, head_dim / 2, 2) / (head_dim / 2)),
 // [head_dim / 4] fp32 (one axis' share; the two axes use the same frequencies).

@@ -138,8 +138,7 @@ class Qwen35Tower final : public Tower {
                        const std::vector<int64_t>& segments) const {
     const int64_t n = x.size(0), hd = hidden / heads;
     const std::vector<at::Tensor> qkv = linear(b.qkv, x, training).reshape({n, 3, heads, hd}).permute({1, 0, 2, 3}).unbind(0);
-    const at::Tensor q = rotate(qkv[0].to(at::kFloat), cos, sin).to(x.scalar_type());
-    const at::Tensor k = rotate(qkv[1].to(at::kFloat), cos, sin).to(x.scalar_type());
+    const at::Tensor q = rotate_in_fp32(qkv[0], cos, sin), k = rotate_in_fp32(qkv[1], cos, sin);
     const at::Tensor o = segment_attention(q, k, qkv[2], segments, 1.0 / std::sqrt(static_cast<double>(hd)));
     return linear(b.proj, o, training);
   }

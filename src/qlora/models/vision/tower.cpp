@@ -74,7 +74,26 @@ int64_t add_tower_lora(Tower& tower, const std::vector<std::string>& targets, in
 }
 
 void train_projector(Tower& tower) {
-  for (auto& [name, t] : tower.projector()) *t = t->to(at::kFloat).clone().detach().set_requires_grad(true);
+  tower.original_projector.clear();
+  for (auto& [name, t] : tower.projector()) {
+    tower.original_projector.push_back(*t);
+    *t = t->to(at::kFloat).clone().detach().set_requires_grad(true);
+  }
+}
+
+OriginalProjector::OriginalProjector(Tower* tower) : tower_(tower) {
+  if (!tower || tower->original_projector.empty()) return;
+  size_t i = 0;
+  for (auto& [name, t] : tower->projector()) {
+    trained_.push_back(*t);
+    *t = tower->original_projector.at(i++);
+  }
+}
+
+OriginalProjector::~OriginalProjector() {
+  if (trained_.empty()) return;
+  size_t i = 0;
+  for (auto& [name, t] : tower_->projector()) *t = trained_[i++];
 }
 
 void Tower::enter(int64_t unit) const {

@@ -79,11 +79,30 @@ class Tower {
   // The checkpoint's key of the model's tensor `name` (linears(), projector(), frozen() names, with
   // .weight / .bias); `name` itself under no known prefix. A merged export keeps the checkpoint's layout.
   std::string checkpoint_key(const std::string& name) const;
+  // The projector's tensors as loaded, in projector() order, where train_projector made trained copies of
+  // them (peft's ModulesToSaveWrapper keeps its original module beside the copy); else empty.
+  std::vector<at::Tensor> original_projector;
 
  protected:
   // forward() calls enter(u) before unit u runs and leave(u, out) after, `out` its output.
   void enter(int64_t unit) const;
   void leave(int64_t unit, const at::Tensor& out) const;
+};
+
+// While one is alive, `tower`'s projector() tensors are the ones as loaded (Tower::original_projector), as
+// peft's ModulesToSaveWrapper uses its original module with the adapters disabled: beside each
+// modules::AdaptersDisabled of a reference policy (lora_dpo's, lora_grpo's); the trained copies are put back
+// when it ends. Nothing where the projector is frozen or `tower` is null (a text-only model).
+class OriginalProjector {
+ public:
+  explicit OriginalProjector(Tower* tower);
+  ~OriginalProjector();
+  OriginalProjector(const OriginalProjector&) = delete;
+  OriginalProjector& operator=(const OriginalProjector&) = delete;
+
+ private:
+  Tower* tower_;
+  std::vector<at::Tensor> trained_;
 };
 
 // The calls forward() makes to tower.hooks, without running it: a rank whose batch holds no image
@@ -112,8 +131,8 @@ std::unique_ptr<Tower> load_tower(const std::string& dir, const TowerLoadOptions
 // LoraConfig(target_modules=...) on those modules initialises them. Returns how many were adapted.
 int64_t add_tower_lora(Tower& tower, const std::vector<std::string>& targets, int64_t r, double alpha, bool rslora,
                        double dropout, at::Generator gen);
-// Makes the projector's tensors trainable, as peft's modules_to_save does: fp32 copies requiring grad, kept
-// like the adapters (peft's copy keeps the model's dtype: equal under fp32 compute; under bf16 the forward
+// Makes the projector's tensors trainable, as peft's modules_to_save does: fp32 copies requiring grad (the
+// originals kept in Tower::original_projector), kept like the adapters (peft's copy keeps the model's dtype: equal under fp32 compute; under bf16 the forward
 // casts our fp32 copy to bf16, so the values used are the same until an update rounds them differently).
 void train_projector(Tower& tower);
 // Trainable tensors with peft's names: base_model.model.<module>.lora_A.weight / lora_B.weight, and
