@@ -40,6 +40,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 import _families as F
 from _common import Checks, parse_tool_args
+from test_vision_towers import randomize_tower
 
 IMAGE_TOKEN = 100  # within the tiny vocabulary (the Hub's 248056 is not)
 GREEDY = 12
@@ -253,6 +254,8 @@ def check_towers(checks, args):
         {"types": "mm_token_type_ids",
          "counts": lambda px: (px["image_grid_thw"].prod(-1) // v.spatial_merge_size ** 2).tolist()})
     gemma3 = gemma3_model(62)
+    # transformers draws the projection matrix as zeros: features 0, the tower unseen by the logits.
+    randomize_tower(gemma3, ("model.multi_modal_projector.",), 62)
     end_to_end(checks, args, "gemma3", gemma3, gemma3_processor(gemma3), [(50, 23), (17, 40)], {"types": "token_type_ids", "counts": lambda px: [F.GEMMA3_MM_TOKENS] * len(px["pixel_values"])})
     gemma4 = F.build("gemma4_vision", seed=63, use_bidirectional_attention="vision", sliding_window=4,
                      max_position_embeddings=256)
