@@ -40,6 +40,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 import _families as F
 from _common import Checks, parse_tool_args
+from test_vision_towers import randomize_tower
 
 IMAGE_TOKEN = 100  # within the tiny vocabulary (the Hub's 248056 is not)
 GREEDY = 12
@@ -227,6 +228,22 @@ def end_to_end(checks, args, name, model, processor_cfg, sizes, token_kw):
                  f"{got} vs {want}")
 
 
+def gemma3_processor(model):
+    """preprocessor_config.json sized to the tiny Gemma 3 tower."""
+    s = model.config.vision_config.image_size
+    return {"image_processor_type": "Gemma3ImageProcessor", "size": {"height": s, "width": s}, "resample": 2,
+            "image_mean": [0.5] * 3, "image_std": [0.5] * 3, "do_pan_and_scan": None,
+            "image_seq_length": F.GEMMA3_MM_TOKENS}
+
+
+def gemma4_processor(model):
+    """preprocessor_config.json sized to the tiny Gemma 4 tower."""
+    v4 = model.config.vision_config
+    return {"image_processor_type": "Gemma4ImageProcessor", "patch_size": v4.patch_size,
+            "pooling_kernel_size": v4.pooling_kernel_size, "max_soft_tokens": 70, "resample": 3, "do_normalize": False,
+            "image_mean": [0.0] * 3, "image_std": [1.0] * 3}
+
+
 def check_towers(checks, args):
     qwen = F.build("qwen3_5_vision", seed=61)
     v = qwen.config.vision_config
@@ -237,18 +254,13 @@ def check_towers(checks, args):
         {"types": "mm_token_type_ids",
          "counts": lambda px: (px["image_grid_thw"].prod(-1) // v.spatial_merge_size ** 2).tolist()})
     gemma3 = gemma3_model(62)
-    s = gemma3.config.vision_config.image_size
-    end_to_end(checks, args, "gemma3", gemma3, {
-        "image_processor_type": "Gemma3ImageProcessor", "size": {"height": s, "width": s}, "resample": 2,
-        "image_mean": [0.5] * 3, "image_std": [0.5] * 3, "do_pan_and_scan": None, "image_seq_length": F.GEMMA3_MM_TOKENS},
-        [(50, 23), (17, 40)], {"types": "token_type_ids", "counts": lambda px: [F.GEMMA3_MM_TOKENS] * len(px["pixel_values"])})
+    # transformers draws the projection matrix as zeros: features 0, the tower unseen by the logits.
+    randomize_tower(gemma3, ("model.multi_modal_projector.",), 62)
+    end_to_end(checks, args, "gemma3", gemma3, gemma3_processor(gemma3), [(50, 23), (17, 40)], {"types": "token_type_ids", "counts": lambda px: [F.GEMMA3_MM_TOKENS] * len(px["pixel_values"])})
     gemma4 = F.build("gemma4_vision", seed=63, use_bidirectional_attention="vision", sliding_window=4,
                      max_position_embeddings=256)
     v4 = gemma4.config.vision_config
-    end_to_end(checks, args, "gemma4", gemma4, {
-        "image_processor_type": "Gemma4ImageProcessor", "patch_size": v4.patch_size,
-        "pooling_kernel_size": v4.pooling_kernel_size, "max_soft_tokens": 70, "resample": 3, "do_normalize": False,
-        "image_mean": [0.0] * 3, "image_std": [1.0] * 3}, [(30, 22), (13, 41)],
+    end_to_end(checks, args, "gemma4", gemma4, gemma4_processor(gemma4), [(30, 22), (13, 41)],
         {"types": "mm_token_type_ids",
          "counts": lambda px: [int((p[:, 0] >= 0).sum()) // v4.pooling_kernel_size ** 2 for p in px["image_position_ids"]]})
 
