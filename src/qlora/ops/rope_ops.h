@@ -14,7 +14,8 @@ namespace qlora::ops {
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, double sign, bool heads_inner);
 
 // The rotation (sign -1) computed in fp32 and returned in x's dtype, as transformers' vision towers
-// rotate: (x.float() * cos + rotate_half(x.float()) * sin).to(x.dtype), the same bits. x [B, H, S, d]
+// rotate: (x.float() * cos + rotate_half(x.float()) * sin).to(x.dtype), within one rounding of it
+// (the kernel, like the language models' rope, may fuse a * b + c into one FMA). x [B, H, S, d]
 // (any strides), cos and sin [S, d] fp32 contiguous; the kernel's one pass for a float32 or bfloat16
 // CPU x (laid out as with heads_inner above), ATen's ops otherwise. No autograd: for frozen inputs.
 at::Tensor rope_in_fp32(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool heads_inner);

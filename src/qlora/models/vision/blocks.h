@@ -64,7 +64,7 @@ at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
 
 // x [rows, heads, d] rotated in fp32 and returned in x's dtype, as transformers' vision rotary
 // (q.float() * cos + rotate_half(q.float()) * sin, then cast back); cos and sin [rows, 1, d] fp32.
-// Where x needs no gradient, ops::rope_in_fp32's one pass (the same bits) instead of ATen's seven.
+// Where x needs no gradient, ops::rope_in_fp32's one pass (within one rounding) instead of ATen's seven.
 at::Tensor rotate_in_fp32(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 
 // The axial rotary's inverse frequencies: 1 / theta^(arange(0, head_dim / 2, 2) / (head_dim / 2)),
