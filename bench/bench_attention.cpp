@@ -8,7 +8,13 @@
 // JSON object, with the kernels' ISA (QLORA_CPU_ISA forces a lower one). Each dtype also times
 // packed rows (4 samples per row, block-causal mask) through masked_attention against SDPA.
 //
-//   build/bench_attention [--heads H] [--dim D] [--seq S] [--block B] [--reps N]
+// --tower instead times the vision towers' attention: full (unmasked) attention forward in bf16
+// with nothing differentiated, one image of --seq patches (default Qwen3.5-9B's tower on a
+// 1024x768 image: 16 heads, head_dim 72, 3072 rows): ops::segment_attention (the AMX kernel where
+// the CPU has AMX-BF16) against ATen's SDPA on the same [1, heads, rows, d] tensors, and the floor of
+// its two products at the rate of a bf16 GEMM of the tower's shape measured in the same run.
+//
+//   build/bench_attention [--tower] [--heads H] [--dim D] [--seq S] [--block B] [--reps N]
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <nlohmann/json.hpp>
@@ -27,6 +33,7 @@
 #include "qlora/io/cpu_memory.h"
 #include "qlora/modules/attention.h"
 #include "qlora/modules/blocked_attention.h"
+#include "qlora/ops/segment_attention_ops.h"
 
 using nlohmann::json;
 
@@ -58,24 +65,55 @@ double sgemm_flop_rate(int reps) {
   return 2.0 * 2048 * 2048 * 2048 / median_s([&] { at::mm_out(c, a, b); }, reps);
 }
 
+// The towers' attention forward (bench's --tower): JSON.
+json tower_json(int64_t heads, int64_t dim, int64_t seq, int reps) {
+  c10::InferenceMode no_grad;
+  const at::Tensor qkv = at::randn({seq, 3, heads, dim}).to(at::kBFloat16);  // one projection's views, as the tower's
+  const at::Tensor q = qkv.select(1, 0), k = qkv.select(1, 1), v = qkv.select(1, 2);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(dim));
+  const double ours = median_s([&] { qlora::ops::segment_attention(q, k, v, {seq}, scale); }, reps);
+  const auto heads_first = [](const at::Tensor& t) { return t.transpose(0, 1).unsqueeze(0); };
+  const double sdpa = median_s([&] {
+    at::scaled_dot_product_attention(heads_first(q), heads_first(k), heads_first(v), {}, 0.0, false, scale);
+  }, reps);
+  const at::Tensor a = at::randn({seq, 1152}).to(at::kBFloat16), b = at::randn({1152, 4304}).to(at::kBFloat16);
+  const double rate = 2.0 * seq * 1152 * 4304 / median_s([&] { at::mm(a, b); }, reps);
+  const double flops = 2.0 * 2.0 * heads * seq * seq * dim;
+  return {{"bench", "tower_attention"},
+          {"machine", {{"cpu", qlora::bench::cpu_model()}, {"threads", at::get_num_threads()},
+                       {"isa", qlora::kernels::isa_name(qlora::kernels::active_isa())},
+                       {"amx_kernel", qlora::ops::segment_attention_uses_amx(q, k, v)}}},
+          {"shape", {{"heads", heads}, {"head_dim", dim}, {"rows", seq}, {"dtype", "bf16"}}},
+          {"qlora_fwd_ms", ours * 1e3}, {"sdpa_fwd_ms", sdpa * 1e3}, {"sdpa_over_qlora", sdpa / ours},
+          {"bf16_gemm_gflop_s", rate / 1e9}, {"gemm_floor_ms", flops / rate * 1e3}, {"qlora_over_floor", ours * rate / flops}};
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   qlora::io::tune_cpu_memory();  // as the training programs run: freed buffers reused by size
-  int64_t heads = 12, dim = 64, seq = 512, block = 64;
+  int64_t heads = 0, dim = 0, seq = 0, block = 64;  // 0: the mode's default
   int reps = 20;
-  for (int i = 1; i + 1 < argc; i += 2) {
+  bool tower = false;
+  for (int i = 1; i < argc; ++i) {
     const std::string s = argv[i];
-    if (s == "--heads") heads = std::stoll(argv[i + 1]);
-    else if (s == "--dim") dim = std::stoll(argv[i + 1]);
-    else if (s == "--seq") seq = std::stoll(argv[i + 1]);
-    else if (s == "--block") block = std::stoll(argv[i + 1]);
-    else if (s == "--reps") reps = std::stoi(argv[i + 1]);
+    const bool valued = i + 1 < argc;
+    if (s == "--tower") tower = true;
+    else if (s == "--heads" && valued) heads = std::stoll(argv[++i]);
+    else if (s == "--dim" && valued) dim = std::stoll(argv[++i]);
+    else if (s == "--seq" && valued) seq = std::stoll(argv[++i]);
+    else if (s == "--block" && valued) block = std::stoll(argv[++i]);
+    else if (s == "--reps" && valued) reps = std::stoi(argv[++i]);
     else {
-      std::cerr << "usage: bench_attention [--heads H] [--dim D] [--seq S] [--block B] [--reps N]\n";
+      std::cerr << "usage: bench_attention [--tower] [--heads H] [--dim D] [--seq S] [--block B] [--reps N]\n";
       return 2;
     }
   }
+  if (tower) {
+    std::cout << tower_json(heads ? heads : 16, dim ? dim : 72, seq ? seq : 3072, std::min(reps, 5)).dump(2) << "\n";
+    return 0;
+  }
+  heads = heads ? heads : 12, dim = dim ? dim : 64, seq = seq ? seq : 512;
   at::manual_seed(0);
   const at::Tensor q = at::randn({1, heads, seq, dim}), k = at::randn({1, heads, seq, dim});
   const at::Tensor v = at::randn({1, heads, seq, dim}), go = at::randn({1, heads, seq, dim});

@@ -5,7 +5,6 @@
 #include <ATen/ops/cat.h>
 #include <ATen/ops/gelu.h>
 #include <ATen/ops/linear.h>
-#include <ATen/ops/scaled_dot_product_attention.h>
 #include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>
 
@@ -15,8 +14,10 @@
 #include "qlora/io/quantize_checkpoint.h"
 #include "qlora/models/config_json.h"
 #include "qlora/modules/rope.h"
+#include "qlora/ops/gelu_ops.h"
 #include "qlora/ops/nf4_ops.h"
 #include "qlora/ops/rope_ops.h"
+#include "qlora/ops/segment_attention_ops.h"
 
 namespace qlora::models::vision {
 
@@ -96,7 +97,8 @@ Act parse_act(const std::string& name, const std::string& where, const std::stri
 at::Tensor activate(at::Tensor x, Act act) {
   const char* approximate = act == Act::kGeluTanh ? "tanh" : "none";
   if (at::GradMode::is_enabled() && x.requires_grad()) return at::gelu(x, approximate);
-  return at::gelu_(x, approximate);  // nothing to differentiate: in place, no second buffer of x's size
+  // Nothing to differentiate: in place, no second buffer of x's size (the tanh form in one pass).
+  return act == Act::kGeluTanh ? ops::gelu_tanh_(x) : at::gelu_(x, approximate);
 }
 
 at::Tensor linear(const modules::LoraLinear& l, const at::Tensor& x, bool training) {
@@ -105,18 +107,7 @@ at::Tensor linear(const modules::LoraLinear& l, const at::Tensor& x, bool traini
 
 at::Tensor segment_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                              const std::vector<int64_t>& segments, double scale) {
-  std::vector<at::Tensor> outs;
-  int64_t start = 0;
-  for (const int64_t n : segments) {
-    // [n, heads, d] -> [1, heads, n, d], as transformers splits its [1, heads, rows, d] per image.
-    const auto part = [&](const at::Tensor& t) { return t.narrow(0, start, n).transpose(0, 1).unsqueeze(0); };
-    at::Tensor o = at::scaled_dot_product_attention(part(q), part(k), part(v), std::nullopt, 0.0, false, scale);
-    outs.push_back(o.squeeze(0).transpose(0, 1));  // [n, heads, d]
-    start += n;
-  }
-  TORCH_CHECK(start == q.size(0), "segment_attention: segments sum to ", start, ", rows ", q.size(0));
-  at::Tensor out = outs.size() == 1 ? outs[0] : at::cat(outs, 0);
-  return out.reshape({q.size(0), -1});
+  return ops::segment_attention(q, k, v, segments, scale).reshape({q.size(0), -1});
 }
 
 at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {

@@ -19,7 +19,6 @@
 #include <ATen/ops/layer_norm.h>
 #include <ATen/ops/linear.h>
 #include <ATen/ops/matmul.h>
-#include <ATen/ops/scaled_dot_product_attention.h>
 #include <nlohmann/json.hpp>
 
 #include <cmath>
@@ -29,6 +28,7 @@
 #include "qlora/models/config_json.h"
 #include "qlora/models/vision/blocks.h"
 #include "qlora/modules/rms_norm.h"
+#include "qlora/ops/segment_attention_ops.h"
 
 namespace qlora::models::vision {
 namespace {
@@ -65,12 +65,11 @@ class Gemma3Tower final : public Tower {
 
   at::Tensor attention(const SiglipLayer& l, const at::Tensor& x) const {
     const int64_t b = x.size(0), n = x.size(1), hd = hidden / heads;
-    const auto heads_of = [&](const modules::LoraLinear& p) {
-      return linear(p, x, training).view({b, n, heads, hd}).transpose(1, 2);
-    };
-    at::Tensor o = at::scaled_dot_product_attention(heads_of(l.q), heads_of(l.k), heads_of(l.v), std::nullopt, 0.0,
-                                                    false, 1.0 / std::sqrt(static_cast<double>(hd)));
-    return linear(l.o, o.transpose(1, 2).reshape({b, n, hidden}), training);
+    // [images * patches, heads, hd], each image its own segment (ops/segment_attention_ops.h).
+    const auto rows_of = [&](const modules::LoraLinear& p) { return linear(p, x, training).view({b * n, heads, hd}); };
+    const at::Tensor o = ops::segment_attention(rows_of(l.q), rows_of(l.k), rows_of(l.v), std::vector<int64_t>(b, n),
+                                                1.0 / std::sqrt(static_cast<double>(hd)));
+    return linear(l.o, o.reshape({b, n, hidden}), training);
   }
 
   at::Tensor forward(const PixelInputs& in) const override {
