@@ -110,7 +110,7 @@ int main(int argc, char** argv) {
     }
   }
   if (tower) {
-    std::cout << tower_json(heads ? heads : 16, dim ? dim : 72, seq ? seq : 3072, std::min(reps, 5)).dump(2) << "\n";
+    std::cout << tower_json(heads ? heads : 16, dim ? dim : 72, seq ? seq : 3072, reps).dump(2) << "\n";
     return 0;
   }
   heads = heads ? heads : 12, dim = dim ? dim : 64, seq = seq ? seq : 512;

@@ -38,7 +38,9 @@ bool attention_amx_available() {
 #if defined(__x86_64__)
 namespace {
 
-#define QLORA_AMX __attribute__((target("avx2,fma,avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,amx-tile,amx-bf16")))
+#define QLORA_AMX_TARGET "avx2,fma,avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,amx-tile,amx-bf16"
+#define QLORA_AMX __attribute__((target(QLORA_AMX_TARGET)))
+#define QLORA_AMX_LAMBDA __attribute__((always_inline, target(QLORA_AMX_TARGET)))
 
 constexpr int64_t kRows = 32;    // queries per block: two tiles' rows
 constexpr int64_t kKeys = 512;   // keys per block, a multiple of 64
@@ -196,18 +198,17 @@ QLORA_AMX void values(const uint16_t* p, const uint32_t* vt, int64_t dvt, int64_
   }
 }
 
-// 2^x for x <= 32 (below -160: 0; NaN stays NaN): x = n + f, |f| <= 1/2, 2^f by a degree-5
-// polynomial fitted to it in relative error (7.5e-8), scaled by 2^n.
+// 2^x for x <= 64 and not -inf (x = n + f, |f| <= 1/2: 2^f by a degree-4 polynomial fitted to it in
+// relative error, 2.6e-6, far below the bf16 rounding of the probabilities; scaled by 2^n, which
+// gives 0 below -150 however far). NaN stays NaN.
 QLORA_AMX __m512 exp2_ps(__m512 x) {
-  x = _mm512_max_ps(_mm512_set1_ps(-160.0f), x);  // the second operand where either is NaN
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(1.3276451558e-3f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6755411712e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5507133367e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022119728e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314696703e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000000717f));
+  __m512 p = _mm512_set1_ps(9.5700943887e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5917859729e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4024745014e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9312181485e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.9999926139e-1f));
   return _mm512_scalef_ps(p, n);
 }
 
@@ -223,43 +224,46 @@ QLORA_AMX float row_max(const float* s, int64_t bk, int64_t valid) {
   return _mm512_reduce_max_ps(mx);
 }
 
-// One pass of a row: p = 2^(s scale log2 e - ref) in bf16 (keys from `valid` on: 0), returning their
-// sum and setting *top to the largest exponent.
-QLORA_AMX float exp_row(const float* s, uint16_t* p, int64_t bk, int64_t valid, float scale_log2, float ref,
-                        float* top) {
-  const __m512 none = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+// Masked-off lanes (keys past the segment) load this: finite (exp2_ps takes no -inf), so far below
+// any score that its probability is 0.
+constexpr float kNoKey = -1e30f;
+
+// One pass of a row: p = 2^(s scale log2 e - ref) in bf16 (keys from `valid` on: 0); returns their sum.
+QLORA_AMX float exp_row(const float* s, uint16_t* p, int64_t bk, int64_t valid, float scale_log2, float ref) {
+  const __m512 none = _mm512_set1_ps(kNoKey);
   const __m512 sc = _mm512_set1_ps(scale_log2), r = _mm512_set1_ps(ref);
-  __m512 sum = _mm512_setzero_ps(), mx = none;
-  for (int64_t c = 0; c < bk; c += 32) {
-    const __m512 t0 = _mm512_fmsub_ps(_mm512_mask_loadu_ps(none, first_lanes(valid - c), s + c), sc, r);
-    const __m512 t1 = _mm512_fmsub_ps(_mm512_mask_loadu_ps(none, first_lanes(valid - c - 16), s + c + 16), sc, r);
-    mx = _mm512_max_ps(mx, _mm512_max_ps(t0, t1));
-    const __m512 p0 = exp2_ps(t0), p1 = exp2_ps(t1);
+  __m512 sum = _mm512_setzero_ps();
+  const auto step = [&](int64_t c, __m512 x0, __m512 x1) QLORA_AMX_LAMBDA {
+    const __m512 p0 = exp2_ps(_mm512_fmsub_ps(x0, sc, r)), p1 = exp2_ps(_mm512_fmsub_ps(x1, sc, r));
     sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
     _mm512_storeu_si512(p + c, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(p1, p0)));
-  }
-  *top = _mm512_reduce_max_ps(mx);
+  };
+  int64_t c = 0;
+  for (; c + 32 <= std::min(bk, valid); c += 32) step(c, _mm512_loadu_ps(s + c), _mm512_loadu_ps(s + c + 16));
+  for (; c < bk; c += 32)  // the segment's last keys, then padding
+    step(c, _mm512_mask_loadu_ps(none, first_lanes(valid - c), s + c),
+         _mm512_mask_loadu_ps(none, first_lanes(valid - c - 16), s + c + 16));
   return _mm512_reduce_add_ps(sum);
 }
 
 // The online softmax of one key block, row by row, against a reference m per row (log2 units): the
-// row's max at its first block, kept while the block's scores stay within 2^32 of it (the
-// probabilities and sums, fp32, are exact to a scale), else moved to the block's max and the earlier
-// sums scaled by alpha. A NaN score gives NaN probabilities, and so NaN outputs, in its row.
+// row's max at its first block, kept while the block's probabilities sum below 2^48 (they and the
+// sums, fp32, are exact to a scale), else moved to the block's max and the earlier sums scaled by
+// alpha. A NaN score gives NaN probabilities, and so NaN outputs, in its row.
 QLORA_AMX void softmax_block(Scratch& w, int64_t bk, int64_t valid, float scale_log2) {
-  constexpr float kHeadroom = 32.0f;
+  constexpr float kHeadroom = 281474976710656.0f;  // 2^48
   for (int64_t r = 0; r < kRows; ++r) {
     const float* s = w.s + r * kKeys;
     uint16_t* p = w.p + r * kKeys;
     float& m = w.m[r];
     if (m == -std::numeric_limits<float>::infinity()) m = row_max(s, bk, valid) * scale_log2;
-    float top = 0;
-    float sum = exp_row(s, p, bk, valid, scale_log2, m, &top);
+    float sum = exp_row(s, p, bk, valid, scale_log2, m);
     w.alpha[r] = 1.0f;
-    if (top > kHeadroom) {
-      w.alpha[r] = std::exp2(-top);
-      m += top;
-      sum = exp_row(s, p, bk, valid, scale_log2, m, &top);
+    if (sum >= kHeadroom) {  // (not for NaN)
+      const float top = std::max(m, row_max(s, bk, valid) * scale_log2);
+      w.alpha[r] = std::exp2(m - top);
+      m = top;
+      sum = exp_row(s, p, bk, valid, scale_log2, m);
     }
     w.l[r] = w.l[r] * w.alpha[r] + sum;
   }

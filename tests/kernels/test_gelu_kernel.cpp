@@ -55,6 +55,13 @@ TEST(GeluTanh, KeepsTheFarNegativeTailAndFallsBackOffTheKernel) {
   EXPECT_LT(got[1].item<float>(), 0.0f);  // ~ -1e-30: float32's 1 + tanh gives exactly 0 here
   const at::Tensor strided = at::randn({8, 6}).t();  // not contiguous: ATen's gelu_
   EXPECT_TRUE(at::allclose(ops::gelu_tanh_(strided.clone()), at::gelu(strided, "tanh")));
+  // NaN stays NaN (bf16 too), infinities as the function's limits.
+  const at::Tensor odd = at::tensor({std::nanf(""), INFINITY, 1.0f});
+  for (const at::ScalarType t : {at::kFloat, at::kBFloat16}) {
+    const at::Tensor g = ops::gelu_tanh_(odd.to(t)).to(at::kFloat);
+    EXPECT_TRUE(std::isnan(g[0].item<float>()));
+    EXPECT_EQ(g[1].item<float>(), INFINITY);
+  }
 }
 
 }  // namespace
