@@ -52,18 +52,20 @@ int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 // A segment's shapes in the tiles' layouts: n rows, padded to a block of queries (rows_padded) and
 // of keys (keys64); d padded to dq (a multiple of 32, one A tile's depth: nc tiles) and, for v's
 // columns, to dvt tiles of 16.
+// The depth of q k^T (d) goes in nc chunks of kc (even, <= 32: one A tile's columns, a B tile's
+// rows in pairs): d split evenly where it can be (the towers' 72 = 3 x 24), else padded to 32s.
 struct Dims {
-  int64_t n, rows_padded, keys64, dq, nc, dvt;
+  int64_t n, rows_padded, keys64, dq, nc, kc, dvt;
 };
 
 Dims dims_of(int64_t n, int64_t d) {
-  const int64_t dq = round_up(d, 32);
-  return {n, round_up(n, kRows), round_up(n, 64), dq, dq / 32, round_up(d, 16) / 16};
+  const int64_t nc = (d + 31) / 32, even = d % nc == 0 && (d / nc) % 2 == 0 ? d / nc : 32;
+  return {n, round_up(n, kRows), round_up(n, 64), nc * even, nc, even, round_up(d, 16) / 16};
 }
 
 // One head's operands in the tiles' layouts (padding zero), on the thread that computes it:
 //   q [rows_padded][dq];
-//   k [keys64 / 16][nc][16 d pairs][16 keys]: B tiles of q k^T;
+//   k [keys64 / 16][nc][kc / 2 d pairs][16 keys]: B tiles of q k^T;
 //   v [keys64 / 32][dvt][16 key pairs][16 columns]: B tiles of p v.
 // k and v hold bf16 pairs (low half first) as uint32. Kept per thread between calls (1.7 MB for a
 // 3072-patch image at head dim 72): fresh pages each call cost more than the packing.
@@ -94,9 +96,9 @@ void pack_head(const RowsHeads& q, const RowsHeads& k, const RowsHeads& v, int64
   for (int64_t g = 0; g < p.keys64 / 16; ++g) {
     for (int64_t j = 0; j < 16; ++j) padded_row(k, start + g * 16 + j, g * 16 + j < p.n, h, d, p.dq, rows[j]);
     for (int64_t c = 0; c < p.nc; ++c) {
-      uint32_t* tile = hp.k.data() + (g * p.nc + c) * kPairs;  // [16 d pairs][16 keys]
-      for (int64_t i = 0; i < 16; ++i)
-        for (int64_t j = 0; j < 16; ++j) tile[i * 16 + j] = pair_at(rows[j] + c * 32 + 2 * i);
+      uint32_t* tile = hp.k.data() + (g * p.nc + c) * p.kc * 8;  // [kc / 2 d pairs][16 keys]
+      for (int64_t i = 0; i < p.kc / 2; ++i)
+        for (int64_t j = 0; j < 16; ++j) tile[i * 16 + j] = pair_at(rows[j] + c * p.kc + 2 * i);
     }
   }
   const int64_t width = p.dvt * 16;
@@ -128,19 +130,21 @@ struct alignas(64) TileConfig {
   uint8_t rows[16];
 };
 
-QLORA_AMX void configure_tiles() {
+// Tiles 0-3 (C) 16 x 16 fp32; A (4-5) 16 rows of kc bf16, B (6-7) kc / 2 rows of 16 pairs: kc = 32
+// for p v, the chunk depth for q k^T. (Loading a configuration zeroes every tile.)
+QLORA_AMX void configure_tiles(int64_t kc) {
   TileConfig c{};
   c.palette_id = 1;
   for (int i = 0; i < 8; ++i) {
-    c.colsb[i] = 64;
-    c.rows[i] = 16;
+    c.colsb[i] = static_cast<uint16_t>(i == 4 || i == 5 ? kc * 2 : 64);
+    c.rows[i] = static_cast<uint8_t>(i >= 6 ? kc / 2 : 16);
   }
   _tile_loadconfig(&c);
 }
 
-// s [32][kKeys] = q rows (32 x dq) times the bk keys' B tiles (tile (g, c) at kt + (g * nc + c) * kPairs):
+// s [32][kKeys] = q rows (32 x dq) times the bk keys' B tiles (tile (g, c) at kt + (g * nc + c) * kc * 8):
 // 2 x 2 tiles of C (tiles 0-3: rows 0-15 and 16-31 times keys g and g + 1), A in 4-5, B in 6-7.
-QLORA_AMX void scores(const uint16_t* q, int64_t dq, int64_t nc, const uint32_t* kt, int64_t bk, float* s) {
+QLORA_AMX void scores(const uint16_t* q, int64_t dq, int64_t nc, int64_t kc, const uint32_t* kt, int64_t bk, float* s) {
   const int64_t lda = dq * 2, ldc = kKeys * 4;
   for (int64_t g = 0; g < bk / 16; g += 2) {
     _tile_zero(0);
@@ -148,11 +152,11 @@ QLORA_AMX void scores(const uint16_t* q, int64_t dq, int64_t nc, const uint32_t*
     _tile_zero(2);
     _tile_zero(3);
     for (int64_t c = 0; c < nc; ++c) {
-      const uint32_t* b = kt + (g * nc + c) * kPairs;
-      _tile_loadd(4, q + c * 32, lda);
+      const uint32_t* b = kt + (g * nc + c) * kc * 8;
+      _tile_loadd(4, q + c * kc, lda);
       _tile_loadd(6, b, 64);
-      _tile_loadd(5, q + 16 * dq + c * 32, lda);
-      _tile_loadd(7, b + nc * kPairs, 64);
+      _tile_loadd(5, q + 16 * dq + c * kc, lda);
+      _tile_loadd(7, b + nc * kc * 8, 64);
       _tile_dpbf16ps(0, 4, 6);
       _tile_dpbf16ps(1, 4, 7);
       _tile_dpbf16ps(2, 5, 6);
@@ -301,8 +305,10 @@ QLORA_AMX void attend_block(const Dims& p, const HeadPack& hp, int64_t qb, int64
   std::fill(w.o, w.o + kRows * ldo, 0.0f);
   for (int64_t kb = 0; kb < p.keys64; kb += kKeys) {
     const int64_t bk = std::min(kKeys, p.keys64 - kb);
-    scores(q, p.dq, p.nc, hp.k.data() + (kb / 16) * p.nc * kPairs, bk, w.s);
+    if (p.kc != 32) configure_tiles(p.kc);
+    scores(q, p.dq, p.nc, p.kc, hp.k.data() + (kb / 16) * p.nc * p.kc * 8, bk, w.s);
     softmax_block(w, bk, p.n - kb, scale_log2);
+    if (p.kc != 32) configure_tiles(32);
     values(w.p, hp.v.data() + (kb / 32) * p.dvt * kPairs, p.dvt, bk, w.t);
     accumulate(w, ldo);
   }
@@ -318,7 +324,7 @@ QLORA_AMX void attend_items(const RowsHeads& q, const RowsHeads& k, const RowsHe
   if (!w) w = std::make_unique<Scratch>();
   const int64_t blocks = p.rows_padded / kRows;
   int64_t packed = -1;
-  configure_tiles();
+  configure_tiles(32);
   for (int64_t i = i0; i < i1; ++i) {
     const int64_t h = i / blocks, qb = i % blocks;
     if (h != packed) {

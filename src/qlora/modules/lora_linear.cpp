@@ -1,5 +1,6 @@
 #include "qlora/modules/lora_linear.h"
 
+#include <ATen/ops/addmm.h>
 #include <ATen/ops/dropout.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
@@ -54,29 +55,43 @@ std::vector<Span> spans_of(const std::vector<int64_t>& outs, const std::vector<i
   return spans;
 }
 
-// The members' base outputs side by side, [T, sum of out] in x2's dtype, biases added: small NF4
+// The members' biases side by side ([sum of out], zeros for a member without one) in x2's dtype,
+// for their stacked GEMM; undefined where no member has one.
+at::Tensor group_bias(const Members& m, const std::vector<Span>& spans, const at::TensorOptions& opt) {
+  bool any = false;
+  for (const LoraLinear* l : m) any = any || l->bias.defined();
+  if (!any) return {};
+  at::Tensor bias = at::zeros({spans.back().off + spans.back().out}, opt);
+  for (size_t i = 0; i < m.size(); ++i)
+    if (m[i]->bias.defined()) bias.narrow(0, spans[i].off, spans[i].out).copy_(m[i]->bias);
+  return bias;
+}
+
+// The members' base outputs side by side, [T, sum of out] in x2's dtype, biases added (inside the
+// GEMM where the base is NF4 and the bias in x2's dtype, as nn.Linear's addmm): small NF4
 // weights stacked into one GEMM, others by their own (chunked) products into column slices.
 at::Tensor group_base(const at::Tensor& x2, const Members& m, const std::vector<Span>& spans) {
   const at::ScalarType dt = x2.scalar_type();
-  at::Tensor y;
   if (m[0]->base_nf4.defined() && !decode_rows(x2)) {  // a decode step: each member's own kernel call below
     std::vector<const Nf4Tensor*> ws;
     for (const LoraLinear* l : m) ws.push_back(&l->base_nf4);
     const at::Tensor stacked = nf4_stacked(ws, dt);  // [O, in] or undefined
     RECORD_USER_SCOPE("qlora::base_linear");        // a phase of bench_train_step's profile
-    if (stacked.defined()) y = at::mm(x2, stacked.t());
-  }
-  if (!y.defined()) {
-    y = at::empty({x2.size(0), spans.back().off + spans.back().out}, x2.options());
-    for (size_t i = 0; i < m.size(); ++i) {
-      at::Tensor yi = y.narrow(1, spans[i].off, spans[i].out);
-      if (m[i]->base_nf4.defined()) nf4_times_transposed_out(x2, m[i]->base_nf4, yi);
-      else if (!decode_rows(x2) || !ops::decode_matmul_out(x2, m[i]->base_dense, yi))
-        at::mm_out(yi, x2, m[i]->base_dense.to(dt).t());
+    if (stacked.defined()) {
+      const at::Tensor bias = group_bias(m, spans, x2.options());
+      return bias.defined() ? at::addmm(bias, x2, stacked.t()) : at::mm(x2, stacked.t());
     }
   }
-  for (size_t i = 0; i < m.size(); ++i)
-    if (m[i]->bias.defined()) y.narrow(1, spans[i].off, spans[i].out).add_(m[i]->bias);
+  at::Tensor y = at::empty({x2.size(0), spans.back().off + spans.back().out}, x2.options());
+  for (size_t i = 0; i < m.size(); ++i) {
+    at::Tensor yi = y.narrow(1, spans[i].off, spans[i].out);
+    const at::Tensor& b = m[i]->bias;
+    const bool fused = m[i]->base_nf4.defined() && b.defined() && b.scalar_type() == dt;
+    if (m[i]->base_nf4.defined()) nf4_times_transposed_out(x2, m[i]->base_nf4, yi, fused ? b : at::Tensor());
+    else if (!decode_rows(x2) || !ops::decode_matmul_out(x2, m[i]->base_dense, yi))
+      at::mm_out(yi, x2, m[i]->base_dense.to(dt).t());
+    if (b.defined() && !fused) yi.add_(b);
+  }
   return y;
 }
 
@@ -320,13 +335,10 @@ at::Tensor lora_linear_base(const LoraLinear& layer, const at::Tensor& x) {
     }
     return at::linear(x, layer.base_dense, layer.bias);  // [..., out]
   }
-  at::Tensor y = nf4_linear(x, layer.base_nf4);
-  if (!layer.bias.defined()) return y;
-  // y is new: the bias goes in in place where no gradient needs y and the dtypes agree (a frozen
-  // tower's linears), sparing a second [rows, out] buffer.
-  if (layer.bias.scalar_type() == y.scalar_type() && !(at::GradMode::is_enabled() && y.requires_grad()))
-    return y.add_(layer.bias);
-  return y + layer.bias;
+  // A bias in x's dtype goes into the GEMM (as nn.Linear's addmm); another dtype is added after.
+  if (!layer.bias.defined() || layer.bias.scalar_type() == x.scalar_type())
+    return nf4_linear(x, layer.base_nf4, layer.bias);
+  return nf4_linear(x, layer.base_nf4) + layer.bias;
 }
 
 namespace {

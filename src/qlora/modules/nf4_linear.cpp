@@ -3,6 +3,7 @@
 #include <c10/core/InferenceMode.h>
 
 #include <ATen/ops/empty.h>
+#include <ATen/ops/addmm.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/linear.h>
 #include <ATen/record_function.h>
@@ -96,16 +97,22 @@ bool decode_rows(const at::Tensor& x2) {
   return c10::InferenceMode::is_enabled() && x2.size(0) >= 1 && x2.size(0) <= kDecodeRows;
 }
 
-void nf4_times_transposed_out(const at::Tensor& x2, const Nf4Tensor& weight, at::Tensor y) {
+void nf4_times_transposed_out(const at::Tensor& x2, const Nf4Tensor& weight, at::Tensor y, const at::Tensor& bias) {
   RECORD_USER_SCOPE("qlora::base_linear");  // a phase of bench_train_step's profile
   // A few rows (a decode step's tokens, a short prompt): W read once as NF4 for all of them, never
   // dequantized to memory. More rows amortize dequantizing W for BLAS's faster tiles.
-  if (decode_rows(x2) && ops::decode_matmul_out(x2, weight, y)) return;
+  if (decode_rows(x2) && ops::decode_matmul_out(x2, weight, y)) {
+    if (bias.defined()) y.add_(bias);
+    return;
+  }
   const int64_t out = weight.shape[0], chunk = chunk_rows(weight);
   for (int64_t r0 = 0; r0 < out; r0 += chunk) {
     const int64_t n = std::min(chunk, out - r0);
     at::Tensor part = y.narrow(1, r0, n);  // [T, n]
-    at::mm_out(part, x2, dequantize_rows(weight, r0, n, x2.scalar_type()).t());
+    const at::Tensor w = dequantize_rows(weight, r0, n, x2.scalar_type()).t();
+    // The bias inside the GEMM (one rounding, as nn.Linear's addmm; no pass of its own over y).
+    if (bias.defined()) at::addmm_out(part, bias.narrow(0, r0, n), x2, w);
+    else at::mm_out(part, x2, w);
   }
 }
 
@@ -134,11 +141,11 @@ at::Tensor nf4_stacked(const std::vector<const Nf4Tensor*>& weights, at::ScalarT
   return stacked;
 }
 
-at::Tensor nf4_times_transposed(const at::Tensor& x, const Nf4Tensor& weight) {
+at::Tensor nf4_times_transposed(const at::Tensor& x, const Nf4Tensor& weight, const at::Tensor& bias) {
   std::vector<int64_t> sizes = x.sizes().vec();
   sizes.back() = weight.shape[0];
   at::Tensor y = at::empty(sizes, x.options());  // [..., out]
-  nf4_times_transposed_out(x.reshape({-1, weight.shape[1]}), weight, y.view({-1, weight.shape[0]}));
+  nf4_times_transposed_out(x.reshape({-1, weight.shape[1]}), weight, y.view({-1, weight.shape[0]}), bias);
   return y;
 }
 
@@ -151,17 +158,19 @@ at::Tensor grad_times_nf4(const at::Tensor& grad_y, const Nf4Tensor& weight) {
   return grad_x;
 }
 
-at::Tensor Nf4LinearFunction::forward(AutogradContext* ctx, const at::Tensor& x, const Nf4Tensor& weight) {
+at::Tensor Nf4LinearFunction::forward(AutogradContext* ctx, const at::Tensor& x, const Nf4Tensor& weight,
+                                      const std::optional<at::Tensor>& bias) {
   save_nf4(ctx, weight);
-  return nf4_times_transposed(x, weight);  // [..., out]
+  return nf4_times_transposed(x, weight, bias.value_or(at::Tensor()));  // [..., out]
 }
 
 variable_list Nf4LinearFunction::backward(AutogradContext* ctx, variable_list grad_outputs) {
   // Dequantize again rather than having kept W alive between forward and backward.
-  return {grad_times_nf4(grad_outputs[0], load_nf4(ctx)), at::Tensor()};  // the NF4 weight is frozen: no gradient
+  // The NF4 weight and the bias are frozen: no gradients.
+  return {grad_times_nf4(grad_outputs[0], load_nf4(ctx)), at::Tensor(), at::Tensor()};
 }
 
-at::Tensor nf4_linear(const at::Tensor& x, const Nf4Tensor& weight) {
+at::Tensor nf4_linear(const at::Tensor& x, const Nf4Tensor& weight, const at::Tensor& bias) {
   if (weight.shape.size() != 2) {
     throw std::invalid_argument("nf4_linear: weight must be 2-D [out, in]");
   }
@@ -173,7 +182,11 @@ at::Tensor nf4_linear(const at::Tensor& x, const Nf4Tensor& weight) {
   if (x.device() != weight.device()) {
     throw std::invalid_argument("nf4_linear: input and NF4 weight are on different devices");
   }
-  return Nf4LinearFunction::apply(x, weight);
+  if (bias.defined() && (bias.dim() != 1 || bias.size(0) != weight.shape[0] || bias.scalar_type() != x.scalar_type() ||
+                         bias.requires_grad()))
+    throw std::invalid_argument("nf4_linear: bias must be a frozen [out] tensor in the input's dtype");
+  // An optional, so that no bias is no autograd input (an undefined one would be).
+  return Nf4LinearFunction::apply(x, weight, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt);
 }
 
 }  // namespace qlora::modules

@@ -7,6 +7,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -14,15 +15,16 @@
 
 namespace qlora::modules {
 
-// y = x @ W^T with W = dequantize(weight) in x's dtype.
-// x: [..., in] float32/bfloat16; weight: NF4 of shape [out, in] on x's device. Returns [..., out].
-at::Tensor nf4_linear(const at::Tensor& x, const Nf4Tensor& weight);
+// y = x @ W^T (+ bias) with W = dequantize(weight) in x's dtype.
+// x: [..., in] float32/bfloat16; weight: NF4 of shape [out, in] on x's device; bias (optional):
+// frozen, [out], x's dtype, added inside the GEMM (one rounding, as nn.Linear). Returns [..., out].
+at::Tensor nf4_linear(const at::Tensor& x, const Nf4Tensor& weight, const at::Tensor& bias = {});
 
 // The two products of an NF4 weight W [out, in] a linear layer runs, W dequantized to the other
 // operand's dtype just in time and dropped after: x @ W^T ([..., in] -> [..., out], forward) and
 // grad_y @ W ([..., out] -> [..., in], backward). A weight of more than 16M elements (a 7B's MLP)
 // goes by chunks of rows (whole scaler groups), so at most ~64 MB of it is ever dequantized at once.
-at::Tensor nf4_times_transposed(const at::Tensor& x, const Nf4Tensor& weight);
+at::Tensor nf4_times_transposed(const at::Tensor& x, const Nf4Tensor& weight, const at::Tensor& bias = {});
 at::Tensor grad_times_nf4(const at::Tensor& grad_y, const Nf4Tensor& weight);
 // The same on 2-D operands into given outputs, which may be column slices of wider ones (a group
 // of projections sharing one input): y [T, out] = x2 [T, in] @ W^T; gx [T, in] = g2 [T, out] @ W,
@@ -33,7 +35,8 @@ at::Tensor grad_times_nf4(const at::Tensor& grad_y, const Nf4Tensor& weight);
 // the same case (LoRA's base, the output head). Only under inference mode: training, evaluation
 // and a checkpointed layer's replay keep BLAS's sums, so a forward without grad and its replay
 // with grad compute the same bits.
-void nf4_times_transposed_out(const at::Tensor& x2, const Nf4Tensor& weight, at::Tensor y);
+// A bias [out] (x's dtype) goes into the GEMM as addmm's (one rounding, as nn.Linear).
+void nf4_times_transposed_out(const at::Tensor& x2, const Nf4Tensor& weight, at::Tensor y, const at::Tensor& bias = {});
 inline constexpr int64_t kDecodeRows = 64;
 bool decode_rows(const at::Tensor& x2);  // inference mode and 1..kDecodeRows rows
 void grad_times_nf4_out(const at::Tensor& g2, const Nf4Tensor& weight, at::Tensor& gx, bool accumulate);
@@ -56,7 +59,7 @@ Nf4Tensor load_nf4(torch::autograd::AutogradContext* ctx, const std::string& pre
 // grad_input needs only the weight and grad_output. Exposed so tests can inspect what is kept.
 struct Nf4LinearFunction : public torch::autograd::Function<Nf4LinearFunction> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
-                            const Nf4Tensor& weight);
+                            const Nf4Tensor& weight, const std::optional<at::Tensor>& bias);
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grad_outputs);
 };
