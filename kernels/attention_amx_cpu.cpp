@@ -250,22 +250,27 @@ QLORA_AMX float exp_row(const float* s, uint16_t* p, int64_t bk, int64_t valid, 
   return _mm512_reduce_add_ps(sum);
 }
 
-// The online softmax of one key block, row by row, against a reference m per row (log2 units): the
-// row's max at its first block, kept while the block's probabilities sum below 2^48 (they and the
-// sums, fp32, are exact to a scale), else moved to the block's max and the earlier sums scaled by
-// alpha. A NaN score gives NaN probabilities, and so NaN outputs, in its row.
+// The online softmax of one key block, row by row, against a reference m per row (log2 units; 0
+// at the first block): kept while the row's sum so far stays within 2^-48 .. 2^48 (the
+// probabilities and sums, fp32, are exact to a scale), else moved to the block's max and the
+// earlier sums scaled by alpha. Attention logits within +-33 of 0 never move it: no pass for the
+// max. A NaN score gives NaN probabilities, and so NaN outputs, in its row.
 QLORA_AMX void softmax_block(Scratch& w, int64_t bk, int64_t valid, float scale_log2) {
-  constexpr float kHeadroom = 281474976710656.0f;  // 2^48
+  constexpr float kHigh = 281474976710656.0f, kLow = 1.0f / kHigh;  // 2^48, 2^-48
   for (int64_t r = 0; r < kRows; ++r) {
     const float* s = w.s + r * kKeys;
     uint16_t* p = w.p + r * kKeys;
     float& m = w.m[r];
-    if (m == -std::numeric_limits<float>::infinity()) m = row_max(s, bk, valid) * scale_log2;
     float sum = exp_row(s, p, bk, valid, scale_log2, m);
     w.alpha[r] = 1.0f;
-    if (sum >= kHeadroom) {  // (not for NaN)
-      const float top = std::max(m, row_max(s, bk, valid) * scale_log2);
-      w.alpha[r] = std::exp2(m - top);
+    const float total = w.l[r] + sum;
+    if (total >= kHigh || total < kLow) {  // (not for NaN)
+      // Too high: a score far above m; the block's max exceeds it. Too low: every score so far far
+      // below m; the block's max the better reference, but not below the sum already there (earlier
+      // keys may have scored above this block's: their sum, rescaled, stays <= 1). No sum yet: none to scale.
+      float top = row_max(s, bk, valid) * scale_log2;
+      if (total > 0.0f && total < kLow) top = std::max(top, m + std::log2(total));
+      w.alpha[r] = w.l[r] > 0.0f ? std::exp2(m - top) : 0.0f;
       m = top;
       sum = exp_row(s, p, bk, valid, scale_log2, m);
     }
@@ -300,7 +305,7 @@ QLORA_AMX void attend_block(const Dims& p, const HeadPack& hp, int64_t qb, int64
                             uint16_t* out, int64_t out_ld) {
   const uint16_t* q = hp.q.data() + qb * kRows * p.dq;
   const int64_t ldo = p.dvt * 16;
-  std::fill(w.m, w.m + kRows, -std::numeric_limits<float>::infinity());
+  std::fill(w.m, w.m + kRows, 0.0f);
   std::fill(w.l, w.l + kRows, 0.0f);
   std::fill(w.o, w.o + kRows * ldo, 0.0f);
   for (int64_t kb = 0; kb < p.keys64; kb += kKeys) {

@@ -3,7 +3,8 @@
 // ATen's bf16 SDPA (what transformers runs) measured against the same reference: the kernel's error
 // must stay within 1.5x of ATen's plus a bf16 rounding. Shapes cover the towers' head dims (72, 64),
 // tails of every block (rows not a multiple of 16, 64 or 256; d not a multiple of 16 or 32), several
-// segments and strided operands (q, k, v as views of one qkv projection). Skipped without AMX-BF16;
+// segments, strided operands (q, k, v as views of one qkv projection), and logits far from 0 both
+// ways (the softmax's reference moved). Skipped without AMX-BF16;
 // the ATen fallback (grad mode, fp32) is checked everywhere.
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
@@ -60,6 +61,8 @@ double max_err(const at::Tensor& got, const at::Tensor& want) {
 struct Case {
   int64_t heads, d;
   std::vector<int64_t> segs;
+  double spread = 2.0;  // q and k drawn N(0, spread^2)
+  double offset = 0.0;  // every score shifted by about this (a shared dimension of q and k)
 };
 
 TEST(AttentionAmx, MatchesFloat64WithinAtenSdpasError) {
@@ -69,6 +72,10 @@ TEST(AttentionAmx, MatchesFloat64WithinAtenSdpasError) {
       {3, 64, {17, 64, 5}},  // segments: one past a block of 16, one exactly 64, one short
       {2, 40, {1, 257}},     // d past a tile of 32 and of 16; a single-row segment
       {1, 128, {96}},        // two A tiles of depth, eight output tiles (two passes of p v)
+      // The softmax's reference moved: logits far above 0 (and rising past the first key block),
+      // and every logit far below 0.
+      {2, 72, {1100}, 12.0},
+      {2, 72, {700}, 2.0, -400.0},
   };
   uint64_t seed = 1;
   for (const Case& c : cases) {
@@ -76,7 +83,12 @@ TEST(AttentionAmx, MatchesFloat64WithinAtenSdpasError) {
     for (const int64_t n : c.segs) rows += n;
     // q, k, v as views of one projection [rows, 3, heads, d] (row stride 3 heads d); scaled up so the
     // softmax is peaked and the online rescaling is exercised across key blocks.
-    const at::Tensor qkv = (rnd({rows, 3, c.heads, c.d}, seed++) * 2.0).to(at::kBFloat16);
+    at::Tensor qkv = rnd({rows, 3, c.heads, c.d}, seed++) * c.spread;
+    if (c.offset != 0.0) {  // q's and k's last dims 1 and offset / scale: each score gains offset
+      qkv.select(1, 0).select(2, c.d - 1).fill_(1.0);
+      qkv.select(1, 1).select(2, c.d - 1).fill_(c.offset * std::sqrt(static_cast<double>(c.d)));
+    }
+    qkv = qkv.to(at::kBFloat16);
     const at::Tensor q = qkv.select(1, 0), k = qkv.select(1, 1), v = qkv.select(1, 2);
     const double scale = 1.0 / std::sqrt(static_cast<double>(c.d));
     ASSERT_TRUE(ops::segment_attention_uses_amx(q, k, v));
