@@ -144,8 +144,15 @@ at::Tensor nf4_stacked(const std::vector<const Nf4Tensor*>& weights, at::ScalarT
 at::Tensor nf4_times_transposed(const at::Tensor& x, const Nf4Tensor& weight, const at::Tensor& bias) {
   std::vector<int64_t> sizes = x.sizes().vec();
   sizes.back() = weight.shape[0];
+  const at::Tensor x2 = x.reshape({-1, weight.shape[1]});
+  if (bias.defined() && !decode_rows(x2) && chunk_rows(weight) == weight.shape[0]) {
+    // One GEMM with the bias in oneDNN's epilogue: addmm into a given output (below) first copies
+    // the bias over it, a pass as long as the add it replaces.
+    RECORD_USER_SCOPE("qlora::base_linear");
+    return at::addmm(bias, x2, ops::nf4_dequantize(weight, x2.scalar_type()).t()).view(sizes);
+  }
   at::Tensor y = at::empty(sizes, x.options());  // [..., out]
-  nf4_times_transposed_out(x.reshape({-1, weight.shape[1]}), weight, y.view({-1, weight.shape[0]}), bias);
+  nf4_times_transposed_out(x2, weight, y.view({-1, weight.shape[0]}), bias);
   return y;
 }
 
