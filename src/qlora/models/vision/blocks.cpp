@@ -13,8 +13,9 @@
 
 #include "qlora/io/quantize_checkpoint.h"
 #include "qlora/models/config_json.h"
+#include "qlora/modules/nf4_linear.h"
 #include "qlora/modules/rope.h"
-#include "qlora/ops/gelu_ops.h"
+#include "qlora/ops/epilogue_ops.h"
 #include "qlora/ops/nf4_ops.h"
 #include "qlora/ops/rope_ops.h"
 #include "qlora/ops/segment_attention_ops.h"
@@ -98,11 +99,32 @@ at::Tensor activate(at::Tensor x, Act act) {
   const char* approximate = act == Act::kGeluTanh ? "tanh" : "none";
   if (at::GradMode::is_enabled() && x.requires_grad()) return at::gelu(x, approximate);
   // Nothing to differentiate: in place, no second buffer of x's size (the tanh form in one pass).
-  return act == Act::kGeluTanh ? ops::gelu_tanh_(x) : at::gelu_(x, approximate);
+  return act == Act::kGeluTanh ? ops::bias_gelu_tanh_(x) : at::gelu_(x, approximate);
 }
 
 at::Tensor linear(const modules::LoraLinear& l, const at::Tensor& x, bool training) {
   return modules::lora_linear_forward(l, x, training);
+}
+
+namespace {
+bool differentiated(const at::Tensor& t) { return at::GradMode::is_enabled() && t.requires_grad(); }
+}  // namespace
+
+Unbiased linear_unbiased(const modules::LoraLinear& l, const at::Tensor& x, bool training) {
+  if (l.active() || differentiated(x) || !l.bias.defined() || l.bias.scalar_type() != x.scalar_type())
+    return {linear(l, x, training), {}};
+  return {l.base_nf4.defined() ? modules::nf4_linear(x, l.base_nf4) : at::linear(x, l.base_dense), l.bias};
+}
+
+at::Tensor activate(Unbiased u, Act act) {
+  if (!u.bias.defined()) return activate(u.y, act);
+  if (act == Act::kGeluTanh) return ops::bias_gelu_tanh_(u.y, u.bias);
+  return at::gelu_(u.y.add_(u.bias), "none");
+}
+
+at::Tensor residual(const at::Tensor& x, Unbiased u) {
+  if (differentiated(x) || differentiated(u.y)) return x + u.y;  // (no bias: u.y holds it)
+  return ops::bias_residual_(u.y, x, u.bias);
 }
 
 at::Tensor segment_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

@@ -51,6 +51,18 @@ Act parse_act(const std::string& name, const std::string& where, const std::stri
 at::Tensor activate(at::Tensor x, Act act);
 
 at::Tensor linear(const modules::LoraLinear& l, const at::Tensor& x, bool training);
+
+// A linear's output left without its bias, with the bias beside it, where the bias can go into the
+// pass that follows (ops/epilogue_ops.h): nothing differentiated and no adapter on the layer (a
+// frozen tower's linear). Otherwise the whole linear (y) and no bias.
+struct Unbiased {
+  at::Tensor y, bias;
+};
+Unbiased linear_unbiased(const modules::LoraLinear& l, const at::Tensor& x, bool training);
+// activate(y + bias), in place on y where nothing needs its gradient.
+at::Tensor activate(Unbiased u, Act act);
+// x + (y + bias): the residual, in place on y where nothing needs a gradient.
+at::Tensor residual(const at::Tensor& x, Unbiased u);
 // A projector tensor in the compute dtype (a trained one is an fp32 copy).
 inline at::Tensor as_dtype(const at::Tensor& t, at::ScalarType dtype) { return t.to(dtype); }
 

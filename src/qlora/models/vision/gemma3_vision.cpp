@@ -63,13 +63,13 @@ class Gemma3Tower final : public Tower {
     return std::vector<int64_t>(static_cast<size_t>(in.pixel_values.size(0)), tokens);
   }
 
-  at::Tensor attention(const SiglipLayer& l, const at::Tensor& x) const {
+  Unbiased attention(const SiglipLayer& l, const at::Tensor& x) const {
     const int64_t b = x.size(0), n = x.size(1), hd = hidden / heads;
     // [images * patches, heads, hd], each image its own segment (ops/segment_attention_ops.h).
     const auto rows_of = [&](const modules::LoraLinear& p) { return linear(p, x, training).view({b * n, heads, hd}); };
     const at::Tensor o = ops::segment_attention(rows_of(l.q), rows_of(l.k), rows_of(l.v), std::vector<int64_t>(b, n),
                                                 1.0 / std::sqrt(static_cast<double>(hd)));
-    return linear(l.o, o.reshape({b, n, hidden}), training);
+    return linear_unbiased(l.o, o.reshape({b, n, hidden}), training);
   }
 
   at::Tensor forward(const PixelInputs& in) const override {
@@ -81,9 +81,9 @@ class Gemma3Tower final : public Tower {
     for (int64_t i = 0; i < depth(); ++i) {
       const SiglipLayer& l = layers[static_cast<size_t>(i)];
       enter(i);
-      x = x + attention(l, at::layer_norm(x, {hidden}, l.ln1_w, l.ln1_b, eps));
+      x = residual(x, attention(l, at::layer_norm(x, {hidden}, l.ln1_w, l.ln1_b, eps)));
       at::Tensor h = at::layer_norm(x, {hidden}, l.ln2_w, l.ln2_b, eps);
-      x = x + linear(l.fc2, activate(linear(l.fc1, h, training), act), training);
+      x = residual(x, linear_unbiased(l.fc2, activate(linear_unbiased(l.fc1, h, training), act), training));
       leave(i, x);
     }
     enter(depth());

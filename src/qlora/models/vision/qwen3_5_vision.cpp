@@ -134,13 +134,13 @@ class Qwen35Tower final : public Tower {
     return segments;
   }
 
-  at::Tensor attention(const Block& b, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
-                       const std::vector<int64_t>& segments) const {
+  Unbiased attention(const Block& b, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                     const std::vector<int64_t>& segments) const {
     const int64_t n = x.size(0), hd = hidden / heads;
     const std::vector<at::Tensor> qkv = linear(b.qkv, x, training).reshape({n, 3, heads, hd}).permute({1, 0, 2, 3}).unbind(0);
     const at::Tensor q = rotate_in_fp32(qkv[0], cos, sin), k = rotate_in_fp32(qkv[1], cos, sin);
     const at::Tensor o = segment_attention(q, k, qkv[2], segments, 1.0 / std::sqrt(static_cast<double>(hd)));
-    return linear(b.proj, o, training);
+    return linear_unbiased(b.proj, o, training);
   }
 
   at::Tensor forward(const PixelInputs& in) const override {
@@ -166,9 +166,9 @@ class Qwen35Tower final : public Tower {
     for (int64_t i = 0; i < depth(); ++i) {
       const Block& b = blocks[static_cast<size_t>(i)];
       enter(i);
-      x = x + attention(b, at::layer_norm(x, {hidden}, b.norm1_w, b.norm1_b, 1e-6), cos, sin, segments);
+      x = residual(x, attention(b, at::layer_norm(x, {hidden}, b.norm1_w, b.norm1_b, 1e-6), cos, sin, segments));
       at::Tensor h = at::layer_norm(x, {hidden}, b.norm2_w, b.norm2_b, 1e-6);
-      x = x + linear(b.fc2, activate(linear(b.fc1, h, training), act), training);
+      x = residual(x, linear_unbiased(b.fc2, activate(linear_unbiased(b.fc1, h, training), act), training));
       leave(i, x);
     }
     enter(depth());

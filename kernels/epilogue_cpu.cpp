@@ -1,9 +1,11 @@
-// GELU (tanh approximation) for kernels/gelu_cpu.h: with AVX-512 written in its intrinsics (a
-// reciprocal estimate refined by one Newton step where the generic vectors divide: vdivps is a
-// quarter of this loop's time), elsewhere over the N-lane vectors of kernels/simd.h per ISA.
-#include "kernels/gelu_cpu.h"
+// The epilogues of kernels/epilogue_cpu.h: with AVX-512 written in its intrinsics (for GELU a
+// reciprocal estimate refined by one Newton step where the generic vectors divide: vdivps was a
+// quarter of its time), elsewhere over the N-lane vectors of kernels/simd.h per ISA.
+#include "kernels/epilogue_cpu.h"
 
 #include <ATen/Parallel.h>
+
+#include <algorithm>
 
 #include "kernels/simd.h"
 
@@ -26,12 +28,16 @@ template <int N> QLORA_INLINE typename Vec<N>::F gelu_tanh(typename Vec<N>::F x)
   return x / (1.0f + Vec<N>::exp(-two_u));
 }
 
-template <class T> void generic(int64_t i0, int64_t i1, T* x) {
+// One row of cols: y = gelu(y + b) (Gelu) or y = x + (y + b); b, x may be null.
+template <bool Gelu, class T> void generic_row(int64_t cols, T* y, const T* x, const T* b) {
   dispatch_isa([&](auto isa) QLORA_LAMBDA_INLINE {
     using V = Vec<lanes<isa()>>;
-    V::for_vectors(i1 - i0, [&](int64_t i, int64_t w) QLORA_LAMBDA_INLINE {
-      T* p = x + i0 + i;
-      V::store_n(p, gelu_tanh<V::kLanes>(V::load_n(p, w, 0.0f)), w);
+    V::for_vectors(cols, [&](int64_t i, int64_t w) QLORA_LAMBDA_INLINE {
+      typename V::F v = V::load_n(y + i, w, 0.0f);
+      if (b != nullptr) v = v + V::load_n(b + i, w, 0.0f);
+      if constexpr (Gelu) v = gelu_tanh<V::kLanes>(v);
+      else if (x != nullptr) v = V::load_n(x + i, w, 0.0f) + v;
+      V::store_n(y + i, v, w);
     });
   });
 }
@@ -77,26 +83,48 @@ QLORA_AVX512 void store16(uint16_t* p, __m512 v, __mmask16 m) {
   _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(r));
 }
 
-template <class T> QLORA_AVX512 void avx512(int64_t i0, int64_t i1, T* x) {
-  for (int64_t i = i0; i < i1; i += 16) {
-    const __mmask16 m = i1 - i >= 16 ? __mmask16{0xFFFF} : static_cast<__mmask16>((1u << (i1 - i)) - 1u);
-    store16(x + i, gelu_tanh_avx512(load16(x + i, m)), m);
+template <bool Gelu, class T> QLORA_AVX512 void avx512_row(int64_t cols, T* y, const T* x, const T* b) {
+  for (int64_t i = 0; i < cols; i += 16) {
+    const __mmask16 m = cols - i >= 16 ? __mmask16{0xFFFF} : static_cast<__mmask16>((1u << (cols - i)) - 1u);
+    __m512 v = load16(y + i, m);
+    if (b != nullptr) v = _mm512_add_ps(v, load16(b + i, m));
+    if constexpr (Gelu) v = gelu_tanh_avx512(v);
+    else if (x != nullptr) v = _mm512_add_ps(load16(x + i, m), v);
+    store16(y + i, v, m);
   }
 }
 #endif
 
-template <class T> void inplace(int64_t n, T* x) {
-  at::parallel_for(0, n, kGrainElements, [&](int64_t i0, int64_t i1) {
+template <bool Gelu, class T> void epilogue(int64_t rows, int64_t cols, T* y, const T* x, const T* b) {
+  const int64_t grain = std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, cols));
+  at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      T* yr = y + r * cols;
+      const T* xr = x != nullptr ? x + r * cols : nullptr;
 #if defined(__x86_64__)
-    if (active_isa() >= CpuIsa::kAvx512) return avx512(i0, i1, x);
+      if (active_isa() >= CpuIsa::kAvx512) {
+        avx512_row<Gelu>(cols, yr, xr, b);
+        continue;
+      }
 #endif
-    generic(i0, i1, x);
+      generic_row<Gelu>(cols, yr, xr, b);
+    }
   });
 }
 
 }  // namespace
 
-void gelu_tanh_inplace_cpu(int64_t n, float* x) { inplace(n, x); }
-void gelu_tanh_inplace_cpu(int64_t n, uint16_t* x) { inplace(n, x); }
+void bias_gelu_tanh_cpu(int64_t rows, int64_t cols, float* y, const float* bias) {
+  epilogue<true>(rows, cols, y, static_cast<const float*>(nullptr), bias);
+}
+void bias_gelu_tanh_cpu(int64_t rows, int64_t cols, uint16_t* y, const uint16_t* bias) {
+  epilogue<true>(rows, cols, y, static_cast<const uint16_t*>(nullptr), bias);
+}
+void bias_residual_cpu(int64_t rows, int64_t cols, float* y, const float* x, const float* bias) {
+  epilogue<false>(rows, cols, y, x, bias);
+}
+void bias_residual_cpu(int64_t rows, int64_t cols, uint16_t* y, const uint16_t* x, const uint16_t* bias) {
+  epilogue<false>(rows, cols, y, x, bias);
+}
 
 }  // namespace qlora::kernels
