@@ -1,6 +1,6 @@
-// AMX flash-attention forward for kernels/attention_amx_cpu.h. Tiles 0-7 are all 16 rows x 64
-// bytes (16 x 32 bf16 for A and B, 16 x 16 fp32 for C); their numbers are literals (GCC's tile
-// intrinsics are assembler text).
+// AMX flash-attention forward for kernels/attention_amx_cpu.h. Tiles 0-3 hold C (16 x 16 fp32),
+// 4-5 A and 6-7 B (configure_tiles); their numbers are literals (GCC's tile intrinsics are
+// assembler text).
 #include "kernels/attention_amx_cpu.h"
 
 #include <ATen/Parallel.h>
@@ -50,10 +50,9 @@ constexpr int64_t kMaxD = 256;
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 // A segment's shapes in the tiles' layouts: n rows, padded to a block of queries (rows_padded) and
-// of keys (keys64); d padded to dq (a multiple of 32, one A tile's depth: nc tiles) and, for v's
-// columns, to dvt tiles of 16.
-// The depth of q k^T (d) goes in nc chunks of kc (even, <= 32: one A tile's columns, a B tile's
-// rows in pairs): d split evenly where it can be (the towers' 72 = 3 x 24), else padded to 32s.
+// of keys (keys64); for v's columns d padded to dvt tiles of 16. The depth of q k^T (d, padded to
+// dq) goes in nc chunks of kc (even, <= 32: one A tile's columns, a B tile's rows in pairs): d split
+// evenly where it can be (the towers' 72 = 3 x 24: AMX's time follows the depth), else padded to 32s.
 struct Dims {
   int64_t n, rows_padded, keys64, dq, nc, kc, dvt;
 };
@@ -118,7 +117,7 @@ struct alignas(64) Scratch {
   float s[kRows * kKeys];            // scores of one key block
   uint16_t p[kRows * kKeys];         // their probabilities, bf16
   float t[kRows * kMaxD];            // p v of one key block, [32][dvt * 16]
-  float o[kRows * kMaxD];            // the output's running sums, [16][dvt * 16]
+  float o[kRows * kMaxD];            // the output's running sums, [32][dvt * 16]
   float m[kRows], l[kRows], alpha[kRows];
 };
 

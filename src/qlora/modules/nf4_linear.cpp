@@ -110,7 +110,8 @@ void nf4_times_transposed_out(const at::Tensor& x2, const Nf4Tensor& weight, at:
     const int64_t n = std::min(chunk, out - r0);
     at::Tensor part = y.narrow(1, r0, n);  // [T, n]
     const at::Tensor w = dequantize_rows(weight, r0, n, x2.scalar_type()).t();
-    // The bias inside the GEMM (one rounding, as nn.Linear's addmm; no pass of its own over y).
+    // The bias inside the GEMM: one rounding, as nn.Linear's addmm (which first copies the bias
+    // over its output: half the cost of the add it replaces).
     if (bias.defined()) at::addmm_out(part, bias.narrow(0, r0, n), x2, w);
     else at::mm_out(part, x2, w);
   }
@@ -145,12 +146,6 @@ at::Tensor nf4_times_transposed(const at::Tensor& x, const Nf4Tensor& weight, co
   std::vector<int64_t> sizes = x.sizes().vec();
   sizes.back() = weight.shape[0];
   const at::Tensor x2 = x.reshape({-1, weight.shape[1]});
-  if (bias.defined() && !decode_rows(x2) && chunk_rows(weight) == weight.shape[0]) {
-    // One GEMM with the bias in oneDNN's epilogue: addmm into a given output (below) first copies
-    // the bias over it, a pass as long as the add it replaces.
-    RECORD_USER_SCOPE("qlora::base_linear");
-    return at::addmm(bias, x2, ops::nf4_dequantize(weight, x2.scalar_type()).t()).view(sizes);
-  }
   at::Tensor y = at::empty(sizes, x.options());  // [..., out]
   nf4_times_transposed_out(x2, weight, y.view({-1, weight.shape[0]}), bias);
   return y;
